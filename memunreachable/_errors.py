@@ -1,0 +1,87 @@
+"""_errors.py: the exception hierarchy (style.md section 3.5).
+
+Every error pickles (errors travel over the sweeper pipe) and carries an actionable hint.
+"""
+from __future__ import annotations
+
+from typing import Optional
+
+
+class MemunreachableError(Exception):
+    """Base of every error memunreachable raises on purpose."""
+
+    def __init__(self, msg: str = "", hint: Optional[str] = None):
+        super().__init__(msg, hint)
+        self.msg = msg
+        self.hint = hint
+
+    def __str__(self) -> str:
+        return self.msg
+
+    def __reduce__(self):
+        return (_rebuild, (type(self), self.__dict__))
+
+
+def _rebuild(cls, state):
+    obj = cls.__new__(cls)
+    Exception.__init__(obj, state.get("msg", ""), state.get("hint"))
+    obj.__dict__.update(state)
+    return obj
+
+
+class ProcessError(MemunreachableError):
+    """Something about the target process stops the check."""
+
+    def __init__(self, pid: int, msg: str = "", hint: Optional[str] = None, name: Optional[str] = None):
+        super().__init__(msg, hint)
+        self.pid = pid
+        self.name = name
+
+    def __str__(self) -> str:
+        who = f"pid={self.pid}" + (f", name={self.name!r}" if self.name else "")
+        return f"{self.msg} ({who})"
+
+
+class NoSuchProcess(ProcessError):
+    pass
+
+
+class ZombieProcess(NoSuchProcess):
+    pass
+
+
+class AccessDenied(ProcessError):
+    pass
+
+
+class UnsupportedTarget(MemunreachableError):
+    """Not something we can check correctly: another allocator, unknown layout, kernel thread, ..."""
+
+
+class CollectionError(MemunreachableError):
+    """Freezing or snapshotting failed or timed out (everything was released)."""
+
+
+class HeapWalkError(MemunreachableError):
+    """The heap stayed inconsistent after every retry."""
+
+
+class SweepError(MemunreachableError):
+    """The sweeper process crashed, timed out or sent garbage."""
+
+
+class CommandError(MemunreachableError):
+    """CLI-only: a usage problem found after parsing."""
+
+    def __init__(self, msg: str = "", hint: Optional[str] = None, exit_code: int = 2):
+        super().__init__(msg, hint)
+        self.exit_code = exit_code
+
+
+class LeaksDetected(AssertionError):
+    """Raised by assert_no_leaks(): carries the UnreachableMemoryInfo and its report."""
+
+    def __init__(self, info, report: str = ""):
+        super().__init__(report or f"{info.num_leaks} unreachable allocations")
+        self.info = info
+        self.report = report

@@ -1,0 +1,159 @@
+"""_types.py: plain data shared by the pipeline stages.
+
+Every range is half-open [begin, end). Nothing here knows about ptrace or /proc.
+"""
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+from typing import Optional, Protocol, Sequence, Tuple
+
+# user_regs_struct word order on x86_64 (ptrace-snapshot.md section 3)
+REG_NAMES: Tuple[str, ...] = (
+    "r15", "r14", "r13", "r12", "rbp", "rbx", "r11", "r10", "r9", "r8", "rax", "rcx", "rdx",
+    "rsi", "rdi", "orig_rax", "rip", "cs", "eflags", "rsp", "ss", "fs_base", "gs_base",
+    "ds", "es", "fs", "gs",
+)
+RSP_INDEX = REG_NAMES.index("rsp")
+FS_BASE_INDEX = REG_NAMES.index("fs_base")
+
+
+@dataclass(frozen=True, order=True)
+class Range:
+    """Half-open address range [begin, end)."""
+    begin: int
+    end: int
+
+    @property
+    def size(self) -> int:
+        return self.end - self.begin
+
+    def contains(self, addr: int) -> bool:
+        return self.begin <= addr < self.end
+
+    def overlaps(self, other: "Range") -> bool:
+        return self.begin < other.end and other.begin < self.end
+
+
+@dataclass(frozen=True)
+class Mapping:
+    """One line of /proc/PID/maps."""
+    begin: int
+    end: int
+    perms: str          # e.g. "rw-p"
+    offset: int
+    dev: str
+    inode: int
+    path: str           # "" for anonymous, "[heap]", "[stack]", a file path, ...
+
+    @property
+    def range(self) -> Range:
+        return Range(self.begin, self.end)
+
+    @property
+    def readable(self) -> bool:
+        return self.perms[0] == "r"
+
+    @property
+    def writable(self) -> bool:
+        return self.perms[1] == "w"
+
+    @property
+    def executable(self) -> bool:
+        return self.perms[2] == "x"
+
+    @property
+    def shared(self) -> bool:
+        return self.perms[3] == "s"
+
+    @property
+    def anonymous(self) -> bool:
+        """No backing file: plain anonymous, [heap], [stack], [anon:...], /anon_hugepage."""
+        return self.inode == 0 or self.path.startswith("/anon_hugepage")
+
+
+@dataclass(frozen=True)
+class ThreadState:
+    """What the freeze captured of one thread."""
+    tid: int
+    regs: Tuple[int, ...]            # 27 words, REG_NAMES order
+    fpregs: bytes = b""              # FP/SIMD state (fxsave/xsave area); scanned as root words
+    stop_signal: int = 0             # signal to re-deliver at detach (0: none)
+
+    @property
+    def sp(self) -> int:
+        return self.regs[RSP_INDEX]
+
+    @property
+    def fs_base(self) -> int:
+        return self.regs[FS_BASE_INDEX]
+
+
+class Memory(Protocol):
+    """Read access to the (snapshot of the) target's memory."""
+
+    def read(self, addr: int, size: int) -> bytes:
+        """Bytes [addr, addr+size); unreadable pages read as zeros."""
+        ...
+
+    def read_into(self, addr: int, buf) -> int:
+        """Fill the writable buffer buf with [addr, addr+len(buf)); return unreadable byte count."""
+        ...
+
+
+@dataclass
+class BufferMemory:
+    """In-memory Memory for unit tests: {base: bytes} blocks; anything else reads as zeros."""
+    blocks: dict = field(default_factory=dict)
+
+    def read(self, addr: int, size: int) -> bytes:
+        out = bytearray(size)
+        for base, data in self.blocks.items():
+            lo = max(addr, base)
+            hi = min(addr + size, base + len(data))
+            if lo < hi:
+                out[lo - addr:hi - addr] = data[lo - base:hi - base]
+        return bytes(out)
+
+    def read_into(self, addr: int, buf) -> int:
+        mv = memoryview(buf).cast("B")
+        mv[:] = self.read(addr, len(mv))
+        return 0
+
+
+@dataclass(frozen=True)
+class Allocator:
+    name: str                        # "glibc"
+    version: Optional[str] = None    # "2.36"; None when not found (static binaries)
+
+
+def merge_ranges(ranges: Sequence[Range]) -> list:
+    """Sorted, coalesced copy of ranges."""
+    out: list = []
+    for r in sorted(ranges):
+        if r.begin >= r.end:
+            continue
+        if out and r.begin <= out[-1].end:
+            if r.end > out[-1].end:
+                out[-1] = Range(out[-1].begin, r.end)
+        else:
+            out.append(r)
+    return out
+
+
+def subtract_ranges(base: Sequence[Range], holes: Sequence[Range]) -> list:
+    """Parts of `base` not covered by any of `holes` (both any order); result sorted."""
+    holes = merge_ranges(holes)
+    out = []
+    for r in merge_ranges(base):
+        cur = r.begin
+        for h in holes:
+            if h.end <= cur or h.begin >= r.end:
+                continue
+            if h.begin > cur:
+                out.append(Range(cur, h.begin))
+            cur = max(cur, h.end)
+            if cur >= r.end:
+                break
+        if cur < r.end:
+            out.append(Range(cur, r.end))
+    return out

@@ -1,0 +1,55 @@
+"""report.py: Stage 9 data: Leak and UnreachableMemoryInfo, sorting and the limit.
+
+Field names follow libmemunreachable (num_leaks, leak_bytes, referenced_size, total_size).
+Sort: total_size descending, ties by address ascending; then truncate to `limit`
+(0 = no limit in the CLI's sense is handled by the caller passing None).
+"""
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+from typing import List, Optional
+
+SCHEMA_VERSION = 1
+
+
+@dataclass
+class Leak:
+    address: int
+    size: int
+    referenced_count: int = 0
+    referenced_size: int = 0
+    contents: bytes = b""            # first min(size, 32) bytes, from the snapshot
+    backtrace: List[str] = field(default_factory=list)
+
+    @property
+    def total_size(self) -> int:
+        return self.size + self.referenced_size
+
+
+@dataclass
+class UnreachableMemoryInfo:
+    pid: int
+    allocator_name: str = "glibc"
+    allocator_version: Optional[str] = None
+    threads: int = 0
+    pause_ms: float = 0.0            # total time the target was stopped
+    duration_ms: float = 0.0         # whole check
+    snapshot_ms: float = 0.0         # how long the copy-on-write snapshot lived
+    snapshot_mode: str = "clone"     # "clone" or "direct" (read the stopped target)
+    retries: int = 0                 # snapshots retaken because the heap was mid-update
+    num_allocations: int = 0
+    allocation_bytes: int = 0
+    num_leaks: int = 0               # every unreachable allocation, folded ones included
+    leak_bytes: int = 0
+    leaks: List[Leak] = field(default_factory=list)
+    truncated: int = 0               # entries left out by the limit
+    warnings: List[str] = field(default_factory=list)
+    bytes_scanned: int = 0
+
+
+def sort_and_limit(leaks: List[Leak], limit: Optional[int]) -> tuple:
+    """Return (kept, left_out_count): sorted by total_size desc, address asc; limit None = all."""
+    ordered = sorted(leaks, key=lambda l: (-l.total_size, l.address))
+    if limit is None or limit >= len(ordered):
+        return ordered, 0
+    return ordered[:limit], len(ordered) - limit

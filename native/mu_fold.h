@@ -1,0 +1,13 @@
+/* mu_fold.h: fold unreachable allocations into leak entries (libmemunreachable.md section 5, [ours]). */
+
+/* Inputs as for mu_mark; marked[i] == 0 means allocation i is unreachable (a leak).
+ * Builds the leak graph (edges: words of a leak that point, interior included, into another leak),
+ * runs an iterative Tarjan SCC, and emits one entry per head SCC (no incoming edge from another
+ * leaked SCC): rep[k] = index of its lowest-address member; ref_count[k] / ref_size[k] = number /
+ * summed sizes of every other unreachable allocation reachable from that SCC (its other members
+ * included; shared descendants are counted under each head). Entries are ordered by rep.
+ * cap must be >= the number of unreachable allocations.
+ * Returns the number of entries, or -EINVAL / -ENOMEM / -ENOSPC. */
+int64_t mu_fold(const uint64_t *begin, const uint64_t *size, uint64_t n,
+                const mu_region *heap, uint64_t nheap, const uint8_t *marked,
+                uint64_t *rep, uint64_t *ref_count, uint64_t *ref_size, uint64_t cap);

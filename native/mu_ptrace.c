@@ -1,0 +1,2 @@
+/* mu_ptrace.c: ptrace sequences. */
+#include "mu_core_impl.h"

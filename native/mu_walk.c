@@ -1,0 +1,2 @@
+/* mu_walk.c: the glibc chunk walker. */
+#include "mu_core_impl.h"

@@ -1,0 +1,1 @@
+/* mu_walk.h: the glibc chunk walker (our malloc_iterate). */
