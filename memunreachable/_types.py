@@ -157,3 +157,16 @@ def subtract_ranges(base: Sequence[Range], holes: Sequence[Range]) -> list:
         if cur < r.end:
             out.append(Range(cur, r.end))
     return out
+
+
+@dataclass
+class HeapImage:
+    """The snapshot's allocations plus local copies of the memory that holds them.
+
+    begins: array('Q') of user addresses, strictly ascending; sizes: array('Q') of usable
+    sizes (malloc_usable_size); regions: [(base, buffer)] sorted and disjoint, whose bytes
+    cover every allocation (buffers are bytearray or mmap objects).
+    """
+    begins: object
+    sizes: object
+    regions: list
