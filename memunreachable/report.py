@@ -45,6 +45,7 @@ class UnreachableMemoryInfo:
     truncated: int = 0               # entries left out by the limit
     warnings: List[str] = field(default_factory=list)
     bytes_scanned: int = 0
+    stats: dict = field(default_factory=dict)   # per-stage timings and walker figures
 
 
 def sort_and_limit(leaks: List[Leak], limit: Optional[int]) -> tuple:

@@ -1,0 +1,105 @@
+"""classify.py: Stage 5: which memory is a root.
+
+Input: the target's mappings (/proc/PID/maps), the heap ranges and allocator metadata
+the walker found, and the frozen threads. Output: a RootSet of memory ranges to scan and
+root words (registers). Table-driven, following libmemunreachable.md section 2.2:
+
+| mapping                                        | class                               |
+|------------------------------------------------|-------------------------------------|
+| unreadable, executable, shared, vvar/vdso/...  | skip                                |
+| file-backed segments of a loaded object        | root (.data, relro, .bss in-file)   |
+| other file-backed mappings (data files)        | skip                                |
+| [heap], arena heaps, mmapped chunks            | heap: never a root (walker ranges)  |
+| main_arena, mp_                                | cut out of roots (bin pointers alias|
+|                                                |   the previous chunk's user bytes)  |
+| a mapping holding a thread's SP                | root from SP-128 (red zone) to end  |
+| other anonymous rw memory (.bss tails, TLS,    | root, minus heap and metadata       |
+|   TCB, user mmaps, pymalloc arenas)            |                                     |
+
+All general registers (fs_base included) and every word of the FP/SIMD state are root words.
+"""
+from __future__ import annotations
+
+import struct
+from dataclasses import dataclass, field
+from typing import Dict, List, Sequence
+
+from memunreachable._types import Mapping, Range, ThreadState, merge_ranges, subtract_ranges
+
+RED_ZONE = 128          # x86-64 ABI: leaf functions may keep live data below SP
+SKIP_NAMES = ("[vvar]", "[vvar_vclock]", "[vdso]", "[vsyscall]")
+SKIP_PREFIXES = ("/dev/", "/memfd:", "/SYSV", "[anon_shmem", "/dmabuf")
+
+
+@dataclass
+class RootSet:
+    ranges: List[Range] = field(default_factory=list)       # sorted, disjoint
+    kinds: Dict[Range, str] = field(default_factory=dict)   # range -> "data" | "stack" | "anon"
+    words: List[int] = field(default_factory=list)
+
+    @property
+    def num_bytes(self) -> int:
+        return sum(r.size for r in self.ranges)
+
+
+def classify_mapping(m: Mapping, objects: set) -> str:
+    """Class of one mapping before carve-outs: 'skip', 'data' or 'anon'.
+
+    [heap] counts as 'anon': the walker's main-arena runs are cut out of it later, and
+    what remains (a static binary's TCB before sbrk_base, foreign sbrk gaps) is a root.
+    """
+    if not m.readable or m.shared or m.executable:
+        return "skip"
+    if m.path in SKIP_NAMES or m.path.startswith(SKIP_PREFIXES):
+        return "skip"
+    if m.anonymous or m.path.startswith("[anon:") or m.path.startswith("[stack"):
+        return "anon"
+    if m.path in objects:
+        return "data"
+    return "skip"
+
+
+def loaded_objects(maps: Sequence[Mapping]) -> set:
+    """Paths of ELF objects with executable code mapped (libraries and the executable)."""
+    return {m.path for m in maps if m.executable and m.path and not m.path.startswith("[")}
+
+
+def register_words(threads: Sequence[ThreadState]) -> List[int]:
+    """Every general register and every 8-byte word of the FP/SIMD state, per thread."""
+    words: List[int] = []
+    for t in threads:
+        words.extend(t.regs)
+        fp = t.fpregs[: len(t.fpregs) - len(t.fpregs) % 8]
+        words.extend(w for (w,) in struct.iter_unpack("<Q", fp) if w)
+    return words
+
+
+def classify(maps: Sequence[Mapping], threads: Sequence[ThreadState],
+             heap_ranges: Sequence[Range], metadata_ranges: Sequence[Range]) -> RootSet:
+    """Return the RootSet: root ranges (minus heap and allocator metadata) and root words."""
+    objects = loaded_objects(maps)
+    sps = sorted(t.sp for t in threads if t.sp)
+    candidates: List[tuple] = []
+    for m in maps:
+        cls = classify_mapping(m, objects)
+        if cls == "skip":
+            continue
+        rng = m.range
+        kind = "data" if cls == "data" else "anon"
+        inside = [sp for sp in sps if m.begin <= sp < m.end]
+        if inside:
+            # a thread stack: only [SP - red zone, end) is live
+            rng = Range(max(m.begin, inside[0] - RED_ZONE), m.end)
+            kind = "stack"
+        elif m.path.startswith("[stack"):
+            kind = "stack"
+        candidates.append((rng, kind))
+
+    holes = merge_ranges(list(heap_ranges) + list(metadata_ranges))
+    roots = RootSet(words=register_words(threads))
+    for rng, kind in candidates:
+        for piece in subtract_ranges([rng], holes):
+            roots.ranges.append(piece)
+            roots.kinds[piece] = kind
+    roots.ranges.sort()
+    return roots

@@ -1,0 +1,188 @@
+"""sweeper.py: Stages 4-8 run in a process forked from the checker.
+
+The sweeper reads the snapshot through a /proc/<pid>/mem fd the checker opened, walks the
+heap, classifies roots, marks, folds, and streams the result back over a pipe it alone
+writes to, then _exits. The checker reads with poll() and a deadline and checks the
+sweeper's exit status, so a crash or a hang becomes a SweepError, never a hang.
+
+Wire format (version 1, little-endian):
+    header  : magic b"MUSW", u16 version, u16 kind, u64 payload length
+    kind 1  : result. u64 num_allocations, allocation_bytes, num_leaks, leak_bytes,
+              bytes_scanned, u64 n_entries, then n_entries records of
+              (u64 address, size, referenced_count, referenced_size, u8 contents_len,
+              32 bytes contents), then a UTF-8 JSON object (allocator, stats, warnings)
+    kind 2  : error. A pickled MemunreachableError (HeapInconsistent means: retake the snapshot)
+"""
+from __future__ import annotations
+
+import faulthandler
+import json
+import logging
+import os
+import pickle
+import select
+import signal
+import struct
+import time
+from dataclasses import dataclass, field
+from typing import Callable, List, Optional
+
+from memunreachable._errors import MemunreachableError, SweepError
+
+log = logging.getLogger("memunreachable")
+
+MAGIC = b"MUSW"
+VERSION = 1
+KIND_RESULT = 1
+KIND_ERROR = 2
+HEADER = struct.Struct("<4sHHQ")
+TOTALS = struct.Struct("<6Q")
+ENTRY = struct.Struct("<4QB32s")
+
+
+@dataclass
+class SweepEntry:
+    address: int
+    size: int
+    referenced_count: int
+    referenced_size: int
+    contents: bytes
+
+
+@dataclass
+class SweepResult:
+    num_allocations: int = 0
+    allocation_bytes: int = 0
+    num_leaks: int = 0
+    leak_bytes: int = 0
+    bytes_scanned: int = 0
+    entries: List[SweepEntry] = field(default_factory=list)
+    meta: dict = field(default_factory=dict)
+
+
+def encode_result(res: SweepResult) -> bytes:
+    parts = [TOTALS.pack(res.num_allocations, res.allocation_bytes, res.num_leaks,
+                         res.leak_bytes, res.bytes_scanned, len(res.entries))]
+    for e in res.entries:
+        c = e.contents[:32]
+        parts.append(ENTRY.pack(e.address, e.size, e.referenced_count, e.referenced_size, len(c), c))
+    parts.append(json.dumps(res.meta).encode())
+    payload = b"".join(parts)
+    return HEADER.pack(MAGIC, VERSION, KIND_RESULT, len(payload)) + payload
+
+
+def encode_error(exc: BaseException) -> bytes:
+    if not isinstance(exc, MemunreachableError):
+        exc = SweepError(f"sweeper failed: {type(exc).__name__}: {exc}",
+                         hint="this is a bug in memunreachable; please report it with -vv output")
+    payload = pickle.dumps(exc)
+    return HEADER.pack(MAGIC, VERSION, KIND_ERROR, len(payload)) + payload
+
+
+def decode(message: bytes):
+    """Return a SweepResult, or raise the error the sweeper sent; SweepError on garbage."""
+    if len(message) < HEADER.size:
+        raise SweepError("the sweeper sent a truncated message")
+    magic, version, kind, length = HEADER.unpack_from(message)
+    if magic != MAGIC or version != VERSION:
+        raise SweepError(f"the sweeper sent an unknown message (magic {magic!r}, version {version})")
+    payload = message[HEADER.size:]
+    if len(payload) != length:
+        raise SweepError(f"the sweeper's message is {len(payload)} bytes, expected {length}")
+    if kind == KIND_ERROR:
+        exc = pickle.loads(payload)
+        raise exc
+    if kind != KIND_RESULT:
+        raise SweepError(f"the sweeper sent an unknown message kind {kind}")
+    vals = TOTALS.unpack_from(payload)
+    res = SweepResult(*vals[:5])
+    off = TOTALS.size
+    for _ in range(vals[5]):
+        a, s, rc, rs, clen, c = ENTRY.unpack_from(payload, off)
+        res.entries.append(SweepEntry(a, s, rc, rs, c[:clen]))
+        off += ENTRY.size
+    res.meta = json.loads(payload[off:].decode() or "{}")
+    return res
+
+
+def run_sweeper(work: Callable[[], SweepResult], timeout: float) -> SweepResult:
+    """Fork a sweeper that runs work() and send its result back; return it or raise.
+
+    Only the sweeper holds the pipe's write end, so its death is seen as EOF.
+    """
+    rfd, wfd = os.pipe2(os.O_CLOEXEC)
+    pid = os.fork()
+    if pid == 0:  # ---- sweeper process ----
+        code = 0
+        try:
+            os.close(rfd)
+            faulthandler.disable()      # a crash is reported by the checker, not dumped here
+            signal.signal(signal.SIGINT, signal.SIG_DFL)
+            signal.signal(signal.SIGTERM, signal.SIG_DFL)
+            try:
+                msg = encode_result(work())
+            except BaseException as exc:  # noqa: BLE001 - everything goes over the pipe
+                msg = encode_error(exc)
+            view = memoryview(msg)
+            while view:
+                n = os.write(wfd, view)
+                view = view[n:]
+        except BaseException:  # noqa: BLE001
+            code = 70
+        finally:
+            os._exit(code)
+    # ---- checker ----
+    os.close(wfd)
+    try:
+        data = _read_all(rfd, pid, timeout)
+    except BaseException:
+        _kill(pid)          # interrupted (SIGINT/SIGTERM) or timed out: no sweeper left behind
+        raise
+    finally:
+        os.close(rfd)
+    status = _reap(pid)
+    if not data:
+        if os.WIFSIGNALED(status):
+            sig = signal.Signals(os.WTERMSIG(status)).name
+            raise SweepError(f"the sweeper process crashed ({sig}) before sending a result",
+                             hint="this is a bug in memunreachable; please report it with -vv output")
+        raise SweepError(f"the sweeper exited with status {os.waitstatus_to_exitcode(status)} "
+                         "without sending a result")
+    return decode(data)
+
+
+def _read_all(fd: int, pid: int, timeout: float) -> bytes:
+    chunks = []
+    deadline = time.monotonic() + timeout
+    poller = select.poll()
+    poller.register(fd, select.POLLIN | select.POLLHUP)
+    while True:
+        left = deadline - time.monotonic()
+        if left <= 0:
+            raise SweepError(f"the sweep did not finish within {timeout:.0f} s; it was stopped",
+                             hint="raise --sweep-timeout for very large heaps")
+        if not poller.poll(min(left, 1.0) * 1000):
+            continue
+        chunk = os.read(fd, 1 << 20)
+        if not chunk:
+            return b"".join(chunks)
+        chunks.append(chunk)
+
+
+def _kill(pid: int) -> None:
+    try:
+        os.kill(pid, signal.SIGKILL)
+    except ProcessLookupError:
+        pass
+    _reap(pid)
+
+
+def _reap(pid: int) -> int:
+    while True:
+        try:
+            _, status = os.waitpid(pid, 0)
+            return status
+        except InterruptedError:
+            continue
+        except ChildProcessError:
+            return 0

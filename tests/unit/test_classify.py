@@ -1,0 +1,72 @@
+"""Unit tests of stage 5 (classify): which mappings become roots."""
+import struct
+
+from memunreachable._types import Mapping, Range, ThreadState
+from memunreachable.classify import RED_ZONE, classify, classify_mapping, register_words
+
+
+def m(begin, end, perms, path="", inode=0, offset=0):
+    return Mapping(begin, end, perms, offset, "00:00", inode, path)
+
+
+def regs(sp, fs_base=0, rax=0):
+    r = [0] * 27
+    r[19] = sp
+    r[21] = fs_base
+    r[10] = rax
+    return tuple(r)
+
+
+LIB = "/usr/lib/x86_64-linux-gnu/libc.so.6"
+MAPS = [
+    m(0x1000, 0x2000, "r--p", "/bin/prog", 5),          # ELF header segment
+    m(0x2000, 0x3000, "r-xp", "/bin/prog", 5),          # text
+    m(0x3000, 0x4000, "rw-p", "/bin/prog", 5),          # .data
+    m(0x4000, 0x6000, "rw-p", "", 0),                   # .bss tail
+    m(0x10000, 0x30000, "rw-p", "[heap]"),
+    m(0x40000, 0x41000, "r--p", "/data/file.bin", 9),   # a mapped data file
+    m(0x50000, 0x51000, "r-xp", LIB, 7),
+    m(0x51000, 0x53000, "rw-p", LIB, 7),               # libc .data (holds main_arena)
+    m(0x60000, 0x61000, "---p", ""),                    # guard page
+    m(0x61000, 0x70000, "rw-p", ""),                    # a thread stack
+    m(0x80000, 0x81000, "rw-s", "/dev/shm/x", 3),
+    m(0x90000, 0x91000, "r--p", "[vvar]"),
+    m(0x91000, 0x92000, "r-xp", "[vdso]"),
+    m(0xa0000, 0xc0000, "rw-p", "[stack]"),
+]
+
+
+def test_classify_mapping_table():
+    objs = {"/bin/prog", LIB}
+    kinds = [classify_mapping(x, objs) for x in MAPS]
+    assert kinds == ["data", "skip", "data", "anon", "anon", "skip", "skip", "data", "skip",
+                     "anon", "skip", "skip", "skip", "anon"]
+
+
+def test_roots_cut_heap_metadata_and_dead_stack():
+    threads = [ThreadState(1, regs(0xb0000)), ThreadState(2, regs(0x68000))]
+    heap = [Range(0x10000, 0x30000)]
+    meta = [Range(0x51100, 0x51900)]
+    roots = classify(MAPS, threads, heap, meta)
+    assert roots.ranges == [
+        Range(0x1000, 0x2000), Range(0x3000, 0x4000), Range(0x4000, 0x6000),
+        Range(0x51000, 0x51100), Range(0x51900, 0x53000),
+        Range(0x68000 - RED_ZONE, 0x70000),
+        Range(0xb0000 - RED_ZONE, 0xc0000),
+    ]
+    assert roots.kinds[Range(0x68000 - RED_ZONE, 0x70000)] == "stack"
+
+
+def test_static_binary_heap_prefix_is_root():
+    # a static binary's TCB sits at the start of [heap], before sbrk_base
+    maps = [m(0x10000, 0x30000, "rw-p", "[heap]")]
+    roots = classify(maps, [], [Range(0x10400, 0x30000)], [])
+    assert roots.ranges == [Range(0x10000, 0x10400)]
+
+
+def test_register_words_include_fp_state():
+    fp = struct.pack("<4Q", 0, 0x1234, 0, 0x5678)
+    t = ThreadState(1, regs(0x100, fs_base=0x777, rax=0x42), fp)
+    words = register_words([t])
+    assert 0x777 in words and 0x42 in words and 0x100 in words
+    assert words[27:] == [0x1234, 0x5678]

@@ -1,0 +1,73 @@
+"""Unit tests of the sweeper's pipe protocol and failure handling (no ptrace)."""
+import os
+import signal
+
+import pytest
+
+from memunreachable._errors import SweepError, UnsupportedTarget
+from memunreachable.sweeper import (HEADER, SweepEntry, SweepResult, decode, encode_error,
+                                    encode_result, run_sweeper)
+
+
+def sample():
+    return SweepResult(10, 2000, 3, 144, 4096,
+                       [SweepEntry(0x5555aaaa0010, 32, 2, 112, b"\x01" * 32),
+                        SweepEntry(0x5555aaaa0100, 24, 0, 0, b"ab")],
+                       {"allocator": {"name": "glibc", "version": "2.36"}})
+
+
+def test_result_round_trip():
+    got = decode(encode_result(sample()))
+    assert got == sample()
+
+
+def test_error_round_trip_keeps_type_and_hint():
+    with pytest.raises(UnsupportedTarget) as ei:
+        decode(encode_error(UnsupportedTarget("jemalloc", hint="nothing was checked")))
+    assert ei.value.hint == "nothing was checked"
+
+
+def test_garbage_and_truncation_are_sweep_errors():
+    msg = encode_result(sample())
+    with pytest.raises(SweepError):
+        decode(msg[:-1])
+    with pytest.raises(SweepError):
+        decode(b"XXXX" + msg[4:])
+    with pytest.raises(SweepError):
+        decode(msg[:HEADER.size - 1])
+
+
+def test_run_sweeper_returns_result_from_child():
+    assert run_sweeper(sample, timeout=10) == sample()
+
+
+def test_run_sweeper_large_result_does_not_deadlock():
+    big = SweepResult(entries=[SweepEntry(i * 16, 24, 0, 0, b"x" * 32) for i in range(50000)])
+    assert len(run_sweeper(lambda: big, timeout=30).entries) == 50000
+
+
+def test_sweeper_crash_is_reported():
+    def crash():
+        os.kill(os.getpid(), signal.SIGSEGV)
+    with pytest.raises(SweepError, match="SIGSEGV"):
+        run_sweeper(crash, timeout=10)
+
+
+def test_sweeper_exception_becomes_sweep_error():
+    def boom():
+        raise ValueError("bad")
+    with pytest.raises(SweepError, match="ValueError: bad"):
+        run_sweeper(boom, timeout=10)
+
+
+def test_sweeper_timeout_kills_child():
+    import time
+
+    def hang():
+        time.sleep(60)
+    t0 = time.monotonic()
+    with pytest.raises(SweepError, match="did not finish"):
+        run_sweeper(hang, timeout=0.5)
+    assert time.monotonic() - t0 < 5
+    with pytest.raises(ChildProcessError):
+        os.waitpid(-1, os.WNOHANG)
