@@ -12,11 +12,43 @@ typedef struct {
  * heap[]: regions (sorted by base, disjoint) whose data holds the bytes of every allocation.
  * roots[]: memory scanned as roots, in order; words[]: root values (registers, fs_base, ...).
  * Word scan: start rounded up to 8, 8-byte steps, interior pointers count, one-past-end does not.
+ * A scanned range scans [begin, begin + size) (a zero-size allocation has no words); a last
+ * word that starts before the end is read whole when its bytes are in the same region or
+ * root buffer, else zero-padded.
  * marked[i] is set to 1 for every allocation reachable from a root (iterative worklist).
  * Returns the number of marked allocations, or -EINVAL (unsorted/overlapping input, or an
- * allocation not inside any heap region) or -ENOMEM. */
+ * allocation not inside any heap region, or unsorted/overlapping heap regions), -EOVERFLOW
+ * (n >= 2^32 - 1) or -ENOMEM. */
 int64_t mu_mark(const uint64_t *begin, const uint64_t *size, uint64_t n,
                 const mu_region *heap, uint64_t nheap,
                 const mu_region *roots, uint64_t nroots,
                 const uint64_t *words, uint64_t nwords,
                 uint8_t *marked, mu_mark_stats *stats);
+
+/* Internal to the C core (shared by mu_mark and mu_fold); Python does not call these.
+ * An address -> allocation lookup: a [lo, hi) filter, a binary search over the heap regions,
+ * then per region a page table (first allocation ending after each page start) and a short
+ * binary search over span[] = {begin, end} pairs. Fields are private to mu_scan.c. */
+typedef struct {
+    uint64_t n;
+    uint64_t lo;             /* min begin */
+    uint64_t hi;             /* max end */
+    uint64_t *span;          /* 2n: begin[i], begin[i] + max(size[i], 1) */
+    const mu_region *heap;
+    uint64_t nheap;
+    uint64_t *first_alloc;   /* nheap+1: allocations of region r are [first_alloc[r], first_alloc[r+1]) */
+    uint64_t *page_off;      /* nheap: start of region r's table in page[] (pages(r) + 1 entries) */
+    uint32_t *page;
+    uint32_t shift;          /* log2 of the page-table granule (12 unless regions are sparse) */
+    uint64_t last_region;    /* lookup cache */
+} mu_scan_index;
+
+/* Validates the inputs (as mu_mark) and builds ix. Returns 0, -EINVAL, -EOVERFLOW or -ENOMEM;
+ * on success the caller must call mu_scan_index_free. */
+int64_t mu_scan_index_init(mu_scan_index *ix, const uint64_t *begin, const uint64_t *size,
+                           uint64_t n, const mu_region *heap, uint64_t nheap);
+void mu_scan_index_free(mu_scan_index *ix);
+/* Returns the index of the allocation containing address v, or -1. */
+int64_t mu_scan_index_find(mu_scan_index *ix, uint64_t v);
+/* Returns the index of the heap region holding allocation i (i < n). */
+uint64_t mu_scan_index_region_of(const mu_scan_index *ix, uint64_t i);

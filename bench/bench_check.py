@@ -1,0 +1,93 @@
+"""bench_check.py: end-to-end figures for `check <pid>` on a large heap.
+
+Starts bench/bench_target.c (default: 8 threads, 5,000,000 live blocks, ~1 GiB of heap,
+1,000 leaked blocks), runs the check RUNS times, each in a fresh Python process, and prints
+per-run figures and medians: target pause (ms), whole check (s), mark throughput (GB/s of
+bytes scanned per second of mark), and peak RSS of checker + sweeper against bytes scanned.
+It also verifies every run found exactly the leaks the target reports.
+
+    python bench/bench_check.py [--blocks 5000000] [--threads 8] [--leaks 1000] [--runs 5]
+
+Aims (issue 2): pause < 15 ms, check < 3 s, peak RSS (checker + sweeper) < 1.5x bytes scanned.
+"""
+import argparse
+import json
+import os
+import statistics
+import subprocess
+import sys
+import tempfile
+import time
+
+HERE = os.path.dirname(os.path.abspath(__file__))
+ROOT = os.path.dirname(HERE)
+sys.path.insert(0, os.path.join(ROOT, "tests"))
+
+import fixtures  # noqa: E402
+
+ONE_CHECK = r"""
+import json, resource, sys, time
+from memunreachable.unreachable import check
+info = check(int(sys.argv[1]), limit=None)
+self_kb = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss
+child_kb = resource.getrusage(resource.RUSAGE_CHILDREN).ru_maxrss
+s = info.stats
+print(json.dumps({
+    "pause_ms": info.pause_ms, "duration_ms": info.duration_ms, "snapshot_ms": info.snapshot_ms,
+    "num_allocations": info.num_allocations, "allocation_bytes": info.allocation_bytes,
+    "num_leaks": info.num_leaks, "leak_bytes": info.leak_bytes, "entries": len(info.leaks),
+    "bytes_scanned": info.bytes_scanned, "seconds": s.get("seconds", {}),
+    "retries": info.retries, "checker_rss": self_kb * 1024, "sweeper_rss": child_kb * 1024,
+}))
+"""
+
+
+def main():
+    ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    ap.add_argument("--blocks", type=int, default=5_000_000)
+    ap.add_argument("--threads", type=int, default=8)
+    ap.add_argument("--leaks", type=int, default=1000)
+    ap.add_argument("--runs", type=int, default=5)
+    args = ap.parse_args()
+
+    fixtures.FIXTURE_DIR = HERE  # bench_target.c lives here
+    fixtures.CFLAGS[0] = "-O2"
+    fixtures.CFLAGS[-1] = os.path.join(ROOT, "fixtures")
+    t0 = time.monotonic()
+    fx = fixtures.start("bench_target", str(args.blocks), str(args.threads), str(args.leaks),
+                        timeout=600)
+    print(f"target pid {fx.pid}: {args.blocks} blocks in {args.threads} threads, "
+          f"built in {time.monotonic() - t0:.1f} s; expects {fx.expect}")
+    runs = []
+    try:
+        for i in range(args.runs):
+            out = subprocess.run([sys.executable, "-c", ONE_CHECK, str(fx.pid)], check=True,
+                                 capture_output=True, text=True).stdout
+            r = json.loads(out)
+            runs.append(r)
+            mark_s = r["seconds"].get("mark", 0) or 1e-9
+            rss = r["checker_rss"] + r["sweeper_rss"]
+            ok = (r["num_leaks"], r["leak_bytes"]) == (fx.expect["num_leaks"], fx.expect["leak_bytes"])
+            print(f"run {i + 1}: pause {r['pause_ms']:.2f} ms, check {r['duration_ms'] / 1000:.2f} s, "
+                  f"walk {r['seconds'].get('walk', 0):.2f} s, mark {mark_s:.2f} s "
+                  f"({r['bytes_scanned'] / mark_s / 1e9:.2f} GB/s), fold {r['seconds'].get('fold', 0):.2f} s, "
+                  f"allocations {r['num_allocations']}, heap {r['allocation_bytes'] / 2**20:.0f} MiB, "
+                  f"scanned {r['bytes_scanned'] / 2**20:.0f} MiB, peak RSS {rss / 2**20:.0f} MiB "
+                  f"({rss / r['bytes_scanned']:.2f}x scanned), leaks {r['num_leaks']} "
+                  f"{'== expected' if ok else '!= expected ' + str(fx.expect)}, retries {r['retries']}")
+    finally:
+        fx.finish(timeout=120)
+
+    def med(f):
+        return statistics.median(f(r) for r in runs)
+
+    print("\nmedians over %d runs:" % len(runs))
+    print(f"  pause            {med(lambda r: r['pause_ms']):8.2f} ms   (aim < 15 ms)")
+    print(f"  whole check      {med(lambda r: r['duration_ms']) / 1000:8.2f} s    (aim < 3 s)")
+    print(f"  mark throughput  {med(lambda r: r['bytes_scanned'] / max(r['seconds'].get('mark', 0), 1e-9)) / 1e9:8.2f} GB/s")
+    print(f"  peak RSS ratio   {med(lambda r: (r['checker_rss'] + r['sweeper_rss']) / r['bytes_scanned']):8.2f} x bytes scanned (aim < 1.5)")
+    print(f"  snapshot lived   {med(lambda r: r['snapshot_ms']):8.1f} ms")
+
+
+if __name__ == "__main__":
+    main()

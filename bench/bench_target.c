@@ -1,0 +1,64 @@
+/* bench_target: the benchmark target of bench/bench_check.py.
+ *
+ * NTHREADS threads each allocate NBLOCKS/NTHREADS blocks of 24..400 bytes (about 1 GiB in
+ * 5 million blocks with the defaults), link every block to a random earlier block of its
+ * thread (pointer-heavy heap), keep them in a per-thread table, then leak NLEAKS of them by
+ * hiding the table entries. Prints the usual fixture lines, then parks every thread.
+ * Usage: bench_target [nblocks] [nthreads] [nleaks]
+ */
+#include "fixture.h"
+#include <pthread.h>
+
+static long g_nblocks = 5000000, g_nthreads = 8, g_nleaks = 1000;
+static void **g_tables[64];
+static uintptr_t *g_hidden;
+static pthread_barrier_t g_built, g_done;
+static unsigned long g_leak_bytes[64];
+
+static unsigned long rnd(unsigned long *s) { *s ^= *s << 13; *s ^= *s >> 7; *s ^= *s << 17; return *s; }
+
+static void *worker(void *arg)
+{
+    long id = (long)arg, n = g_nblocks / g_nthreads;
+    unsigned long seed = 0x9e3779b97f4a7c15ul * (id + 1);
+    void **table = malloc(n * sizeof(void *));
+    for (long i = 0; i < n; i++) {
+        size_t sz = 24 + rnd(&seed) % 377;
+        void **b = malloc(sz);
+        memset(b, 0, sz);
+        b[0] = i ? table[rnd(&seed) % i] : NULL;     /* a pointer into the heap */
+        b[1] = (void *)(uintptr_t)rnd(&seed);          /* noise */
+        table[i] = b;
+    }
+    /* leak the last nleaks/nthreads blocks: nothing else points at them (links only go back) */
+    long nl = g_nleaks / g_nthreads;
+    for (long i = n - nl; i < n; i++) {
+        g_leak_bytes[id] += malloc_usable_size(table[i]);
+        g_hidden[id * nl + (i - (n - nl))] = hide(table[i]);
+        table[i] = NULL;
+    }
+    g_tables[id] = table;
+    pthread_barrier_wait(&g_built);
+    pthread_barrier_wait(&g_done);
+    return NULL;
+}
+
+int main(int argc, char **argv)
+{
+    if (argc > 1) g_nblocks = atol(argv[1]);
+    if (argc > 2) g_nthreads = atol(argv[2]);
+    if (argc > 3) g_nleaks = atol(argv[3]);
+    g_hidden = calloc(g_nleaks + 1, sizeof *g_hidden);
+    pthread_barrier_init(&g_built, NULL, g_nthreads + 1);
+    pthread_barrier_init(&g_done, NULL, g_nthreads + 1);
+    pthread_t t[64];
+    for (long i = 0; i < g_nthreads; i++)
+        pthread_create(&t[i], NULL, worker, (void *)i);
+    pthread_barrier_wait(&g_built);
+    unsigned long lb = 0;
+    for (long i = 0; i < g_nthreads; i++)
+        lb += g_leak_bytes[i];
+    print_expect("num_leaks", (g_nleaks / g_nthreads) * g_nthreads);
+    print_expect("leak_bytes", lb);
+    ready();
+}

@@ -1,0 +1,122 @@
+"""reporters/json.py: Stage 9: the `--json` report, schema_version 1 (issue 2).
+
+Input: an UnreachableMemoryInfo. Output: one JSON object. The fields issue 2 fixes:
+
+    schema_version, pid, allocator {"name", "version"}, threads, pause_ms, duration_ms,
+    num_allocations, allocation_bytes, num_leaks, leak_bytes, truncated,
+    leaks: [{address (int), size, referenced_count, referenced_size,
+             contents (hex of the first <= 32 bytes), backtrace (list)}]
+
+Additive fields (allowed by the schema promise: additive changes only): tool_version, comm,
+snapshot_mode, snapshot_ms, retries, bytes_scanned, warnings, stats, and total_size per leak.
+Readers must ignore keys they do not know. load_json() is the inverse (for re-rendering).
+"""
+from __future__ import annotations
+
+import json
+from typing import IO, Any, Dict
+
+from memunreachable.report import SCHEMA_VERSION, Leak, UnreachableMemoryInfo
+
+CONTENTS_BYTES = 32
+
+
+def _ms(value: float) -> float:
+    return round(float(value), 3)
+
+
+def _jsonable(value: Any) -> Any:
+    """Plain JSON data from a stats dict: nested dicts/lists of str/int/float/bool/None; the rest as str."""
+    if isinstance(value, dict):
+        return {str(k): _jsonable(v) for k, v in value.items()}
+    if isinstance(value, (list, tuple)):
+        return [_jsonable(v) for v in value]
+    if value is None or isinstance(value, (bool, int, float, str)):
+        return value
+    return str(value)
+
+
+def leak_to_dict(leak: Leak) -> Dict[str, Any]:
+    return {
+        "address": leak.address,
+        "size": leak.size,
+        "referenced_count": leak.referenced_count,
+        "referenced_size": leak.referenced_size,
+        "total_size": leak.total_size,
+        "contents": bytes(leak.contents[:CONTENTS_BYTES]).hex(),
+        "backtrace": list(leak.backtrace),
+    }
+
+
+def render_json(info: UnreachableMemoryInfo) -> Dict[str, Any]:
+    """The schema_version 1 object for `info` (plain dict, ready for json.dumps)."""
+    from memunreachable import __version__
+
+    return {
+        "schema_version": SCHEMA_VERSION,
+        "tool_version": __version__,
+        "pid": info.pid,
+        "comm": info.comm,
+        "allocator": {"name": info.allocator_name, "version": info.allocator_version},
+        "threads": info.threads,
+        "pause_ms": _ms(info.pause_ms),
+        "duration_ms": _ms(info.duration_ms),
+        "snapshot_mode": info.snapshot_mode,
+        "snapshot_ms": _ms(info.snapshot_ms),
+        "retries": info.retries,
+        "num_allocations": info.num_allocations,
+        "allocation_bytes": info.allocation_bytes,
+        "bytes_scanned": info.bytes_scanned,
+        "num_leaks": info.num_leaks,
+        "leak_bytes": info.leak_bytes,
+        "leaks": [leak_to_dict(leak) for leak in info.leaks],
+        "truncated": info.truncated,
+        "warnings": list(info.warnings),
+        "stats": _jsonable(info.stats),
+    }
+
+
+def write_json(info: UnreachableMemoryInfo, stream: IO[str]) -> None:
+    """render_json(info) as indented JSON plus a final newline."""
+    json.dump(render_json(info), stream, indent=2)
+    stream.write("\n")
+    stream.flush()
+
+
+def load_json(data: Dict[str, Any]) -> UnreachableMemoryInfo:
+    """Rebuild an UnreachableMemoryInfo from a render_json() object (unknown keys ignored).
+
+    Raises ValueError for a schema_version this code does not understand.
+    """
+    version = data.get("schema_version")
+    if version != SCHEMA_VERSION:
+        raise ValueError(f"unsupported schema_version {version!r} (this memunreachable reads "
+                         f"{SCHEMA_VERSION})")
+    allocator = data.get("allocator") or {}
+    leaks = [Leak(address=int(e["address"]), size=int(e["size"]),
+                  referenced_count=int(e.get("referenced_count", 0)),
+                  referenced_size=int(e.get("referenced_size", 0)),
+                  contents=bytes.fromhex(e.get("contents", "")),
+                  backtrace=list(e.get("backtrace", [])))
+             for e in data.get("leaks", [])]
+    return UnreachableMemoryInfo(
+        pid=int(data["pid"]),
+        comm=data.get("comm"),
+        allocator_name=allocator.get("name", "glibc"),
+        allocator_version=allocator.get("version"),
+        threads=int(data.get("threads", 0)),
+        pause_ms=float(data.get("pause_ms", 0.0)),
+        duration_ms=float(data.get("duration_ms", 0.0)),
+        snapshot_mode=data.get("snapshot_mode", "clone"),
+        snapshot_ms=float(data.get("snapshot_ms", 0.0)),
+        retries=int(data.get("retries", 0)),
+        num_allocations=int(data.get("num_allocations", 0)),
+        allocation_bytes=int(data.get("allocation_bytes", 0)),
+        bytes_scanned=int(data.get("bytes_scanned", 0)),
+        num_leaks=int(data.get("num_leaks", 0)),
+        leak_bytes=int(data.get("leak_bytes", 0)),
+        leaks=leaks,
+        truncated=int(data.get("truncated", 0)),
+        warnings=list(data.get("warnings", [])),
+        stats=dict(data.get("stats", {})),
+    )

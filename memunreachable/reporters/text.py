@@ -1,0 +1,200 @@
+"""reporters/text.py: Stage 9: the human text report.
+
+Input: an UnreachableMemoryInfo (entries already sorted and limited). Output: lines on an
+injected stream. The middle block keeps libmemunreachable's Leak::ToString shape
+(libmemunreachable.md section 8, [ours] variants: sizes in decimal, bytes unsigned):
+
+    memunreachable 0.1.0: pid 4242 (server), 3 threads, glibc 2.36          <- ours
+    target paused 2.5 ms, snapshot (clone) lived 40.0 ms, whole check 120.0 ms
+    1264 bytes in 5 allocations unreachable out of 65536 bytes in 120 allocations (1.2 KiB of 64.0 KiB)
+    warning: ...
+    <blank>
+      1264 bytes in 5 unreachable allocations                               <- upstream
+      ABI: 'x86_64'
+    <blank>
+      1024 bytes unreachable at 55d0c0a012a0
+       referencing 240 unreachable bytes in 3 allocations
+       first 32 bytes of contents:                                          (--contents)
+       55d0c0a012a0: 68 65 6c 6c 6f 00 00 00 00 00 00 00 00 00 00 00 hello...........
+    <blank>                                                                 (after each entry)
+      ... 3 more entries not shown; use --limit 0 to show all               <- ours
+    SUMMARY: memunreachable: 1264 bytes leaked in 5 allocations, 5 report entries
+
+The SUMMARY line is the stable, greppable contract (landscape.md section 2). Colour (rich) is
+used only on a terminal: NO_COLOR disables it, CLICOLOR_FORCE forces it, CLICOLOR=0 disables
+it; the characters are identical either way, only ANSI styling is added.
+"""
+from __future__ import annotations
+
+import os
+from typing import IO, List, Optional, Sequence, Tuple
+
+from memunreachable.report import Leak, UnreachableMemoryInfo
+
+BYTES_PER_LINE = 16
+ABI = "x86_64"
+
+Segment = Tuple[str, str]          # (text, rich style; "" = plain)
+Line = List[Segment]
+
+
+def plural(n: int, word: str) -> str:
+    """'1 allocation', '2 allocations', '0 allocations': the 's' is dropped only for exactly 1."""
+    return f"{n} {word}" if n == 1 else f"{n} {word}s"
+
+
+def _entries(n: int, phrase: str) -> str:
+    """'1 report entry', '3 report entries' (phrase ends in 'entry')."""
+    return f"{n} {phrase}" if n == 1 else f"{n} {phrase[:-1]}ies"
+
+
+def human_size(n: int) -> str:
+    """1023 -> '1023 B', 1264 -> '1.2 KiB', 5 << 20 -> '5.0 MiB'."""
+    if n < 1024:
+        return f"{n} B"
+    value = float(n)
+    for unit in ("KiB", "MiB", "GiB", "TiB"):
+        value /= 1024.0
+        if value < 1024.0 or unit == "TiB":
+            return f"{value:.1f} {unit}"
+    return f"{n} B"  # unreachable
+
+
+def duration(ms: float) -> str:
+    """12.34 -> '12.3 ms'; 1250.0 -> '1.25 s'."""
+    if ms >= 1000.0:
+        return f"{ms / 1000.0:.2f} s"
+    return f"{ms:.1f} ms"
+
+
+def num_entries(info: UnreachableMemoryInfo) -> int:
+    """All report entries (root leaks), including those left out by the limit."""
+    return len(info.leaks) + info.truncated
+
+
+def summary_line(info: UnreachableMemoryInfo) -> str:
+    """'SUMMARY: memunreachable: <bytes> byte(s) leaked in <n> allocation(s), <k> report entries'."""
+    return (f"SUMMARY: memunreachable: {plural(info.leak_bytes, 'byte')} leaked in "
+            f"{plural(info.num_leaks, 'allocation')}, {_entries(num_entries(info), 'report entry')}")
+
+
+# ---- the lines -----------------------------------------------------------------------------
+
+def _header(info: UnreachableMemoryInfo) -> List[Line]:
+    from memunreachable import __version__
+
+    who = f"pid {info.pid}" + (f" ({info.comm})" if getattr(info, "comm", None) else "")
+    alloc = info.allocator_name + (f" {info.allocator_version}" if info.allocator_version else "")
+    lines: List[Line] = [[(f"memunreachable {__version__}: ", "bold"), (who, "bold cyan"),
+                          (f", {plural(info.threads, 'thread')}, {alloc}", "")]]
+
+    pause = [("target paused ", ""), (duration(info.pause_ms), "bold")]
+    if info.snapshot_mode == "clone":
+        pause.append((f", snapshot (clone) lived {duration(info.snapshot_ms)}", ""))
+    else:
+        pause.append((f", no snapshot ({info.snapshot_mode}: read the stopped target)", "yellow"))
+    pause.append((f", whole check {duration(info.duration_ms)}", ""))
+    if info.retries:
+        pause.append((f", snapshot retaken {plural(info.retries, 'time')}", "yellow"))
+    lines.append(pause)
+
+    scanned = (f"{plural(info.leak_bytes, 'byte')} in {plural(info.num_leaks, 'allocation')} "
+               f"unreachable out of {plural(info.allocation_bytes, 'byte')} in "
+               f"{plural(info.num_allocations, 'allocation')}")
+    if info.allocation_bytes >= 1024:
+        scanned += f" ({human_size(info.leak_bytes)} of {human_size(info.allocation_bytes)})"
+    lines.append([(scanned, "")])
+    for w in info.warnings:
+        lines.append([("warning: ", "bold yellow"), (w, "yellow")])
+    return lines
+
+
+def _hexdump(address: int, data: bytes) -> List[Line]:
+    """'   <addr>: xx xx ... <ascii>': 16 bytes a line, 3 spaces per missing byte, '.' outside 0x20..0x7e."""
+    lines: List[Line] = []
+    for off in range(0, len(data), BYTES_PER_LINE):
+        chunk = data[off:off + BYTES_PER_LINE]
+        hexpart = "".join(f"{b:02x} " for b in chunk) + "   " * (BYTES_PER_LINE - len(chunk))
+        ascii_part = "".join(chr(b) if 0x20 <= b <= 0x7e else "." for b in chunk)
+        lines.append([(f"   {address + off:x}: ", "dim"), (hexpart, ""), (ascii_part, "green")])
+    return lines
+
+
+def _entry(leak: Leak, contents: bool) -> List[Line]:
+    lines: List[Line] = [[("  ", ""), (f"{leak.size} bytes", "bold red"),
+                          (" unreachable at ", ""), (f"{leak.address:x}", "cyan")]]
+    if leak.referenced_count > 0:
+        lines.append([(f"   referencing {leak.referenced_size} unreachable bytes in "
+                       f"{plural(leak.referenced_count, 'allocation')}", "")])
+    if contents and leak.contents:
+        data = bytes(leak.contents)
+        if len(data) >= leak.size:
+            lines.append([("   contents:", "")])
+        else:
+            lines.append([(f"   first {len(data)} bytes of contents:", "")])
+        lines.extend(_hexdump(leak.address, data))
+    for frame in leak.backtrace:
+        lines.append([(f"   {frame}", "")])
+    lines.append([])
+    return lines
+
+
+def iter_lines(info: UnreachableMemoryInfo, contents: bool = False) -> List[Line]:
+    """Every line of the report as styled segments (no trailing newlines)."""
+    lines = _header(info)
+    lines.append([])
+    lines.append([(f"  {info.leak_bytes} bytes in {plural(info.num_leaks, 'unreachable allocation')}",
+                   "bold")])
+    lines.append([(f"  ABI: '{ABI}'", "")])
+    lines.append([])
+    for leak in info.leaks:
+        lines.extend(_entry(leak, contents))
+    if info.truncated:
+        more = _entries(info.truncated, "more entry")
+        lines.append([(f"  ... {more} not shown; use --limit 0 to show all", "yellow")])
+        lines.append([])
+    lines.append([(summary_line(info), "bold")])
+    return lines
+
+
+def format_text(info: UnreachableMemoryInfo, contents: bool = False) -> str:
+    """The plain report as one string (every line ends with a newline)."""
+    return "".join("".join(t for t, _ in line) + "\n" for line in iter_lines(info, contents))
+
+
+# ---- colour decision and output ------------------------------------------------------------
+
+def use_color(stream: IO[str], environ: Optional[dict] = None) -> bool:
+    """NO_COLOR (non-empty) -> never; CLICOLOR_FORCE (not '0') -> always; CLICOLOR=0 -> never;
+    otherwise only when the stream is a terminal."""
+    env = os.environ if environ is None else environ
+    if env.get("NO_COLOR"):
+        return False
+    if env.get("CLICOLOR_FORCE", "0") not in ("", "0"):
+        return True
+    if env.get("CLICOLOR") == "0":
+        return False
+    isatty = getattr(stream, "isatty", None)
+    try:
+        return bool(isatty and isatty())
+    except (OSError, ValueError):
+        return False
+
+
+def render_text(info: UnreachableMemoryInfo, stream: IO[str], contents: bool = False,
+                color: Optional[bool] = None) -> None:
+    """Write the report to `stream`. color None = decide with use_color(stream); True/False force."""
+    if color is None:
+        color = use_color(stream)
+    if not color:
+        stream.write(format_text(info, contents))
+        stream.flush()
+        return
+    from rich.console import Console
+    from rich.text import Text
+
+    console = Console(file=stream, force_terminal=True, no_color=False, color_system="standard",
+                      highlight=False, markup=False, emoji=False, soft_wrap=True)
+    for line in iter_lines(info, contents):
+        console.print(Text.assemble(*[(t, s or "") for t, s in line]) if line else "")
+    stream.flush()
