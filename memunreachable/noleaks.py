@@ -1,0 +1,185 @@
+"""noleaks.py: the in-process API (libmemunreachable's, in Python form).
+
+A process cannot ptrace its own threads, so an in-process check starts a helper process
+(memunreachable._tracer) that runs the ordinary check pipeline against us. We grant it
+with prctl(PR_SET_PTRACER, helper) (EINVAL: Yama absent, nothing to grant) and wait in a
+blocking read, which releases the GIL and holds no allocator lock while we are frozen.
+
+NoLeaks()/assert_no_leaks() never turn "could not check" into a verdict: that raises a
+MemunreachableError. no_new_leaks() compares against a baseline taken before the block,
+the reliable form in test suites (the interpreter may hold a few unreachable blocks).
+"""
+from __future__ import annotations
+
+import contextlib
+import ctypes
+import io
+import logging
+import os
+import pickle
+import select
+import subprocess
+import sys
+import time
+from typing import Iterator, Optional
+
+from memunreachable._errors import LeaksDetected, SweepError
+from memunreachable.report import Leak, UnreachableMemoryInfo
+
+log = logging.getLogger("memunreachable")
+
+PR_SET_PTRACER = 0x59616D61
+HELPER_TIMEOUT = 120.0
+
+__all__ = ["get_unreachable_memory", "get_unreachable_memory_string", "log_unreachable_memory",
+           "NoLeaks", "assert_no_leaks", "leak_baseline", "no_new_leaks", "LeakBaseline"]
+
+
+def get_unreachable_memory(limit: Optional[int] = 100, pid: Optional[int] = None,
+                           timeout: float = 2.0) -> UnreachableMemoryInfo:
+    """Check process `pid` (None: this process); keep at most `limit` entries (None: all)."""
+    if pid is not None and pid != os.getpid():
+        from memunreachable.unreachable import check
+        return check(pid, limit=limit, timeout=timeout)
+    return _check_self(limit, timeout)
+
+
+def get_unreachable_memory_string(log_contents: bool = False, limit: Optional[int] = 100,
+                                  pid: Optional[int] = None) -> str:
+    """The same text report as `memunreachable check`."""
+    from memunreachable.reporters.text import render_text
+    info = get_unreachable_memory(limit=limit, pid=pid)
+    out = io.StringIO()
+    render_text(info, out, contents=log_contents, color=False)
+    return out.getvalue()
+
+
+def log_unreachable_memory(log_contents: bool = False, limit: Optional[int] = 100,
+                           logger: Optional[logging.Logger] = None) -> bool:
+    """Log the summary and up to `limit` leaks; False (reason logged) if the check failed."""
+    from memunreachable._errors import MemunreachableError
+    lg = logger or log
+    try:
+        text = get_unreachable_memory_string(log_contents=log_contents, limit=limit)
+    except MemunreachableError as exc:
+        lg.error("unreachable memory check failed: %s%s", exc,
+                 f" (hint: {exc.hint})" if getattr(exc, "hint", None) else "")
+        return False
+    for block in text.rstrip("\n").split("\n\n"):
+        lg.error("%s", block)
+    return True
+
+
+def NoLeaks() -> bool:  # noqa: N802 - libmemunreachable's name
+    """True when this process has no unreachable memory; False when it has.
+
+    Raises MemunreachableError when the check could not run (never a verdict)."""
+    return get_unreachable_memory(limit=0).num_leaks == 0
+
+
+def assert_no_leaks(limit: Optional[int] = 100, log_contents: bool = True) -> UnreachableMemoryInfo:
+    """Raise LeaksDetected (an AssertionError with the report) if anything is unreachable."""
+    info = get_unreachable_memory(limit=limit)
+    if info.num_leaks:
+        raise LeaksDetected(info, _render(info, log_contents))
+    return info
+
+
+class LeakBaseline:
+    """The unreachable blocks present at one moment (addresses only: no contents are kept,
+    so this object never makes an old leak look reachable)."""
+
+    def __init__(self, addresses: frozenset):
+        self.addresses = addresses
+
+    def new_leaks(self, info: UnreachableMemoryInfo) -> list:
+        return [l for l in info.leaks if l.address not in self.addresses]
+
+
+def leak_baseline() -> LeakBaseline:
+    info = get_unreachable_memory(limit=None)
+    return LeakBaseline(frozenset(l.address for l in info.leaks))
+
+
+@contextlib.contextmanager
+def no_new_leaks(log_contents: bool = True) -> Iterator[LeakBaseline]:
+    """Fail (LeaksDetected) if unreachable blocks appear inside the with-block."""
+    base = leak_baseline()
+    yield base
+    info = get_unreachable_memory(limit=None)
+    new = base.new_leaks(info)
+    if new:
+        new_info = _only(info, new)
+        raise LeaksDetected(new_info, _render(new_info, log_contents))
+
+
+def _only(info: UnreachableMemoryInfo, leaks: list) -> UnreachableMemoryInfo:
+    import dataclasses
+    total = sum(1 + l.referenced_count for l in leaks)
+    size = sum(l.size + l.referenced_size for l in leaks)
+    return dataclasses.replace(info, leaks=leaks, num_leaks=total, leak_bytes=size, truncated=0)
+
+
+def _render(info: UnreachableMemoryInfo, contents: bool) -> str:
+    from memunreachable.reporters.text import render_text
+    out = io.StringIO()
+    render_text(info, out, contents=contents, color=False)
+    return out.getvalue()
+
+
+def _set_ptracer(pid: int) -> None:
+    libc = ctypes.CDLL(None, use_errno=True)
+    if libc.prctl(PR_SET_PTRACER, ctypes.c_ulong(pid), 0, 0, 0) != 0:
+        err = ctypes.get_errno()
+        if err != 22:  # EINVAL: Yama is not built in, nothing to grant
+            raise OSError(err, os.strerror(err), "prctl(PR_SET_PTRACER)")
+
+
+def _check_self(limit: Optional[int], timeout: float) -> UnreachableMemoryInfo:
+    rfd, wfd = os.pipe2(os.O_CLOEXEC)
+    cmd = [sys.executable, "-m", "memunreachable._tracer", "--pid", str(os.getpid()),
+           "--fd", str(wfd), "--limit", str(-1 if limit is None else limit),
+           "--timeout", str(timeout)]
+    try:
+        helper = subprocess.Popen(cmd, stdin=subprocess.PIPE, pass_fds=(wfd,), close_fds=True)
+    finally:
+        os.close(wfd)
+    try:
+        _set_ptracer(helper.pid)
+        helper.stdin.write(b"go\n")
+        helper.stdin.close()
+        data = _read_result(rfd, HELPER_TIMEOUT)
+    finally:
+        os.close(rfd)
+        if helper.poll() is None:
+            try:
+                helper.wait(timeout=HELPER_TIMEOUT)
+            except subprocess.TimeoutExpired:
+                helper.kill()
+                helper.wait()
+        with contextlib.suppress(OSError):
+            _set_ptracer(0)
+    if not data:
+        raise SweepError(f"the helper process exited with status {helper.returncode} without a result",
+                         hint="run `python -m memunreachable check <pid>` from a shell to see why")
+    kind, payload = pickle.loads(data)
+    del data
+    if kind == "error":
+        raise payload
+    return payload
+
+
+def _read_result(fd: int, timeout: float) -> bytes:
+    chunks = []
+    deadline = time.monotonic() + timeout
+    while True:
+        left = deadline - time.monotonic()
+        if left <= 0:
+            raise SweepError(f"the in-process check did not finish within {timeout:.0f} s")
+        r, _, _ = select.select([fd], [], [], left)
+        if not r:
+            continue
+        chunk = os.read(fd, 1 << 20)
+        if not chunk:
+            return b"".join(chunks)
+        chunks.append(chunk)
