@@ -8,6 +8,7 @@
 #define CHUNK_FLAGS 7u
 #define CHUNK_MINSIZE 32u
 #define CHUNK_FENCE 16u
+#define MU_WALK_PREFETCH 4096u
 
 static inline uint64_t ld64(const uint8_t *p)
 {
@@ -55,6 +56,9 @@ int64_t mu_walk_run(const uint8_t *data, uint64_t base, uint64_t len, uint64_t f
             break;
         }
         const uint8_t *h = data + (c - base);
+        /* The chain is a dependent load per chunk: prefetch ahead of the (ascending) walk. */
+        if (c + MU_WALK_PREFETCH < lim)
+            __builtin_prefetch(h + MU_WALK_PREFETCH);
         uint64_t sz = ld64(h + 8);
         uint64_t s = sz & ~(uint64_t)CHUNK_FLAGS;
         if (s == 0) {
@@ -108,7 +112,9 @@ int64_t mu_walk_run(const uint8_t *data, uint64_t base, uint64_t len, uint64_t f
         uint64_t next = ld64(h + s + 8);
         res->chunks++;
         if (next & CHUNK_PREV_INUSE) {
-            if (((sz & CHUNK_NON_MAIN) != 0) != (non_main != 0)) {
+            /* the pseudo chunk before a {0|1} fencepost has no NON_MAIN_ARENA (arena.c) */
+            if (((sz & CHUNK_NON_MAIN) != 0) != (non_main != 0) &&
+                (next & ~(uint64_t)CHUNK_FLAGS) != 0) {
                 res->status = MU_WALK_BAD_FLAGS;
                 res->bad_at = c;
                 break;

@@ -19,13 +19,14 @@ so the parent shell sees the usual "killed by signal" status (or 128 + signum as
 from __future__ import annotations
 
 import argparse
+import inspect
 import logging
 import os
 import re
 import signal
 import sys
 import traceback
-from typing import List, Optional, Sequence, Type
+from typing import List, Optional, Sequence, Tuple, Type
 
 from memunreachable._errors import CommandError, MemunreachableError
 
@@ -63,7 +64,7 @@ class Command:
 
     @classmethod
     def description(cls) -> str:
-        return (cls.__doc__ or "").strip()
+        return inspect.cleandoc(cls.__doc__ or "")
 
     def add_arguments(self, parser: argparse.ArgumentParser) -> None:
         pass
@@ -112,7 +113,8 @@ def build_parser() -> argparse.ArgumentParser:
     return parser
 
 
-def _setup_logging(args: argparse.Namespace) -> logging.Handler:
+def _setup_logging(args: argparse.Namespace) -> Tuple[logging.Handler, int]:
+    """Attach a stderr handler to the `memunreachable` logger; return it and the old level."""
     level = logging.WARNING
     if getattr(args, "quiet", False):
         level = logging.ERROR
@@ -123,9 +125,10 @@ def _setup_logging(args: argparse.Namespace) -> logging.Handler:
     logger = logging.getLogger(LOGGER)
     handler = logging.StreamHandler(sys.stderr)
     handler.setFormatter(logging.Formatter("%(name)s: %(levelname)s: %(message)s"))
+    old_level = logger.level
     logger.addHandler(handler)
     logger.setLevel(level)
-    return handler
+    return handler, old_level
 
 
 def print_error(msg: str, hint: Optional[str] = None) -> None:
@@ -181,7 +184,7 @@ def main(argv: Optional[Sequence[str]] = None) -> int:
                     f"'{PROG} demo' to try it on a bundled leaky program")
         return EXIT_USAGE
 
-    handler = _setup_logging(args)
+    handler, old_level = _setup_logging(args)
     try:
         return command.run(args)
     except BaseException as exc:       # the one place where exceptions become exit codes
@@ -209,3 +212,4 @@ def main(argv: Optional[Sequence[str]] = None) -> int:
         return _internal_error(exc, getattr(args, "verbose", 0))
     finally:
         logging.getLogger(LOGGER).removeHandler(handler)
+        logging.getLogger(LOGGER).setLevel(old_level)

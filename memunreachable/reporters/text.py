@@ -27,11 +27,12 @@ it; the characters are identical either way, only ANSI styling is added.
 from __future__ import annotations
 
 import os
-from typing import IO, List, Optional, Sequence, Tuple
+from typing import IO, List, Optional, Tuple
 
 from memunreachable.report import Leak, UnreachableMemoryInfo
 
 BYTES_PER_LINE = 16
+CONTENTS_BYTES = 32               # at most this many bytes are shown (libmemunreachable)
 ABI = "x86_64"
 
 Segment = Tuple[str, str]          # (text, rich style; "" = plain)
@@ -127,7 +128,7 @@ def _entry(leak: Leak, contents: bool) -> List[Line]:
         lines.append([(f"   referencing {leak.referenced_size} unreachable bytes in "
                        f"{plural(leak.referenced_count, 'allocation')}", "")])
     if contents and leak.contents:
-        data = bytes(leak.contents)
+        data = bytes(leak.contents[:CONTENTS_BYTES])
         if len(data) >= leak.size:
             lines.append([("   contents:", "")])
         else:

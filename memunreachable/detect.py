@@ -1,0 +1,88 @@
+"""Stage 4 (allocations): which allocator manages this process's heap (glibc-heap.md section 13).
+
+Input: the target's mappings (and its pid, for /proc/PID/exe). Output: an AllocatorScan naming
+the object that contains glibc malloc (libc, or the executable when glibc is linked statically),
+plus any other allocator mapped. Messages for refusals come from here, so the wording is
+tested in one place.
+"""
+from __future__ import annotations
+
+import os
+import re
+from dataclasses import dataclass, field
+from typing import List, Optional
+
+from memunreachable._types import Mapping
+
+LIBC_RE = re.compile(r"/libc(?:\.so\.6|-2\.\d+\.so)$")
+MUSL_RE = re.compile(r"/(?:ld-musl-[^/]*\.so\.1|libc\.musl-[^/]*\.so\.1)$")
+# Other allocators (or glibc's debug malloc) that take over malloc when loaded.
+FOREIGN_RE = re.compile(
+    r"/(libjemalloc[^/]*\.so[^/]*|libtcmalloc[^/]*\.so[^/]*|libmimalloc[^/]*\.so[^/]*|"
+    r"libhoard[^/]*\.so[^/]*|libscudo[^/]*\.so[^/]*|libsnmalloc[^/]*\.so[^/]*|"
+    r"libasan[^/]*\.so[^/]*|libclang_rt\.asan[^/]*\.so[^/]*|libc_malloc_debug\.so[^/]*|"
+    r"libmemusage\.so)$")
+
+
+@dataclass
+class AllocatorScan:
+    """What the mappings say about the allocator."""
+    malloc_object: Optional[str] = None        # path of libc or of the static executable
+    object_mappings: List[Mapping] = field(default_factory=list)
+    static: bool = False                       # no libc mapped: try the executable
+    foreign: List[str] = field(default_factory=list)   # basenames of other allocators
+    musl: bool = False
+
+
+def _strip_deleted(path: str) -> str:
+    return path[:-len(" (deleted)")] if path.endswith(" (deleted)") else path
+
+
+def executable_path(maps: List[Mapping], pid: Optional[int]) -> Optional[str]:
+    """Path of the main executable: /proc/PID/exe, else the first file-backed mapping."""
+    if pid is not None:
+        try:
+            return _strip_deleted(os.readlink(f"/proc/{pid}/exe"))
+        except OSError:
+            pass
+    for m in maps:
+        if m.path.startswith("/") and not m.anonymous:
+            return _strip_deleted(m.path)
+    return None
+
+
+def scan_maps(maps: List[Mapping], pid: Optional[int] = None) -> AllocatorScan:
+    """Classify the allocator from the mapped objects (no memory is read)."""
+    scan = AllocatorScan()
+    libc_path = None
+    for m in maps:
+        path = _strip_deleted(m.path)
+        if LIBC_RE.search(path) and libc_path is None:
+            libc_path = path
+        if MUSL_RE.search(path):
+            scan.musl = True
+        f = FOREIGN_RE.search(path)
+        if f and f.group(1) not in scan.foreign:
+            scan.foreign.append(f.group(1))
+    if libc_path is None:
+        libc_path = executable_path(maps, pid)
+        scan.static = True
+    scan.malloc_object = libc_path
+    scan.object_mappings = [m for m in maps if _strip_deleted(m.path) == libc_path] if libc_path else []
+    return scan
+
+
+def foreign_message(scan: AllocatorScan) -> str:
+    names = ", ".join(scan.foreign)
+    return (f"the heap is managed by {names}, not by glibc malloc (glibc's arenas are unused); "
+            f"leaks in that allocator's heap cannot be found: nothing was checked")
+
+
+def not_glibc_message(scan: AllocatorScan, what: str) -> str:
+    if scan.musl:
+        kind = "musl libc (mallocng)"
+    elif scan.static:
+        kind = f"a static executable without glibc malloc ({scan.malloc_object})"
+    else:
+        kind = f"an unknown allocator ({scan.malloc_object})"
+    return f"unsupported allocator: looks like {kind}; {what}; nothing was checked"

@@ -1,0 +1,252 @@
+"""Stage 4 (allocations): find main_arena and mp_ without symbols (glibc-heap.md section 5).
+
+Input: the object holding glibc malloc (libc.so.6, or a static executable), its mappings, the
+target's memory. Output: a Located record (addresses, layout families, version hint, method).
+Method A reads the object's file image (through /proc/PID/map_files/<start>-<end>, which works
+even when the file was replaced on disk) and finds the statically initialised main_arena and
+mp_ in the RW PT_LOAD. Method B scans the object's writable memory for malloc_state's run of
+bin slots (vmware/chap's method). References: glibc malloc/malloc.c, malloc/arena.c; elf(5).
+"""
+from __future__ import annotations
+
+import mmap
+import os
+import struct
+from dataclasses import dataclass
+from typing import Iterator, List, Optional, Tuple
+
+from elftools.elf.elffile import ELFFile
+from elftools.elf.relocation import RelocationSection
+
+from memunreachable._types import Mapping
+from memunreachable.glibc import layout as L
+
+R_X86_64_RELATIVE = 8
+
+
+@dataclass(frozen=True)
+class Located:
+    main_arena: int
+    mp: int
+    layout: L.Layout
+    version: Optional[str]        # "2.36" when libc carries the string (static builds do not)
+    method: str                   # "file" or "memory"
+    object_path: str
+
+
+@dataclass(frozen=True)
+class _Image:
+    """What method A needs from the ELF file."""
+    bias: int
+    rw: List[Tuple[int, bytes]]       # (p_vaddr, file bytes) of each writable PT_LOAD
+    relative: dict                    # r_offset -> addend of R_X86_64_RELATIVE (RELA builds)
+    version: Optional[str]
+
+
+def _open_object(mappings: List[Mapping], pid: Optional[int]):
+    """Open the object's file: map_files first (survives replacement on disk), then the path."""
+    first = min(mappings, key=lambda m: m.begin)
+    if pid is not None:
+        try:
+            return open(f"/proc/{pid}/map_files/{first.begin:x}-{first.end:x}", "rb")
+        except OSError:
+            pass
+    return open(first.path, "rb")
+
+
+def _load_bias(elf: ELFFile, mappings: List[Mapping]) -> Optional[int]:
+    """Runtime address minus link-time address, from the mapping of the first PT_LOAD."""
+    loads = [s for s in elf.iter_segments() if s["p_type"] == "PT_LOAD"]
+    if not loads:
+        return None
+    first = min(loads, key=lambda s: s["p_vaddr"])
+    page_off = first["p_offset"] & ~(L.PAGE - 1)
+    for m in sorted(mappings, key=lambda m: m.begin):
+        if m.offset == page_off:
+            return m.begin - (first["p_vaddr"] & ~(L.PAGE - 1))
+    return None
+
+
+def read_image(mappings: List[Mapping], pid: Optional[int]) -> Optional[_Image]:
+    """Parse the object's file (program headers, RELA relatives, version string); None if unreadable."""
+    try:
+        f = _open_object(mappings, pid)
+    except OSError:
+        return None
+    with f:
+        try:
+            elf = ELFFile(f)
+            if elf.get_machine_arch() != "x64":
+                return None
+            bias = _load_bias(elf, mappings)
+            if bias is None:
+                return None
+            rw = [(s["p_vaddr"], s.data()) for s in elf.iter_segments()
+                  if s["p_type"] == "PT_LOAD" and s["p_flags"] & 2]
+            relative = {}
+            for sec in elf.iter_sections():
+                if isinstance(sec, RelocationSection) and sec.is_RELA():
+                    for r in sec.iter_relocations():
+                        if r["r_info_type"] == R_X86_64_RELATIVE:
+                            relative[r["r_offset"]] = r["r_addend"]
+        except Exception:        # malformed ELF: pyelftools raises many types
+            return None
+        f.seek(0, os.SEEK_END)
+        size = f.tell()
+        with mmap.mmap(f.fileno(), size, prot=mmap.PROT_READ) as mm:
+            version = L.find_version(mm)
+    return _Image(bias, rw, relative, version)
+
+
+def _words(vaddr: int, data: bytes) -> Tuple[int, memoryview]:
+    """(address of words[0], 8-byte words) of a segment, 8-aligned."""
+    skip = (-vaddr) % 8
+    n = (len(data) - skip) // 8
+    return vaddr + skip, memoryview(data)[skip:skip + 8 * n].cast("Q")
+
+
+def iter_main_arena_images(img: _Image, state: L.MallocState) -> Iterator[int]:
+    """Link-time addresses a of a file-image main_arena: attached_threads == 1, next == a (in
+    place, RELR builds, or as a RELATIVE addend), every other word zero."""
+    nw = state.sizeof // 8
+    i_next, i_att = state.next // 8, state.attached_threads // 8
+    one = struct.pack("<Q", L.MAIN_ARENA_IMAGE_ATTACHED)
+    for vaddr, data in img.rw:
+        base, w = _words(vaddr, data)
+        raw = w.tobytes()
+        pos = raw.find(one)
+        while pos >= 0:
+            if pos % 8 == 0:
+                j = pos // 8 - i_att
+                a = base + 8 * j
+                if j >= 0 and j + nw <= len(w):
+                    nxt = w[j + i_next]
+                    if nxt == a or (nxt == 0 and img.relative.get(a + state.next) == a):
+                        block = w[j:j + nw]
+                        if sum(1 for x in block if x) == (2 if nxt else 1):
+                            yield a
+            pos = raw.find(one, pos + 1)
+
+
+def _i32(data, off: int) -> int:
+    return struct.unpack_from("<i", data, off)[0]
+
+
+def _u64(data, off: int) -> int:
+    return struct.unpack_from("<Q", data, off)[0]
+
+
+def iter_mp_images(img: _Image) -> Iterator[Tuple[int, L.MallocPar]]:
+    """Link-time (address, family) of a file-image mp_: the static initialiser of malloc.c."""
+    pat = struct.pack("<Q", L.MP_INIT_THRESHOLD)
+    for vaddr, data in img.rw:
+        base, w = _words(vaddr, data)
+        raw = w.tobytes()
+        pos = raw.find(pat)
+        while pos >= 0:
+            if pos % 8 == 0:
+                for par in L.MALLOC_PARS:
+                    if pos + par.sizeof > len(raw):
+                        continue
+                    if (_u64(raw, pos + par.mmap_threshold) == L.MP_INIT_THRESHOLD and
+                            _u64(raw, pos + par.arena_test) == L.MP_INIT_ARENA_TEST and
+                            _i32(raw, pos + par.n_mmaps_max) == L.MP_INIT_N_MMAPS_MAX and
+                            _u64(raw, pos + par.tcache_bins) == L.MP_INIT_TCACHE_BINS and
+                            _u64(raw, pos + par.tcache_max_bytes) == L.MP_INIT_TCACHE_MAX_BYTES and
+                            _u64(raw, pos + par.tcache_count) == L.MP_INIT_TCACHE_COUNT):
+                        yield base + pos, par
+            pos = raw.find(pat, pos + 1)
+
+
+def locate_in_file(mappings: List[Mapping], pid: Optional[int], path: str) -> Optional[Located]:
+    """Method A. None when the image has no unique main_arena/mp_ pattern."""
+    img = read_image(mappings, pid)
+    if img is None:
+        return None
+    state = L.MALLOC_STATE_227
+    arenas = list(iter_main_arena_images(img, state))
+    pars = list(iter_mp_images(img))
+    if len(arenas) != 1 or len(pars) != 1:
+        return None
+    mp, par = pars[0]
+    return Located(img.bias + arenas[0], img.bias + mp, L.Layout(state, par), img.version, "file", path)
+
+
+# ---------------------------------------------------------------- method B: memory scan
+
+def _slot_ok(mem, s: int, fd: int, bk: int) -> bool:
+    """A bin slot at s (fd, bk) is empty, or a plausible list whose ends point back."""
+    head = s - L.CHUNK_HDR
+    if fd == head and bk == head:
+        return True
+    if not fd or not bk or fd % 16 or bk % 16:
+        return False
+    try:
+        return _u64(mem.read(fd + 24, 8), 0) == head and _u64(mem.read(bk + 16, 8), 0) == head
+    except OSError:
+        return False
+
+
+def iter_arena_candidates(mem, regions: List[Tuple[int, bytes]], state: L.MallocState) -> Iterator[int]:
+    """Addresses a where >= BIN_RUN_MIN consecutive bin slots start at a + state.bins."""
+    for base, data in regions:
+        _, w = _words(base, data)
+        for parity in (0, 1):
+            run = 0
+            start = None
+            for j in range(parity, len(w) - 1, 2):
+                s = base + 8 * j
+                if _slot_ok(mem, s, w[j], w[j + 1]):
+                    if run == 0:
+                        start = s
+                    run += 1
+                    continue
+                if run >= L.BIN_RUN_MIN:
+                    yield start - state.bins
+                run = 0
+            if run >= L.BIN_RUN_MIN:
+                yield start - state.bins
+
+
+def _mp_plausible(d: bytes, par: L.MallocPar, maps: List[Mapping]) -> bool:
+    bins = _u64(d, par.tcache_bins)
+    thr = _u64(d, par.mmap_threshold)
+    n_mmaps = _i32(d, par.n_mmaps)
+    max_n = _i32(d, par.max_n_mmaps)
+    sbrk = _u64(d, par.sbrk_base)
+    return (0 < bins <= 1024 and _u64(d, par.tcache_max_bytes) == (bins - 1) * 16 + 24 and
+            L.MP_INIT_THRESHOLD <= thr <= L.MP_MAX_MMAP_THRESHOLD and 0 <= n_mmaps <= max_n and
+            _u64(d, par.mmapped_mem) % L.PAGE == 0 and
+            _u64(d, par.arena_test) > 0 and
+            (sbrk == 0 or any(m.begin <= sbrk < m.end for m in maps)))
+
+
+def locate_in_memory(mem, maps: List[Mapping], mappings: List[Mapping], path: str,
+                     version: Optional[str]) -> Optional[Located]:
+    """Method B over the object's rw mappings and the anonymous mapping right after them (.bss)."""
+    state = L.MALLOC_STATE_227
+    regions = []
+    ordered = sorted(maps, key=lambda m: m.begin)
+    for k, m in enumerate(ordered):
+        if m in mappings and m.writable and m.readable:
+            regions.append((m.begin, mem.read(m.begin, m.end - m.begin)))
+            if k + 1 < len(ordered):
+                nxt = ordered[k + 1]
+                if nxt.anonymous and nxt.begin == m.end and nxt.writable and not nxt.path:
+                    regions.append((nxt.begin, mem.read(nxt.begin, nxt.end - nxt.begin)))
+    arenas = list(dict.fromkeys(iter_arena_candidates(mem, regions, state)))
+    if len(arenas) != 1:
+        return None
+    found = []
+    hint = L.par_hint(version)
+    for base, data in regions:
+        for off in range(0, len(data) - 8, 8):
+            for par in L.MALLOC_PARS:
+                if off + par.sizeof <= len(data) and _mp_plausible(data[off:off + par.sizeof], par, maps):
+                    found.append((base + off, par))
+    if hint is not None and len(found) > 1:
+        found = [f for f in found if f[1] is hint]
+    if len(found) != 1:
+        return None
+    mp, par = found[0]
+    return Located(arenas[0], mp, L.Layout(state, par), version, "memory", path)

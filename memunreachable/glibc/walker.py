@@ -1,0 +1,555 @@
+"""Stage 4: enumerate the live glibc malloc allocations of a snapshot (our malloc_iterate).
+
+Input: a Memory reader of the snapshot, its mappings, its threads, its pid (for map_files).
+Output: HeapWalk: every in-use chunk as (user address, usable size) equal to
+malloc_usable_size(), local copies of the memory holding them, the heap ranges (never roots),
+glibc's metadata ranges (main_arena, mp_), soft issues and counters.
+Steps (glibc-heap.md section 1): detect the allocator, locate main_arena/mp_, follow the arena
+ring, walk the main arena's runs and every thread arena's heaps, scan anonymous memory for
+mmapped chunks, subtract tcache and fastbin free chunks, validate. Each region is read once in
+bulk; the chunk loops run in native/mu_walk.c. References: glibc malloc/malloc.c, arena.c
+(2.27-2.41).
+"""
+from __future__ import annotations
+
+import mmap
+import os
+import struct
+from array import array
+from bisect import bisect_right
+from dataclasses import dataclass, field
+from typing import Dict, List, Optional, Tuple
+
+from memunreachable import detect
+from memunreachable._errors import UnsupportedTarget
+from memunreachable._ffi import check, ffi, lib
+from memunreachable._types import Allocator, HeapImage, Mapping, Range, ThreadState, subtract_ranges
+from memunreachable.glibc import layout as L
+from memunreachable.glibc import locate
+from memunreachable.glibc import validate as V
+from memunreachable.glibc.validate import HeapInconsistent
+
+__all__ = ["walk_heap", "HeapWalk", "HeapInconsistent"]
+
+MAX_ARENAS = 4096           # hard bound on the arena ring (arena_max / 8*ncpu is far below)
+MAX_HEAPS_PER_ARENA = 1 << 16
+RUN_START_TRIES = 64        # candidate run starts tried after a main-arena double fencepost
+WORD = struct.Struct("<Q")
+
+
+@dataclass
+class HeapWalk:
+    allocator: Allocator
+    image: HeapImage
+    heap_ranges: List[Range]
+    metadata_ranges: List[Range]
+    soft_issues: List[str] = field(default_factory=list)
+    stats: dict = field(default_factory=dict)
+
+
+class _Copy:
+    """A local copy of [base, base+len) of target memory."""
+
+    def __init__(self, mem, base: int, size: int):
+        self.base = base
+        self.size = size
+        self.buf = mmap.mmap(-1, size) if size >= L.PAGE else bytearray(size)
+        mem.read_into(base, self.buf)
+        self.ptr = ffi.cast("uint8_t *", ffi.from_buffer(self.buf))
+        self.used = False
+
+    @property
+    def end(self) -> int:
+        return self.base + self.size
+
+    def u64(self, addr: int) -> int:
+        return WORD.unpack_from(self.buf, addr - self.base)[0]
+
+    def close(self) -> None:
+        if isinstance(self.buf, mmap.mmap):
+            self.ptr = None
+            self.buf.close()
+
+
+@dataclass
+class _Piece:
+    """In-use chunks of one run, heap or mapping: ascending user addresses inside [lo, hi)."""
+    lo: int
+    user: array
+    usable: array
+
+
+def _alloc_q(n: int) -> array:
+    """A zeroed array('Q') of n entries (repetition: no temporary bytes object)."""
+    return array("Q", (0,)) * n
+
+
+class _Walker:
+    def __init__(self, mem, maps: List[Mapping], pid: int):
+        self.mem = mem
+        self.maps = sorted(maps, key=lambda m: m.begin)
+        self.pid = pid
+        self.v = V.Verdict()
+        self.copies: List[_Copy] = []
+        self.pieces: List[_Piece] = []
+        self.heap_ranges: List[Range] = []
+        self.stats: Dict[str, object] = dict(arenas=0, heaps=0, main_runs=0, chunks=0, in_use=0,
+                                             free_chunks=0, tcache_free=0, fastbin_free=0,
+                                             mmapped=0, mmapped_moved=0, tcaches=[])
+        self.free_nodes: List[int] = []
+        self.arena_free: Dict[int, int] = {}   # arena -> bit-free chunks found by the walk
+        self.arena_chunks: Dict[int, int] = {}
+
+    # -- memory helpers -------------------------------------------------------------
+    def word(self, addr: int) -> int:
+        return WORD.unpack(self.mem.read(addr, 8))[0]
+
+    def i32(self, addr: int) -> int:
+        return struct.unpack("<i", self.mem.read(addr, 4))[0]
+
+    def copy(self, base: int, size: int) -> _Copy:
+        c = _Copy(self.mem, base, size)
+        self.copies.append(c)
+        return c
+
+    def mapping_at(self, addr: int) -> Optional[Mapping]:
+        for m in self.maps:
+            if m.begin <= addr < m.end:
+                return m
+        return None
+
+    def walk_run(self, cp: _Copy, first: int, top: int, non_main: bool):
+        """(result, piece) of one run; the piece's arrays are trimmed to the in-use count."""
+        res = ffi.new("mu_walk_result *")
+        cap = max(256, (cp.end - first) // 192)
+        while True:
+            user, usable = _alloc_q(cap), _alloc_q(cap)
+            n = check(lib.mu_walk_run(cp.ptr, cp.base, cp.size, first, top, int(non_main),
+                                      ffi.from_buffer("uint64_t[]", user),
+                                      ffi.from_buffer("uint64_t[]", usable), cap, res), "walk run")
+            if res.in_use <= cap:
+                break
+            cap = res.in_use
+        del user[n:]
+        del usable[n:]
+        return res, _Piece(first, user, usable)
+
+    def accept(self, arena: int, res, piece: _Piece) -> None:
+        self.pieces.append(piece)
+        self.stats["chunks"] += res.chunks
+        self.stats["free_chunks"] += res.free_chunks
+        self.arena_free[arena] = self.arena_free.get(arena, 0) + res.free_chunks
+        self.arena_chunks[arena] = self.arena_chunks.get(arena, 0) + res.chunks
+
+    # -- step 4: the arena ring -------------------------------------------------------
+    def arenas(self, main: int, lay: L.Layout) -> List[int]:
+        ring, a = [main], self.word(main + lay.state.next)
+        while a != main:
+            if len(ring) >= MAX_ARENAS or a == 0 or a % 16 or self.mapping_at(a) is None:
+                raise UnsupportedTarget(
+                    f"glibc arena ring from main_arena {main:#x} does not close (unknown malloc "
+                    f"layout); nothing was checked")
+            ring.append(a)
+            a = self.word(a + lay.state.next)
+        return ring
+
+    # -- step 6: main arena runs ------------------------------------------------------
+    def main_runs(self, arena: int, lay: L.Layout, top: int, sbrk_base: int) -> bool:
+        """Walk runs from sbrk_base (and after foreign-sbrk gaps). True once top was reached."""
+        first = (sbrk_base + L.CHUNK_HDR - 1) & ~(L.CHUNK_HDR - 1)
+        m = self.mapping_at(first)
+        if m is None:
+            self.v.hard.append(f"main arena: sbrk_base {sbrk_base:#x} is not mapped")
+            return False
+        cp = self.copy(m.begin, m.end - m.begin)
+        self.main_copy = cp
+        start = first
+        while True:
+            res, piece = self.walk_run(cp, start, top, False)
+            if res.status in (V.WALK_TOP, V.WALK_FENCE2):
+                self.accept(arena, res, piece)
+                self.heap_ranges.append(Range(start, res.end))
+                self.stats["main_runs"] += 1
+                cp.used = True
+                if res.status == V.WALK_TOP:
+                    return True
+                nxt = self.next_run_start(cp, res.end, top)
+                if nxt is None:
+                    return False
+                start = nxt
+                continue
+            V.check_run(self.v, f"main arena run at {start:#x}", res.status, res.end, res.bad_at,
+                        (V.WALK_TOP, V.WALK_FENCE2))
+            return False
+
+    def next_run_start(self, cp: _Copy, after: int, top: int) -> Optional[int]:
+        """After a foreign sbrk: the first {0, S|PREV_INUSE} header from which a run ends exactly."""
+        cap = RUN_START_TRIES
+        out = _alloc_q(cap)
+        n = check(lib.mu_walk_find_headers(cp.ptr + (after - cp.base), after, cp.end - after,
+                                           L.CHUNK_HDR, L.PREV_INUSE, L.MINSIZE, L.CHUNK_HDR,
+                                           ffi.from_buffer("uint64_t[]", out), cap), "find headers")
+        for cand in out[:min(n, cap)]:
+            res = ffi.new("mu_walk_result *")
+            lib.mu_walk_run(cp.ptr, cp.base, cp.size, cand, top, 0, ffi.NULL, ffi.NULL, 0, res)
+            if res.status in (V.WALK_TOP, V.WALK_FENCE2):
+                return cand
+        return None
+
+    # -- step 5: thread arenas ----------------------------------------------------------
+    def heap_max(self, lay: L.Layout, mp: int) -> int:
+        if lay.par.hp_pagesize is not None:
+            hp = self.word(mp + lay.par.hp_pagesize)
+            if hp:
+                return 4 * hp
+        return L.HEAP_MAX_DEFAULT
+
+    def thread_arena(self, arena: int, lay: L.Layout, top: int, heap_max: int) -> None:
+        hi = lay.heap_info
+        first_heap = arena - hi.sizeof
+        if top == lay.state.initial_top(arena) or top == 0:
+            return
+        h = top & ~(heap_max - 1)
+        seen = 0
+        while h:
+            if seen > MAX_HEAPS_PER_ARENA or self.word(h + hi.ar_ptr) != arena:
+                self.v.hard.append(f"arena {arena:#x}: heap {h:#x} does not belong to it")
+                return
+            size = self.word(h + hi.size)
+            prev = self.word(h + hi.prev)
+            is_first = prev == 0
+            if is_first and h != first_heap:
+                self.v.hard.append(f"arena {arena:#x}: first heap {h:#x} is not arena - {hi.sizeof}")
+                return
+            if size < hi.sizeof or size > heap_max:
+                self.v.hard.append(f"arena {arena:#x}: heap {h:#x} has size {size:#x}")
+                return
+            cp = self.copy(h, size)
+            cp.used = True
+            start = hi.first_chunk(h, lay.state, is_first)
+            holds_top = h <= top < h + size
+            res, piece = self.walk_run(cp, start, top if holds_top else 0, True)
+            if holds_top:
+                ok = V.check_run(self.v, f"heap {h:#x}", res.status, res.end, res.bad_at,
+                                 (V.WALK_TOP,), h + size)
+            else:
+                ok = V.check_run(self.v, f"heap {h:#x}", res.status, res.end, res.bad_at,
+                                 (V.WALK_FENCE0,))
+            if ok:
+                self.accept(arena, res, piece)
+            self.heap_ranges.append(Range(h, self.readable_end(h, h + heap_max)))
+            self.stats["heaps"] += 1
+            seen += 1
+            h = prev
+
+    def readable_end(self, lo: int, hi: int) -> int:
+        """End of the readable part of [lo, hi) that starts at lo (heap reservations are ---p)."""
+        end = lo
+        for m in self.maps:
+            if m.begin <= end < m.end and m.readable:
+                end = min(m.end, hi)
+        return max(end, lo)
+
+    # -- step 6b and 9: anonymous memory: NONCONTIGUOUS main runs and mmapped chunks ----
+    def anonymous_ranges(self) -> List[Range]:
+        cands = [m.range for m in self.maps
+                 if m.readable and m.writable and not m.shared and m.anonymous and
+                 (not m.path.startswith("[") or m.path.startswith("[anon:"))]
+        claimed = list(self.heap_ranges) + [Range(c.base, c.end) for c in self.copies]
+        return [r for r in subtract_ranges(cands, claimed) if r.begin % L.PAGE == 0]
+
+    def anonymous(self, arena: int, top: int, need_runs: bool) -> Tuple[int, int, bool]:
+        """Scan anonymous memory; returns (mmapped count, mmapped bytes, top reached)."""
+        found = found_bytes = 0
+        top_reached = False
+        res_m = ffi.new("mu_mmap_result *")
+        for r in self.anonymous_ranges():
+            cp = self.copy(r.begin, r.size)
+            spans = [Range(cp.base, cp.end)]
+            if need_runs:
+                spans = []
+                cursor = cp.base
+                for start in self.page_run_starts(cp):
+                    if start < cursor:
+                        continue
+                    res, piece = self.walk_run(cp, start, top, False)
+                    if res.status in (V.WALK_TOP, V.WALK_FENCE2):
+                        self.accept(arena, res, piece)
+                        self.heap_ranges.append(Range(start, res.end))
+                        self.stats["main_runs"] += 1
+                        cp.used = True
+                        spans.append(Range(cursor, start))
+                        cursor = (res.end + L.PAGE - 1) & ~(L.PAGE - 1)
+                        top_reached |= res.status == V.WALK_TOP
+                spans.append(Range(cursor, cp.end))
+            for s in spans:
+                if s.size < L.PAGE:
+                    continue
+                cap = max(16, s.size // (64 * L.PAGE))
+                while True:
+                    user, usable = _alloc_q(cap), _alloc_q(cap)
+                    n = check(lib.mu_walk_mmapped(cp.ptr + (s.begin - cp.base), s.begin, s.size,
+                                                  L.PAGE, ffi.from_buffer("uint64_t[]", user),
+                                                  ffi.from_buffer("uint64_t[]", usable), cap, res_m),
+                              "scan mmapped")
+                    if res_m.found <= cap:
+                        break
+                    cap = res_m.found
+                if n:
+                    del user[n:]
+                    del usable[n:]
+                    self.pieces.append(_Piece(s.begin, user, usable))
+                    cp.used = True
+                    found += res_m.found
+                    found_bytes += res_m.bytes
+                    self.stats["mmapped_moved"] += res_m.moved
+                    for u, us in zip(user, usable):
+                        # the chunk and any stale memalign header before it
+                        size = us + L.MMAP_USABLE_DELTA
+                        chunk = u - L.CHUNK_HDR
+                        begin = chunk - self.moved_offset(cp, chunk)
+                        self.heap_ranges.append(Range(begin, chunk + size))
+        return found, found_bytes, top_reached
+
+    @staticmethod
+    def moved_offset(cp: _Copy, chunk: int) -> int:
+        """prev_size of an mmapped chunk: its offset from the mapping start (memalign)."""
+        return cp.u64(chunk)
+
+    def page_run_starts(self, cp: _Copy) -> List[int]:
+        cap = max(16, cp.size // L.PAGE)
+        out = _alloc_q(cap)
+        n = check(lib.mu_walk_find_headers(cp.ptr, cp.base, cp.size, L.PAGE, L.PREV_INUSE,
+                                           L.MINSIZE, L.CHUNK_HDR,
+                                           ffi.from_buffer("uint64_t[]", out), cap), "find headers")
+        return list(out[:min(n, cap)])
+
+    # -- step 8: tcache and fastbins ----------------------------------------------------
+    def regions_table(self):
+        live = sorted((c for c in self.copies if c.ptr is not None), key=lambda c: c.base)
+        tab = ffi.new("mu_region[]", max(1, len(live)))
+        for i, c in enumerate(live):
+            tab[i].base, tab[i].len, tab[i].data = c.base, c.size, c.ptr
+        return tab, len(live)
+
+    def chain(self, tab, ntab, head: int, bias: int, mangled: bool, size: int, max_nodes: int):
+        cap = min(max_nodes + 1, 1 << 20)
+        out = _alloc_q(cap)
+        st = ffi.new("int64_t *")
+        while True:
+            n = check(lib.mu_walk_chain(tab, ntab, head, bias, int(mangled), size, max_nodes,
+                                        ffi.from_buffer("uint64_t[]", out), cap, st), "walk chain")
+            if n <= cap:
+                break
+            cap = n
+            out = _alloc_q(cap)
+        del out[n:]
+        return st[0], out
+
+    def tcache_candidates(self, user: array, usable: array) -> List[Tuple[int, L.Tcache]]:
+        raw = usable.tobytes()
+        out = []
+        for tc in L.TCACHES:
+            pat = WORD.pack(tc.chunk_size - L.ARENA_USABLE_DELTA)
+            pos = raw.find(pat)
+            while pos >= 0:
+                if pos % 8 == 0:
+                    out.append((user[pos // 8], tc))
+                pos = raw.find(pat, pos + 1)
+        return out
+
+    def judge_tcache(self, tab, ntab, addr: int, tc: L.Tcache, mangled: bool, count_max: int):
+        """(valid bins, bad bins, free nodes) of the struct at user address addr."""
+        data = self.mem.read(addr, tc.entries + 8 * tc.nbins)
+        fmt = "<%d%s" % (tc.nbins, "B" if tc.count_width == 1 else "H")
+        counts = struct.unpack_from(fmt, data, 0)
+        entries = struct.unpack_from("<%dQ" % tc.nbins, data, tc.entries)
+        valid = bad = 0
+        nodes: List[int] = []
+        for i in range(tc.nbins):
+            if counts[i] == 0:
+                if entries[i]:
+                    bad += 1
+                continue
+            size = tc.bin_chunk_size(i)
+            st, out = self.chain(tab, ntab, entries[i], L.TCACHE_LINK_BIAS, mangled, size, counts[i])
+            if st == V.CHAIN_NULL and len(out) == counts[i]:
+                valid += 1
+            else:
+                bad += 1
+                # err toward "not a leak": every validly sized node on the chain is free
+                st, out = self.chain(tab, ntab, entries[i], L.TCACHE_LINK_BIAS, mangled, size,
+                                     count_max)
+            nodes.extend(out)
+        return valid, bad, nodes
+
+    def subtract_tcaches(self, user: array, usable: array, mangled_hint: Optional[bool]):
+        tab, ntab = self.regions_table()
+        count_max = max(self.stats["chunks"], 1)
+        decided: Optional[bool] = None
+        for addr, tc in self.tcache_candidates(user, usable):
+            best = None
+            for mangled in ((True, False) if decided is None else (decided,)):
+                r = self.judge_tcache(tab, ntab, addr, tc, mangled, count_max)
+                if best is None or r[0] - r[1] > best[1][0] - best[1][1]:
+                    best = (mangled, r)
+            mangled, (valid, bad, nodes) = best
+            verdict = V.judge_tcache(valid, bad)
+            if verdict == "ignore":
+                continue
+            if verdict == "hard":
+                self.v.hard.append(f"tcache {addr:#x}: {bad} bins inconsistent")
+                continue
+            decided = mangled
+            V.check_tcache_bad_bin(self.v, addr, bad)
+            self.stats["tcaches"].append(addr)
+            self.stats["tcache_free"] += len(nodes)
+            self.free_nodes.extend(nodes)
+        return decided if decided is not None else mangled_hint
+
+    def subtract_fastbins(self, arenas: List[int], lay: L.Layout, mangled: Optional[bool]) -> None:
+        tab, ntab = self.regions_table()
+        st_ = lay.state
+        for arena in arenas:
+            heads = struct.unpack("<%dQ" % st_.nfastbins, self.mem.read(arena + st_.fastbins,
+                                                                         8 * st_.nfastbins))
+            limit = self.arena_chunks.get(arena, 0)
+            for i, head in enumerate(heads):
+                if not head:
+                    continue
+                size = L.MINSIZE + 2 * L.SIZE_SZ * i
+                tries = (True, False) if mangled is None else (mangled,)
+                for m in tries:
+                    st, out = self.chain(tab, ntab, head, L.FASTBIN_LINK_BIAS, m, size, limit)
+                    if st == V.CHAIN_NULL:
+                        break
+                V.check_fastbin(self.v, arena, i, st)
+                self.stats["fastbin_free"] += len(out)
+                self.free_nodes.extend(out)
+
+    def check_bins(self, arenas: List[int], lay: L.Layout) -> None:
+        tab, ntab = self.regions_table()
+        nodes, nbytes, bitfree = ffi.new("uint64_t *"), ffi.new("uint64_t *"), ffi.new("uint64_t *")
+        for arena in arenas:
+            broken = binned = binned_free = 0
+            limit = self.arena_chunks.get(arena, 0) + 1
+            for i in range(1, lay.state.nbins - 1):
+                rc = check(lib.mu_walk_bin(tab, ntab, lay.state.bin_chunk(arena, i), limit,
+                                           nodes, nbytes, bitfree), "walk bin")
+                broken += rc
+                binned += nodes[0]
+                binned_free += bitfree[0]
+            V.check_bins(self.v, arena, broken, binned, binned_free, self.arena_free.get(arena, 0))
+
+    # -- step 10: emit ----------------------------------------------------------------
+    def assemble(self) -> Tuple[array, array]:
+        pieces = sorted(self.pieces, key=lambda p: p.lo)
+        if len(pieces) == 1:
+            return pieces[0].user, pieces[0].usable
+        user, usable = array("Q"), array("Q")
+        for p in pieces:
+            if len(p.user) and len(user) and p.user[0] <= user[-1]:
+                self.v.hard.append(f"overlapping chunk runs at {p.user[0]:#x}")
+                continue
+            user.extend(p.user)
+            usable.extend(p.usable)
+        return user, usable
+
+    def image(self, user: array, usable: array) -> HeapImage:
+        keep = []
+        for c in sorted(self.copies, key=lambda c: c.base):
+            if c.used:
+                keep.append((c.base, c.buf))
+            else:
+                c.close()
+        return HeapImage(user, usable, keep)
+
+
+def _find_objects(mem, maps, pid) -> Tuple[detect.AllocatorScan, locate.Located]:
+    scan = detect.scan_maps(maps, pid)
+    if not scan.object_mappings:
+        raise UnsupportedTarget(detect.not_glibc_message(scan, "no libc is mapped"))
+    loc = locate.locate_in_file(scan.object_mappings, pid, scan.malloc_object)
+    if loc is None:
+        img = locate.read_image(scan.object_mappings, pid)
+        version = img.version if img else None
+        if scan.static and version is None:
+            loc = None if scan.musl else locate.locate_in_memory(
+                mem, maps, scan.object_mappings, scan.malloc_object, None)
+        else:
+            loc = locate.locate_in_memory(mem, maps, scan.object_mappings, scan.malloc_object, version)
+    if loc is None:
+        if scan.foreign:
+            raise UnsupportedTarget(detect.foreign_message(scan))
+        raise UnsupportedTarget(detect.not_glibc_message(scan, "no glibc main_arena was found"))
+    v = L.version_tuple(loc.version)
+    if v is not None and not (L.MIN_MINOR <= v[1] <= L.MAX_MINOR):
+        raise UnsupportedTarget(f"glibc {loc.version} is outside the supported range "
+                                f"2.{L.MIN_MINOR}-2.{L.MAX_MINOR}; nothing was checked")
+    return scan, loc
+
+
+# Returns the walk of the snapshot's glibc heap. Raises UnsupportedTarget (not glibc malloc,
+# unknown layout, arenas unused), HeapInconsistent (hard inconsistency: retake the snapshot).
+def walk_heap(mem, maps: List[Mapping], threads: List[ThreadState], pid: int) -> HeapWalk:
+    # 1. which allocator, and where are main_arena and mp_
+    scan, loc = _find_objects(mem, maps, pid)
+    lay = loc.layout
+    w = _Walker(mem, maps, pid)
+    main = loc.main_arena
+    top = w.word(main + lay.state.top)
+    allocator = Allocator("glibc", loc.version)
+    metadata = [Range(main, main + lay.state.sizeof), Range(loc.mp, loc.mp + lay.par.sizeof)]
+    unused = top == 0 or top == lay.state.initial_top(main)
+    if scan.foreign and unused:
+        raise UnsupportedTarget(detect.foreign_message(scan))
+    if scan.foreign:
+        w.v.soft.append(f"{', '.join(scan.foreign)} is loaded too: its heap is not checked")
+    if top == 0:       # malloc never initialised: nothing allocated
+        return HeapWalk(allocator, HeapImage(array("Q"), array("Q"), []), [], metadata,
+                        w.v.soft, dict(w.stats, method=loc.method))
+    w.copy(main, lay.state.sizeof)    # bin heads for the chain and bin walks (not an image region)
+    # 2. the arena ring
+    arenas = w.arenas(main, lay)
+    w.stats["arenas"] = len(arenas)
+    heap_max = w.heap_max(lay, loc.mp)
+    # 3. main arena: runs from sbrk_base
+    top_reached = unused
+    if not unused:
+        sbrk_base = w.word(loc.mp + lay.par.sbrk_base)
+        top_reached = w.main_runs(main, lay, top, sbrk_base)
+    # 4. thread arenas and their heaps
+    for a in arenas[1:]:
+        w.thread_arena(a, lay, w.word(a + lay.state.top), heap_max)
+    # 5. anonymous memory: NONCONTIGUOUS main runs, mmapped chunks
+    flags = w.i32(main + lay.state.flags)
+    need_runs = not top_reached and bool(flags & lay.state.noncontiguous_bit)
+    found, found_bytes, reached = w.anonymous(main, top, need_runs)
+    if not top_reached and not reached:
+        w.v.hard.append(f"main arena: no run reaches top {top:#x}")
+    n_mmaps = w.i32(loc.mp + lay.par.n_mmaps)
+    mmapped_mem = w.word(loc.mp + lay.par.mmapped_mem)
+    V.check_mmapped(w.v, found, found_bytes, n_mmaps, mmapped_mem)
+    w.stats["mmapped"] = found
+    # 6. subtract tcache and fastbin free chunks
+    user, usable = w.assemble()
+    hint = None if loc.version is None else L.version_tuple(loc.version) >= (2, 32)
+    mangled = w.subtract_tcaches(user, usable, hint)
+    w.subtract_fastbins(arenas, lay, mangled)
+    w.check_bins(arenas, lay)
+    drop = array("Q", w.free_nodes)
+    removed = ffi.new("uint64_t *")
+    n = check(lib.mu_walk_subtract(ffi.from_buffer("uint64_t[]", user),
+                                   ffi.from_buffer("uint64_t[]", usable), len(user),
+                                   ffi.from_buffer("uint64_t[]", drop), len(drop), removed),
+              "subtract free chunks")
+    del user[n:]
+    del usable[n:]
+    if removed[0] != len(set(w.free_nodes)):
+        w.v.hard.append(f"{len(set(w.free_nodes)) - removed[0]} free-list nodes are not in-use chunks")
+    # 7. validate: hard issues retake the snapshot
+    w.v.raise_if_hard()
+    w.stats["in_use"] = len(user)
+    w.stats["method"] = loc.method
+    return HeapWalk(allocator, w.image(user, usable), sorted(w.heap_ranges), metadata,
+                    w.v.soft, w.stats)

@@ -1,0 +1,155 @@
+"""Stage 4 on live fixtures: the walker's allocations equal the fixture's own live list plus
+glibc's internal blocks (tcache structs, thread DTVs, stdout's buffer, static startup blocks)."""
+import os
+import signal
+import time
+
+import pytest
+
+import fixtures
+from memunreachable._errors import UnsupportedTarget
+from memunreachable._types import Mapping
+from memunreachable.glibc.layout import TCACHE_U16
+from memunreachable.glibc.walker import walk_heap
+from memunreachable.memory import ProcessMemory
+
+pytestmark = pytest.mark.ptrace
+
+TCACHE_USABLE = TCACHE_U16.chunk_size - 8      # 648 on glibc 2.30+
+DTV_USABLE = 280                               # calloc((max_idx + 16) * 16) per created thread (2.36)
+JEMALLOC = "/usr/lib/x86_64-linux-gnu/libjemalloc.so.2"
+
+
+def read_maps(pid):
+    out = []
+    with open(f"/proc/{pid}/maps") as f:
+        for line in f:
+            p = line.split(None, 5)
+            b, e = (int(x, 16) for x in p[0].split("-"))
+            out.append(Mapping(b, e, p[1], int(p[2], 16), p[3], int(p[4]),
+                               p[5].strip() if len(p) > 5 else ""))
+    return out
+
+
+def stopped_walk(fx):
+    """SIGSTOP the fixture, walk it, SIGCONT; returns (HeapWalk, set of (address, size))."""
+    os.kill(fx.pid, signal.SIGSTOP)
+    deadline = time.monotonic() + 10
+    while open(f"/proc/{fx.pid}/stat").read().rsplit(")", 1)[1].split()[0] != "T":
+        assert time.monotonic() < deadline
+        time.sleep(0.001)
+    try:
+        with ProcessMemory(fx.pid) as mem:
+            hw = walk_heap(mem, read_maps(fx.pid), [], fx.pid)
+    finally:
+        os.kill(fx.pid, signal.SIGCONT)
+    begins, sizes = list(hw.image.begins), list(hw.image.sizes)
+    assert begins == sorted(set(begins))
+    return hw, set(zip(begins, sizes))
+
+
+def owned(fx):
+    return {(b.address, b.size) for b in fx.blocks.values()}
+
+
+def covered(hw, addr, size):
+    return any(base <= addr and addr + size <= base + len(buf) for base, buf in hw.image.regions)
+
+
+def test_main_arena_sizes_bins_mmapped():
+    with fixtures.start("walk_basic") as fx:
+        hw, got = stopped_walk(fx)
+    want = owned(fx)
+    assert len(want) == fx.expect["live"] + 1
+    assert want <= got
+    extra = got - want
+    # glibc's own: the main thread's tcache (it holds free chunks, so it validated)
+    assert extra == {(t, TCACHE_USABLE) for t in hw.stats["tcaches"]}
+    assert len(hw.stats["tcaches"]) == 1
+    assert hw.allocator.name == "glibc" and hw.allocator.version == "2.36"
+    assert hw.stats["tcache_free"] > 0 and hw.stats["fastbin_free"] > 0 and hw.stats["free_chunks"] > 0
+    assert hw.stats["mmapped"] == 5 and hw.stats["mmapped_moved"] == 2
+    assert hw.soft_issues == []
+    for a, s in got:
+        assert covered(hw, a, max(s, 1))
+    # metadata: main_arena and mp_, inside libc's data; never inside a heap range
+    assert len(hw.metadata_ranges) == 2
+    for r in hw.metadata_ranges:
+        assert not any(h.overlaps(r) for h in hw.heap_ranges)
+    for a, s in got:
+        assert any(h.begin <= a and a + s <= h.end for h in hw.heap_ranges)
+
+
+def test_thread_arenas_two_heaps_each():
+    with fixtures.start("walk_threads") as fx:
+        hw, got = stopped_walk(fx)
+    want = owned(fx)
+    assert want <= got
+    extra = sorted(s for _, s in got - want)
+    # 5 tcache structs (main + 4 workers) and one DTV per created thread
+    assert extra == [DTV_USABLE] * fx.expect["threads"] + [TCACHE_USABLE] * (fx.expect["threads"] + 1)
+    assert {(t, TCACHE_USABLE) for t in hw.stats["tcaches"]} <= got - want
+    assert hw.stats["arenas"] == 5
+    assert hw.stats["heaps"] == 8
+    assert hw.soft_issues == []
+
+
+@pytest.mark.parametrize("mode, runs", [("foreign", 2), ("blocked", 2)])
+def test_main_arena_split_runs(mode, runs):
+    with fixtures.start("walk_sbrk", mode) as fx:
+        hw, got = stopped_walk(fx)
+    want = owned(fx)
+    assert want <= got
+    assert got - want == {(t, TCACHE_USABLE) for t in hw.stats["tcaches"]}
+    assert hw.stats["main_runs"] == runs
+
+
+def test_static_glibc():
+    with fixtures.start("walk_basic", extra_flags=["-static"]) as fx:
+        hw, got = stopped_walk(fx)
+    want = owned(fx)
+    assert want <= got
+    assert hw.allocator.version is None          # static builds carry no version string
+    tcaches = {(t, TCACHE_USABLE) for t in hw.stats["tcaches"]}
+    assert len(tcaches) == 1 and tcaches <= got
+    startup = got - want - tcaches
+    # ld.so's startup allocations in a static binary (origin, link_map, search paths, ...):
+    # all made before main() allocated stdout's buffer, after the tcache (the first chunk)
+    stdio = fx.blocks["stdio"].address
+    tc = min(tcaches)[0]
+    assert 1 <= len(startup) <= 8
+    assert all(tc < a < stdio for a, _ in startup)
+    assert hw.stats["mmapped"] == 5
+
+
+def test_static_heap_range_starts_at_sbrk_base():
+    with fixtures.start("walk_basic", extra_flags=["-static"]) as fx:
+        maps = read_maps(fx.pid)
+        hw, got = stopped_walk(fx)
+    heap = [m for m in maps if m.path == "[heap]"][0]
+    main_runs = [r for r in hw.heap_ranges if heap.begin <= r.begin < heap.end]
+    assert len(main_runs) == 1
+    assert main_runs[0].begin > heap.begin          # the TCB/TLS before sbrk_base is a root
+    assert main_runs[0].end == heap.end
+
+
+def test_jemalloc_preloaded_is_refused():
+    assert os.path.exists(JEMALLOC), "CI installs libjemalloc2 (apt-get install libjemalloc2)"
+    env = dict(os.environ, LD_PRELOAD=JEMALLOC)
+    with fixtures.start("walk_basic", env=env) as fx:
+        with pytest.raises(UnsupportedTarget, match="libjemalloc.so.2.*nothing was checked"):
+            stopped_walk(fx)
+
+
+@pytest.mark.parametrize("flags", [[], ["-static"]])
+def test_memory_scan_locator_agrees_with_file_image(flags):
+    from memunreachable import detect
+    from memunreachable.glibc import locate
+    with fixtures.start("walk_basic", extra_flags=flags) as fx:
+        maps = read_maps(fx.pid)
+        scan = detect.scan_maps(maps, fx.pid)
+        with ProcessMemory(fx.pid) as mem:
+            a = locate.locate_in_file(scan.object_mappings, fx.pid, scan.malloc_object)
+            b = locate.locate_in_memory(mem, maps, scan.object_mappings, scan.malloc_object, a.version)
+    assert (a.method, b.method) == ("file", "memory")
+    assert (b.main_arena, b.mp, b.layout) == (a.main_arena, a.mp, a.layout)
