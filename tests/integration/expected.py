@@ -1,0 +1,69 @@
+"""Expected leak shapes of the `check <pid>` fixtures (fixtures/*.c), by block label.
+
+Every fixture prints `block <label> <address> <usable size>` for each block it makes a claim
+about: labels starting with `leak` are unreachable, labels starting with `live` are reachable.
+A shape lists the head SCCs of the leak graph (libmemunreachable.md §5.3, [ours]): one entry
+per head, at its lowest-address member, whose referenced_count/referenced_size cover every
+other member and every leak reachable from the head. Addresses and sizes always come from the
+fixture's own output; nothing here is a number the engine could merely echo.
+"""
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+from typing import Dict, Tuple
+
+
+@dataclass(frozen=True)
+class Head:
+    members: Tuple[str, ...]          # the head SCC (one label, or a cycle's labels)
+    refs: Tuple[str, ...] = ()        # every other leak reachable from it
+
+
+@dataclass(frozen=True)
+class Shape:
+    heads: Tuple[Head, ...] = ()
+    singletons: str = ""              # label prefix: each such block is its own head, no refs
+    repeat: int = 1                   # checks in a row on the same process
+    contents: Dict[str, bytes] = field(default_factory=dict)   # label -> Leak.contents
+
+
+def single(*labels: str) -> Tuple[Head, ...]:
+    return tuple(Head((label,)) for label in labels)
+
+
+EXPECTED: Dict[str, Shape] = {
+    # graph shapes (libmemunreachable.md §5.4)
+    "clean": Shape(),
+    "leak_one": Shape(single("leak"), contents={"leak": b"A" * 32}),
+    "leak_chain": Shape((Head(("leak_a",), ("leak_b", "leak_c")),)),
+    "leak_ring": Shape((Head(("leak_a", "leak_b", "leak_c")),)),
+    "leak_diamond": Shape((Head(("leak_a",), ("leak_b", "leak_c", "leak_d")),)),
+    "leak_ring_tail": Shape((Head(("leak_a",), ("leak_b", "leak_c", "leak_d")),)),
+    "leak_head_cycle": Shape((Head(("leak_a", "leak_b"), ("leak_c",)),)),
+    "leak_shared_child": Shape((Head(("leak_a",), ("leak_c",)), Head(("leak_b",), ("leak_c",)))),
+    "leak_five": Shape(singletons="leak"),
+    # roots
+    "live_interior": Shape(single("leak_pastend")),
+    "live_data": Shape(single("leak_a")),
+    "live_bss": Shape(single("leak_a")),
+    "live_stack": Shape(single("leak_a")),
+    "live_register": Shape(single("leak_a")),
+    "live_tls": Shape(single("leak_a")),
+    "live_thread_stack": Shape(single("leak_a")),
+    "live_dlopen": Shape(single("leak_a")),
+    "live_mmap": Shape(single("leak_a")),
+    # glibc heap shapes
+    "free_chunks": Shape(singletons="leak"),
+    "thread_arena": Shape((Head(("leak_t",), ("leak_m",)),)),
+    "mmap_chunk": Shape((Head(("leak_big",), ("leak_child",)),)),
+    "aligned": Shape(singletons="leak"),
+    "realloc": Shape(singletons="leak"),
+    "calloc_zero": Shape(single("leak_calloc", "leak_calloc_big", "leak_zero")
+                         + (Head(("leak_zero2",), ("leak_calloc2",)),)),
+    # scale and concurrency
+    "leak_lots": Shape(singletons="leak"),
+    "threads_many": Shape(singletons="leak"),
+    "churn": Shape(single("leak_s0", "leak_s1", "leak_s2", "leak_s3", "leak_s4")
+                   + (Head(("leak_a",), ("leak_b",)), Head(("leak_r1", "leak_r2"))),
+                   repeat=20),
+}

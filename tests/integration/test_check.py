@@ -1,0 +1,167 @@
+"""End-to-end `check(pid)` on the C fixtures: exact leak sets, folding and counts.
+
+Each fixture (fixtures/NAME.c) prints its blocks and expected totals, then blocks in read(2).
+For every fixture in expected.EXPECTED the test asserts, per check:
+- the set of entry addresses is exactly the fixture's head blocks (a cycle's lowest address),
+  with each entry's size, referenced_count and referenced_size;
+- num_leaks and leak_bytes equal the fixture's own `expect` lines (computed there from
+  malloc_usable_size), which in turn equal the labelled leak blocks;
+- no live_* block is an entry or lies inside one;
+- the target is still running normally: no thread left in a stop, no snapshot child left
+  behind (zombie or not), and on quit its blocked read resumed and it exited 0 (fx.finish()).
+"""
+from __future__ import annotations
+
+import os
+
+import pytest
+
+import fixtures
+from expected import EXPECTED, Head, Shape
+from memunreachable.unreachable import check
+
+pytestmark = pytest.mark.ptrace
+
+
+def leak_labels(fx) -> list:
+    return sorted(k for k in fx.blocks if k.startswith("leak"))
+
+
+def live_labels(fx) -> list:
+    return sorted(k for k in fx.blocks if k.startswith("live"))
+
+
+def heads_of(fx, shape: Shape) -> list:
+    if shape.singletons:
+        return [Head((k,)) for k in sorted(fx.blocks) if k.startswith(shape.singletons)]
+    return list(shape.heads)
+
+
+def expected_entries(fx, shape: Shape) -> dict:
+    """address -> (size, referenced_count, referenced_size), from the fixture's own output."""
+    out = {}
+    for head in heads_of(fx, shape):
+        blocks = [fx.blocks[k] for k in head.members]
+        rep = min(blocks, key=lambda b: b.address)
+        folded = [b for b in blocks if b is not rep] + [fx.blocks[k] for k in head.refs]
+        out[rep.address] = (rep.size, len(folded), sum(b.size for b in folded))
+    return out
+
+
+def assert_table_matches_fixture(fx, shape: Shape) -> None:
+    """The table covers exactly the fixture's labelled leaks, and they add up to its expect lines."""
+    named = set()
+    for head in heads_of(fx, shape):
+        named.update(head.members, head.refs)
+    assert named == set(leak_labels(fx)), f"{fx.name}: table and fixture labels differ"
+    assert fx.expect["num_leaks"] == len(named)
+    assert fx.expect["leak_bytes"] == sum(fx.blocks[k].size for k in named)
+
+
+def describe(fx, entries: dict) -> dict:
+    names = {b.address: k for k, b in fx.blocks.items()}
+    return {names.get(a, hex(a)): v for a, v in entries.items()}
+
+
+def children_of(pid: int) -> list:
+    """(pid, state) of every process whose parent is `pid`, zombies included."""
+    found = []
+    for entry in os.listdir("/proc"):
+        if not entry.isdigit():
+            continue
+        try:
+            with open(f"/proc/{entry}/stat") as f:
+                stat = f.read()
+        except OSError:
+            continue
+        fields = stat[stat.rindex(")") + 2:].split()
+        if int(fields[1]) == pid:
+            found.append((int(entry), fields[0]))
+    return found
+
+
+def thread_states(pid: int) -> dict:
+    states = {}
+    for tid in os.listdir(f"/proc/{pid}/task"):
+        try:
+            with open(f"/proc/{pid}/task/{tid}/stat") as f:
+                stat = f.read()
+        except OSError:
+            continue
+        states[int(tid)] = stat[stat.rindex(")") + 2:].split()[0]
+    return states
+
+
+def assert_target_running(fx) -> None:
+    assert fx.alive(), f"{fx.name} died during the check"
+    stopped = {tid: s for tid, s in thread_states(fx.pid).items() if s in "tT"}
+    assert stopped == {}, f"{fx.name}: threads left stopped after the check"
+    assert children_of(fx.pid) == [], f"{fx.name}: snapshot process left behind"
+
+
+def assert_result(fx, shape: Shape, info) -> None:
+    want = expected_entries(fx, shape)
+    got = {l.address: (l.size, l.referenced_count, l.referenced_size) for l in info.leaks}
+    assert len(got) == len(info.leaks), "duplicate entry addresses"
+    assert describe(fx, got) == describe(fx, want)
+    assert info.num_leaks == fx.expect["num_leaks"]
+    assert info.leak_bytes == fx.expect["leak_bytes"]
+    assert info.truncated == 0
+    for label in live_labels(fx):
+        live = fx.blocks[label].address
+        inside = [hex(l.address) for l in info.leaks if l.address <= live < l.address + l.size]
+        assert inside == [], f"live block {label} reported as (inside) a leak"
+    # every labelled block was enumerated as an allocation
+    assert info.num_allocations >= len(fx.blocks)
+    assert info.allocation_bytes >= sum(b.size for b in fx.blocks.values())
+    # sorted by total size, ties by address
+    keys = [(-l.total_size, l.address) for l in info.leaks]
+    assert keys == sorted(keys)
+    for label, contents in shape.contents.items():
+        entry = next(l for l in info.leaks if l.address == fx.blocks[label].address)
+        assert entry.contents == contents
+
+
+@pytest.mark.parametrize("name", sorted(EXPECTED))
+def test_check_fixture(name):
+    shape = EXPECTED[name]
+    with fixtures.start(name, timeout=120) as fx:
+        assert_table_matches_fixture(fx, shape)
+        for _ in range(shape.repeat):
+            info = check(fx.pid, limit=None)
+            assert_result(fx, shape, info)
+            assert_target_running(fx)
+    # leaving the block: fx.finish() asserts the read resumed without EINTR and exit 0
+
+
+def test_limit_keeps_the_largest():
+    with fixtures.start("leak_five") as fx:
+        info = check(fx.pid, limit=2)
+        assert [l.address for l in info.leaks] == [fx.blocks["leak_1"].address,
+                                                  fx.blocks["leak_2"].address]
+        assert [l.size for l in info.leaks] == [fx.blocks["leak_1"].size, fx.blocks["leak_2"].size]
+        assert info.truncated == 3
+        assert info.num_leaks == fx.expect["num_leaks"] == 5
+        assert info.leak_bytes == fx.expect["leak_bytes"]
+        assert_target_running(fx)
+
+
+def test_limit_zero_gives_counts_only():
+    with fixtures.start("leak_five") as fx:
+        info = check(fx.pid, limit=0)
+        assert info.leaks == []
+        assert info.truncated == 5
+        assert info.num_leaks == 5
+        assert info.leak_bytes == fx.expect["leak_bytes"]
+        assert_target_running(fx)
+
+
+def test_repeated_checks_agree():
+    """Checking twice gives the same result, and the second check does not see the first."""
+    with fixtures.start("leak_chain") as fx:
+        first = check(fx.pid, limit=None)
+        second = check(fx.pid, limit=None)
+        assert [(l.address, l.size, l.referenced_count, l.referenced_size) for l in first.leaks] == \
+               [(l.address, l.size, l.referenced_count, l.referenced_size) for l in second.leaks]
+        assert (first.num_leaks, first.leak_bytes) == (second.num_leaks, second.leak_bytes)
+        assert_target_running(fx)
