@@ -1,7 +1,404 @@
-/* mu_scan.c: STUB, to be replaced by the mark implementation. */
+/* mu_scan.c: the conservative mark (libmemunreachable.md section 3): word scan, sorted-range
+ * lookup and an iterative LIFO worklist. Policy (which ranges are roots) lives in Python. */
 #include "mu_core_impl.h"
+#include <sys/mman.h>
+
+#define SCAN_MIN_SHIFT 4u        /* smallest page-table granule: 16 bytes */
+#define SCAN_MAX_SHIFT 40u
+#define SCAN_NONE UINT32_MAX
+#define SCAN_PREFETCH_BYTES 512u /* of a newly marked allocation, fetched ahead of its scan */
+#define SCAN_POP 16u             /* allocations popped and fetched together */
+#define SCAN_BATCH 32u           /* lookups in flight together (memory-level parallelism) */
+
+static inline uint64_t ld64(const uint8_t *p)
+{
+    uint64_t v;
+    memcpy(&v, p, sizeof v);
+    return v;
+}
+
+/* malloc for the large lookup arrays: 2 MiB-aligned and advised MADV_HUGEPAGE (THP is
+ * "madvise" on many distributions), since every lookup is a random access and 4 KiB pages
+ * would add a TLB miss to each. Returns NULL on failure; release with free(). */
+static void *big_alloc(uint64_t bytes)
+{
+    const uint64_t huge = 2u << 20;
+    if (bytes < 2 * huge)
+        return malloc(bytes ? bytes : 1);
+    void *p = NULL;
+    if (posix_memalign(&p, huge, bytes))
+        return NULL;
+    madvise(p, (bytes + 4095) & ~(uint64_t)4095, MADV_HUGEPAGE);   /* advisory: errors ignored */
+    return p;
+}
+
+static inline uint64_t pages_of(uint64_t len, uint32_t shift)
+{
+    return (len >> shift) + ((len & ((1ull << shift) - 1)) != 0);
+}
+
+static inline uint64_t alloc_len(uint64_t size)
+{
+    return size ? size : 1;
+}
+
+void mu_scan_index_free(mu_scan_index *ix)
+{
+    free(ix->span);
+    free(ix->first_alloc);
+    free(ix->page_off);
+    free(ix->page);
+    memset(ix, 0, sizeof *ix);
+}
+
+/* Returns 0, -EINVAL (unsorted, overlapping or outside every region), -EOVERFLOW or -ENOMEM. */
+int64_t mu_scan_index_init(mu_scan_index *ix, const uint64_t *begin, const uint64_t *size,
+                           uint64_t n, const mu_region *heap, uint64_t nheap)
+{
+    memset(ix, 0, sizeof *ix);
+    if ((n && (!begin || !size)) || (nheap && !heap) || (n && !nheap))
+        return -EINVAL;
+    if (n >= SCAN_NONE)
+        return -EOVERFLOW;
+    /* Regions: sorted by base, disjoint, no wrap-around, data present. */
+    for (uint64_t r = 0; r < nheap; r++) {
+        if (heap[r].base + heap[r].len < heap[r].base || (heap[r].len && !heap[r].data))
+            return -EINVAL;
+        if (r && heap[r].base < heap[r - 1].base + heap[r - 1].len)
+            return -EINVAL;
+    }
+    ix->n = n;
+    ix->heap = heap;
+    ix->nheap = nheap;
+    ix->span = big_alloc(n * 2 * sizeof(uint64_t));
+    ix->first_alloc = malloc((nheap + 1) * sizeof(uint64_t));
+    ix->page_off = malloc((nheap ? nheap : 1) * sizeof(uint64_t));
+    if (!ix->span || !ix->first_alloc || !ix->page_off) {
+        mu_scan_index_free(ix);
+        return -ENOMEM;
+    }
+    /* Allocations: strictly ascending, non-overlapping, each inside one region. */
+    uint64_t r = 0, prev_end = 0;
+    for (uint64_t i = 0; i < n; i++) {
+        uint64_t b = begin[i], e = b + alloc_len(size[i]);
+        if (e < b || (i && b < prev_end))
+            goto invalid;
+        while (r < nheap && heap[r].base + heap[r].len <= b)
+            r++;
+        if (r == nheap || b < heap[r].base || e > heap[r].base + heap[r].len)
+            goto invalid;
+        ix->span[2 * i] = b;
+        ix->span[2 * i + 1] = e;
+        prev_end = e;
+    }
+    /* Allocations of region k: [first_alloc[k], first_alloc[k+1]). */
+    uint64_t i = 0;
+    for (uint64_t k = 0; k < nheap; k++) {
+        while (i < n && ix->span[2 * i] < heap[k].base)
+            i++;
+        ix->first_alloc[k] = i;
+    }
+    ix->first_alloc[nheap] = n;
+    ix->lo = n ? ix->span[0] : 0;
+    ix->hi = n ? ix->span[2 * n - 1] : 0;
+
+    /* Page tables: the granule is the smallest power of two >= 16 bytes giving at most about
+     * one page per allocation (so a lookup is one table load and one span load). */
+    uint32_t shift = SCAN_MIN_SHIFT;
+    uint64_t total;
+    for (;;) {
+        total = 0;
+        for (uint64_t k = 0; k < nheap; k++)
+            total += pages_of(heap[k].len, shift) + 1;
+        if (total <= n + 65536 + nheap || shift >= SCAN_MAX_SHIFT)
+            break;
+        shift++;
+    }
+    ix->shift = shift;
+    ix->page = big_alloc(total * sizeof(uint32_t));
+    if (!ix->page) {
+        mu_scan_index_free(ix);
+        return -ENOMEM;
+    }
+    uint64_t off = 0;
+    for (uint64_t k = 0; k < nheap; k++) {
+        uint64_t np = pages_of(heap[k].len, shift);
+        uint64_t i = ix->first_alloc[k], end_i = ix->first_alloc[k + 1];
+        ix->page_off[k] = off;
+        for (uint64_t p = 0; p <= np; p++) {
+            uint64_t start = heap[k].base + (p << shift);
+            while (i < end_i && ix->span[2 * i + 1] <= start)
+                i++;
+            ix->page[off + p] = (uint32_t)i;
+        }
+        off += np + 1;
+    }
+    return 0;
+invalid:
+    mu_scan_index_free(ix);
+    return -EINVAL;
+}
+
+/* Returns the region containing v, or nheap. */
+static inline uint64_t region_find(mu_scan_index *ix, uint64_t v)
+{
+    const mu_region *h = ix->heap;
+    uint64_t c = ix->last_region;
+    if (c < ix->nheap && v - h[c].base < h[c].len)
+        return c;
+    uint64_t lo = 0, hi = ix->nheap;    /* first region with base > v */
+    while (lo < hi) {
+        uint64_t mid = (lo + hi) >> 1;
+        if (h[mid].base <= v)
+            lo = mid + 1;
+        else
+            hi = mid;
+    }
+    if (lo == 0 || v - h[lo - 1].base >= h[lo - 1].len)
+        return ix->nheap;
+    ix->last_region = lo - 1;
+    return lo - 1;
+}
+
+/* Finishes a lookup of v in region r once its page entry is (about to be) cached:
+ * returns the allocation containing v, or -1. */
+static inline int64_t page_search(const mu_scan_index *ix, uint64_t r, const uint32_t *pg, uint64_t v)
+{
+    uint64_t lo = pg[0], hi = pg[1];
+    uint64_t end_r = ix->first_alloc[r + 1];
+    if (lo >= end_r)
+        return -1;
+    if (hi >= end_r)
+        hi = end_r - 1;
+    const uint64_t *sp = ix->span;
+    if (sp[2 * lo] > v)
+        return -1;
+    while (lo < hi) {                   /* last k in [lo, hi] with begin[k] <= v */
+        uint64_t mid = (lo + hi + 1) >> 1;
+        if (sp[2 * mid] <= v)
+            lo = mid;
+        else
+            hi = mid - 1;
+    }
+    return v < sp[2 * lo + 1] ? (int64_t)lo : -1;
+}
+
+static inline const uint32_t *page_of(const mu_scan_index *ix, uint64_t r, uint64_t v)
+{
+    return ix->page + ix->page_off[r] + ((v - ix->heap[r].base) >> ix->shift);
+}
+
+/* Looks up nv <= SCAN_BATCH values that passed the [lo, hi) filter, in stages so that their
+ * cache misses overlap: page entries, then span entries, then the searches.
+ * out[k] = allocation index or -1; reg[k] = region of vals[k] (when out[k] >= 0). */
+static inline void find_batch(mu_scan_index *ix, const uint64_t *vals, uint64_t nv,
+                              int64_t *out, uint64_t *reg)
+{
+    const uint32_t *pg[SCAN_BATCH];
+    for (uint64_t k = 0; k < nv; k++) {
+        uint64_t r = region_find(ix, vals[k]);
+        reg[k] = r;
+        if (r == ix->nheap) {
+            pg[k] = NULL;
+            continue;
+        }
+        pg[k] = page_of(ix, r, vals[k]);
+        __builtin_prefetch(pg[k]);
+    }
+    for (uint64_t k = 0; k < nv; k++) {
+        if (pg[k]) {
+            __builtin_prefetch(&ix->span[2 * (uint64_t)pg[k][0]]);
+            __builtin_prefetch(&ix->span[2 * (uint64_t)pg[k][1]]);
+        }
+    }
+    for (uint64_t k = 0; k < nv; k++)
+        out[k] = pg[k] ? page_search(ix, reg[k], pg[k], vals[k]) : -1;
+}
+
+int64_t mu_scan_index_find(mu_scan_index *ix, uint64_t v)
+{
+    if (v - ix->lo >= ix->hi - ix->lo)
+        return -1;
+    uint64_t r = region_find(ix, v);
+    if (r == ix->nheap)
+        return -1;
+    return page_search(ix, r, page_of(ix, r, v), v);
+}
+
+/* Stores in out[k] the allocation containing vals[k], or -1 (any nv; batched lookups). */
+void mu_scan_index_find_many(mu_scan_index *ix, const uint64_t *vals, uint64_t nv, int64_t *out)
+{
+    uint64_t cand[SCAN_BATCH], pos[SCAN_BATCH], reg[SCAN_BATCH];
+    int64_t res[SCAN_BATCH];
+    uint64_t nc = 0;
+    for (uint64_t k = 0; k <= nv; k++) {
+        if (k < nv) {
+            out[k] = -1;
+            if (vals[k] - ix->lo < ix->hi - ix->lo) {
+                cand[nc] = vals[k];
+                pos[nc++] = k;
+            }
+        }
+        if (nc == SCAN_BATCH || (k == nv && nc)) {
+            find_batch(ix, cand, nc, res, reg);
+            for (uint64_t j = 0; j < nc; j++)
+                out[pos[j]] = res[j];
+            nc = 0;
+        }
+    }
+}
+
+uint64_t mu_scan_index_region_of(const mu_scan_index *ix, uint64_t i)
+{
+    uint64_t lo = 0, hi = ix->nheap;    /* last region with first_alloc[r] <= i < first_alloc[r+1] */
+    while (hi - lo > 1) {
+        uint64_t mid = (lo + hi) >> 1;
+        if (ix->first_alloc[mid] <= i)
+            lo = mid;
+        else
+            hi = mid;
+    }
+    return lo;
+}
+
+typedef struct {
+    mu_scan_index *ix;
+    uint8_t *marked;
+    uint32_t *stack;
+    uint64_t sp;
+    uint64_t marks;
+    uint64_t words;
+    uint64_t cand[SCAN_BATCH];  /* filtered values waiting for a batched lookup */
+    uint64_t nc;
+} mark_ctx;
+
+/* Looks up the pending candidates; marks and pushes the allocations newly hit. */
+static void flush(mark_ctx *m)
+{
+    int64_t hit[SCAN_BATCH];
+    uint64_t reg[SCAN_BATCH];
+    find_batch(m->ix, m->cand, m->nc, hit, reg);
+    for (uint64_t k = 0; k < m->nc; k++)
+        if (hit[k] >= 0)
+            __builtin_prefetch(&m->marked[hit[k]]);
+    for (uint64_t k = 0; k < m->nc; k++) {
+        int64_t a = hit[k];
+        if (a < 0 || m->marked[a])
+            continue;
+        m->marked[a] = 1;
+        m->stack[m->sp++] = (uint32_t)a;
+        m->marks++;
+    }
+    m->nc = 0;
+}
+
+static inline __attribute__((always_inline)) void consider(mark_ctx *m, uint64_t v)
+{
+    if (v - m->ix->lo >= m->ix->hi - m->ix->lo)
+        return;
+    m->cand[m->nc++] = v;
+    if (m->nc == SCAN_BATCH)
+        flush(m);
+}
+
+/* Scans [addr, addr+len) whose bytes are at data; avail (>= len) bytes are readable there. */
+static void scan_range(mark_ctx *m, const uint8_t *data, uint64_t addr, uint64_t len, uint64_t avail)
+{
+    uint64_t skip = (8 - (addr & 7)) & 7;
+    if (skip >= len)
+        return;
+    const uint8_t *p = data + skip;
+    uint64_t rest = len - skip, nw = rest >> 3;
+    for (uint64_t w = 0; w < nw; w++)
+        consider(m, ld64(p + 8 * w));
+    m->words += nw;
+    if (rest & 7) {                     /* a last word starting before the end: read whole */
+        uint64_t v = 0, have = avail - skip - 8 * nw;
+        memcpy(&v, p + 8 * nw, have < 8 ? have : 8);
+        consider(m, v);
+        m->words++;
+    }
+}
+
 int64_t mu_mark(const uint64_t *begin, const uint64_t *size, uint64_t n,
                 const mu_region *heap, uint64_t nheap,
                 const mu_region *roots, uint64_t nroots,
                 const uint64_t *words, uint64_t nwords,
-                uint8_t *marked, mu_mark_stats *stats) { return -ENOSYS; }
+                uint8_t *marked, mu_mark_stats *stats)
+{
+    if ((n && !marked) || (nroots && !roots) || (nwords && !words))
+        return -EINVAL;
+    for (uint64_t r = 0; r < nroots; r++)
+        if (roots[r].len && !roots[r].data)
+            return -EINVAL;
+    mu_scan_index ix;
+    int64_t rc = mu_scan_index_init(&ix, begin, size, n, heap, nheap);
+    if (rc < 0)
+        return rc;
+    mark_ctx *m = calloc(1, sizeof *m);
+    uint32_t *stack = big_alloc(n * sizeof(uint32_t));
+    if (!m || !stack) {
+        free(m);
+        free(stack);
+        mu_scan_index_free(&ix);
+        return -ENOMEM;
+    }
+    m->ix = &ix;
+    m->marked = marked;
+    m->stack = stack;
+    if (n)
+        memset(marked, 0, n);
+    uint64_t root_bytes = 0, heap_bytes = 0;
+    for (uint64_t r = 0; r < nroots; r++) {
+        scan_range(m, roots[r].data, roots[r].base, roots[r].len, roots[r].len);
+        root_bytes += roots[r].len;
+    }
+    for (uint64_t w = 0; w < nwords; w++)
+        consider(m, words[w]);
+    m->words += nwords;
+    /* Worklist: pop up to SCAN_POP allocations, fetch their words together, scan them; look
+     * the candidates up in batches. Each allocation is marked when pushed, so it is scanned
+     * at most once. */
+    for (;;) {
+        if (m->sp == 0) {
+            if (m->nc == 0)
+                break;
+            flush(m);
+            continue;
+        }
+        uint32_t batch[SCAN_POP];
+        const uint8_t *bdata[SCAN_POP];
+        uint64_t nb = 0;
+        while (nb < SCAN_POP && m->sp) {
+            uint64_t i = batch[nb] = m->stack[--m->sp];
+            uint64_t r = nheap == 1 ? 0 : mu_scan_index_region_of(&ix, i);
+            uint64_t b = ix.span[2 * i], len = ix.span[2 * i + 1] - b;
+            const uint8_t *d = bdata[nb++] = heap[r].data + (b - heap[r].base);
+            if (len > SCAN_PREFETCH_BYTES)
+                len = SCAN_PREFETCH_BYTES;
+            for (uint64_t o = 0; o < len; o += 64)
+                __builtin_prefetch(d + o);
+            __builtin_prefetch(d + len - 1);
+        }
+        for (uint64_t k = 0; k < nb; k++) {
+            uint64_t i = batch[k];
+            uint64_t r = nheap == 1 ? 0 : mu_scan_index_region_of(&ix, i);
+            uint64_t b = ix.span[2 * i], len = ix.span[2 * i + 1] - b;
+            if (len == 1)
+                len = size[i];          /* 0 or 1: a zero-size allocation has no words */
+            scan_range(m, bdata[k], b, len, heap[r].base + heap[r].len - b);
+            heap_bytes += len;
+        }
+    }
+    if (stats) {
+        stats->root_bytes = root_bytes;
+        stats->heap_bytes = heap_bytes;
+        stats->words = m->words;
+        stats->marked = m->marks;
+    }
+    int64_t out = (int64_t)m->marks;
+    free(m);
+    free(stack);
+    mu_scan_index_free(&ix);
+    return out;
+}

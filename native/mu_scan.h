@@ -27,8 +27,9 @@ int64_t mu_mark(const uint64_t *begin, const uint64_t *size, uint64_t n,
 
 /* Internal to the C core (shared by mu_mark and mu_fold); Python does not call these.
  * An address -> allocation lookup: a [lo, hi) filter, a binary search over the heap regions,
- * then per region a page table (first allocation ending after each page start) and a short
- * binary search over span[] = {begin, end} pairs. Fields are private to mu_scan.c. */
+ * then per region a page table (first allocation ending after each page start; the granule
+ * gives about one page per allocation) and a short binary search over span[] = {begin, end}
+ * pairs. Fields are private to mu_scan.c. */
 typedef struct {
     uint64_t n;
     uint64_t lo;             /* min begin */
@@ -39,7 +40,7 @@ typedef struct {
     uint64_t *first_alloc;   /* nheap+1: allocations of region r are [first_alloc[r], first_alloc[r+1]) */
     uint64_t *page_off;      /* nheap: start of region r's table in page[] (pages(r) + 1 entries) */
     uint32_t *page;
-    uint32_t shift;          /* log2 of the page-table granule (12 unless regions are sparse) */
+    uint32_t shift;          /* log2 of the page-table granule (>= 4) */
     uint64_t last_region;    /* lookup cache */
 } mu_scan_index;
 
@@ -50,5 +51,7 @@ int64_t mu_scan_index_init(mu_scan_index *ix, const uint64_t *begin, const uint6
 void mu_scan_index_free(mu_scan_index *ix);
 /* Returns the index of the allocation containing address v, or -1. */
 int64_t mu_scan_index_find(mu_scan_index *ix, uint64_t v);
+/* Stores in out[k] the index of the allocation containing vals[k], or -1 (batched lookups). */
+void mu_scan_index_find_many(mu_scan_index *ix, const uint64_t *vals, uint64_t nv, int64_t *out);
 /* Returns the index of the heap region holding allocation i (i < n). */
 uint64_t mu_scan_index_region_of(const mu_scan_index *ix, uint64_t i);

@@ -1,0 +1,85 @@
+"""Stage 7: fold. Group the unreachable allocations into leak entries.
+
+Input: the HeapImage that was marked and the marked flags (MarkResult.marked; 0 = leak).
+Output: one FoldedLeak per head SCC of the leak graph (an SCC no other leak points into), in
+address order of its representative, the SCC's lowest-address member. referenced_count /
+referenced_size count every other leak reachable from the head SCC, its other members
+included; a leak reachable from two heads is counted under both (libmemunreachable.md 5.3,
+"[ours]": one entry per head SCC, where upstream emits one per member).
+The graph, the iterative Tarjan SCC and the sums run in mu_fold (native/mu_fold.c).
+Pure over plain data: no pid, no ptrace.
+"""
+from __future__ import annotations
+
+from array import array
+from dataclasses import dataclass
+from typing import List, Sequence, Tuple
+
+from memunreachable._ffi import check, ffi, lib
+from memunreachable._types import HeapImage
+
+
+# output arrays are written by mu_fold up to its return value: no need to zero them first
+_new_uncleared = ffi.new_allocator(should_clear_after_alloc=False)
+
+
+@dataclass(frozen=True)
+class FoldedLeak:
+    """A head SCC: index of its lowest-address member, and what it references beyond it."""
+    index: int
+    referenced_count: int
+    referenced_size: int
+
+
+# Returns a uint64_t[] cdata over values (zero-copy for an array('Q')) and the object to keep alive.
+def _u64_view(values):
+    if isinstance(values, array) and values.typecode in "QL" and values.itemsize == 8:
+        return ffi.from_buffer("uint64_t[]", values), values
+    try:
+        mv = memoryview(values)
+    except TypeError:
+        mv = None
+    if mv is not None and mv.format in ("Q", "L", "=Q", "<Q") and mv.itemsize == 8 and mv.c_contiguous:
+        return ffi.from_buffer("uint64_t[]", values), values
+    arr = array("Q", values)
+    return ffi.from_buffer("uint64_t[]", arr), arr
+
+
+# Returns a mu_region[] over (base, buffer) pairs and the objects to keep alive with it.
+def _region_array(pairs: Sequence[Tuple[int, object]]):
+    regions = ffi.new("mu_region[]", max(len(pairs), 1))
+    keep = [regions]
+    for k, (base, buf) in enumerate(pairs):
+        nbytes = memoryview(buf).nbytes
+        data = ffi.from_buffer("uint8_t[]", buf) if nbytes else ffi.NULL
+        keep.append(data)
+        regions[k].base = base
+        regions[k].len = nbytes
+        regions[k].data = data
+    return regions, keep
+
+
+# Returns the entries ordered by index; raises OSError(EINVAL) on invalid input (as mark),
+# OSError(ENOMEM) when out of memory. `marked` is a bytes-like of length n, or a MarkResult.
+def fold(image: HeapImage, marked) -> List[FoldedLeak]:
+    marked = getattr(marked, "marked", marked)
+    begins, keep_b = _u64_view(image.begins)
+    sizes, keep_s = _u64_view(image.sizes)
+    n = len(begins)
+    if len(sizes) != n or len(marked) != n:
+        raise ValueError(f"{n} allocation begins, {len(sizes)} sizes, {len(marked)} marked flags")
+    flags = bytes(marked)
+    cap = flags.count(0)
+    heap, keep_h = _region_array(image.regions)
+    rep = _new_uncleared("uint64_t[]", max(cap, 1))
+    ref_count = _new_uncleared("uint64_t[]", max(cap, 1))
+    ref_size = _new_uncleared("uint64_t[]", max(cap, 1))
+    flags_c = ffi.from_buffer("uint8_t[]", flags) if n else ffi.NULL
+    rc = lib.mu_fold(begins, sizes, n, heap, len(image.regions), flags_c,
+                     rep, ref_count, ref_size, cap)
+    check(rc, "fold")
+    del keep_b, keep_s, keep_h
+    reps = ffi.unpack(rep, rc)
+    counts = ffi.unpack(ref_count, rc)
+    rsizes = ffi.unpack(ref_size, rc)
+    return [FoldedLeak(i, c, s) for i, c, s in zip(reps, counts, rsizes)]

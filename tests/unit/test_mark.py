@@ -1,0 +1,335 @@
+"""Unit tests of stage 6 (mark): the upstream HeapWalker cases on in-memory heaps.
+
+Heaps are Python buffers at addresses we pick; pointers are packed with struct.
+Drawings: `X -> Y` means a word of X holds an address inside Y.
+"""
+import errno
+import random
+import struct
+from array import array
+
+import pytest
+
+from memunreachable._types import HeapImage
+from memunreachable.mark import mark
+
+BASE = 0x7F3A_0000_1000
+
+
+class Heap:
+    """Blocks laid out from `base`, each on a 16-byte boundary after the previous one."""
+
+    def __init__(self, sizes, base=BASE, gap=16):
+        self.base = base
+        self.addrs = []
+        addr = base
+        for size in sizes:
+            self.addrs.append(addr)
+            addr += (max(size, 1) + 15) // 16 * 16 + gap
+        self.sizes = list(sizes)
+        self.buf = bytearray(addr - base)
+
+    def point(self, src, slot, value):
+        """Store value in word `slot` of block src."""
+        struct.pack_into("<Q", self.buf, self.addrs[src] + 8 * slot - self.base, value)
+
+    def link(self, src, slot, dst, delta=0):
+        self.point(src, slot, self.addrs[dst] + delta)
+
+    def image(self):
+        return HeapImage(array("Q", self.addrs), array("Q", self.sizes), [(self.base, self.buf)])
+
+
+def words_buffer(*values):
+    return bytearray(struct.pack(f"<{len(values)}Q", *values))
+
+
+ROOT = 0x5555_0000_0000
+
+
+# HeapWalker.leak: pointers just before the block and just past its end keep nothing alive.
+def test_leak_pointer_before_and_one_past_end():
+    h = Heap([16])
+    a = h.addrs[0]
+    root = words_buffer(a - 8, a + 16, a + 15 + 8, a - 1)
+    res = mark(h.image(), [(ROOT, root)])
+    assert list(res.marked) == [0]
+    assert (res.num_marked, res.root_bytes, res.heap_bytes, res.words) == (0, 32, 0, 4)
+
+
+# HeapWalker.live: a root word pointing at any byte of the block (4 slots x 16 offsets).
+@pytest.mark.parametrize("slot", range(4))
+@pytest.mark.parametrize("offset", range(16))
+def test_live_interior_pointers(slot, offset):
+    h = Heap([16])
+    values = [0, 0, 0, 0]
+    values[slot] = h.addrs[0] + offset
+    res = mark(h.image(), [(ROOT, words_buffer(*values))])
+    assert list(res.marked) == [1]
+    assert (res.num_marked, res.heap_bytes, res.words) == (1, 16, 4 + 2)
+
+
+# HeapWalker.unaligned: root range [root+i, root+32-j); the pointer sits in word 1.
+@pytest.mark.parametrize("i", range(8))
+@pytest.mark.parametrize("j", range(8))
+def test_unaligned_root_range(i, j):
+    h = Heap([16])
+    buf = words_buffer(0, h.addrs[0], 0, 0)
+    res = mark(h.image(), [(ROOT + i, memoryview(buf)[i:32 - j])])
+    assert list(res.marked) == [1]
+    assert res.root_bytes == 32 - i - j
+
+
+def test_unaligned_start_skips_the_straddling_word():
+    h = Heap([16])
+    buf = words_buffer(h.addrs[0], 0)
+    # the range starts at ROOT+1: rounded up to ROOT+8, so word 0 (the pointer) is never read
+    res = mark(h.image(), [(ROOT + 1, memoryview(buf)[1:])])
+    assert list(res.marked) == [0]
+    assert res.words == 1
+
+
+def test_root_tail_word_is_zero_padded_past_the_buffer():
+    low = Heap([16], base=0x1000)            # an address that fits in 4 bytes
+    buf = words_buffer(0, low.addrs[0])
+    assert list(mark(low.image(), [(ROOT, memoryview(buf)[:12])]).marked) == [1]
+    high = Heap([16])                        # upper bytes cut off: the word reads as a low value
+    buf = words_buffer(0, high.addrs[0])
+    assert list(mark(high.image(), [(ROOT, memoryview(buf)[:12])]).marked) == [0]
+
+
+def test_heap_tail_word_is_read_whole_inside_the_region():
+    # A(12) -> B: the pointer is in the word at A+8, which starts before A's end (A+12)
+    h = Heap([12, 16])
+    h.link(0, 1, 1)
+    root = words_buffer(h.addrs[0])
+    res = mark(h.image(), [(ROOT, root)])
+    assert list(res.marked) == [1, 1]
+    assert (res.heap_bytes, res.words) == (12 + 16, 1 + 2 + 2)
+
+
+# HeapWalker.cycle: two one-word blocks pointing at each other, no roots: 2 leaks of 2w.
+def test_cycle_without_roots_is_two_leaks():
+    h = Heap([8, 8], gap=0)
+    h.link(0, 0, 1)
+    h.link(1, 0, 0)
+    res = mark(h.image(), [])
+    assert list(res.marked) == [0, 0]
+    assert res.num_marked == 0
+    leaked = sum(s for s, m in zip(h.sizes, res.marked) if not m)
+    assert leaked == 16
+
+
+# HeapWalker.zero: a zero-size block counts as 1 byte, [begin, begin+1).
+def test_zero_size_block_counts_as_one_byte():
+    a = BASE
+    img = HeapImage(array("Q", [a, a + 1, a + 16]), array("Q", [0, 0, 16]), [(BASE, bytearray(32))])
+    assert list(mark(img, [], [a + 1]).marked) == [0, 1, 0]
+    assert list(mark(img, [], [a]).marked) == [1, 0, 0]
+    assert list(mark(img, [], [a + 2]).marked) == [0, 0, 0]
+    res = mark(img, [], [a, a + 1])
+    assert (res.num_marked, res.heap_bytes, res.words) == (2, 0, 2)
+
+
+def test_root_words_registers():
+    h = Heap([16, 32, 24])
+    a, b, c = h.addrs
+    res = mark(h.image(), [], [0, 1, b + 31, c + 24, a - 1, 0xFFFF_FFFF_FFFF_FFFF])
+    assert list(res.marked) == [0, 1, 0]
+    assert (res.root_bytes, res.words, res.heap_bytes) == (0, 6 + 4, 32)
+
+
+def test_transitive_chain_and_stats():
+    # root -> A -> B -> C; D unreached; C -> one past D's end (not D)
+    h = Heap([16, 24, 32, 16])
+    h.link(0, 1, 1)
+    h.link(1, 2, 2, delta=23)
+    h.link(2, 0, 3, delta=16)
+    res = mark(h.image(), [(ROOT, words_buffer(0, h.addrs[0]))])
+    assert list(res.marked) == [1, 1, 1, 0]
+    assert res.num_marked == 3
+    assert res.root_bytes == 16
+    assert res.heap_bytes == 16 + 24 + 32
+    assert res.words == 2 + 2 + 3 + 4
+
+
+def test_cycle_hanging_off_a_root_is_reachable():
+    # global -> B, B <-> C; A alone
+    h = Heap([16, 16, 16])
+    h.link(1, 0, 2)
+    h.link(2, 1, 1)
+    res = mark(h.image(), [(ROOT, words_buffer(h.addrs[1]))])
+    assert list(res.marked) == [0, 1, 1]
+
+
+def test_roots_scanned_in_order_each_block_once():
+    h = Heap([16, 16])
+    h.link(0, 0, 1)
+    h.link(1, 0, 0)
+    r1 = words_buffer(h.addrs[0], h.addrs[1])
+    r2 = words_buffer(h.addrs[1] + 8)
+    res = mark(h.image(), [(ROOT, r1), (ROOT + 0x1000, r2)], [h.addrs[0]])
+    assert list(res.marked) == [1, 1]
+    assert (res.root_bytes, res.heap_bytes, res.words) == (24, 32, 2 + 1 + 1 + 4)
+
+
+def test_two_regions_and_the_gap_between_them():
+    lo = Heap([16, 16], base=BASE)
+    hi = Heap([16, 16], base=BASE + 0x10_0000)
+    lo.link(0, 0, 1)                      # lo0 -> lo1 -> hi1
+    lo.point(1, 0, hi.addrs[1])
+    img = HeapImage(array("Q", lo.addrs + hi.addrs), array("Q", lo.sizes + hi.sizes),
+                    [(lo.base, lo.buf), (hi.base, hi.buf)])
+    gap = BASE + 0x8_0000
+    res = mark(img, [(ROOT, words_buffer(gap, BASE - 16, hi.base + len(hi.buf), lo.addrs[0]))])
+    assert list(res.marked) == [1, 1, 0, 1]
+    assert res.num_marked == 3
+
+
+def test_plain_lists_are_accepted():
+    h = Heap([16, 16])
+    img = HeapImage(list(h.addrs), list(h.sizes), [(h.base, bytes(h.buf))])
+    assert list(mark(img, [(ROOT, bytes(words_buffer(h.addrs[1])))], [h.addrs[0]]).marked) == [1, 1]
+
+
+def test_empty_inputs():
+    img = HeapImage(array("Q"), array("Q"), [])
+    res = mark(img, [(ROOT, words_buffer(BASE))], [BASE])
+    assert res.marked == bytearray()
+    assert (res.num_marked, res.root_bytes, res.words) == (0, 8, 2)
+
+
+def _image(begins, sizes, regions=((0x1000, 0x100),)):
+    return HeapImage(array("Q", begins), array("Q", sizes), [(b, bytearray(n)) for b, n in regions])
+
+
+# HeapWalker.allocation/overlap/zero/mapping: our input is sorted arrays, so the
+# insertion-order checks become "valid sorted input" vs EINVAL.
+@pytest.mark.parametrize("begins,sizes", [
+    ([0x1000, 0x1002, 0x1003, 0x1004, 0x1006], [1, 1, 1, 1, 1]),      # allocation
+    ([0x1001, 0x1002, 0x1003, 0x1004], [1, 1, 1, 1]),                 # overlap: the accepted ones
+    ([0x1001, 0x1002, 0x1003], [0, 0, 0]),                            # zero
+    ([0x1000, 0x10F8], [8, 8]),                                       # ends exactly at the region end
+])
+def test_valid_allocations(begins, sizes):
+    assert list(mark(_image(begins, sizes), []).marked) == [0] * len(begins)
+
+
+@pytest.mark.parametrize("begins,sizes,regions", [
+    ([0x1002, 0x1002], [1, 1], None),          # identical duplicate
+    ([0x1002, 0x1001], [1, 2], None),          # unsorted
+    ([0x1001, 0x1002], [2, 1], None),          # overlap
+    ([0x1001, 0x1003], [3, 1], None),
+    ([0x1002, 0x1002], [0, 0], None),          # zero-size duplicate
+    ([0x1002, 0x1002], [0, 1], None),          # zero-size counts as 1 byte: (2,2) vs (2,3)
+    ([0x0FF8], [16], None),                    # mapping: starts below the region
+    ([0x10F8], [16], None),                    # crosses the region end
+    ([0x2000], [8], None),                     # outside every region
+    ([0x1000], [0x200], [(0x1000, 0x100), (0x1100, 0x100)]),   # spans two regions
+    ([0x1000], [8], [(0x1000, 0x100), (0x1080, 0x100)]),       # overlapping regions
+    ([0x1000], [8], [(0x2000, 0x100), (0x1000, 0x100)]),       # unsorted regions
+    ([0xFFFF_FFFF_FFFF_FFF8], [16], [(0xFFFF_FFFF_FFFF_FF00, 0xF0)]),  # wraps around
+])
+def test_invalid_allocations_raise_einval(begins, sizes, regions):
+    img = _image(begins, sizes) if regions is None else _image(begins, sizes, regions)
+    with pytest.raises(OSError) as exc:
+        mark(img, [])
+    assert exc.value.errno == errno.EINVAL
+
+
+def test_mismatched_lengths_raise_valueerror():
+    with pytest.raises(ValueError):
+        mark(HeapImage(array("Q", [0x1000]), array("Q"), [(0x1000, bytearray(16))]), [])
+
+
+def _reference_mark(begins, sizes, regions, roots, words):
+    """Straightforward model of libmemunreachable.md section 3 (slow, for comparison)."""
+    spans = [(b, b + max(s, 1)) for b, s in zip(begins, sizes)]
+
+    def find(v):
+        for k, (b, e) in enumerate(spans):
+            if b <= v < e:
+                return k
+        return None
+
+    def read(addr, nbytes, holders):
+        for base, buf in holders:
+            if base <= addr < base + len(buf):
+                chunk = bytes(buf[addr - base:addr - base + nbytes])
+                return int.from_bytes(chunk.ljust(8, b"\0"), "little")
+        raise AssertionError(addr)
+
+    def scan(addr, length, holders):
+        out = []
+        a = (addr + 7) & ~7
+        while a < addr + length:
+            out.append(read(a, 8, holders))
+            a += 8
+        return out
+
+    marked = [0] * len(begins)
+    work = []
+    values = []
+    for base, buf in roots:
+        values += scan(base, len(buf), [(base, buf)])
+    values += list(words)
+    for v in values:
+        k = find(v)
+        if k is not None and not marked[k]:
+            marked[k] = 1
+            work.append(k)
+    while work:
+        k = work.pop()
+        for v in scan(begins[k], sizes[k], regions):
+            j = find(v)
+            if j is not None and not marked[j]:
+                marked[j] = 1
+                work.append(j)
+    return marked
+
+
+@pytest.mark.parametrize("seed", range(12))
+def test_random_heaps_match_the_reference_model(seed):
+    rnd = random.Random(seed)
+    regions, begins, sizes = [], [], []
+    base = 0x7F00_0000_0000
+    for _ in range(rnd.randint(1, 4)):
+        base += rnd.randrange(1, 64) * 0x1000
+        addr = base + rnd.randrange(0, 4) * 16
+        length = rnd.randrange(1, 6) * 0x1000
+        while True:
+            size = rnd.choice([0, 1, 8, 12, 24, 40, 100, 500, 3000, 9000])
+            if addr + max(size, 1) > base + length:
+                size = 8
+                if addr + size > base + length:
+                    break
+            begins.append(addr)
+            sizes.append(size)
+            addr += (max(size, 1) + 7) // 8 * 8 + rnd.choice([0, 0, 8, 16, 4096, 3])
+        regions.append((base, bytearray(length)))
+        base += length
+
+    def candidate():
+        k = rnd.randrange(len(begins))
+        return rnd.choice([begins[k], begins[k] + max(sizes[k], 1) - 1, begins[k] + max(sizes[k], 1),
+                           begins[k] + rnd.randrange(max(sizes[k], 1)), begins[k] - 1,
+                           rnd.randrange(1 << 64), regions[0][0] - 8])
+
+    for rbase, buf in regions:
+        for off in range(0, len(buf) - 8, 8):
+            if rnd.random() < 0.02:
+                struct.pack_into("<Q", buf, off, candidate())
+    roots = []
+    for r in range(2):
+        buf = bytearray(rnd.randrange(8, 200))
+        for off in range(0, len(buf) - 8, 8):
+            if rnd.random() < 0.1:
+                struct.pack_into("<Q", buf, off, candidate())
+        roots.append((ROOT + r * 0x1000 + rnd.randrange(8), buf))
+    words = [candidate() for _ in range(3)]
+    img = HeapImage(array("Q", begins), array("Q", sizes), regions)
+    res = mark(img, roots, words)
+    expect = _reference_mark(begins, sizes, regions, roots, words)
+    assert list(res.marked) == expect
+    assert res.num_marked == sum(expect)
+    assert res.heap_bytes == sum(s for s, m in zip(sizes, expect) if m)
