@@ -10,16 +10,18 @@
 #include <pthread.h>
 
 static long g_nblocks = 5000000, g_nthreads = 8, g_nleaks = 1000;
-static void **g_tables[64];
-static uintptr_t *g_hidden;
+void **g_tables[64];          /* extern linkage: -O2 must keep these stores */
+uintptr_t *g_hidden;
 static pthread_barrier_t g_built, g_done;
 static unsigned long g_leak_bytes[64];
 
 static unsigned long rnd(unsigned long *s) { *s ^= *s << 13; *s ^= *s >> 7; *s ^= *s << 17; return *s; }
 
-static void *worker(void *arg)
+/* Build this thread's blocks and leak the last ones; noinline so that its dead frame
+ * (which held leaked pointers) is wiped by clean_stack() afterwards. */
+static __attribute__((noinline)) void build(long id)
 {
-    long id = (long)arg, n = g_nblocks / g_nthreads;
+    long n = g_nblocks / g_nthreads;
     unsigned long seed = 0x9e3779b97f4a7c15ul * (id + 1);
     void **table = malloc(n * sizeof(void *));
     for (long i = 0; i < n; i++) {
@@ -38,6 +40,12 @@ static void *worker(void *arg)
         table[i] = NULL;
     }
     g_tables[id] = table;
+}
+
+static void *worker(void *arg)
+{
+    build((long)arg);
+    clean_stack();
     pthread_barrier_wait(&g_built);
     pthread_barrier_wait(&g_done);
     return NULL;

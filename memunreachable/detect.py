@@ -86,3 +86,60 @@ def not_glibc_message(scan: AllocatorScan, what: str) -> str:
     else:
         kind = f"an unknown allocator ({scan.malloc_object})"
     return f"unsupported allocator: looks like {kind}; {what}; nothing was checked"
+
+
+LOADER_RE = re.compile(r"/ld-linux[^/]*\.so[^/]*$")
+
+
+def malloc_interposers(maps: List[Mapping], scan: AllocatorScan, pid: Optional[int]) -> List[str]:
+    """Loaded objects, other than glibc's own, whose dynamic symbol table defines `malloc`.
+
+    Such an object (an unnamed allocator preloaded or linked into the program) takes every
+    malloc call away from glibc's arenas. Looked up through each object's hash table, so this
+    costs a few ms even for a process with many libraries.
+    """
+    from elftools.common.exceptions import ELFError
+    from elftools.elf.elffile import ELFFile
+
+    found: List[str] = []
+    seen = set()
+    for m in maps:
+        path = _strip_deleted(m.path)
+        if (not path.startswith("/") or path in seen or path == scan.malloc_object
+                or LOADER_RE.search(path) or m.offset != 0 or m.anonymous):
+            continue
+        seen.add(path)
+        src = f"/proc/{pid}/map_files/{m.begin:x}-{m.end:x}" if pid is not None else path
+        try:
+            with open(src if os.path.exists(src) else path, "rb") as f:
+                if _defines_malloc(ELFFile(f)):
+                    found.append(path)
+        except (OSError, ELFError, ValueError):
+            continue
+    return found
+
+
+def _defines_malloc(elf) -> bool:
+    for name in (".gnu.hash", ".hash", ".dynsym"):
+        sec = elf.get_section_by_name(name)
+        if sec is None:
+            continue
+        if name == ".dynsym":
+            syms = sec.get_symbol_by_name("malloc") or []
+        else:
+            sym = sec.get_symbol("malloc")
+            syms = [sym] if sym is not None else []
+        return any(s["st_shndx"] != "SHN_UNDEF" and s["st_info"]["type"] in ("STT_FUNC", "STT_GNU_IFUNC")
+                   for s in syms)
+    return False
+
+
+def interposer_message(paths: List[str]) -> str:
+    names = ", ".join(os.path.basename(p) for p in paths)
+    return (f"unsupported allocator: malloc is provided by {names}, not by glibc (glibc's arenas are "
+            f"unused); leaks in that allocator's heap cannot be found: nothing was checked")
+
+
+def unused_arenas_message() -> str:
+    return ("unsupported allocator: glibc's malloc was initialised but its arenas hold no memory; "
+            "the process probably uses another allocator (linked in statically?): nothing was checked")

@@ -503,6 +503,13 @@ def walk_heap(mem, maps: List[Mapping], threads: List[ThreadState], pid: int) ->
     unused = top == 0 or top == lay.state.initial_top(main)
     if scan.foreign and unused:
         raise UnsupportedTarget(detect.foreign_message(scan))
+    if unused:
+        # an allocator we do not know by name may have taken malloc over (glibc-heap.md 13)
+        interposers = detect.malloc_interposers(maps, scan, pid)
+        if interposers:
+            raise UnsupportedTarget(detect.interposer_message(interposers))
+        if top != 0:
+            raise UnsupportedTarget(detect.unused_arenas_message())
     if scan.foreign:
         w.v.soft.append(f"{', '.join(scan.foreign)} is loaded too: its heap is not checked")
     if top == 0:       # malloc never initialised: nothing allocated

@@ -1,0 +1,30 @@
+"""A target whose heap is not managed by glibc malloc is refused, never called clean."""
+import os
+
+import pytest
+
+import fixtures
+from memunreachable._errors import UnsupportedTarget
+from memunreachable.unreachable import check
+
+pytestmark = pytest.mark.ptrace
+
+
+def test_preloaded_allocator_is_refused():
+    fixtures.build("other_allocator")
+    lib = os.path.join(fixtures.build_dir(), "libother_allocator_lib.so")
+    env = dict(os.environ, LD_PRELOAD=lib)
+    with fixtures.start("other_allocator", env=env) as fx:
+        with pytest.raises(UnsupportedTarget) as ei:
+            check(fx.pid)
+        assert "nothing was checked" in str(ei.value)
+
+
+def test_cli_exit_code_for_unsupported_allocator(capsys):
+    from memunreachable.cli import main
+    fixtures.build("other_allocator")
+    lib = os.path.join(fixtures.build_dir(), "libother_allocator_lib.so")
+    with fixtures.start("other_allocator", env=dict(os.environ, LD_PRELOAD=lib)) as fx:
+        assert main(["check", str(fx.pid)]) == 3
+    err = capsys.readouterr().err
+    assert "nothing was checked" in err

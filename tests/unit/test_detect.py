@@ -1,0 +1,42 @@
+"""Unit tests of allocator detection on synthetic maps (no process needed)."""
+from memunreachable import detect
+from memunreachable._types import Mapping
+
+
+def m(path, perms="r-xp", inode=7, offset=0):
+    return Mapping(0x1000, 0x2000, perms, offset, "08:01", inode, path)
+
+
+def test_glibc_found():
+    scan = detect.scan_maps([m("/usr/bin/prog"), m("/usr/lib/x86_64-linux-gnu/libc.so.6")])
+    assert scan.malloc_object == "/usr/lib/x86_64-linux-gnu/libc.so.6"
+    assert not scan.static and scan.foreign == [] and not scan.musl
+
+
+def test_named_allocators_are_foreign():
+    maps = [m("/usr/bin/prog"), m("/usr/lib/x86_64-linux-gnu/libjemalloc.so.2"),
+            m("/usr/lib/libtcmalloc_minimal.so.4"), m("/usr/lib/x86_64-linux-gnu/libc.so.6")]
+    scan = detect.scan_maps(maps)
+    assert scan.foreign == ["libjemalloc.so.2", "libtcmalloc_minimal.so.4"]
+    msg = detect.foreign_message(scan)
+    assert "libjemalloc.so.2" in msg and "nothing was checked" in msg
+
+
+def test_musl_is_named():
+    scan = detect.scan_maps([m("/usr/bin/prog"), m("/lib/ld-musl-x86_64.so.1")])
+    assert scan.musl and scan.static
+    assert "musl" in detect.not_glibc_message(scan, "no libc is mapped")
+
+
+def test_interposer_found_in_dynsym(tmp_path):
+    import subprocess
+    src = tmp_path / "a.c"
+    src.write_text("#include <stddef.h>\nvoid *malloc(size_t n){return 0;}\nvoid free(void*p){}\n")
+    lib = tmp_path / "liba.so"
+    subprocess.run(["cc", "-shared", "-fPIC", "-o", str(lib), str(src)], check=True)
+    plain = tmp_path / "libb.so"
+    (tmp_path / "b.c").write_text("int f(void){return 1;}\n")
+    subprocess.run(["cc", "-shared", "-fPIC", "-o", str(plain), str(tmp_path / "b.c")], check=True)
+    maps = [m(str(lib)), m(str(plain)), m("/usr/lib/x86_64-linux-gnu/libc.so.6")]
+    scan = detect.scan_maps(maps)
+    assert detect.malloc_interposers(maps, scan, None) == [str(lib)]
