@@ -1,0 +1,457 @@
+"""freeze.py: Stage 2: stop every thread of a process, capture registers and maps, thaw.
+
+Input: a pid. Output, inside `with frozen(pid, timeout=2.0) as fz:`
+    fz.threads  [ThreadState] (27 general registers, FP/SIMD state, recorded signal), tid order
+    fz.maps     [Mapping] read while stopped
+    fz.thaw()   detach every thread, re-delivering recorded signals; idempotent; sets fz.pause_ms
+Leaving the block thaws on every path (exception, KeyboardInterrupt). SIGINT/SIGTERM that
+arrive while the guard is active raise FreezeInterrupted(signum) (deferred while a ptrace
+sequence runs), so the thaw in `finally` always runs; the caller re-raises the signal.
+
+Mechanics (ptrace-snapshot.md sections 2, 3, 9): PTRACE_SEIZE(TRACECLONE) + PTRACE_INTERRUPT
+for every tid of /proc/PID/task, then collect the stops with waitpid(tid, __WALL|WNOHANG)
+per tid (never waitpid(-1): the caller may have other children), re-listing until a pass
+finds nothing new. All ptrace requests go through python-ptrace's raw `ptrace()` call, from
+the thread that entered `frozen()` (ptrace requests only work from the tracer thread).
+Deadline: a thread that does not stop within `timeout` (state D: I/O, vfork, a frozen
+cgroup) fails the freeze with CollectionError naming it; every other thread is detached.
+Such a thread can only be detached once it stops: it is kept in a registry that
+release_pending() (called by every freeze) empties; the kernel releases it at our exit.
+A zombie leader (pthread_exit in main) is never seized.
+References: ptrace(2) "PTRACE_SEIZE", "group-stop", "signal-delivery-stop"; kernel
+kernel/ptrace.c (ptrace_detach, __ptrace_unlink re-enters group-stop); proc(5).
+"""
+from __future__ import annotations
+
+import ctypes
+import errno
+import os
+import signal
+import threading
+import time
+from contextlib import contextmanager
+from dataclasses import dataclass, field
+from typing import Callable, Dict, Iterator, List, Optional
+
+from ptrace import PtraceError
+from ptrace.binding.func import ptrace
+
+from memunreachable import preflight, procfs
+from memunreachable._errors import CollectionError, NoSuchProcess
+from memunreachable._ffi import lib
+from memunreachable._types import REG_NAMES, Mapping, ThreadState
+
+# <sys/ptrace.h>, <linux/elf.h>, <sys/wait.h> (x86_64)
+PTRACE_GETREGS = 12
+PTRACE_GETFPREGS = 14
+PTRACE_DETACH = 17
+PTRACE_SETOPTIONS = 0x4200
+PTRACE_GETEVENTMSG = 0x4201
+PTRACE_GETREGSET = 0x4204
+PTRACE_SEIZE = 0x4206
+PTRACE_INTERRUPT = 0x4207
+PTRACE_O_TRACECLONE = 0x8
+PTRACE_EVENT_CLONE = 3
+PTRACE_EVENT_STOP = 128
+NT_X86_XSTATE = 0x202
+WALL = 0x40000000               # __WALL: threads are not ordinary children
+XSTATE_MAX = 16384              # AMX tiles make the xsave area ~11 KiB
+FXSAVE_SIZE = 512               # user_fpregs_struct
+JOB_CONTROL_SIGNALS = (signal.SIGSTOP, signal.SIGTSTP, signal.SIGTTIN, signal.SIGTTOU)
+SETTLE_GRACE = 0.5              # seconds a thaw waits for a stop that is still on its way
+
+STATE_WORDS = {"D": "uninterruptible sleep: I/O, vfork or a frozen cgroup",
+               "T": "stopped by job control", "t": "traced", "Z": "zombie", "R": "running",
+               "S": "sleeping"}
+
+
+class FreezeInterrupted(KeyboardInterrupt):
+    """SIGINT or SIGTERM arrived while threads were frozen; everything was thawed.
+
+    The caller should re-raise `signum` (with its original disposition) once it cleaned up."""
+
+    def __init__(self, signum: int):
+        super().__init__(f"interrupted by {signal.Signals(signum).name}")
+        self.signum = signum
+
+
+class _IOVec(ctypes.Structure):
+    _fields_ = [("base", ctypes.c_void_p), ("len", ctypes.c_size_t)]
+
+
+@dataclass
+class _Tracee:
+    tid: int
+    state: str = "seizing"      # seizing -> interrupted -> stopped | gone
+    kind: str = ""              # interrupt | group | signal | clone | event
+    signal: int = 0             # re-delivered at detach (signal-delivery-stop)
+    extra_signals: List[int] = field(default_factory=list)   # tgkill'ed after detach
+
+
+# Threads that were seized but had not stopped when their thaw gave up (a D-state thread):
+# tid -> (pid, tracer thread ident). release_pending() detaches them once they stop.
+_PENDING: Dict[int, tuple] = {}
+
+
+def _errno_of(exc: BaseException) -> int:
+    return getattr(exc, "errno", None) or 0
+
+
+def _waitpid(tid: int) -> Optional[int]:
+    """Status of tid if it changed, None if not; ECHILD (not ours / gone) reads as exited."""
+    try:
+        r, status = os.waitpid(tid, WALL | os.WNOHANG)
+    except ChildProcessError:
+        return 0            # WIFEXITED with code 0: nothing left to do for it
+    return status if r == tid else None
+
+
+# Returns the number of threads still pending (seized by this thread, not yet stopped).
+# Detaches every pending thread (of this tracer thread) that has stopped by now.
+def release_pending(timeout: float = 0.0) -> int:
+    me = threading.get_ident()
+    deadline = time.monotonic() + timeout
+    while True:
+        for tid, (pid, owner) in list(_PENDING.items()):
+            if owner != me:
+                continue
+            status = _waitpid(tid)
+            if status is None:
+                continue
+            if os.WIFSTOPPED(status):
+                sig = os.WSTOPSIG(status) if status >> 16 == 0 else 0
+                try:
+                    ptrace(PTRACE_DETACH, tid, 0, sig)
+                except PtraceError:
+                    pass
+            del _PENDING[tid]
+        left = sum(1 for _, owner in _PENDING.values() if owner == me)
+        if not left or time.monotonic() >= deadline:
+            return left
+        time.sleep(0.001)
+
+
+class Frozen:
+    """The frozen process: threads, maps, and the thaw. Built by frozen()."""
+
+    def __init__(self, pid: int, timeout: float, on_attach: Optional[Callable[[int], None]] = None):
+        self.pid = pid
+        self.on_attach = on_attach
+        self.timeout = timeout
+        self.threads: List[ThreadState] = []
+        self.maps: List[Mapping] = []
+        self.pause_ms = 0.0
+        self.thawed = False
+        self.passes = 0
+        self.owner = threading.get_ident()
+        self.tracer_tid = threading.get_native_id()
+        self._tracees: Dict[int, _Tracee] = {}
+        self._started: Optional[float] = None
+        self._critical = 0
+        self._deferred = 0
+        self._old_handlers: Dict[int, object] = {}
+
+    # ---- signals: SIGINT/SIGTERM raise, except inside a ptrace sequence (deferred)
+
+    def _on_signal(self, signum, frame):
+        if self._critical:
+            self._deferred = self._deferred or signum
+            return
+        raise FreezeInterrupted(signum)
+
+    def _install_handlers(self) -> None:
+        if threading.current_thread() is not threading.main_thread():
+            return
+        for signum in (signal.SIGINT, signal.SIGTERM):
+            old = signal.getsignal(signum)
+            if old is None:         # installed outside Python: leave it alone
+                continue
+            self._old_handlers[signum] = old
+            signal.signal(signum, self._on_signal)
+
+    def _restore_handlers(self) -> None:
+        for signum, old in self._old_handlers.items():
+            signal.signal(signum, old)
+        self._old_handlers = {}
+
+    @contextmanager
+    def critical(self) -> Iterator[None]:
+        """Defer SIGINT/SIGTERM while the body runs; raise FreezeInterrupted at its end."""
+        self._critical += 1
+        ok = False
+        try:
+            yield
+            ok = True
+        finally:
+            self._critical -= 1
+        if ok and not self._critical and self._deferred and self._old_handlers:
+            signum, self._deferred = self._deferred, 0
+            raise FreezeInterrupted(signum)
+
+    # ---- queries used by the snapshot stage
+
+    def stop_kind(self, tid: int) -> str:
+        """interrupt | group | signal | clone | event, or "" for a thread not stopped."""
+        tr = self._tracees.get(tid)
+        return tr.kind if tr is not None and tr.state == "stopped" else ""
+
+    def record_signals(self, tid: int, signals) -> None:
+        """Signals met (and suppressed) while driving tid; re-delivered at the thaw."""
+        tr = self._tracees[tid]
+        for sig in signals:
+            if sig and not tr.signal and tr.kind != "signal":
+                tr.signal = sig
+            elif sig:
+                tr.extra_signals.append(sig)
+
+    def check_owner(self) -> None:
+        if threading.get_ident() != self.owner:
+            raise CollectionError(
+                f"process {self.pid} was frozen by another thread of this process; ptrace "
+                "requests only work from the tracer thread")
+
+    # ---- freeze
+
+    def _seize(self, tid: int) -> None:
+        tr = self._tracees[tid] = _Tracee(tid)
+        try:
+            ptrace(PTRACE_SEIZE, tid, 0, PTRACE_O_TRACECLONE)
+        except PtraceError as exc:
+            err = _errno_of(exc)
+            if err == errno.ESRCH:
+                tr.state = "gone"
+                return
+            if err == errno.EPERM and tid != self.pid:
+                # an exiting non-leader thread answers EPERM (ptrace-snapshot.md section 2.5);
+                # a thread we already trace (auto-attached by TRACECLONE) does too
+                st = self._thread_status(tid)
+                if st is None or st.state in ("Z", "X"):
+                    tr.state = "gone"
+                    return
+                if st.tracer_pid == self.tracer_tid:
+                    tr.state = "interrupted"
+                    return
+            if err in (errno.EPERM, errno.EACCES, errno.ESRCH):
+                tr.state = "gone"
+                raise preflight.diagnose(self.pid, err) from None
+            raise CollectionError(f"PTRACE_SEIZE tid {tid} of process {self.pid}: {exc}") from None
+        tr.state = "interrupted"
+        if self.on_attach is not None:
+            self.on_attach(tid)     # tests: kill a thread or send a signal between the two
+        try:
+            ptrace(PTRACE_INTERRUPT, tid)
+        except PtraceError:
+            pass    # it exited meanwhile: waitpid reports it
+
+    def _thread_status(self, tid: int) -> Optional[procfs.Status]:
+        try:
+            return procfs.read_status(self.pid, tid)
+        except (NoSuchProcess, OSError, ValueError):
+            return None
+
+    def _capture(self, tr: _Tracee) -> None:
+        regs = (ctypes.c_uint64 * len(REG_NAMES))()
+        ptrace(PTRACE_GETREGS, tr.tid, 0, ctypes.addressof(regs))
+        self._regs[tr.tid] = tuple(regs)
+        self._fpregs[tr.tid] = _get_fpregs(tr.tid)
+
+    def _on_status(self, tr: _Tracee, status: int) -> None:
+        if not os.WIFSTOPPED(status):
+            tr.state = "gone"
+            return
+        event, sig = status >> 16, os.WSTOPSIG(status)
+        if event == PTRACE_EVENT_STOP:
+            tr.kind = "interrupt" if sig == signal.SIGTRAP else (
+                "group" if sig in JOB_CONTROL_SIGNALS else "event")
+        elif event == PTRACE_EVENT_CLONE:
+            tr.kind = "clone"
+            msg = ctypes.c_ulong()
+            ptrace(PTRACE_GETEVENTMSG, tr.tid, 0, ctypes.addressof(msg))
+            if msg.value and msg.value not in self._tracees:
+                # auto-attached by TRACECLONE; it reports its own PTRACE_EVENT_STOP
+                self._tracees[msg.value] = _Tracee(msg.value, state="interrupted")
+        elif event == 0:
+            tr.kind = "signal"
+            tr.signal = sig
+        else:
+            tr.kind = "event"
+        tr.state = "stopped"
+        try:
+            self._capture(tr)
+        except PtraceError as exc:
+            if _errno_of(exc) != errno.ESRCH:
+                raise
+            tr.state = "gone"       # killed while stopped (SIGKILL ends any stop)
+
+    def _collect(self, deadline: float) -> None:
+        rounds = 0
+        while True:
+            pending = [tr for tr in self._tracees.values() if tr.state == "interrupted"]
+            if not pending:
+                return
+            progressed = False
+            for tr in pending:
+                status = _waitpid(tr.tid)
+                if status is not None:
+                    self._on_status(tr, status)
+                    progressed = True
+            if progressed:
+                continue
+            rounds += 1
+            if rounds % 64 == 0:
+                # a leader that called pthread_exit is a zombie and never stops
+                for tr in pending:
+                    if tr.tid == self.pid and procfs.task_state(self.pid, tr.tid) == "Z":
+                        tr.state = "pending"    # traced but never stopping: release_pending()
+                        _PENDING[tr.tid] = (self.pid, self.owner)
+                pending = [tr for tr in pending if tr.state == "interrupted"]
+                if not pending:
+                    continue
+            if time.monotonic() >= deadline:
+                tr = pending[0]
+                state = procfs.task_state(self.pid, tr.tid) or "?"
+                raise CollectionError(
+                    f"thread {tr.tid} of process {self.pid} did not stop within "
+                    f"{self.timeout:g} s (state {state}: {STATE_WORDS.get(state, 'unknown')}); "
+                    "the other threads were released (this one is released once it stops, "
+                    "at the latest when this process exits)",
+                    hint="A thread in state D (uninterruptible I/O, vfork, a frozen cgroup) "
+                         "cannot be stopped; try again later or raise --timeout.")
+            if rounds < 200:
+                os.sched_yield()
+            else:
+                time.sleep(0.0002)
+
+    def _freeze(self, one_thread: bool) -> None:
+        self._regs: Dict[int, tuple] = {}
+        self._fpregs: Dict[int, bytes] = {}
+        release_pending()
+        deadline = time.monotonic() + self.timeout
+        with self.critical():
+            self._started = time.monotonic()
+            leader = procfs.read_status(self.pid)
+            if leader.state in ("Z", "X") and leader.threads <= 1:
+                raise preflight.diagnose(self.pid, errno.ESRCH)
+            while True:
+                self.passes += 1
+                tids = procfs.list_tasks(self.pid)
+                new = [t for t in tids if t not in self._tracees]
+                if one_thread:
+                    new = [t for t in tids if procfs.task_state(self.pid, t) not in ("Z", "X", "")][:1]
+                for tid in new:
+                    if tid == self.pid and procfs.task_state(self.pid, tid) == "Z":
+                        self._tracees[tid] = _Tracee(tid, state="zombie")
+                        continue
+                    self._seize(tid)
+                if not new and self.passes > 1:
+                    break
+                self._collect(deadline)
+                if one_thread:
+                    break
+            self.threads = [ThreadState(tid=t, regs=self._regs[t], fpregs=self._fpregs[t],
+                                        stop_signal=tr.signal)
+                            for t, tr in sorted(self._tracees.items()) if tr.state == "stopped"]
+            if not self.threads:
+                raise NoSuchProcess(self.pid, f"process {self.pid} exited while being frozen",
+                                    hint=preflight.hint_no_process(self.pid))
+            if not one_thread:
+                self.maps = procfs.read_maps(self.pid)
+
+    # ---- thaw
+
+    def _settle(self, tr: _Tracee, deadline: float) -> None:
+        """tr may still be on its way to a stop: wait for it (until deadline), then detach."""
+        while True:
+            status = _waitpid(tr.tid)
+            if status is not None:
+                if not os.WIFSTOPPED(status):
+                    tr.state = "gone"
+                    return
+                sig = tr.signal or (os.WSTOPSIG(status) if status >> 16 == 0 else 0)
+                try:
+                    ptrace(PTRACE_DETACH, tr.tid, 0, sig)
+                    tr.state = "detached"
+                    return
+                except PtraceError:
+                    continue
+            if time.monotonic() >= deadline:
+                _PENDING[tr.tid] = (self.pid, self.owner)
+                tr.state = "pending"
+                return
+            time.sleep(0.0002)
+
+    # Returns the pause in ms (first seize to last detach). Idempotent. Detaches every
+    # thread, re-delivering recorded signals (detach signal for a signal-delivery-stop,
+    # tgkill for signals met during an injection). Raises FreezeInterrupted afterwards if
+    # SIGINT/SIGTERM arrived during the freeze.
+    def thaw(self) -> float:
+        if self.thawed:
+            return self.pause_ms
+        self.check_owner()
+        self._critical += 1
+        try:
+            grace = time.monotonic() + SETTLE_GRACE
+            for tr in list(self._tracees.values()):
+                if tr.state == "stopped":
+                    try:
+                        ptrace(PTRACE_DETACH, tr.tid, 0, tr.signal)
+                        tr.state = "detached"
+                    except PtraceError:
+                        self._settle(tr, grace)     # ESRCH: not in a stop (killed, or exiting)
+                elif tr.state in ("seizing", "interrupted"):
+                    try:    # again: an exception may have come between SEIZE and INTERRUPT
+                        ptrace(PTRACE_INTERRUPT, tr.tid)
+                    except PtraceError:
+                        pass
+                    self._settle(tr, grace)
+                elif tr.state == "zombie":
+                    pass    # never seized
+            for tr in self._tracees.values():
+                for sig in tr.extra_signals:
+                    lib.mu_tgkill(self.pid, tr.tid, sig)
+            if self._started is not None:
+                self.pause_ms = (time.monotonic() - self._started) * 1000.0
+            self.thawed = True
+        finally:
+            self._critical -= 1
+            self._restore_handlers()
+        if self._deferred:
+            signum, self._deferred = self._deferred, 0
+            raise FreezeInterrupted(signum)
+        return self.pause_ms
+
+    def pending_tids(self) -> List[int]:
+        """Threads the thaw could not detach (they had not stopped); see release_pending()."""
+        return [t for t, tr in self._tracees.items() if tr.state == "pending"]
+
+
+def _get_fpregs(tid: int) -> bytes:
+    """The xsave area (NT_X86_XSTATE: xmm + upper ymm/zmm halves), else the 512-byte fxsave."""
+    buf = ctypes.create_string_buffer(XSTATE_MAX)
+    iov = _IOVec(ctypes.cast(buf, ctypes.c_void_p), XSTATE_MAX)
+    try:
+        ptrace(PTRACE_GETREGSET, tid, NT_X86_XSTATE, ctypes.addressof(iov))
+        return buf.raw[:iov.len]
+    except PtraceError as exc:
+        if _errno_of(exc) == errno.ESRCH:
+            raise
+    fx = ctypes.create_string_buffer(FXSAVE_SIZE)
+    ptrace(PTRACE_GETFPREGS, tid, 0, ctypes.addressof(fx))
+    return fx.raw
+
+
+# Yields a Frozen with every thread of pid stopped (one_thread: only the first live thread,
+# used to inject a short syscall). on_attach(tid) runs between each SEIZE and INTERRUPT
+# (a test hook: deliver a signal or kill a thread there). Raises NoSuchProcess (gone or exited meanwhile),
+# AccessDenied (from preflight.diagnose, with a hint), CollectionError (a thread did not stop
+# within timeout; every thread was released), FreezeInterrupted (SIGINT/SIGTERM).
+@contextmanager
+def frozen(pid: int, timeout: float = 2.0, *, one_thread: bool = False,
+           on_attach: Optional[Callable[[int], None]] = None) -> Iterator[Frozen]:
+    fz = Frozen(pid, timeout, on_attach)
+    fz._install_handlers()
+    try:
+        fz._freeze(one_thread)
+        yield fz
+    finally:
+        fz.thaw()

@@ -1,0 +1,269 @@
+"""snapshot.py: Stage 3: a copy-on-write snapshot of a frozen process.
+
+Input: a Frozen (freeze.py). Output: a Snapshot
+    .pid          the snapshot child (mode "clone"), or the target itself (mode "direct")
+    .mode/.reason "clone", or "direct" with the reason (seccomp, clone refused, job-control stop)
+    .open_memory() -> memory.ProcessMemory over /proc/<.pid>/mem
+    .release()    kill the child, collect it as its tracer, then reap its zombie in the target
+                  (a short injected wait4); idempotent; also `with take_snapshot(fz) as snap:`
+    .inject_ms, .reap_pause_ms, .lifetime_ms   the figures the report shows
+The caller thaws the target right after take_snapshot() in clone mode (the pause stays in
+milliseconds); in direct mode it keeps the target frozen for the whole sweep.
+
+Mechanics (ptrace-snapshot.md sections 4-7, 10, 12): clone(flags=0) injected by
+native/mu_ptrace.c at a `syscall` instruction (rip-2 of a thread stopped in a syscall,
+else one found in [vdso] or another executable mapping); never a code write. exit_signal 0:
+no SIGCHLD reaches the target and only waitpid(__WALL) sees the child.
+References: clone(2), wait4(2), ptrace(2); kernel kernel/exit.c (wait_task_zombie hands a
+traced child back to its real parent after the tracer collected it).
+"""
+from __future__ import annotations
+
+import errno
+import os
+import signal
+import time
+from dataclasses import dataclass, field
+from typing import List, Optional, Tuple
+
+from memunreachable import preflight, procfs
+from memunreachable._errors import (AccessDenied, CollectionError, NoSuchProcess,
+                                    UnsupportedTarget)
+from memunreachable._ffi import ffi, lib
+from memunreachable._types import REG_NAMES
+from memunreachable.freeze import Frozen, frozen
+from memunreachable.memory import ProcessMemory
+
+SYSCALL_INSN = b"\x0f\x05"
+RIP, ORIG_RAX = REG_NAMES.index("rip"), REG_NAMES.index("orig_rax")
+REFUSALS = (errno.EPERM, errno.EAGAIN, errno.ENOMEM, errno.ENOSYS, errno.EACCES)
+STEP_NAMES = {lib.MU_STEP_START: "start", lib.MU_STEP_OPTIONS: "set options",
+              lib.MU_STEP_SETREGS: "set registers", lib.MU_STEP_ENTER: "syscall entry",
+              lib.MU_STEP_EVENT: "clone event", lib.MU_STEP_EXIT: "syscall exit",
+              lib.MU_STEP_RESTORED: "restore", lib.MU_STEP_PARKED: "park child"}
+
+
+def _signed(word: int) -> int:
+    return word - (1 << 64) if word >= 1 << 63 else word
+
+
+def _read_target(pid: int, addr: int, size: int) -> bytes:
+    """Bytes of the (traced) target, b"" when unreadable."""
+    try:
+        fd = os.open(f"/proc/{pid}/mem", os.O_RDONLY | os.O_CLOEXEC)
+    except OSError:
+        return b""
+    try:
+        return os.pread(fd, size, addr)
+    except OSError:
+        return b""
+    finally:
+        os.close(fd)
+
+
+# Returns the address of a `syscall` instruction in an executable mapping of pid ([vdso]
+# first), or 0 when none is readable. Any 0f 05 pair works: execution starts at it, and the
+# thread is stopped at the syscall exit before it could run the bytes that follow.
+def find_syscall_insn(pid: int, maps) -> int:
+    ranked = sorted((m for m in maps if m.executable and m.readable),
+                    key=lambda m: (m.path != "[vdso]", m.begin))
+    for m in ranked[:8]:
+        data = _read_target(pid, m.begin, min(m.end - m.begin, 1 << 20))
+        at = data.find(SYSCALL_INSN)
+        if at >= 0:
+            return m.begin + at
+    return 0
+
+
+# Returns (tid, syscall instruction address) for the injection, or (0, 0) when no thread sits
+# at an interrupt stop (all in group-stop or signal-delivery-stop: leave them as found).
+# tid: only consider that thread (tests inject into each kind of waiting thread).
+def choose_thread(fz: Frozen, tid: Optional[int] = None) -> Tuple[int, int]:
+    candidates = [t for t in fz.threads if fz.stop_kind(t.tid) == "interrupt"
+                  and (tid is None or t.tid == tid)]
+    for t in candidates:
+        if _signed(t.regs[ORIG_RAX]) >= 0 and \
+                _read_target(fz.pid, t.regs[RIP] - 2, 2) == SYSCALL_INSN:
+            return t.tid, t.regs[RIP] - 2
+    if not candidates:
+        return 0, 0
+    return candidates[0].tid, find_syscall_insn(fz.pid, fz.maps)
+
+
+@dataclass
+class Snapshot:
+    pid: int
+    target_pid: int
+    mode: str                       # "clone" | "direct"
+    reason: str = ""
+    inject_ms: float = 0.0          # the clone injection (part of the freeze pause)
+    reap_pause_ms: float = 0.0      # the second, short pause that reaps the child's zombie
+    lifetime_ms: float = 0.0        # snapshot created -> killed (COW faults slow the target)
+    released: bool = False
+    zombie_left: bool = False       # the child's zombie could not be reaped in the target
+    warnings: List[str] = field(default_factory=list)
+    syscall_insn: int = 0
+    inject_tid: int = 0
+    timeout: float = 2.0
+    _fz: Optional[Frozen] = field(default=None, repr=False)
+    _created: float = field(default_factory=time.monotonic, repr=False)
+
+    def open_memory(self) -> ProcessMemory:
+        if self.released:
+            raise CollectionError(f"snapshot of process {self.target_pid} was already released")
+        try:
+            return ProcessMemory(self.pid)
+        except FileNotFoundError:
+            raise NoSuchProcess(self.pid, "the snapshot process is gone") from None
+
+    # Kills and reaps the child (clone mode); a no-op in direct mode. Idempotent. Never
+    # raises for cleanup trouble (it lands in .warnings / .zombie_left); FreezeInterrupted
+    # from the reap pause propagates after the cleanup.
+    def release(self) -> None:
+        if self.released:
+            return
+        self.released = True
+        self.lifetime_ms = (time.monotonic() - self._created) * 1000.0
+        if self.mode != "clone":
+            return
+        _kill_child(self.pid, self.timeout)
+        self._reap()
+
+    def _reap(self) -> None:
+        """Reap the child's zombie in the target with an injected wait4(child, __WALL|WNOHANG)."""
+        fz = self._fz
+        try:
+            if fz is not None and not fz.thawed:
+                # still frozen (an error path before the thaw): use the injected thread
+                self._inject_wait4(fz, self.inject_tid, self.syscall_insn)
+                return
+            with frozen(self.target_pid, timeout=self.timeout, one_thread=True) as fz1, \
+                    fz1.critical():
+                t = fz1.threads[0]
+                insn = self.syscall_insn
+                if _signed(t.regs[ORIG_RAX]) >= 0 and \
+                        _read_target(fz1.pid, t.regs[RIP] - 2, 2) == SYSCALL_INSN:
+                    insn = t.regs[RIP] - 2
+                self._inject_wait4(fz1, t.tid, insn)
+            self.reap_pause_ms = fz1.pause_ms
+        except NoSuchProcess:
+            pass        # the target is gone: init (or a subreaper) reaps the child
+        except (CollectionError, AccessDenied, OSError) as exc:
+            self.zombie_left = True
+            self.warnings.append(f"snapshot process {self.pid} is left as a zombie of process "
+                                 f"{self.target_pid}: {exc}")
+
+    def _inject_wait4(self, fz: Frozen, tid: int, insn: int) -> None:
+        out = ffi.new("mu_inject *")
+        with fz.critical():
+            rc = lib.mu_inject_wait4(tid, insn, self.pid, int(self.timeout * 1000), out)
+            fz.record_signals(tid, list(out.signals)[:out.nsignals])
+        if rc < 0:
+            _raise_inject(fz, tid, rc, out, "wait4")
+        if out.ret != self.pid and out.ret != -errno.ECHILD:
+            self.zombie_left = True
+            self.warnings.append(f"wait4 in process {self.target_pid} for the snapshot process "
+                                 f"{self.pid} returned {out.ret}; it stays a zombie until the "
+                                 "target exits")
+
+    def __enter__(self) -> "Snapshot":
+        return self
+
+    def __exit__(self, *exc) -> None:
+        self.release()
+
+
+def _kill_child(child: int, timeout: float) -> None:
+    """SIGKILL the stopped child and collect it as its tracer (then it is the target's zombie)."""
+    try:
+        os.kill(child, signal.SIGKILL)
+    except ProcessLookupError:
+        return
+    status = ffi.new("int *")
+    lib.mu_wait_tid(child, int(timeout * 1000), status)
+
+
+def _raise_inject(fz: Frozen, tid: int, rc: int, out, what: str):
+    err = -rc
+    if err == errno.ESRCH:
+        _check_alive(fz.pid)
+    if err == errno.ESRCH and procfs.task_state(fz.pid, tid) in ("", "Z", "X"):
+        raise NoSuchProcess(fz.pid, f"process {fz.pid} exited during the snapshot",
+                            hint=preflight.hint_no_process(fz.pid))
+    raise CollectionError(
+        f"injecting {what} into thread {tid} of process {fz.pid} failed at step "
+        f"'{STEP_NAMES.get(out.step, out.step)}': {os.strerror(err)}"
+        + ("" if out.restored else " (its registers could not be restored)"))
+
+
+def _check_alive(pid: int) -> procfs.Status:
+    """The target's status; NoSuchProcess when it exited or a SIGKILL is on its way."""
+    status = procfs.read_status(pid)
+    if status.dying:
+        raise NoSuchProcess(pid, f"process {pid} exited while frozen",
+                            hint=preflight.hint_no_process(pid), name=status.name)
+    return status
+
+
+def _direct(fz: Frozen, reason: str, allow_direct: bool, seccomp: bool = False) -> Snapshot:
+    _check_alive(fz.pid)
+    if not allow_direct:
+        raise UnsupportedTarget(f"no snapshot of process {fz.pid}: {reason}",
+                                hint=preflight.hint_seccomp(fz.pid) if seccomp else None)
+    return Snapshot(pid=fz.pid, target_pid=fz.pid, mode="direct", reason=reason,
+                    timeout=fz.timeout, _fz=fz)
+
+
+# Returns a Snapshot of the frozen process. Mode "direct" (with .reason) when the target runs
+# under seccomp mode 2 and allow_seccomp is False, when the clone is refused (-EPERM, -EAGAIN,
+# -ENOMEM), or when no thread sits at an interrupt stop; with allow_direct False those raise
+# UnsupportedTarget. Raises NoSuchProcess (the target exited) or CollectionError (a ptrace
+# step failed; any child was killed and reaped). The target stays frozen: thaw it next.
+# tid: inject into that thread (tests); default: the best candidate.
+def take_snapshot(fz: Frozen, allow_direct: bool = True, allow_seccomp: bool = False,
+                  tid: Optional[int] = None) -> Snapshot:
+    fz.check_owner()
+    if fz.thawed:
+        raise CollectionError(f"process {fz.pid} must be frozen to take a snapshot")
+    status = _check_alive(fz.pid)
+    if status.seccomp == 2 and not allow_seccomp:
+        return _direct(fz, "the target runs under a seccomp filter (Seccomp: 2); injecting "
+                           "clone needs --allow-seccomp-target", allow_direct, seccomp=True)
+    tid, insn = choose_thread(fz, tid)
+    if not tid:
+        return _direct(fz, "no thread stopped at an interrupt stop (job-control stopped "
+                           "or signal pending)", allow_direct)
+    if not insn:
+        return _direct(fz, "no readable `syscall` instruction in the target", allow_direct)
+    out = ffi.new("mu_inject *")
+    snap = None
+    try:
+        with fz.critical():
+            t0 = time.monotonic()
+            rc = lib.mu_inject_clone(tid, insn, int(fz.timeout * 1000), out)
+            inject_ms = (time.monotonic() - t0) * 1000.0
+            fz.record_signals(tid, list(out.signals)[:out.nsignals])
+            if out.child > 0:
+                snap = Snapshot(pid=out.child, target_pid=fz.pid, mode="clone",
+                                inject_ms=inject_ms, syscall_insn=insn, inject_tid=tid,
+                                timeout=fz.timeout, _fz=fz)
+            if rc < 0:
+                if snap is not None and out.restored:
+                    snap.release()
+                elif snap is not None:
+                    _kill_child(snap.pid, fz.timeout)
+                _raise_inject(fz, tid, rc, out, "clone")
+            if out.ret < 0:
+                err = -out.ret
+                why = errno.errorcode.get(err, str(err))
+                if err not in REFUSALS:
+                    raise CollectionError(f"the injected clone in process {fz.pid} "
+                                          f"returned {why}")
+                return _direct(fz, f"the target's clone() was refused ({why}"
+                                   + (": a seccomp filter?" if err == errno.EPERM else "")
+                                   + ")", allow_direct, seccomp=err == errno.EPERM)
+    except BaseException:
+        if snap is not None:
+            snap.release()
+        raise
+    return snap

@@ -1,0 +1,107 @@
+"""Unit tests of procfs.py: literal /proc text in, data out."""
+import pytest
+
+from memunreachable import procfs
+from memunreachable._types import Mapping
+
+MAPS = """\
+55d0c8a00000-55d0c8a01000 r--p 00000000 08:01 1311 /usr/bin/prog
+55d0c8c02000-55d0c8c03000 rw-p 00002000 08:01 1311 /usr/bin/prog
+55d0c9e4d000-55d0c9e6e000 rw-p 00000000 00:00 0                          [heap]
+7f1c2c000000-7f1c2c021000 rw-p 00000000 00:00 0 
+7f1c34e00000-7f1c34e22000 r-xp 00026000 fd:00 4203 /opt/my lib/libx.so (deleted)
+7ffd5e5f3000-7ffd5e614000 rw-p 00000000 00:00 0                          [stack]
+7ffd5e7f8000-7ffd5e7fa000 r-xp 00000000 00:00 0                          [vdso]
+ffffffffff600000-ffffffffff601000 --xp 00000000 00:00 0                  [vsyscall]
+"""
+
+STATUS = """\
+Name:\tmy prog
+Umask:\t0022
+State:\tS (sleeping)
+Tgid:\t4242
+Ngid:\t0
+Pid:\t4243
+PPid:\t17
+TracerPid:\t999
+Uid:\t1000\t1001\t1002\t1003
+Gid:\t100\t101\t102\t103
+Threads:\t7
+SigPnd:\t0000000000000000
+ShdPnd:\t0000000000000100
+CapEff:\t000001ffffffffff
+Seccomp:\t2
+Seccomp_filters:\t1
+"""
+
+
+def test_parse_maps_fields():
+    maps = procfs.parse_maps(MAPS)
+    assert len(maps) == 8
+    assert maps[0] == Mapping(0x55d0c8a00000, 0x55d0c8a01000, "r--p", 0, "08:01", 1311, "/usr/bin/prog")
+    assert maps[1].offset == 0x2000 and maps[1].writable and not maps[1].executable
+    assert maps[2].path == "[heap]" and maps[2].anonymous
+    assert maps[3].path == "" and maps[3].begin == 0x7f1c2c000000 and maps[3].end == 0x7f1c2c021000
+    assert maps[4].path == "/opt/my lib/libx.so (deleted)" and maps[4].dev == "fd:00" and maps[4].inode == 4203
+    assert maps[4].executable and maps[4].offset == 0x26000
+    assert maps[6].path == "[vdso]"
+    assert maps[7].begin == 0xffffffffff600000 and maps[7].perms == "--xp" and not maps[7].readable
+
+
+def test_parse_maps_blank_and_malformed():
+    assert procfs.parse_maps("\n\n") == []
+    with pytest.raises(ValueError):
+        procfs.parse_maps("garbage line\n")
+
+
+def test_parse_status():
+    st = procfs.parse_status(STATUS)
+    assert st.name == "my prog"
+    assert st.state == "S"
+    assert (st.tgid, st.pid, st.ppid, st.tracer_pid, st.threads) == (4242, 4243, 17, 999, 7)
+    assert st.uids == (1000, 1001, 1002, 1003)
+    assert st.gids == (100, 101, 102, 103)
+    assert st.seccomp == 2
+    assert st.cap_eff == 0x1ffffffffff
+    assert st.has_cap(procfs.CAP_SYS_PTRACE)
+    assert st.sig_pending == 0x100 and st.dying      # SIGKILL queued
+
+
+def test_parse_status_minimal_and_no_cap():
+    st = procfs.parse_status("Name:\tx\nState:\tZ (zombie)\nCapEff:\t0000000000000000\n")
+    assert st.state == "Z" and st.tracer_pid == 0 and st.seccomp == 0 and st.uids == (0, 0, 0, 0)
+    assert not st.has_cap(procfs.CAP_SYS_PTRACE)
+    assert st.dying
+    assert not procfs.parse_status(STATUS.replace("0000000000000100", "0000000000000200")).dying
+    assert procfs.parse_status("Name:\tx\nState:\tR\nCapEff:\t0000000000080000\n").has_cap(19)
+    with pytest.raises(ValueError):
+        procfs.parse_status("Pid:\t3\n")
+
+
+def test_parse_stat_comm_with_parens_and_spaces():
+    text = "4242 (a) (b c)) t 17 4242 4242 0 -1 4194560 120 0 0 0 5 3 0 0 20 0 2 0\n"
+    st = procfs.parse_stat(text)
+    assert (st.pid, st.comm, st.state, st.ppid, st.flags) == (4242, "a) (b c)", "t", 17, 4194560)
+    assert not st.kernel_thread
+
+
+def test_parse_stat_kernel_thread_flag():
+    text = "2 (kthreadd) S 0 0 0 0 -1 2129984 0 0 0 0 0 0 0 0 20 0 1 0 5\n"
+    st = procfs.parse_stat(text)
+    assert st.flags == 2129984 and st.flags & procfs.PF_KTHREAD
+    assert st.kernel_thread
+
+
+def test_readers_on_this_process_and_gone_pid(tmp_path):
+    import os
+    me = os.getpid()
+    assert procfs.read_status(me).tgid == me
+    assert me in procfs.list_tasks(me)
+    assert procfs.read_stat(me).pid == me
+    assert any(m.path == "[stack]" for m in procfs.read_maps(me))
+    from memunreachable._errors import NoSuchProcess
+    with pytest.raises(NoSuchProcess):
+        procfs.read_status(4194305)     # above the largest possible pid_max (2^22)
+    with pytest.raises(NoSuchProcess):
+        procfs.list_tasks(4194305)
+    assert procfs.task_state(4194305, 4194305) == ""
