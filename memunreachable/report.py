@@ -46,6 +46,7 @@ class UnreachableMemoryInfo:
     warnings: List[str] = field(default_factory=list)
     bytes_scanned: int = 0
     stats: dict = field(default_factory=dict)   # per-stage timings and walker figures
+    confirmed: bool = False          # a second snapshot confirmed every reported leak
     comm: Optional[str] = None       # /proc/PID/comm of the target, when known (reports only)
 
 

@@ -8,14 +8,17 @@ sweeper's exit status, so a crash or a hang becomes a SweepError, never a hang.
 Wire format (version 1, little-endian):
     header  : magic b"MUSW", u16 version, u16 kind, u64 payload length
     kind 1  : result. u64 num_allocations, allocation_bytes, num_leaks, leak_bytes,
-              bytes_scanned, u64 n_entries, then n_entries records of
+              bytes_scanned, u64 n_entries, u64 n_leak_addresses, then n_entries records of
               (u64 address, size, referenced_count, referenced_size, u8 contents_len,
-              32 bytes contents), then a UTF-8 JSON object (allocator, stats, warnings)
+              32 bytes contents), then n_leak_addresses u64 (every unreachable block, sent
+              only when a confirming snapshot may follow), then a UTF-8 JSON object
+              (allocator, stats, warnings)
     kind 2  : error. A pickled MemunreachableError (HeapInconsistent means: retake the snapshot)
 """
 from __future__ import annotations
 
 import faulthandler
+from array import array
 import json
 import logging
 import os
@@ -36,7 +39,7 @@ VERSION = 1
 KIND_RESULT = 1
 KIND_ERROR = 2
 HEADER = struct.Struct("<4sHHQ")
-TOTALS = struct.Struct("<6Q")
+TOTALS = struct.Struct("<7Q")
 ENTRY = struct.Struct("<4QB32s")
 
 
@@ -58,14 +61,17 @@ class SweepResult:
     bytes_scanned: int = 0
     entries: List[SweepEntry] = field(default_factory=list)
     meta: dict = field(default_factory=dict)
+    leak_addresses: List[int] = field(default_factory=list)
 
 
 def encode_result(res: SweepResult) -> bytes:
     parts = [TOTALS.pack(res.num_allocations, res.allocation_bytes, res.num_leaks,
-                         res.leak_bytes, res.bytes_scanned, len(res.entries))]
+                         res.leak_bytes, res.bytes_scanned, len(res.entries),
+                         len(res.leak_addresses))]
     for e in res.entries:
         c = e.contents[:32]
         parts.append(ENTRY.pack(e.address, e.size, e.referenced_count, e.referenced_size, len(c), c))
+    parts.append(array("Q", res.leak_addresses).tobytes())
     parts.append(json.dumps(res.meta).encode())
     payload = b"".join(parts)
     return HEADER.pack(MAGIC, VERSION, KIND_RESULT, len(payload)) + payload
@@ -101,6 +107,10 @@ def decode(message: bytes):
         a, s, rc, rs, clen, c = ENTRY.unpack_from(payload, off)
         res.entries.append(SweepEntry(a, s, rc, rs, c[:clen]))
         off += ENTRY.size
+    addrs = array("Q")
+    addrs.frombytes(payload[off:off + 8 * vals[6]])
+    res.leak_addresses = addrs.tolist()
+    off += 8 * vals[6]
     res.meta = json.loads(payload[off:].decode() or "{}")
     return res
 

@@ -16,6 +16,7 @@ import time
 from itertools import compress
 from typing import Optional
 
+from memunreachable import detect
 from memunreachable import preflight as preflight_stage
 from memunreachable._errors import HeapWalkError
 from memunreachable.classify import classify
@@ -45,47 +46,24 @@ def check(pid: int, *, limit: Optional[int] = 100, timeout: float = 2.0,
     started = time.monotonic()
     # 1. Preflight
     target = preflight_stage.preflight(pid)
-    info = UnreachableMemoryInfo(pid=pid)
-    for attempt in range(MAX_RETRIES + 1):
-        # 2. Collect: freeze every thread, registers, maps
-        log.info("collecting thread info for process %d", pid)
-        with frozen(pid, timeout=timeout) as fz:
-            # 3. Snapshot: clone(0) injected into a stopped thread, then thaw at once
-            snap = take_snapshot(fz, allow_direct=allow_direct, allow_seccomp=allow_seccomp)
-            try:
-                if snap.mode == "clone":
-                    fz.thaw()
-                else:
-                    info.warnings.append(f"no snapshot ({snap.reason}): the target stayed "
-                                         "stopped for the whole sweep")
-                log.info("target paused %.2f ms (%d threads), snapshot %s",
-                         fz.pause_ms, len(fz.threads), snap.mode)
-                # 4-8. Sweep in a forked process
-                try:
-                    result = _sweep_snapshot(snap, fz, sweep_timeout)
-                except HeapInconsistent as exc:
-                    log.info("heap was mid-update (%s); retaking the snapshot", exc)
-                    result = None
-                    last_error = exc
-            finally:
-                snap.release()
-            if snap.mode != "clone":
-                fz.thaw()
-        info.pause_ms += fz.pause_ms + getattr(snap, "reap_pause_ms", 0.0)
-        info.snapshot_ms = getattr(snap, "lifetime_ms", 0.0)
-        info.snapshot_mode = snap.mode
-        info.threads = len(fz.threads)
-        if result is not None:
-            break
-        info.retries += 1
-        time.sleep(0.002 + 0.001 * min(attempt, 3))
-    else:
-        raise HeapWalkError(
-            f"the heap stayed inconsistent in {MAX_RETRIES + 1} snapshots ({last_error})",
-            hint="the target allocates very heavily; try again, or check a quieter moment")
+    info = UnreachableMemoryInfo(pid=pid, comm=target.name)
+    info.warnings.extend(getattr(target, "warnings", []))
+    opts = dict(timeout=timeout, sweep_timeout=sweep_timeout, allow_direct=allow_direct,
+                allow_seccomp=allow_seccomp)
+    # 2-8. Collect, snapshot, sweep
+    result, suspect = _snapshot_and_sweep(pid, info, confirm=None, **opts)
+    if suspect or result.meta.get("soft_issues"):
+        # A thread was inside the allocator: a block in flight in malloc/free can look
+        # unreachable. Confirm with a second snapshot: only blocks unreachable in both count.
+        first = set(result.leak_addresses)
+        result, _ = _snapshot_and_sweep(pid, info, confirm=first, **opts)
+        dropped = len(first - set(result.leak_addresses)) + result.meta.get("unconfirmed", 0)
+        info.confirmed = True
+        if dropped:
+            info.warnings.append(f"{dropped} block(s) unreachable in only one of two snapshots "
+                                 "(in flight in malloc/free) were not reported")
     if info.retries:
         info.warnings.append(f"snapshot retaken {info.retries} time(s): a thread was inside malloc/free")
-
     # 9. Report
     _fill(info, result, limit)
     info.duration_ms = (time.monotonic() - started) * 1000.0
@@ -94,16 +72,87 @@ def check(pid: int, *, limit: Optional[int] = 100, timeout: float = 2.0,
     return info
 
 
-def _sweep_snapshot(snap, fz, sweep_timeout: float) -> SweepResult:
+def _snapshot_and_sweep(pid: int, info: UnreachableMemoryInfo, confirm, *, timeout: float,
+                        sweep_timeout: float, allow_direct: bool, allow_seccomp: bool):
+    """Steps 2-8 with retries on a hard heap inconsistency; returns (SweepResult, suspect)."""
+    last_error = None
+    for attempt in range(MAX_RETRIES + 1):
+        # 2. Collect: freeze every thread, registers, maps
+        log.info("collecting thread info for process %d", pid)
+        result = None
+        with frozen(pid, timeout=timeout) as fz:
+            suspect = bool(_threads_in_allocator(fz.threads, fz.maps, pid))
+            # 3. Snapshot: clone(0) injected into a stopped thread, then thaw at once
+            snap = take_snapshot(fz, allow_direct=allow_direct, allow_seccomp=allow_seccomp)
+            try:
+                if snap.mode == "clone":
+                    fz.thaw()
+                elif not any(w.startswith("no snapshot") for w in info.warnings):
+                    info.warnings.append(f"no snapshot ({snap.reason}): the target stayed "
+                                         "stopped for the whole sweep")
+                log.info("target paused %.2f ms (%d threads), snapshot %s",
+                         fz.pause_ms, len(fz.threads), snap.mode)
+                # 4-8. Sweep in a forked process
+                try:
+                    result = _sweep_snapshot(snap, fz, sweep_timeout, confirm, want_leaks=suspect)
+                except HeapInconsistent as exc:
+                    log.info("heap was mid-update (%s); retaking the snapshot", exc)
+                    last_error = exc
+            finally:
+                snap.release()
+            if snap.mode != "clone":
+                fz.thaw()
+        info.pause_ms += fz.pause_ms + getattr(snap, "reap_pause_ms", 0.0)
+        info.snapshot_ms += getattr(snap, "lifetime_ms", 0.0)
+        info.snapshot_mode = snap.mode
+        info.threads = len(fz.threads)
+        info.warnings.extend(w for w in getattr(snap, "warnings", []) if w not in info.warnings)
+        if result is not None:
+            return result, suspect
+        info.retries += 1
+        time.sleep(0.002 + 0.001 * min(attempt, 3))
+    raise HeapWalkError(
+        f"the heap stayed inconsistent in {MAX_RETRIES + 1} snapshots ({last_error})",
+        hint="the target allocates very heavily; try again, or check a quieter moment")
+
+
+# syscalls glibc malloc/free make while a chunk may be in flight
+_ALLOCATOR_SYSCALLS = {9, 10, 11, 12, 25, 28, 202}   # mmap mprotect munmap brk mremap madvise futex
+
+
+def _threads_in_allocator(threads, maps, pid: int) -> list:
+    """tids stopped inside the code of the object that holds malloc (libc, or a static
+    executable), either running or in a syscall malloc makes; [] when none."""
+    scan = detect.scan_maps(maps, pid)
+    text = [m.range for m in maps if m.executable and scan.malloc_object
+            and m.path.replace(" (deleted)", "") == scan.malloc_object]
+    out = []
+    for t in threads:
+        rip, orig_rax = t.regs[16], t.regs[15]
+        if not any(r.contains(rip) for r in text):
+            continue
+        if orig_rax == 0xFFFFFFFFFFFFFFFF or orig_rax in _ALLOCATOR_SYSCALLS:
+            out.append(t.tid)
+    return out
+
+
+def _sweep_snapshot(snap, fz, sweep_timeout: float, confirm, want_leaks: bool) -> SweepResult:
     mem = snap.open_memory()
     try:
-        return run_sweeper(lambda: sweep(mem, fz.maps, fz.threads, snap.pid), sweep_timeout)
+        return run_sweeper(lambda: sweep(mem, fz.maps, fz.threads, snap.pid, confirm, want_leaks),
+                           sweep_timeout)
     finally:
         mem.close()
 
 
-def sweep(mem, maps, threads, pid: int) -> SweepResult:
-    """Stages 4-8 over a memory image; runs inside the sweeper process."""
+def sweep(mem, maps, threads, pid: int, confirm: Optional[set] = None,
+          want_leaks: bool = False) -> SweepResult:
+    """Stages 4-8 over a memory image; runs inside the sweeper process.
+
+    confirm: addresses found unreachable in an earlier snapshot; a block unreachable now but
+    not then is in flight, and is treated as a root (as LSan treats suppressed blocks).
+    want_leaks: also return every unreachable address (for a confirming snapshot).
+    """
     t0 = time.monotonic()
     # 4. Enumerate allocations
     log.info("searching process %d for allocations", pid)
@@ -120,6 +169,16 @@ def sweep(mem, maps, threads, pid: int) -> SweepResult:
     # 6. Mark
     log.info("sweeping process %d for unreachable memory", pid)
     marked = mark(hw.image, root_buffers, roots.words)
+    unconfirmed = 0
+    if confirm is not None:
+        extra = [i for i in _unmarked(marked.marked) if hw.image.begins[i] not in confirm]
+        if extra:
+            unconfirmed = len(extra)
+            view = _ContentsReader(hw.image)
+            root_buffers += [(hw.image.begins[i], view.view(hw.image.begins[i], hw.image.sizes[i]))
+                             for i in extra]
+            marked = mark(hw.image, root_buffers,
+                          list(roots.words) + [hw.image.begins[i] for i in extra])
     t_mark = time.monotonic()
     del root_buffers
     # 7. Fold
@@ -149,8 +208,21 @@ def sweep(mem, maps, threads, pid: int) -> SweepResult:
                     "fold": t_fold - t_mark},
         "root_bytes": marked.root_bytes,
         "heap_bytes": marked.heap_bytes,
+        "soft_issues": list(hw.soft_issues),
+        "unconfirmed": unconfirmed,
     }
+    if want_leaks or hw.soft_issues or confirm is not None:
+        res.leak_addresses = list(compress(hw.image.begins, leaked_mask))
     return res
+
+
+def _unmarked(marked) -> list:
+    """Indices of unmarked allocations."""
+    out, i = [], marked.find(0)
+    while i >= 0:
+        out.append(i)
+        i = marked.find(0, i + 1)
+    return out
 
 
 _INVERT = bytes([1] + [0] * 255)
@@ -168,13 +240,16 @@ class _ContentsReader:
         self.regions = sorted(image.regions, key=lambda r: r[0])
         self.bases = [r[0] for r in self.regions]
 
-    def read(self, addr: int, n: int) -> bytes:
+    def view(self, addr: int, n: int) -> memoryview:
         i = bisect.bisect_right(self.bases, addr) - 1
         if i < 0:
-            return b""
+            return memoryview(b"")
         base, buf = self.regions[i]
         off = addr - base
-        return bytes(memoryview(buf)[off:off + n])
+        return memoryview(buf)[off:off + n]
+
+    def read(self, addr: int, n: int) -> bytes:
+        return bytes(self.view(addr, n))
 
 
 def _fill(info: UnreachableMemoryInfo, res: SweepResult, limit: Optional[int]) -> None:
