@@ -51,12 +51,12 @@ def check(pid: int, *, limit: Optional[int] = 100, timeout: float = 2.0,
     opts = dict(timeout=timeout, sweep_timeout=sweep_timeout, allow_direct=allow_direct,
                 allow_seccomp=allow_seccomp)
     # 2-8. Collect, snapshot, sweep
-    result, suspect = _snapshot_and_sweep(pid, info, confirm=None, **opts)
-    if suspect or result.meta.get("soft_issues"):
+    result = _snapshot_and_sweep(pid, info, confirm=None, **opts)
+    if result.meta.get("suspect_tids") or result.meta.get("soft_issues"):
         # A thread was inside the allocator: a block in flight in malloc/free can look
         # unreachable. Confirm with a second snapshot: only blocks unreachable in both count.
         first = set(result.leak_addresses)
-        result, _ = _snapshot_and_sweep(pid, info, confirm=first, **opts)
+        result = _snapshot_and_sweep(pid, info, confirm=first, **opts)
         dropped = len(first - set(result.leak_addresses)) + result.meta.get("unconfirmed", 0)
         info.confirmed = True
         if dropped:
@@ -74,14 +74,13 @@ def check(pid: int, *, limit: Optional[int] = 100, timeout: float = 2.0,
 
 def _snapshot_and_sweep(pid: int, info: UnreachableMemoryInfo, confirm, *, timeout: float,
                         sweep_timeout: float, allow_direct: bool, allow_seccomp: bool):
-    """Steps 2-8 with retries on a hard heap inconsistency; returns (SweepResult, suspect)."""
+    """Steps 2-8 with retries on a hard heap inconsistency; returns the SweepResult."""
     last_error = None
     for attempt in range(MAX_RETRIES + 1):
         # 2. Collect: freeze every thread, registers, maps
         log.info("collecting thread info for process %d", pid)
         result = None
         with frozen(pid, timeout=timeout) as fz:
-            suspect = bool(_threads_in_allocator(fz.threads, fz.maps, pid))
             # 3. Snapshot: clone(0) injected into a stopped thread, then thaw at once
             snap = take_snapshot(fz, allow_direct=allow_direct, allow_seccomp=allow_seccomp)
             try:
@@ -94,7 +93,7 @@ def _snapshot_and_sweep(pid: int, info: UnreachableMemoryInfo, confirm, *, timeo
                          fz.pause_ms, len(fz.threads), snap.mode)
                 # 4-8. Sweep in a forked process
                 try:
-                    result = _sweep_snapshot(snap, fz, sweep_timeout, confirm, want_leaks=suspect)
+                    result = _sweep_snapshot(snap, fz, sweep_timeout, confirm)
                 except HeapInconsistent as exc:
                     log.info("heap was mid-update (%s); retaking the snapshot", exc)
                     last_error = exc
@@ -108,7 +107,7 @@ def _snapshot_and_sweep(pid: int, info: UnreachableMemoryInfo, confirm, *, timeo
         info.threads = len(fz.threads)
         info.warnings.extend(w for w in getattr(snap, "warnings", []) if w not in info.warnings)
         if result is not None:
-            return result, suspect
+            return result
         info.retries += 1
         time.sleep(0.002 + 0.001 * min(attempt, 3))
     raise HeapWalkError(
@@ -116,47 +115,53 @@ def _snapshot_and_sweep(pid: int, info: UnreachableMemoryInfo, confirm, *, timeo
         hint="the target allocates very heavily; try again, or check a quieter moment")
 
 
-# syscalls glibc malloc/free make while a chunk may be in flight
-_ALLOCATOR_SYSCALLS = {9, 10, 11, 12, 25, 28, 202}   # mmap mprotect munmap brk mremap madvise futex
+# syscalls glibc malloc/free make while a chunk may be in flight (futex: see below)
+_ALLOCATOR_SYSCALLS = {9, 10, 11, 12, 25, 28}   # mmap mprotect munmap brk mremap madvise
+SYS_FUTEX = 202
 
 
-def _threads_in_allocator(threads, maps, pid: int) -> list:
-    """tids stopped inside the code of the object that holds malloc (libc, or a static
-    executable), either running or in a syscall malloc makes; [] when none."""
+def threads_in_allocator(threads, maps, pid: int, arena_mutexes) -> list:
+    """tids that may hold a chunk in flight: stopped inside the code of the object that holds
+    malloc (libc, or a static executable) while running user code, or in a syscall malloc
+    makes, or waiting on an arena's mutex (futex on the arena's first word); [] when none.
+    A thread parked in any other futex (condition variables, barriers) is not suspect."""
     scan = detect.scan_maps(maps, pid)
     text = [m.range for m in maps if m.executable and scan.malloc_object
             and m.path.replace(" (deleted)", "") == scan.malloc_object]
+    mutexes = set(arena_mutexes)
     out = []
     for t in threads:
-        rip, orig_rax = t.regs[16], t.regs[15]
+        rip, orig_rax, rdi = t.regs[16], t.regs[15], t.regs[14]
         if not any(r.contains(rip) for r in text):
             continue
-        if orig_rax == 0xFFFFFFFFFFFFFFFF or orig_rax in _ALLOCATOR_SYSCALLS:
+        if (orig_rax == 0xFFFFFFFFFFFFFFFF or orig_rax in _ALLOCATOR_SYSCALLS
+                or (orig_rax == SYS_FUTEX and rdi in mutexes)):
             out.append(t.tid)
     return out
 
 
-def _sweep_snapshot(snap, fz, sweep_timeout: float, confirm, want_leaks: bool) -> SweepResult:
+def _sweep_snapshot(snap, fz, sweep_timeout: float, confirm) -> SweepResult:
     mem = snap.open_memory()
     try:
-        return run_sweeper(lambda: sweep(mem, fz.maps, fz.threads, snap.pid, confirm, want_leaks),
+        return run_sweeper(lambda: sweep(mem, fz.maps, fz.threads, snap.pid, confirm),
                            sweep_timeout)
     finally:
         mem.close()
 
 
-def sweep(mem, maps, threads, pid: int, confirm: Optional[set] = None,
-          want_leaks: bool = False) -> SweepResult:
+def sweep(mem, maps, threads, pid: int, confirm: Optional[set] = None) -> SweepResult:
     """Stages 4-8 over a memory image; runs inside the sweeper process.
 
     confirm: addresses found unreachable in an earlier snapshot; a block unreachable now but
     not then is in flight, and is treated as a root (as LSan treats suppressed blocks).
-    want_leaks: also return every unreachable address (for a confirming snapshot).
+    When a thread may hold a chunk in flight (or the walk saw in-transit states), every
+    unreachable address is returned too, for the confirming snapshot.
     """
     t0 = time.monotonic()
     # 4. Enumerate allocations
     log.info("searching process %d for allocations", pid)
     hw = walk_heap(mem, maps, threads, pid)
+    suspect = threads_in_allocator(threads, maps, pid, hw.stats.get("arena_addresses", ()))
     t_walk = time.monotonic()
     # 5. Roots
     roots = classify(maps, threads, hw.heap_ranges, hw.metadata_ranges)
@@ -210,8 +215,9 @@ def sweep(mem, maps, threads, pid: int, confirm: Optional[set] = None,
         "heap_bytes": marked.heap_bytes,
         "soft_issues": list(hw.soft_issues),
         "unconfirmed": unconfirmed,
+        "suspect_tids": suspect,
     }
-    if want_leaks or hw.soft_issues or confirm is not None:
+    if suspect or hw.soft_issues or confirm is not None:
         res.leak_addresses = list(compress(hw.image.begins, leaked_mask))
     return res
 

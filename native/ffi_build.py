@@ -22,7 +22,8 @@ ffibuilder.set_source(
     '#include "mu_core_impl.h"\n',
     sources=SOURCES,
     include_dirs=[os.path.relpath(HERE, os.path.dirname(HERE))],
-    extra_compile_args=["-O2", "-std=gnu11", "-Wall", "-Wextra", "-Wno-unused-parameter"],
+    extra_compile_args=["-O2", "-std=gnu11", "-Wall", "-Wextra", "-Wno-unused-parameter", "-pthread"],
+    extra_link_args=["-pthread"],
 )
 
 if __name__ == "__main__":

@@ -519,6 +519,7 @@ def walk_heap(mem, maps: List[Mapping], threads: List[ThreadState], pid: int) ->
     # 2. the arena ring
     arenas = w.arenas(main, lay)
     w.stats["arenas"] = len(arenas)
+    w.stats["arena_addresses"] = arenas      # each arena's mutex is its first word
     heap_max = w.heap_max(lay, loc.mp)
     # 3. main arena: runs from sbrk_base
     top_reached = unused
