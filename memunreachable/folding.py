@@ -61,7 +61,7 @@ def _region_array(pairs: Sequence[Tuple[int, object]]):
 
 # Returns the entries ordered by index; raises OSError(EINVAL) on invalid input (as mark),
 # OSError(ENOMEM) when out of memory. `marked` is a bytes-like of length n, or a MarkResult.
-def fold(image: HeapImage, marked) -> List[FoldedLeak]:
+def fold(image: HeapImage, marked, glibc_chunks: bool = False) -> List[FoldedLeak]:
     marked = getattr(marked, "marked", marked)
     begins, keep_b = _u64_view(image.begins)
     sizes, keep_s = _u64_view(image.sizes)
@@ -76,7 +76,7 @@ def fold(image: HeapImage, marked) -> List[FoldedLeak]:
     ref_size = _new_uncleared("uint64_t[]", max(cap, 1))
     flags_c = ffi.from_buffer("uint8_t[]", flags) if n else ffi.NULL
     rc = lib.mu_fold(begins, sizes, n, heap, len(image.regions), flags_c,
-                     rep, ref_count, ref_size, cap)
+                     rep, ref_count, ref_size, cap, lib.MU_GLIBC_CHUNKS if glibc_chunks else 0)
     check(rc, "fold")
     del keep_b, keep_s, keep_h
     reps = ffi.unpack(rep, rc)

@@ -62,7 +62,8 @@ def _region_array(pairs: Sequence[Tuple[int, object]]):
 
 # Returns MarkResult; raises OSError(EINVAL) for unsorted/overlapping allocations, an
 # allocation outside every heap region or overlapping regions, OSError(ENOMEM) when out of memory.
-def mark(image: HeapImage, roots: Sequence[Tuple[int, object]], words: Sequence[int] = ()) -> MarkResult:
+def mark(image: HeapImage, roots: Sequence[Tuple[int, object]], words: Sequence[int] = (),
+         glibc_chunks: bool = False) -> MarkResult:
     begins, keep_b = _u64_view(image.begins)
     sizes, keep_s = _u64_view(image.sizes)
     n = len(begins)
@@ -76,7 +77,8 @@ def mark(image: HeapImage, roots: Sequence[Tuple[int, object]], words: Sequence[
     stats = ffi.new("mu_mark_stats *")
     t0 = time.perf_counter()
     rc = lib.mu_mark(begins, sizes, n, heap, len(image.regions), root_regions, len(roots),
-                     word_arr, len(word_arr), marked_c, stats)
+                     word_arr, len(word_arr), marked_c, stats,
+                     lib.MU_GLIBC_CHUNKS if glibc_chunks else 0)
     seconds = time.perf_counter() - t0
     check(rc, "mark")
     del keep_b, keep_s, keep_h, keep_r, keep_w

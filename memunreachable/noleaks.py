@@ -146,6 +146,10 @@ def _check_self(limit: Optional[int], timeout: float) -> UnreachableMemoryInfo:
         os.close(wfd)
     try:
         _set_ptracer(helper.pid)
+        # Dead frames of functions that returned (a C extension's malloc'ing call, say) may
+        # still hold pointers exactly where our wait's frames will live: zero them first,
+        # before the helper may freeze us.
+        _scrub_stack()
         helper.stdin.write(b"go\n")
         helper.stdin.close()
         data = _read_result(rfd, HELPER_TIMEOUT)
@@ -169,6 +173,15 @@ def _check_self(limit: Optional[int], timeout: float) -> UnreachableMemoryInfo:
     return payload
 
 
+SCRUB_BYTES = 64 * 1024
+READ_BYTES = 64 * 1024
+
+
+def _scrub_stack() -> None:
+    from memunreachable._ffi import lib
+    lib.mu_scrub_stack(SCRUB_BYTES)
+
+
 def _read_result(fd: int, timeout: float) -> bytes:
     chunks = []
     deadline = time.monotonic() + timeout
@@ -179,7 +192,9 @@ def _read_result(fd: int, timeout: float) -> bytes:
         r, _, _ = select.select([fd], [], [], left)
         if not r:
             continue
-        chunk = os.read(fd, 1 << 20)
+        # 64 KiB reads stay below glibc's mmap threshold: a freed 1 MiB mmapped read buffer
+        # leaves stale cursor pointers into an address range a later block may reuse
+        chunk = os.read(fd, READ_BYTES)
         if not chunk:
             return b"".join(chunks)
         chunks.append(chunk)

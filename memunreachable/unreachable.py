@@ -173,7 +173,7 @@ def sweep(mem, maps, threads, pid: int, confirm: Optional[set] = None) -> SweepR
     t_roots = time.monotonic()
     # 6. Mark
     log.info("sweeping process %d for unreachable memory", pid)
-    marked = mark(hw.image, root_buffers, roots.words)
+    marked = mark(hw.image, root_buffers, roots.words, glibc_chunks=True)
     unconfirmed = 0
     if confirm is not None:
         extra = [i for i in _unmarked(marked.marked) if hw.image.begins[i] not in confirm]
@@ -183,12 +183,12 @@ def sweep(mem, maps, threads, pid: int, confirm: Optional[set] = None) -> SweepR
             root_buffers += [(hw.image.begins[i], view.view(hw.image.begins[i], hw.image.sizes[i]))
                              for i in extra]
             marked = mark(hw.image, root_buffers,
-                          list(roots.words) + [hw.image.begins[i] for i in extra])
+                          list(roots.words) + [hw.image.begins[i] for i in extra], glibc_chunks=True)
     t_mark = time.monotonic()
     del root_buffers
     # 7. Fold
     log.info("folding related leaks")
-    folded = fold(hw.image, marked.marked)
+    folded = fold(hw.image, marked.marked, glibc_chunks=True)
     t_fold = time.monotonic()
     # 8. Result
     sizes = hw.image.sizes

@@ -10,4 +10,5 @@
 #include "mu_scan.h"
 #include "mu_fold.h"
 #include "mu_ptrace.h"
+#include "mu_self.h"
 #endif

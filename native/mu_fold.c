@@ -136,12 +136,13 @@ static void heads_sum(cond *g, uint32_t h, uint64_t *cnt, uint64_t *sz)
 
 int64_t mu_fold(const uint64_t *begin, const uint64_t *size, uint64_t n,
                 const mu_region *heap, uint64_t nheap, const uint8_t *marked,
-                uint64_t *rep, uint64_t *ref_count, uint64_t *ref_size, uint64_t cap)
+                uint64_t *rep, uint64_t *ref_count, uint64_t *ref_size, uint64_t cap,
+                uint32_t flags)
 {
     if ((n && !marked) || (cap && (!rep || !ref_count || !ref_size)))
         return -EINVAL;
     mu_scan_index ix;
-    int64_t rc = mu_scan_index_init(&ix, begin, size, n, heap, nheap);
+    int64_t rc = mu_scan_index_init(&ix, begin, size, n, heap, nheap, flags);
     if (rc < 0)
         return rc;
 

@@ -11,4 +11,5 @@
  * -ENOMEM, or -ENOSPC (more entries than cap). */
 int64_t mu_fold(const uint64_t *begin, const uint64_t *size, uint64_t n,
                 const mu_region *heap, uint64_t nheap, const uint8_t *marked,
-                uint64_t *rep, uint64_t *ref_count, uint64_t *ref_size, uint64_t cap);
+                uint64_t *rep, uint64_t *ref_count, uint64_t *ref_size, uint64_t cap,
+                uint32_t flags);

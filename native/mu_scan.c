@@ -53,9 +53,10 @@ void mu_scan_index_free(mu_scan_index *ix)
 
 /* Returns 0, -EINVAL (unsorted, overlapping or outside every region), -EOVERFLOW or -ENOMEM. */
 int64_t mu_scan_index_init(mu_scan_index *ix, const uint64_t *begin, const uint64_t *size,
-                           uint64_t n, const mu_region *heap, uint64_t nheap)
+                           uint64_t n, const mu_region *heap, uint64_t nheap, uint32_t flags)
 {
     memset(ix, 0, sizeof *ix);
+    ix->flags = flags;
     if ((n && (!begin || !size)) || (nheap && !heap) || (n && !nheap))
         return -EINVAL;
     if (n >= SCAN_NONE)
@@ -180,7 +181,12 @@ static inline int64_t page_search(const mu_scan_index *ix, uint64_t r, const uin
         else
             hi = mid - 1;
     }
-    return v < sp[2 * lo + 1] ? (int64_t)lo : -1;
+    uint64_t end = sp[2 * lo + 1];
+    if (v >= end)
+        return -1;
+    if ((ix->flags & MU_GLIBC_CHUNKS) && ((end - sp[2 * lo]) & 15) == 8 && v == end - 8)
+        return -1;                      /* the next chunk's header, not a reference */
+    return (int64_t)lo;
 }
 
 static inline const uint32_t *page_of(const mu_scan_index *ix, uint64_t r, uint64_t v)
@@ -324,7 +330,7 @@ int64_t mu_mark(const uint64_t *begin, const uint64_t *size, uint64_t n,
                 const mu_region *heap, uint64_t nheap,
                 const mu_region *roots, uint64_t nroots,
                 const uint64_t *words, uint64_t nwords,
-                uint8_t *marked, mu_mark_stats *stats)
+                uint8_t *marked, mu_mark_stats *stats, uint32_t flags)
 {
     if ((n && !marked) || (nroots && !roots) || (nwords && !words))
         return -EINVAL;
@@ -332,7 +338,7 @@ int64_t mu_mark(const uint64_t *begin, const uint64_t *size, uint64_t n,
         if (roots[r].len && !roots[r].data)
             return -EINVAL;
     mu_scan_index ix;
-    int64_t rc = mu_scan_index_init(&ix, begin, size, n, heap, nheap);
+    int64_t rc = mu_scan_index_init(&ix, begin, size, n, heap, nheap, flags);
     if (rc < 0)
         return rc;
     mark_ctx *m = calloc(1, sizeof *m);

@@ -23,7 +23,14 @@ int64_t mu_mark(const uint64_t *begin, const uint64_t *size, uint64_t n,
                 const mu_region *heap, uint64_t nheap,
                 const mu_region *roots, uint64_t nroots,
                 const uint64_t *words, uint64_t nwords,
-                uint8_t *marked, mu_mark_stats *stats);
+                uint8_t *marked, mu_mark_stats *stats, uint32_t flags);
+
+/* flags for mu_mark / mu_fold.
+ * MU_GLIBC_CHUNKS: allocations whose size is 8 mod 16 are glibc in-heap chunks, whose last
+ * 8 usable bytes are the next chunk's header; a word equal to that address is glibc's own
+ * bookkeeping (top, remainder, bin links, stale copies in malloc's frames), not a reference
+ * (glibc-heap.md section 12). */
+#define MU_GLIBC_CHUNKS 1
 
 /* Internal to the C core (shared by mu_mark and mu_fold); Python does not call these.
  * An address -> allocation lookup: a [lo, hi) filter, a binary search over the heap regions,
@@ -42,12 +49,13 @@ typedef struct {
     uint32_t *page;
     uint32_t shift;          /* log2 of the page-table granule (>= 4) */
     uint64_t last_region;    /* lookup cache */
+    uint32_t flags;          /* MU_GLIBC_CHUNKS */
 } mu_scan_index;
 
 /* Validates the inputs (as mu_mark) and builds ix. Returns 0, -EINVAL, -EOVERFLOW or -ENOMEM;
  * on success the caller must call mu_scan_index_free. */
 int64_t mu_scan_index_init(mu_scan_index *ix, const uint64_t *begin, const uint64_t *size,
-                           uint64_t n, const mu_region *heap, uint64_t nheap);
+                           uint64_t n, const mu_region *heap, uint64_t nheap, uint32_t flags);
 void mu_scan_index_free(mu_scan_index *ix);
 /* Returns the index of the allocation containing address v, or -1. */
 int64_t mu_scan_index_find(mu_scan_index *ix, uint64_t v);

@@ -333,3 +333,17 @@ def test_random_heaps_match_the_reference_model(seed):
     assert list(res.marked) == expect
     assert res.num_marked == sum(expect)
     assert res.heap_bytes == sum(s for s, m in zip(sizes, expect) if m)
+
+
+# glibc in-heap chunks (usable size 8 mod 16): the last 8 usable bytes are the next chunk's
+# header, so a word equal to that address is glibc bookkeeping, not a reference.
+@pytest.mark.parametrize("glibc_chunks, reached", [(True, 0), (False, 1)])
+def test_next_chunk_header_is_not_a_reference_for_glibc_chunks(glibc_chunks, reached):
+    img = _image([0x1010], [40])                  # chunk 0x1000, size 0x30: next header at 0x1030
+    assert mark(img, [], [0x1010 + 40 - 8], glibc_chunks=glibc_chunks).num_marked == reached
+
+
+def test_other_interior_words_still_count_for_glibc_chunks():
+    img = _image([0x1010, 0x1050], [40, 48])      # 48: an mmapped-style size (0 mod 16)
+    got = mark(img, [], [0x1010 + 40 - 16, 0x1050 + 48 - 8], glibc_chunks=True)
+    assert list(got.marked) == [1, 1]
