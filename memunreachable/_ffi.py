@@ -5,6 +5,8 @@ check(rc, op, ...) turns a -errno return into OSError naming the operation.
 from __future__ import annotations
 
 import os
+from array import array
+from typing import Sequence, Tuple
 
 try:
     from memunreachable._native import ffi, lib
@@ -28,11 +30,35 @@ def check(rc: int, op: str, pid: int = None, tid: int = None) -> int:
     raise OSError(err, os.strerror(err), where)
 
 
-def u64_array(values):
-    """A C uint64_t[] holding values (a sequence of ints or an array('Q'))."""
-    return ffi.new("uint64_t[]", values)
-
-
 def buffer_of(obj):
     """A C pointer to the bytes of a writable buffer (bytearray, mmap, array)."""
     return ffi.from_buffer(obj)
+
+
+# Returns a uint64_t[] cdata over values (zero-copy for an array('Q') or other contiguous
+# native 8-byte unsigned buffer), and the object to keep alive while it is in use.
+def u64_view(values):
+    if isinstance(values, array) and values.typecode in "QL" and values.itemsize == 8:
+        return ffi.from_buffer("uint64_t[]", values), values
+    try:
+        mv = memoryview(values)
+    except TypeError:
+        mv = None
+    if mv is not None and mv.format in ("Q", "L", "=Q", "<Q") and mv.itemsize == 8 and mv.c_contiguous:
+        return ffi.from_buffer("uint64_t[]", values), values
+    arr = array("Q", values)
+    return ffi.from_buffer("uint64_t[]", arr), arr
+
+
+# Returns a mu_region[] over (base, buffer) pairs and the objects to keep alive with it.
+def region_array(pairs: Sequence[Tuple[int, object]]):
+    regions = ffi.new("mu_region[]", max(len(pairs), 1))
+    keep = [regions]
+    for k, (base, buf) in enumerate(pairs):
+        nbytes = memoryview(buf).nbytes
+        data = ffi.from_buffer("uint8_t[]", buf) if nbytes else ffi.NULL
+        keep.append(data)
+        regions[k].base = base
+        regions[k].len = nbytes
+        regions[k].data = data
+    return regions, keep

@@ -11,11 +11,10 @@ Pure over plain data: no pid, no ptrace.
 """
 from __future__ import annotations
 
-from array import array
 from dataclasses import dataclass
-from typing import List, Sequence, Tuple
+from typing import List
 
-from memunreachable._ffi import check, ffi, lib
+from memunreachable._ffi import check, ffi, lib, region_array, u64_view
 from memunreachable._types import HeapImage
 
 
@@ -31,46 +30,18 @@ class FoldedLeak:
     referenced_size: int
 
 
-# Returns a uint64_t[] cdata over values (zero-copy for an array('Q')) and the object to keep alive.
-def _u64_view(values):
-    if isinstance(values, array) and values.typecode in "QL" and values.itemsize == 8:
-        return ffi.from_buffer("uint64_t[]", values), values
-    try:
-        mv = memoryview(values)
-    except TypeError:
-        mv = None
-    if mv is not None and mv.format in ("Q", "L", "=Q", "<Q") and mv.itemsize == 8 and mv.c_contiguous:
-        return ffi.from_buffer("uint64_t[]", values), values
-    arr = array("Q", values)
-    return ffi.from_buffer("uint64_t[]", arr), arr
-
-
-# Returns a mu_region[] over (base, buffer) pairs and the objects to keep alive with it.
-def _region_array(pairs: Sequence[Tuple[int, object]]):
-    regions = ffi.new("mu_region[]", max(len(pairs), 1))
-    keep = [regions]
-    for k, (base, buf) in enumerate(pairs):
-        nbytes = memoryview(buf).nbytes
-        data = ffi.from_buffer("uint8_t[]", buf) if nbytes else ffi.NULL
-        keep.append(data)
-        regions[k].base = base
-        regions[k].len = nbytes
-        regions[k].data = data
-    return regions, keep
-
-
 # Returns the entries ordered by index; raises OSError(EINVAL) on invalid input (as mark),
 # OSError(ENOMEM) when out of memory. `marked` is a bytes-like of length n, or a MarkResult.
 def fold(image: HeapImage, marked, glibc_chunks: bool = False) -> List[FoldedLeak]:
     marked = getattr(marked, "marked", marked)
-    begins, keep_b = _u64_view(image.begins)
-    sizes, keep_s = _u64_view(image.sizes)
+    begins, keep_b = u64_view(image.begins)
+    sizes, keep_s = u64_view(image.sizes)
     n = len(begins)
     if len(sizes) != n or len(marked) != n:
         raise ValueError(f"{n} allocation begins, {len(sizes)} sizes, {len(marked)} marked flags")
     flags = bytes(marked)
     cap = flags.count(0)
-    heap, keep_h = _region_array(image.regions)
+    heap, keep_h = region_array(image.regions)
     rep = _new_uncleared("uint64_t[]", max(cap, 1))
     ref_count = _new_uncleared("uint64_t[]", max(cap, 1))
     ref_size = _new_uncleared("uint64_t[]", max(cap, 1))

@@ -25,6 +25,7 @@ from __future__ import annotations
 
 import ctypes
 import errno
+import logging
 import os
 import signal
 import threading
@@ -36,10 +37,12 @@ from typing import Callable, Dict, Iterator, List, Optional
 from ptrace import PtraceError
 from ptrace.binding.func import ptrace
 
-from memunreachable import preflight, procfs
+from memunreachable import diagnose, procfs
 from memunreachable._errors import CollectionError, NoSuchProcess
 from memunreachable._ffi import lib
 from memunreachable._types import REG_NAMES, Mapping, ThreadState
+
+log = logging.getLogger("memunreachable")
 
 # <sys/ptrace.h>, <linux/elf.h>, <sys/wait.h> (x86_64)
 PTRACE_GETREGS = 12
@@ -216,8 +219,10 @@ class Frozen:
         tr = self._tracees[tid] = _Tracee(tid)
         try:
             ptrace(PTRACE_SEIZE, tid, 0, PTRACE_O_TRACECLONE)
+            log.debug("PTRACE_SEIZE pid=%d tid=%d: ok", self.pid, tid)
         except PtraceError as exc:
             err = _errno_of(exc)
+            log.debug("PTRACE_SEIZE pid=%d tid=%d: %s", self.pid, tid, errno.errorcode.get(err, err))
             if err == errno.ESRCH:
                 tr.state = "gone"
                 return
@@ -233,15 +238,16 @@ class Frozen:
                     return
             if err in (errno.EPERM, errno.EACCES, errno.ESRCH):
                 tr.state = "gone"
-                raise preflight.diagnose(self.pid, err) from None
+                raise diagnose.diagnose(self.pid, err) from None
             raise CollectionError(f"PTRACE_SEIZE tid {tid} of process {self.pid}: {exc}") from None
         tr.state = "interrupted"
         if self.on_attach is not None:
             self.on_attach(tid)     # tests: kill a thread or send a signal between the two
         try:
             ptrace(PTRACE_INTERRUPT, tid)
-        except PtraceError:
-            pass    # it exited meanwhile: waitpid reports it
+        except PtraceError as exc:
+            # it exited meanwhile: waitpid reports it
+            log.debug("PTRACE_INTERRUPT tid=%d: %s", tid, errno.errorcode.get(_errno_of(exc), exc))
 
     def _thread_status(self, tid: int) -> Optional[procfs.Status]:
         try:
@@ -331,7 +337,7 @@ class Frozen:
             self._started = time.monotonic()
             leader = procfs.read_status(self.pid)
             if leader.state in ("Z", "X") and leader.threads <= 1:
-                raise preflight.diagnose(self.pid, errno.ESRCH)
+                raise diagnose.diagnose(self.pid, errno.ESRCH)
             while True:
                 self.passes += 1
                 tids = procfs.list_tasks(self.pid)
@@ -353,7 +359,7 @@ class Frozen:
                             for t, tr in sorted(self._tracees.items()) if tr.state == "stopped"]
             if not self.threads:
                 raise NoSuchProcess(self.pid, f"process {self.pid} exited while being frozen",
-                                    hint=preflight.hint_no_process(self.pid))
+                                    hint=diagnose.hint_no_process(self.pid))
             if not one_thread:
                 self.maps = procfs.read_maps(self.pid)
 
@@ -443,7 +449,7 @@ def _get_fpregs(tid: int) -> bytes:
 # Yields a Frozen with every thread of pid stopped (one_thread: only the first live thread,
 # used to inject a short syscall). on_attach(tid) runs between each SEIZE and INTERRUPT
 # (a test hook: deliver a signal or kill a thread there). Raises NoSuchProcess (gone or exited meanwhile),
-# AccessDenied (from preflight.diagnose, with a hint), CollectionError (a thread did not stop
+# AccessDenied (from diagnose.diagnose, with a hint), CollectionError (a thread did not stop
 # within timeout; every thread was released), FreezeInterrupted (SIGINT/SIGTERM).
 @contextmanager
 def frozen(pid: int, timeout: float = 2.0, *, one_thread: bool = False,

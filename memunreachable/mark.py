@@ -12,11 +12,10 @@ Pure over plain data: no pid, no ptrace.
 from __future__ import annotations
 
 import time
-from array import array
 from dataclasses import dataclass
 from typing import Sequence, Tuple
 
-from memunreachable._ffi import check, ffi, lib
+from memunreachable._ffi import check, ffi, lib, region_array, u64_view
 from memunreachable._types import HeapImage
 
 
@@ -31,47 +30,18 @@ class MarkResult:
     seconds: float       # wall time of the native mark
 
 
-# Returns a uint64_t[] cdata over values (zero-copy for an array('Q') or other contiguous
-# native 8-byte unsigned buffer), and the object to keep alive while it is in use.
-def _u64_view(values):
-    if isinstance(values, array) and values.typecode in "QL" and values.itemsize == 8:
-        return ffi.from_buffer("uint64_t[]", values), values
-    try:
-        mv = memoryview(values)
-    except TypeError:
-        mv = None
-    if mv is not None and mv.format in ("Q", "L", "=Q", "<Q") and mv.itemsize == 8 and mv.c_contiguous:
-        return ffi.from_buffer("uint64_t[]", values), values
-    arr = array("Q", values)
-    return ffi.from_buffer("uint64_t[]", arr), arr
-
-
-# Returns a mu_region[] over (base, buffer) pairs and the objects to keep alive with it.
-def _region_array(pairs: Sequence[Tuple[int, object]]):
-    regions = ffi.new("mu_region[]", max(len(pairs), 1))
-    keep = [regions]
-    for k, (base, buf) in enumerate(pairs):
-        nbytes = memoryview(buf).nbytes
-        data = ffi.from_buffer("uint8_t[]", buf) if nbytes else ffi.NULL
-        keep.append(data)
-        regions[k].base = base
-        regions[k].len = nbytes
-        regions[k].data = data
-    return regions, keep
-
-
 # Returns MarkResult; raises OSError(EINVAL) for unsorted/overlapping allocations, an
 # allocation outside every heap region or overlapping regions, OSError(ENOMEM) when out of memory.
 def mark(image: HeapImage, roots: Sequence[Tuple[int, object]], words: Sequence[int] = (),
          glibc_chunks: bool = False) -> MarkResult:
-    begins, keep_b = _u64_view(image.begins)
-    sizes, keep_s = _u64_view(image.sizes)
+    begins, keep_b = u64_view(image.begins)
+    sizes, keep_s = u64_view(image.sizes)
     n = len(begins)
     if len(sizes) != n:
         raise ValueError(f"{n} allocation begins but {len(sizes)} sizes")
-    heap, keep_h = _region_array(image.regions)
-    root_regions, keep_r = _region_array(list(roots))
-    word_arr, keep_w = _u64_view(words)
+    heap, keep_h = region_array(image.regions)
+    root_regions, keep_r = region_array(list(roots))
+    word_arr, keep_w = u64_view(words)
     marked = bytearray(n)
     marked_c = ffi.from_buffer("uint8_t[]", marked) if n else ffi.NULL
     stats = ffi.new("mu_mark_stats *")

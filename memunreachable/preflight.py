@@ -1,53 +1,19 @@
 """preflight.py: Stage 1: is `pid` a user process we may trace?
 
 Input: a pid. Output: a Target (pid, name, seccomp mode, warnings), or a typed error whose
-.hint tells the user what to do (landscape.md section 5; the wording follows it):
+.hint tells the user what to do (landscape.md section 5; wording in diagnose.py):
     NoSuchProcess / ZombieProcess    no process, or it already exited
     UnsupportedTarget                kernel thread, ourselves, a thread id, not x86_64
     AccessDenied                     already traced, another user, non-dumpable, Yama 2/3
-diagnose(pid, err) turns an errno from PTRACE_SEIZE (or opening /proc/PID/mem) into the
-first explanation that applies, in the order of landscape.md section 5.
-
-All probes are cheap /proc and /sys reads gathered into Facts, so the decision functions
-are pure and unit-tested with synthetic Facts.
-References: ptrace(2) "ptrace access mode checking"; kernel kernel/ptrace.c
-(__ptrace_may_access), security/yama/yama_lsm.c; proc(5).
 """
 from __future__ import annotations
 
-import errno as errno_mod
-import os
-import platform
-import pwd
-import sys
-from dataclasses import dataclass, field, replace
+from dataclasses import dataclass, field
 from typing import List, Optional
 
-from memunreachable import procfs
-from memunreachable._errors import (AccessDenied, MemunreachableError, NoSuchProcess,
-                                    UnsupportedTarget, ZombieProcess)
-
-CONTAINER_CGROUP_WORDS = ("docker", "kubepods", "containerd", "libpod")
-
-
-@dataclass(frozen=True)
-class Facts:
-    """Everything the checks look at; gather_facts() fills it from the live system."""
-    pid: int
-    exists: bool
-    status: Optional[procfs.Status] = None
-    stat: Optional[procfs.Stat] = None
-    tracer_name: str = ""
-    our_pid: int = 0
-    our_uid: int = 0
-    cap_sys_ptrace: bool = False
-    dumpable: Optional[bool] = None       # None: cannot tell (a root-owned target)
-    yama_scope: Optional[int] = None      # None: Yama not built in
-    container: str = ""                   # the marker that gave it away, "" when none
-    selinux_enforcing: bool = False
-    apparmor: str = ""                    # our confinement label, "" when unconfined/absent
-    machine: str = "x86_64"
-    target_elf: str = ""                  # e.g. "EM_X86_64/64"; "" when unreadable
+from memunreachable._errors import NoSuchProcess, UnsupportedTarget, ZombieProcess
+from memunreachable.diagnose import (Facts, _definite_denial, _name, gather_facts, hint_kernel_thread,
+                                     hint_no_process, hint_seccomp, hint_self, hint_zombie)
 
 
 @dataclass
@@ -58,197 +24,6 @@ class Target:
     seccomp: int
     uid: int
     warnings: List[str] = field(default_factory=list)
-
-
-def _read_small(path: str) -> str:
-    try:
-        with open(path, "rb") as f:
-            return f.read(65536).decode("utf-8", "replace")
-    except OSError:
-        return ""
-
-
-def detect_container() -> str:
-    """One detector (landscape.md section 5.7): a marker file or a cgroup word; "" when none."""
-    for marker in ("/.dockerenv", "/run/.containerenv"):
-        if os.path.exists(marker):
-            return marker
-    cgroup = _read_small("/proc/1/cgroup")
-    for word in CONTAINER_CGROUP_WORDS:
-        if word in cgroup:
-            return f"{word} in /proc/1/cgroup"
-    return ""
-
-
-def _yama_scope() -> Optional[int]:
-    text = _read_small("/proc/sys/kernel/yama/ptrace_scope").strip()
-    return int(text) if text.isdigit() else None
-
-
-def _target_elf(pid: int) -> str:
-    try:
-        from elftools.elf.elffile import ELFFile
-        with open(f"/proc/{pid}/exe", "rb") as f:
-            elf = ELFFile(f)
-            return f"{elf['e_machine']}/{elf.elfclass}"
-    except Exception:       # unreadable (permissions), not ELF, gone: no verdict
-        return ""
-
-
-def _dumpable(pid: int, status: procfs.Status) -> Optional[bool]:
-    # A non-dumpable process's /proc/PID/mem is root-owned while its euid is not
-    # (kernel fs/proc/base.c task_dump_owner; ptrace-snapshot.md section 15).
-    if status.uids[1] == 0:
-        return None
-    try:
-        owner = os.stat(f"/proc/{pid}/mem").st_uid
-    except OSError:
-        return None
-    return owner == status.uids[1]
-
-
-# Returns the Facts about pid as seen from this process; never raises for a missing pid.
-def gather_facts(pid: int) -> Facts:
-    ours = procfs.read_status(os.getpid())
-    label = _read_small("/proc/self/attr/current").strip().rstrip("\x00")
-    base = Facts(
-        pid=pid, exists=False, our_pid=os.getpid(), our_uid=os.getuid(),
-        cap_sys_ptrace=ours.has_cap(procfs.CAP_SYS_PTRACE), yama_scope=_yama_scope(),
-        container=detect_container(),
-        selinux_enforcing=_read_small("/sys/fs/selinux/enforce").strip() == "1",
-        apparmor="" if label in ("", "unconfined") or label.startswith("unconfined") else label,
-        machine=platform.machine())
-    if pid <= 0 or not os.path.isdir(f"/proc/{pid}"):
-        return base
-    try:
-        status = procfs.read_status(pid)
-        stat = procfs.read_stat(pid)
-    except (NoSuchProcess, ValueError):
-        return base
-    return replace(base, exists=True, status=status, stat=stat,
-                   tracer_name=procfs.read_comm(status.tracer_pid) if status.tracer_pid else "",
-                   dumpable=_dumpable(pid, status), target_elf=_target_elf(pid))
-
-
-def _user_name(uid: int) -> str:
-    try:
-        return pwd.getpwuid(uid).pw_name
-    except KeyError:
-        return str(uid)
-
-
-# ---- hint texts (landscape.md section 5; keep the wording in sync with docs/permissions.md)
-
-def hint_no_process(pid: int) -> str:
-    return f"There is no process with PID {pid}."
-
-
-def hint_other_namespace(pid: int) -> str:
-    return (f"PID {pid} is visible here but cannot be traced from this PID namespace; run "
-            "memunreachable inside the same container, or check whether /proc is mounted "
-            "with hidepid.")
-
-
-def hint_zombie(pid: int) -> str:
-    return f"Process {pid} has already exited (zombie); there is nothing left to check."
-
-
-def hint_traced(pid: int, tracer: int, tracer_name: str) -> str:
-    return (f"Process {pid} is being traced by PID {tracer} ({tracer_name or '?'}). A process "
-            "can have only one tracer; detach gdb/strace/py-spy, or wait for the other check "
-            "to finish.")
-
-
-def hint_other_user(pid: int, user: str) -> str:
-    return (f"Process {pid} belongs to user {user}. Tracing another user's process needs root "
-            f"or CAP_SYS_PTRACE; try: sudo {sys.executable} -m memunreachable check {pid}")
-
-
-def hint_not_dumpable(pid: int) -> str:
-    return (f"Process {pid} is marked non-dumpable (a set-uid/set-gid or file-capability "
-            "program, or it called prctl(PR_SET_DUMPABLE, 0)). Only root or CAP_SYS_PTRACE "
-            "can trace it.")
-
-
-def hint_yama(scope: int) -> str:
-    if scope == 1:
-        return ("The kernel only lets processes trace their own descendants "
-                "(kernel.yama.ptrace_scope = 1). Either run as root, or start the program "
-                "through `memunreachable run -- <cmd>`, or let the program allow it with "
-                "prctl(PR_SET_PTRACER, …). Setting `sudo sysctl kernel.yama.ptrace_scope=0` "
-                "also works, but it weakens protection for every process until reboot.")
-    if scope == 2:
-        return ("Only processes with CAP_SYS_PTRACE may trace (ptrace_scope = 2); run as root.")
-    return ("ptrace is disabled on this machine until the next reboot (ptrace_scope = 3); "
-            "memunreachable cannot work here.")
-
-
-def hint_container() -> str:
-    return ("This looks like a container without the SYS_PTRACE capability. Docker: "
-            "`--cap-add=SYS_PTRACE`; compose: `cap_add: [SYS_PTRACE]`; Kubernetes: add "
-            "`SYS_PTRACE` under `securityContext.capabilities`, or use `kubectl debug "
-            "--profile=general --target=<container>` (each of these widens what the container "
-            "may do). On kernels older than 4.8, Docker's default seccomp profile blocks ptrace "
-            "altogether. gVisor and WSL1 lack ptrace features memunreachable needs "
-            "(microsoft/WSL#3053).")
-
-
-def hint_selinux() -> str:
-    return ("SELinux policy may forbid tracing this process; look for 'avc: denied { ptrace }' "
-            "in the audit log. Relaxing the policy weakens protection for that domain.")
-
-
-def hint_apparmor(label: str) -> str:
-    return (f"The AppArmor profile {label!r} may forbid tracing this process; look for "
-            "'apparmor=\"DENIED\" operation=\"ptrace\"' in the kernel log. Relaxing the "
-            "profile weakens protection for the programs it confines.")
-
-
-def hint_seccomp(pid: int) -> str:
-    return (f"Process {pid} runs under a seccomp filter; taking a snapshot means making it call "
-            "clone, which the filter may refuse or punish. Re-run with "
-            "`--allow-seccomp-target`, or `--no-snapshot` (the process stays paused for the "
-            "whole scan).")
-
-
-def hint_kernel_thread(pid: int) -> str:
-    return f"PID {pid} is a kernel thread: it has no user memory and no heap to check."
-
-
-def hint_self(pid: int) -> str:
-    return (f"PID {pid} is this process (or one of its threads); a process cannot ptrace "
-            "itself. Use memunreachable.NoLeaks() for in-process checks: it starts a "
-            "separate tracer.")
-
-
-# ---- decisions
-
-def _name(f: Facts) -> Optional[str]:
-    return f.status.name if f.status else None
-
-
-def _definite_denial(f: Facts) -> Optional[AccessDenied]:
-    """Denials certain before trying (landscape.md 5.3-5.6); None when tracing may work."""
-    st = f.status
-    pid, name = f.pid, _name(f)
-    if st.tracer_pid:
-        return AccessDenied(pid, f"process {pid} is already traced by PID {st.tracer_pid}",
-                            hint=hint_traced(pid, st.tracer_pid, f.tracer_name), name=name)
-    if not f.cap_sys_ptrace:
-        if any(u != f.our_uid for u in st.uids[:3]):
-            user = _user_name(st.uids[1])
-            return AccessDenied(pid, f"process {pid} belongs to user {user}",
-                                hint=hint_other_user(pid, user), name=name)
-        if f.dumpable is False:
-            return AccessDenied(pid, f"process {pid} is not dumpable",
-                                hint=hint_not_dumpable(pid), name=name)
-        if f.yama_scope == 2:
-            return AccessDenied(pid, "ptrace needs CAP_SYS_PTRACE (Yama ptrace_scope 2)",
-                                hint=hint_yama(2), name=name)
-    if f.yama_scope == 3:
-        return AccessDenied(pid, "ptrace is disabled (Yama ptrace_scope 3)",
-                            hint=hint_yama(3), name=name)
-    return None
 
 
 # Returns a Target when every check passes. Raises NoSuchProcess, ZombieProcess,
@@ -280,36 +55,3 @@ def preflight(pid: int, facts: Optional[Facts] = None) -> Target:
     if st.seccomp == 2:
         target.warnings.append(hint_seccomp(pid))
     return target
-
-
-# Returns the error (not raised) that explains why tracing pid failed with err (an errno
-# from PTRACE_SEIZE, or from opening /proc/PID/mem): the first of landscape.md section 5
-# that applies. facts: injected by unit tests.
-def diagnose(pid: int, err: int, facts: Optional[Facts] = None) -> MemunreachableError:
-    f = facts if facts is not None else gather_facts(pid)
-    if not f.exists:
-        return NoSuchProcess(pid, f"no process with PID {pid}", hint=hint_no_process(pid))
-    name = _name(f)
-    if f.status.state in ("Z", "X"):
-        return ZombieProcess(pid, f"process {pid} is a zombie", hint=hint_zombie(pid), name=name)
-    if err == errno_mod.ESRCH:
-        return NoSuchProcess(pid, f"process {pid} cannot be traced from here (ESRCH)",
-                             hint=hint_other_namespace(pid), name=name)
-    denial = _definite_denial(f)
-    if denial is not None:
-        return denial
-    what = f"tracing process {pid} failed: {errno_mod.errorcode.get(err, err)}"
-    if not f.cap_sys_ptrace:
-        if f.yama_scope in (1, 2):
-            return AccessDenied(pid, what, hint=hint_yama(f.yama_scope), name=name)
-        if f.container:
-            return AccessDenied(pid, what, hint=hint_container(), name=name)
-    if f.selinux_enforcing:
-        return AccessDenied(pid, what, hint=hint_selinux(), name=name)
-    if f.apparmor:
-        return AccessDenied(pid, what, hint=hint_apparmor(f.apparmor), name=name)
-    if f.container:
-        return AccessDenied(pid, what, hint=hint_container(), name=name)
-    return AccessDenied(pid, what, hint=(
-        "The kernel refused ptrace for a reason memunreachable could not identify; "
-        "`memunreachable doctor` lists the checks it ran."), name=name)

@@ -26,7 +26,7 @@ import time
 from dataclasses import dataclass, field
 from typing import List, Optional, Tuple
 
-from memunreachable import preflight, procfs
+from memunreachable import diagnose, procfs
 from memunreachable._errors import (AccessDenied, CollectionError, NoSuchProcess,
                                     UnsupportedTarget)
 from memunreachable._ffi import ffi, lib
@@ -189,7 +189,7 @@ def _raise_inject(fz: Frozen, tid: int, rc: int, out, what: str):
         _check_alive(fz.pid)
     if err == errno.ESRCH and procfs.task_state(fz.pid, tid) in ("", "Z", "X"):
         raise NoSuchProcess(fz.pid, f"process {fz.pid} exited during the snapshot",
-                            hint=preflight.hint_no_process(fz.pid))
+                            hint=diagnose.hint_no_process(fz.pid))
     raise CollectionError(
         f"injecting {what} into thread {tid} of process {fz.pid} failed at step "
         f"'{STEP_NAMES.get(out.step, out.step)}': {os.strerror(err)}"
@@ -201,7 +201,7 @@ def _check_alive(pid: int) -> procfs.Status:
     status = procfs.read_status(pid)
     if status.dying:
         raise NoSuchProcess(pid, f"process {pid} exited while frozen",
-                            hint=preflight.hint_no_process(pid), name=status.name)
+                            hint=diagnose.hint_no_process(pid), name=status.name)
     return status
 
 
@@ -209,7 +209,7 @@ def _direct(fz: Frozen, reason: str, allow_direct: bool, seccomp: bool = False) 
     _check_alive(fz.pid)
     if not allow_direct:
         raise UnsupportedTarget(f"no snapshot of process {fz.pid}: {reason}",
-                                hint=preflight.hint_seccomp(fz.pid) if seccomp else None)
+                                hint=diagnose.hint_seccomp(fz.pid) if seccomp else None)
     return Snapshot(pid=fz.pid, target_pid=fz.pid, mode="direct", reason=reason,
                     timeout=fz.timeout, _fz=fz)
 

@@ -28,7 +28,7 @@ import signal
 import struct
 import time
 from dataclasses import dataclass, field
-from typing import Callable, List, Optional
+from typing import Callable, List
 
 from memunreachable._errors import MemunreachableError, SweepError
 

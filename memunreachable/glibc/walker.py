@@ -13,10 +13,8 @@ bulk; the chunk loops run in native/mu_walk.c. References: glibc malloc/malloc.c
 from __future__ import annotations
 
 import mmap
-import os
 import struct
 from array import array
-from bisect import bisect_right
 from dataclasses import dataclass, field
 from typing import Dict, List, Optional, Tuple
 

@@ -7,7 +7,7 @@ import threading
 import pytest
 
 import fixtures
-from memunreachable import preflight, procfs
+from memunreachable import diagnose, preflight, procfs
 from memunreachable._errors import AccessDenied, NoSuchProcess, UnsupportedTarget, ZombieProcess
 from memunreachable.freeze import frozen
 from memunreachable.snapshot import take_snapshot
@@ -135,7 +135,7 @@ def test_already_traced_names_the_tracer():
 
 def test_non_dumpable_fixture_as_root():
     with fixtures.start("ptr_nodump") as fx:
-        facts = preflight.gather_facts(fx.pid)
+        facts = diagnose.gather_facts(fx.pid)
         assert facts.cap_sys_ptrace and facts.status.uids[1] == 0
         assert facts.dumpable is None           # root-owned either way: cannot tell
         assert preflight.preflight(fx.pid).pid == fx.pid
@@ -150,4 +150,4 @@ def test_non_dumpable_fixture_as_root():
 def test_seccomp_fixture_warns():
     with fixtures.start("ptr_seccomp") as fx:
         t = preflight.preflight(fx.pid)
-        assert t.seccomp == 2 and t.warnings == [preflight.hint_seccomp(fx.pid)]
+        assert t.seccomp == 2 and t.warnings == [diagnose.hint_seccomp(fx.pid)]

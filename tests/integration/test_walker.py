@@ -7,7 +7,6 @@ import time
 import pytest
 
 import fixtures
-from memunreachable._errors import UnsupportedTarget
 from memunreachable._types import Mapping
 from memunreachable.glibc.layout import TCACHE_U16
 from memunreachable.glibc.walker import walk_heap

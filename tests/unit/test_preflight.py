@@ -5,7 +5,7 @@ from dataclasses import replace
 
 import pytest
 
-from memunreachable import preflight
+from memunreachable import diagnose, preflight
 from memunreachable._errors import AccessDenied, NoSuchProcess, UnsupportedTarget, ZombieProcess
 from memunreachable.procfs import PF_KTHREAD, Stat, Status
 
@@ -27,7 +27,7 @@ def facts(**kw):
                 our_pid=99, our_uid=1000, cap_sys_ptrace=False, dumpable=True, yama_scope=None,
                 container="", machine="x86_64", target_elf="EM_X86_64/64")
     base.update(kw)
-    return preflight.Facts(**base)
+    return diagnose.Facts(**base)
 
 
 def test_ok_target():
@@ -38,13 +38,13 @@ def test_ok_target():
 def test_seccomp_target_passes_with_warning():
     t = preflight.preflight(PID, facts(status=status(seccomp=2)))
     assert t.seccomp == 2
-    assert t.warnings == [preflight.hint_seccomp(PID)]
+    assert t.warnings == [diagnose.hint_seccomp(PID)]
     assert "--allow-seccomp-target" in t.warnings[0] and "--no-snapshot" in t.warnings[0]
 
 
 def test_absent():
     with pytest.raises(NoSuchProcess) as ei:
-        preflight.preflight(PID, preflight.Facts(pid=PID, exists=False))
+        preflight.preflight(PID, diagnose.Facts(pid=PID, exists=False))
     assert ei.value.hint == f"There is no process with PID {PID}."
     assert ei.value.pid == PID
 
@@ -134,58 +134,58 @@ def test_yama_2_and_3_refused_up_front_yama_1_not():
 # ---- diagnose(pid, errno) after PTRACE_SEIZE failed
 
 def test_diagnose_order_no_process_then_namespace():
-    err = preflight.diagnose(PID, errno.ESRCH, preflight.Facts(pid=PID, exists=False))
+    err = diagnose.diagnose(PID, errno.ESRCH, diagnose.Facts(pid=PID, exists=False))
     assert isinstance(err, NoSuchProcess) and err.hint == f"There is no process with PID {PID}."
-    err = preflight.diagnose(PID, errno.ESRCH, facts())
+    err = diagnose.diagnose(PID, errno.ESRCH, facts())
     assert isinstance(err, NoSuchProcess)
     assert err.hint.startswith(f"PID {PID} is visible here but cannot be traced from this PID "
                                "namespace")
 
 
 def test_diagnose_zombie_before_tracer():
-    err = preflight.diagnose(PID, errno.EPERM, facts(status=status(state="Z", tracer_pid=5)))
+    err = diagnose.diagnose(PID, errno.EPERM, facts(status=status(state="Z", tracer_pid=5)))
     assert isinstance(err, ZombieProcess)
 
 
 def test_diagnose_yama_1():
-    err = preflight.diagnose(PID, errno.EPERM, facts(yama_scope=1))
+    err = diagnose.diagnose(PID, errno.EPERM, facts(yama_scope=1))
     assert isinstance(err, AccessDenied)
     assert "kernel.yama.ptrace_scope = 1" in err.hint
     assert "`memunreachable run -- <cmd>`" in err.hint
     assert "weakens protection for every process until reboot" in err.hint
     # with the capability, Yama 1 is not the reason
-    err = preflight.diagnose(PID, errno.EPERM, facts(yama_scope=1, cap_sys_ptrace=True))
+    err = diagnose.diagnose(PID, errno.EPERM, facts(yama_scope=1, cap_sys_ptrace=True))
     assert "ptrace_scope" not in err.hint
 
 
 def test_diagnose_container_selinux_apparmor_fallback():
-    err = preflight.diagnose(PID, errno.EPERM, facts(container="/.dockerenv"))
-    assert err.hint == preflight.hint_container()
+    err = diagnose.diagnose(PID, errno.EPERM, facts(container="/.dockerenv"))
+    assert err.hint == diagnose.hint_container()
     assert "--cap-add=SYS_PTRACE" in err.hint and "kubectl debug" in err.hint
     assert "WSL#3053" in err.hint
-    err = preflight.diagnose(PID, errno.EPERM, facts(cap_sys_ptrace=True, selinux_enforcing=True))
+    err = diagnose.diagnose(PID, errno.EPERM, facts(cap_sys_ptrace=True, selinux_enforcing=True))
     assert "avc: denied { ptrace }" in err.hint
-    err = preflight.diagnose(PID, errno.EPERM, facts(cap_sys_ptrace=True, apparmor="docker-default"))
+    err = diagnose.diagnose(PID, errno.EPERM, facts(cap_sys_ptrace=True, apparmor="docker-default"))
     assert "'docker-default'" in err.hint
-    err = preflight.diagnose(PID, errno.EPERM, facts(cap_sys_ptrace=True))
-    assert isinstance(err, AccessDenied) and "memunreachable doctor" in err.hint
+    err = diagnose.diagnose(PID, errno.EPERM, facts(cap_sys_ptrace=True))
+    assert isinstance(err, AccessDenied) and "-vv" in err.hint
     assert "EPERM" in str(err)
 
 
 def test_diagnose_traced_and_other_user_first():
-    err = preflight.diagnose(PID, errno.EPERM, facts(status=status(tracer_pid=12), tracer_name="strace",
+    err = diagnose.diagnose(PID, errno.EPERM, facts(status=status(tracer_pid=12), tracer_name="strace",
                                                      yama_scope=1))
     assert "traced by PID 12 (strace)" in err.hint
-    err = preflight.diagnose(PID, errno.EPERM, facts(status=status(uids=(0, 0, 0, 0)), yama_scope=1))
+    err = diagnose.diagnose(PID, errno.EPERM, facts(status=status(uids=(0, 0, 0, 0)), yama_scope=1))
     assert "belongs to user root" in err.hint
 
 
 def test_errors_pickle():
     import pickle
-    err = preflight.diagnose(PID, errno.EPERM, facts(yama_scope=1))
+    err = diagnose.diagnose(PID, errno.EPERM, facts(yama_scope=1))
     back = pickle.loads(pickle.dumps(err))
     assert type(back) is AccessDenied and back.hint == err.hint and back.pid == PID
 
 
 def test_container_detector_runs():
-    assert isinstance(preflight.detect_container(), str)
+    assert isinstance(diagnose.detect_container(), str)
