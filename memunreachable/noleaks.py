@@ -85,20 +85,40 @@ def assert_no_leaks(limit: Optional[int] = 100, log_contents: bool = True) -> Un
     return info
 
 
+_ADDRESS_MASK = (1 << 64) - 1
+
+
 class LeakBaseline:
     """The unreachable blocks present at one moment (addresses only: no contents are kept,
-    so this object never makes an old leak look reachable)."""
+    so this object never makes an old leak look reachable).
 
-    def __init__(self, addresses: frozenset):
-        self.addresses = addresses
+    The addresses are kept complemented: a set stores each key's hash next to it, and the
+    hash of an int below 2**61 - 1 is the int itself, so a set of raw addresses would hold
+    an aligned pointer to every old leak, which a conservative scan rightly counts as a
+    reference (the old leak would then look reachable, and "new" once the set is freed).
+    The hash of a complemented address is about 2**61 - address: never a user-space pointer.
+    """
+
+    def __init__(self, addresses) -> None:
+        self._keys = frozenset(a ^ _ADDRESS_MASK for a in addresses)
+
+    @property
+    def addresses(self) -> tuple:
+        """The baseline's leak addresses, ascending (a tuple: no hashes are stored)."""
+        return tuple(sorted(k ^ _ADDRESS_MASK for k in self._keys))
+
+    def __contains__(self, address: int) -> bool:
+        return (address ^ _ADDRESS_MASK) in self._keys
 
     def new_leaks(self, info: UnreachableMemoryInfo) -> list:
-        return [l for l in info.leaks if l.address not in self.addresses]
+        """Leaks of `info` that were not in the baseline."""
+        return [l for l in info.leaks if (l.address ^ _ADDRESS_MASK) not in self._keys]
 
 
 def leak_baseline() -> LeakBaseline:
+    """The unreachable blocks of this process now (raises MemunreachableError if it cannot check)."""
     info = get_unreachable_memory(limit=None)
-    return LeakBaseline(frozenset(l.address for l in info.leaks))
+    return LeakBaseline(l.address for l in info.leaks)
 
 
 @contextlib.contextmanager

@@ -53,18 +53,16 @@ def _cannot_check(item, exc: MemunreachableError):
     pytest.skip(reason)
 
 
-@pytest.hookimpl(hookwrapper=True)
+@pytest.hookimpl(wrapper=True)
 def pytest_runtest_call(item):
     if not _enabled(item):
-        yield
-        return
+        return (yield)
     try:
         base = leak_baseline()
     except MemunreachableError as exc:
         _cannot_check(item, exc)
-    outcome = yield
-    if outcome.excinfo is not None:
-        return          # the test failed on its own; do not pile a leak report on top
+    # a test that fails on its own raises here: no leak report is piled on top
+    result = yield
     try:
         info = get_unreachable_memory(limit=None)
     except MemunreachableError as exc:
@@ -75,6 +73,7 @@ def pytest_runtest_call(item):
         item.add_report_section("call", "memunreachable", _render(new_info, True))
         pytest.fail(f"{new_info.num_leaks} native heap block(s) became unreachable during the "
                     f"test ({new_info.leak_bytes} bytes):\n{_render(new_info, True)}", pytrace=False)
+    return result
 
 
 class _Checker:

@@ -1,0 +1,168 @@
+"""Issue 3: the in-process API against a C extension that leaks on purpose."""
+import importlib
+import os
+import sys
+import threading
+import time
+
+import pytest
+
+from inprocess_helpers import build_leaky, run_python
+from memunreachable import noleaks
+from memunreachable._errors import LeaksDetected
+
+pytestmark = pytest.mark.ptrace
+
+
+@pytest.fixture(scope="module")
+def ext_dir():
+    return build_leaky()
+
+
+ASSERT_SCRIPT = r"""
+import leakytools as leaky, memunreachable
+from memunreachable import LeaksDetected
+addr, size = leaky.{fn}(34604008)
+try:
+    info = memunreachable.assert_no_leaks(limit=None)
+    print("clean", info.num_leaks)
+except LeaksDetected as e:
+    print("leaks", e.info.num_leaks, e.info.leak_bytes, [(l.address, l.size) for l in e.info.leaks])
+    assert ("%x" % addr) in e.report, e.report
+print("block", addr, size)
+"""
+
+
+def parse(out: str):
+    lines = dict(line.split(" ", 1) for line in out.strip().splitlines())
+    addr, size = map(int, lines["block"].split())
+    return lines, addr, size
+
+
+def test_assert_no_leaks_catches_the_leak_with_exact_address_and_size(ext_dir):
+    proc = run_python(ASSERT_SCRIPT.format(fn="leak"), ext_dir)
+    assert proc.returncode == 0, proc.stderr
+    lines, addr, size = parse(proc.stdout)
+    assert lines["leaks"] == f"1 {size} [({addr}, {size})]"
+
+
+def test_assert_no_leaks_passes_when_the_block_is_freed(ext_dir):
+    proc = run_python(ASSERT_SCRIPT.format(fn="no_leak"), ext_dir)
+    assert proc.returncode == 0, proc.stderr
+    lines, _, _ = parse(proc.stdout)
+    assert lines["clean"] == "0"
+
+
+def test_noleaks_true_then_false(ext_dir):
+    code = ("import leakytools as leaky, memunreachable\n"
+            "print(memunreachable.NoLeaks())\n"
+            "leaky.leak(34603080)\n"
+            "print(memunreachable.NoLeaks())\n")
+    proc = run_python(code, ext_dir)
+    assert proc.returncode == 0, proc.stderr
+    assert proc.stdout.split() == ["True", "False"]
+
+
+NO_NEW_LEAKS = r"""
+import leakytools as leaky
+from memunreachable import no_new_leaks, LeaksDetected
+try:
+    with no_new_leaks():
+        addr, size = leaky.leak(34606008)
+    print("missed")
+except LeaksDetected as e:
+    print("caught", [(l.address, l.size, l.referenced_count) for l in e.info.leaks] == [(addr, size, 0)],
+          (e.info.num_leaks, e.info.leak_bytes) == (1, size), ("%x" % addr) in e.report)
+with no_new_leaks():
+    leaky.no_leak(34606008)
+print("clean-ok")
+"""
+
+
+def test_no_new_leaks(ext_dir):
+    proc = run_python(NO_NEW_LEAKS, ext_dir)
+    assert proc.returncode == 0, proc.stderr
+    assert proc.stdout.split("\n")[:2] == ["caught True True True", "clean-ok"]
+
+
+STRING_AND_LOG = r"""
+import logging, io
+import leakytools as leaky, memunreachable
+addr, size = leaky.leak(34603512)
+text = memunreachable.get_unreachable_memory_string(limit=None)
+print(f"{size} bytes unreachable at {addr:x}" in text, text.splitlines()[-1].startswith("SUMMARY: memunreachable:"))
+buf = io.StringIO()
+logging.basicConfig(stream=buf, level=logging.ERROR, format="%(levelname)s %(message)s")
+addr2, size2 = leaky.leak(34603704)
+print(memunreachable.log_unreachable_memory(limit=None))
+log = buf.getvalue()
+print(f"ERROR   {size2} bytes unreachable at {addr2:x}" in log, f"ERROR   {size} bytes unreachable at {addr:x}" in log,
+      f"{size + size2} bytes in 2 unreachable allocations" in log)
+"""
+
+
+def test_get_unreachable_memory_string_and_log(ext_dir):
+    proc = run_python(STRING_AND_LOG, ext_dir)
+    assert proc.returncode == 0, proc.stderr
+    assert proc.stdout.split() == ["True", "True", "True", "True", "True", "True"], proc.stdout
+
+
+THREADS = r"""
+import threading, time
+import leakytools as leaky
+from memunreachable import no_new_leaks, LeaksDetected
+stop = threading.Event()
+counters = [0, 0]
+def busy(i):
+    while not stop.is_set():
+        counters[i] += 1
+        _ = [str(n) for n in range(50)]
+workers = [threading.Thread(target=busy, args=(i,)) for i in range(2)]
+for w in workers:
+    w.start()
+result = {}
+def run():
+    try:
+        with no_new_leaks():
+            result["leak"] = leaky.leak(34604248)
+    except LeaksDetected as exc:
+        result["info"] = exc.info
+t = threading.Thread(target=run)
+t.start()
+t.join(60)
+before = list(counters)
+time.sleep(0.2)
+stop.set()
+for w in workers:
+    w.join()
+addr, size = result["leak"]
+print([(l.address, l.size) for l in result["info"].leaks] == [(addr, size)],
+      counters[0] > before[0] and counters[1] > before[1])
+"""
+
+
+def test_check_from_a_non_main_thread_with_busy_python_threads(ext_dir):
+    proc = run_python(THREADS, ext_dir)
+    assert proc.returncode == 0, proc.stderr
+    assert proc.stdout.split() == ["True", "True"], proc.stdout
+
+
+def _resources():
+    pid = os.getpid()
+    fds = len(os.listdir(f"/proc/{pid}/fd"))
+    tasks = len(os.listdir(f"/proc/{pid}/task"))
+    children = set()
+    for tid in os.listdir(f"/proc/{pid}/task"):
+        with open(f"/proc/{pid}/task/{tid}/children") as f:
+            children.update(f.read().split())
+    return fds, tasks, children
+
+
+def test_one_thousand_checks_leave_nothing_behind():
+    noleaks.get_unreachable_memory(limit=0)      # warm-up: imports, caches
+    before = _resources()
+    t0 = time.monotonic()
+    for _ in range(1000):
+        noleaks.get_unreachable_memory(limit=0)
+    elapsed = time.monotonic() - t0
+    assert _resources() == before, f"resources before/after differ ({elapsed:.0f} s for 1000 checks)"

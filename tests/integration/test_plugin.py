@@ -1,0 +1,86 @@
+"""Issue 3: the opt-in pytest plugin, driven with pytester."""
+import re
+import shutil
+
+import pytest
+
+from inprocess_helpers import build_leaky
+
+pytestmark = pytest.mark.ptrace
+pytest_plugins = ["pytester"]
+
+TESTS = """
+import pytest
+import leakytools as leaky
+
+def test_leaks():
+    addr, size = leaky.leak(34605064)
+    print("LEAK", hex(addr), size)
+
+def test_clean():
+    leaky.no_leak(34605064)
+
+@pytest.mark.no_leaks
+def test_marked_leak():
+    leaky.leak(34607112)
+
+def test_fixture(memunreachable):
+    leaky.leak(34603112)
+    assert len(memunreachable.new_leaks()) == 1
+"""
+
+
+@pytest.fixture
+def suite(pytester, monkeypatch):
+    monkeypatch.setenv("PYTHONPATH", build_leaky())
+    monkeypatch.setenv("PYTHONMALLOC", "malloc")       # as docs/pytest.md recommends
+    pytester.makepyfile(test_suite=TESTS)
+    return pytester
+
+
+def test_inactive_without_the_option(suite):
+    res = suite.runpytest_subprocess("-k", "not marked")     # the plugin is loaded (pytest11) but idle
+    res.assert_outcomes(passed=3)
+
+
+def test_option_fails_the_leaking_test_with_the_report(suite):
+    res = suite.runpytest_subprocess("--memunreachable", "-s", "-v", "-rf")
+    res.assert_outcomes(passed=1, failed=3)      # test_fixture leaks on purpose too
+    out = res.stdout.str()
+    addr, size = re.search(r"LEAK 0x([0-9a-f]+) (\d+)", out).groups()
+    assert f"{size} bytes unreachable at {addr}" in out
+    assert "became unreachable during the test" in out
+    # -s puts the test's own output between its name and the verdict: match the -rf summary
+    # (test_fixture's own assertion, exactly one new leak, holds: the plugin fails it after)
+    res.stdout.fnmatch_lines(["FAILED test_suite.py::test_leaks - Failed: 1 native heap block*",
+                              "FAILED test_suite.py::test_marked_leak - Failed: 1 native heap block*",
+                              "FAILED test_suite.py::test_fixture - Failed: 1 native heap block*"])
+
+
+def test_marker_alone_checks_only_marked_tests(suite):
+    res = suite.runpytest_subprocess("-v")
+    res.assert_outcomes(passed=3, failed=1)
+    res.stdout.fnmatch_lines(["*test_marked_leak FAILED*"])
+
+
+def _without_ptrace(pytester):
+    # root without CAP_SYS_PTRACE cannot trace a non-dumpable process (ptrace_may_access)
+    pytester.makeconftest("import ctypes\nctypes.CDLL(None).prctl(4, 0, 0, 0, 0)\n")
+    setpriv = shutil.which("setpriv")
+    assert setpriv, "util-linux setpriv is needed for this test"
+    return [setpriv, "--inh-caps=-sys_ptrace", "--bounding-set=-sys_ptrace", "--"]
+
+
+def test_skip_with_reason_when_ptrace_is_not_permitted(suite):
+    prefix = _without_ptrace(suite)
+    res = suite.run(*prefix, *suite._getpytestargs(), "--memunreachable", "-rs", "-k", "clean")
+    res.assert_outcomes(skipped=1)
+    res.stdout.fnmatch_lines(["*memunreachable could not check*"])
+
+
+def test_strict_mode_fails_instead(suite):
+    prefix = _without_ptrace(suite)
+    res = suite.run(*prefix, *suite._getpytestargs(), "--memunreachable", "--memunreachable-strict",
+                    "-k", "clean")
+    res.assert_outcomes(failed=1)
+    res.stdout.fnmatch_lines(["*memunreachable could not check*"])
