@@ -13,7 +13,7 @@ static long g_nblocks = 5000000, g_nthreads = 8, g_nleaks = 1000;
 void **g_tables[64];          /* extern linkage: -O2 must keep these stores */
 uintptr_t *g_hidden;
 static pthread_barrier_t g_built, g_done;
-static unsigned long g_leak_bytes[64];
+static unsigned long g_thread_leak_bytes[64];
 
 static unsigned long rnd(unsigned long *s) { *s ^= *s << 13; *s ^= *s >> 7; *s ^= *s << 17; return *s; }
 
@@ -35,7 +35,7 @@ static __attribute__((noinline)) void build(long id)
     /* leak the last nleaks/nthreads blocks: nothing else points at them (links only go back) */
     long nl = g_nleaks / g_nthreads;
     for (long i = n - nl; i < n; i++) {
-        g_leak_bytes[id] += malloc_usable_size(table[i]);
+        g_thread_leak_bytes[id] += malloc_usable_size(table[i]);
         g_hidden[id * nl + (i - (n - nl))] = hide(table[i]);
         table[i] = NULL;
     }
@@ -65,7 +65,7 @@ int main(int argc, char **argv)
     pthread_barrier_wait(&g_built);
     unsigned long lb = 0;
     for (long i = 0; i < g_nthreads; i++)
-        lb += g_leak_bytes[i];
+        lb += g_thread_leak_bytes[i];
     print_expect("num_leaks", (g_nleaks / g_nthreads) * g_nthreads);
     print_expect("leak_bytes", lb);
     ready();

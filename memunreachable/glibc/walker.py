@@ -331,7 +331,7 @@ class _Walker:
         return tab, len(live)
 
     def chain(self, tab, ntab, head: int, bias: int, mangled: bool, size: int, max_nodes: int):
-        cap = min(max_nodes + 1, 1 << 20)
+        cap = min(max_nodes + 1, 64)       # grown below when a chain is longer (fastbins)
         out = _alloc_q(cap)
         st = ffi.new("int64_t *")
         while True:
