@@ -34,7 +34,7 @@ class AllocatorScan:
     musl: bool = False
 
 
-def _strip_deleted(path: str) -> str:
+def strip_deleted(path: str) -> str:
     return path[:-len(" (deleted)")] if path.endswith(" (deleted)") else path
 
 
@@ -42,12 +42,12 @@ def executable_path(maps: List[Mapping], pid: Optional[int]) -> Optional[str]:
     """Path of the main executable: /proc/PID/exe, else the first file-backed mapping."""
     if pid is not None:
         try:
-            return _strip_deleted(os.readlink(f"/proc/{pid}/exe"))
+            return strip_deleted(os.readlink(f"/proc/{pid}/exe"))
         except OSError:
             pass
     for m in maps:
         if m.path.startswith("/") and not m.anonymous:
-            return _strip_deleted(m.path)
+            return strip_deleted(m.path)
     return None
 
 
@@ -56,7 +56,7 @@ def scan_maps(maps: List[Mapping], pid: Optional[int] = None) -> AllocatorScan:
     scan = AllocatorScan()
     libc_path = None
     for m in maps:
-        path = _strip_deleted(m.path)
+        path = strip_deleted(m.path)
         if LIBC_RE.search(path) and libc_path is None:
             libc_path = path
         if MUSL_RE.search(path):
@@ -68,7 +68,7 @@ def scan_maps(maps: List[Mapping], pid: Optional[int] = None) -> AllocatorScan:
         libc_path = executable_path(maps, pid)
         scan.static = True
     scan.malloc_object = libc_path
-    scan.object_mappings = [m for m in maps if _strip_deleted(m.path) == libc_path] if libc_path else []
+    scan.object_mappings = [m for m in maps if strip_deleted(m.path) == libc_path] if libc_path else []
     return scan
 
 
@@ -104,7 +104,7 @@ def malloc_interposers(maps: List[Mapping], scan: AllocatorScan, pid: Optional[i
     found: List[str] = []
     seen = set()
     for m in maps:
-        path = _strip_deleted(m.path)
+        path = strip_deleted(m.path)
         if (not path.startswith("/") or path in seen or path == scan.malloc_object
                 or LOADER_RE.search(path) or m.offset != 0 or m.anonymous):
             continue

@@ -13,7 +13,6 @@ from __future__ import annotations
 
 import contextlib
 import ctypes
-import io
 import logging
 import os
 import pickle
@@ -24,7 +23,7 @@ import time
 from typing import Iterator, Optional
 
 from memunreachable._errors import LeaksDetected, SweepError
-from memunreachable.report import Leak, UnreachableMemoryInfo
+from memunreachable.report import UnreachableMemoryInfo
 
 log = logging.getLogger("memunreachable")
 
@@ -47,11 +46,7 @@ def get_unreachable_memory(limit: Optional[int] = 100, pid: Optional[int] = None
 def get_unreachable_memory_string(log_contents: bool = False, limit: Optional[int] = 100,
                                   pid: Optional[int] = None) -> str:
     """The same text report as `memunreachable check`."""
-    from memunreachable.reporters.text import render_text
-    info = get_unreachable_memory(limit=limit, pid=pid)
-    out = io.StringIO()
-    render_text(info, out, contents=log_contents, color=False)
-    return out.getvalue()
+    return _render(get_unreachable_memory(limit=limit, pid=pid), log_contents)
 
 
 def log_unreachable_memory(log_contents: bool = False, limit: Optional[int] = 100,
@@ -141,10 +136,8 @@ def _only(info: UnreachableMemoryInfo, leaks: list) -> UnreachableMemoryInfo:
 
 
 def _render(info: UnreachableMemoryInfo, contents: bool) -> str:
-    from memunreachable.reporters.text import render_text
-    out = io.StringIO()
-    render_text(info, out, contents=contents, color=False)
-    return out.getvalue()
+    from memunreachable.reporters.text import format_text
+    return format_text(info, contents)
 
 
 def _set_ptracer(pid: int) -> None:

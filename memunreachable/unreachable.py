@@ -47,7 +47,7 @@ def check(pid: int, *, limit: Optional[int] = 100, timeout: float = 2.0,
     # 1. Preflight
     target = preflight_stage.preflight(pid)
     info = UnreachableMemoryInfo(pid=pid, comm=target.name)
-    info.warnings.extend(getattr(target, "warnings", []))
+    info.warnings.extend(target.warnings)
     opts = dict(timeout=timeout, sweep_timeout=sweep_timeout, allow_direct=allow_direct,
                 allow_seccomp=allow_seccomp)
     # 2-8. Collect, snapshot, sweep
@@ -101,11 +101,11 @@ def _snapshot_and_sweep(pid: int, info: UnreachableMemoryInfo, confirm, *, timeo
                 snap.release()
             if snap.mode != "clone":
                 fz.thaw()
-        info.pause_ms += fz.pause_ms + getattr(snap, "reap_pause_ms", 0.0)
-        info.snapshot_ms += getattr(snap, "lifetime_ms", 0.0)
+        info.pause_ms += fz.pause_ms + snap.reap_pause_ms
+        info.snapshot_ms += snap.lifetime_ms
         info.snapshot_mode = snap.mode
         info.threads = len(fz.threads)
-        info.warnings.extend(w for w in getattr(snap, "warnings", []) if w not in info.warnings)
+        info.warnings.extend(w for w in snap.warnings if w not in info.warnings)
         if result is not None:
             return result
         info.retries += 1
@@ -127,7 +127,7 @@ def threads_in_allocator(threads, maps, pid: int, arena_mutexes) -> list:
     A thread parked in any other futex (condition variables, barriers) is not suspect."""
     scan = detect.scan_maps(maps, pid)
     text = [m.range for m in maps if m.executable and scan.malloc_object
-            and m.path.replace(" (deleted)", "") == scan.malloc_object]
+            and detect.strip_deleted(m.path) == scan.malloc_object]
     mutexes = set(arena_mutexes)
     out = []
     for t in threads:
@@ -174,13 +174,13 @@ def sweep(mem, maps, threads, pid: int, confirm: Optional[set] = None) -> SweepR
     # 6. Mark
     log.info("sweeping process %d for unreachable memory", pid)
     marked = mark(hw.image, root_buffers, roots.words, glibc_chunks=True)
+    contents = _ContentsReader(hw.image)
     unconfirmed = 0
     if confirm is not None:
         extra = [i for i in _unmarked(marked.marked) if hw.image.begins[i] not in confirm]
         if extra:
             unconfirmed = len(extra)
-            view = _ContentsReader(hw.image)
-            root_buffers += [(hw.image.begins[i], view.view(hw.image.begins[i], hw.image.sizes[i]))
+            root_buffers += [(hw.image.begins[i], contents.view(hw.image.begins[i], hw.image.sizes[i]))
                              for i in extra]
             marked = mark(hw.image, root_buffers,
                           list(roots.words) + [hw.image.begins[i] for i in extra], glibc_chunks=True)
@@ -200,7 +200,6 @@ def sweep(mem, maps, threads, pid: int, confirm: Optional[set] = None) -> SweepR
         leak_bytes=sum(compress(sizes, leaked_mask)),
         bytes_scanned=marked.root_bytes + marked.heap_bytes,
     )
-    contents = _ContentsReader(hw.image)
     for f in folded:
         addr, size = hw.image.begins[f.index], sizes[f.index]
         res.entries.append(SweepEntry(addr, size, f.referenced_count, f.referenced_size,
