@@ -62,8 +62,23 @@ class CollectionError(MemunreachableError):
     """Freezing or snapshotting failed or timed out (everything was released)."""
 
 
+class MemoryUnreadable(CollectionError):
+    """Memory the sweep needed could not be read from the snapshot (never counted as zeros).
+
+    address: the first unreadable byte; the orchestrator decides the cause (the snapshot
+    process died, a mapping missing from the snapshot) and whether a retry can help."""
+
+    def __init__(self, msg: str = "", hint: Optional[str] = None, address: int = 0):
+        super().__init__(msg, hint)
+        self.address = address
+
+
 class HeapWalkError(MemunreachableError):
     """The heap stayed inconsistent after every retry."""
+
+
+class HeapCorrupt(HeapWalkError):
+    """The heap is inconsistent in the same way in two snapshots with no thread in malloc."""
 
 
 class SweepError(MemunreachableError):

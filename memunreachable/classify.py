@@ -12,7 +12,9 @@ root words (registers). Table-driven, following libmemunreachable.md section 2.2
 | [heap], arena heaps, mmapped chunks            | heap: never a root (walker ranges)  |
 | main_arena, mp_                                | cut out of roots (bin pointers alias|
 |                                                |   the previous chunk's user bytes)  |
-| a mapping holding a thread's SP                | root from SP-128 (red zone) to end  |
+| a mapping holding a thread's SP                | root from SP to end, from SP-128    |
+|                                                |   (red zone) for a thread stopped in|
+|                                                |   user code                         |
 | other anonymous rw memory (.bss tails, TLS,    | root, minus heap and metadata       |
 |   TCB, user mmaps, pymalloc arenas)            |                                     |
 
@@ -27,6 +29,7 @@ from typing import Dict, List, Sequence
 from memunreachable._types import Mapping, Range, ThreadState, merge_ranges, subtract_ranges
 
 RED_ZONE = 128          # x86-64 ABI: leaf functions may keep live data below SP
+ORIG_RAX = 15           # user_regs_struct index; -1 when the thread was stopped in user code
 SKIP_NAMES = ("[vvar]", "[vvar_vclock]", "[vdso]", "[vsyscall]")
 SKIP_PREFIXES = ("/dev/", "/memfd:", "/SYSV", "[anon_shmem", "/dmabuf")
 
@@ -64,6 +67,14 @@ def loaded_objects(maps: Sequence[Mapping]) -> set:
     return {m.path for m in maps if m.executable and m.path and not m.path.startswith("[")}
 
 
+def live_stack_start(t: ThreadState) -> int:
+    """Lowest live stack address of a stopped thread: SP - 128 in user code (a leaf function's
+    red zone may hold live data), SP inside a system call (the code that made it is not a
+    leaf running below SP, so the red zone holds only dead data, e.g. stale pointers)."""
+    in_syscall = t.regs[ORIG_RAX] != 0xFFFFFFFFFFFFFFFF
+    return t.sp if in_syscall else max(0, t.sp - RED_ZONE)
+
+
 def register_words(threads: Sequence[ThreadState]) -> List[int]:
     """Every general register and every 8-byte word of the FP/SIMD state, per thread."""
     words: List[int] = []
@@ -78,7 +89,7 @@ def classify(maps: Sequence[Mapping], threads: Sequence[ThreadState],
              heap_ranges: Sequence[Range], metadata_ranges: Sequence[Range]) -> RootSet:
     """Return the RootSet: root ranges (minus heap and allocator metadata) and root words."""
     objects = loaded_objects(maps)
-    sps = sorted(t.sp for t in threads if t.sp)
+    sps = sorted((t.sp, live_stack_start(t)) for t in threads if t.sp)
     candidates: List[tuple] = []
     for m in maps:
         cls = classify_mapping(m, objects)
@@ -86,10 +97,10 @@ def classify(maps: Sequence[Mapping], threads: Sequence[ThreadState],
             continue
         rng = m.range
         kind = "data" if cls == "data" else "anon"
-        inside = [sp for sp in sps if m.begin <= sp < m.end]
+        inside = sorted(start for sp, start in sps if m.begin <= sp < m.end)
         if inside:
-            # a thread stack: only [SP - red zone, end) is live
-            rng = Range(max(m.begin, inside[0] - RED_ZONE), m.end)
+            # a thread stack: only [SP (- red zone), end) is live
+            rng = Range(max(m.begin, inside[0]), m.end)
             kind = "stack"
         elif m.path.startswith("[stack"):
             kind = "stack"

@@ -1,34 +1,86 @@
-"""memory.py: read the snapshot's (or the frozen target's) memory.
+"""memory.py: read the snapshot's (or the frozen target's) memory, completely or not at all.
 
 ProcessMemory wraps an open /proc/<pid>/mem fd. The checker opens it (the ptrace access
 check happens at open), and the forked sweeper reads through the inherited fd.
-Unreadable pages read as zeros and are counted.
+
+A result is valid or it is an error: a byte the sweep needs and cannot read raises
+MemoryUnreadable; it is never counted as zero. Two kinds of memory are handled apart:
+    tolerated  ranges whose pages may legitimately fail to read and cannot hold a pointer:
+               file pages past the end of their file (the process itself would get SIGBUS
+               there) and device memory (VmFlags io/pf). They read as zeros, counted in
+               .tolerated_bytes.
+    overlays   [(base, buffer)] copies of memory the fork snapshot cannot show: MADV_DONTFORK
+               mappings are absent from a fork, MADV_WIPEONFORK ones read as zeros there
+               (VmFlags dc / wf, proc(5); madvise(2)). They are read from the frozen target
+               during the pause (capture()) and reads inside them come from the copies.
+plan_snapshot() compares the target's mappings (captured while frozen) with the snapshot's
+smaps and says which ranges need an overlay and which are tolerated.
 """
 from __future__ import annotations
 
+import mmap
 import os
+from dataclasses import dataclass, field
+from typing import Iterable, List, Sequence, Tuple
 
-from memunreachable._ffi import buffer_of, check, lib
+from memunreachable._errors import MemoryUnreadable
+from memunreachable._ffi import buffer_of, check, ffi, lib
+from memunreachable._types import Mapping, Range, merge_ranges, subtract_ranges
+
+PAGE = 4096
+# mappings the kernel gives every process and the sweep never reads as memory
+SPECIAL = ("[vvar]", "[vvar_vclock]", "[vdso]", "[vsyscall]")
+DEVICE_FLAGS = frozenset({"io", "pf"})      # VM_IO, VM_PFNMAP: not ordinary memory
 
 
 class ProcessMemory:
-    def __init__(self, pid: int, fd: int = None):
+    def __init__(self, pid: int, fd: int = None, *, overlays: Sequence[Tuple[int, object]] = (),
+                 tolerated: Sequence[Range] = ()):
         self.pid = pid
         self.fd = fd if fd is not None else os.open(f"/proc/{pid}/mem", os.O_RDONLY | os.O_CLOEXEC)
-        self.unreadable_bytes = 0
+        self.overlays = sorted(overlays, key=lambda o: o[0])
+        self.tolerated = merge_ranges(tolerated)
+        self.tolerated_bytes = 0
 
     def read(self, addr: int, size: int) -> bytes:
         buf = bytearray(size)
         self.read_into(addr, buf)
         return bytes(buf)
 
+    # Fills buf with [addr, addr+len(buf)). Returns 0. Raises MemoryUnreadable naming the
+    # first byte that could not be read outside the tolerated ranges.
     def read_into(self, addr: int, buf) -> int:
-        n = memoryview(buf).nbytes
-        if n == 0:
-            return 0
-        bad = check(lib.mu_read(self.fd, addr, buffer_of(buf), n), "read memory", pid=self.pid)
-        self.unreadable_bytes += bad
-        return bad
+        mv = memoryview(buf).cast("B")
+        n = len(mv)
+        pos = 0
+        for base, data in self.overlays:
+            lo, hi = max(addr, base), min(addr + n, base + len(data))
+            if lo >= hi:
+                continue
+            if lo > addr + pos:
+                self._read_fd(addr + pos, mv[pos:lo - addr])
+            mv[lo - addr:hi - addr] = memoryview(data).cast("B")[lo - base:hi - base]
+            pos = hi - addr
+        if pos < n:
+            self._read_fd(addr + pos, mv[pos:])
+        return 0
+
+    def _read_fd(self, addr: int, mv: memoryview) -> None:
+        first = ffi.new("uint64_t *")
+        while len(mv):
+            bad = check(lib.mu_read(self.fd, addr, buffer_of(mv), len(mv), first),
+                        "read memory", pid=self.pid)
+            if not bad:
+                return
+            t = next((r for r in self.tolerated if r.contains(first[0])), None)
+            if t is None:
+                raise MemoryUnreadable(
+                    f"{bad} byte(s) of process {self.pid}'s memory from {first[0]:#x} could "
+                    "not be read", address=first[0])
+            end = min(t.end, addr + len(mv))
+            self.tolerated_bytes += end - first[0]
+            mv = mv[end - addr:]
+            addr = end
 
     def close(self) -> None:
         if self.fd is not None and self.fd >= 0:
@@ -40,3 +92,77 @@ class ProcessMemory:
 
     def __exit__(self, *exc):
         self.close()
+
+
+@dataclass
+class SnapshotPlan:
+    """missing: readable ranges of the target that the snapshot lacks or wiped (overlays
+    needed); tolerated: ranges whose unreadable pages are legitimate; notes: why, per range."""
+    missing: List[Range] = field(default_factory=list)
+    tolerated: List[Range] = field(default_factory=list)
+    notes: List[str] = field(default_factory=list)
+
+    @property
+    def missing_bytes(self) -> int:
+        return sum(r.size for r in self.missing)
+
+
+def _needs_reading(m: Mapping) -> bool:
+    return m.readable and m.path not in SPECIAL and not m.path.startswith("/dev/")
+
+
+# Returns what a sweep of `snapshot_smaps` (the snapshot's [(Mapping, VmFlags)]) needs besides
+# the snapshot, given the target's mappings at the freeze. file_size(path, mapping) gives the
+# size of a file-backed mapping's file (None when unknown: then nothing past it is tolerated).
+def plan_snapshot(target_maps: Sequence[Mapping], snapshot_smaps: Sequence[Tuple[Mapping, frozenset]],
+                  file_size=None) -> SnapshotPlan:
+    plan = SnapshotPlan()
+    present = merge_ranges([m.range for m, _ in snapshot_smaps])
+    for m, flags in snapshot_smaps:
+        if flags & DEVICE_FLAGS:
+            plan.tolerated.append(m.range)
+        elif "wf" in flags and m.readable and m.writable and not m.shared:
+            plan.missing.append(m.range)
+            plan.notes.append(f"{m.begin:#x}-{m.end:#x} is MADV_WIPEONFORK")
+    for m in target_maps:
+        if not _needs_reading(m):
+            continue
+        gone = subtract_ranges([m.range], present)
+        if gone:
+            plan.missing.extend(gone)
+            plan.notes.append(f"{m.begin:#x}-{m.end:#x} {m.path or '(anonymous)'} is not in the "
+                              "snapshot (MADV_DONTFORK)")
+        if m.path.startswith("/") and file_size is not None:
+            size = file_size(m)
+            if size is not None:
+                valid = max(0, size - m.offset)         # file bytes this mapping shows
+                first_past = m.begin + (valid + PAGE - 1) // PAGE * PAGE
+                if first_past < m.end:
+                    plan.tolerated.append(Range(first_past, m.end))
+    plan.missing = merge_ranges(plan.missing)
+    plan.tolerated = merge_ranges(plan.tolerated)
+    return plan
+
+
+def mapped_file_size(pid: int):
+    """file_size callback for plan_snapshot: through map_files (deleted files too), else path."""
+    def size(m: Mapping):
+        for path in (f"/proc/{pid}/map_files/{m.begin:x}-{m.end:x}", m.path):
+            try:
+                return os.stat(path).st_size
+            except OSError:
+                continue
+        return None
+    return size
+
+
+# Returns [(base, buffer)] copies of `ranges` read from process `pid` (frozen by the caller).
+# Raises MemoryUnreadable when a byte cannot be read (the caller then cannot use the snapshot).
+def capture(pid: int, ranges: Iterable[Range]) -> List[Tuple[int, object]]:
+    out = []
+    with ProcessMemory(pid) as mem:
+        for r in ranges:
+            buf = mmap.mmap(-1, r.size)
+            mem.read_into(r.begin, buf)
+            out.append((r.begin, buf))
+    return out

@@ -173,3 +173,24 @@ def task_state(pid: int, tid: int) -> str:
         return read_stat(pid, tid).state
     except (NoSuchProcess, OSError, ValueError):
         return ""
+
+
+# Returns [(Mapping, VmFlags)] in file order from /proc/PID/smaps text: each mapping's header
+# line with the two-letter flags of its VmFlags line ("dc" MADV_DONTFORK, "wf"
+# MADV_WIPEONFORK, "io"/"pf" device memory; proc(5)). A mapping without a VmFlags line
+# (kernels before 3.8) gets an empty set. Raises ValueError on a malformed header line.
+def parse_smaps_flags(text: str) -> List[Tuple[Mapping, frozenset]]:
+    out: List[Tuple[Mapping, frozenset]] = []
+    for line in text.splitlines():
+        if line.startswith("VmFlags:"):
+            if out:
+                out[-1] = (out[-1][0], frozenset(line[8:].split()))
+            continue
+        head = line.split(None, 1)[0] if line.strip() else ""
+        if "-" in head and not head.endswith(":"):
+            out.append((parse_maps(line)[0], frozenset()))
+    return out
+
+
+def read_smaps_flags(pid: int) -> List[Tuple[Mapping, frozenset]]:
+    return parse_smaps_flags(_read(f"/proc/{pid}/smaps", pid))

@@ -36,7 +36,8 @@ class UnreachableMemoryInfo:
     duration_ms: float = 0.0         # whole check
     snapshot_ms: float = 0.0         # how long the copy-on-write snapshot lived
     snapshot_mode: str = "clone"     # "clone" or "direct" (read the stopped target)
-    retries: int = 0                 # snapshots retaken because the heap was mid-update
+    retries: int = 0                 # snapshots retaken (see retake_counts for why)
+    retake_counts: dict = field(default_factory=dict)   # inflight | capture | died -> count
     num_allocations: int = 0
     allocation_bytes: int = 0
     num_leaks: int = 0               # every unreachable allocation, folded ones included
@@ -47,6 +48,12 @@ class UnreachableMemoryInfo:
     bytes_scanned: int = 0
     stats: dict = field(default_factory=dict)   # per-stage timings and walker figures
     confirmed: bool = False          # a second snapshot confirmed every reported leak
+    # unreachable blocks that are not reported as leaks because what decides their fate could
+    # not be seen (a broken free list that may hold them, memory the snapshot lacked): counted
+    # apart, never in num_leaks nor in the exit code
+    uncertain: List[Leak] = field(default_factory=list)
+    num_uncertain: int = 0
+    uncertain_bytes: int = 0
     comm: Optional[str] = None       # /proc/PID/comm of the target, when known (reports only)
 
 

@@ -5,14 +5,15 @@ heap, classifies roots, marks, folds, and streams the result back over a pipe it
 writes to, then _exits. The checker reads with poll() and a deadline and checks the
 sweeper's exit status, so a crash or a hang becomes a SweepError, never a hang.
 
-Wire format (version 1, little-endian):
+Wire format (version 2, little-endian):
     header  : magic b"MUSW", u16 version, u16 kind, u64 payload length
     kind 1  : result. u64 num_allocations, allocation_bytes, num_leaks, leak_bytes,
-              bytes_scanned, u64 n_entries, u64 n_leak_addresses, then n_entries records of
-              (u64 address, size, referenced_count, referenced_size, u8 contents_len,
-              32 bytes contents), then n_leak_addresses u64 (every unreachable block, sent
-              only when a confirming snapshot may follow), then a UTF-8 JSON object
-              (allocator, stats, warnings)
+              bytes_scanned, u64 n_entries, u64 n_leak_addresses, u64 n_uncertain, then
+              n_entries records of (u64 address, size, referenced_count, referenced_size,
+              u8 contents_len, 32 bytes contents), then n_uncertain records of the same shape
+              (unreachable blocks withheld as uncertain), then n_leak_addresses u64 (every
+              unreachable block, sent only when a confirming snapshot may follow), then a
+              UTF-8 JSON object (allocator, stats, warnings)
     kind 2  : error. A pickled MemunreachableError (HeapInconsistent means: retake the snapshot)
 """
 from __future__ import annotations
@@ -35,11 +36,11 @@ from memunreachable._errors import MemunreachableError, SweepError
 log = logging.getLogger("memunreachable")
 
 MAGIC = b"MUSW"
-VERSION = 1
+VERSION = 2
 KIND_RESULT = 1
 KIND_ERROR = 2
 HEADER = struct.Struct("<4sHHQ")
-TOTALS = struct.Struct("<7Q")
+TOTALS = struct.Struct("<8Q")
 ENTRY = struct.Struct("<4QB32s")
 
 
@@ -62,13 +63,14 @@ class SweepResult:
     entries: List[SweepEntry] = field(default_factory=list)
     meta: dict = field(default_factory=dict)
     leak_addresses: List[int] = field(default_factory=list)
+    uncertain: List[SweepEntry] = field(default_factory=list)   # withheld, not leaks
 
 
 def encode_result(res: SweepResult) -> bytes:
     parts = [TOTALS.pack(res.num_allocations, res.allocation_bytes, res.num_leaks,
                          res.leak_bytes, res.bytes_scanned, len(res.entries),
-                         len(res.leak_addresses))]
-    for e in res.entries:
+                         len(res.leak_addresses), len(res.uncertain))]
+    for e in res.entries + res.uncertain:
         c = e.contents[:32]
         parts.append(ENTRY.pack(e.address, e.size, e.referenced_count, e.referenced_size, len(c), c))
     parts.append(array("Q", res.leak_addresses).tobytes())
@@ -103,9 +105,9 @@ def decode(message: bytes):
     vals = TOTALS.unpack_from(payload)
     res = SweepResult(*vals[:5])
     off = TOTALS.size
-    for _ in range(vals[5]):
+    for i in range(vals[5] + vals[7]):
         a, s, rc, rs, clen, c = ENTRY.unpack_from(payload, off)
-        res.entries.append(SweepEntry(a, s, rc, rs, c[:clen]))
+        (res.entries if i < vals[5] else res.uncertain).append(SweepEntry(a, s, rc, rs, c[:clen]))
         off += ENTRY.size
     addrs = array("Q")
     addrs.frombytes(payload[off:off + 8 * vals[6]])

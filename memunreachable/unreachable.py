@@ -6,24 +6,32 @@
     4-8. sweep     in a forked sweeper: enumerate allocations, roots, mark, fold
     9. report      UnreachableMemoryInfo (sorted, limited); the CLI renders it
 
-A hard heap inconsistency (a thread stopped inside malloc) retakes the snapshot, bounded.
+A result is valid or it is an error. A snapshot that cannot give a valid result is retaken,
+bounded: a hard heap inconsistency (a thread stopped inside malloc; the same inconsistency
+twice with no thread there is a corrupt heap: an error at once), memory the snapshot lacks
+(MADV_DONTFORK: copied from the frozen target during the next pause), a snapshot process
+that died during the sweep (once). Docs: docs/reliability.md.
 """
 from __future__ import annotations
 
 import bisect
 import logging
 import time
+from dataclasses import dataclass, field
 from itertools import compress
-from typing import Optional
+from typing import List, Optional
 
-from memunreachable import detect
+from memunreachable import detect, diagnose, procfs
 from memunreachable import preflight as preflight_stage
-from memunreachable._errors import HeapWalkError
+from memunreachable._errors import (CollectionError, HeapCorrupt, HeapWalkError,
+                                    MemoryUnreadable, NoSuchProcess)
+from memunreachable._types import Range, merge_ranges, subtract_ranges
 from memunreachable.classify import classify
 from memunreachable.folding import fold
 from memunreachable.freeze import frozen
 from memunreachable.glibc.walker import HeapInconsistent, walk_heap
 from memunreachable.mark import mark
+from memunreachable.memory import ProcessMemory, SnapshotPlan, capture, mapped_file_size, plan_snapshot
 from memunreachable.report import Leak, UnreachableMemoryInfo, sort_and_limit
 from memunreachable.snapshot import take_snapshot
 from memunreachable.sweeper import SweepEntry, SweepResult, run_sweeper
@@ -31,7 +39,13 @@ from memunreachable.sweeper import SweepEntry, SweepResult, run_sweeper
 log = logging.getLogger("memunreachable")
 
 MAX_RETRIES = 20
+SNAPSHOT_DEATH_RETRIES = 1       # a snapshot process killed during the sweep: retake once
+MAX_CAPTURE_BYTES = 512 << 20    # MADV_DONTFORK memory copied during a pause, at most
 CONTENTS_BYTES = 32
+RETAKE_WORDS = {"inflight": "a thread was inside malloc/free",
+                "capture": "memory not in the snapshot (MADV_DONTFORK/WIPEONFORK) had to be "
+                           "copied during the pause",
+                "died": "the snapshot process died during the sweep"}
 
 
 def check(pid: int, *, limit: Optional[int] = 100, timeout: float = 2.0,
@@ -62,8 +76,8 @@ def check(pid: int, *, limit: Optional[int] = 100, timeout: float = 2.0,
         if dropped:
             info.warnings.append(f"{dropped} block(s) unreachable in only one of two snapshots "
                                  "(in flight in malloc/free) were not reported")
-    if info.retries:
-        info.warnings.append(f"snapshot retaken {info.retries} time(s): a thread was inside malloc/free")
+    for kind, n in sorted(info.retake_counts.items()):
+        info.warnings.append(f"snapshot retaken {n} time(s): {RETAKE_WORDS[kind]}")
     # 9. Report
     _fill(info, result, limit)
     info.duration_ms = (time.monotonic() - started) * 1000.0
@@ -72,47 +86,169 @@ def check(pid: int, *, limit: Optional[int] = 100, timeout: float = 2.0,
     return info
 
 
-def _snapshot_and_sweep(pid: int, info: UnreachableMemoryInfo, confirm, *, timeout: float,
-                        sweep_timeout: float, allow_direct: bool, allow_seccomp: bool):
-    """Steps 2-8 with retries on a hard heap inconsistency; returns the SweepResult."""
-    last_error = None
+class _Retake(Exception):
+    """This snapshot cannot give a valid result, a fresh one may: kind says why."""
+
+    def __init__(self, kind: str, reason: str, error: Exception = None):
+        super().__init__(reason)
+        self.kind, self.reason, self.error = kind, reason, error
+
+
+@dataclass
+class _Attempts:
+    """What one snapshot teaches the next: memory to capture during the pause, the last
+    heap inconsistency (to tell a corrupt heap from one in flight), deaths seen."""
+    capture: List[Range] = field(default_factory=list)
+    capture_tried: bool = False
+    last_inconsistency: str = ""
+    last_suspect: bool = True
+    suspect_seen: bool = False
+    deaths: int = 0
+
+
+def _snapshot_and_sweep(pid: int, info: UnreachableMemoryInfo, confirm, **opts) -> SweepResult:
+    """Steps 2-8, retaking the snapshot when it cannot give a valid result; returns the
+    SweepResult or raises (HeapCorrupt, HeapWalkError, CollectionError, ...)."""
+    st = _Attempts()
     for attempt in range(MAX_RETRIES + 1):
-        # 2. Collect: freeze every thread, registers, maps
-        log.info("collecting thread info for process %d", pid)
-        result = None
-        with frozen(pid, timeout=timeout) as fz:
-            # 3. Snapshot: clone(0) injected into a stopped thread, then thaw at once
-            snap = take_snapshot(fz, allow_direct=allow_direct, allow_seccomp=allow_seccomp)
+        try:
+            return _one_snapshot(pid, info, confirm, st, **opts)
+        except _Retake as r:
+            if r.kind == "inflight":
+                _judge_inconsistency(pid, st, r.error)
+            log.info("retaking the snapshot: %s", r.reason)
+            info.retries += 1
+            info.retake_counts[r.kind] = info.retake_counts.get(r.kind, 0) + 1
+        time.sleep(0.002 + 0.001 * min(attempt, 3))
+    if st.suspect_seen:
+        raise HeapWalkError(
+            f"the heap stayed inconsistent in {MAX_RETRIES + 1} snapshots ({st.last_inconsistency})",
+            hint="a thread was inside malloc/free each time: the target allocates very heavily; "
+                 "try again, or check a quieter moment")
+    raise HeapWalkError(
+        f"the heap was inconsistent in {MAX_RETRIES + 1} snapshots, differently each time, with "
+        f"no thread inside malloc/free ({st.last_inconsistency}); nothing was checked",
+        hint="the heap may be corrupt, or the target changes it without malloc's knowledge; "
+             "run it under valgrind or with MALLOC_CHECK_=3")
+
+
+def _judge_inconsistency(pid: int, st: _Attempts, exc: HeapInconsistent) -> None:
+    """Raise HeapCorrupt when two snapshots in a row show the same inconsistency and no thread
+    was inside the allocator in either (an idle target: nothing could have been in flight)."""
+    text = str(exc)
+    suspect = bool(getattr(exc, "suspect_tids", None))
+    st.suspect_seen |= suspect
+    if text == st.last_inconsistency and not suspect and not st.last_suspect:
+        first_bad = getattr(exc, "first_bad", 0)
+        where = f" (first bad chunk at {first_bad:#x})" if first_bad else ""
+        err = HeapCorrupt(
+            f"the heap of process {pid} is corrupt{where}: {text}; it was the same in two "
+            "snapshots with no thread inside malloc/free, so nothing was checked",
+            hint="a heap overflow or a use-after-free wrote over glibc's chunk headers; run "
+                 "the program under valgrind or with MALLOC_CHECK_=3 to find the writer")
+        err.first_bad = first_bad
+        raise err
+    st.last_inconsistency, st.last_suspect = text, suspect
+
+
+def _one_snapshot(pid: int, info: UnreachableMemoryInfo, confirm, st: _Attempts, *,
+                  timeout: float, sweep_timeout: float, allow_direct: bool,
+                  allow_seccomp: bool) -> SweepResult:
+    """One freeze + snapshot + sweep. Raises _Retake when a fresh snapshot may succeed."""
+    # 2. Collect: freeze every thread, registers, maps
+    log.info("collecting thread info for process %d", pid)
+    with frozen(pid, timeout=timeout) as fz:
+        # 3. Snapshot: clone(0) injected into a stopped thread, then thaw at once
+        snap = take_snapshot(fz, allow_direct=allow_direct, allow_seccomp=allow_seccomp)
+        try:
+            overlays = []
+            if snap.mode == "clone":
+                # 3b. memory the snapshot cannot show (MADV_DONTFORK/WIPEONFORK), known from
+                # an earlier snapshot: copied from the frozen target during the pause
+                overlays = capture(pid, subtract_ranges(st.capture, subtract_ranges(
+                    st.capture, [m.range for m in fz.maps if m.readable])))
+                fz.thaw()
+            elif not any(w.startswith("no snapshot") for w in info.warnings):
+                info.warnings.append(f"no snapshot ({snap.reason}): the target stayed "
+                                     "stopped for the whole sweep")
+            log.info("target paused %.2f ms (%d threads), snapshot %s",
+                     fz.pause_ms, len(fz.threads), snap.mode)
+            plan, unseen = _plan_reads(fz, snap, overlays, st, info)
+            # 4-8. Sweep in a forked process
             try:
-                if snap.mode == "clone":
-                    fz.thaw()
-                elif not any(w.startswith("no snapshot") for w in info.warnings):
-                    info.warnings.append(f"no snapshot ({snap.reason}): the target stayed "
-                                         "stopped for the whole sweep")
-                log.info("target paused %.2f ms (%d threads), snapshot %s",
-                         fz.pause_ms, len(fz.threads), snap.mode)
-                # 4-8. Sweep in a forked process
-                try:
-                    result = _sweep_snapshot(snap, fz, sweep_timeout, confirm)
-                except HeapInconsistent as exc:
-                    log.info("heap was mid-update (%s); retaking the snapshot", exc)
-                    last_error = exc
-            finally:
-                snap.release()
+                return _sweep_snapshot(snap, fz, sweep_timeout, confirm, overlays, plan, unseen)
+            except HeapInconsistent as exc:
+                log.info("heap was mid-update (%s)", exc)
+                raise _Retake("inflight", str(exc), exc) from None
+            except MemoryUnreadable as exc:
+                _judge_unreadable(pid, fz, snap, st, exc)
+        finally:
+            snap.release()
             if snap.mode != "clone":
                 fz.thaw()
-        info.pause_ms += fz.pause_ms + snap.reap_pause_ms
-        info.snapshot_ms += snap.lifetime_ms
-        info.snapshot_mode = snap.mode
-        info.threads = len(fz.threads)
-        info.warnings.extend(w for w in snap.warnings if w not in info.warnings)
-        if result is not None:
-            return result
-        info.retries += 1
-        time.sleep(0.002 + 0.001 * min(attempt, 3))
-    raise HeapWalkError(
-        f"the heap stayed inconsistent in {MAX_RETRIES + 1} snapshots ({last_error})",
-        hint="the target allocates very heavily; try again, or check a quieter moment")
+            info.pause_ms += fz.pause_ms + snap.reap_pause_ms
+            info.snapshot_ms += snap.lifetime_ms
+            info.snapshot_mode = snap.mode
+            info.threads = len(fz.threads)
+            info.warnings.extend(w for w in snap.warnings if w not in info.warnings)
+
+
+def _plan_reads(fz, snap, overlays, st: _Attempts, info) -> tuple:
+    """(SnapshotPlan, unseen ranges) for the sweep; raises _Retake once when the snapshot lacks
+    memory that a fresh snapshot can capture during its pause."""
+    if snap.mode != "clone":
+        return SnapshotPlan(tolerated=_tolerated(fz.pid, fz.maps)), []
+    try:
+        smaps = procfs.read_smaps_flags(snap.pid)
+    except (NoSuchProcess, OSError, ValueError) as exc:
+        raise _Retake("died", f"the snapshot process could not be read ({exc})") from None
+    plan = plan_snapshot(fz.maps, smaps, mapped_file_size(fz.pid))
+    have = merge_ranges([Range(b, b + len(buf)) for b, buf in overlays])
+    unseen = subtract_ranges(plan.missing, have)
+    if unseen and not st.capture_tried and plan.missing_bytes <= MAX_CAPTURE_BYTES:
+        st.capture, st.capture_tried = plan.missing, True
+        raise _Retake("capture", "; ".join(plan.notes[:3]) + ": copying it during the next pause")
+    if overlays and not unseen:
+        info.warnings.append(
+            f"{sum(len(b) for _, b in overlays)} bytes of memory the snapshot lacks "
+            f"({'; '.join(plan.notes[:3])}) were copied from the stopped target during the pause")
+    if unseen:
+        n = sum(r.size for r in unseen)
+        info.warnings.append(
+            f"{n} bytes of the target's memory are not in the snapshot ({'; '.join(plan.notes[:3])})"
+            f" and could not be copied during the pause: every unreachable block is reported "
+            f"as uncertain, not as a leak")
+    return plan, unseen
+
+
+def _tolerated(pid: int, maps) -> List[Range]:
+    """Ranges of the target whose pages may legitimately be unreadable (direct mode)."""
+    return plan_snapshot(maps, [(m, frozenset()) for m in maps], mapped_file_size(pid)).tolerated
+
+
+def _judge_unreadable(pid: int, fz, snap, st: _Attempts, exc: MemoryUnreadable) -> None:
+    """Turn a failed read into a retake (the snapshot process died: once) or an error."""
+    alive = procfs.task_state(snap.pid, snap.pid) not in ("", "Z", "X")
+    if snap.mode == "clone" and not alive:
+        st.deaths += 1
+        if st.deaths <= SNAPSHOT_DEATH_RETRIES:
+            raise _Retake("died", "the snapshot process died during the sweep") from None
+        raise CollectionError(
+            f"the snapshot process of process {pid} died during the sweep "
+            f"({st.deaths} times); nothing was reported",
+            hint="something kills the target's children (an OOM killer, a process reaper, a "
+                 "supervisor); try again, or look for what sends the signals") from None
+    if procfs.task_state(pid, pid) in ("", "X") or procfs.read_status(pid).dying:
+        raise NoSuchProcess(pid, f"process {pid} exited during the check",
+                            hint=diagnose.hint_no_process(pid)) from None
+    m = next((m for m in fz.maps if m.begin <= exc.address < m.end), None)
+    where = (f"in {m.begin:#x}-{m.end:#x} {m.perms} {m.path or '(anonymous)'}" if m
+             else "outside every mapping of the target")
+    raise CollectionError(
+        f"memory of process {pid} at {exc.address:#x} ({where}) could not be read from the "
+        f"{'snapshot' if snap.mode == 'clone' else 'stopped target'}; nothing was reported",
+        hint="this is unexpected; please report it with the output of -vv and "
+             f"/proc/{pid}/smaps") from None
 
 
 # syscalls glibc malloc/free make while a chunk may be in flight (futex: see below)
@@ -140,27 +276,45 @@ def threads_in_allocator(threads, maps, pid: int, arena_mutexes) -> list:
     return out
 
 
-def _sweep_snapshot(snap, fz, sweep_timeout: float, confirm) -> SweepResult:
-    mem = snap.open_memory()
+def _sweep_snapshot(snap, fz, sweep_timeout: float, confirm, overlays, plan: SnapshotPlan,
+                    unseen: List[Range]) -> SweepResult:
+    if snap.released:
+        raise CollectionError(f"snapshot of process {snap.target_pid} was already released")
     try:
-        return run_sweeper(lambda: sweep(mem, fz.maps, fz.threads, snap.pid, confirm),
+        mem = ProcessMemory(snap.pid, overlays=overlays, tolerated=plan.tolerated)
+    except FileNotFoundError:
+        raise NoSuchProcess(snap.pid, "the snapshot process is gone") from None
+    maps = fz.maps
+    if unseen:          # memory the sweep cannot see is neither read nor a root
+        maps = [m for m in maps if not any(m.range.overlaps(u) for u in unseen)]
+    try:
+        return run_sweeper(lambda: sweep(mem, maps, fz.threads, snap.pid, confirm,
+                                         all_uncertain=bool(unseen)),
                            sweep_timeout)
     finally:
         mem.close()
 
 
-def sweep(mem, maps, threads, pid: int, confirm: Optional[set] = None) -> SweepResult:
+def sweep(mem, maps, threads, pid: int, confirm: Optional[set] = None,
+          all_uncertain: bool = False) -> SweepResult:
     """Stages 4-8 over a memory image; runs inside the sweeper process.
 
     confirm: addresses found unreachable in an earlier snapshot; a block unreachable now but
     not then is in flight, and is treated as a root (as LSan treats suppressed blocks).
     When a thread may hold a chunk in flight (or the walk saw in-transit states), every
     unreachable address is returned too, for the confirming snapshot.
+    Uncertain blocks (unreachable, but of a size a broken free list may hold; or every
+    unreachable block when all_uncertain, because memory that may reference them was not
+    seen) are returned apart and treated as roots, so nothing they point to is a leak.
     """
     t0 = time.monotonic()
     # 4. Enumerate allocations
     log.info("searching process %d for allocations", pid)
-    hw = walk_heap(mem, maps, threads, pid)
+    try:
+        hw = walk_heap(mem, maps, threads, pid)
+    except HeapInconsistent as exc:
+        exc.suspect_tids = threads_in_allocator(threads, maps, pid, ())
+        raise
     suspect = threads_in_allocator(threads, maps, pid, hw.stats.get("arena_addresses", ()))
     t_walk = time.monotonic()
     # 5. Roots
@@ -175,15 +329,23 @@ def sweep(mem, maps, threads, pid: int, confirm: Optional[set] = None) -> SweepR
     log.info("sweeping process %d for unreachable memory", pid)
     marked = mark(hw.image, root_buffers, roots.words, glibc_chunks=True)
     contents = _ContentsReader(hw.image)
+    begins, sizes = hw.image.begins, hw.image.sizes
+    unsure_sizes = getattr(hw, "uncertain_sizes", None) or {}
+    unmarked = _unmarked(marked.marked) if (confirm is not None or unsure_sizes or
+                                            all_uncertain) else []
+    uncertain = [i for i in unmarked if all_uncertain or sizes[i] in unsure_sizes]
     unconfirmed = 0
+    extra = []
     if confirm is not None:
-        extra = [i for i in _unmarked(marked.marked) if hw.image.begins[i] not in confirm]
-        if extra:
-            unconfirmed = len(extra)
-            root_buffers += [(hw.image.begins[i], contents.view(hw.image.begins[i], hw.image.sizes[i]))
-                             for i in extra]
-            marked = mark(hw.image, root_buffers,
-                          list(roots.words) + [hw.image.begins[i] for i in extra], glibc_chunks=True)
+        unsure = set(uncertain)
+        extra = [i for i in unmarked if begins[i] not in confirm and i not in unsure]
+        unconfirmed = len(extra)
+    if uncertain or extra:
+        # treat them as roots: what they point to is not reported either
+        more = uncertain + extra
+        root_buffers += [(begins[i], contents.view(begins[i], sizes[i])) for i in more]
+        marked = mark(hw.image, root_buffers, list(roots.words) + [begins[i] for i in more],
+                      glibc_chunks=True)
     t_mark = time.monotonic()
     del root_buffers
     # 7. Fold
@@ -191,7 +353,6 @@ def sweep(mem, maps, threads, pid: int, confirm: Optional[set] = None) -> SweepR
     folded = fold(hw.image, marked.marked, glibc_chunks=True)
     t_fold = time.monotonic()
     # 8. Result
-    sizes = hw.image.sizes
     leaked_mask = bytes(marked.marked).translate(_INVERT)
     res = SweepResult(
         num_allocations=len(sizes),
@@ -201,12 +362,15 @@ def sweep(mem, maps, threads, pid: int, confirm: Optional[set] = None) -> SweepR
         bytes_scanned=marked.root_bytes + marked.heap_bytes,
     )
     for f in folded:
-        addr, size = hw.image.begins[f.index], sizes[f.index]
+        addr, size = begins[f.index], sizes[f.index]
         res.entries.append(SweepEntry(addr, size, f.referenced_count, f.referenced_size,
                                       contents.read(addr, min(size, CONTENTS_BYTES))))
+    for i in uncertain:
+        res.uncertain.append(SweepEntry(begins[i], sizes[i], 0, 0,
+                                        contents.read(begins[i], min(sizes[i], CONTENTS_BYTES))))
     res.meta = {
         "allocator": {"name": hw.allocator.name, "version": hw.allocator.version},
-        "warnings": list(hw.soft_issues) + _unreadable_warning(mem),
+        "warnings": list(hw.soft_issues) + _tolerated_warning(mem),
         "stats": dict(hw.stats),
         "seconds": {"walk": t_walk - t0, "roots": t_roots - t_walk, "mark": t_mark - t_roots,
                     "fold": t_fold - t_mark},
@@ -217,7 +381,7 @@ def sweep(mem, maps, threads, pid: int, confirm: Optional[set] = None) -> SweepR
         "suspect_tids": suspect,
     }
     if suspect or hw.soft_issues or confirm is not None:
-        res.leak_addresses = list(compress(hw.image.begins, leaked_mask))
+        res.leak_addresses = list(compress(begins, leaked_mask))
     return res
 
 
@@ -233,9 +397,10 @@ def _unmarked(marked) -> list:
 _INVERT = bytes([1] + [0] * 255)
 
 
-def _unreadable_warning(mem) -> list:
-    n = getattr(mem, "unreadable_bytes", 0)
-    return [f"{n} bytes of memory could not be read and counted as zeros"] if n else []
+def _tolerated_warning(mem) -> list:
+    n = getattr(mem, "tolerated_bytes", 0)
+    return [f"{n} bytes of file pages past the end of their file (or device memory) could "
+            "not be read; they cannot hold pointers"] if n else []
 
 
 class _ContentsReader:
@@ -270,3 +435,7 @@ def _fill(info: UnreachableMemoryInfo, res: SweepResult, limit: Optional[int]) -
     leaks = [Leak(e.address, e.size, e.referenced_count, e.referenced_size, e.contents)
              for e in res.entries]
     info.leaks, info.truncated = sort_and_limit(leaks, limit)
+    info.num_uncertain = len(res.uncertain)
+    info.uncertain_bytes = sum(e.size for e in res.uncertain)
+    info.uncertain, _ = sort_and_limit([Leak(e.address, e.size, 0, 0, e.contents)
+                                        for e in res.uncertain], limit)

@@ -8,7 +8,13 @@
 #define MU_CHUNK (1u << 20)
 #define MU_PAGE 4096u
 
-static int64_t read_pages(int fd, uint64_t addr, uint8_t *buf, uint64_t len)
+static void note_bad(uint64_t *first_bad, uint64_t addr)
+{
+    if (first_bad && (*first_bad == 0 || addr < *first_bad))
+        *first_bad = addr;
+}
+
+static int64_t read_pages(int fd, uint64_t addr, uint8_t *buf, uint64_t len, uint64_t *first_bad)
 {
     /* Slow path: page by page, zero-filling what cannot be read. */
     uint64_t bad = 0, off = 0;
@@ -28,6 +34,7 @@ static int64_t read_pages(int fd, uint64_t addr, uint8_t *buf, uint64_t len)
                 continue;
             if (r == 0 || errno == EIO || errno == EFAULT || errno == ENOMEM) {
                 memset(buf + off + got, 0, n - got);
+                note_bad(first_bad, addr + off + got);
                 bad += n - got;
                 break;
             }
@@ -38,7 +45,7 @@ static int64_t read_pages(int fd, uint64_t addr, uint8_t *buf, uint64_t len)
     return (int64_t)bad;
 }
 
-static int64_t read_serial(int memfd, uint64_t addr, uint8_t *buf, uint64_t len)
+static int64_t read_serial(int memfd, uint64_t addr, uint8_t *buf, uint64_t len, uint64_t *first_bad)
 {
     uint64_t bad = 0, off = 0;
     while (off < len) {
@@ -54,7 +61,7 @@ static int64_t read_serial(int memfd, uint64_t addr, uint8_t *buf, uint64_t len)
             return -errno;
         /* short or failed read: finish this chunk page by page */
         uint64_t done = r > 0 ? (uint64_t)r : 0;
-        int64_t b = read_pages(memfd, addr + off + done, buf + off + done, n - done);
+        int64_t b = read_pages(memfd, addr + off + done, buf + off + done, n - done, first_bad);
         if (b < 0)
             return b;
         bad += (uint64_t)b;
@@ -74,21 +81,24 @@ struct read_job {
     uint64_t addr, len;
     uint8_t *buf;
     int64_t rc;
+    uint64_t first_bad;
 };
 
 static void *read_job_run(void *arg)
 {
     struct read_job *j = arg;
-    j->rc = read_serial(j->fd, j->addr, j->buf, j->len);
+    j->rc = read_serial(j->fd, j->addr, j->buf, j->len, &j->first_bad);
     return NULL;
 }
 
-int64_t mu_read(int memfd, uint64_t addr, uint8_t *buf, uint64_t len)
+int64_t mu_read(int memfd, uint64_t addr, uint8_t *buf, uint64_t len, uint64_t *first_bad)
 {
+    if (first_bad)
+        *first_bad = 0;
     long ncpu = sysconf(_SC_NPROCESSORS_ONLN);
     int n = ncpu > MU_MAX_THREADS ? MU_MAX_THREADS : (int)ncpu;
     if (len < MU_PARALLEL_MIN || n < 2)
-        return read_serial(memfd, addr, buf, len);
+        return read_serial(memfd, addr, buf, len, first_bad);
     struct read_job jobs[MU_MAX_THREADS];
     pthread_t tids[MU_MAX_THREADS];
     int started[MU_MAX_THREADS] = {0};
@@ -100,6 +110,7 @@ int64_t mu_read(int memfd, uint64_t addr, uint8_t *buf, uint64_t len)
         jobs[i].buf = buf + off;
         jobs[i].len = off >= len ? 0 : (len - off < step ? len - off : step);
         jobs[i].rc = 0;
+        jobs[i].first_bad = 0;
         if (i > 0 && jobs[i].len)
             started[i] = pthread_create(&tids[i], NULL, read_job_run, &jobs[i]) == 0;
     }
@@ -115,6 +126,8 @@ int64_t mu_read(int memfd, uint64_t addr, uint8_t *buf, uint64_t len)
         if (jobs[i].rc < 0)
             return jobs[i].rc;
         bad += jobs[i].rc;
+        if (jobs[i].first_bad)
+            note_bad(first_bad, jobs[i].first_bad);
     }
     return bad;
 }

@@ -18,6 +18,7 @@ from typing import Iterator, List, Optional, Tuple
 from elftools.elf.elffile import ELFFile
 from elftools.elf.relocation import RelocationSection
 
+from memunreachable._errors import MemoryUnreadable
 from memunreachable._types import Mapping
 from memunreachable.glibc import layout as L
 
@@ -183,7 +184,7 @@ def _slot_ok(mem, s: int, fd: int, bk: int) -> bool:
         return False
     try:
         return _u64(mem.read(fd + 24, 8), 0) == head and _u64(mem.read(bk + 16, 8), 0) == head
-    except OSError:
+    except (OSError, MemoryUnreadable):     # a probe: unreadable means "not a bin list"
         return False
 
 

@@ -18,6 +18,9 @@ injected stream. The middle block keeps libmemunreachable's Leak::ToString shape
        55d0c0a012a0: 68 65 6c 6c 6f 00 00 00 00 00 00 00 00 00 00 00 hello...........
     <blank>                                                                 (after each entry)
       ... 3 more entries not shown; use --limit 0 to show all               <- ours
+      72 bytes in 1 uncertain allocation (not counted as leaks)             <- ours, only
+       72 bytes uncertain at 55d0c0a01400                                      when any
+    <blank>
     SUMMARY: memunreachable: 1264 bytes leaked in 5 allocations, 5 report entries
 
 The SUMMARY line is the stable, greppable contract (landscape.md section 2). Colour (rich) is
@@ -154,7 +157,27 @@ def iter_lines(info: UnreachableMemoryInfo, contents: bool = False) -> List[Line
         more = _entries(info.truncated, "more entry")
         lines.append([(f"  ... {more} not shown; use --limit 0 to show all", "yellow")])
         lines.append([])
+    lines.extend(_uncertain(info, contents))
     lines.append([(summary_line(info), "bold")])
+    return lines
+
+
+def _uncertain(info: UnreachableMemoryInfo, contents: bool) -> List[Line]:
+    """Unreachable blocks withheld because what decides their fate could not be seen (the
+    warnings say why); not leaks, not in the SUMMARY nor the exit code."""
+    if not info.num_uncertain:
+        return []
+    lines: List[Line] = [[(f"  {info.uncertain_bytes} bytes in "
+                           f"{plural(info.num_uncertain, 'uncertain allocation')} "
+                           "(not counted as leaks)", "bold yellow")]]
+    for leak in info.uncertain:
+        lines.append([("   ", ""), (f"{leak.size} bytes", "yellow"), (" uncertain at ", ""),
+                      (f"{leak.address:x}", "cyan")])
+        if contents and leak.contents:
+            lines.extend(_hexdump(leak.address, bytes(leak.contents[:CONTENTS_BYTES])))
+    if info.num_uncertain > len(info.uncertain):
+        lines.append([(f"   ... {info.num_uncertain - len(info.uncertain)} more not shown", "yellow")])
+    lines.append([])
     return lines
 
 

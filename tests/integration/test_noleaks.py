@@ -158,6 +158,7 @@ def _resources():
     return fds, tasks, children
 
 
+@pytest.mark.slow
 def test_one_thousand_checks_leave_nothing_behind():
     noleaks.get_unreachable_memory(limit=0)      # warm-up: imports, caches
     before = _resources()

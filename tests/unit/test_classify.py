@@ -9,8 +9,10 @@ def m(begin, end, perms, path="", inode=0, offset=0):
     return Mapping(begin, end, perms, offset, "00:00", inode, path)
 
 
-def regs(sp, fs_base=0, rax=0):
+def regs(sp, fs_base=0, rax=0, orig_rax=0xFFFFFFFFFFFFFFFF):
+    """Registers of a thread stopped in user code (orig_rax -1), or in syscall orig_rax."""
     r = [0] * 27
+    r[15] = orig_rax
     r[19] = sp
     r[21] = fs_base
     r[10] = rax
@@ -55,6 +57,22 @@ def test_roots_cut_heap_metadata_and_dead_stack():
         Range(0xb0000 - RED_ZONE, 0xc0000),
     ]
     assert roots.kinds[Range(0x68000 - RED_ZONE, 0x70000)] == "stack"
+
+
+def test_red_zone_only_for_a_thread_stopped_in_user_code():
+    # thread 1 stopped in user code keeps SP-128; thread 2 blocked in read(2) is scanned from SP
+    threads = [ThreadState(1, regs(0xb0000)), ThreadState(2, regs(0x68000, orig_rax=0))]
+    roots = classify(MAPS, threads, [Range(0x10000, 0x30000)], [Range(0x51100, 0x51900)])
+    assert Range(0x68000, 0x70000) in roots.ranges
+    assert Range(0xb0000 - RED_ZONE, 0xc0000) in roots.ranges
+    assert not any(r.contains(0x68000 - 8) for r in roots.ranges)
+
+
+def test_stack_start_near_the_mapping_start_is_clamped():
+    # SP 64 bytes above the mapping start: the red zone would reach below it
+    threads = [ThreadState(1, regs(0x61040))]
+    roots = classify(MAPS, threads, [], [])
+    assert Range(0x61000, 0x70000) in roots.ranges
 
 
 def test_static_binary_heap_prefix_is_root():

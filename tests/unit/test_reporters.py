@@ -303,3 +303,17 @@ def test_load_json_rejects_other_schema():
     obj["schema_version"] = 2
     with pytest.raises(ValueError, match="schema_version 2"):
         load_json(obj)
+
+
+def test_uncertain_blocks_are_listed_apart_and_not_in_the_summary():
+    from memunreachable.report import Leak, UnreachableMemoryInfo
+    from memunreachable.reporters.text import format_text
+    info = UnreachableMemoryInfo(pid=7, num_leaks=1, leak_bytes=200,
+                                 leaks=[Leak(0x1000, 200)], num_uncertain=3, uncertain_bytes=216,
+                                 uncertain=[Leak(0x2000, 72), Leak(0x3000, 72)])
+    text = format_text(info)
+    lines = text.splitlines()
+    i = lines.index("  216 bytes in 3 uncertain allocations (not counted as leaks)")
+    assert lines[i + 1:i + 4] == ["   72 bytes uncertain at 2000", "   72 bytes uncertain at 3000",
+                                  "   ... 1 more not shown"]
+    assert lines[-1] == "SUMMARY: memunreachable: 200 bytes leaked in 1 allocation, 1 report entry"

@@ -21,6 +21,15 @@ def test_result_round_trip():
     assert got == sample()
 
 
+def test_uncertain_entries_and_leak_addresses_round_trip():
+    res = sample()
+    res.leak_addresses = [0x5555aaaa0010, 0x5555aaaa0100, 0x5555aaaa0200]
+    res.uncertain = [SweepEntry(0x5555aaaa0200, 72, 0, 0, b"\x07" * 32)]
+    got = decode(encode_result(res))
+    assert got.uncertain == res.uncertain and got.entries == res.entries
+    assert got.leak_addresses == res.leak_addresses and got == res
+
+
 def test_error_round_trip_keeps_type_and_hint():
     with pytest.raises(UnsupportedTarget) as ei:
         decode(encode_error(UnsupportedTarget("jemalloc", hint="nothing was checked")))

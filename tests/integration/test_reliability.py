@@ -1,0 +1,213 @@
+"""A result is valid or it is an error (issue 7): faults against the snapshot and the heap.
+
+- the snapshot process killed during the sweep: retaken once, then an error; never a report
+  built on memory that could not be read (exact results or CollectionError, nothing else);
+- MADV_DONTFORK / MADV_WIPEONFORK memory holding the only pointers: copied from the frozen
+  target, exact result; when it cannot be copied, every unreachable block is "uncertain";
+- the red zone below SP is a root only for a thread stopped in user code;
+- a corrupt heap of an idle target is reported as corrupt after two snapshots.
+Every test also asserts the target is left running with no child.
+"""
+from __future__ import annotations
+
+import logging
+import os
+import random
+import signal
+import threading
+import time
+
+import pytest
+
+import fixtures
+from memunreachable import unreachable
+from memunreachable._errors import CollectionError, HeapCorrupt
+from memunreachable.unreachable import check
+from test_check import assert_target_running, children_of
+
+pytestmark = pytest.mark.ptrace
+
+
+def leak_set(info) -> set:
+    return {(l.address, l.size) for l in info.leaks}
+
+
+def fixture_leaks(fx) -> set:
+    return {(b.address, b.size) for k, b in fx.blocks.items() if k.startswith("leak")}
+
+
+def snapshot_children(pid: int) -> list:
+    """Children of pid created by clone(flags=0): exit_signal (stat field 38) is 0."""
+    out = []
+    for child, _ in children_of(pid):
+        try:
+            with open(f"/proc/{child}/stat") as f:
+                stat = f.read()
+        except OSError:
+            continue
+        fields = stat[stat.rindex(")") + 2:].split()
+        if int(fields[35]) == 0:       # field 38 counted from 1; fields[0] is field 3
+            out.append(child)
+    return out
+
+
+# ---- the snapshot process dies during the sweep ------------------------------------------
+
+def _killing_walk(marker: str, times: int):
+    """A walk_heap that SIGKILLs the snapshot process first, for the first `times` sweeps
+    (counted in a file: each sweep runs in its own forked process)."""
+    real = unreachable.walk_heap
+
+    def walk(mem, maps, threads, pid):
+        with open(marker, "a+") as f:
+            f.seek(0)
+            done = len(f.read())
+            if done < times:
+                f.write("k")
+                os.kill(pid, signal.SIGKILL)
+                for _ in range(1000):           # until the kernel tore it down
+                    try:
+                        with open(f"/proc/{pid}/stat") as s:
+                            if s.read().rsplit(")", 1)[1].split()[0] in "ZX":
+                                break
+                    except OSError:
+                        break
+                    time.sleep(0.001)
+        return real(mem, maps, threads, pid)
+    return walk
+
+
+def test_snapshot_killed_once_is_retaken_and_exact(tmp_path, monkeypatch):
+    monkeypatch.setattr(unreachable, "walk_heap", _killing_walk(str(tmp_path / "kills"), 1))
+    with fixtures.start("leak_chain") as fx:
+        info = check(fx.pid, limit=None)
+        assert (tmp_path / "kills").read_text() == "k"
+        assert info.retake_counts == {"died": 1}
+        assert any("the snapshot process died during the sweep" in w for w in info.warnings)
+        assert info.num_leaks == fx.expect["num_leaks"]
+        assert info.leak_bytes == fx.expect["leak_bytes"]
+        assert_target_running(fx)
+
+
+def test_snapshot_killed_twice_is_an_error_not_a_report(tmp_path, monkeypatch):
+    monkeypatch.setattr(unreachable, "walk_heap", _killing_walk(str(tmp_path / "kills"), 2))
+    with fixtures.start("leak_chain") as fx:
+        with pytest.raises(CollectionError) as ei:
+            check(fx.pid, limit=None)
+        assert "the snapshot process of process" in str(ei.value)
+        assert "died during the sweep" in str(ei.value)
+        assert ei.value.hint
+        assert_target_running(fx)
+
+
+def _kill_snapshots_at_random(pid: int, stop: threading.Event, rng: random.Random, kills: list):
+    while not stop.is_set():
+        for child in snapshot_children(pid):
+            time.sleep(rng.uniform(0, 0.02))
+            try:
+                os.kill(child, signal.SIGKILL)
+                kills.append(child)
+            except ProcessLookupError:
+                pass
+        time.sleep(0.0005)
+
+
+def _random_snapshot_kills(rounds: int, seed: int) -> dict:
+    """Check a 3-thread busy target while another thread SIGKILLs snapshot processes at
+    random moments; every round must be exact or an error."""
+    rng = random.Random(seed)
+    tally = {"exact": 0, "error": 0, "kills": 0}
+    with fixtures.start("leak_lots") as fx:
+        want = (fx.expect["num_leaks"], fx.expect["leak_bytes"])
+        for _ in range(rounds):
+            stop, kills = threading.Event(), []
+            killer = threading.Thread(target=_kill_snapshots_at_random,
+                                      args=(fx.pid, stop, rng, kills))
+            killer.start()
+            try:
+                info = check(fx.pid, limit=None)
+                assert (info.num_leaks, info.leak_bytes) == want, \
+                    f"wrong answer after {len(kills)} kill(s): {info.num_leaks} leaks"
+                tally["exact"] += 1
+            except CollectionError as exc:
+                assert "died during the sweep" in str(exc) or "snapshot" in str(exc), exc
+                tally["error"] += 1
+            finally:
+                stop.set()
+                killer.join()
+            tally["kills"] += len(kills)
+            deadline = time.monotonic() + 2
+            while children_of(fx.pid) and time.monotonic() < deadline:
+                time.sleep(0.01)
+            assert_target_running(fx)
+    return tally
+
+
+def test_snapshot_killed_at_random_moments_never_gives_a_wrong_answer():
+    tally = _random_snapshot_kills(rounds=4, seed=7)
+    assert tally["exact"] + tally["error"] == 4 and tally["kills"] >= 1
+
+
+@pytest.mark.slow
+def test_snapshot_killed_at_random_moments_soak():
+    tally = _random_snapshot_kills(rounds=40, seed=11)
+    print("random snapshot kills:", tally)
+    assert tally["exact"] + tally["error"] == 40 and tally["kills"] >= 20
+
+
+# ---- memory the snapshot cannot see ---------------------------------------------------------
+
+@pytest.mark.parametrize("mode", ["dontfork", "wipe"])
+def test_pointers_in_memory_missing_from_the_snapshot_are_seen(mode):
+    args = ("wipe",) if mode == "wipe" else ()
+    with fixtures.start("dontfork", *args) as fx:
+        info = check(fx.pid, limit=None)
+        assert leak_set(info) == fixture_leaks(fx)
+        assert (info.num_leaks, info.leak_bytes) == (1, fx.expect["leak_bytes"])
+        assert info.num_uncertain == 0
+        assert info.retake_counts == {"capture": 1}
+        word = "MADV_WIPEONFORK" if mode == "wipe" else "MADV_DONTFORK"
+        assert any(word in w for w in info.warnings), info.warnings
+        assert_target_running(fx)
+
+
+def test_memory_too_large_to_copy_makes_every_unreachable_block_uncertain(monkeypatch):
+    monkeypatch.setattr(unreachable, "MAX_CAPTURE_BYTES", 0)
+    with fixtures.start("dontfork") as fx:
+        info = check(fx.pid, limit=None)
+        assert info.num_leaks == 0 and info.leaks == []
+        live = {(b.address, b.size) for k, b in fx.blocks.items() if k.startswith("live")}
+        got = {(l.address, l.size) for l in info.uncertain}
+        # the ten blocks only the missing memory points to, and the real leak: none invented
+        assert got == live | fixture_leaks(fx)
+        assert info.num_uncertain == 11
+        assert info.uncertain_bytes == sum(s for _, s in got)
+        assert any("uncertain" in w for w in info.warnings)
+        assert_target_running(fx)
+
+
+# ---- the red zone -----------------------------------------------------------------------------
+
+def test_red_zone_is_live_in_user_code_and_dead_in_a_syscall():
+    with fixtures.start("redzone") as fx:
+        info = check(fx.pid, limit=None)
+        leak = fx.blocks["leak_syscall"]
+        assert leak_set(info) == {(leak.address, leak.size)}
+        assert info.num_leaks == fx.expect["num_leaks"] == 1
+        assert fx.blocks["live_spinning"].address not in {l.address for l in info.leaks}
+        assert_target_running(fx)
+
+
+# ---- a corrupt heap -------------------------------------------------------------------------
+
+def test_corrupt_heap_of_an_idle_target_is_reported_after_two_snapshots(caplog):
+    with fixtures.start("heap_corrupt") as fx:
+        chunk = fx.blocks["bad"].address - 16
+        with caplog.at_level(logging.INFO, logger="memunreachable"):
+            with pytest.raises(HeapCorrupt) as ei:
+                check(fx.pid, limit=None)
+        assert f"{chunk:#x}" in str(ei.value)
+        assert "corrupt" in str(ei.value) and ei.value.hint
+        retakes = [r for r in caplog.records if r.getMessage().startswith("retaking the snapshot")]
+        assert len(retakes) == 1
+        assert_target_running(fx)

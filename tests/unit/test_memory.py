@@ -1,0 +1,119 @@
+"""Unit tests of memory.py: complete reads or MemoryUnreadable; tolerated ranges; overlays;
+the snapshot read plan. Reads go through /proc/self/mem (no ptrace, no child)."""
+import ctypes
+import mmap
+import os
+
+import pytest
+
+from memunreachable._errors import MemoryUnreadable
+from memunreachable._types import Mapping, Range
+from memunreachable.memory import PAGE, ProcessMemory, plan_snapshot
+
+libc = ctypes.CDLL(None, use_errno=True)
+libc.mmap.restype = ctypes.c_void_p
+libc.mmap.argtypes = (ctypes.c_void_p, ctypes.c_size_t, ctypes.c_int, ctypes.c_int, ctypes.c_int,
+                      ctypes.c_long)
+libc.munmap.argtypes = (ctypes.c_void_p, ctypes.c_size_t)
+PROT_READ, PROT_WRITE, MAP_PRIVATE, MAP_ANONYMOUS = 1, 2, 2, 0x20
+
+
+def m(begin, end, perms="rw-p", path="", offset=0):
+    return Mapping(begin, end, perms, offset, "00:00", 0, path)
+
+
+def addr_of(buf) -> int:
+    return ctypes.addressof(ctypes.c_char.from_buffer(buf))
+
+
+@pytest.fixture
+def three_pages_middle_unreadable():
+    """3 anonymous pages whose middle one is unmapped (a hole); yields (base, None).
+    (A PROT_NONE page would not do: /proc/PID/mem reads it, as a debugger would.)"""
+    base = libc.mmap(None, 3 * PAGE, PROT_READ | PROT_WRITE, MAP_PRIVATE | MAP_ANONYMOUS, -1, 0)
+    assert base not in (None, ctypes.c_void_p(-1).value)
+    ctypes.memset(base, 0x11, PAGE)
+    ctypes.memset(base + 2 * PAGE, 0x33, PAGE)
+    assert libc.munmap(base + PAGE, PAGE) == 0
+    yield base, None
+    libc.munmap(base, PAGE)
+    libc.munmap(base + 2 * PAGE, PAGE)
+
+
+def test_readable_memory_reads_exactly():
+    data = bytearray(b"memunreachable" * 1000)
+    with ProcessMemory(os.getpid()) as mem:
+        assert mem.read(addr_of(data), len(data)) == bytes(data)
+        assert mem.tolerated_bytes == 0
+
+
+def test_an_unreadable_page_is_an_error_naming_its_address(three_pages_middle_unreadable):
+    base, _ = three_pages_middle_unreadable
+    with ProcessMemory(os.getpid()) as mem:
+        with pytest.raises(MemoryUnreadable) as ei:
+            mem.read(base, 3 * PAGE)
+        assert ei.value.address == base + PAGE
+        assert f"{base + PAGE:#x}" in str(ei.value)
+
+
+def test_a_tolerated_page_reads_as_zeros_and_is_counted(three_pages_middle_unreadable):
+    base, _ = three_pages_middle_unreadable
+    with ProcessMemory(os.getpid(), tolerated=[Range(base + PAGE, base + 2 * PAGE)]) as mem:
+        got = mem.read(base, 3 * PAGE)
+    assert got == b"\x11" * PAGE + bytes(PAGE) + b"\x33" * PAGE
+    assert mem.tolerated_bytes == PAGE
+
+
+def test_overlays_supply_memory_the_process_cannot_show(three_pages_middle_unreadable):
+    base, _ = three_pages_middle_unreadable
+    copy = bytearray(b"\x44" * PAGE)
+    with ProcessMemory(os.getpid(), overlays=[(base + PAGE, copy)]) as mem:
+        got = mem.read(base + PAGE - 16, PAGE + 32)
+    assert got == b"\x11" * 16 + b"\x44" * PAGE + b"\x33" * 16
+
+
+def test_file_pages_past_eof_fail_and_plan_tolerates_them(tmp_path):
+    # a 1-page file mapped 3 pages long: pages 2 and 3 are past EOF (SIGBUS for the process)
+    path = tmp_path / "short.bin"
+    path.write_bytes(b"\x55" * PAGE)
+    fd = os.open(path, os.O_RDONLY)
+    try:
+        base = libc.mmap(None, 3 * PAGE, PROT_READ, MAP_PRIVATE, fd, 0)
+    finally:
+        os.close(fd)
+    lo, hi = base, base + 3 * PAGE
+    target = [m(lo, hi, "r--p", str(path))]
+    plan = plan_snapshot(target, [(target[0], frozenset())], lambda mp_: os.stat(path).st_size)
+    assert plan.tolerated == [Range(base + PAGE, hi)] and plan.missing == []
+    with ProcessMemory(os.getpid()) as mem:
+        with pytest.raises(MemoryUnreadable) as ei:
+            mem.read(base, 3 * PAGE)
+        assert ei.value.address == base + PAGE
+    with ProcessMemory(os.getpid(), tolerated=plan.tolerated) as mem:
+        assert mem.read(base, 3 * PAGE) == b"\x55" * PAGE + bytes(2 * PAGE)
+        assert mem.tolerated_bytes == 2 * PAGE
+    libc.munmap(base, 3 * PAGE)
+
+
+def test_plan_finds_dontfork_and_wipeonfork_ranges():
+    target = [m(0x10000, 0x20000, path="[heap]"), m(0x30000, 0x40000), m(0x50000, 0x58000),
+              m(0x60000, 0x61000, "r--p", "[vvar]"), m(0x70000, 0x71000, "---p")]
+    snap = [(target[0], frozenset({"rd", "wr"})),
+            (target[2], frozenset({"rd", "wr", "wf"})),
+            (target[3], frozenset({"rd", "pf", "io"})),
+            (target[4], frozenset())]
+    plan = plan_snapshot(target, snap)
+    # 0x30000 is absent from the snapshot (MADV_DONTFORK); 0x50000 is wiped (MADV_WIPEONFORK)
+    assert plan.missing == [Range(0x30000, 0x40000), Range(0x50000, 0x58000)]
+    assert plan.missing_bytes == 0x18000
+    assert plan.tolerated == [Range(0x60000, 0x61000)]
+    assert any("MADV_DONTFORK" in n for n in plan.notes)
+    assert any("MADV_WIPEONFORK" in n for n in plan.notes)
+
+
+def test_plan_of_a_complete_snapshot_is_empty():
+    target = [m(0x10000, 0x20000, path="[heap]"), m(0x20000, 0x30000)]
+    # the snapshot shows the same memory with mappings merged differently
+    snap = [(m(0x10000, 0x30000), frozenset({"rd", "wr"}))]
+    plan = plan_snapshot(target, snap)
+    assert plan.missing == [] and plan.tolerated == []
