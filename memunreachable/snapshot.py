@@ -190,10 +190,15 @@ def _raise_inject(fz: Frozen, tid: int, rc: int, out, what: str):
     if err == errno.ESRCH and procfs.task_state(fz.pid, tid) in ("", "Z", "X"):
         raise NoSuchProcess(fz.pid, f"process {fz.pid} exited during the snapshot",
                             hint=diagnose.hint_no_process(fz.pid))
-    raise CollectionError(
+    exc = CollectionError(
         f"injecting {what} into thread {tid} of process {fz.pid} failed at step "
         f"'{STEP_NAMES.get(out.step, out.step)}': {os.strerror(err)}"
         + ("" if out.restored else " (its registers could not be restored)"))
+    # the target thread is whole again and only the new child failed (it was killed while
+    # being parked): a fresh snapshot may succeed
+    exc.snapshot_lost = bool(what == "clone" and out.child > 0 and out.restored
+                             and err == errno.ESRCH)
+    raise exc
 
 
 def _check_alive(pid: int) -> procfs.Status:

@@ -103,7 +103,7 @@ class _Attempts:
     last_inconsistency: str = ""
     last_suspect: bool = True
     suspect_seen: bool = False
-    deaths: int = 0
+    deaths: List[str] = field(default_factory=list)     # how each snapshot process was lost
 
 
 def _snapshot_and_sweep(pid: int, info: UnreachableMemoryInfo, confirm, **opts) -> SweepResult:
@@ -159,7 +159,12 @@ def _one_snapshot(pid: int, info: UnreachableMemoryInfo, confirm, st: _Attempts,
     log.info("collecting thread info for process %d", pid)
     with frozen(pid, timeout=timeout) as fz:
         # 3. Snapshot: clone(0) injected into a stopped thread, then thaw at once
-        snap = take_snapshot(fz, allow_direct=allow_direct, allow_seccomp=allow_seccomp)
+        try:
+            snap = take_snapshot(fz, allow_direct=allow_direct, allow_seccomp=allow_seccomp)
+        except CollectionError as exc:
+            if getattr(exc, "snapshot_lost", False):
+                _snapshot_died(pid, st, str(exc))   # killed while it was being parked
+            raise
         try:
             overlays = []
             if snap.mode == "clone":
@@ -176,7 +181,7 @@ def _one_snapshot(pid: int, info: UnreachableMemoryInfo, confirm, st: _Attempts,
             plan, unseen = _plan_reads(fz, snap, overlays, st, info)
             # 4-8. Sweep in a forked process
             try:
-                return _sweep_snapshot(snap, fz, sweep_timeout, confirm, overlays, plan, unseen)
+                return _sweep_snapshot(snap, fz, st, sweep_timeout, confirm, overlays, plan, unseen)
             except HeapInconsistent as exc:
                 log.info("heap was mid-update (%s)", exc)
                 raise _Retake("inflight", str(exc), exc) from None
@@ -201,7 +206,7 @@ def _plan_reads(fz, snap, overlays, st: _Attempts, info) -> tuple:
     try:
         smaps = procfs.read_smaps_flags(snap.pid)
     except (NoSuchProcess, OSError, ValueError) as exc:
-        raise _Retake("died", f"the snapshot process could not be read ({exc})") from None
+        _snapshot_died(fz.pid, st, f"its smaps could not be read: {exc}")
     plan = plan_snapshot(fz.maps, smaps, mapped_file_size(fz.pid))
     have = merge_ranges([Range(b, b + len(buf)) for b, buf in overlays])
     unseen = subtract_ranges(plan.missing, have)
@@ -226,18 +231,26 @@ def _tolerated(pid: int, maps) -> List[Range]:
     return plan_snapshot(maps, [(m, frozenset()) for m in maps], mapped_file_size(pid)).tolerated
 
 
+def _alive(pid: int) -> bool:
+    return procfs.task_state(pid, pid) not in ("", "Z", "X")
+
+
+def _snapshot_died(pid: int, st: _Attempts, how: str) -> None:
+    """The snapshot process is gone: raise _Retake the first time, then CollectionError."""
+    st.deaths.append(how)
+    if len(st.deaths) <= SNAPSHOT_DEATH_RETRIES:
+        raise _Retake("died", f"the snapshot process died during the sweep ({how})") from None
+    raise CollectionError(
+        f"the snapshot process of process {pid} died during the sweep "
+        f"({len(st.deaths)} times: {'; '.join(st.deaths)}); nothing was reported",
+        hint="something kills the target's children (an OOM killer, a process reaper, a "
+             "supervisor); try again, or look for what sends the signals") from None
+
+
 def _judge_unreadable(pid: int, fz, snap, st: _Attempts, exc: MemoryUnreadable) -> None:
     """Turn a failed read into a retake (the snapshot process died: once) or an error."""
-    alive = procfs.task_state(snap.pid, snap.pid) not in ("", "Z", "X")
-    if snap.mode == "clone" and not alive:
-        st.deaths += 1
-        if st.deaths <= SNAPSHOT_DEATH_RETRIES:
-            raise _Retake("died", "the snapshot process died during the sweep") from None
-        raise CollectionError(
-            f"the snapshot process of process {pid} died during the sweep "
-            f"({st.deaths} times); nothing was reported",
-            hint="something kills the target's children (an OOM killer, a process reaper, a "
-                 "supervisor); try again, or look for what sends the signals") from None
+    if snap.mode == "clone" and not _alive(snap.pid):
+        _snapshot_died(pid, st, f"a read failed: {exc}")
     if procfs.task_state(pid, pid) in ("", "X") or procfs.read_status(pid).dying:
         raise NoSuchProcess(pid, f"process {pid} exited during the check",
                             hint=diagnose.hint_no_process(pid)) from None
@@ -276,14 +289,17 @@ def threads_in_allocator(threads, maps, pid: int, arena_mutexes) -> list:
     return out
 
 
-def _sweep_snapshot(snap, fz, sweep_timeout: float, confirm, overlays, plan: SnapshotPlan,
-                    unseen: List[Range]) -> SweepResult:
+def _sweep_snapshot(snap, fz, st: _Attempts, sweep_timeout: float, confirm, overlays,
+                    plan: SnapshotPlan, unseen: List[Range]) -> SweepResult:
     if snap.released:
         raise CollectionError(f"snapshot of process {snap.target_pid} was already released")
     try:
         mem = ProcessMemory(snap.pid, overlays=overlays, tolerated=plan.tolerated)
-    except FileNotFoundError:
-        raise NoSuchProcess(snap.pid, "the snapshot process is gone") from None
+    except (FileNotFoundError, ProcessLookupError) as exc:
+        if snap.mode == "clone":
+            _snapshot_died(fz.pid, st, f"its memory could not be opened: {exc}")
+        raise NoSuchProcess(fz.pid, f"process {fz.pid} exited during the check",
+                            hint=diagnose.hint_no_process(fz.pid)) from None
     maps = fz.maps
     if unseen:          # memory the sweep cannot see is neither read nor a root
         maps = [m for m in maps if not any(m.range.overlaps(u) for u in unseen)]

@@ -116,13 +116,13 @@ def _kill_snapshots_at_random(pid: int, stop: threading.Event, delay: float, kil
         time.sleep(0.0002)
 
 
-def _random_snapshot_kills(rounds: int, seed: int, max_kills: int) -> dict:
-    """Check a target with 5,000 blocks while another thread SIGKILLs its snapshot process at
+def _random_snapshot_kills(rounds: int, seed: int, max_kills: int, name: str = "leak_lots") -> dict:
+    """Check a target (leak_lots: 5,000 blocks; churn: 3 threads in malloc/free) while another thread SIGKILLs its snapshot process at
     a random moment (0 to 1.5x a check's duration); every round must be exact or an error,
     and with one kill per round (one retake allowed) always exact."""
     rng = random.Random(seed)
     tally = {"rounds": rounds, "exact": 0, "error": 0, "kills": 0}
-    with fixtures.start("leak_lots") as fx:
+    with fixtures.start(name) as fx:
         want = (fx.expect["num_leaks"], fx.expect["leak_bytes"])
         t0 = time.monotonic()
         check(fx.pid, limit=None)
@@ -158,10 +158,11 @@ def test_snapshot_killed_at_random_moments_never_gives_a_wrong_answer():
 
 
 @pytest.mark.slow
+@pytest.mark.parametrize("name", ["leak_lots", "churn"])
 @pytest.mark.parametrize("max_kills", [1, 2])
-def test_snapshot_killed_at_random_moments_soak(max_kills):
-    tally = _random_snapshot_kills(rounds=50, seed=11 + max_kills, max_kills=max_kills)
-    print(f"random snapshot kills (at most {max_kills} per check):", tally)
+def test_snapshot_killed_at_random_moments_soak(max_kills, name):
+    tally = _random_snapshot_kills(rounds=50, seed=11 + max_kills, max_kills=max_kills, name=name)
+    print(f"random snapshot kills of {name} (at most {max_kills} per check):", tally)
     assert tally["exact"] + tally["error"] == 50 and tally["kills"] >= 10
     if max_kills == 1:
         assert tally["exact"] == 50
