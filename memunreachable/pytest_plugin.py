@@ -2,11 +2,15 @@
 
 Inactive unless asked: `--memunreachable` checks every test, `@pytest.mark.no_leaks` one
 test, and the `memunreachable` fixture gives explicit checks inside a test. A test fails
-when unreachable blocks appeared during it (a baseline is taken just before it). When the
-check cannot run (no ptrace here), tests are skipped with the exact reason, or fail with
-`--memunreachable-strict`.
+when unreachable blocks appeared during it (a baseline is taken just before it).
+A check that cannot run (no ptrace here, say) never skips or hides the test: its body always
+runs and its own outcome stands; the check's failure then errors the test at teardown, with
+the reason and hint, or is a warning with `--memunreachable-cannot-check=warn` (ini
+`memunreachable_cannot_check`).
 """
 from __future__ import annotations
+
+import warnings
 
 import pytest
 
@@ -18,10 +22,15 @@ def pytest_addoption(parser):
     group = parser.getgroup("memunreachable", "native leak checks (memunreachable)")
     group.addoption("--memunreachable", action="store_true", default=False,
                     help="fail tests during which native heap blocks became unreachable")
+    group.addoption("--memunreachable-cannot-check", choices=("error", "warn"), default=None,
+                    help="when a leak check cannot run: 'error' the test at teardown (default) "
+                         "or only 'warn'; the test body runs and its outcome stands either way")
     group.addoption("--memunreachable-strict", action="store_true", default=False,
-                    help="fail (instead of skip) tests whose leak check cannot run")
+                    help="deprecated: a check that cannot run is an error by default now")
     parser.addini("memunreachable", type="bool", default=False,
                   help="same as --memunreachable")
+    parser.addini("memunreachable_cannot_check", default="error",
+                  help="same as --memunreachable-cannot-check (error | warn)")
 
 
 def pytest_configure(config):
@@ -46,48 +55,82 @@ def _enabled(item) -> bool:
             or item.get_closest_marker("no_leaks") is not None)
 
 
-def _cannot_check(item, exc: MemunreachableError):
-    reason = f"memunreachable could not check: {exc}" + (f" (hint: {exc.hint})" if exc.hint else "")
-    if item.config.getoption("--memunreachable-strict"):
-        pytest.fail(reason, pytrace=False)
-    pytest.skip(reason)
+_CANNOT = pytest.StashKey[MemunreachableError]()
+
+
+def _reason(exc: MemunreachableError) -> str:
+    return f"memunreachable could not check: {exc}" + (f" (hint: {exc.hint})" if exc.hint else "")
+
+
+def _cannot_check_mode(config) -> str:
+    mode = config.getoption("--memunreachable-cannot-check") or \
+        config.getini("memunreachable_cannot_check") or "error"
+    if mode not in ("error", "warn"):
+        raise pytest.UsageError(f"memunreachable_cannot_check must be 'error' or 'warn', not {mode!r}")
+    return mode
 
 
 @pytest.hookimpl(wrapper=True)
 def pytest_runtest_call(item):
     if not _enabled(item):
         return (yield)
+    base = None
     try:
         base = leak_baseline()
     except MemunreachableError as exc:
-        _cannot_check(item, exc)
-    # a test that fails on its own raises here: no leak report is piled on top
+        item.stash[_CANNOT] = exc       # reported at teardown; the test body runs regardless
+    # a test that fails on its own raises here: its outcome stands, no leak report on top
     result = yield
+    if base is None:
+        return result
     try:
         info = get_unreachable_memory(limit=None)
     except MemunreachableError as exc:
-        _cannot_check(item, exc)
+        item.stash[_CANNOT] = exc
+        return result
     new = base.new_leaks(info)
     if new:
         new_info = _only(info, new)
-        item.add_report_section("call", "memunreachable", _render(new_info, True))
         pytest.fail(f"{new_info.num_leaks} native heap block(s) became unreachable during the "
                     f"test ({new_info.leak_bytes} bytes):\n{_render(new_info, True)}", pytrace=False)
     return result
 
 
+@pytest.hookimpl(wrapper=True)
+def pytest_runtest_teardown(item, nextitem):
+    result = yield
+    exc = item.stash.get(_CANNOT, None)
+    if exc is not None:
+        del item.stash[_CANNOT]
+        if _cannot_check_mode(item.config) == "warn":
+            warnings.warn(pytest.PytestWarning(_reason(exc)))
+        else:
+            pytest.fail(_reason(exc), pytrace=False)
+    return result
+
+
 class _Checker:
-    """The `memunreachable` fixture: explicit checks inside a test."""
+    """The `memunreachable` fixture: explicit checks inside a test. When the baseline cannot
+    be taken the test still runs; each check then raises the reason."""
 
     def __init__(self):
-        self.baseline = leak_baseline()
+        self.error = None
+        try:
+            self.baseline = leak_baseline()
+        except MemunreachableError as exc:
+            self.error = exc
+
+    def _info(self):
+        if self.error is not None:
+            raise self.error
+        return get_unreachable_memory(limit=None)
 
     def new_leaks(self):
-        return self.baseline.new_leaks(get_unreachable_memory(limit=None))
+        return self.baseline.new_leaks(self._info())
 
     def assert_no_new_leaks(self):
         from memunreachable._errors import LeaksDetected
-        info = get_unreachable_memory(limit=None)
+        info = self._info()
         new = self.baseline.new_leaks(info)
         if new:
             new_info = _only(info, new)
@@ -96,7 +139,4 @@ class _Checker:
 
 @pytest.fixture
 def memunreachable(request):
-    try:
-        return _Checker()
-    except MemunreachableError as exc:
-        _cannot_check(request.node, exc)
+    return _Checker()

@@ -232,7 +232,9 @@ def _tolerated(pid: int, maps) -> List[Range]:
 
 
 def _alive(pid: int) -> bool:
-    return procfs.task_state(pid, pid) not in ("", "Z", "X")
+    """A healthy snapshot process is always in a traced stop ('t'); after a SIGKILL it runs
+    (R/D, its memory already gone) for a moment before it becomes a zombie."""
+    return procfs.task_state(pid, pid) == "t"
 
 
 def _snapshot_died(pid: int, st: _Attempts, how: str) -> None:

@@ -48,7 +48,8 @@ def test_option_fails_the_leaking_test_with_the_report(suite):
     res.assert_outcomes(passed=1, failed=3)      # test_fixture leaks on purpose too
     out = res.stdout.str()
     addr, size = re.search(r"LEAK 0x([0-9a-f]+) (\d+)", out).groups()
-    assert f"{size} bytes unreachable at {addr}" in out
+    assert out.count(f"{size} bytes unreachable at {addr}") == 1      # the report, once
+    assert "pytest_plugin.py" not in out                               # no plugin traceback
     assert "became unreachable during the test" in out
     # -s puts the test's own output between its name and the verdict: match the -rf summary
     # (test_fixture's own assertion, exactly one new leak, holds: the plugin fails it after)
@@ -71,16 +72,42 @@ def _without_ptrace(pytester):
     return [setpriv, "--inh-caps=-sys_ptrace", "--bounding-set=-sys_ptrace", "--"]
 
 
-def test_skip_with_reason_when_ptrace_is_not_permitted(suite):
-    prefix = _without_ptrace(suite)
-    res = suite.run(*prefix, *suite._getpytestargs(), "--memunreachable", "-rs", "-k", "clean")
-    res.assert_outcomes(skipped=1)
-    res.stdout.fnmatch_lines(["*memunreachable could not check*"])
+IMPOSSIBLE = """
+def test_fails():
+    assert 1 == 2
+
+def test_passes():
+    pass
+"""
 
 
-def test_strict_mode_fails_instead(suite):
+def test_a_check_that_cannot_run_errors_the_test_after_its_body_ran(suite):
     prefix = _without_ptrace(suite)
-    res = suite.run(*prefix, *suite._getpytestargs(), "--memunreachable", "--memunreachable-strict",
-                    "-k", "clean")
-    res.assert_outcomes(failed=1)
-    res.stdout.fnmatch_lines(["*memunreachable could not check*"])
+    suite.makepyfile(test_impossible=IMPOSSIBLE)
+    res = suite.run(*prefix, *suite._getpytestargs(), "--memunreachable", "test_impossible.py")
+    # each body ran and its outcome stands; then each test errors at teardown with the reason
+    res.assert_outcomes(passed=1, failed=1, errors=2)
+    out = res.stdout.str()
+    assert "assert 1 == 2" in out
+    res.stdout.fnmatch_lines(["*ERROR at teardown of test_fails*",
+                              "*ERROR at teardown of test_passes*"])
+    assert out.count("memunreachable could not check: ") >= 2
+    assert "hint: " in out
+    assert res.ret == 1
+
+
+def test_a_check_that_cannot_run_can_be_only_a_warning(suite):
+    prefix = _without_ptrace(suite)
+    suite.makepyfile(test_impossible=IMPOSSIBLE)
+    res = suite.run(*prefix, *suite._getpytestargs(), "--memunreachable",
+                    "--memunreachable-cannot-check=warn", "test_impossible.py")
+    res.assert_outcomes(passed=1, failed=1, warnings=2)
+    res.stdout.fnmatch_lines(["*PytestWarning: memunreachable could not check*"])
+    assert res.ret == 1          # test_fails still fails
+
+
+def test_a_passing_suite_with_an_impossible_check_is_not_green(suite):
+    prefix = _without_ptrace(suite)
+    res = suite.run(*prefix, *suite._getpytestargs(), "--memunreachable", "-k", "clean")
+    res.assert_outcomes(passed=1, errors=1)
+    assert res.ret == 1
