@@ -224,3 +224,52 @@ def test_corrupt_heap_of_an_idle_target_is_reported_after_two_snapshots(caplog):
         retakes = [r for r in caplog.records if r.getMessage().startswith("retaking the snapshot")]
         assert len(retakes) == 1
         assert_target_running(fx)
+
+
+# ---- the target dies during the check -------------------------------------------------------
+
+def _gone(pid: int) -> bool:
+    try:
+        with open(f"/proc/{pid}/stat") as f:
+            return f.read().rsplit(")", 1)[1].split()[0] == "X"
+    except OSError:
+        return True
+
+
+@pytest.mark.parametrize("seed", range(6))
+def test_target_killed_at_a_random_moment_gives_a_result_or_an_error_and_leaves_nothing(seed):
+    """SIGKILL the target 0-1.5x a check's duration into the check: the check returns the exact
+    result of its snapshot, or NoSuchProcess; every snapshot process it made is gone after."""
+    from memunreachable._errors import NoSuchProcess
+    rng = random.Random(seed)
+    with fixtures.start("leak_lots") as probe:
+        t0 = time.monotonic()
+        check(probe.pid, limit=None)
+        span = 1.5 * (time.monotonic() - t0)
+    fx = fixtures.start("leak_lots")
+    want = (fx.expect["num_leaks"], fx.expect["leak_bytes"])
+    clones, stop = set(), threading.Event()
+
+    def watch_and_kill():
+        deadline = time.monotonic() + rng.uniform(0, span)
+        while not stop.is_set():
+            clones.update(snapshot_children(fx.pid))
+            if time.monotonic() >= deadline:
+                fx.proc.kill()
+                return
+            time.sleep(0.0002)
+    killer = threading.Thread(target=watch_and_kill)
+    killer.start()
+    try:
+        info = check(fx.pid, limit=None)
+        assert (info.num_leaks, info.leak_bytes) == want
+    except NoSuchProcess:
+        pass
+    finally:
+        stop.set()
+        killer.join()
+        fx.kill()
+    deadline = time.monotonic() + 5
+    while not all(_gone(c) for c in clones) and time.monotonic() < deadline:
+        time.sleep(0.01)
+    assert [c for c in clones if not _gone(c)] == []
