@@ -30,6 +30,7 @@ MAX_THREADS = 1 << 16
 LIBPYTHON = re.compile(r"^libpython(\d)\.(\d+)[a-z]*\.so")
 EXECUTABLE = re.compile(r"^python(\d)\.(\d+)[a-z]*$")
 ANY_PYTHON = re.compile(r"python")
+SYM = struct.Struct("<IBBHQQ")            # Elf64_Sym
 
 
 @dataclass(frozen=True)
@@ -128,17 +129,25 @@ def _load_bias(elf: ELFFile, mappings: List[Mapping]) -> Optional[int]:
 
 
 def _symbols(elf: ELFFile, names: Sequence[str]) -> Dict[str, int]:
-    """st_value of each name found in .dynsym (defined symbols only)."""
+    """st_value of each name found defined in .dynsym. Parsed raw (Elf64_Sym is 24 bytes:
+    st_name u32, st_info u8, st_other u8, st_shndx u16, st_value u64, st_size u64):
+    pyelftools' per-symbol parsing takes ~0.35 s on libpython's 2,000 symbols."""
     out: Dict[str, int] = {}
     dynsym = elf.get_section_by_name(".dynsym")
-    if dynsym is None:
+    if dynsym is None or dynsym["sh_entsize"] != SYM.size:
         return out
+    strtab = elf.get_section(dynsym["sh_link"]).data()
+    wanted: Dict[int, str] = {}
     for name in names:
-        syms = dynsym.get_symbol_by_name(name)
-        for s in syms or ():
-            if s["st_shndx"] != "SHN_UNDEF" and s["st_value"]:
-                out[name] = s["st_value"]
-                break
+        key = name.encode() + b"\0"
+        pos = strtab.find(key)
+        while pos >= 0:
+            wanted[pos] = name
+            pos = strtab.find(key, pos + 1)
+    for st_name, _info, _other, shndx, value, _size in SYM.iter_unpack(dynsym.data()):
+        name = wanted.get(st_name)
+        if name is not None and shndx != 0 and value and name not in out:
+            out[name] = value
     return out
 
 

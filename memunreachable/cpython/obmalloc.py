@@ -65,7 +65,7 @@ class _Acc:
     def walk(self, buf, base: int, pool_size: int, pools: array):
         """Run the C block loop over pools inside buf (a copy of [base, ...)); returns res."""
         res = ffi.new("mu_pymalloc_result *")
-        cap = max(16, len(pools) * 8)
+        cap = max(64, len(buf) // 48)      # most blocks are >= 48 bytes; retried when short
         data = ffi.from_buffer("uint8_t[]", buf)
         while True:
             addr, size = _zeros(cap), _zeros(cap)
@@ -212,13 +212,28 @@ def scan_pools(mem, maps: Sequence[Mapping], lay: L.Layout) -> PymallocWalk:
                 good = _good_pools(pools, res, acc, buf, lo, ps)
             else:
                 good = pools
-            out.heap_ranges.extend(Range(p, p + ps) for p in good)
+            out.heap_ranges.extend(_runs(good, ps))
             out.regions.append((lo, buf))
             lo = hi
     out.heap_ranges = merge_ranges(out.heap_ranges)
     out.blocks, out.sizes = acc.assemble()
     out.in_use = acc.stats["pools"] + acc.stats["empty_pools"] > 0
     out.stats = acc.stats
+    return out
+
+
+def _runs(pools: array, ps: int) -> List[Range]:
+    """Ascending pool addresses -> ranges of adjacent pools."""
+    out: List[Range] = []
+    lo = end = None
+    for p in pools:
+        if p != end:
+            if lo is not None:
+                out.append(Range(lo, end))
+            lo = p
+        end = p + ps
+    if lo is not None:
+        out.append(Range(lo, end))
     return out
 
 
