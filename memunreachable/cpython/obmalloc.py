@@ -102,30 +102,41 @@ def _bad(res) -> str:
     return f"pool {res.bad_at:#x}: {BAD_REASONS.get(res.bad_reason, res.bad_reason)}"
 
 
-# Returns the walk of the arenas array of the obmalloc state at `state` (3.12+). Problems are
-# hard: an arena or pool that does not add up means the layout or the snapshot is wrong.
-def walk_arenas(mem, lay: L.Layout, state: int) -> PymallocWalk:
-    om, st = lay.obmalloc, lay.obmalloc.state
+# Returns the walk of the arenas arrays of the obmalloc states at `states` (3.12+: one per
+# interpreter with its own allocator; shared states listed once). Problems are hard: an arena
+# or pool that does not add up means the layout or the snapshot is wrong.
+def walk_arenas(mem, lay: L.Layout, states: Sequence[int]) -> PymallocWalk:
     out = PymallocWalk(False, "arenas")
     acc = _Acc()
+    for state in states:
+        _walk_state(mem, lay, state, out, acc)
+    out.blocks, out.sizes = acc.assemble()
+    out.in_use = acc.stats["arenas"] > 0
+    out.method = "arenas" if out.in_use else "none"
+    out.stats = acc.stats
+    return out
+
+
+def _walk_state(mem, lay: L.Layout, state: int, out: PymallocWalk, acc: _Acc) -> None:
+    om, st = lay.obmalloc, lay.obmalloc.state
     try:
         arenas = struct.unpack("<Q", mem.read(state + st.arenas, 8))[0]
         maxarenas = struct.unpack("<I", mem.read(state + st.maxarenas, 4))[0]
         narenas = struct.unpack("<Q", mem.read(state + st.narenas_currently_allocated, 8))[0]
         if arenas == 0 or maxarenas == 0:
-            out.method = "none"
-            out.stats = acc.stats
             if narenas:
-                out.problems.append(f"no arenas array but {narenas} arenas allocated")
-            return out
+                out.problems.append(f"state {state:#x}: no arenas array but {narenas} arenas "
+                                    "allocated")
+            return
         if maxarenas > MAX_ARENAS or arenas % 8:
             out.problems.append(f"arenas array {arenas:#x} x {maxarenas} is implausible")
-            return out
+            return
         table = mem.read(arenas, maxarenas * L.ARENA.sizeof)
     except MemoryUnreadable as exc:
-        out.problems.append(f"obmalloc state unreadable at {exc.address:#x}")
-        return out
+        out.problems.append(f"obmalloc state {state:#x} unreadable at {exc.address:#x}")
+        return
     ps = om.pool_size
+    found = 0
     for i in range(maxarenas):
         off = i * L.ARENA.sizeof
         address, pool_address = struct.unpack_from("<QQ", table, off + L.ARENA.address)
@@ -139,6 +150,7 @@ def walk_arenas(mem, lay: L.Layout, state: int) -> PymallocWalk:
             out.problems.append(f"arena {i} at {address:#x}: pool_address {pool_address:#x} / "
                                 f"{ntotal} pools do not fit the arena")
             continue
+        found += 1
         acc.stats["arenas"] += 1
         out.heap_ranges.append(Range(address, end))
         carved = (pool_address - first) // ps
@@ -158,12 +170,8 @@ def walk_arenas(mem, lay: L.Layout, state: int) -> PymallocWalk:
             out.problems.append(f"arena {i}: nfreepools {nfree} != {res.empty_pools} empty + "
                                 f"{ntotal - carved} uncarved pools")
         out.regions.append((first, buf))
-    if acc.stats["arenas"] != narenas:
-        out.problems.append(f"{acc.stats['arenas']} arenas found, obmalloc counts {narenas}")
-    out.blocks, out.sizes = acc.assemble()
-    out.in_use = acc.stats["arenas"] > 0
-    out.stats = acc.stats
-    return out
+    if found != narenas:
+        out.problems.append(f"state {state:#x}: {found} arenas found, obmalloc counts {narenas}")
 
 
 def scan_candidates(maps: Sequence[Mapping], pool_size: int) -> List[Mapping]:

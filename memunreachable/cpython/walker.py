@@ -170,11 +170,11 @@ def read_freelists(mem, lay: L.Layout, interp: int) -> Tuple[List[int], List[Ran
     return dead, ranges
 
 
-def _obmalloc_state(mem, lay: L.Layout, main: int) -> int:
+def _obmalloc_state(mem, lay: L.Layout, interp: int) -> int:
     st = lay.obmalloc.state
     if st.is_pointer:
-        return _u64(mem, main + st.interp_offset)
-    return main + st.interp_offset
+        return _u64(mem, interp + st.interp_offset)
+    return interp + st.interp_offset
 
 
 # Returns the CPython memory map of the snapshot. Never raises for an unknown or inconsistent
@@ -196,7 +196,6 @@ def walk_cpython(mem, maps: Sequence[Mapping], threads: Sequence[ThreadState] = 
     # 2. validate the layout: interpreters and their thread states
     try:
         out.interpreters = locate.walk_interpreters(mem, maps, rt, lay, threads)
-        main = _u64(mem, rt.runtime + lay.interpreters_main)
         allocator = locate.read_allocator(mem, rt, lay)
     except (LayoutMismatch, MemoryUnreadable) as exc:
         out.warnings.append(f"{where}: the {lay.name} layout does not fit ({exc}): {OPAQUE}")
@@ -209,12 +208,13 @@ def walk_cpython(mem, maps: Sequence[Mapping], threads: Sequence[ThreadState] = 
     if allocator in L.ALLOCATORS_WITHOUT_PYMALLOC:
         out.pymalloc = obmalloc.PymallocWalk(False, "none")
     elif lay.obmalloc.state is not None:
-        try:
-            state = _obmalloc_state(mem, lay, main)
+        try:      # each interpreter's state; shared ones are empty (3.12) or the same (3.13)
+            states = list(dict.fromkeys(_obmalloc_state(mem, lay, i.address)
+                                        for i in out.interpreters))
         except MemoryUnreadable as exc:
             out.warnings.append(f"{where}: obmalloc state unreadable ({exc}): {OPAQUE}")
             return out
-        out.pymalloc = obmalloc.walk_arenas(mem, lay, state)
+        out.pymalloc = obmalloc.walk_arenas(mem, lay, states)
     else:
         out.pymalloc = obmalloc.scan_pools(mem, maps, lay)
     pm = out.pymalloc

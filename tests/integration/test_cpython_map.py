@@ -9,7 +9,6 @@ cpython-memory.md section 3 (bytes: block start; tuple: block + 16, its GC head)
 import os
 import re
 import subprocess
-import sys
 import textwrap
 
 import pytest
@@ -66,9 +65,9 @@ TARGET = textwrap.dedent(r'''
 
 
 class Target:
-    def __init__(self, python, tmp_path, env_extra=None):
+    def __init__(self, python, tmp_path, env_extra=None, source=None):
         script = tmp_path / "target.py"
-        script.write_text(TARGET)
+        script.write_text(source or TARGET)
         self.stderr_path = tmp_path / "stderr.txt"
         env = dict(os.environ)
         env.pop("PYTHONMALLOC", None)
@@ -110,8 +109,8 @@ class Target:
 def target(tmp_path):
     made = []
 
-    def start(python, **env):
-        t = Target(python, tmp_path, env)
+    def start(python, source=None, **env):
+        t = Target(python, tmp_path, env, source)
         made.append(t)
         return t
     yield start
@@ -255,3 +254,35 @@ def test_not_a_python_process():
     finally:
         proc.kill()
         proc.wait()
+
+
+SUBINTERP_TARGET = textwrap.dedent(r'''
+    import os, sys
+    try:
+        import _xxsubinterpreters as si          # 3.12
+    except ImportError:
+        import _interpreters as si               # 3.13
+    run = getattr(si, "run_string", None) or si.exec
+    iid = si.create()                            # isolated: its own obmalloc state
+    run(iid, "import os\nkeep = [b'sub%d' % i for i in range(5000)]\n"
+             "os.write(1, ('sub ' + ' '.join(str(id(x)) for x in keep[:200]) + '\\n').encode())\n")
+    keep = [b"main%d" % i for i in range(3000)]
+    os.write(1, ("main " + " ".join(str(id(x)) for x in keep[:200]) + "\n").encode())
+    sys._debugmallocstats()
+    run(iid, "import sys\nsys._debugmallocstats()\n")
+    os.write(1, b"ready\n")
+    os.read(0, 1)
+''')
+
+
+@pytest.mark.parametrize("label,python", [PYTHONS[4], PYTHONS[5]], ids=["3.12", "3.13"])
+def test_sub_interpreter_with_its_own_allocator(target, label, python):
+    t = target(python, SUBINTERP_TARGET)
+    cm, _ = walk(t)
+    assert cm.usable and cm.warnings == []
+    assert len(cm.interpreters) == 2
+    used = set(cm.blocks)
+    assert all(obj in used for obj in t.ints("main"))
+    assert all(obj in used for obj in t.ints("sub"))      # blocks of the second obmalloc state
+    # both interpreters' statistics (main's, then the sub-interpreter's) account for the blocks
+    assert abs(len(cm.blocks) - t.stats_used_blocks()) <= 64

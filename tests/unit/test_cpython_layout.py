@@ -188,7 +188,7 @@ def test_arenas_walk_checks_nfreepools_and_the_arena_count(nfree, narenas, ok):
     mem = BufferMemory({**blocks, **arena_state(lay, 0x5000, 0x9000,
                                                 [(0, 0, 0, 0), (arena, first + 2 * PS, nfree, 63)],
                                                 narenas)})
-    w = obmalloc.walk_arenas(mem, lay, 0x5000)
+    w = obmalloc.walk_arenas(mem, lay, [0x5000])
     assert (w.problems == []) == ok, w.problems
     assert list(w.blocks) == [first + 48 + 32 * i for i in range(5)]
     assert w.heap_ranges == [Range(arena, arena + (1 << 20))]
@@ -197,7 +197,7 @@ def test_arenas_walk_checks_nfreepools_and_the_arena_count(nfree, narenas, ok):
 
 def test_arenas_walk_without_arenas_is_pymalloc_unused():
     lay = L.LAYOUTS[(3, 13)]
-    w = obmalloc.walk_arenas(BufferMemory(arena_state(lay, 0x5000, 0, [], 0)), lay, 0x5000)
+    w = obmalloc.walk_arenas(BufferMemory(arena_state(lay, 0x5000, 0, [], 0)), lay, [0x5000])
     assert not w.in_use and w.method == "none" and w.problems == []
 
 
