@@ -12,7 +12,6 @@ import argparse
 import os
 import statistics
 import subprocess
-import sys
 import time
 
 from memunreachable.cpython import obmalloc

@@ -146,6 +146,9 @@ ALLOCATOR_NAMES = {0: "not set", 1: "default", 2: "debug", 3: "malloc", 4: "mall
                    5: "pymalloc", 6: "pymalloc_debug", 7: "mimalloc", 8: "mimalloc_debug"}
 ALLOCATORS_WITHOUT_PYMALLOC = (3, 4, 7, 8)
 ALLOCATORS_WITH_DEBUG_HOOKS = (2, 4, 6, 8)
+# With debug hooks every allocation starts with 2 words (size, API id) before the object
+# (Objects/obmalloc.c _PyMem_DebugRawAlloc: "p[0: S] size, p[S] API id, p[S+1: 2*S] pad").
+DEBUG_HOOK_PREFIX = 16
 
 
 @dataclass(frozen=True)

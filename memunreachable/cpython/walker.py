@@ -70,9 +70,19 @@ class CPythonMap:
     warnings: List[str] = field(default_factory=list)
     stats: dict = field(default_factory=dict)
 
+    kind = "pymalloc"                             # the allocation kind of blocks
+
     @property
     def version(self) -> Optional[Tuple[int, int]]:
         return self.runtime.version if self.runtime else None
+
+    @property
+    def root_cuts(self) -> List[Range]:
+        """Everything to cut from the roots: heap_ranges + dead_ranges, merged (empty when
+        not usable)."""
+        if not self.usable:
+            return []
+        return merge_ranges(list(self.heap_ranges) + list(self.dead_ranges))
 
 
 def _u64(mem, addr: int) -> int:
@@ -121,14 +131,16 @@ class _FreeListError(Exception):
 
 # Returns (dead object allocation addresses, free-list array ranges) of one interpreter
 # (3.10+). Every listed object must have ob_refcnt 0 (cpython-memory.md section 6).
-def read_freelists(mem, lay: L.Layout, interp: int) -> Tuple[List[int], List[Range]]:
+# prefix: bytes before the object's memory in its allocation (debug hooks: DEBUG_HOOK_PREFIX).
+def read_freelists(mem, lay: L.Layout, interp: int,
+                   prefix: int = 0) -> Tuple[List[int], List[Range]]:
     fl = lay.freelists
     dead: List[int] = []
 
     def take(obj: int, gc: bool, what: str) -> None:
         if obj % 8 or _u64(mem, obj + L.OB_REFCNT) != 0:
             raise _FreeListError(f"{what} entry {obj:#x} is not a dead object")
-        dead.append(obj - L.GC_HEAD_SIZE if gc else obj)
+        dead.append(obj - prefix - (L.GC_HEAD_SIZE if gc else 0))
 
     def numfree(off: int, limit: int, what: str) -> int:
         n = _i32(mem, interp + off)
@@ -161,7 +173,7 @@ def read_freelists(mem, lay: L.Layout, interp: int) -> Tuple[List[int], List[Ran
             take(_u64(mem, interp + items + 8 * k), gc, what)
     n = numfree(fl.keys_numfree, fl.array_len, "dict keys")
     for k in range(n):
-        dead.append(_u64(mem, interp + fl.keys_items + 8 * k))
+        dead.append(_u64(mem, interp + fl.keys_items + 8 * k) - prefix)
     ranges = [Range(interp + fl.float_head, interp + fl.float_head + 8),
               Range(interp + fl.tuple_heads, interp + fl.tuple_heads + 8 * fl.tuple_lists),
               Range(interp + fl.list_items, interp + fl.list_items + 8 * fl.array_len),
@@ -240,10 +252,11 @@ def walk_cpython(mem, maps: Sequence[Mapping], threads: Sequence[ThreadState] = 
     except (LayoutMismatch, MemoryUnreadable) as exc:
         out.warnings.append(f"{where}: data stack does not fit ({exc}): {OPAQUE}")
         return out
+    prefix = L.DEBUG_HOOK_PREFIX if allocator in L.ALLOCATORS_WITH_DEBUG_HOOKS else 0
     if lay.freelists is not None:
         for interp in out.interpreters:
             try:
-                dead, ranges = read_freelists(mem, lay, interp.address)
+                dead, ranges = read_freelists(mem, lay, interp.address, prefix)
             except (_FreeListError, MemoryUnreadable) as exc:
                 out.warnings.append(f"{where}: free lists of interpreter {interp.address:#x} "
                                     f"not used ({exc}); they are scanned as before")

@@ -159,6 +159,10 @@ def test_map_of_a_live_interpreter(target, label, python):
     for obj in t.ints("freed"):
         assert obj not in used
         assert any(r.contains(obj) for r in cm.heap_ranges), hex(obj)
+    # what the pipeline cuts from the roots covers pymalloc and the dead ranges
+    cuts = cm.root_cuts
+    for r in cm.heap_ranges + cm.dead_ranges:
+        assert any(c.begin <= r.begin and r.end <= c.end for c in cuts)
     # the count agrees with the interpreter's own statistics
     assert 0 <= len(cm.blocks) - t.stats_used_blocks() <= COUNT_SLACK
     assert cm.stats["used_blocks"] == len(cm.blocks)
@@ -226,6 +230,7 @@ def test_unknown_version_falls_back_with_a_warning(target, label, python):
     assert len(cm.warnings) == 1 and "no known memory layout" in cm.warnings[0]
     assert "treated as before" in cm.warnings[0]
     assert len(cm.blocks) == 0 and cm.heap_ranges == [] and cm.dead_ranges == []
+    assert cm.root_cuts == []
 
 
 # a target read with another version's table: validation must refuse it
@@ -286,3 +291,21 @@ def test_sub_interpreter_with_its_own_allocator(target, label, python):
     assert all(obj in used for obj in t.ints("sub"))      # blocks of the second obmalloc state
     # both interpreters' statistics (main's, then the sub-interpreter's) account for the blocks
     assert abs(len(cm.blocks) - t.stats_used_blocks()) <= 64
+
+
+@pytest.mark.parametrize("label,python", [PYTHONS[0], PYTHONS[3], PYTHONS[5]],
+                         ids=["3.8", "3.11", "3.13"])
+def test_pymalloc_with_debug_hooks(target, label, python):
+    """PYTHONMALLOC=pymalloc_debug: blocks carry a 16-byte prefix (size, API id) before the
+    object, so each object sits 16 bytes into its block."""
+    t = target(python, PYTHONMALLOC="pymalloc_debug")
+    cm, _ = walk(t)
+    assert cm.usable and cm.warnings == [] and cm.allocator == "pymalloc_debug"
+    used = set(cm.blocks)
+    pre = L.DEBUG_HOOK_PREFIX
+    assert all(obj - pre in used for obj, _ in t.pairs("keep"))
+    assert all(obj - pre - L.GC_HEAD_SIZE in used for obj, _ in t.pairs("tuples"))
+    assert not any(obj - pre in used for obj in t.ints("freed"))
+    assert 0 <= len(cm.blocks) - t.stats_used_blocks() <= COUNT_SLACK
+    if tuple(t.ints("version")) >= (3, 10):
+        assert t.ints("float")[0] - pre in cm.dead_blocks
