@@ -1,7 +1,7 @@
 """Stage 4 (allocations, CPython): pymalloc as an allocator: arenas -> pools -> used blocks.
 
 Input: a Memory reader, the mappings, the version's layout (cpython/layout.py) and, on 3.12+,
-the address of the interpreter's struct _obmalloc_state. Output: PymallocWalk: every used
+the addresses of the interpreters' struct _obmalloc_state. Output: PymallocWalk: every used
 block (address, size class bytes), the ranges pymalloc owns (never roots: free blocks, virgin
 tails, empty and uncarved pools lie inside them), local copies of the memory holding the
 blocks, counters, and problems (any problem: the walk must not be trusted).
