@@ -102,14 +102,36 @@ def _bad(res) -> str:
     return f"pool {res.bad_at:#x}: {BAD_REASONS.get(res.bad_reason, res.bad_reason)}"
 
 
+@dataclass(frozen=True)
+class ArenaArray:
+    """Where one obmalloc keeps its arenas: the addresses of the `arenas` pointer, the
+    `maxarenas` uint and the `narenas_currently_allocated` size_t."""
+    arenas: int
+    maxarenas: int
+    narenas: int
+
+
+def state_arrays(lay: L.Layout, states: Sequence[int]) -> List[ArenaArray]:
+    """The ArenaArray of each struct _obmalloc_state address (3.12+)."""
+    st = lay.obmalloc.state
+    return [ArenaArray(s + st.arenas, s + st.maxarenas, s + st.narenas_currently_allocated)
+            for s in states]
+
+
 # Returns the walk of the arenas arrays of the obmalloc states at `states` (3.12+: one per
 # interpreter with its own allocator; shared states listed once). Problems are hard: an arena
 # or pool that does not add up means the layout or the snapshot is wrong.
 def walk_arenas(mem, lay: L.Layout, states: Sequence[int]) -> PymallocWalk:
+    return walk_arena_arrays(mem, lay, state_arrays(lay, states))
+
+
+# Returns the walk of the given arenas arrays (walk_arenas; tests also pass the 3.8-3.11
+# statics of Objects/obmalloc.c found in an unstripped libpython's .symtab).
+def walk_arena_arrays(mem, lay: L.Layout, arrays: Sequence[ArenaArray]) -> PymallocWalk:
     out = PymallocWalk(False, "arenas")
     acc = _Acc()
-    for state in states:
-        _walk_state(mem, lay, state, out, acc)
+    for arr in arrays:
+        _walk_array(mem, lay, arr, out, acc)
     out.blocks, out.sizes = acc.assemble()
     out.in_use = acc.stats["arenas"] > 0
     out.method = "arenas" if out.in_use else "none"
@@ -117,15 +139,15 @@ def walk_arenas(mem, lay: L.Layout, states: Sequence[int]) -> PymallocWalk:
     return out
 
 
-def _walk_state(mem, lay: L.Layout, state: int, out: PymallocWalk, acc: _Acc) -> None:
-    om, st = lay.obmalloc, lay.obmalloc.state
+def _walk_array(mem, lay: L.Layout, arr: ArenaArray, out: PymallocWalk, acc: _Acc) -> None:
+    om = lay.obmalloc
     try:
-        arenas = struct.unpack("<Q", mem.read(state + st.arenas, 8))[0]
-        maxarenas = struct.unpack("<I", mem.read(state + st.maxarenas, 4))[0]
-        narenas = struct.unpack("<Q", mem.read(state + st.narenas_currently_allocated, 8))[0]
+        arenas = struct.unpack("<Q", mem.read(arr.arenas, 8))[0]
+        maxarenas = struct.unpack("<I", mem.read(arr.maxarenas, 4))[0]
+        narenas = struct.unpack("<Q", mem.read(arr.narenas, 8))[0]
         if arenas == 0 or maxarenas == 0:
             if narenas:
-                out.problems.append(f"state {state:#x}: no arenas array but {narenas} arenas "
+                out.problems.append(f"no arenas array at {arr.arenas:#x} but {narenas} arenas "
                                     "allocated")
             return
         if maxarenas > MAX_ARENAS or arenas % 8:
@@ -133,7 +155,7 @@ def _walk_state(mem, lay: L.Layout, state: int, out: PymallocWalk, acc: _Acc) ->
             return
         table = mem.read(arenas, maxarenas * L.ARENA.sizeof)
     except MemoryUnreadable as exc:
-        out.problems.append(f"obmalloc state {state:#x} unreadable at {exc.address:#x}")
+        out.problems.append(f"obmalloc state unreadable at {exc.address:#x}")
         return
     ps = om.pool_size
     found = 0
@@ -171,7 +193,7 @@ def _walk_state(mem, lay: L.Layout, state: int, out: PymallocWalk, acc: _Acc) ->
                                 f"{ntotal - carved} uncarved pools")
         out.regions.append((first, buf))
     if found != narenas:
-        out.problems.append(f"state {state:#x}: {found} arenas found, obmalloc counts {narenas}")
+        out.problems.append(f"{found} arenas found in {arenas:#x}, obmalloc counts {narenas}")
 
 
 def scan_candidates(maps: Sequence[Mapping], pool_size: int) -> List[Mapping]:

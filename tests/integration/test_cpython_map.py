@@ -13,6 +13,7 @@ import textwrap
 
 import pytest
 
+from memunreachable._types import merge_ranges
 from memunreachable.cpython import layout as L
 from memunreachable.cpython import obmalloc
 from memunreachable.cpython.walker import walk_cpython
@@ -309,3 +310,37 @@ def test_pymalloc_with_debug_hooks(target, label, python):
     assert 0 <= len(cm.blocks) - t.stats_used_blocks() <= COUNT_SLACK
     if tuple(t.ints("version")) >= (3, 10):
         assert t.ints("float")[0] - pre in cm.dead_blocks
+
+
+def symtab_arena_array(path, maps):
+    """The 3.8-3.11 statics `arenas`, `maxarenas`, `narenas_currently_allocated` of
+    Objects/obmalloc.c, from an unstripped libpython's .symtab (pyenv builds keep it)."""
+    from elftools.elf.elffile import ELFFile
+    from memunreachable.cpython import locate
+    with open(path, "rb") as f:
+        elf = ELFFile(f)
+        symtab = elf.get_section_by_name(".symtab")
+        addr = {n: symtab.get_symbol_by_name(n)[0]["st_value"]
+                for n in ("arenas", "maxarenas", "narenas_currently_allocated")}
+        bias = locate._load_bias(elf, [m for m in maps if m.path == path])
+    return obmalloc.ArenaArray(bias + addr["arenas"], bias + addr["maxarenas"],
+                               bias + addr["narenas_currently_allocated"])
+
+
+@pytest.mark.parametrize("label,python", PYTHONS[:4], ids=IDS[:4])
+def test_pool_scan_finds_what_the_static_arenas_array_says(target, label, python):
+    """3.8-3.11 find pools by their headers; the arenas array (a static, reachable here only
+    through the pyenv build's symbol table) must list exactly the same used blocks."""
+    t = target(python)
+    with frozen(t.proc.pid) as fz:
+        with ProcessMemory(t.proc.pid) as mem:
+            cm = walk_cpython(mem, fz.maps, fz.threads, t.proc.pid)
+            arr = symtab_arena_array(cm.runtime.object_path, fz.maps)
+            exact = obmalloc.walk_arena_arrays(mem, cm.layout, [arr])
+    assert cm.usable and cm.pymalloc.method == "pool scan"
+    assert exact.problems == [] and exact.stats["arenas"] > 0
+    assert list(cm.blocks) == list(exact.blocks)
+    assert list(cm.sizes) == list(exact.sizes)
+    arenas = merge_ranges(exact.heap_ranges)  # adjacent arenas merge, like adjacent pools
+    for r in cm.heap_ranges:                  # every pool found lies in an arena
+        assert any(a.begin <= r.begin and r.end <= a.end for a in arenas)
