@@ -1,0 +1,248 @@
+"""Stage 4 (allocations, CPython): CPython runtime and pymalloc layouts as data (x86_64, LP64).
+
+One frozen dataclass per CPython minor version, 3.8 through 3.13, default (GIL) builds. Every
+offset mirrors a struct of that version's headers (Include/internal/pycore_runtime.h,
+pycore_interp.h, Include/cpython/pystate.h, pycore_frame.h, pycore_obmalloc.h, pycore_freelist.h;
+3.8-3.11 pymalloc structs are private to Objects/obmalloc.c) and was printed with offsetof()
+against the installed headers of 3.8.18, 3.9.18, 3.10.13, 3.11.7, 3.12.1 and 3.13.0
+(Debian's 3.11.2 headers gave the same values). See /work/shared/notes/cpython-memory.md.
+A layout is only a claim: locate.py validates it against the target before anything is
+trusted. No offset literal may appear outside this module (style.md rule 7).
+"""
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import Dict, Optional, Tuple
+
+WORD = 8
+
+# --- pymalloc (Objects/obmalloc.c; 3.12+ Include/internal/pycore_obmalloc.h) ----------------
+ALIGNMENT = 16                  # size-class step (ALIGNMENT, 64-bit)
+NUM_SIZE_CLASSES = 32           # SMALL_REQUEST_THRESHOLD 512 / ALIGNMENT
+POOL_OVERHEAD = 48              # sizeof(struct pool_header): first block offset
+
+
+@dataclass(frozen=True)
+class PoolHeader:
+    """struct pool_header (all versions): 48 bytes."""
+    count: int = 0              # ref.count (uint, union padded to 8)
+    freeblock: int = 8
+    nextpool: int = 16
+    prevpool: int = 24
+    arenaindex: int = 32
+    szidx: int = 36
+    nextoffset: int = 40
+    maxnextoffset: int = 44
+    sizeof: int = 48
+
+
+@dataclass(frozen=True)
+class ArenaObject:
+    """struct arena_object (all versions): 48 bytes; address 0 = slot unused."""
+    address: int = 0
+    pool_address: int = 8
+    nfreepools: int = 16        # uint
+    ntotalpools: int = 20       # uint
+    freepools: int = 24
+    nextarena: int = 32
+    prevarena: int = 40
+    sizeof: int = 48
+
+
+POOL = PoolHeader()
+ARENA = ArenaObject()
+
+
+@dataclass(frozen=True)
+class ObmallocState:
+    """struct _obmalloc_state (3.12+), reached from the interpreter: embedded at
+    interp+interp_offset (3.12) or through the pointer there (3.13)."""
+    interp_offset: int
+    is_pointer: bool
+    arenas: int                 # mgmt.arenas (struct arena_object *)
+    maxarenas: int              # mgmt.maxarenas (uint)
+    narenas_currently_allocated: int   # mgmt.narenas_currently_allocated (size_t)
+    sizeof: int
+
+
+@dataclass(frozen=True)
+class Obmalloc:
+    arena_size: int             # 256 KiB (3.8/3.9), 1 MiB with USE_LARGE_ARENAS (3.10+)
+    pool_size: int              # 4 KiB (3.8/3.9), 16 KiB with USE_LARGE_POOLS (3.10+)
+    state: Optional[ObmallocState]   # None: the arenas array is a static of obmalloc.c
+
+    def block_size(self, szidx: int) -> int:
+        return ALIGNMENT * (szidx + 1)
+
+
+@dataclass(frozen=True)
+class DataStack:
+    """3.11+ per-thread frame data stack: PyThreadState.datastack_* and _PyStackChunk."""
+    tstate_chunk: int
+    tstate_top: int
+    tstate_limit: int
+    chunk_previous: int = 0
+    chunk_size: int = 8         # bytes, header included
+    chunk_top: int = 16         # word index into data[], written when a newer chunk is pushed
+    chunk_data: int = 24
+
+
+@dataclass(frozen=True)
+class FreeLists:
+    """Per-interpreter free lists (3.10+; 3.8/3.9 keep them in unexported statics).
+
+    Offsets are from the interpreter. Entries below numfree are dead objects; the arrays
+    themselves (stale slots too) are never roots (cpython-memory.md section 6)."""
+    float_head: int             # PyFloatObject *, chained through ob_type
+    float_numfree: int          # int
+    tuple_heads: int            # PyTupleObject *[20], each chained through ob_item[0]
+    tuple_numfree: int          # int[20]
+    tuple_first: int            # first index holding dead tuples (3.10: [0] is the live empty tuple)
+    list_items: int             # PyListObject *[80]
+    list_numfree: int
+    dict_items: int             # PyDictObject *[80]
+    dict_numfree: int
+    keys_items: int             # PyDictKeysObject *[80]
+    keys_numfree: int
+    tuple_lists: int = 20       # PyTuple_MAXSAVESIZE / PyTuple_NFREELISTS
+    array_len: int = 80         # PyList_MAXFREELIST, PyDict_MAXFREELIST
+    float_max: int = 100        # PyFloat_MAXFREELIST
+    tuple_max: int = 2000       # PyTuple_MAXFREELIST
+
+
+# --- objects (Include/object.h, Include/cpython/objimpl.h): same in 3.8-3.13 -----------------
+OB_REFCNT = 0
+OB_TYPE = 8
+GC_HEAD_SIZE = 16               # PyGC_Head precedes a GC object in its block
+TUPLE_ITEM0 = 24                # PyTupleObject.ob_item[0]
+
+# --- 3.13 _Py_DebugOffsets (Include/internal/pycore_runtime.h): _PyRuntime.debug_offsets -------
+DEBUG_COOKIE = b"xdebugpy"
+
+
+@dataclass(frozen=True)
+class DebugOffsets:
+    """Where the fields we cross-check sit inside _Py_DebugOffsets (3.13.0)."""
+    cookie: int = 0
+    version: int = 8
+    free_threaded: int = 16
+    runtime_size: int = 24
+    runtime_interpreters_head: int = 40
+    interp_size: int = 48
+    interp_next: int = 64
+    interp_threads_head: int = 72
+    tstate_size: int = 152
+    tstate_next: int = 168
+    tstate_interp: int = 176
+    tstate_thread_id: int = 192
+    tstate_native_thread_id: int = 200
+    tstate_datastack_chunk: int = 208
+
+
+DEBUG = DebugOffsets()
+
+# PyPreConfig.allocator values (Include/cpython/pymem.h PyMemAllocatorName)
+ALLOCATOR_NAMES = {0: "not set", 1: "default", 2: "debug", 3: "malloc", 4: "malloc_debug",
+                   5: "pymalloc", 6: "pymalloc_debug", 7: "mimalloc", 8: "mimalloc_debug"}
+ALLOCATORS_WITHOUT_PYMALLOC = (3, 4, 7, 8)
+ALLOCATORS_WITH_DEBUG_HOOKS = (2, 4, 6, 8)
+# With debug hooks every allocation starts with 2 words (size, API id) before the object
+# (Objects/obmalloc.c _PyMem_DebugRawAlloc: "p[0: S] size, p[S] API id, p[S+1: 2*S] pad").
+DEBUG_HOOK_PREFIX = 16
+
+
+@dataclass(frozen=True)
+class Layout:
+    """Everything read about one CPython minor version."""
+    version: Tuple[int, int]
+    runtime_size: int                   # sizeof(_PyRuntimeState)
+    preconfig_allocator: int            # _PyRuntime.preconfig.allocator (int)
+    interpreters_head: int              # _PyRuntime.interpreters.head
+    interpreters_main: int              # _PyRuntime.interpreters.main
+    interp_size: int                    # sizeof(PyInterpreterState)
+    interp_next: int
+    interp_threads_head: int            # tstate_head (3.8-3.10), threads.head (3.11+)
+    tstate_size: int                    # sizeof(PyThreadState)
+    tstate_next: int
+    tstate_interp: int
+    tstate_thread_id: int               # pthread_t (glibc: the thread's TCB = fs_base)
+    tstate_native_thread_id: Optional[int]   # kernel TID (3.11+)
+    obmalloc: Obmalloc
+    datastack: Optional[DataStack]      # 3.11+
+    freelists: Optional[FreeLists]      # 3.10+
+    debug_offsets: bool = False         # 3.13+: _PyRuntime starts with _Py_DebugOffsets
+
+    @property
+    def name(self) -> str:
+        return f"CPython {self.version[0]}.{self.version[1]}"
+
+
+_SMALL = Obmalloc(arena_size=256 << 10, pool_size=4 << 10, state=None)        # 3.8, 3.9
+_LARGE = Obmalloc(arena_size=1 << 20, pool_size=16 << 10, state=None)         # 3.10, 3.11
+
+LAYOUTS: Dict[Tuple[int, int], Layout] = {
+    # 3.8.18: Include/internal/pycore_pystate.h, Include/cpython/pystate.h
+    (3, 8): Layout((3, 8), runtime_size=1464, preconfig_allocator=1436, interpreters_head=32,
+                   interpreters_main=40, interp_size=2720, interp_next=0, interp_threads_head=8,
+                   tstate_size=264, tstate_next=8, tstate_interp=16, tstate_thread_id=176,
+                   tstate_native_thread_id=None, obmalloc=_SMALL, datastack=None, freelists=None),
+    # 3.9.18: Include/internal/pycore_runtime.h, pycore_interp.h
+    (3, 9): Layout((3, 9), runtime_size=656, preconfig_allocator=628, interpreters_head=32,
+                   interpreters_main=40, interp_size=5656, interp_next=0, interp_threads_head=8,
+                   tstate_size=264, tstate_next=8, tstate_interp=16, tstate_thread_id=176,
+                   tstate_native_thread_id=None, obmalloc=_SMALL, datastack=None, freelists=None),
+    # 3.10.13: free lists in PyInterpreterState (float_state, tuple, list, dict_state)
+    (3, 10): Layout((3, 10), runtime_size=672, preconfig_allocator=628, interpreters_head=32,
+                    interpreters_main=40, interp_size=113528, interp_next=0, interp_threads_head=8,
+                    tstate_size=280, tstate_next=8, tstate_interp=16, tstate_thread_id=176,
+                    tstate_native_thread_id=None, obmalloc=_LARGE, datastack=None,
+                    freelists=FreeLists(float_head=9784, float_numfree=9776, tuple_heads=9800,
+                                        tuple_numfree=9960, tuple_first=1, list_items=10040,
+                                        list_numfree=10680, dict_items=10688, dict_numfree=11328,
+                                        keys_items=11336, keys_numfree=11976)),
+    # 3.11.7 (and Debian 3.11.2): main interpreter embedded in _PyRuntime; data stack chunks
+    (3, 11): Layout((3, 11), runtime_size=166688, preconfig_allocator=636, interpreters_head=40,
+                    interpreters_main=48, interp_size=107752, interp_next=0, interp_threads_head=16,
+                    tstate_size=360, tstate_next=8, tstate_interp=16, tstate_thread_id=152,
+                    tstate_native_thread_id=160, obmalloc=_LARGE,
+                    datastack=DataStack(tstate_chunk=296, tstate_top=304, tstate_limit=312),
+                    freelists=FreeLists(float_head=3616, float_numfree=3608, tuple_heads=3632,
+                                        tuple_numfree=3792, tuple_first=0, list_items=3872,
+                                        list_numfree=4512, dict_items=4520, dict_numfree=5160,
+                                        keys_items=5168, keys_numfree=5808)),
+    # 3.12.1: obmalloc state embedded in the interpreter (pycore_obmalloc.h)
+    (3, 12): Layout((3, 12), runtime_size=459944, preconfig_allocator=3036, interpreters_head=40,
+                    interpreters_main=48, interp_size=383552, interp_next=0, interp_threads_head=72,
+                    tstate_size=288, tstate_next=8, tstate_interp=16, tstate_thread_id=136,
+                    tstate_native_thread_id=144,
+                    obmalloc=Obmalloc(arena_size=1 << 20, pool_size=16 << 10, state=ObmallocState(
+                        interp_offset=3960, is_pointer=False, arenas=512, maxarenas=520,
+                        narenas_currently_allocated=1064, sizeof=263248)),
+                    datastack=DataStack(tstate_chunk=232, tstate_top=240, tstate_limit=248),
+                    freelists=FreeLists(float_head=267416, float_numfree=267408, tuple_heads=269832,
+                                        tuple_numfree=269992, tuple_first=0, list_items=270072,
+                                        list_numfree=270712, dict_items=270736, dict_numfree=272016,
+                                        keys_items=271376, keys_numfree=272020)),
+    # 3.13.0: interp->obmalloc points to obmalloc_state_main; free lists in
+    # interp->object_state.freelists (pycore_freelist.h); _Py_DebugOffsets at _PyRuntime+0
+    (3, 13): Layout((3, 13), runtime_size=283320, preconfig_allocator=10396, interpreters_head=632,
+                    interpreters_main=640, interp_size=194968, interp_next=7264,
+                    interp_threads_head=7344, tstate_size=304, tstate_next=8, tstate_interp=16,
+                    tstate_thread_id=152, tstate_native_thread_id=160,
+                    obmalloc=Obmalloc(arena_size=1 << 20, pool_size=16 << 10, state=ObmallocState(
+                        interp_offset=10800, is_pointer=True, arenas=512, maxarenas=520,
+                        narenas_currently_allocated=1064, sizeof=263248)),
+                    datastack=DataStack(tstate_chunk=232, tstate_top=240, tstate_limit=248),
+                    freelists=FreeLists(float_head=10960, float_numfree=10952, tuple_heads=10968,
+                                        tuple_numfree=11128, tuple_first=0, list_items=11208,
+                                        list_numfree=11848, dict_items=11856, dict_numfree=12496,
+                                        keys_items=12504, keys_numfree=13144),
+                    debug_offsets=True),
+}
+
+
+def get_layout(version: Optional[Tuple[int, int]], table: Optional[Dict] = None) -> Optional[Layout]:
+    """The entry of `table` (default LAYOUTS) for (major, minor); None when unknown."""
+    if version is None:
+        return None
+    return (LAYOUTS if table is None else table).get((version[0], version[1]))

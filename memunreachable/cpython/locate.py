@@ -1,0 +1,294 @@
+"""Stage 4 (allocations, CPython): find the Python runtime in a process and check its layout.
+
+Input: the target's mappings, a Memory reader, optionally its pid (for map_files) and frozen
+threads. Output: a Runtime record (&_PyRuntime, version, layout) and, after validation, the
+interpreters and their thread states.
+Where (cpython-memory.md section 1): a libpython3.X*.so mapping (pyenv, --enable-shared), else
+an executable exporting _PyRuntime (Debian's python3.11: non-PIE, libpython linked in). The
+address comes from the ELF dynamic symbols (pyelftools), else from the `.PyRuntime` section
+(3.10+), plus the load bias. Version: `Py_Version` (3.11+), the `xdebugpy` _Py_DebugOffsets
+header (3.13+), else the library or executable file name. References: elf(5); CPython
+Include/internal/pycore_runtime.h, pycore_interp.h, Include/cpython/pystate.h.
+"""
+from __future__ import annotations
+
+import os
+import re
+import struct
+from dataclasses import dataclass, field
+from typing import Dict, List, Optional, Sequence, Tuple
+
+from elftools.elf.elffile import ELFFile
+
+from memunreachable._errors import MemoryUnreadable
+from memunreachable._types import Mapping, ThreadState
+from memunreachable.cpython import layout as L
+
+PAGE = 4096
+MAX_INTERPRETERS = 256
+MAX_THREADS = 1 << 16
+LIBPYTHON = re.compile(r"^libpython(\d)\.(\d+)[a-z]*\.so")
+EXECUTABLE = re.compile(r"^python(\d)\.(\d+)[a-z]*$")
+ANY_PYTHON = re.compile(r"python")
+SYM = struct.Struct("<IBBHQQ")            # Elf64_Sym
+
+
+@dataclass(frozen=True)
+class Runtime:
+    object_path: str
+    runtime: int                         # &_PyRuntime in the target
+    version: Optional[Tuple[int, int]]   # (3, 11); None when it could not be told
+    version_hex: Optional[int]           # PY_VERSION_HEX when the target says it
+    version_source: str                  # "Py_Version", "_Py_DebugOffsets", "file name", "none"
+    shared: bool                         # True: libpython*.so (DYN); False: the executable
+    symbol_source: str                   # "dynsym" or ".PyRuntime section"
+
+
+@dataclass
+class ThreadInfo:
+    address: int                         # PyThreadState *
+    thread_id: int                       # pthread_t
+    native_thread_id: Optional[int]      # TID (3.11+)
+
+
+@dataclass
+class InterpreterInfo:
+    address: int                         # PyInterpreterState *
+    threads: List[ThreadInfo] = field(default_factory=list)
+
+
+def _u64(mem, addr: int) -> int:
+    return struct.unpack("<Q", mem.read(addr, 8))[0]
+
+
+def _u32(mem, addr: int) -> int:
+    return struct.unpack("<I", mem.read(addr, 4))[0]
+
+
+def _i32(mem, addr: int) -> int:
+    return struct.unpack("<i", mem.read(addr, 4))[0]
+
+
+def _candidates(maps: Sequence[Mapping], pid: Optional[int]) -> List[Tuple[str, List[Mapping]]]:
+    """Objects that may hold _PyRuntime, best first: libpython*.so, python3.X, the executable."""
+    by_path: Dict[str, List[Mapping]] = {}
+    for m in maps:
+        if m.path.startswith("/") and m.inode:
+            by_path.setdefault(m.path, []).append(m)
+    exe = None
+    if pid is not None:
+        try:
+            exe = os.readlink(f"/proc/{pid}/exe")
+        except OSError:
+            exe = None
+
+    def rank(path: str) -> int:
+        base = os.path.basename(path)
+        if LIBPYTHON.match(base):
+            return 0
+        if EXECUTABLE.match(base):
+            return 1
+        if path == exe or ANY_PYTHON.search(base):
+            return 2
+        return 9
+    out = [(p, ms) for p, ms in by_path.items() if rank(p) < 9]
+    out.sort(key=lambda pm: rank(pm[0]))
+    return out
+
+
+def _version_from_name(path: str) -> Optional[Tuple[int, int]]:
+    base = os.path.basename(path)
+    for rx in (LIBPYTHON, EXECUTABLE):
+        m = rx.match(base)
+        if m:
+            return int(m.group(1)), int(m.group(2))
+    return None
+
+
+def _open(path: str, mappings: List[Mapping], pid: Optional[int]):
+    first = min(mappings, key=lambda m: m.begin)
+    if pid is not None:
+        try:
+            return open(f"/proc/{pid}/map_files/{first.begin:x}-{first.end:x}", "rb")
+        except OSError:
+            pass
+    return open(path, "rb")
+
+
+def _load_bias(elf: ELFFile, mappings: List[Mapping]) -> Optional[int]:
+    """Runtime address minus link-time address (0 for a non-PIE executable)."""
+    loads = [s for s in elf.iter_segments() if s["p_type"] == "PT_LOAD"]
+    if not loads:
+        return None
+    first = min(loads, key=lambda s: s["p_vaddr"])
+    page_off = first["p_offset"] & ~(PAGE - 1)
+    for m in sorted(mappings, key=lambda m: m.begin):
+        if m.offset == page_off:
+            return m.begin - (first["p_vaddr"] & ~(PAGE - 1))
+    return None
+
+
+def _symbols(elf: ELFFile, names: Sequence[str]) -> Dict[str, int]:
+    """st_value of each name found defined in .dynsym. Parsed raw (Elf64_Sym is 24 bytes:
+    st_name u32, st_info u8, st_other u8, st_shndx u16, st_value u64, st_size u64):
+    pyelftools' per-symbol parsing takes ~0.35 s on libpython's 2,000 symbols."""
+    out: Dict[str, int] = {}
+    dynsym = elf.get_section_by_name(".dynsym")
+    if dynsym is None or dynsym["sh_entsize"] != SYM.size:
+        return out
+    strtab = elf.get_section(dynsym["sh_link"]).data()
+    wanted: Dict[int, str] = {}
+    for name in names:
+        key = name.encode() + b"\0"
+        pos = strtab.find(key)
+        while pos >= 0:
+            wanted[pos] = name
+            pos = strtab.find(key, pos + 1)
+    for st_name, _info, _other, shndx, value, _size in SYM.iter_unpack(dynsym.data()):
+        name = wanted.get(st_name)
+        if name is not None and shndx != 0 and value and name not in out:
+            out[name] = value
+    return out
+
+
+# Returns the Runtime of the first candidate object that exports (or has a section for)
+# _PyRuntime, or None when the process holds no CPython runtime.
+def find_runtime(mem, maps: Sequence[Mapping], pid: Optional[int] = None) -> Optional[Runtime]:
+    for path, mappings in _candidates(maps, pid):
+        try:
+            f = _open(path, mappings, pid)
+        except OSError:
+            continue
+        with f:
+            try:
+                elf = ELFFile(f)
+                if elf.get_machine_arch() != "x64":
+                    continue
+                bias = _load_bias(elf, mappings)
+                if bias is None:
+                    continue
+                syms = _symbols(elf, ("_PyRuntime", "Py_Version"))
+                source = "dynsym"
+                if "_PyRuntime" not in syms:
+                    sec = elf.get_section_by_name(".PyRuntime")
+                    if sec is None or not sec["sh_addr"]:
+                        continue
+                    syms["_PyRuntime"] = sec["sh_addr"]
+                    source = ".PyRuntime section"
+                shared = elf["e_type"] == "ET_DYN"
+            except Exception:        # malformed ELF: pyelftools raises many types
+                continue
+        runtime = bias + syms["_PyRuntime"]
+        version, vhex, vsource = _version_from_name(path), None, "file name"
+        try:
+            if "Py_Version" in syms:
+                vhex = _u32(mem, bias + syms["Py_Version"])
+                version, vsource = (vhex >> 24, (vhex >> 16) & 0xFF), "Py_Version"
+            elif mem.read(runtime + L.DEBUG.cookie, 8) == L.DEBUG_COOKIE:
+                vhex = _u64(mem, runtime + L.DEBUG.version)
+                version, vsource = (vhex >> 24, (vhex >> 16) & 0xFF), "_Py_DebugOffsets"
+        except MemoryUnreadable:
+            pass
+        if version is None:
+            vsource = "none"
+        return Runtime(path, runtime, version, vhex, vsource, shared, source)
+    return None
+
+
+class LayoutMismatch(Exception):
+    """The layout table does not describe the target (a sentence saying what disagreed)."""
+
+
+def _check_debug_offsets(mem, rt: Runtime, lay: L.Layout) -> None:
+    """3.13+: _PyRuntime starts with _Py_DebugOffsets; the table must agree with it."""
+    base = rt.runtime
+    if mem.read(base + L.DEBUG.cookie, 8) != L.DEBUG_COOKIE:
+        raise LayoutMismatch("no _Py_DebugOffsets cookie at _PyRuntime")
+    vhex = _u64(mem, base + L.DEBUG.version)
+    if (vhex >> 24, (vhex >> 16) & 0xFF) != lay.version:
+        raise LayoutMismatch(f"_Py_DebugOffsets says version {vhex:#x}")
+    if _u64(mem, base + L.DEBUG.free_threaded):
+        raise LayoutMismatch("free-threaded build (no GIL): its allocator is mimalloc")
+    pairs = [("runtime size", L.DEBUG.runtime_size, lay.runtime_size),
+             ("interpreters.head", L.DEBUG.runtime_interpreters_head, lay.interpreters_head),
+             ("interpreter size", L.DEBUG.interp_size, lay.interp_size),
+             ("interp->next", L.DEBUG.interp_next, lay.interp_next),
+             ("interp->threads.head", L.DEBUG.interp_threads_head, lay.interp_threads_head),
+             ("thread state size", L.DEBUG.tstate_size, lay.tstate_size),
+             ("tstate->next", L.DEBUG.tstate_next, lay.tstate_next),
+             ("tstate->interp", L.DEBUG.tstate_interp, lay.tstate_interp),
+             ("tstate->thread_id", L.DEBUG.tstate_thread_id, lay.tstate_thread_id),
+             ("tstate->native_thread_id", L.DEBUG.tstate_native_thread_id,
+              lay.tstate_native_thread_id)]
+    if lay.datastack is not None:
+        pairs.append(("tstate->datastack_chunk", L.DEBUG.tstate_datastack_chunk,
+                      lay.datastack.tstate_chunk))
+    for what, off, want in pairs:
+        got = _u64(mem, base + off)
+        if got != want:
+            raise LayoutMismatch(f"_Py_DebugOffsets gives {what} = {got}, the table {want}")
+
+
+def _mapped(maps: Sequence[Mapping], addr: int, size: int) -> bool:
+    return any(m.begin <= addr and addr + size <= m.end and m.readable for m in maps)
+
+
+# Returns the interpreters (main last, as CPython links them) with their thread states.
+# Raises LayoutMismatch when the layout does not describe the target: a pointer outside
+# readable memory, a chain that does not end, tstate->interp != interp, the main interpreter
+# absent from the list, or (given threads) no thread state matching a frozen thread.
+def walk_interpreters(mem, maps: Sequence[Mapping], rt: Runtime, lay: L.Layout,
+                      threads: Sequence[ThreadState] = ()) -> List[InterpreterInfo]:
+    try:
+        if lay.debug_offsets:
+            _check_debug_offsets(mem, rt, lay)
+        if not _mapped(maps, rt.runtime, lay.runtime_size):
+            raise LayoutMismatch(f"_PyRuntime at {rt.runtime:#x} + {lay.runtime_size} is not mapped")
+        head = _u64(mem, rt.runtime + lay.interpreters_head)
+        main = _u64(mem, rt.runtime + lay.interpreters_main)
+        out: List[InterpreterInfo] = []
+        seen = set()
+        interp = head
+        while interp:
+            if interp in seen or len(out) >= MAX_INTERPRETERS:
+                raise LayoutMismatch("the interpreter list does not end")
+            if interp % 8 or not _mapped(maps, interp, lay.interp_size):
+                raise LayoutMismatch(f"interpreter {interp:#x} is not in readable memory")
+            seen.add(interp)
+            info = InterpreterInfo(interp)
+            ts = _u64(mem, interp + lay.interp_threads_head)
+            tseen = set()
+            while ts:
+                if ts in tseen or len(tseen) >= MAX_THREADS:
+                    raise LayoutMismatch(f"the thread list of interpreter {interp:#x} does not end")
+                if ts % 8 or not _mapped(maps, ts, lay.tstate_size):
+                    raise LayoutMismatch(f"thread state {ts:#x} is not in readable memory")
+                if _u64(mem, ts + lay.tstate_interp) != interp:
+                    raise LayoutMismatch(f"thread state {ts:#x} does not point back to "
+                                         f"interpreter {interp:#x}")
+                tseen.add(ts)
+                native = (_u64(mem, ts + lay.tstate_native_thread_id)
+                          if lay.tstate_native_thread_id is not None else None)
+                info.threads.append(ThreadInfo(ts, _u64(mem, ts + lay.tstate_thread_id), native))
+                ts = _u64(mem, ts + lay.tstate_next)
+            out.append(info)
+            interp = _u64(mem, interp + lay.interp_next)
+    except MemoryUnreadable as exc:
+        raise LayoutMismatch(f"unreadable memory at {exc.address:#x}") from None
+    if not out:
+        raise LayoutMismatch("no interpreter (the runtime is not initialised or finalised)")
+    if main not in seen:
+        raise LayoutMismatch(f"interpreters.main {main:#x} is not in the interpreter list")
+    if threads:
+        tids = {t.tid for t in threads}
+        bases = {t.fs_base for t in threads}
+        known = [ti for i in out for ti in i.threads]
+        if known and not any((ti.native_thread_id in tids) if ti.native_thread_id is not None
+                             else (ti.thread_id in bases) for ti in known):
+            raise LayoutMismatch("no thread state belongs to a thread of the process")
+    return out
+
+
+def read_allocator(mem, rt: Runtime, lay: L.Layout) -> int:
+    """_PyRuntime.preconfig.allocator (PyMemAllocatorName; layout.ALLOCATOR_NAMES)."""
+    return _i32(mem, rt.runtime + lay.preconfig_allocator)

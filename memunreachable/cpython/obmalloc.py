@@ -1,0 +1,281 @@
+"""Stage 4 (allocations, CPython): pymalloc as an allocator: arenas -> pools -> used blocks.
+
+Input: a Memory reader, the mappings, the version's layout (cpython/layout.py) and, on 3.12+,
+the addresses of the interpreters' struct _obmalloc_state. Output: PymallocWalk: every used
+block (address, size class bytes), the ranges pymalloc owns (never roots: free blocks, virgin
+tails, empty and uncarved pools lie inside them), local copies of the memory holding the
+blocks, counters, and problems (any problem: the walk must not be trusted).
+Two ways to find the pools (cpython-memory.md section 2):
+    arenas     3.12+: the arenas array from the obmalloc state; every carved pool of every
+               arena must pass, and nfreepools must equal empty + uncarved pools.
+    pool scan  3.8-3.11 (the arenas array is a static of Objects/obmalloc.c, unexported):
+               every pool-aligned header in private anonymous rw memory that passes the
+               structural checks; a header that passes them but whose free chain does not
+               add up is left alone (scanned as before) and reported as a warning.
+The block loop runs in native/mu_pymalloc.c.
+"""
+from __future__ import annotations
+
+import mmap
+import struct
+from array import array
+from dataclasses import dataclass, field
+from typing import List, Sequence, Tuple
+
+from memunreachable._errors import MemoryUnreadable
+from memunreachable._ffi import check, ffi, lib
+from memunreachable._types import Mapping, Range, merge_ranges
+from memunreachable.cpython import layout as L
+
+SCAN_WINDOW = 16 << 20          # pool scan reads anonymous memory in windows of this size
+MAX_ARENAS = 1 << 22
+BAD_REASONS = {1: "header fails the checks", 2: "free chain broken", 3: "count disagrees",
+               4: "outside its arena"}
+
+
+@dataclass
+class PymallocWalk:
+    in_use: bool                    # pymalloc holds memory (some arena or pool was found)
+    method: str                     # "arenas", "pool scan" or "none"
+    blocks: array = field(default_factory=lambda: array("Q"))   # used block addresses, ascending
+    sizes: array = field(default_factory=lambda: array("Q"))    # their size classes (bytes)
+    heap_ranges: List[Range] = field(default_factory=list)      # pymalloc's memory: never roots
+    regions: List[Tuple[int, object]] = field(default_factory=list)  # copies covering the blocks
+    stats: dict = field(default_factory=dict)
+    problems: List[str] = field(default_factory=list)   # hard: do not trust the walk
+    warnings: List[str] = field(default_factory=list)   # soft: parts left to the old treatment
+
+
+def _zeros(n: int) -> array:
+    return array("Q", (0,)) * n
+
+
+def _buffer(size: int):
+    return mmap.mmap(-1, size) if size >= 4096 else bytearray(size)
+
+
+class _Acc:
+    """Accumulates per-region block runs and counters."""
+
+    def __init__(self):
+        self.pieces: List[Tuple[int, array, array]] = []
+        self.stats = dict(arenas=0, pools=0, empty_pools=0, used_blocks=0, used_bytes=0,
+                          free_blocks=0, virgin_blocks=0, bad_pools=0)
+
+    def walk(self, buf, base: int, pool_size: int, pools: array):
+        """Run the C block loop over pools inside buf (a copy of [base, ...)); returns res."""
+        res = ffi.new("mu_pymalloc_result *")
+        cap = max(64, len(buf) // 48)      # most blocks are >= 48 bytes; retried when short
+        data = ffi.from_buffer("uint8_t[]", buf)
+        while True:
+            addr, size = _zeros(cap), _zeros(cap)
+            n = check(lib.mu_pymalloc_blocks(data, base, len(buf), pool_size,
+                                             ffi.from_buffer("uint64_t[]", pools), len(pools),
+                                             ffi.from_buffer("uint64_t[]", addr),
+                                             ffi.from_buffer("uint64_t[]", size), cap, res),
+                      "walk pymalloc pools")
+            if res.used <= cap:
+                break
+            cap = res.used
+        del addr[n:]
+        del size[n:]
+        self.pieces.append((base, addr, size))
+        s = self.stats
+        s["pools"] += res.pools
+        s["empty_pools"] += res.empty_pools
+        s["used_blocks"] += res.used
+        s["used_bytes"] += res.used_bytes
+        s["free_blocks"] += res.free_blocks
+        s["virgin_blocks"] += res.virgin_blocks
+        s["bad_pools"] += res.bad_pools
+        return res
+
+    def assemble(self) -> Tuple[array, array]:
+        blocks, sizes = array("Q"), array("Q")
+        for _, a, s in sorted(self.pieces, key=lambda p: p[0]):
+            blocks.extend(a)
+            sizes.extend(s)
+        return blocks, sizes
+
+
+def _bad(res) -> str:
+    return f"pool {res.bad_at:#x}: {BAD_REASONS.get(res.bad_reason, res.bad_reason)}"
+
+
+@dataclass(frozen=True)
+class ArenaArray:
+    """Where one obmalloc keeps its arenas: the addresses of the `arenas` pointer, the
+    `maxarenas` uint and the `narenas_currently_allocated` size_t."""
+    arenas: int
+    maxarenas: int
+    narenas: int
+
+
+def state_arrays(lay: L.Layout, states: Sequence[int]) -> List[ArenaArray]:
+    """The ArenaArray of each struct _obmalloc_state address (3.12+)."""
+    st = lay.obmalloc.state
+    return [ArenaArray(s + st.arenas, s + st.maxarenas, s + st.narenas_currently_allocated)
+            for s in states]
+
+
+# Returns the walk of the arenas arrays of the obmalloc states at `states` (3.12+: one per
+# interpreter with its own allocator; shared states listed once). Problems are hard: an arena
+# or pool that does not add up means the layout or the snapshot is wrong.
+def walk_arenas(mem, lay: L.Layout, states: Sequence[int]) -> PymallocWalk:
+    return walk_arena_arrays(mem, lay, state_arrays(lay, states))
+
+
+# Returns the walk of the given arenas arrays (walk_arenas; tests also pass the 3.8-3.11
+# statics of Objects/obmalloc.c found in an unstripped libpython's .symtab).
+def walk_arena_arrays(mem, lay: L.Layout, arrays: Sequence[ArenaArray]) -> PymallocWalk:
+    out = PymallocWalk(False, "arenas")
+    acc = _Acc()
+    for arr in arrays:
+        _walk_array(mem, lay, arr, out, acc)
+    out.blocks, out.sizes = acc.assemble()
+    out.in_use = acc.stats["arenas"] > 0
+    out.method = "arenas" if out.in_use else "none"
+    out.stats = acc.stats
+    return out
+
+
+def _walk_array(mem, lay: L.Layout, arr: ArenaArray, out: PymallocWalk, acc: _Acc) -> None:
+    om = lay.obmalloc
+    try:
+        arenas = struct.unpack("<Q", mem.read(arr.arenas, 8))[0]
+        maxarenas = struct.unpack("<I", mem.read(arr.maxarenas, 4))[0]
+        narenas = struct.unpack("<Q", mem.read(arr.narenas, 8))[0]
+        if arenas == 0 or maxarenas == 0:
+            if narenas:
+                out.problems.append(f"no arenas array at {arr.arenas:#x} but {narenas} arenas "
+                                    "allocated")
+            return
+        if maxarenas > MAX_ARENAS or arenas % 8:
+            out.problems.append(f"arenas array {arenas:#x} x {maxarenas} is implausible")
+            return
+        table = mem.read(arenas, maxarenas * L.ARENA.sizeof)
+    except MemoryUnreadable as exc:
+        out.problems.append(f"obmalloc state unreadable at {exc.address:#x}")
+        return
+    ps = om.pool_size
+    found = 0
+    for i in range(maxarenas):
+        off = i * L.ARENA.sizeof
+        address, pool_address = struct.unpack_from("<QQ", table, off + L.ARENA.address)
+        if address == 0:
+            continue
+        nfree, ntotal = struct.unpack_from("<II", table, off + L.ARENA.nfreepools)
+        first = (address + ps - 1) & ~(ps - 1)
+        end = address + om.arena_size
+        if not (first <= pool_address <= end and (pool_address - first) % ps == 0
+                and ntotal == (end - first) // ps):
+            out.problems.append(f"arena {i} at {address:#x}: pool_address {pool_address:#x} / "
+                                f"{ntotal} pools do not fit the arena")
+            continue
+        found += 1
+        acc.stats["arenas"] += 1
+        out.heap_ranges.append(Range(address, end))
+        carved = (pool_address - first) // ps
+        if carved == 0:
+            continue
+        buf = _buffer(pool_address - first)
+        try:
+            mem.read_into(first, buf)
+        except MemoryUnreadable as exc:
+            out.problems.append(f"arena {i} unreadable at {exc.address:#x}")
+            continue
+        pools = array("Q", range(first, pool_address, ps))
+        res = acc.walk(buf, first, ps, pools)
+        if res.bad_pools:
+            out.problems.append(f"arena {i}: {res.bad_pools} bad pool(s), first {_bad(res)}")
+        if nfree != res.empty_pools + (ntotal - carved):
+            out.problems.append(f"arena {i}: nfreepools {nfree} != {res.empty_pools} empty + "
+                                f"{ntotal - carved} uncarved pools")
+        out.regions.append((first, buf))
+    if found != narenas:
+        out.problems.append(f"{found} arenas found in {arenas:#x}, obmalloc counts {narenas}")
+
+
+def scan_candidates(maps: Sequence[Mapping], pool_size: int) -> List[Mapping]:
+    """Private anonymous rw mappings big enough for a pool (where mmap puts arenas)."""
+    return [m for m in maps
+            if m.readable and m.writable and not m.shared and m.inode == 0
+            and (m.path == "" or m.path.startswith("[anon:"))
+            and m.end - m.begin >= pool_size]
+
+
+# Returns the walk of every pool found by header checks in private anonymous memory
+# (3.8-3.11, or any version without a usable arenas array). heap_ranges are the pools found.
+def scan_pools(mem, maps: Sequence[Mapping], lay: L.Layout) -> PymallocWalk:
+    ps = lay.obmalloc.pool_size
+    out = PymallocWalk(False, "pool scan")
+    acc = _Acc()
+    for m in scan_candidates(maps, ps):
+        lo = m.begin
+        while lo < m.end:
+            hi = min(m.end, (lo // SCAN_WINDOW + 1) * SCAN_WINDOW)
+            buf = _buffer(hi - lo)
+            try:
+                mem.read_into(lo, buf)
+            except MemoryUnreadable as exc:
+                out.warnings.append(f"anonymous memory at {exc.address:#x} could not be read for "
+                                    "the pool scan: it is scanned as before")
+                lo = hi
+                continue
+            data = ffi.from_buffer("uint8_t[]", buf)
+            cap = (hi - lo) // ps + 1
+            found = _zeros(cap)
+            n = check(lib.mu_pymalloc_find_pools(data, lo, hi - lo, ps,
+                                                 ffi.from_buffer("uint64_t[]", found), cap),
+                      "find pymalloc pools")
+            pools = array("Q", (p for p in found[:n] if p + ps <= hi))
+            del data                    # release the export before the buffer can close
+            if not pools:
+                if isinstance(buf, mmap.mmap):
+                    buf.close()
+                lo = hi
+                continue
+            res = acc.walk(buf, lo, ps, pools)
+            if res.bad_pools:
+                out.warnings.append(f"{res.bad_pools} pool-like header(s) did not add up "
+                                    f"(first {_bad(res)}): that memory is scanned as before")
+                good = _good_pools(pools, res, acc, buf, lo, ps)
+            else:
+                good = pools
+            out.heap_ranges.extend(_runs(good, ps))
+            out.regions.append((lo, buf))
+            lo = hi
+    out.heap_ranges = merge_ranges(out.heap_ranges)
+    out.blocks, out.sizes = acc.assemble()
+    out.in_use = acc.stats["pools"] + acc.stats["empty_pools"] > 0
+    out.stats = acc.stats
+    return out
+
+
+def _runs(pools: array, ps: int) -> List[Range]:
+    """Ascending pool addresses -> ranges of adjacent pools."""
+    out: List[Range] = []
+    lo = end = None
+    for p in pools:
+        if p != end:
+            if lo is not None:
+                out.append(Range(lo, end))
+            lo = p
+        end = p + ps
+    if lo is not None:
+        out.append(Range(lo, end))
+    return out
+
+
+def _good_pools(pools: array, res, acc: _Acc, buf, base: int, ps: int) -> array:
+    """The pools of a window whose walk succeeded, found by walking them one at a time."""
+    good = array("Q")
+    one = ffi.new("mu_pymalloc_result *")
+    data = ffi.from_buffer("uint8_t[]", buf)
+    for p in pools:
+        arr = array("Q", [p])
+        check(lib.mu_pymalloc_blocks(data, base, len(buf), ps, ffi.from_buffer("uint64_t[]", arr),
+                                     1, ffi.NULL, ffi.NULL, 0, one), "walk pymalloc pool")
+        if one.bad_pools == 0:
+            good.append(p)
+    return good

@@ -1,0 +1,275 @@
+"""Stage 4 (allocations, CPython): a memory map of the CPython runtime in a snapshot.
+
+Input: a Memory reader, the mappings, the frozen threads, the pid (map_files only), and
+optionally the layout table to use ({(major, minor): Layout}; tests fake versions with it). Output: CPythonMap, built to merge into the pipeline
+next to glibc's HeapWalk (see CPythonMap's docstring for the contract):
+    blocks/sizes   pymalloc's used blocks: allocations, like glibc chunks (kind "pymalloc")
+    heap_ranges    pymalloc's arenas (3.12+) or pools (3.8-3.11): never roots; their free
+                   blocks, virgin tails, empty and uncarved pools are not allocations either
+    dead_ranges    memory outside pymalloc that must not be a root: each 3.11+ thread's data
+                   stack beyond its live top, the free-list arrays and heads (3.10+)
+    dead_blocks    allocation addresses holding free-listed (dead) objects (3.10+): not
+                   allocations to scan or report
+Steps: find _PyRuntime and the version (locate.py), pick the layout table, validate it by
+walking interpreters and thread states, read the allocator choice, walk pymalloc
+(obmalloc.py), then the data stacks and free lists. Anything unknown or inconsistent leaves
+usable=False with a warning saying so: the caller then keeps today's treatment (CPython's
+memory scanned whole as roots), never a wrong answer. References: cpython-memory.md.
+"""
+from __future__ import annotations
+
+import struct
+from array import array
+from dataclasses import dataclass, field
+from typing import List, Optional, Sequence, Tuple
+
+from memunreachable._errors import MemoryUnreadable
+from memunreachable._types import Mapping, Range, ThreadState, merge_ranges
+from memunreachable.cpython import layout as L
+from memunreachable.cpython import locate, obmalloc
+from memunreachable.cpython.locate import InterpreterInfo, LayoutMismatch, Runtime
+
+MAX_CHUNKS = 1 << 16
+OPAQUE = "its memory is treated as before (scanned whole as roots)"
+
+
+@dataclass
+class DataStackInfo:
+    """One 3.11+ thread's frame data stack: live parts are roots, dead parts are not."""
+    thread: int                       # PyThreadState *
+    live: List[Range] = field(default_factory=list)
+    dead: List[Range] = field(default_factory=list)
+
+
+@dataclass
+class CPythonMap:
+    """What the snapshot says about CPython's memory.
+
+    Contract for the pipeline (when usable is True): add blocks/sizes to the allocations
+    (kind "pymalloc"; they never overlap glibc chunks: arenas are mmapped); add heap_ranges to
+    the walker's heap ranges (cut from roots, not allocations); cut dead_ranges from the roots
+    (those lying inside a glibc allocation, e.g. the 3.10 interpreter's free lists, must be
+    masked inside that allocation instead); drop dead_blocks from the allocations (their objects
+    are dead: neither scanned nor reported). regions are local copies covering every block.
+    When usable is False, ignore everything but warnings (today's treatment applies).
+    """
+    found: bool                                   # a CPython runtime is in the process
+    usable: bool = False                          # validated: the fields below may be trusted
+    runtime: Optional[Runtime] = None
+    layout: Optional[L.Layout] = None
+    interpreters: List[InterpreterInfo] = field(default_factory=list)
+    allocator: Optional[str] = None               # PyPreConfig.allocator name
+    pymalloc: Optional[obmalloc.PymallocWalk] = None
+    blocks: array = field(default_factory=lambda: array("Q"))
+    sizes: array = field(default_factory=lambda: array("Q"))
+    heap_ranges: List[Range] = field(default_factory=list)
+    dead_ranges: List[Range] = field(default_factory=list)
+    dead_blocks: array = field(default_factory=lambda: array("Q"))
+    datastacks: List[DataStackInfo] = field(default_factory=list)
+    regions: List[Tuple[int, object]] = field(default_factory=list)
+    warnings: List[str] = field(default_factory=list)
+    stats: dict = field(default_factory=dict)
+
+    kind = "pymalloc"                             # the allocation kind of blocks
+
+    @property
+    def version(self) -> Optional[Tuple[int, int]]:
+        return self.runtime.version if self.runtime else None
+
+    @property
+    def root_cuts(self) -> List[Range]:
+        """Everything to cut from the roots: heap_ranges + dead_ranges, merged (empty when
+        not usable)."""
+        if not self.usable:
+            return []
+        return merge_ranges(list(self.heap_ranges) + list(self.dead_ranges))
+
+
+def _u64(mem, addr: int) -> int:
+    return struct.unpack("<Q", mem.read(addr, 8))[0]
+
+
+def _i32(mem, addr: int) -> int:
+    return struct.unpack("<i", mem.read(addr, 4))[0]
+
+
+# Returns the data stack of thread state ts: live [data, datastack_top) of the current chunk
+# and [data, data + 8*top) of each older chunk; the rest of every chunk is dead. Raises
+# LayoutMismatch when the chunk chain does not add up.
+def read_datastack(mem, lay: L.Layout, ts: int) -> DataStackInfo:
+    ds = lay.datastack
+    info = DataStackInfo(ts)
+    chunk = _u64(mem, ts + ds.tstate_chunk)
+    if chunk == 0:
+        return info
+    top, limit = _u64(mem, ts + ds.tstate_top), _u64(mem, ts + ds.tstate_limit)
+    size = _u64(mem, chunk + ds.chunk_size)
+    if limit != chunk + size or not (chunk + ds.chunk_data <= top <= limit) or top % 8:
+        raise LayoutMismatch(f"thread state {ts:#x}: data stack chunk {chunk:#x} size {size} "
+                             f"top {top:#x} limit {limit:#x} do not fit")
+    info.live.append(Range(chunk + ds.chunk_data, top))
+    info.dead.append(Range(top, limit))
+    prev, n = _u64(mem, chunk + ds.chunk_previous), 0
+    while prev:
+        n += 1
+        if n > MAX_CHUNKS:
+            raise LayoutMismatch(f"thread state {ts:#x}: the data stack chunk list does not end")
+        size = _u64(mem, prev + ds.chunk_size)
+        end = prev + ds.chunk_data + 8 * _u64(mem, prev + ds.chunk_top)
+        if size < ds.chunk_data or end > prev + size:
+            raise LayoutMismatch(f"thread state {ts:#x}: older data stack chunk {prev:#x} "
+                                 "does not fit")
+        info.live.append(Range(prev + ds.chunk_data, end))
+        info.dead.append(Range(end, prev + size))
+        prev = _u64(mem, prev + ds.chunk_previous)
+    return info
+
+
+class _FreeListError(Exception):
+    pass
+
+
+# Returns (dead object allocation addresses, free-list array ranges) of one interpreter
+# (3.10+). Every listed object must have ob_refcnt 0 (cpython-memory.md section 6).
+# prefix: bytes before the object's memory in its allocation (debug hooks: DEBUG_HOOK_PREFIX).
+def read_freelists(mem, lay: L.Layout, interp: int,
+                   prefix: int = 0) -> Tuple[List[int], List[Range]]:
+    fl = lay.freelists
+    dead: List[int] = []
+
+    def take(obj: int, gc: bool, what: str) -> None:
+        if obj % 8 or _u64(mem, obj + L.OB_REFCNT) != 0:
+            raise _FreeListError(f"{what} entry {obj:#x} is not a dead object")
+        dead.append(obj - prefix - (L.GC_HEAD_SIZE if gc else 0))
+
+    def numfree(off: int, limit: int, what: str) -> int:
+        n = _i32(mem, interp + off)
+        if not 0 <= n <= limit:
+            raise _FreeListError(f"{what} numfree {n} out of range")
+        return n
+
+    # floats: chained through ob_type
+    n = numfree(fl.float_numfree, fl.float_max, "float")
+    obj = _u64(mem, interp + fl.float_head)
+    for _ in range(n):
+        if obj == 0:
+            raise _FreeListError("float free list shorter than numfree")
+        take(obj, False, "float")
+        obj = _u64(mem, obj + L.OB_TYPE)
+    # tuples: one chain per size, through ob_item[0]
+    for i in range(fl.tuple_first, fl.tuple_lists):
+        n = numfree(fl.tuple_numfree + 4 * i, fl.tuple_max, "tuple")
+        obj = _u64(mem, interp + fl.tuple_heads + 8 * i)
+        for _ in range(n):
+            if obj == 0:
+                raise _FreeListError("tuple free list shorter than numfree")
+            take(obj, True, "tuple")
+            obj = _u64(mem, obj + L.TUPLE_ITEM0)
+    # lists, dicts (GC objects) and dict keys (plain blocks): arrays below numfree
+    for items, nf, gc, what in ((fl.list_items, fl.list_numfree, True, "list"),
+                                (fl.dict_items, fl.dict_numfree, True, "dict")):
+        n = numfree(nf, fl.array_len, what)
+        for k in range(n):
+            take(_u64(mem, interp + items + 8 * k), gc, what)
+    n = numfree(fl.keys_numfree, fl.array_len, "dict keys")
+    for k in range(n):
+        dead.append(_u64(mem, interp + fl.keys_items + 8 * k) - prefix)
+    ranges = [Range(interp + fl.float_head, interp + fl.float_head + 8),
+              Range(interp + fl.tuple_heads, interp + fl.tuple_heads + 8 * fl.tuple_lists),
+              Range(interp + fl.list_items, interp + fl.list_items + 8 * fl.array_len),
+              Range(interp + fl.dict_items, interp + fl.dict_items + 8 * fl.array_len),
+              Range(interp + fl.keys_items, interp + fl.keys_items + 8 * fl.array_len)]
+    return dead, ranges
+
+
+def _obmalloc_state(mem, lay: L.Layout, interp: int) -> int:
+    st = lay.obmalloc.state
+    if st.is_pointer:
+        return _u64(mem, interp + st.interp_offset)
+    return interp + st.interp_offset
+
+
+# Returns the CPython memory map of the snapshot. Never raises for an unknown or inconsistent
+# runtime: usable stays False and warnings say why (the caller keeps today's treatment).
+def walk_cpython(mem, maps: Sequence[Mapping], threads: Sequence[ThreadState] = (),
+                 pid: Optional[int] = None, layouts=None) -> CPythonMap:
+    # 1. the runtime and its version
+    rt = locate.find_runtime(mem, maps, pid)
+    if rt is None:
+        return CPythonMap(found=False)
+    out = CPythonMap(found=True, runtime=rt)
+    where = f"CPython runtime at {rt.runtime:#x} in {rt.object_path}"
+    lay = L.get_layout(rt.version, L.LAYOUTS if layouts is None else layouts)
+    if lay is None:
+        ver = "of unknown version" if rt.version is None else "%d.%d" % rt.version
+        out.warnings.append(f"{where} is {ver}, which has no known memory layout: {OPAQUE}")
+        return out
+    out.layout = lay
+    # 2. validate the layout: interpreters and their thread states
+    try:
+        out.interpreters = locate.walk_interpreters(mem, maps, rt, lay, threads)
+        allocator = locate.read_allocator(mem, rt, lay)
+    except (LayoutMismatch, MemoryUnreadable) as exc:
+        out.warnings.append(f"{where}: the {lay.name} layout does not fit ({exc}): {OPAQUE}")
+        return out
+    out.allocator = L.ALLOCATOR_NAMES.get(allocator)
+    if out.allocator is None:
+        out.warnings.append(f"{where}: unknown allocator setting {allocator}: {OPAQUE}")
+        return out
+    # 3. pymalloc
+    if allocator in L.ALLOCATORS_WITHOUT_PYMALLOC:
+        out.pymalloc = obmalloc.PymallocWalk(False, "none")
+    elif lay.obmalloc.state is not None:
+        try:      # each interpreter's state; shared ones are empty (3.12) or the same (3.13)
+            states = list(dict.fromkeys(_obmalloc_state(mem, lay, i.address)
+                                        for i in out.interpreters))
+        except MemoryUnreadable as exc:
+            out.warnings.append(f"{where}: obmalloc state unreadable ({exc}): {OPAQUE}")
+            return out
+        out.pymalloc = obmalloc.walk_arenas(mem, lay, states)
+    else:
+        out.pymalloc = obmalloc.scan_pools(mem, maps, lay)
+    pm = out.pymalloc
+    out.warnings.extend(pm.warnings)
+    if pm.problems:
+        out.warnings.append(f"{where}: pymalloc does not add up ({'; '.join(pm.problems[:3])}): "
+                            f"{OPAQUE}")
+        return out
+    if allocator not in L.ALLOCATORS_WITHOUT_PYMALLOC and not pm.in_use:
+        out.warnings.append(f"{where}: the {out.allocator} allocator is set but no pymalloc pool "
+                            f"was found: {OPAQUE}")
+        return out
+    # 4. data stacks (3.11+) and free lists (3.10+)
+    dead_ranges: List[Range] = []
+    dead_blocks: List[int] = []
+    try:
+        if lay.datastack is not None:
+            for interp in out.interpreters:
+                for t in interp.threads:
+                    ds = read_datastack(mem, lay, t.address)
+                    out.datastacks.append(ds)
+                    dead_ranges.extend(ds.dead)
+    except (LayoutMismatch, MemoryUnreadable) as exc:
+        out.warnings.append(f"{where}: data stack does not fit ({exc}): {OPAQUE}")
+        return out
+    prefix = L.DEBUG_HOOK_PREFIX if allocator in L.ALLOCATORS_WITH_DEBUG_HOOKS else 0
+    if lay.freelists is not None:
+        for interp in out.interpreters:
+            try:
+                dead, ranges = read_freelists(mem, lay, interp.address, prefix)
+            except (_FreeListError, MemoryUnreadable) as exc:
+                out.warnings.append(f"{where}: free lists of interpreter {interp.address:#x} "
+                                    f"not used ({exc}); they are scanned as before")
+                continue
+            dead_blocks.extend(dead)
+            dead_ranges.extend(ranges)
+    out.blocks, out.sizes = pm.blocks, pm.sizes
+    out.heap_ranges = list(pm.heap_ranges)
+    out.regions = pm.regions
+    out.dead_ranges = merge_ranges(dead_ranges)
+    out.dead_blocks = array("Q", sorted(set(dead_blocks)))
+    out.stats = dict(pm.stats, method=pm.method, interpreters=len(out.interpreters),
+                     threads=sum(len(i.threads) for i in out.interpreters),
+                     dead_blocks=len(out.dead_blocks))
+    out.usable = True
+    return out

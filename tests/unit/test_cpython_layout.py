@@ -1,0 +1,297 @@
+"""Unit tests of memunreachable/cpython on in-memory images (BufferMemory): the layout
+tables, the pymalloc pool/block walk (native/mu_pymalloc.c), the arenas walk, data stacks,
+free lists and the interpreter/thread-state validation."""
+import struct
+from array import array
+
+import pytest
+
+from memunreachable._ffi import ffi, lib
+from memunreachable._types import BufferMemory, Mapping, Range, ThreadState
+from memunreachable.cpython import layout as L
+from memunreachable.cpython import locate, obmalloc, walker
+
+PS = 16384                       # 3.10+ pool size
+BASE = 0x7F0000000000            # an arena-aligned address
+
+
+def pool(p, szidx, carved, free=(), count=None, pool_size=PS, pad=0):
+    """A pool at p of class szidx with `carved` blocks carved and `free` (block indexes, in
+    chain order) on the freeblock chain; count defaults to carved - len(free)."""
+    size = 16 * (szidx + 1)
+    buf = bytearray(pool_size)
+    blk = [p + 48 + i * size for i in range(carved)]
+    head = blk[free[0]] if free else 0
+    for a, b in zip(free, list(free[1:]) + [None]):
+        struct.pack_into("<Q", buf, blk[a] - p, blk[b] if b is not None else 0)
+    n = carved - len(free) if count is None else count
+    struct.pack_into("<IIQQQIIII", buf, 0, n, pad, head, 0, 0, 0, szidx, 48 + carved * size,
+                     pool_size - size)
+    for i in range(carved):          # fill used blocks with a recognisable word
+        if i not in free:
+            struct.pack_into("<Q", buf, blk[i] - p + 8, 0xABCD)
+    return bytes(buf)
+
+
+def c_blocks(data, base, pools, pool_size=PS):
+    res = ffi.new("mu_pymalloc_result *")
+    cap = 4096
+    addr, size = array("Q", [0]) * cap, array("Q", [0]) * cap
+    pa = array("Q", pools)
+    n = lib.mu_pymalloc_blocks(ffi.from_buffer("uint8_t[]", data), base, len(data), pool_size,
+                               ffi.from_buffer("uint64_t[]", pa), len(pa),
+                               ffi.from_buffer("uint64_t[]", addr),
+                               ffi.from_buffer("uint64_t[]", size), cap, res)
+    assert n >= 0
+    return list(addr[:n]), list(size[:n]), res
+
+
+def c_find(data, base, pool_size=PS):
+    out = array("Q", [0]) * 64
+    n = lib.mu_pymalloc_find_pools(ffi.from_buffer("uint8_t[]", data), base, len(data), pool_size,
+                                   ffi.from_buffer("uint64_t[]", out), 64)
+    assert n >= 0
+    return list(out[:n])
+
+
+# --- layout tables -------------------------------------------------------------------------
+def test_every_supported_version_has_a_table_whose_offsets_fit_their_structs():
+    assert sorted(L.LAYOUTS) == [(3, m) for m in range(8, 14)]
+    for v, lay in L.LAYOUTS.items():
+        assert lay.version == v
+        assert lay.interpreters_main == lay.interpreters_head + 8      # struct pyinterpreters
+        assert max(lay.interpreters_head, lay.preconfig_allocator) < lay.runtime_size
+        assert lay.interp_threads_head < lay.interp_size and lay.interp_next < lay.interp_size
+        assert max(lay.tstate_next, lay.tstate_interp, lay.tstate_thread_id) < lay.tstate_size
+        assert (lay.datastack is not None) == (v >= (3, 11))
+        assert (lay.freelists is not None) == (v >= (3, 10))
+        assert (lay.obmalloc.state is not None) == (v >= (3, 12))
+        assert lay.debug_offsets == (v >= (3, 13))
+        assert lay.obmalloc.pool_size == (4096 if v < (3, 10) else 16384)
+        if lay.datastack:
+            assert lay.datastack.tstate_limit + 8 <= lay.tstate_size
+        if lay.freelists:
+            fl = lay.freelists
+            assert fl.list_numfree == fl.list_items + 8 * fl.array_len   # int right after the slots
+            assert fl.keys_numfree + 4 <= lay.interp_size
+            assert fl.tuple_numfree == fl.tuple_heads + 8 * fl.tuple_lists
+    assert L.get_layout((3, 14)) is None and L.get_layout(None) is None
+    assert L.get_layout((3, 11), {}) is None
+
+
+# --- pools and blocks (C) --------------------------------------------------------------------
+def test_used_blocks_are_the_carved_ones_minus_the_free_chain():
+    img = pool(BASE, szidx=3, carved=10, free=(7, 2, 9))            # 64-byte blocks
+    addr, size, res = c_blocks(img, BASE, [BASE])
+    want = [BASE + 48 + 64 * i for i in range(10) if i not in (2, 7, 9)]
+    assert addr == want and size == [64] * 7
+    assert (res.pools, res.used, res.used_bytes, res.free_blocks) == (1, 7, 7 * 64, 3)
+    assert res.virgin_blocks == (PS - 48 - 640) // 64
+    assert res.bad_pools == 0
+
+
+def test_empty_pool_yields_nothing_and_counts_as_empty():
+    img = pool(BASE, szidx=0, carved=5, free=(0, 1, 2, 3, 4))
+    addr, _, res = c_blocks(img, BASE, [BASE])
+    assert addr == [] and res.empty_pools == 1 and res.pools == 0 and res.bad_pools == 0
+
+
+@pytest.mark.parametrize("kind,img,reason", [
+    ("count", pool(BASE, 1, 8, free=(3,), count=6), 3),
+    ("loop", None, 2),
+    ("header", pool(BASE, 1, 8, pad=1), 1),
+])
+def test_pools_that_do_not_add_up_are_rejected_whole(kind, img, reason):
+    if img is None:                      # a free chain 1 -> 4 -> 1
+        img = bytearray(pool(BASE, 1, 8, free=(1, 4)))
+        struct.pack_into("<Q", img, 48 + 4 * 32, BASE + 48 + 32)
+        struct.pack_into("<I", img, 0, 6)
+        img = bytes(img)
+    addr, _, res = c_blocks(img, BASE, [BASE])
+    assert addr == [] and res.bad_pools == 1 and res.bad_at == BASE and res.bad_reason == reason
+
+
+def test_find_pools_accepts_only_consistent_headers():
+    good = pool(BASE, 5, 3, free=(1,))
+    imgs = [good,
+            bytes(PS),                                                   # zero page
+            pool(BASE, 5, 3, pad=7),                                     # padding after count
+            bytearray(good), bytearray(good), bytearray(good), bytearray(good)]
+    struct.pack_into("<I", imgs[3], 36, 32)                              # szidx out of range
+    struct.pack_into("<I", imgs[4], 44, PS - 16)                         # maxnextoffset of class 0
+    struct.pack_into("<I", imgs[5], 40, 48 + 96 * 3 + 8)                 # nextoffset off a block
+    struct.pack_into("<Q", imgs[6], 8, BASE + 48 + 8)                    # freeblock off a block
+    data = b"".join(bytes(i) for i in imgs)
+    assert c_find(data, BASE) == [BASE]
+    assert c_find(data[PS:], BASE + PS) == []
+
+
+def test_bad_arguments_are_einval():
+    res = ffi.new("mu_pymalloc_result *")
+    assert lib.mu_pymalloc_find_pools(ffi.from_buffer("uint8_t[]", bytearray(8)), 0, 8, 3000,
+                                      ffi.NULL, 0) == -22
+    assert lib.mu_pymalloc_blocks(ffi.NULL, 0, 0, PS, ffi.NULL, 0, ffi.NULL, ffi.NULL, 0, res) == -22
+
+
+# --- pool scan and arenas walk over a Memory ---------------------------------------------------
+def anon(begin, end):
+    return Mapping(begin, end, "rw-p", 0, "00:00", 0, "")
+
+
+def test_pool_scan_finds_pools_in_anonymous_memory_only_and_keeps_copies():
+    lay = L.LAYOUTS[(3, 11)]
+    a = pool(BASE, 2, 20, free=(4,))
+    b = pool(BASE + PS, 0, 3)
+    filebacked = BASE + 0x100000
+    mem = BufferMemory({BASE: a + b, filebacked: pool(filebacked, 2, 20)})
+    maps = [anon(BASE, BASE + 2 * PS),
+            Mapping(filebacked, filebacked + PS, "rw-p", 0, "08:01", 1234, "/lib/x.so")]
+    w = obmalloc.scan_pools(mem, maps, lay)
+    assert w.in_use and w.problems == [] and w.warnings == []
+    assert list(w.blocks) == ([BASE + 48 + 48 * i for i in range(20) if i != 4]
+                              + [BASE + PS + 48 + 16 * i for i in range(3)])
+    assert set(w.sizes[:19]) == {48} and set(w.sizes[19:]) == {16}
+    assert w.heap_ranges == [Range(BASE, BASE + 2 * PS)]
+    (rbase, rbuf), = w.regions
+    assert rbase == BASE and bytes(rbuf) == a + b
+
+
+def test_pool_scan_leaves_a_pool_that_does_not_add_up_to_the_old_treatment():
+    lay = L.LAYOUTS[(3, 10)]
+    good, bad = pool(BASE, 2, 4), pool(BASE + PS, 2, 4, free=(1,), count=1)
+    w = obmalloc.scan_pools(BufferMemory({BASE: good + bad}), [anon(BASE, BASE + 2 * PS)], lay)
+    assert len(w.blocks) == 4 and w.problems == []
+    assert w.heap_ranges == [Range(BASE, BASE + PS)]
+    assert len(w.warnings) == 1 and "did not add up" in w.warnings[0]
+
+
+def arena_state(lay, state, table_addr, entries, narenas):
+    """Obmalloc state bytes at `state` and the arenas array at table_addr."""
+    st = lay.obmalloc.state
+    blob = bytearray(st.sizeof)
+    struct.pack_into("<Q", blob, st.arenas, table_addr)
+    struct.pack_into("<I", blob, st.maxarenas, len(entries))
+    struct.pack_into("<Q", blob, st.narenas_currently_allocated, narenas)
+    table = bytearray(48 * len(entries))
+    for i, (address, pool_address, nfree, ntotal) in enumerate(entries):
+        struct.pack_into("<QQII", table, 48 * i, address, pool_address, nfree, ntotal)
+    return {state: bytes(blob), table_addr: bytes(table)}
+
+
+@pytest.mark.parametrize("nfree,narenas,ok", [(62, 1, True), (61, 1, False), (62, 2, False)])
+def test_arenas_walk_checks_nfreepools_and_the_arena_count(nfree, narenas, ok):
+    lay = L.LAYOUTS[(3, 12)]
+    arena = BASE + 0x1000                      # not pool aligned: first pool rounds up
+    first = BASE + PS
+    blocks = {first: pool(first, 1, 5) + pool(first + PS, 1, 2, free=(0, 1))}   # used + empty
+    # 63 pools fit; 2 carved (1 empty) -> nfreepools = 1 empty + 61 uncarved = 62
+    mem = BufferMemory({**blocks, **arena_state(lay, 0x5000, 0x9000,
+                                                [(0, 0, 0, 0), (arena, first + 2 * PS, nfree, 63)],
+                                                narenas)})
+    w = obmalloc.walk_arenas(mem, lay, [0x5000])
+    assert (w.problems == []) == ok, w.problems
+    assert list(w.blocks) == [first + 48 + 32 * i for i in range(5)]
+    assert w.heap_ranges == [Range(arena, arena + (1 << 20))]
+    assert w.stats["empty_pools"] == 1 and w.stats["arenas"] == 1
+
+
+def test_arenas_walk_without_arenas_is_pymalloc_unused():
+    lay = L.LAYOUTS[(3, 13)]
+    w = obmalloc.walk_arenas(BufferMemory(arena_state(lay, 0x5000, 0, [], 0)), lay, [0x5000])
+    assert not w.in_use and w.method == "none" and w.problems == []
+
+
+# --- data stacks, free lists, interpreters -----------------------------------------------------
+def test_datastack_live_and_dead_parts():
+    lay = L.LAYOUTS[(3, 12)]
+    ds = lay.datastack
+    ts, cur, old = 0x1000, 0x20000, 0x30000
+    t = bytearray(lay.tstate_size)
+    struct.pack_into("<Q", t, ds.tstate_chunk, cur)
+    struct.pack_into("<Q", t, ds.tstate_top, cur + 24 + 800)
+    struct.pack_into("<Q", t, ds.tstate_limit, cur + 16384)
+    mem = BufferMemory({ts: bytes(t), cur: struct.pack("<QQQ", old, 16384, 0),
+                        old: struct.pack("<QQQ", 0, 16384, 2033)})
+    info = walker.read_datastack(mem, lay, ts)
+    assert info.live == [Range(cur + 24, cur + 824), Range(old + 24, old + 24 + 8 * 2033)]
+    assert info.dead == [Range(cur + 824, cur + 16384), Range(old + 24 + 8 * 2033, old + 16384)]
+    struct.pack_into("<Q", t, ds.tstate_limit, cur + 8192)            # limit != chunk + size
+    with pytest.raises(locate.LayoutMismatch):
+        walker.read_datastack(BufferMemory({ts: bytes(t), cur: struct.pack("<QQQ", 0, 16384, 0)}),
+                              lay, ts)
+
+
+def freelist_interp(lay, interp, floats, lists, refcnt=0):
+    """Interpreter bytes with `floats` chained on the float list and `lists` in the list array;
+    each object gets ob_refcnt `refcnt`."""
+    fl = lay.freelists
+    blob = bytearray(fl.keys_numfree + 8)
+    struct.pack_into("<i", blob, fl.float_numfree, len(floats))
+    struct.pack_into("<Q", blob, fl.float_head, floats[0] if floats else 0)
+    struct.pack_into("<i", blob, fl.list_numfree, len(lists))
+    for k, o in enumerate(lists):
+        struct.pack_into("<Q", blob, fl.list_items + 8 * k, o)
+    struct.pack_into("<Q", blob, fl.list_items + 8 * len(lists), 0xDEAD0)   # a stale slot
+    blocks = {interp: bytes(blob)}
+    for a, b in zip(floats, floats[1:] + [0]):
+        blocks[a] = struct.pack("<QQ", refcnt, b)
+    for o in lists:
+        blocks[o] = struct.pack("<QQ", refcnt, 0x1234)
+    return blocks
+
+
+@pytest.mark.parametrize("version", [(3, 10), (3, 11), (3, 12), (3, 13)])
+def test_free_lists_give_dead_blocks_and_dead_array_ranges(version):
+    lay = L.LAYOUTS[version]
+    interp = 0x100000
+    mem = BufferMemory(freelist_interp(lay, interp, [0x50000, 0x50100], [0x60010]))
+    dead, ranges = walker.read_freelists(mem, lay, interp)
+    assert sorted(dead) == [0x50000, 0x50100, 0x60000]    # floats as is, list minus its GC head
+    fl = lay.freelists
+    assert Range(interp + fl.list_items, interp + fl.list_items + 640) in ranges
+    assert Range(interp + fl.float_head, interp + fl.float_head + 8) in ranges
+    live = BufferMemory(freelist_interp(lay, interp, [0x50000], [], refcnt=1))
+    with pytest.raises(walker._FreeListError):
+        walker.read_freelists(live, lay, interp)
+
+
+def runtime_image(lay, rt, interp, tstates, back=None, main=None):
+    """_PyRuntime -> one interpreter -> the thread states (linked); back overrides tstate->interp."""
+    blocks = {}
+    r = bytearray(lay.runtime_size)
+    struct.pack_into("<QQ", r, lay.interpreters_head, interp, interp if main is None else main)
+    blocks[rt] = bytes(r)
+    i = bytearray(lay.interp_size)
+    struct.pack_into("<Q", i, lay.interp_threads_head, tstates[0][0] if tstates else 0)
+    blocks[interp] = bytes(i)
+    for k, (ts, tid) in enumerate(tstates):
+        t = bytearray(lay.tstate_size)
+        struct.pack_into("<Q", t, lay.tstate_next, tstates[k + 1][0] if k + 1 < len(tstates) else 0)
+        struct.pack_into("<Q", t, lay.tstate_interp, interp if back is None else back)
+        struct.pack_into("<Q", t, lay.tstate_native_thread_id, tid)
+        blocks[ts] = bytes(t)
+    return blocks
+
+
+def regs(tid):
+    return ThreadState(tid, tuple([0] * 27))
+
+
+@pytest.mark.parametrize("case,ok", [("good", True), ("back", False), ("main", False),
+                                     ("tid", False)])
+def test_interpreter_walk_validates_the_layout(case, ok):
+    lay = L.LAYOUTS[(3, 12)]
+    rt, interp = 0x400000, 0x600000
+    ts = [(0x800000, 101), (0x810000, 102)]
+    mem = BufferMemory(runtime_image(lay, rt, interp, ts, back=0x999 if case == "back" else None,
+                                     main=0x700000 if case == "main" else None))
+    maps = [anon(0x400000, 0x900000)]
+    runtime = locate.Runtime("/x/libpython3.12.so", rt, (3, 12), None, "test", True, "dynsym")
+    threads = [regs(555)] if case == "tid" else [regs(101)]
+    if ok:
+        (info,) = locate.walk_interpreters(mem, maps, runtime, lay, threads)
+        assert info.address == interp
+        assert [(t.address, t.native_thread_id) for t in info.threads] == ts
+    else:
+        with pytest.raises(locate.LayoutMismatch):
+            locate.walk_interpreters(mem, maps, runtime, lay, threads)
