@@ -1,17 +1,20 @@
-"""_tracer.py: the helper process of an in-process check (python -m memunreachable._tracer).
+"""_tracer.py: the helper process of in-process checks (python -m memunreachable._tracer).
 
-The caller (noleaks.py) starts us with a result fd and a control pipe on stdin. We wait for
-"go" (sent after the caller's prctl(PR_SET_PTRACER, our pid)), run the ordinary check
-pipeline against the caller (freeze, clone snapshot, thaw, sweep, reap), and write one
-pickled message back: ("ok", UnreachableMemoryInfo) or ("error", MemunreachableError).
-The caller sits in a blocking read on the result fd meanwhile, so it holds no GIL and no
-allocator lock while its threads are frozen.
+The caller (noleaks.py) starts us once, with a result fd and a control pipe on stdin, and
+keeps us for its lifetime (start-up and imports are paid once, not per check). For every line
+"go LIMIT TIMEOUT" (sent after the caller's prctl(PR_SET_PTRACER, our pid)) we run the
+ordinary check pipeline against the caller (freeze, clone snapshot, thaw, sweep, reap) and
+write one framed message back: u64 little-endian length, then the pickled
+("ok", UnreachableMemoryInfo) or ("error", MemunreachableError). End of stdin (the caller
+exited or closed us) ends us. The caller sits in a blocking read on the result fd meanwhile,
+so it holds no GIL and no allocator lock while its threads are frozen.
 """
 from __future__ import annotations
 
 import argparse
 import os
 import pickle
+import struct
 import sys
 
 
@@ -19,26 +22,29 @@ def main(argv=None) -> int:
     ap = argparse.ArgumentParser()
     ap.add_argument("--pid", type=int, required=True)
     ap.add_argument("--fd", type=int, required=True)
-    ap.add_argument("--limit", type=int, default=-1)
-    ap.add_argument("--timeout", type=float, default=2.0)
     args = ap.parse_args(argv)
-    if sys.stdin.buffer.read(3) != b"go\n":
-        return 2
+    for line in sys.stdin.buffer:
+        words = line.split()
+        if len(words) != 3 or words[0] != b"go":
+            return 2
+        limit, timeout = int(words[1]), float(words[2])
+        data = pickle.dumps(_one_check(args.pid, None if limit < 0 else limit, timeout))
+        view = memoryview(struct.pack("<Q", len(data)) + data)
+        while view:
+            view = view[os.write(args.fd, view):]
+    os.close(args.fd)
+    return 0
+
+
+def _one_check(pid: int, limit, timeout: float) -> tuple:
     try:
         from memunreachable.unreachable import check
-        info = check(args.pid, limit=None if args.limit < 0 else args.limit, timeout=args.timeout)
-        msg = ("ok", info)
+        return ("ok", check(pid, limit=limit, timeout=timeout))
     except BaseException as exc:  # noqa: BLE001 - every failure goes back to the caller
         from memunreachable._errors import MemunreachableError, SweepError
         if not isinstance(exc, MemunreachableError):
             exc = SweepError(f"in-process check failed: {type(exc).__name__}: {exc}")
-        msg = ("error", exc)
-    data = pickle.dumps(msg)
-    view = memoryview(data)
-    while view:
-        view = view[os.write(args.fd, view):]
-    os.close(args.fd)
-    return 0
+        return ("error", exc)
 
 
 if __name__ == "__main__":

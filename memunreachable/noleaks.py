@@ -1,7 +1,9 @@
 """noleaks.py: the in-process API (libmemunreachable's, in Python form).
 
-A process cannot ptrace its own threads, so an in-process check starts a helper process
-(memunreachable._tracer) that runs the ordinary check pipeline against us. We grant it
+A process cannot ptrace its own threads, so in-process checks go to a helper process
+(memunreachable._tracer) that runs the ordinary check pipeline against us. One helper serves
+every check of the process (started on the first, restarted if it died, replaced after a
+fork, closed at exit), so a check costs the pipeline, not a Python start-up. We grant it
 with prctl(PR_SET_PTRACER, helper) (EINVAL: Yama absent, nothing to grant) and wait in a
 blocking read, which releases the GIL and holds no allocator lock while we are frozen.
 
@@ -16,9 +18,12 @@ import ctypes
 import logging
 import os
 import pickle
+import atexit
 import select
+import struct
 import subprocess
 import sys
+import threading
 import time
 from typing import Iterator, Optional
 
@@ -148,37 +153,110 @@ def _set_ptracer(pid: int) -> None:
             raise OSError(err, os.strerror(err), "prctl(PR_SET_PTRACER)")
 
 
-def _check_self(limit: Optional[int], timeout: float) -> UnreachableMemoryInfo:
-    rfd, wfd = os.pipe2(os.O_CLOEXEC)
-    cmd = [sys.executable, "-m", "memunreachable._tracer", "--pid", str(os.getpid()),
-           "--fd", str(wfd), "--limit", str(-1 if limit is None else limit),
-           "--timeout", str(timeout)]
-    try:
-        helper = subprocess.Popen(cmd, stdin=subprocess.PIPE, pass_fds=(wfd,), close_fds=True)
-    finally:
-        os.close(wfd)
-    try:
-        _set_ptracer(helper.pid)
+class _Helper:
+    """The long-lived helper process of this process, and the pipes to it."""
+
+    def __init__(self) -> None:
+        self.owner = os.getpid()
+        rfd, wfd = os.pipe2(os.O_CLOEXEC)
+        cmd = [sys.executable, "-m", "memunreachable._tracer", "--pid", str(self.owner),
+               "--fd", str(wfd)]
+        try:
+            self.proc = subprocess.Popen(cmd, stdin=subprocess.PIPE, pass_fds=(wfd,),
+                                         close_fds=True)
+        except BaseException:
+            os.close(rfd)
+            raise
+        finally:
+            os.close(wfd)
+        self.rfd = rfd
+        try:
+            _set_ptracer(self.proc.pid)
+        except BaseException:
+            self.close()
+            raise
+
+    def alive(self) -> bool:
+        return self.proc.poll() is None and self.owner == os.getpid()
+
+    # Returns the pickled message of one check; raises SweepError when the helper died or
+    # did not answer within HELPER_TIMEOUT (it is then closed: the next check starts anew).
+    def run(self, limit: Optional[int], timeout: float) -> bytes:
         # Dead frames of functions that returned (a C extension's malloc'ing call, say) may
         # still hold pointers exactly where our wait's frames will live: zero them first,
         # before the helper may freeze us.
         _scrub_stack()
-        helper.stdin.write(b"go\n")
-        helper.stdin.close()
-        data = _read_result(rfd, HELPER_TIMEOUT)
-    finally:
-        os.close(rfd)
-        if helper.poll() is None:
-            try:
-                helper.wait(timeout=HELPER_TIMEOUT)
-            except subprocess.TimeoutExpired:
-                helper.kill()
-                helper.wait()
+        try:
+            self.proc.stdin.write(f"go {-1 if limit is None else limit} {timeout}\n".encode())
+            self.proc.stdin.flush()
+            head = _read_exactly(self.rfd, 8, HELPER_TIMEOUT)
+            data = _read_exactly(self.rfd, struct.unpack("<Q", head)[0], HELPER_TIMEOUT)
+        except (OSError, EOFError, SweepError) as exc:
+            self.close()
+            raise SweepError(f"the helper process failed ({exc}); exit status "
+                             f"{self.proc.returncode}",
+                             hint="run `python -m memunreachable check <pid>` from a shell to "
+                                  "see why") from None
+        return data
+
+    def close(self) -> None:
+        """End the helper (end of its stdin), reap it, drop our grant. Idempotent."""
+        if self.rfd < 0:
+            return
+        with contextlib.suppress(OSError):
+            self.proc.stdin.close()
+        try:
+            self.proc.wait(timeout=HELPER_TIMEOUT)
+        except subprocess.TimeoutExpired:
+            self.proc.kill()
+            self.proc.wait()
+        os.close(self.rfd)
+        self.rfd = -1
         with contextlib.suppress(OSError):
             _set_ptracer(0)
-    if not data:
-        raise SweepError(f"the helper process exited with status {helper.returncode} without a result",
-                         hint="run `python -m memunreachable check <pid>` from a shell to see why")
+
+
+_HELPER: Optional[_Helper] = None
+_HELPER_LOCK = threading.Lock()
+
+
+def _close_helper() -> None:
+    global _HELPER
+    if _HELPER is not None and _HELPER.owner == os.getpid():
+        _HELPER.close()
+    _HELPER = None
+
+
+def _forget_helper_in_child() -> None:
+    """After fork: the parent's helper checks the parent; the child starts its own."""
+    global _HELPER
+    if _HELPER is not None:
+        with contextlib.suppress(OSError):
+            os.close(_HELPER.rfd)
+        with contextlib.suppress(OSError, ValueError):
+            os.close(_HELPER.proc.stdin.fileno())
+    _HELPER = None
+
+
+atexit.register(_close_helper)
+os.register_at_fork(after_in_child=_forget_helper_in_child)
+
+
+def _check_self(limit: Optional[int], timeout: float) -> UnreachableMemoryInfo:
+    global _HELPER
+    with _HELPER_LOCK:
+        for attempt in (1, 2):
+            if _HELPER is None or not _HELPER.alive():
+                if _HELPER is not None and _HELPER.owner == os.getpid():
+                    _HELPER.close()
+                _HELPER = _Helper()
+            try:
+                data = _HELPER.run(limit, timeout)
+                break
+            except SweepError:
+                _HELPER = None
+                if attempt == 2:
+                    raise
     kind, payload = pickle.loads(data)
     del data
     if kind == "error":
@@ -195,10 +273,11 @@ def _scrub_stack() -> None:
     lib.mu_scrub_stack(SCRUB_BYTES)
 
 
-def _read_result(fd: int, timeout: float) -> bytes:
-    chunks = []
+def _read_exactly(fd: int, n: int, timeout: float) -> bytes:
+    """n bytes from fd within timeout; EOFError when the writer went away first."""
+    chunks, got = [], 0
     deadline = time.monotonic() + timeout
-    while True:
+    while got < n:
         left = deadline - time.monotonic()
         if left <= 0:
             raise SweepError(f"the in-process check did not finish within {timeout:.0f} s")
@@ -207,7 +286,9 @@ def _read_result(fd: int, timeout: float) -> bytes:
             continue
         # 64 KiB reads stay below glibc's mmap threshold: a freed 1 MiB mmapped read buffer
         # leaves stale cursor pointers into an address range a later block may reuse
-        chunk = os.read(fd, READ_BYTES)
+        chunk = os.read(fd, min(READ_BYTES, n - got))
         if not chunk:
-            return b"".join(chunks)
+            raise EOFError("the helper process closed its result pipe")
         chunks.append(chunk)
+        got += len(chunk)
+    return b"".join(chunks)

@@ -1,6 +1,7 @@
 """Issue 3: the in-process API against a C extension that leaks on purpose."""
 import importlib
 import os
+import signal
 import sys
 import threading
 import time
@@ -167,3 +168,16 @@ def test_one_thousand_checks_leave_nothing_behind():
         noleaks.get_unreachable_memory(limit=0)
     elapsed = time.monotonic() - t0
     assert _resources() == before, f"resources before/after differ ({elapsed:.0f} s for 1000 checks)"
+
+
+def test_one_helper_serves_every_check_and_a_dead_one_is_replaced():
+    noleaks.get_unreachable_memory(limit=0)
+    first = noleaks._HELPER.proc.pid
+    for _ in range(3):
+        noleaks.get_unreachable_memory(limit=0)
+    assert noleaks._HELPER.proc.pid == first          # no new process per check
+    os.kill(first, signal.SIGKILL)
+    noleaks._HELPER.proc.wait()
+    info = noleaks.get_unreachable_memory(limit=None)  # transparently a new helper
+    assert noleaks._HELPER.proc.pid != first and noleaks._HELPER.alive()
+    assert info.pid == os.getpid()
