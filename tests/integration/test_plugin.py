@@ -58,6 +58,12 @@ def test_option_fails_the_leaking_test_with_the_report(suite):
                               "FAILED test_suite.py::test_fixture - Failed: 1 native heap block*"])
 
 
+def test_each_xdist_worker_checks_itself(suite):
+    res = suite.runpytest_subprocess("--memunreachable", "-n", "2", "-rf")
+    res.assert_outcomes(passed=1, failed=3)
+    res.stdout.fnmatch_lines(["FAILED test_suite.py::test_leaks - Failed: 1 native heap block*"])
+
+
 def test_marker_alone_checks_only_marked_tests(suite):
     res = suite.runpytest_subprocess("-v")
     res.assert_outcomes(passed=3, failed=1)
