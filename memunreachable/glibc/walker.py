@@ -12,6 +12,7 @@ bulk; the chunk loops run in native/mu_walk.c. References: glibc malloc/malloc.c
 """
 from __future__ import annotations
 
+import bisect
 import mmap
 import struct
 from array import array
@@ -43,6 +44,51 @@ class HeapWalk:
     metadata_ranges: List[Range]
     soft_issues: List[str] = field(default_factory=list)
     stats: dict = field(default_factory=dict)
+    # usable size -> warning: a free list (tcache bin, fastbin) of that size was broken or
+    # in transit, so an unreachable block of that size may be a free chunk: report it as
+    # "uncertain", never as a leak (usable = chunk size - 8)
+    uncertain_sizes: Dict[int, str] = field(default_factory=dict)
+
+
+@dataclass
+class _TcacheContext:
+    """What identifies and decodes the target's tcaches (glibc-heap.md 10)."""
+    layouts: Tuple[L.Tcache, ...]       # struct layouts to look for
+    key_kind: Optional[str]             # L.KEY_*; None: decide from the evidence (static <= 2.34)
+    mangled: Optional[bool]             # safe-linking; None: decide from the chains
+    active_bins: int                    # mp_.tcache_bins
+    max_count: int                      # mp_.tcache_count
+    data_ranges: List[Range]            # writable data of the malloc object (holds tcache_key)
+    threads: List[ThreadState]
+
+
+def _tcache_context(w: "_Walker", loc: locate.Located, scan: detect.AllocatorScan,
+                    threads: List[ThreadState]) -> _TcacheContext:
+    lay = loc.layout
+    v = L.version_tuple(loc.version)
+    if v is not None:
+        layouts = (L.TCACHE_U16 if v >= L.U16_COUNTS_FROM else L.TCACHE_U8,)
+        kind, mangled = L.tcache_key_kind(v), v >= L.SAFE_LINKING_FROM
+    elif lay.par is L.MP_235:           # mp_ grew in 2.35: tcache_key, safe-linking, u16
+        layouts, kind, mangled = (L.TCACHE_U16,), L.KEY_GLOBAL, True
+    else:
+        layouts, kind, mangled = L.TCACHES, None, None
+    bins = min(w.word(loc.mp + lay.par.tcache_bins), L.TCACHE_U16.nbins)
+    count = min(w.word(loc.mp + lay.par.tcache_count), 0xFFFF)
+    return _TcacheContext(layouts, kind, mangled, bins, count, _object_data(w.maps, scan), threads)
+
+
+def _object_data(maps: List[Mapping], scan: detect.AllocatorScan) -> List[Range]:
+    """The malloc object's writable mappings and the anonymous .bss continuation after each."""
+    out = []
+    for k, m in enumerate(maps):
+        if m in scan.object_mappings and m.writable and m.readable:
+            out.append(m.range)
+            if k + 1 < len(maps):
+                nxt = maps[k + 1]
+                if nxt.begin == m.end and nxt.anonymous and nxt.writable and not nxt.path:
+                    out.append(nxt.range)
+    return out
 
 
 class _Copy:
@@ -86,6 +132,7 @@ class _Walker:
     def __init__(self, mem, maps: List[Mapping], pid: int):
         self.mem = mem
         self.maps = sorted(maps, key=lambda m: m.begin)
+        self.map_begins = [m.begin for m in self.maps]
         self.pid = pid
         self.v = V.Verdict()
         self.copies: List[_Copy] = []
@@ -111,10 +158,18 @@ class _Walker:
         return c
 
     def mapping_at(self, addr: int) -> Optional[Mapping]:
-        for m in self.maps:
-            if m.begin <= addr < m.end:
-                return m
-        return None
+        i = bisect.bisect_right(self.map_begins, addr) - 1
+        return self.maps[i] if i >= 0 and addr < self.maps[i].end else None
+
+    def span_end(self, m: Mapping) -> int:
+        """End of the run of address-adjacent readable mappings that starts with m: the kernel
+        splits one heap into several VMAs (brk growth after fork(), mprotect, madvise)."""
+        k = self.maps.index(m)
+        end = m.end
+        while k + 1 < len(self.maps) and self.maps[k + 1].begin == end and self.maps[k + 1].readable:
+            k += 1
+            end = self.maps[k].end
+        return end
 
     def walk_run(self, cp: _Copy, first: int, top: int, non_main: bool):
         """(result, piece) of one run; the piece's arrays are trimmed to the in-use count."""
@@ -157,9 +212,9 @@ class _Walker:
         first = (sbrk_base + L.CHUNK_HDR - 1) & ~(L.CHUNK_HDR - 1)
         m = self.mapping_at(first)
         if m is None:
-            self.v.hard.append(f"main arena: sbrk_base {sbrk_base:#x} is not mapped")
+            self.v.fail(f"main arena: sbrk_base {sbrk_base:#x} is not mapped", sbrk_base)
             return False
-        cp = self.copy(m.begin, m.end - m.begin)
+        cp = self.copy(m.begin, self.span_end(m) - m.begin)
         self.main_copy = cp
         start = first
         while True:
@@ -211,16 +266,16 @@ class _Walker:
         seen = 0
         while h:
             if seen > MAX_HEAPS_PER_ARENA or self.word(h + hi.ar_ptr) != arena:
-                self.v.hard.append(f"arena {arena:#x}: heap {h:#x} does not belong to it")
+                self.v.fail(f"arena {arena:#x}: heap {h:#x} does not belong to it", h)
                 return
             size = self.word(h + hi.size)
             prev = self.word(h + hi.prev)
             is_first = prev == 0
             if is_first and h != first_heap:
-                self.v.hard.append(f"arena {arena:#x}: first heap {h:#x} is not arena - {hi.sizeof}")
+                self.v.fail(f"arena {arena:#x}: first heap {h:#x} is not arena - {hi.sizeof}", h)
                 return
             if size < hi.sizeof or size > heap_max:
-                self.v.hard.append(f"arena {arena:#x}: heap {h:#x} has size {size:#x}")
+                self.v.fail(f"arena {arena:#x}: heap {h:#x} has size {size:#x}", h)
                 return
             cp = self.copy(h, size)
             cp.used = True
@@ -330,85 +385,159 @@ class _Walker:
             tab[i].base, tab[i].len, tab[i].data = c.base, c.size, c.ptr
         return tab, len(live)
 
-    def chain(self, tab, ntab, head: int, bias: int, mangled: bool, size: int, max_nodes: int):
+    def chain(self, tab, ntab, user: array, usable: array, head: int, bias: int, mangled: bool,
+              size: int, arena: int, max_nodes: int):
+        """(mu_chain_result, verified prefix) of one free list (see mu_walk_chain)."""
         cap = min(max_nodes + 1, 64)       # grown below when a chain is longer (fastbins)
-        out = _alloc_q(cap)
-        st = ffi.new("int64_t *")
+        res = ffi.new("mu_chain_result *")
+        pu, pz = ffi.from_buffer("uint64_t[]", user), ffi.from_buffer("uint64_t[]", usable)
         while True:
-            n = check(lib.mu_walk_chain(tab, ntab, head, bias, int(mangled), size, max_nodes,
-                                        ffi.from_buffer("uint64_t[]", out), cap, st), "walk chain")
+            out = _alloc_q(cap)
+            n = check(lib.mu_walk_chain(tab, ntab, pu, pz, len(user), head, bias, int(mangled), size,
+                                        arena, max_nodes, ffi.from_buffer("uint64_t[]", out), cap, res),
+                      "walk chain")
             if n <= cap:
                 break
             cap = n
-            out = _alloc_q(cap)
         del out[n:]
-        return st[0], out
+        return res, out
 
-    def tcache_candidates(self, user: array, usable: array) -> List[Tuple[int, L.Tcache]]:
-        raw = usable.tobytes()
+    # -- which 0x290 blocks are real tcaches (glibc-heap.md 10.1-10.3) ---------------------
+    def tcache_candidates(self, tab, ntab, user: array, usable: array, tc: L.Tcache,
+                          active_bins: int, max_count: int) -> List[Tuple[int, int, int, int, int, int, int]]:
+        """Prefiltered blocks shaped like tc, as (addr, key, nonempty, heads, same_key,
+        self_key, mismatched) tuples (mu_walk_tcache_scan: linear, no per-block Python)."""
+        cap = 64
+        while True:
+            out = ffi.new("mu_tcache_cand[]", cap)
+            n = check(lib.mu_walk_tcache_scan(
+                tab, ntab, ffi.from_buffer("uint64_t[]", user), ffi.from_buffer("uint64_t[]", usable),
+                len(user), tc.chunk_size - L.ARENA_USABLE_DELTA, tc.count_width, tc.entries, tc.nbins,
+                active_bins, max_count, tc.key or 0, out, cap), "scan tcache candidates")
+            if n <= cap:
+                break
+            cap = n
+        rec = struct.Struct("<QQIIIIII")
+        return [r[:7] for r in rec.iter_unpack(ffi.buffer(out, n * ffi.sizeof("mu_tcache_cand")))]
+
+    def is_mapped(self, addr: int) -> bool:
+        i = bisect.bisect_right(self.map_begins, addr) - 1
+        return i >= 0 and addr < self.maps[i].end
+
+    def tcache_key_values(self, keys: set, data_ranges: List[Range]) -> set:
+        """Which of keys are glibc's tcache_key (2.34+): a random word that is stored in the
+        malloc object's writable data and is no address of the process."""
+        keys = {k for k in keys if k > 0xFFFF and not self.is_mapped(k)}
+        found = set()
+        for r in data_ranges if keys else ():
+            words = array("Q", self.mem.read(r.begin, r.size))
+            found |= keys.intersection(words)
+        return found
+
+    def tls_words(self, threads: List[ThreadState]) -> set:
+        """Words of every thread's static TLS area: up to L.TLS_TCACHE_WINDOW bytes below
+        fs_base, within the readable mappings (where libc's `tcache` pointer lives)."""
+        words = set()
+        for t in threads:
+            fs = t.fs_base & ~7
+            m = self.mapping_at(fs - 8) if fs else None
+            if m is None or not m.readable:
+                continue
+            lo = fs - L.TLS_TCACHE_WINDOW
+            begin = m.begin
+            k = self.maps.index(m)
+            while k > 0 and begin > lo and self.maps[k - 1].end == begin and self.maps[k - 1].readable:
+                k -= 1
+                begin = self.maps[k].begin
+            lo = max(lo, begin)
+            words.update(array("Q", self.mem.read(lo, fs - lo)))
+        return words
+
+    def find_tcaches(self, tab, ntab, user: array, usable: array, ctx: "_TcacheContext"):
+        """[(addr, Tcache)] of the real tcaches: candidates that glibc's own evidence supports
+        (glibc-heap.md 10.1-10.3): their first free chunk's key is tcache_key (2.34+) or the
+        struct itself (2.29-2.33, and referenced from a thread's TLS when threads are known);
+        for 2.27-2.28 (no key) a reference from a thread's TLS. Shape alone never suffices
+        when threads are known."""
+        cands = []
+        for tc in ctx.layouts:
+            cands += [(c, tc) for c in self.tcache_candidates(tab, ntab, user, usable, tc,
+                                                              ctx.active_bins, ctx.max_count)]
+        self.stats["tcache_candidates"] = len(cands)
+        if not cands:
+            return []
+        kind = ctx.key_kind
+        keys = set()
+        if kind in (L.KEY_GLOBAL, None):
+            keys = self.tcache_key_values({c[1] for c, _ in cands}, ctx.data_ranges)
+            if kind is None:
+                kind = (L.KEY_GLOBAL if keys else
+                        L.KEY_SELF if any(c[5] for c, _ in cands) else L.KEY_NONE)
+        self.stats["tcache_key_kind"] = kind
+        tls = self.tls_words(ctx.threads) if ctx.threads and kind != L.KEY_GLOBAL else None
         out = []
-        for tc in L.TCACHES:
-            pat = WORD.pack(tc.chunk_size - L.ARENA_USABLE_DELTA)
-            pos = raw.find(pat)
-            while pos >= 0:
-                if pos % 8 == 0:
-                    out.append((user[pos // 8], tc))
-                pos = raw.find(pat, pos + 1)
+        for c, tc in cands:
+            addr, key, nonempty, heads, same, self_key, mism = c
+            if kind == L.KEY_GLOBAL:
+                ok = key in keys
+            elif kind == L.KEY_SELF:
+                ok = self_key > 0 and (tls is None or addr in tls)
+            else:
+                ok = addr in tls if tls is not None else (heads == nonempty and mism == 0)
+            if ok:
+                out.append((addr, tc))
         return out
 
-    def judge_tcache(self, tab, ntab, addr: int, tc: L.Tcache, mangled: bool, count_max: int):
-        """(valid bins, bad bins, free nodes) of the struct at user address addr."""
+    def tcache_bins(self, tab, ntab, user: array, usable: array, addr: int, tc: L.Tcache,
+                    mangled: bool):
+        """[(bin, count, mu_chain_result, prefix)] of every bin of the tcache at addr that has
+        a count or a head."""
         data = self.mem.read(addr, tc.entries + 8 * tc.nbins)
         fmt = "<%d%s" % (tc.nbins, "B" if tc.count_width == 1 else "H")
         counts = struct.unpack_from(fmt, data, 0)
         entries = struct.unpack_from("<%dQ" % tc.nbins, data, tc.entries)
-        valid = bad = 0
-        nodes: List[int] = []
+        out = []
         for i in range(tc.nbins):
-            if counts[i] == 0:
-                if entries[i]:
-                    bad += 1
+            if counts[i] == 0 and entries[i] == 0:
                 continue
-            size = tc.bin_chunk_size(i)
-            st, out = self.chain(tab, ntab, entries[i], L.TCACHE_LINK_BIAS, mangled, size, counts[i])
-            if st == V.CHAIN_NULL and len(out) == counts[i]:
-                valid += 1
-            else:
-                bad += 1
-                # err toward "not a leak": every validly sized node on the chain is free
-                st, out = self.chain(tab, ntab, entries[i], L.TCACHE_LINK_BIAS, mangled, size,
-                                     count_max)
-            nodes.extend(out)
-        return valid, bad, nodes
+            res, nodes = self.chain(tab, ntab, user, usable, entries[i], L.TCACHE_LINK_BIAS, mangled,
+                                    tc.bin_chunk_size(i), 0, counts[i] + 1)
+            out.append((i, counts[i], res, nodes))
+        return out
 
-    def subtract_tcaches(self, user: array, usable: array, mangled_hint: Optional[bool]):
+    def subtract_tcaches(self, user: array, usable: array, ctx: "_TcacheContext") -> Optional[bool]:
+        """Mark the verified chains of every real tcache free; returns the safe-linking
+        decision (None: undecided)."""
         tab, ntab = self.regions_table()
-        count_max = max(self.stats["chunks"], 1)
-        decided: Optional[bool] = None
-        for addr, tc in self.tcache_candidates(user, usable):
-            best = None
-            for mangled in ((True, False) if decided is None else (decided,)):
-                r = self.judge_tcache(tab, ntab, addr, tc, mangled, count_max)
-                if best is None or r[0] - r[1] > best[1][0] - best[1][1]:
-                    best = (mangled, r)
-            mangled, (valid, bad, nodes) = best
-            verdict = V.judge_tcache(valid, bad)
-            if verdict == "ignore":
-                continue
-            if verdict == "hard":
-                self.v.hard.append(f"tcache {addr:#x}: {bad} bins inconsistent")
-                continue
-            decided = mangled
-            V.check_tcache_bad_bin(self.v, addr, bad)
+        mangled = ctx.mangled
+        for addr, tc in self.find_tcaches(tab, ntab, user, usable, ctx):
+            if mangled is None:     # no version hint (static 2.27-2.34): the decoding that fits
+                scored = []
+                for m in (True, False):
+                    bins = self.tcache_bins(tab, ntab, user, usable, addr, tc, m)
+                    ok = sum(1 for _, cnt, r, _n in bins if r.status == V.CHAIN_NULL and r.nodes == cnt)
+                    scored.append((ok, m, bins))
+                ok, m, bins = max(scored, key=lambda x: x[0])
+                if ok:
+                    mangled = m
+            else:
+                bins = self.tcache_bins(tab, ntab, user, usable, addr, tc, mangled)
+            transit = False
+            for i, count, r, nodes in bins:
+                usable_i = tc.bin_chunk_size(i) - L.ARENA_USABLE_DELTA
+                free, t = V.judge_tcache_bin(self.v, addr, i, usable_i, count, r.status, r.nodes,
+                                             r.reason, r.last, r.bad, transit)
+                transit |= t
+                self.free_nodes.extend(nodes[:free])
+                self.stats["tcache_free"] += free
             self.stats["tcaches"].append(addr)
-            self.stats["tcache_free"] += len(nodes)
-            self.free_nodes.extend(nodes)
-        return decided if decided is not None else mangled_hint
+        return mangled
 
-    def subtract_fastbins(self, arenas: List[int], lay: L.Layout, mangled: Optional[bool]) -> None:
+    def subtract_fastbins(self, user: array, usable: array, arenas: List[int], lay: L.Layout,
+                          mangled: Optional[bool]) -> None:
         tab, ntab = self.regions_table()
         st_ = lay.state
-        for arena in arenas:
+        for k, arena in enumerate(arenas):
             heads = struct.unpack("<%dQ" % st_.nfastbins, self.mem.read(arena + st_.fastbins,
                                                                          8 * st_.nfastbins))
             limit = self.arena_chunks.get(arena, 0)
@@ -417,27 +546,35 @@ class _Walker:
                     continue
                 size = L.MINSIZE + 2 * L.SIZE_SZ * i
                 tries = (True, False) if mangled is None else (mangled,)
+                r = out = None
                 for m in tries:
-                    st, out = self.chain(tab, ntab, head, L.FASTBIN_LINK_BIAS, m, size, limit)
-                    if st == V.CHAIN_NULL:
+                    r2, out2 = self.chain(tab, ntab, user, usable, head, L.FASTBIN_LINK_BIAS, m, size,
+                                          1 if k == 0 else 2, limit)
+                    if r is None or r2.status == V.CHAIN_NULL or r2.nodes > r.nodes:
+                        r, out = r2, out2
+                    if r.status == V.CHAIN_NULL:
                         break
-                V.check_fastbin(self.v, arena, i, st)
-                self.stats["fastbin_free"] += len(out)
-                self.free_nodes.extend(out)
+                free = V.judge_fastbin(self.v, arena, i, size - L.ARENA_USABLE_DELTA, r.status,
+                                       r.nodes, r.reason, r.last, r.bad)
+                self.stats["fastbin_free"] += free
+                self.free_nodes.extend(out[:free])
 
     def check_bins(self, arenas: List[int], lay: L.Layout) -> None:
         tab, ntab = self.regions_table()
         nodes, nbytes, bitfree = ffi.new("uint64_t *"), ffi.new("uint64_t *"), ffi.new("uint64_t *")
+        bad = ffi.new("uint64_t *")
         for arena in arenas:
-            broken = binned = binned_free = 0
+            broken = binned = binned_free = first_bad = 0
             limit = self.arena_chunks.get(arena, 0) + 1
             for i in range(1, lay.state.nbins - 1):
                 rc = check(lib.mu_walk_bin(tab, ntab, lay.state.bin_chunk(arena, i), limit,
-                                           nodes, nbytes, bitfree), "walk bin")
+                                           nodes, nbytes, bitfree, bad), "walk bin")
                 broken += rc
                 binned += nodes[0]
                 binned_free += bitfree[0]
-            V.check_bins(self.v, arena, broken, binned, binned_free, self.arena_free.get(arena, 0))
+                first_bad = first_bad or bad[0]
+            V.check_bins(self.v, arena, broken, binned, binned_free, self.arena_free.get(arena, 0),
+                         first_bad)
 
     # -- step 10: emit ----------------------------------------------------------------
     def assemble(self) -> Tuple[array, array]:
@@ -447,7 +584,7 @@ class _Walker:
         user, usable = array("Q"), array("Q")
         for p in pieces:
             if len(p.user) and len(user) and p.user[0] <= user[-1]:
-                self.v.hard.append(f"overlapping chunk runs at {p.user[0]:#x}")
+                self.v.fail(f"overlapping chunk runs at {p.user[0]:#x}", p.user[0] - L.CHUNK_HDR)
                 continue
             user.extend(p.user)
             usable.extend(p.usable)
@@ -532,16 +669,15 @@ def walk_heap(mem, maps: List[Mapping], threads: List[ThreadState], pid: int) ->
     need_runs = not top_reached and bool(flags & lay.state.noncontiguous_bit)
     found, found_bytes, reached = w.anonymous(main, top, need_runs)
     if not top_reached and not reached:
-        w.v.hard.append(f"main arena: no run reaches top {top:#x}")
+        w.v.fail(f"main arena: no run reaches top {top:#x}", top)
     n_mmaps = w.i32(loc.mp + lay.par.n_mmaps)
     mmapped_mem = w.word(loc.mp + lay.par.mmapped_mem)
     V.check_mmapped(w.v, found, found_bytes, n_mmaps, mmapped_mem)
     w.stats["mmapped"] = found
     # 6. subtract tcache and fastbin free chunks
     user, usable = w.assemble()
-    hint = None if loc.version is None else L.version_tuple(loc.version) >= (2, 32)
-    mangled = w.subtract_tcaches(user, usable, hint)
-    w.subtract_fastbins(arenas, lay, mangled)
+    mangled = w.subtract_tcaches(user, usable, _tcache_context(w, loc, scan, threads))
+    w.subtract_fastbins(user, usable, arenas, lay, mangled)
     w.check_bins(arenas, lay)
     drop = array("Q", w.free_nodes)
     removed = ffi.new("uint64_t *")
@@ -552,10 +688,10 @@ def walk_heap(mem, maps: List[Mapping], threads: List[ThreadState], pid: int) ->
     del user[n:]
     del usable[n:]
     if removed[0] != len(set(w.free_nodes)):
-        w.v.hard.append(f"{len(set(w.free_nodes)) - removed[0]} free-list nodes are not in-use chunks")
+        w.v.fail(f"{len(set(w.free_nodes)) - removed[0]} free-list nodes are not in-use chunks")
     # 7. validate: hard issues retake the snapshot
     w.v.raise_if_hard()
     w.stats["in_use"] = len(user)
     w.stats["method"] = loc.method
     return HeapWalk(allocator, w.image(user, usable), sorted(w.heap_ranges), metadata,
-                    w.v.soft, w.stats)
+                    w.v.soft, w.stats, dict(w.v.uncertain))
