@@ -344,7 +344,7 @@ int64_t mu_walk_tcache_scan(const mu_region *regions, uint64_t nregions, const u
                             const uint64_t *usable, uint64_t n, uint64_t struct_usable,
                             uint32_t count_width, uint64_t entries_off, uint64_t nbins,
                             uint64_t active_bins, uint64_t max_count, uint64_t key_off,
-                            mu_tcache_cand *out, uint64_t cap)
+                            uint64_t want_key, mu_tcache_cand *out, uint64_t cap)
 {
     if (!regions || (n && (!user || !usable)) || (cap && !out) || (count_width != 1 && count_width != 2) ||
         entries_off < count_width * nbins)
@@ -387,10 +387,10 @@ int64_t mu_walk_tcache_scan(const mu_region *regions, uint64_t nregions, const u
             cd.heads++;
             if (cd.heads == 1)
                 cd.key = kv;
-            cd.same_key += kv == cd.key;
+            cd.want_key += want_key && kv == want_key;
             cd.self_key += kv == addr;
         }
-        if (!cd.heads)
+        if (!cd.heads || (want_key && !cd.want_key))
             continue;
         if (found < cap)
             out[found] = cd;

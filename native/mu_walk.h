@@ -103,7 +103,7 @@ typedef struct {
     uint64_t key;           /* the word at key_off in its first valid head (0: no valid head) */
     uint32_t nonempty;      /* bins with counts[i] != 0 */
     uint32_t heads;         /* non-empty bins whose head is an in-use chunk of the bin's size */
-    uint32_t same_key;      /* of those heads, how many hold `key` */
+    uint32_t want_key;      /* of those heads, how many hold the caller's want_key */
     uint32_t self_key;      /* of those heads, how many hold addr (glibc 2.29-2.33's key) */
     uint32_t mismatched;    /* bins where (counts[i] == 0) != (entries[i] == 0) */
     uint32_t pad;
@@ -113,13 +113,15 @@ typedef struct {
  * struct_usable (user[]/usable[] ascending, n entries) whose counts[] (count_width 1 or 2
  * bytes, nbins of them) are all <= max_count, zero from bin active_bins on, with at least one
  * non-empty bin whose head entries[i] (at entries_off) is an in-use chunk of chunk size
- * 32 + 16 i (bin sizes never change). The memory is read through the regions. Stores up to
- * cap candidates in address order; returns the number that passed. */
+ * 32 + 16 i (bin sizes never change). The memory is read through the regions. A head's key
+ * is the word at head + key_off. want_key != 0: only candidates with a head holding want_key
+ * pass (counted in want_key). Stores up to cap candidates in address order; returns the
+ * number that passed. */
 int64_t mu_walk_tcache_scan(const mu_region *regions, uint64_t nregions, const uint64_t *user,
                             const uint64_t *usable, uint64_t n, uint64_t struct_usable,
                             uint32_t count_width, uint64_t entries_off, uint64_t nbins,
                             uint64_t active_bins, uint64_t max_count, uint64_t key_off,
-                            mu_tcache_cand *out, uint64_t cap);
+                            uint64_t want_key, mu_tcache_cand *out, uint64_t cap);
 
 /* Walk a doubly linked bin list from the bin's fake chunk `bin` (its fd at bin+16, bk at
  * bin+24) through the regions: each node n needs n->bk == previous node, a readable header,

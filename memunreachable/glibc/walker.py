@@ -13,6 +13,7 @@ bulk; the chunk loops run in native/mu_walk.c. References: glibc malloc/malloc.c
 from __future__ import annotations
 
 import bisect
+import collections
 import mmap
 import struct
 from array import array
@@ -404,21 +405,31 @@ class _Walker:
 
     # -- which 0x290 blocks are real tcaches (glibc-heap.md 10.1-10.3) ---------------------
     def tcache_candidates(self, tab, ntab, user: array, usable: array, tc: L.Tcache,
-                          active_bins: int, max_count: int) -> List[Tuple[int, int, int, int, int, int, int]]:
-        """Prefiltered blocks shaped like tc, as (addr, key, nonempty, heads, same_key,
-        self_key, mismatched) tuples (mu_walk_tcache_scan: linear, no per-block Python)."""
-        cap = 64
+                          active_bins: int, max_count: int, want_key: int = 0):
+        """(mu_tcache_cand[], n): blocks shaped like tc that pass mu_walk_tcache_scan's
+        prefilter (linear, in C); with want_key, only those with a head holding it."""
+        cap = max(1, usable.count(tc.chunk_size - L.ARENA_USABLE_DELTA))   # one C pass
         while True:
             out = ffi.new("mu_tcache_cand[]", cap)
             n = check(lib.mu_walk_tcache_scan(
                 tab, ntab, ffi.from_buffer("uint64_t[]", user), ffi.from_buffer("uint64_t[]", usable),
                 len(user), tc.chunk_size - L.ARENA_USABLE_DELTA, tc.count_width, tc.entries, tc.nbins,
-                active_bins, max_count, tc.key or 0, out, cap), "scan tcache candidates")
+                active_bins, max_count, tc.key or 0, want_key, out, cap), "scan tcache candidates")
             if n <= cap:
-                break
+                return out, n
             cap = n
+
+    @staticmethod
+    def cand_tuples(out, n: int) -> List[Tuple[int, int, int, int, int, int, int]]:
+        """(addr, key, nonempty, heads, want_key heads, self_key heads, mismatched) each."""
         rec = struct.Struct("<QQIIIIII")
-        return [r[:7] for r in rec.iter_unpack(ffi.buffer(out, n * ffi.sizeof("mu_tcache_cand")))]
+        return [r[:7] for r in rec.iter_unpack(ffi.buffer(out, n * rec.size))]
+
+    @staticmethod
+    def cand_keys(out, n: int) -> collections.Counter:
+        """How many candidates' first head holds each key (read as words: no per-record Python)."""
+        words = memoryview(ffi.buffer(out, n * ffi.sizeof("mu_tcache_cand"))).cast("Q")
+        return collections.Counter(words[1::ffi.sizeof("mu_tcache_cand") // 8])
 
     def is_mapped(self, addr: int) -> bool:
         i = bisect.bisect_right(self.map_begins, addr) - 1
@@ -427,12 +438,10 @@ class _Walker:
     def tcache_key_values(self, keys: set, data_ranges: List[Range]) -> set:
         """Which of keys are glibc's tcache_key (2.34+): a random word that is stored in the
         malloc object's writable data and is no address of the process."""
-        keys = {k for k in keys if k > 0xFFFF and not self.is_mapped(k)}
         found = set()
         for r in data_ranges if keys else ():
-            words = array("Q", self.mem.read(r.begin, r.size))
-            found |= keys.intersection(words)
-        return found
+            found |= keys.intersection(array("Q", self.mem.read(r.begin, r.size)))
+        return {k for k in found if k > 0xFFFF and not self.is_mapped(k)}
 
     def tls_words(self, threads: List[ThreadState]) -> set:
         """Words of every thread's static TLS area: up to L.TLS_TCACHE_WINDOW bytes below
@@ -455,37 +464,50 @@ class _Walker:
 
     def find_tcaches(self, tab, ntab, user: array, usable: array, ctx: "_TcacheContext"):
         """[(addr, Tcache)] of the real tcaches: candidates that glibc's own evidence supports
-        (glibc-heap.md 10.1-10.3): their first free chunk's key is tcache_key (2.34+) or the
-        struct itself (2.29-2.33, and referenced from a thread's TLS when threads are known);
-        for 2.27-2.28 (no key) a reference from a thread's TLS. Shape alone never suffices
-        when threads are known."""
-        cands = []
-        for tc in ctx.layouts:
-            cands += [(c, tc) for c in self.tcache_candidates(tab, ntab, user, usable, tc,
-                                                              ctx.active_bins, ctx.max_count)]
-        self.stats["tcache_candidates"] = len(cands)
-        if not cands:
+        (glibc-heap.md 10.1-10.3): a list head whose key is tcache_key (2.34+: a random word
+        stored in libc's data, no address), or the struct itself (2.29-2.33) plus a reference
+        from a thread's static TLS when threads are known; for 2.27-2.28 (no key) the TLS
+        reference. Shape alone never suffices when threads are known. Linear in the heap:
+        the per-block work is in C."""
+        scans = [(tc, self.tcache_candidates(tab, ntab, user, usable, tc, ctx.active_bins,
+                                             ctx.max_count)) for tc in ctx.layouts]
+        self.stats["tcache_candidates"] = sum(n for _, (_, n) in scans)
+        if not self.stats["tcache_candidates"]:
             return []
         kind = ctx.key_kind
-        keys = set()
         if kind in (L.KEY_GLOBAL, None):
-            keys = self.tcache_key_values({c[1] for c, _ in cands}, ctx.data_ranges)
+            first_keys = collections.Counter()
+            for _, (out, n) in scans:
+                first_keys.update(self.cand_keys(out, n))
+            keys = self.tcache_key_values(set(first_keys), ctx.data_ranges)
             if kind is None:
                 kind = (L.KEY_GLOBAL if keys else
-                        L.KEY_SELF if any(c[5] for c, _ in cands) else L.KEY_NONE)
-        self.stats["tcache_key_kind"] = kind
-        tls = self.tls_words(ctx.threads) if ctx.threads and kind != L.KEY_GLOBAL else None
-        out = []
-        for c, tc in cands:
-            addr, key, nonempty, heads, same, self_key, mism = c
+                        L.KEY_SELF if any(c[5] for _, (o, n) in scans for c in self.cand_tuples(o, n))
+                        else L.KEY_NONE)
             if kind == L.KEY_GLOBAL:
-                ok = key in keys
-            elif kind == L.KEY_SELF:
-                ok = self_key > 0 and (tls is None or addr in tls)
-            else:
-                ok = addr in tls if tls is not None else (heads == nonempty and mism == 0)
-            if ok:
-                out.append((addr, tc))
+                self.stats["tcache_key_kind"] = kind
+                if not keys:
+                    return []
+                # the key most first heads hold; each candidate needs one head holding it (a
+                # program may have overwritten some free chunk's key)
+                k = max(sorted(keys), key=lambda x: first_keys[x])
+                out = []
+                for tc in ctx.layouts:
+                    o, n = self.tcache_candidates(tab, ntab, user, usable, tc, ctx.active_bins,
+                                                  ctx.max_count, k)
+                    out += [(c[0], tc) for c in self.cand_tuples(o, n)]
+                return out
+        self.stats["tcache_key_kind"] = kind
+        tls = self.tls_words(ctx.threads) if ctx.threads else None
+        out = []
+        for tc, (o, n) in scans:
+            for addr, key, nonempty, heads, want, self_key, mism in self.cand_tuples(o, n):
+                if kind == L.KEY_SELF:
+                    ok = self_key > 0 and (tls is None or addr in tls)
+                else:
+                    ok = addr in tls if tls is not None else (heads == nonempty and mism == 0)
+                if ok:
+                    out.append((addr, tc))
         return out
 
     def tcache_bins(self, tab, ntab, user: array, usable: array, addr: int, tc: L.Tcache,

@@ -246,14 +246,14 @@ def tcache_struct(r, counts, heads, tc):
     return u
 
 
-def scan(tab, n, r, tc, active=64, max_count=7, cap=16):
+def scan(tab, n, r, tc, active=64, max_count=7, cap=16, want=0):
     user, usable = in_use(r)
     out = ffi.new("mu_tcache_cand[]", cap)
     k = lib.mu_walk_tcache_scan(tab, n, ffi.from_buffer("uint64_t[]", user),
                                 ffi.from_buffer("uint64_t[]", usable), len(user),
                                 tc.chunk_size - 8, tc.count_width, tc.entries, tc.nbins, active,
-                                max_count, 8, out, cap)
-    return [(o.addr, o.key, o.nonempty, o.heads, o.same_key, o.self_key, o.mismatched)
+                                max_count, 8, want, out, cap)
+    return [(o.addr, o.key, o.nonempty, o.heads, o.want_key, o.self_key, o.mismatched)
             for o in out[0:min(k, cap)]]
 
 
@@ -275,7 +275,10 @@ def test_tcache_scan_prefilter_and_keys():
     r.finish_top()
     tab, keep = regions(r)
     got = scan(tab, 1, r, tc)
-    assert got == [(real, key, 2, 2, 2, 0, 0), (self_keyed, self_keyed, 1, 1, 1, 1, 0)]
+    assert got == [(real, key, 2, 2, 0, 0, 0), (self_keyed, self_keyed, 1, 1, 0, 1, 0)]
+    # the key is counted in every head: one overwritten key still leaves the other
+    r.set_word(n0 + 16 + 8, 0x4242)
+    assert scan(tab, 1, r, tc, want=key) == [(real, 0x4242, 2, 2, 1, 0, 0)]
     assert {too_many, wrong_size, empty}.isdisjoint(a for a, *_ in got)
     # bins beyond mp_.tcache_bins must be empty
     assert [g[0] for g in scan(tab, 1, r, tc, active=2)] == [real, self_keyed]
@@ -297,7 +300,7 @@ def test_tcache_scan_is_linear_for_many_lookalikes():
     t = time.perf_counter()
     k = lib.mu_walk_tcache_scan(tab, 1, ffi.from_buffer("uint64_t[]", user),
                                 ffi.from_buffer("uint64_t[]", usable), len(user), tc.chunk_size - 8,
-                                2, tc.entries, 64, 64, 7, 8, out, n)
+                                2, tc.entries, 64, 64, 7, 8, 0, out, n)
     dt = time.perf_counter() - t
     assert k == n
     assert dt < 0.1, f"prefilter of {n} look-alikes took {dt:.3f}s"
