@@ -306,8 +306,11 @@ class _Walker:
 
     # -- step 6b and 9: anonymous memory: NONCONTIGUOUS main runs and mmapped chunks ----
     def anonymous_ranges(self) -> List[Range]:
+        """Private anonymous memory not claimed yet, adjacent mappings merged (an mprotect or
+        madvise inside an mmapped chunk or a NONCONTIGUOUS run splits its VMA: read-only
+        pieces count too)."""
         cands = [m.range for m in self.maps
-                 if m.readable and m.writable and not m.shared and m.anonymous and
+                 if m.readable and not m.shared and m.anonymous and
                  (not m.path.startswith("[") or m.path.startswith("[anon:"))]
         claimed = list(self.heap_ranges) + [Range(c.base, c.end) for c in self.copies]
         return [r for r in subtract_ranges(cands, claimed) if r.begin % L.PAGE == 0]

@@ -245,3 +245,13 @@ def test_mprotect_split_heap_is_one_heap():
     assert owned(fx) <= got
     assert [s for _, s in got - owned(fx)] == [TCACHE_USABLE]
     assert hw.stats["main_runs"] == 1 and hw.soft_issues == []
+
+
+def test_mprotect_split_mmapped_chunk_is_found():
+    with fixtures.start("heap_split", "mmap_mprotect") as fx:
+        hw, got, maps = frozen_walk(fx.pid)
+    mm = fx.blocks["live_mmap"]
+    split = [m for m in maps if m.begin < mm.address + mm.size and m.end > mm.address]
+    assert [m.perms for m in split] == ["rw-p", "r--p", "rw-p"]
+    assert owned(fx) <= got and (mm.address, mm.size) in got
+    assert hw.stats["mmapped"] == 1 and hw.soft_issues == []
