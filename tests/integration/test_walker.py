@@ -255,3 +255,13 @@ def test_mprotect_split_mmapped_chunk_is_found():
     assert [m.perms for m in split] == ["rw-p", "r--p", "rw-p"]
     assert owned(fx) <= got and (mm.address, mm.size) in got
     assert hw.stats["mmapped"] == 1 and hw.soft_issues == []
+
+
+def test_mprotect_split_thread_heap_is_walked():
+    with fixtures.start("heap_split", "thread_mprotect") as fx:
+        hw, got, maps = frozen_walk(fx.pid)
+    big = fx.blocks["live_thread_big"]
+    heap = [m for m in maps if m.begin <= big.address < m.end][0]
+    assert heap.path == "" and heap.end < big.address + big.size     # split inside the block
+    assert owned(fx) <= got
+    assert hw.stats["arenas"] == 2 and hw.stats["heaps"] == 1 and hw.soft_issues == []
