@@ -203,9 +203,13 @@ def test_lookalike_tcache_is_not_a_tcache(flags, free):
     assert hw.uncertain_sizes == {} and hw.soft_issues == []
 
 
-def test_lookalike_tcache_string_is_not_a_leak_end_to_end():
+NO_FP = ["-O2", "-fomit-frame-pointer"]
+
+
+@pytest.mark.parametrize("flags", [[], NO_FP])
+def test_lookalike_tcache_string_is_not_a_leak_end_to_end(flags):
     from memunreachable.unreachable import check
-    with fixtures.start("lookalike_tcache") as fx:
+    with fixtures.start("lookalike_tcache", extra_flags=flags) as fx:
         info = check(fx.pid)
     assert [(lk.address, lk.size) for lk in info.leaks] == [(fx.blocks["leak"].address,
                                                              fx.blocks["leak"].size)]
@@ -229,9 +233,10 @@ def test_forked_heap_grown_after_fork_is_one_heap():
     assert hw.soft_issues == [] and hw.uncertain_sizes == {}
 
 
-def test_forked_heap_leak_found_end_to_end():
+@pytest.mark.parametrize("flags", [[], NO_FP])
+def test_forked_heap_leak_found_end_to_end(flags):
     from memunreachable.unreachable import check
-    with fixtures.start("heap_split", "fork") as fx:
+    with fixtures.start("heap_split", "fork", extra_flags=flags) as fx:
         info = check(fx.expect["child_pid"])
     assert [(lk.address, lk.size) for lk in info.leaks] == [(fx.blocks["leak"].address,
                                                              fx.blocks["leak"].size)]
