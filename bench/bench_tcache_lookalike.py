@@ -24,15 +24,17 @@ from memunreachable.memory import ProcessMemory  # noqa: E402
 
 def time_walk(blocks: int, runs: int):
     with fixtures.start("lookalike_tcache", str(blocks), "free", timeout=120) as fx:
-        times = []
+        times, cpu = [], []
         for _ in range(runs):
             with frozen(fx.pid) as fz, ProcessMemory(fx.pid) as mem:
-                t = time.perf_counter()
+                t, c = time.perf_counter(), time.process_time()
                 hw = walk_heap(mem, fz.maps, fz.threads, fx.pid)
                 times.append(time.perf_counter() - t)
+                cpu.append(time.process_time() - c)
         assert fx.blocks["live_cache"].address not in hw.stats["tcaches"]
         assert len(hw.stats["tcaches"]) == 1
-        return statistics.median(times), len(hw.image.begins), hw.stats.get("tcache_candidates")
+        return (statistics.median(times), statistics.median(cpu), len(hw.image.begins),
+                hw.stats.get("tcache_candidates"))
 
 
 def main():
@@ -41,9 +43,9 @@ def main():
     ap.add_argument("--runs", type=int, default=3)
     a = ap.parse_args()
     for n in (0, a.blocks):
-        dt, allocs, cands = time_walk(n, a.runs)
-        print(f"look-alikes {n:6d}: walk {dt * 1000:8.1f} ms (median of {a.runs}), "
-              f"{allocs} allocations, {cands} tcache candidates")
+        dt, cpu, allocs, cands = time_walk(n, a.runs)
+        print(f"look-alikes {n:6d}: walk {dt * 1000:8.1f} ms wall, {cpu * 1000:8.1f} ms CPU "
+              f"(medians of {a.runs}), {allocs} allocations, {cands} tcache candidates")
 
 
 if __name__ == "__main__":

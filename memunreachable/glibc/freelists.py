@@ -12,7 +12,6 @@ malloc/malloc.c tcache_put/tcache_get/_int_free (2.27-2.41).
 from __future__ import annotations
 
 import bisect
-import collections
 import struct
 from array import array
 from dataclasses import dataclass
@@ -116,10 +115,10 @@ class FreeListsMixin:
         return [r[:7] for r in rec.iter_unpack(ffi.buffer(out, n * rec.size))]
 
     @staticmethod
-    def cand_keys(out, n: int) -> collections.Counter:
-        """How many candidates' first head holds each key (read as words: no per-record Python)."""
+    def cand_keys(out, n: int) -> set:
+        """The keys the candidates' first heads hold (read as words: no per-record Python)."""
         words = memoryview(ffi.buffer(out, n * ffi.sizeof("mu_tcache_cand"))).cast("Q")
-        return collections.Counter(words[1::ffi.sizeof("mu_tcache_cand") // 8])
+        return set(words[1::ffi.sizeof("mu_tcache_cand") // 8])
 
     def is_mapped(self, addr: int) -> bool:
         i = bisect.bisect_right(self.map_begins, addr) - 1
@@ -166,10 +165,10 @@ class FreeListsMixin:
             return []
         kind = ctx.key_kind
         if kind in (L.KEY_GLOBAL, None):
-            first_keys = collections.Counter()
+            first_keys = set()
             for _, (out, n) in scans:
                 first_keys.update(self.cand_keys(out, n))
-            keys = self.tcache_key_values(set(first_keys), ctx.data_ranges)
+            keys = self.tcache_key_values(first_keys, ctx.data_ranges)
             if kind is None:
                 kind = (L.KEY_GLOBAL if keys else
                         L.KEY_SELF if any(c[5] for _, (o, n) in scans for c in self.cand_tuples(o, n))
@@ -178,15 +177,21 @@ class FreeListsMixin:
                 self.stats["tcache_key_kind"] = kind
                 if not keys:
                     return []
-                # the key most first heads hold; each candidate needs one head holding it (a
-                # program may have overwritten some free chunk's key)
-                k = max(sorted(keys), key=lambda x: first_keys[x])
+                # each candidate needs one head holding the key (a program may have
+                # overwritten some free chunk's key). Several such words (a static build holds
+                # the program's data too, e.g. a random cookie its nodes carry): only keys
+                # held by a tcache that some thread's TLS points at, when threads are known.
+                tls = self.tls_words(ctx.threads) if ctx.threads and len(keys) > 1 else None
                 out = []
-                for tc in ctx.layouts:
-                    o, n = self.tcache_candidates(tab, ntab, user, usable, tc, ctx.active_bins,
-                                                  ctx.max_count, k)
-                    out += [(c[0], tc) for c in self.cand_tuples(o, n)]
-                return out
+                for k in sorted(keys):
+                    got = []
+                    for tc in ctx.layouts:
+                        o, n = self.tcache_candidates(tab, ntab, user, usable, tc, ctx.active_bins,
+                                                      ctx.max_count, k)
+                        got += [(c[0], tc) for c in self.cand_tuples(o, n)]
+                    if tls is None or any(a in tls for a, _ in got):
+                        out += got
+                return sorted(set(out), key=lambda x: x[0])
         self.stats["tcache_key_kind"] = kind
         tls = self.tls_words(ctx.threads) if ctx.threads else None
         out = []

@@ -12,7 +12,7 @@ HEAP, LIBC_DATA, TLS = 0x10000000, 0x7F0000001000, 0x7F0000100000
 K = 0x3C5A9D2E7F014B68          # a tcache_key: random, no address
 
 
-def tcache_world(key_kind, tls_refs=(), threads=True):
+def tcache_world(key_kind, tls_refs=(), threads=True, cookie_in_libc=False):
     """A heap with four blocks shaped like tcaches; returns the addresses find_tcaches accepts
     and the four (real: heads keyed K; selfish: heads keyed with its own address; ptr: heads
     keyed with a heap pointer; cookie: a random key that libc's data does not hold)."""
@@ -26,6 +26,8 @@ def tcache_world(key_kind, tls_refs=(), threads=True):
     r.finish_top()
     libc = bytearray(0x1000)
     struct.pack_into("<QQ", libc, 0x100, K, 0x5555)
+    if cookie_in_libc:      # a static build: the program's own random cookie is in that data too
+        struct.pack_into("<Q", libc, 0x200, 0x1111222233334444)
     tls = bytearray(0x2000)
     for i, a in enumerate(tls_refs):
         struct.pack_into("<Q", tls, 0x1f00 + 8 * i, a)
@@ -69,3 +71,11 @@ def test_keyless_tcache_is_the_one_tls_points_at():
     assert tcache_world("none")[0] == []
     # without threads (no fs_base known), only the old shape test is left
     assert tcache_world("none", threads=False)[0] == structs
+
+
+def test_two_random_keys_in_the_data_tls_decides():
+    _, structs, _ = tcache_world("tcache_key")
+    real, selfish, ptr, cookie = structs
+    assert tcache_world("tcache_key", tls_refs=[real], cookie_in_libc=True)[0] == [real]
+    # no threads known: both keys stand (never drop a real tcache)
+    assert tcache_world("tcache_key", threads=False, cookie_in_libc=True)[0] == [real, cookie]
