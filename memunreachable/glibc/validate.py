@@ -73,14 +73,15 @@ def check_run(v: Verdict, what: str, status: int, end: int, bad_at: int, want_st
     return True
 
 
-def _link_problem(status: int, reason: int, nodes: int, count: Optional[int], bad: int) -> str:
+def _link_problem(status: int, reason: int, nodes: int, count: Optional[int], bad: int,
+                  link: str = "next pointer") -> str:
     if status == CHAIN_CYCLE:
-        return f"next pointer {bad:#x} loops back into the chain"
+        return f"{link} {bad:#x} loops back into the chain"
     if status == CHAIN_LONG:
         return (f"more than {count + 1} chunks linked, count says {count}" if count is not None
                 else f"more than {nodes} chunks linked (more than the arena holds)")
     if status == CHAIN_BAD:
-        return f"next pointer {bad:#x} is {LINK_REASONS.get(reason, 'invalid')}"
+        return f"{link} {bad:#x} is {LINK_REASONS.get(reason, 'invalid')}"
     return f"{nodes} chunk(s) linked, count says {count}"
 
 
@@ -100,8 +101,9 @@ def judge_tcache_bin(v: Verdict, tcache: int, i: int, usable: int, count: int, s
                          f"(a thread inside malloc/free; the chain was counted as free)", usable)
         return nodes, True
     where = f"at {last:#x}" if last else "at its head"
+    link = "next pointer" if last else f"entries[{i}]"
     v.warn_uncertain(f"{what}: chain broken {where}: "
-                     f"{_link_problem(status, reason, nodes, count, bad)}; unreachable "
+                     f"{_link_problem(status, reason, nodes, count, bad, link)}; unreachable "
                      f"{usable}-byte blocks may be free", usable)
     return min(nodes, count), False
 
@@ -113,8 +115,9 @@ def judge_fastbin(v: Verdict, arena: int, i: int, usable: int, status: int, node
     if status == CHAIN_NULL:
         return nodes
     where = f"at {last:#x}" if last else "at its head"
+    link = "next pointer" if last else f"fastbinsY[{i}] (as a user pointer)"
     v.warn_uncertain(f"arena {arena:#x} fastbin {i} ({usable}-byte blocks): chain broken {where}: "
-                     f"{_link_problem(status, reason, nodes, None, bad)}; unreachable "
+                     f"{_link_problem(status, reason, nodes, None, bad, link)}; unreachable "
                      f"{usable}-byte blocks may be free", usable)
     return nodes
 

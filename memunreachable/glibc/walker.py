@@ -122,11 +122,14 @@ class _Walker(FreeListsMixin):
         return self.maps[i] if i >= 0 and addr < self.maps[i].end else None
 
     def span_end(self, m: Mapping) -> int:
-        """End of the run of address-adjacent readable mappings that starts with m: the kernel
-        splits one heap into several VMAs (brk growth after fork(), mprotect, madvise)."""
+        """End of the run of address-adjacent readable mappings that starts with m and carry its
+        name: the kernel splits one heap into several [heap] VMAs (brk growth after fork(),
+        mprotect, madvise). Unnamed anonymous neighbours are left to anonymous(), which
+        merges them itself (they may hold NONCONTIGUOUS runs and mmapped chunks)."""
         k = self.maps.index(m)
         end = m.end
-        while k + 1 < len(self.maps) and self.maps[k + 1].begin == end and self.maps[k + 1].readable:
+        while (m.path and k + 1 < len(self.maps) and self.maps[k + 1].begin == end and
+               self.maps[k + 1].readable and self.maps[k + 1].path == m.path):
             k += 1
             end = self.maps[k].end
         return end

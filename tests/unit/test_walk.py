@@ -401,7 +401,13 @@ def test_fastbin_verdicts():
         "back into the chain; unreachable 88-byte blocks may be free"]
     V.judge_fastbin(v, 0xa000, 0, 24, V.CHAIN_BAD, 0, 1, 0, 0x123)
     assert v.uncertain[24].startswith("arena 0xa000 fastbin 0 (24-byte blocks): chain broken at its "
-                                      "head: next pointer 0x123 is not 16-byte aligned")
+                                      "head: fastbinsY[0] (as a user pointer) 0x123 is not 16-byte "
+                                      "aligned")
+    v2 = V.Verdict()
+    V.judge_tcache_bin(v2, 0x5000, 2, 56, 1, V.CHAIN_BAD, 0, 2, 0, 0x9990, False)
+    assert v2.uncertain[56] == ("tcache 0x5000 bin 2 (56-byte blocks): chain broken at its head: "
+                                "entries[2] 0x9990 is not an in-use chunk of the heap; unreachable "
+                                "56-byte blocks may be free")
 
 
 def test_heap_inconsistent_carries_first_bad_and_pickles():
