@@ -3,12 +3,13 @@
 Input: a Memory reader of the snapshot, its mappings, its threads, its pid (for map_files).
 Output: HeapWalk: every in-use chunk as (user address, usable size) equal to
 malloc_usable_size(), local copies of the memory holding them, the heap ranges (never roots),
-glibc's metadata ranges (main_arena, mp_), soft issues and counters.
+glibc's metadata ranges (main_arena, mp_), soft issues, the block sizes a broken free list
+makes uncertain, and counters.
 Steps (glibc-heap.md section 1): detect the allocator, locate main_arena/mp_, follow the arena
-ring, walk the main arena's runs and every thread arena's heaps, scan anonymous memory for
-mmapped chunks, subtract tcache and fastbin free chunks, validate. Each region is read once in
-bulk; the chunk loops run in native/mu_walk.c. References: glibc malloc/malloc.c, arena.c
-(2.27-2.41).
+ring, walk the main arena's runs (across adjacent [heap] VMAs) and every thread arena's heaps,
+scan anonymous memory for mmapped chunks, subtract the verified tcache and fastbin chains
+(freelists.py), validate. Each region is read once in bulk; the chunk loops run in
+native/mu_walk.c. References: glibc malloc/malloc.c, arena.c (2.27-2.41).
 """
 from __future__ import annotations
 
@@ -416,8 +417,12 @@ def _find_objects(mem, maps, pid) -> Tuple[detect.AllocatorScan, locate.Located]
     return scan, loc
 
 
-# Returns the walk of the snapshot's glibc heap. Raises UnsupportedTarget (not glibc malloc,
-# unknown layout, arenas unused), HeapInconsistent (hard inconsistency: retake the snapshot).
+# Returns the walk of the snapshot's glibc heap. threads: every thread's registers (their
+# fs_base locates the static TLS that holds each thread's `tcache` pointer; [] is allowed).
+# Never reports a free chunk as in use silently: a broken or in-transit tcache bin or fastbin
+# is a soft issue and its usable size is in HeapWalk.uncertain_sizes. Raises UnsupportedTarget
+# (not glibc malloc, unknown layout, arenas unused), HeapInconsistent (hard inconsistency:
+# retake the snapshot; .first_bad and a deterministic message tell a corrupt heap apart).
 def walk_heap(mem, maps: List[Mapping], threads: List[ThreadState], pid: int) -> HeapWalk:
     # 1. which allocator, and where are main_arena and mp_
     scan, loc = _find_objects(mem, maps, pid)
