@@ -15,7 +15,9 @@ from typing import List, Optional
 from memunreachable._types import Mapping
 
 LIBC_RE = re.compile(r"/libc(?:\.so\.6|-2\.\d+\.so)$")
-MUSL_RE = re.compile(r"/(?:ld-musl-[^/]*\.so\.1|libc\.musl-[^/]*\.so\.1)$")
+# musl's dynamic loader is its libc: /lib/ld-musl-ARCH.so.1 (Alpine), which Debian's musl
+# package makes a symlink to /usr/lib/ARCH-linux-musl/libc.so (maps show the resolved path).
+MUSL_RE = re.compile(r"/(?:ld-musl-[^/]*\.so\.1|libc\.musl-[^/]*\.so\.1|[^/]*-linux-musl[^/]*/libc\.so)$")
 # Other allocators (or glibc's debug malloc) that take over malloc when loaded.
 FOREIGN_RE = re.compile(
     r"/(libjemalloc[^/]*\.so[^/]*|libtcmalloc[^/]*\.so[^/]*|libmimalloc[^/]*\.so[^/]*|"
@@ -31,7 +33,7 @@ class AllocatorScan:
     object_mappings: List[Mapping] = field(default_factory=list)
     static: bool = False                       # no libc mapped: try the executable
     foreign: List[str] = field(default_factory=list)   # basenames of other allocators
-    musl: bool = False
+    musl: bool = False                         # musl's libc/loader is mapped (dynamically linked)
 
 
 def strip_deleted(path: str) -> str:
@@ -80,7 +82,7 @@ def foreign_message(scan: AllocatorScan) -> str:
 
 def not_glibc_message(scan: AllocatorScan, what: str) -> str:
     if scan.musl:
-        kind = "musl libc (mallocng)"
+        kind = "musl libc (dynamically linked)"
     elif scan.static:
         kind = f"a static executable without glibc malloc ({scan.malloc_object})"
     else:

@@ -225,63 +225,209 @@ static inline int region_word(const mu_region *r, uint64_t nr, uint64_t addr, ui
     return 0;
 }
 
-int64_t mu_walk_chain(const mu_region *regions, uint64_t nregions, uint64_t head, uint64_t bias,
-                      uint32_t mangled, uint64_t chunk_size, uint64_t max_nodes,
-                      uint64_t *out, uint64_t cap, int64_t *status)
+/* Index of u in the ascending user[0 .. n), or -1. */
+static int64_t find_user(const uint64_t *user, uint64_t n, uint64_t u)
 {
-    if (!regions || !status || (cap && !out))
-        return -EINVAL;
-    uint64_t n = 0;
-    uint64_t node = head ? head + bias : 0;
-    *status = MU_CHAIN_NULL;
-    while (node) {
-        if (n > max_nodes) {
-            *status = MU_CHAIN_LONG;
-            break;
-        }
-        uint64_t sz, nexthdr, link;
-        if ((node & 15) || node < 16 ||
-            region_word(regions, nregions, node - 8, &sz) ||
-            (sz & ~(uint64_t)CHUNK_FLAGS) != chunk_size ||
-            region_word(regions, nregions, node - 16 + chunk_size + 8, &nexthdr) ||
-            !(nexthdr & CHUNK_PREV_INUSE) ||
-            region_word(regions, nregions, node, &link)) {
-            *status = MU_CHAIN_BAD;
-            break;
-        }
-        if (n < cap)
-            out[n] = node;
-        n++;
-        if (mangled)
-            link ^= node >> 12;
-        node = link ? link + bias : 0;
+    uint64_t lo = 0, hi = n;
+    while (lo < hi) {
+        uint64_t mid = lo + (hi - lo) / 2;
+        if (user[mid] < u)
+            lo = mid + 1;
+        else
+            hi = mid;
     }
-    return (int64_t)n;
+    return (lo < n && user[lo] == u) ? (int64_t)lo : -1;
+}
+
+/* MU_LINK_* verdict on node; on MU_LINK_OK *link gets the raw word at node. */
+static int64_t check_node(const mu_region *regions, uint64_t nregions, const uint64_t *user,
+                          const uint64_t *usable, uint64_t n, uint64_t node, uint64_t chunk_size,
+                          uint32_t arena, uint64_t *link)
+{
+    if (node & 15)
+        return MU_LINK_MISALIGNED;
+    int64_t i = find_user(user, n, node);
+    if (i < 0)
+        return MU_LINK_NOT_CHUNK;
+    if (usable[i] + 8 != chunk_size)
+        return MU_LINK_WRONG_SIZE;
+    if (arena) {
+        uint64_t sz;
+        if (region_word(regions, nregions, node - 8, &sz))
+            return MU_LINK_UNREADABLE;
+        if (((sz & CHUNK_NON_MAIN) != 0) != (arena == 2))
+            return MU_LINK_WRONG_ARENA;
+    }
+    if (region_word(regions, nregions, node, link))
+        return MU_LINK_UNREADABLE;
+    return MU_LINK_OK;
+}
+
+static inline uint64_t decode_link(uint64_t node, uint64_t link, uint32_t mangled, uint64_t bias)
+{
+    if (mangled)
+        link ^= node >> 12;
+    return link ? link + bias : 0;
+}
+
+int64_t mu_walk_chain(const mu_region *regions, uint64_t nregions, const uint64_t *user,
+                      const uint64_t *usable, uint64_t n, uint64_t head, uint64_t bias,
+                      uint32_t mangled, uint64_t chunk_size, uint32_t arena, uint64_t max_nodes,
+                      uint64_t *out, uint64_t cap, mu_chain_result *res)
+{
+    if (!regions || !res || (cap && !out) || (n && (!user || !usable)) || arena > 2)
+        return -EINVAL;
+    memset(res, 0, sizeof *res);
+    uint64_t node = head ? head + bias : 0, k = 0, link = 0;
+    uint64_t saved = 0, s = 0, power = 1, prev = 0;     /* Brent's cycle finder */
+    for (; node; k++) {
+        if (saved && node == saved) {
+            /* node k repeats node s: a cycle of length lam; mu nodes lead into it */
+            uint64_t lam = k - s, mu = 0, p = head + bias, q = p;
+            for (uint64_t j = 0; j < lam; j++) {
+                region_word(regions, nregions, q, &link);
+                q = decode_link(q, link, mangled, bias);
+            }
+            while (p != q) {
+                region_word(regions, nregions, p, &link);
+                p = decode_link(p, link, mangled, bias);
+                region_word(regions, nregions, q, &link);
+                q = decode_link(q, link, mangled, bias);
+                mu++;
+            }
+            k = mu + lam;
+            res->status = MU_CHAIN_CYCLE;
+            res->bad = p;
+            res->last = k <= cap ? out[k - 1] : prev;
+            if (k > cap) {   /* walk to the last distinct node */
+                uint64_t t = head + bias;
+                for (uint64_t j = 1; j < k; j++) {
+                    region_word(regions, nregions, t, &link);
+                    t = decode_link(t, link, mangled, bias);
+                }
+                res->last = t;
+            }
+            break;
+        }
+        if (k >= max_nodes) {
+            res->status = MU_CHAIN_LONG;
+            res->last = prev;
+            res->bad = node;
+            break;
+        }
+        int64_t why = check_node(regions, nregions, user, usable, n, node, chunk_size, arena, &link);
+        if (why != MU_LINK_OK) {
+            res->status = MU_CHAIN_BAD;
+            res->reason = why;
+            res->last = prev;
+            res->bad = node;
+            break;
+        }
+        if (k < cap)
+            out[k] = node;
+        if (!saved || k - s == power) {
+            if (saved)
+                power <<= 1;
+            saved = node;
+            s = k;
+        }
+        prev = node;
+        node = decode_link(node, link, mangled, bias);
+    }
+    if (res->status == MU_CHAIN_NULL)
+        res->last = prev;
+    res->nodes = k;
+    return (int64_t)k;
+}
+
+int64_t mu_walk_tcache_scan(const mu_region *regions, uint64_t nregions, const uint64_t *user,
+                            const uint64_t *usable, uint64_t n, uint64_t struct_usable,
+                            uint32_t count_width, uint64_t entries_off, uint64_t nbins,
+                            uint64_t active_bins, uint64_t max_count, uint64_t key_off,
+                            uint64_t want_key, mu_tcache_cand *out, uint64_t cap)
+{
+    if (!regions || (n && (!user || !usable)) || (cap && !out) || (count_width != 1 && count_width != 2) ||
+        entries_off < count_width * nbins)
+        return -EINVAL;
+    uint64_t found = 0;
+    const uint64_t span = entries_off + 8 * nbins;
+    for (uint64_t i = 0; i < n; i++) {
+        if (usable[i] != struct_usable)
+            continue;
+        uint64_t addr = user[i];
+        int64_t r = region_find(regions, nregions, addr, span);
+        if (r < 0)
+            continue;
+        const uint8_t *p = regions[r].data + (addr - regions[r].base);
+        int ok = 1;
+        for (uint64_t b = 0; b < nbins && ok; b++) {
+            uint64_t c = count_width == 1 ? p[b] : (uint64_t)p[2 * b] | ((uint64_t)p[2 * b + 1] << 8);
+            if (c > max_count || (b >= active_bins && c))
+                ok = 0;
+        }
+        if (!ok)
+            continue;
+        mu_tcache_cand cd;
+        memset(&cd, 0, sizeof cd);
+        cd.addr = addr;
+        for (uint64_t b = 0; b < nbins; b++) {
+            uint64_t c = count_width == 1 ? p[b] : (uint64_t)p[2 * b] | ((uint64_t)p[2 * b + 1] << 8);
+            uint64_t e = ld64(p + entries_off + 8 * b), kv;
+            if ((c == 0) != (e == 0))
+                cd.mismatched++;
+            if (!c)
+                continue;
+            cd.nonempty++;
+            if (!e || (e & 15))
+                continue;
+            int64_t j = find_user(user, n, e);
+            if (j < 0 || usable[j] + 8 != CHUNK_MINSIZE + 16 * b ||
+                region_word(regions, nregions, e + key_off, &kv))
+                continue;
+            cd.heads++;
+            if (cd.heads == 1)
+                cd.key = kv;
+            cd.want_key += want_key && kv == want_key;
+            cd.self_key += kv == addr;
+        }
+        if (!cd.heads || (want_key && !cd.want_key))
+            continue;
+        if (found < cap)
+            out[found] = cd;
+        found++;
+    }
+    return (int64_t)found;
 }
 
 int64_t mu_walk_bin(const mu_region *regions, uint64_t nregions, uint64_t bin, uint64_t max_nodes,
-                    uint64_t *nodes, uint64_t *bytes, uint64_t *bit_free)
+                    uint64_t *nodes, uint64_t *bytes, uint64_t *bit_free, uint64_t *bad_at)
 {
-    if (!regions || !nodes || !bytes || !bit_free)
+    if (!regions || !nodes || !bytes || !bit_free || !bad_at)
         return -EINVAL;
-    *nodes = *bytes = *bit_free = 0;
+    *nodes = *bytes = *bit_free = *bad_at = 0;
     uint64_t prev = bin, cur;
-    if (region_word(regions, nregions, bin + 16, &cur))
+    if (region_word(regions, nregions, bin + 16, &cur)) {
+        *bad_at = bin;
         return 1;
+    }
     while (cur != bin) {
         uint64_t bk, sz, nexthdr;
         if (*nodes >= max_nodes || (cur & 15) || region_word(regions, nregions, cur + 24, &bk) ||
             bk != prev || region_word(regions, nregions, cur + 8, &sz) ||
-            (sz & ~(uint64_t)CHUNK_FLAGS) < CHUNK_MINSIZE)
+            (sz & ~(uint64_t)CHUNK_FLAGS) < CHUNK_MINSIZE) {
+            *bad_at = cur;
             return 1;
+        }
         uint64_t s = sz & ~(uint64_t)CHUNK_FLAGS;
         (*nodes)++;
         *bytes += s;
         if (!region_word(regions, nregions, cur + s + 8, &nexthdr) && !(nexthdr & CHUNK_PREV_INUSE))
             (*bit_free)++;
         prev = cur;
-        if (region_word(regions, nregions, cur + 16, &cur))
+        if (region_word(regions, nregions, cur + 16, &cur)) {
+            *bad_at = prev;
             return 1;
+        }
     }
     return 0;
 }

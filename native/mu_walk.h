@@ -57,32 +57,80 @@ typedef struct {
 int64_t mu_walk_mmapped(const uint8_t *data, uint64_t base, uint64_t len, uint64_t page,
                         uint64_t *user, uint64_t *usable, uint64_t cap, mu_mmap_result *res);
 
-/* Why mu_walk_chain stopped. */
+/* Why mu_walk_chain stopped (mu_chain_result.status). */
 enum {
     MU_CHAIN_NULL = 0,      /* the chain ended in NULL */
-    MU_CHAIN_BAD = 1,       /* a node was misaligned, unreadable, of the wrong size or bit-free */
-    MU_CHAIN_LONG = 2       /* more than max_nodes nodes (a cycle, or a count off) */
+    MU_CHAIN_BAD = 1,       /* a link led to no in-use chunk of the list's size (reason says why) */
+    MU_CHAIN_LONG = 2,      /* more than max_nodes distinct nodes (a count off, or garbage) */
+    MU_CHAIN_CYCLE = 3      /* a link led back to a node already on the chain */
 };
 
-/* Follow a singly linked free list through the sorted, disjoint regions[0 .. nregions).
- * Link addresses L are user pointers (chunk = L-16). The first node is head + bias; the link
- * of node L is the word at L, mangled (glibc >= 2.32 safe-linking: stored = (L >> 12) ^ value)
- * when mangled != 0, and the next node is value + bias (bias 0: tcache entries are user
- * pointers; bias 16: fastbin fd values are chunk pointers). Each node must be 16-aligned,
- * inside a region, have chunksize == chunk_size and the PREV_INUSE bit set in the next header.
- * Stores the valid nodes' user pointers (up to cap, in chain order); *status gets MU_CHAIN_*.
- * Returns the number of valid nodes (at most max_nodes + 1). */
-int64_t mu_walk_chain(const mu_region *regions, uint64_t nregions, uint64_t head, uint64_t bias,
-                      uint32_t mangled, uint64_t chunk_size, uint64_t max_nodes,
-                      uint64_t *out, uint64_t cap, int64_t *status);
+/* Why a link was refused (mu_chain_result.reason, with MU_CHAIN_BAD). */
+enum {
+    MU_LINK_OK = 0,
+    MU_LINK_MISALIGNED = 1, /* not 16-aligned */
+    MU_LINK_NOT_CHUNK = 2,  /* not the user pointer of any in-use chunk the walk found */
+    MU_LINK_WRONG_SIZE = 3, /* an in-use chunk of another size */
+    MU_LINK_WRONG_ARENA = 4,/* NON_MAIN_ARENA bit says another arena (fastbins) */
+    MU_LINK_UNREADABLE = 5  /* its link word is in no region */
+};
+
+typedef struct {
+    uint64_t nodes;         /* distinct valid nodes: the verified prefix */
+    int64_t status;         /* MU_CHAIN_* */
+    int64_t reason;         /* MU_LINK_* when status == MU_CHAIN_BAD */
+    uint64_t last;          /* user pointer of the last valid node (0: the head itself failed) */
+    uint64_t bad;           /* the decoded link that failed or closed the cycle (user pointer) */
+} mu_chain_result;
+
+/* Follow a singly linked free list. A node is valid only if it is the user pointer of an
+ * in-use chunk the walk found: an entry of the ascending user[] (n entries) whose usable[]
+ * equals chunk_size - 8. arena: 0 any, 1 main arena (NON_MAIN_ARENA clear), 2 a thread arena
+ * (set). The first node is head + bias; the link of node L is the word at L (read through the
+ * sorted, disjoint regions), unmangled as (L >> 12) ^ word when mangled != 0 (glibc >= 2.32
+ * safe-linking), and the next node is link + bias (bias 0: tcache entries are user pointers;
+ * 16: fastbin fd values are chunk pointers). Cycles are found exactly (Brent), in O(length).
+ * Stores the verified prefix's user pointers (up to cap, chain order); fills *res.
+ * Returns res->nodes (at most max_nodes + 1); -EINVAL on bad arguments. */
+int64_t mu_walk_chain(const mu_region *regions, uint64_t nregions, const uint64_t *user,
+                      const uint64_t *usable, uint64_t n, uint64_t head, uint64_t bias,
+                      uint32_t mangled, uint64_t chunk_size, uint32_t arena, uint64_t max_nodes,
+                      uint64_t *out, uint64_t cap, mu_chain_result *res);
+
+/* One in-use chunk shaped like a tcache_perthread_struct (mu_walk_tcache_scan). */
+typedef struct {
+    uint64_t addr;          /* its user address */
+    uint64_t key;           /* the word at key_off in its first valid head (0: no valid head) */
+    uint32_t nonempty;      /* bins with counts[i] != 0 */
+    uint32_t heads;         /* non-empty bins whose head is an in-use chunk of the bin's size */
+    uint32_t want_key;      /* of those heads, how many hold the caller's want_key */
+    uint32_t self_key;      /* of those heads, how many hold addr (glibc 2.29-2.33's key) */
+    uint32_t mismatched;    /* bins where (counts[i] == 0) != (entries[i] == 0) */
+    uint32_t pad;
+} mu_tcache_cand;
+
+/* Cheap prefilter for tcache structs, linear in the heap: every in-use chunk of usable size
+ * struct_usable (user[]/usable[] ascending, n entries) whose counts[] (count_width 1 or 2
+ * bytes, nbins of them) are all <= max_count, zero from bin active_bins on, with at least one
+ * non-empty bin whose head entries[i] (at entries_off) is an in-use chunk of chunk size
+ * 32 + 16 i (bin sizes never change). The memory is read through the regions. A head's key
+ * is the word at head + key_off. want_key != 0: only candidates with a head holding want_key
+ * pass (counted in want_key). Stores up to cap candidates in address order; returns the
+ * number that passed. */
+int64_t mu_walk_tcache_scan(const mu_region *regions, uint64_t nregions, const uint64_t *user,
+                            const uint64_t *usable, uint64_t n, uint64_t struct_usable,
+                            uint32_t count_width, uint64_t entries_off, uint64_t nbins,
+                            uint64_t active_bins, uint64_t max_count, uint64_t key_off,
+                            uint64_t want_key, mu_tcache_cand *out, uint64_t cap);
 
 /* Walk a doubly linked bin list from the bin's fake chunk `bin` (its fd at bin+16, bk at
  * bin+24) through the regions: each node n needs n->bk == previous node, a readable header,
  * chunksize >= 32, and (counted separately) the PREV_INUSE bit clear in the next header.
- * Stops back at `bin`, or after max_nodes nodes. Writes nodes, bytes and bit-free nodes.
+ * Stops back at `bin`, or after max_nodes nodes. Writes nodes, bytes and bit-free nodes;
+ * *bad_at gets the first node that failed (the bin itself if its fd is unreadable), else 0.
  * Returns 0 when the list closed correctly, 1 if it is broken or too long. */
 int64_t mu_walk_bin(const mu_region *regions, uint64_t nregions, uint64_t bin, uint64_t max_nodes,
-                    uint64_t *nodes, uint64_t *bytes, uint64_t *bit_free);
+                    uint64_t *nodes, uint64_t *bytes, uint64_t *bit_free, uint64_t *bad_at);
 
 /* Remove from the ascending user[]/usable[] (n entries) every address listed in drop[]
  * (ndrop entries, any order; sorted in place). Returns the new length; *removed gets the number

@@ -144,6 +144,21 @@ class Tcache:
         return MINSIZE + 2 * SIZE_SZ * i
 
 
+# What tcache_entry.key holds in a free tcache chunk (glibc-heap.md 10.1), and since when.
+KEY_NONE = "none"               # 2.26-2.28: no key field
+KEY_SELF = "self"               # 2.29-2.33: the owning tcache_perthread_struct's address
+KEY_GLOBAL = "tcache_key"       # 2.34+: one random word per process, in libc's .bss
+SAFE_LINKING_FROM = (2, 32)     # tcache next / fastbin fd mangled with (field address >> 12)
+U16_COUNTS_FROM = (2, 30)
+TLS_TCACHE_WINDOW = 0x10000     # bytes below fs_base searched for a thread's `tcache` pointer
+
+
+def tcache_key_kind(version: Tuple[int, int]) -> str:
+    if version >= (2, 34):
+        return KEY_GLOBAL
+    return KEY_SELF if version >= (2, 29) else KEY_NONE
+
+
 TCACHE_U8 = Tcache("tcache 2.26-2.29 (uint8 counts)", 1, 0x40, 64, 0x250, key=8)
 TCACHE_U16 = Tcache("tcache 2.30-2.41 (uint16 counts)", 2, 0x80, 64, 0x290, key=8)
 TCACHES: Tuple[Tcache, ...] = (TCACHE_U16, TCACHE_U8)

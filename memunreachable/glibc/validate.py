@@ -1,13 +1,15 @@
 """Stage 4 (allocations): consistency verdicts for a heap walk (glibc-heap.md section 11).
 
-A snapshot taken while a thread was inside malloc/free can be half-updated. Each check here
-turns an observation into nothing, a soft issue (a tolerated in-transit state, reported as a
-warning) or a hard issue (the orchestrator retakes the snapshot). Pure policy: no memory access.
+A snapshot taken while a thread was inside malloc/free can be half-updated, and a program can
+corrupt its own free lists (a write through a dangling pointer). Each check here turns an
+observation into nothing, a soft issue (a warning; a free list that is off or broken also
+makes its block size "uncertain", so unreachable blocks of that size are not called leaks) or
+a hard issue (the orchestrator retakes the snapshot). Pure policy: no memory access.
 """
 from __future__ import annotations
 
 from dataclasses import dataclass, field
-from typing import List
+from typing import Dict, List, Optional, Tuple
 
 from memunreachable._errors import HeapWalkError
 
@@ -15,75 +17,126 @@ from memunreachable._errors import HeapWalkError
 WALK_TOP, WALK_FENCE2, WALK_FENCE0 = 0, 1, 2
 WALK_STATUS_NAMES = {0: "top", 1: "double fencepost", 2: "heap-end fencepost", 3: "bad chunk size",
                      4: "bad chunk flags", 5: "stepped over top", 6: "region ended"}
-# mu_walk_chain statuses
-CHAIN_NULL, CHAIN_BAD, CHAIN_LONG = 0, 1, 2
+# mu_walk_chain statuses and link reasons (native/mu_walk.h)
+CHAIN_NULL, CHAIN_BAD, CHAIN_LONG, CHAIN_CYCLE = 0, 1, 2, 3
+LINK_REASONS = {1: "not 16-byte aligned", 2: "not an in-use chunk of the heap",
+                3: "a chunk of another size", 4: "a chunk of another arena", 5: "unreadable"}
 BINS_SOFT_SLACK = 2          # chunks in transit tolerated by the bins cross-check
 
 
 class HeapInconsistent(HeapWalkError):
-    """A hard inconsistency: the snapshot must be retaken."""
+    """A hard inconsistency: the snapshot must be retaken.
+
+    first_bad: address of the first bad chunk, heap or list node (0 if none). The message is
+    deterministic (the same heap gives the same str), so two snapshots of an idle target that
+    fail the same way show a permanently corrupt heap rather than one caught mid-update."""
+
+    def __init__(self, msg: str = "", first_bad: int = 0, hint: Optional[str] = None):
+        super().__init__(msg, hint)
+        self.first_bad = first_bad
 
 
 @dataclass
 class Verdict:
     soft: List[str] = field(default_factory=list)
     hard: List[str] = field(default_factory=list)
+    hard_at: List[int] = field(default_factory=list)
+    uncertain: Dict[int, str] = field(default_factory=dict)   # usable size -> warning
+
+    def fail(self, msg: str, at: int = 0) -> None:
+        """A hard issue; at: the bad chunk/node/heap address (0: none)."""
+        self.hard.append(msg)
+        self.hard_at.append(at)
+
+    def warn_uncertain(self, msg: str, usable: int) -> None:
+        """A soft issue that may hide free blocks of this usable size."""
+        self.soft.append(msg)
+        self.uncertain.setdefault(usable, msg)
 
     def raise_if_hard(self) -> None:
         if self.hard:
-            raise HeapInconsistent("heap walk inconsistent: " + "; ".join(self.hard[:5]))
+            first_bad = next((a for a in self.hard_at if a), 0)
+            raise HeapInconsistent("heap walk inconsistent: " + "; ".join(self.hard[:5]),
+                                   first_bad=first_bad)
 
 
 def check_run(v: Verdict, what: str, status: int, end: int, bad_at: int, want_status,
               want_end=None) -> bool:
     """A run must end exactly: in one of want_status, at want_end when given. True if it did."""
     if status not in want_status:
-        v.hard.append(f"{what}: chunk chain broke at {bad_at:#x} "
-                      f"({WALK_STATUS_NAMES.get(status, status)})")
+        v.fail(f"{what}: chunk chain broke at {bad_at:#x} "
+               f"({WALK_STATUS_NAMES.get(status, status)})", bad_at)
         return False
     if want_end is not None and end != want_end:
-        v.hard.append(f"{what}: chain ends at {end:#x}, expected {want_end:#x}")
+        v.fail(f"{what}: chain ends at {end:#x}, expected {want_end:#x}", end)
         return False
     return True
 
 
-def judge_tcache(valid_bins: int, bad_bins: int) -> str:
-    """'tcache' (accept), 'ignore' (not a tcache), or 'hard' (a tcache too broken to use).
+def _link_problem(status: int, reason: int, nodes: int, count: Optional[int], bad: int,
+                  link: str = "next pointer") -> str:
+    if status == CHAIN_CYCLE:
+        return f"{link} {bad:#x} loops back into the chain"
+    if status == CHAIN_LONG:
+        return (f"more than {count + 1} chunks linked, count says {count}" if count is not None
+                else f"more than {nodes} chunks linked (more than the arena holds)")
+    if status == CHAIN_BAD:
+        return f"{link} {bad:#x} is {LINK_REASONS.get(reason, 'invalid')}"
+    return f"{nodes} chunk(s) linked, count says {count}"
 
-    Accept at most one inconsistent bin (a tcache_put/get in flight in the owning thread).
-    A struct with no valid bin is an ordinary 0x290 block (or an empty tcache: it hides nothing)."""
-    if valid_bins == 0:
-        return "ignore"
-    if bad_bins <= 1:
-        return "tcache"
-    return "hard" if valid_bins >= 2 else "ignore"
+
+def judge_tcache_bin(v: Verdict, tcache: int, i: int, usable: int, count: int, status: int,
+                     nodes: int, reason: int, last: int, bad: int, in_transit_seen: bool) -> Tuple[int, bool]:
+    """Verdict on bin i of a real tcache; returns (free nodes: the verified prefix, in transit).
+
+    Exact (chain ends in NULL after `count` nodes): nothing to say. One bin per tcache may be
+    off by one (its thread inside tcache_put/tcache_get): soft. Anything else is a broken
+    chain: soft too, naming it. Both expose the bin's size as uncertain, since a block of that
+    size may be free without being on the chain."""
+    what = f"tcache {tcache:#x} bin {i} ({usable}-byte blocks)"
+    if status == CHAIN_NULL and nodes == count:
+        return nodes, False
+    if status == CHAIN_NULL and abs(nodes - count) == 1 and not in_transit_seen:
+        v.warn_uncertain(f"{what}: {nodes} chunk(s) linked, count says {count} "
+                         f"(a thread inside malloc/free; the chain was counted as free)", usable)
+        return nodes, True
+    where = f"at {last:#x}" if last else "at its head"
+    link = "next pointer" if last else f"entries[{i}]"
+    v.warn_uncertain(f"{what}: chain broken {where}: "
+                     f"{_link_problem(status, reason, nodes, count, bad, link)}; unreachable "
+                     f"{usable}-byte blocks may be free", usable)
+    return min(nodes, count), False
 
 
-def check_fastbin(v: Verdict, arena: int, i: int, status: int) -> None:
-    if status != CHAIN_NULL:
-        v.hard.append(f"arena {arena:#x}: fastbin {i} chain is broken")
+def judge_fastbin(v: Verdict, arena: int, i: int, usable: int, status: int, nodes: int,
+                  reason: int, last: int, bad: int) -> int:
+    """Verdict on fastbin i of an arena; returns the free nodes (the verified prefix). A broken
+    chain (garbage, cycle) is a soft issue naming it; its size becomes uncertain."""
+    if status == CHAIN_NULL:
+        return nodes
+    where = f"at {last:#x}" if last else "at its head"
+    link = "next pointer" if last else f"fastbinsY[{i}] (as a user pointer)"
+    v.warn_uncertain(f"arena {arena:#x} fastbin {i} ({usable}-byte blocks): chain broken {where}: "
+                     f"{_link_problem(status, reason, nodes, None, bad, link)}; unreachable "
+                     f"{usable}-byte blocks may be free", usable)
+    return nodes
 
 
 def check_bins(v: Verdict, arena: int, broken: int, binned: int, binned_bit_free: int,
-               bit_free: int) -> None:
+               bit_free: int, bad_at: int = 0) -> None:
     """The chunks on bins 1-126 are exactly the arena's bit-free chunks."""
     off = abs(binned - bit_free) + (binned - binned_bit_free)
     if broken > 1:
-        v.hard.append(f"arena {arena:#x}: {broken} bin lists are broken")
+        v.fail(f"arena {arena:#x}: {broken} bin lists are broken", bad_at)
     elif broken == 1:
         v.soft.append(f"arena {arena:#x}: one bin list in transit")
     elif off > BINS_SOFT_SLACK:
-        v.hard.append(f"arena {arena:#x}: bins hold {binned} chunks, the walk found {bit_free} free")
+        v.fail(f"arena {arena:#x}: bins hold {binned} chunks, the walk found {bit_free} free", arena)
     elif off:
         v.soft.append(f"arena {arena:#x}: bins and walk differ by {off} chunk(s) in transit")
 
 
 def check_mmapped(v: Verdict, found: int, found_bytes: int, n_mmaps: int, mmapped_mem: int) -> None:
     if found != n_mmaps or found_bytes != mmapped_mem:
-        v.hard.append(f"mmapped chunks: found {found} ({found_bytes} bytes), "
-                      f"mp_ says {n_mmaps} ({mmapped_mem} bytes)")
-
-
-def check_tcache_bad_bin(v: Verdict, tcache: int, bad_bins: int) -> None:
-    if bad_bins:
-        v.soft.append(f"tcache {tcache:#x}: one bin in transit (its chain counted as free)")
+        v.fail(f"mmapped chunks: found {found} ({found_bytes} bytes), "
+               f"mp_ says {n_mmaps} ({mmapped_mem} bytes)")

@@ -3,15 +3,17 @@
 Input: a Memory reader of the snapshot, its mappings, its threads, its pid (for map_files).
 Output: HeapWalk: every in-use chunk as (user address, usable size) equal to
 malloc_usable_size(), local copies of the memory holding them, the heap ranges (never roots),
-glibc's metadata ranges (main_arena, mp_), soft issues and counters.
+glibc's metadata ranges (main_arena, mp_), soft issues, the block sizes a broken free list
+makes uncertain, and counters.
 Steps (glibc-heap.md section 1): detect the allocator, locate main_arena/mp_, follow the arena
-ring, walk the main arena's runs and every thread arena's heaps, scan anonymous memory for
-mmapped chunks, subtract tcache and fastbin free chunks, validate. Each region is read once in
-bulk; the chunk loops run in native/mu_walk.c. References: glibc malloc/malloc.c, arena.c
-(2.27-2.41).
+ring, walk the main arena's runs (across adjacent [heap] VMAs) and every thread arena's heaps,
+scan anonymous memory for mmapped chunks, subtract the verified tcache and fastbin chains
+(freelists.py), validate. Each region is read once in bulk; the chunk loops run in
+native/mu_walk.c. References: glibc malloc/malloc.c, arena.c (2.27-2.41).
 """
 from __future__ import annotations
 
+import bisect
 import mmap
 import struct
 from array import array
@@ -25,6 +27,7 @@ from memunreachable._types import Allocator, HeapImage, Mapping, Range, ThreadSt
 from memunreachable.glibc import layout as L
 from memunreachable.glibc import locate
 from memunreachable.glibc import validate as V
+from memunreachable.glibc.freelists import FreeListsMixin, tcache_context
 from memunreachable.glibc.validate import HeapInconsistent
 
 __all__ = ["walk_heap", "HeapWalk", "HeapInconsistent"]
@@ -43,6 +46,10 @@ class HeapWalk:
     metadata_ranges: List[Range]
     soft_issues: List[str] = field(default_factory=list)
     stats: dict = field(default_factory=dict)
+    # usable size -> warning: a free list (tcache bin, fastbin) of that size was broken or
+    # in transit, so an unreachable block of that size may be a free chunk: report it as
+    # "uncertain", never as a leak (usable = chunk size - 8)
+    uncertain_sizes: Dict[int, str] = field(default_factory=dict)
 
 
 class _Copy:
@@ -82,10 +89,11 @@ def _alloc_q(n: int) -> array:
     return array("Q", (0,)) * n
 
 
-class _Walker:
+class _Walker(FreeListsMixin):
     def __init__(self, mem, maps: List[Mapping], pid: int):
         self.mem = mem
         self.maps = sorted(maps, key=lambda m: m.begin)
+        self.map_begins = [m.begin for m in self.maps]
         self.pid = pid
         self.v = V.Verdict()
         self.copies: List[_Copy] = []
@@ -111,10 +119,21 @@ class _Walker:
         return c
 
     def mapping_at(self, addr: int) -> Optional[Mapping]:
-        for m in self.maps:
-            if m.begin <= addr < m.end:
-                return m
-        return None
+        i = bisect.bisect_right(self.map_begins, addr) - 1
+        return self.maps[i] if i >= 0 and addr < self.maps[i].end else None
+
+    def span_end(self, m: Mapping) -> int:
+        """End of the run of address-adjacent readable mappings that starts with m and carry its
+        name: the kernel splits one heap into several [heap] VMAs (brk growth after fork(),
+        mprotect, madvise). Unnamed anonymous neighbours are left to anonymous(), which
+        merges them itself (they may hold NONCONTIGUOUS runs and mmapped chunks)."""
+        k = self.maps.index(m)
+        end = m.end
+        while (m.path and k + 1 < len(self.maps) and self.maps[k + 1].begin == end and
+               self.maps[k + 1].readable and self.maps[k + 1].path == m.path):
+            k += 1
+            end = self.maps[k].end
+        return end
 
     def walk_run(self, cp: _Copy, first: int, top: int, non_main: bool):
         """(result, piece) of one run; the piece's arrays are trimmed to the in-use count."""
@@ -157,9 +176,9 @@ class _Walker:
         first = (sbrk_base + L.CHUNK_HDR - 1) & ~(L.CHUNK_HDR - 1)
         m = self.mapping_at(first)
         if m is None:
-            self.v.hard.append(f"main arena: sbrk_base {sbrk_base:#x} is not mapped")
+            self.v.fail(f"main arena: sbrk_base {sbrk_base:#x} is not mapped", sbrk_base)
             return False
-        cp = self.copy(m.begin, m.end - m.begin)
+        cp = self.copy(m.begin, self.span_end(m) - m.begin)
         self.main_copy = cp
         start = first
         while True:
@@ -211,16 +230,16 @@ class _Walker:
         seen = 0
         while h:
             if seen > MAX_HEAPS_PER_ARENA or self.word(h + hi.ar_ptr) != arena:
-                self.v.hard.append(f"arena {arena:#x}: heap {h:#x} does not belong to it")
+                self.v.fail(f"arena {arena:#x}: heap {h:#x} does not belong to it", h)
                 return
             size = self.word(h + hi.size)
             prev = self.word(h + hi.prev)
             is_first = prev == 0
             if is_first and h != first_heap:
-                self.v.hard.append(f"arena {arena:#x}: first heap {h:#x} is not arena - {hi.sizeof}")
+                self.v.fail(f"arena {arena:#x}: first heap {h:#x} is not arena - {hi.sizeof}", h)
                 return
             if size < hi.sizeof or size > heap_max:
-                self.v.hard.append(f"arena {arena:#x}: heap {h:#x} has size {size:#x}")
+                self.v.fail(f"arena {arena:#x}: heap {h:#x} has size {size:#x}", h)
                 return
             cp = self.copy(h, size)
             cp.used = True
@@ -250,8 +269,11 @@ class _Walker:
 
     # -- step 6b and 9: anonymous memory: NONCONTIGUOUS main runs and mmapped chunks ----
     def anonymous_ranges(self) -> List[Range]:
+        """Private anonymous memory not claimed yet, adjacent mappings merged (an mprotect or
+        madvise inside an mmapped chunk or a NONCONTIGUOUS run splits its VMA: read-only
+        pieces count too)."""
         cands = [m.range for m in self.maps
-                 if m.readable and m.writable and not m.shared and m.anonymous and
+                 if m.readable and not m.shared and m.anonymous and
                  (not m.path.startswith("[") or m.path.startswith("[anon:"))]
         claimed = list(self.heap_ranges) + [Range(c.base, c.end) for c in self.copies]
         return [r for r in subtract_ranges(cands, claimed) if r.begin % L.PAGE == 0]
@@ -330,114 +352,22 @@ class _Walker:
             tab[i].base, tab[i].len, tab[i].data = c.base, c.size, c.ptr
         return tab, len(live)
 
-    def chain(self, tab, ntab, head: int, bias: int, mangled: bool, size: int, max_nodes: int):
-        cap = min(max_nodes + 1, 64)       # grown below when a chain is longer (fastbins)
-        out = _alloc_q(cap)
-        st = ffi.new("int64_t *")
-        while True:
-            n = check(lib.mu_walk_chain(tab, ntab, head, bias, int(mangled), size, max_nodes,
-                                        ffi.from_buffer("uint64_t[]", out), cap, st), "walk chain")
-            if n <= cap:
-                break
-            cap = n
-            out = _alloc_q(cap)
-        del out[n:]
-        return st[0], out
-
-    def tcache_candidates(self, user: array, usable: array) -> List[Tuple[int, L.Tcache]]:
-        raw = usable.tobytes()
-        out = []
-        for tc in L.TCACHES:
-            pat = WORD.pack(tc.chunk_size - L.ARENA_USABLE_DELTA)
-            pos = raw.find(pat)
-            while pos >= 0:
-                if pos % 8 == 0:
-                    out.append((user[pos // 8], tc))
-                pos = raw.find(pat, pos + 1)
-        return out
-
-    def judge_tcache(self, tab, ntab, addr: int, tc: L.Tcache, mangled: bool, count_max: int):
-        """(valid bins, bad bins, free nodes) of the struct at user address addr."""
-        data = self.mem.read(addr, tc.entries + 8 * tc.nbins)
-        fmt = "<%d%s" % (tc.nbins, "B" if tc.count_width == 1 else "H")
-        counts = struct.unpack_from(fmt, data, 0)
-        entries = struct.unpack_from("<%dQ" % tc.nbins, data, tc.entries)
-        valid = bad = 0
-        nodes: List[int] = []
-        for i in range(tc.nbins):
-            if counts[i] == 0:
-                if entries[i]:
-                    bad += 1
-                continue
-            size = tc.bin_chunk_size(i)
-            st, out = self.chain(tab, ntab, entries[i], L.TCACHE_LINK_BIAS, mangled, size, counts[i])
-            if st == V.CHAIN_NULL and len(out) == counts[i]:
-                valid += 1
-            else:
-                bad += 1
-                # err toward "not a leak": every validly sized node on the chain is free
-                st, out = self.chain(tab, ntab, entries[i], L.TCACHE_LINK_BIAS, mangled, size,
-                                     count_max)
-            nodes.extend(out)
-        return valid, bad, nodes
-
-    def subtract_tcaches(self, user: array, usable: array, mangled_hint: Optional[bool]):
-        tab, ntab = self.regions_table()
-        count_max = max(self.stats["chunks"], 1)
-        decided: Optional[bool] = None
-        for addr, tc in self.tcache_candidates(user, usable):
-            best = None
-            for mangled in ((True, False) if decided is None else (decided,)):
-                r = self.judge_tcache(tab, ntab, addr, tc, mangled, count_max)
-                if best is None or r[0] - r[1] > best[1][0] - best[1][1]:
-                    best = (mangled, r)
-            mangled, (valid, bad, nodes) = best
-            verdict = V.judge_tcache(valid, bad)
-            if verdict == "ignore":
-                continue
-            if verdict == "hard":
-                self.v.hard.append(f"tcache {addr:#x}: {bad} bins inconsistent")
-                continue
-            decided = mangled
-            V.check_tcache_bad_bin(self.v, addr, bad)
-            self.stats["tcaches"].append(addr)
-            self.stats["tcache_free"] += len(nodes)
-            self.free_nodes.extend(nodes)
-        return decided if decided is not None else mangled_hint
-
-    def subtract_fastbins(self, arenas: List[int], lay: L.Layout, mangled: Optional[bool]) -> None:
-        tab, ntab = self.regions_table()
-        st_ = lay.state
-        for arena in arenas:
-            heads = struct.unpack("<%dQ" % st_.nfastbins, self.mem.read(arena + st_.fastbins,
-                                                                         8 * st_.nfastbins))
-            limit = self.arena_chunks.get(arena, 0)
-            for i, head in enumerate(heads):
-                if not head:
-                    continue
-                size = L.MINSIZE + 2 * L.SIZE_SZ * i
-                tries = (True, False) if mangled is None else (mangled,)
-                for m in tries:
-                    st, out = self.chain(tab, ntab, head, L.FASTBIN_LINK_BIAS, m, size, limit)
-                    if st == V.CHAIN_NULL:
-                        break
-                V.check_fastbin(self.v, arena, i, st)
-                self.stats["fastbin_free"] += len(out)
-                self.free_nodes.extend(out)
-
     def check_bins(self, arenas: List[int], lay: L.Layout) -> None:
         tab, ntab = self.regions_table()
         nodes, nbytes, bitfree = ffi.new("uint64_t *"), ffi.new("uint64_t *"), ffi.new("uint64_t *")
+        bad = ffi.new("uint64_t *")
         for arena in arenas:
-            broken = binned = binned_free = 0
+            broken = binned = binned_free = first_bad = 0
             limit = self.arena_chunks.get(arena, 0) + 1
             for i in range(1, lay.state.nbins - 1):
                 rc = check(lib.mu_walk_bin(tab, ntab, lay.state.bin_chunk(arena, i), limit,
-                                           nodes, nbytes, bitfree), "walk bin")
+                                           nodes, nbytes, bitfree, bad), "walk bin")
                 broken += rc
                 binned += nodes[0]
                 binned_free += bitfree[0]
-            V.check_bins(self.v, arena, broken, binned, binned_free, self.arena_free.get(arena, 0))
+                first_bad = first_bad or bad[0]
+            V.check_bins(self.v, arena, broken, binned, binned_free, self.arena_free.get(arena, 0),
+                         first_bad)
 
     # -- step 10: emit ----------------------------------------------------------------
     def assemble(self) -> Tuple[array, array]:
@@ -447,7 +377,7 @@ class _Walker:
         user, usable = array("Q"), array("Q")
         for p in pieces:
             if len(p.user) and len(user) and p.user[0] <= user[-1]:
-                self.v.hard.append(f"overlapping chunk runs at {p.user[0]:#x}")
+                self.v.fail(f"overlapping chunk runs at {p.user[0]:#x}", p.user[0] - L.CHUNK_HDR)
                 continue
             user.extend(p.user)
             usable.extend(p.usable)
@@ -487,8 +417,12 @@ def _find_objects(mem, maps, pid) -> Tuple[detect.AllocatorScan, locate.Located]
     return scan, loc
 
 
-# Returns the walk of the snapshot's glibc heap. Raises UnsupportedTarget (not glibc malloc,
-# unknown layout, arenas unused), HeapInconsistent (hard inconsistency: retake the snapshot).
+# Returns the walk of the snapshot's glibc heap. threads: every thread's registers (their
+# fs_base locates the static TLS that holds each thread's `tcache` pointer; [] is allowed).
+# Never reports a free chunk as in use silently: a broken or in-transit tcache bin or fastbin
+# is a soft issue and its usable size is in HeapWalk.uncertain_sizes. Raises UnsupportedTarget
+# (not glibc malloc, unknown layout, arenas unused), HeapInconsistent (hard inconsistency:
+# retake the snapshot; .first_bad and a deterministic message tell a corrupt heap apart).
 def walk_heap(mem, maps: List[Mapping], threads: List[ThreadState], pid: int) -> HeapWalk:
     # 1. which allocator, and where are main_arena and mp_
     scan, loc = _find_objects(mem, maps, pid)
@@ -532,16 +466,15 @@ def walk_heap(mem, maps: List[Mapping], threads: List[ThreadState], pid: int) ->
     need_runs = not top_reached and bool(flags & lay.state.noncontiguous_bit)
     found, found_bytes, reached = w.anonymous(main, top, need_runs)
     if not top_reached and not reached:
-        w.v.hard.append(f"main arena: no run reaches top {top:#x}")
+        w.v.fail(f"main arena: no run reaches top {top:#x}", top)
     n_mmaps = w.i32(loc.mp + lay.par.n_mmaps)
     mmapped_mem = w.word(loc.mp + lay.par.mmapped_mem)
     V.check_mmapped(w.v, found, found_bytes, n_mmaps, mmapped_mem)
     w.stats["mmapped"] = found
     # 6. subtract tcache and fastbin free chunks
     user, usable = w.assemble()
-    hint = None if loc.version is None else L.version_tuple(loc.version) >= (2, 32)
-    mangled = w.subtract_tcaches(user, usable, hint)
-    w.subtract_fastbins(arenas, lay, mangled)
+    mangled = w.subtract_tcaches(user, usable, tcache_context(w, loc, scan, threads))
+    w.subtract_fastbins(user, usable, arenas, lay, mangled)
     w.check_bins(arenas, lay)
     drop = array("Q", w.free_nodes)
     removed = ffi.new("uint64_t *")
@@ -552,10 +485,10 @@ def walk_heap(mem, maps: List[Mapping], threads: List[ThreadState], pid: int) ->
     del user[n:]
     del usable[n:]
     if removed[0] != len(set(w.free_nodes)):
-        w.v.hard.append(f"{len(set(w.free_nodes)) - removed[0]} free-list nodes are not in-use chunks")
+        w.v.fail(f"{len(set(w.free_nodes)) - removed[0]} free-list nodes are not in-use chunks")
     # 7. validate: hard issues retake the snapshot
     w.v.raise_if_hard()
     w.stats["in_use"] = len(user)
     w.stats["method"] = loc.method
     return HeapWalk(allocator, w.image(user, usable), sorted(w.heap_ranges), metadata,
-                    w.v.soft, w.stats)
+                    w.v.soft, w.stats, dict(w.v.uncertain))

@@ -143,3 +143,130 @@ def test_memory_scan_locator_agrees_with_file_image(flags):
             b = locate.locate_in_memory(mem, maps, scan.object_mappings, scan.malloc_object, a.version)
     assert (a.method, b.method) == ("file", "memory")
     assert (b.main_arena, b.mp, b.layout) == (a.main_arena, a.mp, a.layout)
+
+
+# ---- issue 7: never a wrong answer ------------------------------------------------------
+
+def frozen_walk(pid):
+    """Freeze pid with ptrace (threads with fs_base, maps), walk its heap, thaw."""
+    from memunreachable.freeze import frozen
+    with frozen(pid) as fz:
+        with ProcessMemory(pid) as mem:
+            hw = walk_heap(mem, fz.maps, fz.threads, pid)
+        maps = list(fz.maps)
+    return hw, set(zip(hw.image.begins, hw.image.sizes)), maps
+
+
+@pytest.mark.parametrize("mode", ["tcache_garbage", "tcache_cycle", "fastbin_garbage", "fastbin_cycle"])
+def test_broken_free_list_is_a_warning_and_its_size_uncertain(mode):
+    with fixtures.start("corrupt_freelist", mode) as fx:
+        hw, got, _ = frozen_walk(fx.pid)
+    size = fx.expect["usable"]
+    a, b, c = (fx.blocks[k].address for k in ("freed_a", "freed_b", "freed_c"))
+    addrs = {x for x, _ in got}
+    # the verified prefix of the chain (c, then b) is free; everything the fixture owns is live
+    assert b not in addrs and c not in addrs
+    assert owned(fx) - {(a, size), (b, size), (c, size)} <= got
+    # a is behind the break: it still looks in use, so its size is uncertain, with a warning
+    # that names the list, the node where it broke and why
+    assert (a, size) in got
+    assert list(hw.uncertain_sizes) == [size]
+    msg = hw.uncertain_sizes[size]
+    assert msg in hw.soft_issues and len(hw.soft_issues) == 1
+    if mode.startswith("tcache"):
+        assert msg.startswith(f"tcache {hw.stats['tcaches'][0]:#x} bin 3 (72-byte blocks): "
+                              f"chain broken at {b:#x}: next pointer ")
+    else:
+        assert msg.startswith(f"arena {hw.stats['arena_addresses'][0]:#x} fastbin 4 "
+                              f"(88-byte blocks): chain broken at {b:#x}: next pointer ")
+    if mode.endswith("cycle"):
+        assert f"next pointer {c:#x} loops back into the chain" in msg
+    else:
+        assert "is not 16-byte aligned" in msg or "is not an in-use chunk" in msg
+
+
+@pytest.mark.parametrize("free", ["", "free"])
+@pytest.mark.parametrize("flags", [[], ["-static"]])
+def test_lookalike_tcache_is_not_a_tcache(flags, free):
+    with fixtures.start("lookalike_tcache", "0", free, extra_flags=flags) as fx:
+        hw, got, _ = frozen_walk(fx.pid)
+    want = owned(fx)
+    assert want <= got                     # every node and string is an allocation
+    cache = fx.blocks["live_cache"].address
+    assert cache not in hw.stats["tcaches"]
+    # the look-alike passed the shape prefilter; only the main thread's real tcache (when it
+    # holds free chunks) is a tcache
+    assert hw.stats["tcache_candidates"] == (2 if free else 1)
+    assert len(hw.stats["tcaches"]) == (1 if free else 0)
+    assert hw.stats["tcache_key_kind"] == "tcache_key"
+    assert hw.stats["tcache_free"] == (2 if free else 0)
+    assert hw.uncertain_sizes == {} and hw.soft_issues == []
+
+
+NO_FP = ["-O2", "-fomit-frame-pointer"]
+
+
+@pytest.mark.parametrize("flags", [[], NO_FP])
+def test_lookalike_tcache_string_is_not_a_leak_end_to_end(flags):
+    from memunreachable.unreachable import check
+    with fixtures.start("lookalike_tcache", extra_flags=flags) as fx:
+        info = check(fx.pid)
+    assert [(lk.address, lk.size) for lk in info.leaks] == [(fx.blocks["leak"].address,
+                                                             fx.blocks["leak"].size)]
+    assert info.num_leaks == fx.expect["num_leaks"] == 1
+
+
+def test_forked_heap_grown_after_fork_is_one_heap():
+    with fixtures.start("heap_split", "fork") as fx:
+        child = fx.expect["child_pid"]
+        hw, got, maps = frozen_walk(child)
+    heaps = [m for m in maps if m.path == "[heap]"]
+    assert len(heaps) >= 2 and all(x.end == y.begin for x, y in zip(heaps, heaps[1:]))
+    want = owned(fx)
+    assert len(want) == 200 + 64 + 3
+    assert want <= got
+    # beyond the fixture's blocks, only glibc's tcache struct (empty: nothing small was freed)
+    assert [s for _, s in got - want] == [TCACHE_USABLE]
+    # the run crosses the VMA boundary: one main run from sbrk_base to the end of the last [heap]
+    assert hw.stats["main_runs"] == 1
+    assert any(r.begin < heaps[0].end and r.end == heaps[-1].end for r in hw.heap_ranges)
+    assert hw.soft_issues == [] and hw.uncertain_sizes == {}
+
+
+@pytest.mark.parametrize("flags", [[], NO_FP])
+def test_forked_heap_leak_found_end_to_end(flags):
+    from memunreachable.unreachable import check
+    with fixtures.start("heap_split", "fork", extra_flags=flags) as fx:
+        info = check(fx.expect["child_pid"])
+    assert [(lk.address, lk.size) for lk in info.leaks] == [(fx.blocks["leak"].address,
+                                                             fx.blocks["leak"].size)]
+
+
+def test_mprotect_split_heap_is_one_heap():
+    with fixtures.start("heap_split", "mprotect") as fx:
+        hw, got, maps = frozen_walk(fx.pid)
+    heaps = [m for m in maps if m.path == "[heap]"]
+    assert [m.perms for m in heaps] == ["rw-p", "r--p", "rw-p"]
+    assert owned(fx) <= got
+    assert [s for _, s in got - owned(fx)] == [TCACHE_USABLE]
+    assert hw.stats["main_runs"] == 1 and hw.soft_issues == []
+
+
+def test_mprotect_split_mmapped_chunk_is_found():
+    with fixtures.start("heap_split", "mmap_mprotect") as fx:
+        hw, got, maps = frozen_walk(fx.pid)
+    mm = fx.blocks["live_mmap"]
+    split = [m for m in maps if m.begin < mm.address + mm.size and m.end > mm.address]
+    assert [m.perms for m in split] == ["rw-p", "r--p", "rw-p"]
+    assert owned(fx) <= got and (mm.address, mm.size) in got
+    assert hw.stats["mmapped"] == 1 and hw.soft_issues == []
+
+
+def test_mprotect_split_thread_heap_is_walked():
+    with fixtures.start("heap_split", "thread_mprotect") as fx:
+        hw, got, maps = frozen_walk(fx.pid)
+    big = fx.blocks["live_thread_big"]
+    heap = [m for m in maps if m.begin <= big.address < m.end][0]
+    assert heap.path == "" and heap.end < big.address + big.size     # split inside the block
+    assert owned(fx) <= got
+    assert hw.stats["arenas"] == 2 and hw.stats["heaps"] == 1 and hw.soft_issues == []

@@ -95,3 +95,16 @@ def test_detect_static_and_musl():
     assert "musl" in detect.not_glibc_message(s, "no glibc main_arena was found")
     s = detect.scan_maps([m(0x400000, "/usr/lib/libc-2.31.so")])
     assert not s.static and s.malloc_object == "/usr/lib/libc-2.31.so"
+
+
+def test_dynamic_musl_is_named_not_static():
+    # Debian's musl: /lib/ld-musl-x86_64.so.1 is a symlink, maps show the resolved libc.so
+    for path in ("/usr/lib/x86_64-linux-musl/libc.so", "/lib/ld-musl-x86_64.so.1",
+                 "/usr/lib/libc.musl-x86_64.so.1"):
+        s = detect.scan_maps([m(0x400000, "/bin/prog"), m(0x7f0000000000, path)])
+        msg = detect.not_glibc_message(s, "no glibc main_arena was found")
+        assert s.musl, path
+        assert msg == ("unsupported allocator: looks like musl libc (dynamically linked); "
+                       "no glibc main_arena was found; nothing was checked")
+    s = detect.scan_maps([m(0x400000, "/opt/static-prog")])
+    assert not s.musl and "a static executable" in detect.not_glibc_message(s, "x")

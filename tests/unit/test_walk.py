@@ -3,6 +3,8 @@ import struct
 import time
 from array import array
 
+import pytest
+
 from memunreachable._ffi import ffi, lib
 
 BASE = 0x10000000
@@ -154,12 +156,21 @@ def regions(*runs):
     return tab, keep
 
 
-def chain(tab, n, head, bias, mangled, size, max_nodes):
-    out = array("Q", bytes(8 * 64))
-    st = ffi.new("int64_t *")
-    k = lib.mu_walk_chain(tab, n, head, bias, mangled, size, max_nodes,
-                          ffi.from_buffer("uint64_t[]", out), 64, st)
-    return st[0], list(out[:k])
+def in_use(run):
+    """Ascending (user, usable) arrays of the run's in-use chunks, as the walk reports them."""
+    pairs = sorted((a + 16, s - 8) for a, s, used in run.chunks if used)
+    return array("Q", [u for u, _ in pairs]), array("Q", [z for _, z in pairs])
+
+
+def chain(tab, n, run, head, bias, mangled, size, max_nodes, arena=0, cap=64):
+    user, usable = in_use(run)
+    out = array("Q", bytes(8 * cap))
+    res = ffi.new("mu_chain_result *")
+    k = lib.mu_walk_chain(tab, n, ffi.from_buffer("uint64_t[]", user), ffi.from_buffer("uint64_t[]", usable),
+                          len(user), head, bias, mangled, size, arena, max_nodes,
+                          ffi.from_buffer("uint64_t[]", out), cap, res)
+    assert k == res.nodes
+    return res.status, list(out[:min(k, cap)]), res
 
 
 def test_tcache_and_fastbin_chains_safe_linking():
@@ -172,18 +183,127 @@ def test_tcache_and_fastbin_chains_safe_linking():
     for at, nxt in links.items():
         r.set_word(at, (at >> 12) ^ nxt)
     tab, keep = regions(r)
-    assert chain(tab, 1, users[0], 0, 1, 0x30, 3) == (lib.MU_CHAIN_NULL, [users[0], users[2], users[3]])
-    st, got = chain(tab, 1, users[0], 0, 0, 0x30, 3)        # wrong decoding: breaks at once
-    assert st == lib.MU_CHAIN_BAD and got == [users[0]]
-    assert chain(tab, 1, users[0], 0, 1, 0x40, 3)[0] == lib.MU_CHAIN_BAD   # wrong bin size
-    assert chain(tab, 1, users[0], 0, 1, 0x30, 1)[0] == lib.MU_CHAIN_LONG
-    # fastbin: chunk pointers, bias 16, raw (pre-2.32)
+    st, got, res = chain(tab, 1, r, users[0], 0, 1, 0x30, 3)
+    assert (st, got) == (lib.MU_CHAIN_NULL, [users[0], users[2], users[3]]) and res.last == users[3]
+    st, got, res = chain(tab, 1, r, users[0], 0, 0, 0x30, 3)        # wrong decoding: breaks at once
+    assert st == lib.MU_CHAIN_BAD and got == [users[0]] and res.last == users[0]
+    st, got, res = chain(tab, 1, r, users[0], 0, 1, 0x40, 3)        # wrong bin size: the head fails
+    assert (st, got, res.reason, res.last, res.bad) == (lib.MU_CHAIN_BAD, [], lib.MU_LINK_WRONG_SIZE,
+                                                        0, users[0])
+    st, got, res = chain(tab, 1, r, users[0], 0, 1, 0x30, 2)        # longer than allowed
+    assert (st, got, res.last, res.bad) == (lib.MU_CHAIN_LONG, users[:1] + users[2:3], users[2], users[3])
+    # fastbin: chunk pointers, bias 16, raw (pre-2.32); main arena only (NON_MAIN_ARENA clear)
     r.set_word(users[1], nodes[0])
     r.set_word(users[0], 0)
-    assert chain(tab, 1, nodes[1], 16, 0, 0x30, 10) == (lib.MU_CHAIN_NULL, [users[1], users[0]])
-    # a cycle stops at max_nodes
-    r.set_word(users[0], nodes[1])
-    assert chain(tab, 1, nodes[1], 16, 0, 0x30, 10)[0] == lib.MU_CHAIN_LONG
+    assert chain(tab, 1, r, nodes[1], 16, 0, 0x30, 10)[:2] == (lib.MU_CHAIN_NULL, [users[1], users[0]])
+    assert chain(tab, 1, r, nodes[1], 16, 0, 0x30, 10, arena=1)[0] == lib.MU_CHAIN_NULL
+    st, got, res = chain(tab, 1, r, nodes[1], 16, 0, 0x30, 10, arena=2)
+    assert (st, res.reason, got) == (lib.MU_CHAIN_BAD, lib.MU_LINK_WRONG_ARENA, [])
+
+
+def test_chain_cycles_are_cut_exactly():
+    r = Run()
+    nodes = [r.chunk(0x50) for _ in range(6)]
+    r.finish_top()
+    u = [c + 16 for c in nodes]
+    tab, keep = regions(r)
+    # u0 -> u1 -> u2 -> u3 -> u4 -> u2: 5 distinct nodes, the link of u4 loops back to u2
+    for a, b in [(0, 1), (1, 2), (2, 3), (3, 4), (4, 2)]:
+        r.set_word(u[a], (u[a] >> 12) ^ u[b])
+    st, got, res = chain(tab, 1, r, u[0], 0, 1, 0x50, 1000)
+    assert (st, got, res.last, res.bad) == (lib.MU_CHAIN_CYCLE, u[:5], u[4], u[2])
+    # with a small output buffer the prefix count and the closing node are still exact
+    st, got, res = chain(tab, 1, r, u[0], 0, 1, 0x50, 1000, cap=2)
+    assert (st, res.nodes, got, res.last, res.bad) == (lib.MU_CHAIN_CYCLE, 5, u[:2], u[4], u[2])
+    # a node linking to itself
+    r.set_word(u[5], (u[5] >> 12) ^ u[5])
+    st, got, res = chain(tab, 1, r, u[5], 0, 1, 0x50, 1000)
+    assert (st, got, res.last, res.bad) == (lib.MU_CHAIN_CYCLE, [u[5]], u[5], u[5])
+
+
+def test_chain_refuses_what_is_not_an_in_use_chunk_of_the_size():
+    r = Run()
+    a = r.chunk(0x50)
+    f = r.chunk(0x50, in_use=False)
+    b = r.chunk(0x50)
+    r.finish_top()
+    tab, keep = regions(r)
+    for target, reason in [(a + 16 + 8, lib.MU_LINK_MISALIGNED), (f + 16, lib.MU_LINK_NOT_CHUNK),
+                           (0x4141414141414140, lib.MU_LINK_NOT_CHUNK), (b + 32, lib.MU_LINK_NOT_CHUNK)]:
+        r.set_word(a + 16, target)
+        st, got, res = chain(tab, 1, r, a + 16, 0, 0, 0x50, 7)
+        assert (st, res.reason, got, res.last, res.bad) == (lib.MU_CHAIN_BAD, reason, [a + 16], a + 16, target)
+
+
+def tcache_struct(r, counts, heads, tc):
+    """Allocate a struct of tc's chunk size in r holding counts/heads; returns its user address."""
+    c = r.chunk(tc.chunk_size)
+    u = c + 16
+    for i, n in enumerate(counts):
+        struct.pack_into("<H", r.buf, u - r.base + 2 * i, n)
+    for i, h in enumerate(heads):
+        r.set_word(u + tc.entries + 8 * i, h)
+    return u
+
+
+def scan(tab, n, r, tc, active=64, max_count=7, cap=16, want=0):
+    user, usable = in_use(r)
+    out = ffi.new("mu_tcache_cand[]", cap)
+    k = lib.mu_walk_tcache_scan(tab, n, ffi.from_buffer("uint64_t[]", user),
+                                ffi.from_buffer("uint64_t[]", usable), len(user),
+                                tc.chunk_size - 8, tc.count_width, tc.entries, tc.nbins, active,
+                                max_count, 8, want, out, cap)
+    return [(o.addr, o.key, o.nonempty, o.heads, o.want_key, o.self_key, o.mismatched)
+            for o in out[0:min(k, cap)]]
+
+
+def test_tcache_scan_prefilter_and_keys():
+    from memunreachable.glibc.layout import TCACHE_U16 as tc
+    r = Run(size=1 << 16)
+    n0 = r.chunk(0x20)              # bin 0 chunk
+    n1 = r.chunk(0x30)              # bin 1 chunk
+    n2 = r.chunk(0x30)
+    key = 0x1234567890ABCDEF
+    real = tcache_struct(r, [1, 1] + [0] * 62, [n0 + 16, n1 + 16] + [0] * 62, tc)
+    r.set_word(n0 + 16 + 8, key)
+    r.set_word(n1 + 16 + 8, key)
+    self_keyed = tcache_struct(r, [0, 1] + [0] * 62, [0, n2 + 16] + [0] * 62, tc)
+    r.set_word(n2 + 16 + 8, self_keyed)
+    too_many = tcache_struct(r, [8] + [0] * 63, [n0 + 16] + [0] * 63, tc)       # count > max
+    wrong_size = tcache_struct(r, [0, 0, 1] + [0] * 61, [0, 0, n1 + 16] + [0] * 61, tc)
+    empty = tcache_struct(r, [0] * 64, [0] * 64, tc)
+    r.finish_top()
+    tab, keep = regions(r)
+    got = scan(tab, 1, r, tc)
+    assert got == [(real, key, 2, 2, 0, 0, 0), (self_keyed, self_keyed, 1, 1, 0, 1, 0)]
+    # the key is counted in every head: one overwritten key still leaves the other
+    r.set_word(n0 + 16 + 8, 0x4242)
+    assert scan(tab, 1, r, tc, want=key) == [(real, 0x4242, 2, 2, 1, 0, 0)]
+    assert {too_many, wrong_size, empty}.isdisjoint(a for a, *_ in got)
+    # bins beyond mp_.tcache_bins must be empty
+    assert [g[0] for g in scan(tab, 1, r, tc, active=2)] == [real, self_keyed]
+    assert [g[0] for g in scan(tab, 1, r, tc, active=1)] == []
+    assert len(scan(tab, 1, r, tc, cap=1)) == 1
+
+
+def test_tcache_scan_is_linear_for_many_lookalikes():
+    from memunreachable.glibc.layout import TCACHE_U16 as tc
+    n = 20000
+    r = Run(size=n * (tc.chunk_size + 0x20) + 0x1000)
+    for _ in range(n):
+        node = r.chunk(0x20)
+        tcache_struct(r, [1] + [0] * 63, [node + 16] + [0] * 63, tc)
+    r.finish_top()
+    tab, keep = regions(r)
+    user, usable = in_use(r)
+    out = ffi.new("mu_tcache_cand[]", n)
+    t = time.perf_counter()
+    k = lib.mu_walk_tcache_scan(tab, 1, ffi.from_buffer("uint64_t[]", user),
+                                ffi.from_buffer("uint64_t[]", usable), len(user), tc.chunk_size - 8,
+                                2, tc.entries, 64, 64, 7, 8, 0, out, n)
+    dt = time.perf_counter() - t
+    assert k == n
+    assert dt < 0.1, f"prefilter of {n} look-alikes took {dt:.3f}s"
 
 
 def test_bin_list_walk():
@@ -203,14 +323,15 @@ def test_bin_list_walk():
     r.set_word(b + 24, a)
     tab, keep = regions(r, arena)
     nodes, nbytes, bitfree = ffi.new("uint64_t *"), ffi.new("uint64_t *"), ffi.new("uint64_t *")
-    assert lib.mu_walk_bin(tab, 2, binc, 100, nodes, nbytes, bitfree) == 0
-    assert (nodes[0], nbytes[0], bitfree[0]) == (2, 0x200, 2)
-    r.set_word(b + 24, binc)            # b->bk no longer a: broken
-    assert lib.mu_walk_bin(tab, 2, binc, 100, nodes, nbytes, bitfree) == 1
+    bad = ffi.new("uint64_t *")
+    assert lib.mu_walk_bin(tab, 2, binc, 100, nodes, nbytes, bitfree, bad) == 0
+    assert (nodes[0], nbytes[0], bitfree[0], bad[0]) == (2, 0x200, 2, 0)
+    r.set_word(b + 24, binc)            # b->bk no longer a: broken at b
+    assert lib.mu_walk_bin(tab, 2, binc, 100, nodes, nbytes, bitfree, bad) == 1 and bad[0] == b
     empty = arena.base + 0x80
     arena.set_word(empty + 16, empty)
     arena.set_word(empty + 24, empty)
-    assert lib.mu_walk_bin(tab, 2, empty, 100, nodes, nbytes, bitfree) == 0 and nodes[0] == 0
+    assert lib.mu_walk_bin(tab, 2, empty, 100, nodes, nbytes, bitfree, bad) == 0 and nodes[0] == 0
 
 
 def test_subtract():
@@ -243,3 +364,75 @@ def test_five_million_chunks_walk_fast():
     dt = time.perf_counter() - t
     assert k == n and res.status == lib.MU_WALK_TOP and user[-1] == top - size + 16
     assert dt < 0.5, f"walk of {n} chunks took {dt:.3f}s"
+
+
+# ---- validate.py: verdicts on free lists and hard inconsistencies (pure policy) -------------
+
+def test_tcache_bin_verdicts():
+    from memunreachable.glibc import validate as V
+    v = V.Verdict()
+    t = 0x5000
+    assert V.judge_tcache_bin(v, t, 3, 72, 3, V.CHAIN_NULL, 3, 0, 0x7010, 0, False) == (3, False)
+    assert v.soft == [] and v.uncertain == {}
+    # one bin off by one: a thread inside tcache_put; its chain is free, its size uncertain
+    assert V.judge_tcache_bin(v, t, 1, 40, 2, V.CHAIN_NULL, 3, 0, 0x7010, 0, False) == (3, True)
+    assert v.uncertain == {40: v.soft[0]} and "count says 2" in v.soft[0]
+    # garbage: the verified prefix is free, the warning names the tcache, bin, node and link
+    free, _ = V.judge_tcache_bin(v, t, 3, 72, 3, V.CHAIN_BAD, 1, 2, 0x7010, 0x4141414141414141, True)
+    assert free == 1
+    assert v.uncertain[72] == ("tcache 0x5000 bin 3 (72-byte blocks): chain broken at 0x7010: next "
+                               "pointer 0x4141414141414141 is not an in-use chunk of the heap; "
+                               "unreachable 72-byte blocks may be free")
+    # a second off-by-one bin in the same tcache is no longer "in transit"
+    free, transit = V.judge_tcache_bin(v, t, 5, 104, 2, V.CHAIN_NULL, 1, 0, 0x8010, 0, True)
+    assert (free, transit) == (1, False) and "chain broken at 0x8010" in v.uncertain[104]
+    # longer than the count: only count nodes are taken as free
+    assert V.judge_tcache_bin(v, t, 6, 120, 2, V.CHAIN_LONG, 3, 0, 0x9010, 0x9110, True)[0] == 2
+    assert v.hard == []
+
+
+def test_fastbin_verdicts():
+    from memunreachable.glibc import validate as V
+    v = V.Verdict()
+    assert V.judge_fastbin(v, 0xa000, 4, 88, V.CHAIN_NULL, 5, 0, 0, 0) == 5 and v.soft == []
+    assert V.judge_fastbin(v, 0xa000, 4, 88, V.CHAIN_CYCLE, 2, 0, 0x7010, 0x7110) == 2
+    assert v.soft == [v.uncertain[88]] == [
+        "arena 0xa000 fastbin 4 (88-byte blocks): chain broken at 0x7010: next pointer 0x7110 loops "
+        "back into the chain; unreachable 88-byte blocks may be free"]
+    V.judge_fastbin(v, 0xa000, 0, 24, V.CHAIN_BAD, 0, 1, 0, 0x123)
+    assert v.uncertain[24].startswith("arena 0xa000 fastbin 0 (24-byte blocks): chain broken at its "
+                                      "head: fastbinsY[0] (as a user pointer) 0x123 is not 16-byte "
+                                      "aligned")
+    v2 = V.Verdict()
+    V.judge_tcache_bin(v2, 0x5000, 2, 56, 1, V.CHAIN_BAD, 0, 2, 0, 0x9990, False)
+    assert v2.uncertain[56] == ("tcache 0x5000 bin 2 (56-byte blocks): chain broken at its head: "
+                                "entries[2] 0x9990 is not an in-use chunk of the heap; unreachable "
+                                "56-byte blocks may be free")
+
+
+def test_heap_inconsistent_carries_first_bad_and_pickles():
+    import pickle
+    from memunreachable.glibc import validate as V
+
+    def verdict():
+        v = V.Verdict()
+        V.check_mmapped(v, 1, 4096, 2, 8192)                       # no address
+        V.check_run(v, "heap 0x7000", V.WALK_TOP + 3, 0, 0x7230, (V.WALK_TOP,))
+        V.check_bins(v, 0xa000, 2, 0, 0, 0, bad_at=0x9990)
+        return v
+
+    with pytest.raises(V.HeapInconsistent) as e1:
+        verdict().raise_if_hard()
+    with pytest.raises(V.HeapInconsistent) as e2:
+        verdict().raise_if_hard()
+    assert e1.value.first_bad == 0x7230
+    assert str(e1.value) == str(e2.value) == (
+        "heap walk inconsistent: mmapped chunks: found 1 (4096 bytes), mp_ says 2 (8192 bytes); "
+        "heap 0x7000: chunk chain broke at 0x7230 (bad chunk size); arena 0xa000: 2 bin lists are broken")
+    back = pickle.loads(pickle.dumps(e1.value))
+    assert type(back) is V.HeapInconsistent and back.first_bad == 0x7230 and str(back) == str(e1.value)
+    v = V.Verdict()
+    V.check_mmapped(v, 1, 4096, 2, 8192)
+    with pytest.raises(V.HeapInconsistent) as e3:
+        v.raise_if_hard()
+    assert e3.value.first_bad == 0

@@ -1,0 +1,277 @@
+"""Stage 4 (allocations): glibc's free lists that hide free chunks which look in use.
+
+tcache and fastbin chunks keep the PREV_INUSE bit of the next chunk set, so the chunk walk
+counts them in use (glibc-heap.md 2.4). This module finds the real tcaches (by glibc's own
+evidence, never by shape alone: 10.1-10.3), follows every tcache bin and fastbin with
+validation (mu_walk_chain: each node an in-use chunk of the list's size, cycles cut exactly),
+and marks the verified prefixes free. A broken or in-transit list is a soft issue that names
+it and makes its block size uncertain (validate.py). Mixed into walker._Walker, whose state
+(mem, maps, stats, verdict, free_nodes, regions_table) it uses. References: glibc
+malloc/malloc.c tcache_put/tcache_get/_int_free (2.27-2.41).
+"""
+from __future__ import annotations
+
+import bisect
+import struct
+from array import array
+from dataclasses import dataclass
+from typing import List, Optional, Tuple
+
+from memunreachable import detect
+from memunreachable._ffi import check, ffi, lib
+from memunreachable._types import Mapping, Range, ThreadState
+from memunreachable.glibc import layout as L
+from memunreachable.glibc import locate
+from memunreachable.glibc import validate as V
+
+
+def _alloc_q(n: int) -> array:
+    return array("Q", (0,)) * n
+
+
+@dataclass
+class TcacheContext:
+    """What identifies and decodes the target's tcaches (glibc-heap.md 10)."""
+    layouts: Tuple[L.Tcache, ...]       # struct layouts to look for
+    key_kind: Optional[str]             # L.KEY_*; None: decide from the evidence (static <= 2.34)
+    mangled: Optional[bool]             # safe-linking; None: decide from the chains
+    active_bins: int                    # mp_.tcache_bins
+    max_count: int                      # mp_.tcache_count
+    data_ranges: List[Range]            # writable data of the malloc object (holds tcache_key)
+    threads: List[ThreadState]
+
+
+# Returns how to find and decode this target's tcaches: from the version string when libc has
+# one, else from mp_'s layout family (2.35+), else None fields decided from the evidence.
+def tcache_context(w, loc: locate.Located, scan: detect.AllocatorScan,
+                   threads: List[ThreadState]) -> TcacheContext:
+    lay = loc.layout
+    v = L.version_tuple(loc.version)
+    if v is not None:
+        layouts = (L.TCACHE_U16 if v >= L.U16_COUNTS_FROM else L.TCACHE_U8,)
+        kind, mangled = L.tcache_key_kind(v), v >= L.SAFE_LINKING_FROM
+    elif lay.par is L.MP_235:           # mp_ grew in 2.35: tcache_key, safe-linking, u16
+        layouts, kind, mangled = (L.TCACHE_U16,), L.KEY_GLOBAL, True
+    else:
+        layouts, kind, mangled = L.TCACHES, None, None
+    bins = min(w.word(loc.mp + lay.par.tcache_bins), L.TCACHE_U16.nbins)
+    count = min(w.word(loc.mp + lay.par.tcache_count), 0xFFFF)
+    return TcacheContext(layouts, kind, mangled, bins, count, _object_data(w.maps, scan), threads)
+
+
+def _object_data(maps: List[Mapping], scan: detect.AllocatorScan) -> List[Range]:
+    """The malloc object's writable mappings and the anonymous .bss continuation after each."""
+    out = []
+    for k, m in enumerate(maps):
+        if m in scan.object_mappings and m.writable and m.readable:
+            out.append(m.range)
+            if k + 1 < len(maps):
+                nxt = maps[k + 1]
+                if nxt.begin == m.end and nxt.anonymous and nxt.writable and not nxt.path:
+                    out.append(nxt.range)
+    return out
+
+
+class FreeListsMixin:
+    """tcache and fastbin subtraction for walker._Walker."""
+
+    def chain(self, tab, ntab, user: array, usable: array, head: int, bias: int, mangled: bool,
+              size: int, arena: int, max_nodes: int):
+        """(mu_chain_result, verified prefix) of one free list (see mu_walk_chain)."""
+        cap = min(max_nodes + 1, 64)       # grown below when a chain is longer (fastbins)
+        res = ffi.new("mu_chain_result *")
+        pu, pz = ffi.from_buffer("uint64_t[]", user), ffi.from_buffer("uint64_t[]", usable)
+        while True:
+            out = _alloc_q(cap)
+            n = check(lib.mu_walk_chain(tab, ntab, pu, pz, len(user), head, bias, int(mangled), size,
+                                        arena, max_nodes, ffi.from_buffer("uint64_t[]", out), cap, res),
+                      "walk chain")
+            if n <= cap:
+                break
+            cap = n
+        del out[n:]
+        return res, out
+
+    # -- which 0x290 blocks are real tcaches (glibc-heap.md 10.1-10.3) ---------------------
+    def tcache_candidates(self, tab, ntab, user: array, usable: array, tc: L.Tcache,
+                          active_bins: int, max_count: int, want_key: int = 0):
+        """(mu_tcache_cand[], n): blocks shaped like tc that pass mu_walk_tcache_scan's
+        prefilter (linear, in C); with want_key, only those with a head holding it."""
+        cap = max(1, usable.count(tc.chunk_size - L.ARENA_USABLE_DELTA))   # one C pass
+        while True:
+            out = ffi.new("mu_tcache_cand[]", cap)
+            n = check(lib.mu_walk_tcache_scan(
+                tab, ntab, ffi.from_buffer("uint64_t[]", user), ffi.from_buffer("uint64_t[]", usable),
+                len(user), tc.chunk_size - L.ARENA_USABLE_DELTA, tc.count_width, tc.entries, tc.nbins,
+                active_bins, max_count, tc.key or 0, want_key, out, cap), "scan tcache candidates")
+            if n <= cap:
+                return out, n
+            cap = n
+
+    @staticmethod
+    def cand_tuples(out, n: int) -> List[Tuple[int, int, int, int, int, int, int]]:
+        """(addr, key, nonempty, heads, want_key heads, self_key heads, mismatched) each."""
+        rec = struct.Struct("<QQIIIIII")
+        return [r[:7] for r in rec.iter_unpack(ffi.buffer(out, n * rec.size))]
+
+    @staticmethod
+    def cand_keys(out, n: int) -> set:
+        """The keys the candidates' first heads hold (read as words: no per-record Python)."""
+        words = memoryview(ffi.buffer(out, n * ffi.sizeof("mu_tcache_cand"))).cast("Q")
+        return set(words[1::ffi.sizeof("mu_tcache_cand") // 8])
+
+    def is_mapped(self, addr: int) -> bool:
+        i = bisect.bisect_right(self.map_begins, addr) - 1
+        return i >= 0 and addr < self.maps[i].end
+
+    def tcache_key_values(self, keys: set, data_ranges: List[Range]) -> set:
+        """Which of keys are glibc's tcache_key (2.34+): a random word that is stored in the
+        malloc object's writable data and is no address of the process."""
+        found = set()
+        for r in data_ranges if keys else ():
+            found |= keys.intersection(array("Q", self.mem.read(r.begin, r.size)))
+        return {k for k in found if k > 0xFFFF and not self.is_mapped(k)}
+
+    def tls_words(self, threads: List[ThreadState]) -> set:
+        """Words of every thread's static TLS area: up to L.TLS_TCACHE_WINDOW bytes below
+        fs_base, within the readable mappings (where libc's `tcache` pointer lives)."""
+        words = set()
+        for t in threads:
+            fs = t.fs_base & ~7
+            m = self.mapping_at(fs - 8) if fs else None
+            if m is None or not m.readable:
+                continue
+            lo = fs - L.TLS_TCACHE_WINDOW
+            begin = m.begin
+            k = self.maps.index(m)
+            while k > 0 and begin > lo and self.maps[k - 1].end == begin and self.maps[k - 1].readable:
+                k -= 1
+                begin = self.maps[k].begin
+            lo = max(lo, begin)
+            words.update(array("Q", self.mem.read(lo, fs - lo)))
+        return words
+
+    def find_tcaches(self, tab, ntab, user: array, usable: array, ctx: TcacheContext):
+        """[(addr, Tcache)] of the real tcaches: candidates that glibc's own evidence supports
+        (glibc-heap.md 10.1-10.3): a list head whose key is tcache_key (2.34+: a random word
+        stored in libc's data, no address), or the struct itself (2.29-2.33) plus a reference
+        from a thread's static TLS when threads are known; for 2.27-2.28 (no key) the TLS
+        reference. Shape alone never suffices when threads are known. Linear in the heap:
+        the per-block work is in C."""
+        scans = [(tc, self.tcache_candidates(tab, ntab, user, usable, tc, ctx.active_bins,
+                                             ctx.max_count)) for tc in ctx.layouts]
+        self.stats["tcache_candidates"] = sum(n for _, (_, n) in scans)
+        if not self.stats["tcache_candidates"]:
+            return []
+        kind = ctx.key_kind
+        if kind in (L.KEY_GLOBAL, None):
+            first_keys = set()
+            for _, (out, n) in scans:
+                first_keys.update(self.cand_keys(out, n))
+            keys = self.tcache_key_values(first_keys, ctx.data_ranges)
+            if kind is None:
+                kind = (L.KEY_GLOBAL if keys else
+                        L.KEY_SELF if any(c[5] for _, (o, n) in scans for c in self.cand_tuples(o, n))
+                        else L.KEY_NONE)
+            if kind == L.KEY_GLOBAL:
+                self.stats["tcache_key_kind"] = kind
+                if not keys:
+                    return []
+                # each candidate needs one head holding the key (a program may have
+                # overwritten some free chunk's key). Several such words (a static build holds
+                # the program's data too, e.g. a random cookie its nodes carry): only keys
+                # held by a tcache that some thread's TLS points at, when threads are known.
+                tls = self.tls_words(ctx.threads) if ctx.threads and len(keys) > 1 else None
+                out = []
+                for k in sorted(keys):
+                    got = []
+                    for tc in ctx.layouts:
+                        o, n = self.tcache_candidates(tab, ntab, user, usable, tc, ctx.active_bins,
+                                                      ctx.max_count, k)
+                        got += [(c[0], tc) for c in self.cand_tuples(o, n)]
+                    if tls is None or any(a in tls for a, _ in got):
+                        out += got
+                return sorted(set(out), key=lambda x: x[0])
+        self.stats["tcache_key_kind"] = kind
+        tls = self.tls_words(ctx.threads) if ctx.threads else None
+        out = []
+        for tc, (o, n) in scans:
+            for addr, key, nonempty, heads, want, self_key, mism in self.cand_tuples(o, n):
+                if kind == L.KEY_SELF:
+                    ok = self_key > 0 and (tls is None or addr in tls)
+                else:
+                    ok = addr in tls if tls is not None else (heads == nonempty and mism == 0)
+                if ok:
+                    out.append((addr, tc))
+        return out
+
+    def tcache_bins(self, tab, ntab, user: array, usable: array, addr: int, tc: L.Tcache,
+                    mangled: bool):
+        """[(bin, count, mu_chain_result, prefix)] of every bin of the tcache at addr that has
+        a count or a head."""
+        data = self.mem.read(addr, tc.entries + 8 * tc.nbins)
+        fmt = "<%d%s" % (tc.nbins, "B" if tc.count_width == 1 else "H")
+        counts = struct.unpack_from(fmt, data, 0)
+        entries = struct.unpack_from("<%dQ" % tc.nbins, data, tc.entries)
+        out = []
+        for i in range(tc.nbins):
+            if counts[i] == 0 and entries[i] == 0:
+                continue
+            res, nodes = self.chain(tab, ntab, user, usable, entries[i], L.TCACHE_LINK_BIAS, mangled,
+                                    tc.bin_chunk_size(i), 0, counts[i] + 1)
+            out.append((i, counts[i], res, nodes))
+        return out
+
+    def subtract_tcaches(self, user: array, usable: array, ctx: TcacheContext) -> Optional[bool]:
+        """Mark the verified chains of every real tcache free; returns the safe-linking
+        decision (None: undecided)."""
+        tab, ntab = self.regions_table()
+        mangled = ctx.mangled
+        for addr, tc in self.find_tcaches(tab, ntab, user, usable, ctx):
+            if mangled is None:     # no version hint (static 2.27-2.34): the decoding that fits
+                scored = []
+                for m in (True, False):
+                    bins = self.tcache_bins(tab, ntab, user, usable, addr, tc, m)
+                    ok = sum(1 for _, cnt, r, _n in bins if r.status == V.CHAIN_NULL and r.nodes == cnt)
+                    scored.append((ok, m, bins))
+                ok, m, bins = max(scored, key=lambda x: x[0])
+                if ok:
+                    mangled = m
+            else:
+                bins = self.tcache_bins(tab, ntab, user, usable, addr, tc, mangled)
+            transit = False
+            for i, count, r, nodes in bins:
+                usable_i = tc.bin_chunk_size(i) - L.ARENA_USABLE_DELTA
+                free, t = V.judge_tcache_bin(self.v, addr, i, usable_i, count, r.status, r.nodes,
+                                             r.reason, r.last, r.bad, transit)
+                transit |= t
+                self.free_nodes.extend(nodes[:free])
+                self.stats["tcache_free"] += free
+            self.stats["tcaches"].append(addr)
+        return mangled
+
+    def subtract_fastbins(self, user: array, usable: array, arenas: List[int], lay: L.Layout,
+                          mangled: Optional[bool]) -> None:
+        tab, ntab = self.regions_table()
+        st_ = lay.state
+        for k, arena in enumerate(arenas):
+            heads = struct.unpack("<%dQ" % st_.nfastbins, self.mem.read(arena + st_.fastbins,
+                                                                         8 * st_.nfastbins))
+            limit = self.arena_chunks.get(arena, 0)
+            for i, head in enumerate(heads):
+                if not head:
+                    continue
+                size = L.MINSIZE + 2 * L.SIZE_SZ * i
+                tries = (True, False) if mangled is None else (mangled,)
+                r = out = None
+                for m in tries:
+                    r2, out2 = self.chain(tab, ntab, user, usable, head, L.FASTBIN_LINK_BIAS, m, size,
+                                          1 if k == 0 else 2, limit)
+                    if r is None or r2.status == V.CHAIN_NULL or r2.nodes > r.nodes:
+                        r, out = r2, out2
+                    if r.status == V.CHAIN_NULL:
+                        break
+                free = V.judge_fastbin(self.v, arena, i, size - L.ARENA_USABLE_DELTA, r.status,
+                                       r.nodes, r.reason, r.last, r.bad)
+                self.stats["fastbin_free"] += free
+                self.free_nodes.extend(out[:free])
