@@ -145,14 +145,21 @@ def plan_snapshot(target_maps: Sequence[Mapping], snapshot_smaps: Sequence[Tuple
 
 
 def mapped_file_size(pid: int):
-    """file_size callback for plan_snapshot: through map_files (deleted files too), else path."""
+    """file_size callback for plan_snapshot: through map_files (deleted files too), else path;
+    one stat per file (a library has 4-5 mappings)."""
+    sizes: dict = {}
+
     def size(m: Mapping):
-        for path in (f"/proc/{pid}/map_files/{m.begin:x}-{m.end:x}", m.path):
-            try:
-                return os.stat(path).st_size
-            except OSError:
-                continue
-        return None
+        key = (m.dev, m.inode, m.path)
+        if key not in sizes:
+            sizes[key] = None
+            for path in (f"/proc/{pid}/map_files/{m.begin:x}-{m.end:x}", m.path):
+                try:
+                    sizes[key] = os.stat(path).st_size
+                    break
+                except OSError:
+                    continue
+        return sizes[key]
     return size
 
 

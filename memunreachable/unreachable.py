@@ -29,6 +29,7 @@ from memunreachable._types import Range, merge_ranges, subtract_ranges
 from memunreachable.classify import classify
 from memunreachable.folding import fold
 from memunreachable.freeze import frozen
+from memunreachable.glibc import locate
 from memunreachable.glibc.walker import HeapInconsistent, walk_heap
 from memunreachable.mark import mark
 from memunreachable.memory import ProcessMemory, SnapshotPlan, capture, mapped_file_size, plan_snapshot
@@ -302,6 +303,7 @@ def _sweep_snapshot(snap, fz, st: _Attempts, sweep_timeout: float, confirm, over
             _snapshot_died(fz.pid, st, f"its memory could not be opened: {exc}")
         raise NoSuchProcess(fz.pid, f"process {fz.pid} exited during the check",
                             hint=diagnose.hint_no_process(fz.pid)) from None
+    _warm_caches(fz.maps, fz.pid)
     maps = fz.maps
     if unseen:          # memory the sweep cannot see is neither read nor a root
         maps = [m for m in maps if not any(m.range.overlaps(u) for u in unseen)]
@@ -311,6 +313,14 @@ def _sweep_snapshot(snap, fz, st: _Attempts, sweep_timeout: float, confirm, over
                            sweep_timeout)
     finally:
         mem.close()
+
+
+def _warm_caches(maps, pid: int) -> None:
+    """Parse the malloc object's ELF file here, in the long-lived checker, so that every
+    forked sweeper inherits the result (120 ms of pyelftools per check otherwise)."""
+    scan = detect.scan_maps(maps, pid)
+    if scan.object_mappings:
+        locate.read_image(scan.object_mappings, pid)
 
 
 def sweep(mem, maps, threads, pid: int, confirm: Optional[set] = None,

@@ -55,17 +55,61 @@ def _open_object(mappings: List[Mapping], pid: Optional[int]):
     return open(first.path, "rb")
 
 
-def _load_bias(elf: ELFFile, mappings: List[Mapping]) -> Optional[int]:
-    """Runtime address minus link-time address, from the mapping of the first PT_LOAD."""
-    loads = [s for s in elf.iter_segments() if s["p_type"] == "PT_LOAD"]
-    if not loads:
-        return None
-    first = min(loads, key=lambda s: s["p_vaddr"])
-    page_off = first["p_offset"] & ~(L.PAGE - 1)
+def _load_bias(first_load: Tuple[int, int], mappings: List[Mapping]) -> Optional[int]:
+    """Runtime address minus link-time address, from the mapping of the first PT_LOAD
+    (first_load: its page-aligned file offset and link-time address)."""
+    page_off, page_vaddr = first_load
     for m in sorted(mappings, key=lambda m: m.begin):
         if m.offset == page_off:
-            return m.begin - (first["p_vaddr"] & ~(L.PAGE - 1))
+            return m.begin - page_vaddr
     return None
+
+
+@dataclass(frozen=True)
+class _FileFacts:
+    """What method A reads from the ELF file itself: independent of where it is mapped."""
+    first_load: Tuple[int, int]
+    rw: List[Tuple[int, bytes]]
+    relative: dict
+    version: Optional[str]
+
+
+# file identity (st_dev, st_ino, st_size, st_mtime_ns) -> _FileFacts or None (not usable).
+# Parsing libc's ELF costs ~120 ms with pyelftools; a long-lived process (the in-process
+# helper, a CLI watching a target) checks the same libc again and again.
+_FACTS_CACHE: dict = {}
+_FACTS_CACHE_MAX = 16
+
+
+def _file_facts(f) -> Optional[_FileFacts]:
+    st = os.fstat(f.fileno())
+    key = (st.st_dev, st.st_ino, st.st_size, st.st_mtime_ns)
+    if key in _FACTS_CACHE:
+        return _FACTS_CACHE[key]
+    facts = None
+    try:
+        elf = ELFFile(f)
+        if elf.get_machine_arch() == "x64":
+            loads = [s for s in elf.iter_segments() if s["p_type"] == "PT_LOAD"]
+            if loads:
+                first = min(loads, key=lambda s: s["p_vaddr"])
+                first_load = (first["p_offset"] & ~(L.PAGE - 1), first["p_vaddr"] & ~(L.PAGE - 1))
+                rw = [(s["p_vaddr"], s.data()) for s in loads if s["p_flags"] & 2]
+                relative = {}
+                for sec in elf.iter_sections():
+                    if isinstance(sec, RelocationSection) and sec.is_RELA():
+                        for r in sec.iter_relocations():
+                            if r["r_info_type"] == R_X86_64_RELATIVE:
+                                relative[r["r_offset"]] = r["r_addend"]
+                with mmap.mmap(f.fileno(), st.st_size, prot=mmap.PROT_READ) as mm:
+                    version = L.find_version(mm)
+                facts = _FileFacts(first_load, rw, relative, version)
+    except Exception:        # malformed ELF: pyelftools raises many types
+        facts = None
+    if len(_FACTS_CACHE) >= _FACTS_CACHE_MAX:
+        _FACTS_CACHE.clear()
+    _FACTS_CACHE[key] = facts
+    return facts
 
 
 def read_image(mappings: List[Mapping], pid: Optional[int]) -> Optional[_Image]:
@@ -75,28 +119,13 @@ def read_image(mappings: List[Mapping], pid: Optional[int]) -> Optional[_Image]:
     except OSError:
         return None
     with f:
-        try:
-            elf = ELFFile(f)
-            if elf.get_machine_arch() != "x64":
-                return None
-            bias = _load_bias(elf, mappings)
-            if bias is None:
-                return None
-            rw = [(s["p_vaddr"], s.data()) for s in elf.iter_segments()
-                  if s["p_type"] == "PT_LOAD" and s["p_flags"] & 2]
-            relative = {}
-            for sec in elf.iter_sections():
-                if isinstance(sec, RelocationSection) and sec.is_RELA():
-                    for r in sec.iter_relocations():
-                        if r["r_info_type"] == R_X86_64_RELATIVE:
-                            relative[r["r_offset"]] = r["r_addend"]
-        except Exception:        # malformed ELF: pyelftools raises many types
-            return None
-        f.seek(0, os.SEEK_END)
-        size = f.tell()
-        with mmap.mmap(f.fileno(), size, prot=mmap.PROT_READ) as mm:
-            version = L.find_version(mm)
-    return _Image(bias, rw, relative, version)
+        facts = _file_facts(f)
+    if facts is None:
+        return None
+    bias = _load_bias(facts.first_load, mappings)
+    if bias is None:
+        return None
+    return _Image(bias, facts.rw, facts.relative, facts.version)
 
 
 def _words(vaddr: int, data: bytes) -> Tuple[int, memoryview]:

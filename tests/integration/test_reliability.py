@@ -273,3 +273,20 @@ def test_target_killed_at_a_random_moment_gives_a_result_or_an_error_and_leaves_
     while not all(_gone(c) for c in clones) and time.monotonic() < deadline:
         time.sleep(0.01)
     assert [c for c in clones if not _gone(c)] == []
+
+
+# ---- broken free lists ----------------------------------------------------------------------
+
+@pytest.mark.parametrize("mode", ["tcache_garbage", "tcache_cycle", "fastbin_garbage",
+                                  "fastbin_cycle"])
+def test_a_block_hidden_behind_a_broken_free_list_is_uncertain_not_a_leak(mode):
+    with fixtures.start("corrupt_freelist", mode) as fx:
+        info = check(fx.pid, limit=None)
+        hidden = fx.blocks["freed_a"]
+        leak = fx.blocks["leak"]
+        assert leak_set(info) == {(leak.address, leak.size)}
+        assert (info.num_leaks, info.leak_bytes) == (1, leak.size)
+        assert {(l.address, l.size) for l in info.uncertain} == {(hidden.address, hidden.size)}
+        assert (info.num_uncertain, info.uncertain_bytes) == (1, hidden.size)
+        assert any("chain broken" in w or "cycle" in w for w in info.warnings), info.warnings
+        assert_target_running(fx)
