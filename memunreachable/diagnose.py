@@ -189,11 +189,16 @@ def hint_apparmor(label: str) -> str:
             "profile weakens protection for the programs it confines.")
 
 
-def hint_seccomp(pid: int) -> str:
-    return (f"Process {pid} runs under a seccomp filter; taking a snapshot means making it call "
-            "clone, which the filter may refuse or punish. Re-run with "
-            "`--allow-seccomp-target`, or `--no-snapshot` (the process stays paused for the "
-            "whole scan).")
+def hint_seccomp(pid: int, unreadable: bool = False) -> str:
+    text = (f"The seccomp rules of process {pid} would refuse or punish the syscalls a "
+            "snapshot makes it run (clone, then wait4), in every thread that could run them. "
+            "Without --no-fallback, memunreachable reads the stopped process directly instead "
+            "(it stays paused for the whole scan).")
+    if unreadable:
+        text += (" Its seccomp filters could not be read (that needs CAP_SYS_ADMIN); if you "
+                 "know they allow clone and wait4, --allow-seccomp-target takes the snapshot "
+                 "anyway.")
+    return text
 
 
 def hint_kernel_thread(pid: int) -> str:

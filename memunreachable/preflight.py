@@ -13,7 +13,7 @@ from typing import List, Optional
 
 from memunreachable._errors import NoSuchProcess, UnsupportedTarget, ZombieProcess
 from memunreachable.diagnose import (Facts, _definite_denial, _name, gather_facts, hint_kernel_thread,
-                                     hint_no_process, hint_seccomp, hint_self, hint_zombie)
+                                     hint_no_process, hint_self, hint_zombie)
 
 
 @dataclass
@@ -51,7 +51,6 @@ def preflight(pid: int, facts: Optional[Facts] = None) -> Target:
     denial = _definite_denial(f)
     if denial is not None:
         raise denial
-    target = Target(pid=pid, name=name, seccomp=st.seccomp, uid=st.uids[1])
-    if st.seccomp == 2:
-        target.warnings.append(hint_seccomp(pid))
-    return target
+    # seccomp is decided per thread by the snapshot stage (seccomp.py), once the threads
+    # are stopped and their filters can be read: no warning here
+    return Target(pid=pid, name=name, seccomp=st.seccomp, uid=st.uids[1])

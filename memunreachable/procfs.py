@@ -2,7 +2,8 @@
 
 Parsers (pure, unit-tested on literal text):
     parse_maps(text)   -> [Mapping]         /proc/PID/maps
-    parse_status(text) -> Status            /proc/PID/status (State, Tgid, Uid, TracerPid, Seccomp, CapEff)
+    parse_status(text) -> Status            /proc/PID/status (State, Tgid, Uid, TracerPid, Seccomp,
+                                            Seccomp_filters, CapEff)
     parse_stat(text)   -> Stat              /proc/PID/stat (comm may hold spaces and parentheses)
 Readers (one open+read each; a vanished process raises NoSuchProcess):
     read_maps(pid), read_status(pid), read_stat(pid), list_tasks(pid), read_comm(pid)
@@ -42,6 +43,8 @@ class Status:
     cap_eff: int
     threads: int
     sig_pending: int = 0            # SigPnd | ShdPnd (bit n-1 for signal n)
+    seccomp_filters: int = 0        # Seccomp_filters: (kernel 5.9+; 0 when absent)
+    no_new_privs: int = 0
 
     def has_cap(self, cap: int) -> bool:
         return bool(self.cap_eff >> cap & 1)
@@ -111,6 +114,8 @@ def parse_status(text: str) -> Status:
         cap_eff=int(fields.get("CapEff", "0") or "0", 16),
         threads=int(fields.get("Threads", "0") or 0),
         sig_pending=int(fields.get("SigPnd", "0") or "0", 16) | int(fields.get("ShdPnd", "0") or "0", 16),
+        seccomp_filters=int(fields.get("Seccomp_filters", "0") or 0),
+        no_new_privs=int(fields.get("NoNewPrivs", "0") or 0),
     )
 
 

@@ -147,7 +147,8 @@ def test_non_dumpable_fixture_as_root():
         assert_running(fx.pid)
 
 
-def test_seccomp_fixture_warns():
+def test_seccomp_fixture_passes_without_warning():
+    # seccomp is decided per thread once the threads are stopped (snapshot.py, seccomp.py)
     with fixtures.start("ptr_seccomp") as fx:
         t = preflight.preflight(fx.pid)
-        assert t.seccomp == 2 and t.warnings == [diagnose.hint_seccomp(fx.pid)]
+        assert (t.seccomp, t.warnings) == (2, [])

@@ -35,11 +35,22 @@ def test_ok_target():
     assert (t.pid, t.name, t.seccomp, t.uid, t.warnings) == (PID, "prog", 0, 1000, [])
 
 
-def test_seccomp_target_passes_with_warning():
-    t = preflight.preflight(PID, facts(status=status(seccomp=2)))
-    assert t.seccomp == 2
-    assert t.warnings == [diagnose.hint_seccomp(PID)]
-    assert "--allow-seccomp-target" in t.warnings[0] and "--no-snapshot" in t.warnings[0]
+def test_seccomp_target_passes_without_warning():
+    # the snapshot stage decides per thread (seccomp.py); preflight only records the mode
+    for mode in (1, 2):
+        t = preflight.preflight(PID, facts(status=status(seccomp=mode)))
+        assert (t.seccomp, t.warnings) == (mode, [])
+
+
+def test_seccomp_hint_wording():
+    assert diagnose.hint_seccomp(PID) == (
+        f"The seccomp rules of process {PID} would refuse or punish the syscalls a snapshot "
+        "makes it run (clone, then wait4), in every thread that could run them. Without "
+        "--no-fallback, memunreachable reads the stopped process directly instead (it stays "
+        "paused for the whole scan).")
+    assert diagnose.hint_seccomp(PID, unreadable=True) == diagnose.hint_seccomp(PID) + (
+        " Its seccomp filters could not be read (that needs CAP_SYS_ADMIN); if you know they "
+        "allow clone and wait4, --allow-seccomp-target takes the snapshot anyway.")
 
 
 def test_absent():
