@@ -4,7 +4,11 @@ Input: a pid. Output: a Target (pid, name, seccomp mode, warnings), or a typed e
 .hint tells the user what to do (landscape.md section 5; wording in diagnose.py):
     NoSuchProcess / ZombieProcess    no process, or it already exited
     UnsupportedTarget                kernel thread, ourselves, a thread id, not x86_64
-    AccessDenied                     already traced, another user, non-dumpable, Yama 2/3
+    AccessDenied                     already traced, another user, non-dumpable, Yama 2/3,
+                                     or even read access refused although we hold
+                                     CAP_SYS_PTRACE (a security module, a sandbox, an outer
+                                     user namespace: diagnose._confinement)
+Only /proc and /sys are read: a refused target is never touched.
 """
 from __future__ import annotations
 
@@ -31,14 +35,18 @@ class Target:
 def preflight(pid: int, facts: Optional[Facts] = None) -> Target:
     f = facts if facts is not None else gather_facts(pid)
     if not f.exists:
-        raise NoSuchProcess(pid, f"no process with PID {pid}", hint=hint_no_process(pid))
+        raise NoSuchProcess(pid, "no such process", hint=hint_no_process(pid))
     st, name = f.status, _name(f)
     if st.state in ("Z", "X"):
-        raise ZombieProcess(pid, f"process {pid} is a zombie", hint=hint_zombie(pid), name=name)
+        raise ZombieProcess(pid, f"process {pid} has exited (zombie)",
+                            hint=hint_zombie(pid, st.ppid), name=name)
     if f.stat is not None and f.stat.kernel_thread:
         raise UnsupportedTarget(f"PID {pid} ({name}) is a kernel thread", hint=hint_kernel_thread(pid))
-    if pid == f.our_pid or st.tgid == f.our_pid:
-        raise UnsupportedTarget(f"PID {pid} is this process", hint=hint_self(pid))
+    if pid == f.our_pid:
+        raise UnsupportedTarget(f"PID {pid} is memunreachable's own process", hint=hint_self(pid))
+    if st.tgid == f.our_pid:
+        raise UnsupportedTarget(f"PID {pid} is a thread of memunreachable's own process "
+                                f"{f.our_pid}", hint=hint_self(pid))
     if st.tgid and st.tgid != pid:
         raise UnsupportedTarget(f"PID {pid} is a thread of process {st.tgid}",
                                 hint=f"Check the process instead: memunreachable check {st.tgid}")

@@ -178,3 +178,54 @@ def task_state(pid: int, tid: int) -> str:
         return read_stat(pid, tid).state
     except (NoSuchProcess, OSError, ValueError):
         return ""
+
+
+# ---- access probes and security labels (diagnose.py)
+
+# Returns the confinement label from the text of /proc/PID/attr/current (AppArmor "profile
+# (mode)", SELinux "user:role:type:level"), "" for none or unconfined.
+def parse_lsm_label(text: str) -> str:
+    label = text.strip().rstrip("\x00").strip()
+    if not label or label == "unconfined" or label.startswith("unconfined ") \
+            or label.startswith("unconfined_u:unconfined_r:unconfined_t"):
+        return ""
+    return label
+
+
+def read_lsm_label(pid) -> str:
+    """The AppArmor/SELinux label of pid ("self" for us), "" when none or unreadable.
+    /proc/PID/attr/apparmor/current (kernel 5.8+, AppArmor stacked) first."""
+    for path in (f"/proc/{pid}/attr/apparmor/current", f"/proc/{pid}/attr/current"):
+        try:
+            with open(path, "rb") as f:
+                return parse_lsm_label(f.read(4096).decode("utf-8", "replace"))
+        except OSError:
+            continue
+    return ""
+
+
+# Returns True when the uid_map text maps the whole uid range onto itself: the process is in
+# the initial user namespace (or one that mirrors it), where its capabilities reach every
+# process. A rootless container shows e.g. "0 1000 1".
+def parse_uid_map_is_initial(text: str) -> bool:
+    rows = [line.split() for line in text.splitlines() if line.strip()]
+    return rows == [["0", "0", "4294967295"]]
+
+
+def in_initial_user_ns() -> bool:
+    try:
+        with open("/proc/self/uid_map") as f:
+            return parse_uid_map_is_initial(f.read())
+    except OSError:
+        return True
+
+
+def read_access_errno(pid: int) -> int:
+    """0 when /proc/PID/maps opens (the kernel's PTRACE_MODE_READ check passes), else the
+    errno (EACCES: ptrace access is refused). Reads nothing and never touches the target."""
+    try:
+        fd = os.open(f"/proc/{pid}/maps", os.O_RDONLY | os.O_CLOEXEC)
+    except OSError as exc:
+        return exc.errno or errno.EIO
+    os.close(fd)
+    return 0
