@@ -43,8 +43,8 @@ class Facts:
     apparmor: str = ""                    # our confinement label, "" when unconfined/absent
     machine: str = "x86_64"
     target_elf: str = ""                  # e.g. "EM_X86_64/64"; "" when unreadable
-    read_errno: int = 0                   # opening /proc/PID/maps: 0, or EACCES when even
-                                          # the kernel's read-mode ptrace check refuses us
+    access_errno: int = 0                 # opening /proc/PID/mem: 0, or EACCES when the
+                                          # kernel's attach-mode ptrace check refuses us
     target_label: str = ""                # the target's AppArmor/SELinux label, "" when none
     nested_userns: bool = False           # we run in a user namespace (rootless container)
     landlock_abi: int = 0                 # Landlock's ABI version when enabled, else 0
@@ -132,7 +132,7 @@ def gather_facts(pid: int) -> Facts:
     return replace(base, exists=True, status=status, stat=stat,
                    tracer_name=procfs.read_comm(status.tracer_pid) if status.tracer_pid else "",
                    dumpable=_dumpable(pid, status), target_elf=_target_elf(pid),
-                   read_errno=procfs.read_access_errno(pid),
+                   access_errno=procfs.attach_access_errno(pid),
                    target_label=procfs.read_lsm_label(pid))
 
 
@@ -285,13 +285,33 @@ def _definite_denial(f: Facts) -> Optional[AccessDenied]:
     if f.yama_scope == 3:
         return AccessDenied(pid, "ptrace is disabled (Yama ptrace_scope 3)",
                             hint=hint_yama(3), name=name)
-    if f.read_errno == errno_mod.EACCES and f.cap_sys_ptrace:
-        # even the read-mode check (weaker than attaching) fails although we hold the
-        # capability: a security module, a sandbox or an outer user namespace
-        return _confinement(f, f"the kernel refuses access to process {pid} (reading "
-                               f"/proc/{pid}/maps: EACCES) although this process has "
-                               "CAP_SYS_PTRACE")
+    if f.access_errno == errno_mod.EACCES:
+        # the kernel's attach-mode check (opening /proc/PID/mem) already refuses: say why
+        # without touching the target
+        what = f"the kernel refuses to let this process trace process {pid} (opening " \
+               f"/proc/{pid}/mem: EACCES)"
+        if f.cap_sys_ptrace:
+            return _confinement(f, what + " although it has CAP_SYS_PTRACE")
+        return _uncapped(f, what)
     return None
+
+
+def _uncapped(f: Facts, what: str) -> AccessDenied:
+    """Why a process without CAP_SYS_PTRACE is refused (same uid, dumpable): Yama, a
+    security module, a container, or a reason we cannot name."""
+    pid, name = f.pid, _name(f)
+    if f.yama_scope in (1, 2):
+        return AccessDenied(pid, what, hint=hint_yama(f.yama_scope), name=name)
+    if f.selinux_enforcing:
+        return AccessDenied(pid, what, hint=hint_selinux(), name=name)
+    if f.apparmor or f.target_label:
+        return AccessDenied(pid, what, hint=hint_apparmor(f.apparmor or f.target_label),
+                            name=name)
+    if f.container:
+        return AccessDenied(pid, what, hint=hint_container(), name=name)
+    return AccessDenied(pid, what, hint=(
+        "The kernel refused ptrace for a reason memunreachable could not identify; "
+        "run with -vv to see every ptrace request and its errno."), name=name)
 
 
 def _confinement(f: Facts, what: str) -> AccessDenied:
@@ -329,15 +349,4 @@ def diagnose(pid: int, err: int, facts: Optional[Facts] = None) -> Memunreachabl
     what = f"tracing process {pid} failed: {errno_mod.errorcode.get(err, err)}"
     if f.cap_sys_ptrace:
         return _confinement(f, what + " although this process has CAP_SYS_PTRACE")
-    if f.yama_scope in (1, 2):
-        return AccessDenied(pid, what, hint=hint_yama(f.yama_scope), name=name)
-    if f.selinux_enforcing:
-        return AccessDenied(pid, what, hint=hint_selinux(), name=name)
-    if f.apparmor or f.target_label:
-        return AccessDenied(pid, what, hint=hint_apparmor(f.apparmor or f.target_label),
-                            name=name)
-    if f.container:
-        return AccessDenied(pid, what, hint=hint_container(), name=name)
-    return AccessDenied(pid, what, hint=(
-        "The kernel refused ptrace for a reason memunreachable could not identify; "
-        "run with -vv to see every ptrace request and its errno."), name=name)
+    return _uncapped(f, what)

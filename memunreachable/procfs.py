@@ -220,11 +220,12 @@ def in_initial_user_ns() -> bool:
         return True
 
 
-def read_access_errno(pid: int) -> int:
-    """0 when /proc/PID/maps opens (the kernel's PTRACE_MODE_READ check passes), else the
-    errno (EACCES: ptrace access is refused). Reads nothing and never touches the target."""
+def attach_access_errno(pid: int) -> int:
+    """0 when /proc/PID/mem opens, else the errno (EACCES: refused). Opening it runs the
+    kernel's attach-mode ptrace check (the one PTRACE_SEIZE runs, Yama and security modules
+    included); nothing is read and the target is never touched."""
     try:
-        fd = os.open(f"/proc/{pid}/maps", os.O_RDONLY | os.O_CLOEXEC)
+        fd = os.open(f"/proc/{pid}/mem", os.O_RDONLY | os.O_CLOEXEC)
     except OSError as exc:
         return exc.errno or errno.EIO
     os.close(fd)

@@ -1,4 +1,6 @@
 """Stage 1 against live processes: every preflight refusal, with its hint."""
+import errno
+import json
 import os
 import subprocess
 import sys
@@ -35,7 +37,9 @@ def test_absent_pid():
     proc.wait()
     with pytest.raises(NoSuchProcess) as ei:
         preflight.preflight(proc.pid)
-    assert ei.value.hint == f"There is no process with PID {proc.pid}."
+    assert str(ei.value) == f"no such process (pid={proc.pid})"
+    assert ei.value.hint == (f"No process has PID {proc.pid} now: it may have exited. Find its "
+                             "current PID with `pgrep NAME` or `pidof NAME` and check that one.")
     with pytest.raises(NoSuchProcess):
         with frozen(proc.pid):
             pass
@@ -47,8 +51,9 @@ def test_zombie():
         assert wait_until(lambda: procfs.read_status(proc.pid).state == "Z")
         with pytest.raises(ZombieProcess) as ei:
             preflight.preflight(proc.pid)
-        assert ei.value.hint == (f"Process {proc.pid} has already exited (zombie); there is "
-                                 "nothing left to check.")
+        assert ei.value.hint == (f"Process {proc.pid} has already exited; only its exit status "
+                                 f"is left until its parent (PID {os.getpid()}) collects it (a "
+                                 "zombie), so there is no memory to check.")
         with pytest.raises(ZombieProcess):
             with frozen(proc.pid):
                 pass
@@ -79,7 +84,8 @@ def test_kernel_thread():
 def test_own_pid_and_own_thread():
     with pytest.raises(UnsupportedTarget) as ei:
         preflight.preflight(os.getpid())
-    assert "NoLeaks()" in ei.value.hint
+    assert str(ei.value) == f"PID {os.getpid()} is memunreachable's own process"
+    assert ei.value.hint == diagnose.hint_self(os.getpid())
     ready, done = threading.Event(), threading.Event()
     tids = []
 
@@ -92,8 +98,10 @@ def test_own_pid_and_own_thread():
     th.start()
     try:
         ready.wait()
-        with pytest.raises(UnsupportedTarget):
+        with pytest.raises(UnsupportedTarget) as ei:
             preflight.preflight(tids[0])
+        assert str(ei.value) == (f"PID {tids[0]} is a thread of memunreachable's own process "
+                                 f"{os.getpid()}")
     finally:
         done.set()
         th.join()
@@ -116,6 +124,7 @@ def test_already_traced_names_the_tracer():
             comm = procfs.read_comm(tracer.pid)
             with pytest.raises(AccessDenied) as ei:
                 preflight.preflight(fx.pid)
+            assert ei.value.msg == f"process {fx.pid} is already traced by PID {tracer.pid} ({comm})"
             assert ei.value.hint.startswith(
                 f"Process {fx.pid} is being traced by PID {tracer.pid} ({comm}). A process can "
                 "have only one tracer")
@@ -152,3 +161,73 @@ def test_seccomp_fixture_passes_without_warning():
     with fixtures.start("ptr_seccomp") as fx:
         t = preflight.preflight(fx.pid)
         assert (t.seccomp, t.warnings) == (2, [])
+
+
+# ---- root with CAP_SYS_PTRACE, refused all the same (issue 7: pid 1 as root)
+
+# Runs memunreachable's CLI inside a new Landlock domain (a ruleset that only restricts TCP
+# bind): a Landlock-sandboxed process may not ptrace, nor read /proc/PID/maps of, a process
+# outside its domain, although it is root with CAP_SYS_PTRACE.
+LANDLOCKED_CHECK = """
+import ctypes, json, sys
+libc = ctypes.CDLL(None, use_errno=True)
+libc.syscall.restype = ctypes.c_long
+attr = (ctypes.c_uint64 * 2)(0, 1)          # handled_access_fs 0, handled_access_net BIND_TCP
+fd = libc.syscall(444, ctypes.byref(attr), 16, 0)
+assert fd >= 0, ctypes.get_errno()
+assert libc.prctl(38, 1, 0, 0, 0) == 0      # PR_SET_NO_NEW_PRIVS
+assert libc.syscall(446, fd, 0) == 0, ctypes.get_errno()
+from memunreachable import cli
+sys.exit(cli.main(["check", sys.argv[1], "--json"]))
+"""
+
+
+def test_landlocked_root_gets_the_sandbox_diagnosis():
+    abi = diagnose.landlock_abi()
+    assert abi >= 4, "this test needs Landlock with network rules (kernel 6.7+)"
+    assert diagnose.gather_facts(os.getpid()).cap_sys_ptrace
+    with fixtures.start("ptr_busy") as fx:
+        proc = subprocess.run([sys.executable, "-c", LANDLOCKED_CHECK, str(fx.pid)],
+                              capture_output=True, text=True, timeout=120)
+        assert proc.returncode == 3, proc.stderr
+        lsms = diagnose.gather_facts(fx.pid).lsms
+        message = (f"the kernel refuses to let this process trace process {fx.pid} (opening "
+                   f"/proc/{fx.pid}/mem: EACCES) although it has CAP_SYS_PTRACE")
+        hint = diagnose.hint_lsm(fx.pid, abi, lsms)
+        assert json.loads(proc.stdout)["error"] == {
+            "kind": "AccessDenied", "message": f"{message} (pid={fx.pid}, name='ptr_busy')",
+            "hint": hint}
+        assert "SYS_PTRACE capability" not in hint and "Landlock-sandboxed" in hint
+        assert proc.stderr.splitlines() == [
+            f"memunreachable: error: {message} (pid={fx.pid}, name='ptr_busy')", f"hint: {hint}"]
+        assert procfs.read_status(fx.pid).tracer_pid == 0
+        assert_running(fx.pid)
+
+
+def test_pid_1_as_root():
+    # preflight only reads /proc: it never touches pid 1. Where pid 1 may be traced (a plain
+    # host or container) it passes; where opening /proc/1/mem is refused (this machine: the
+    # session runs in a sandbox), the diagnosis names the confinement, never the container
+    f = diagnose.gather_facts(1)
+    assert f.exists and f.cap_sys_ptrace and f.status.uids[1] == 0
+    if f.access_errno == 0:
+        assert preflight.preflight(1).pid == 1
+        return
+    assert f.access_errno == errno.EACCES
+    with pytest.raises(AccessDenied) as ei:
+        preflight.preflight(1)
+    assert ei.value.msg == ("the kernel refuses to let this process trace process 1 (opening "
+                            "/proc/1/mem: EACCES) although it has CAP_SYS_PTRACE")
+    assert ei.value.hint == diagnose._confinement(f, ei.value.msg).hint
+    assert ei.value.hint != diagnose.hint_container()
+
+
+def test_attach_access_errno():
+    child = subprocess.Popen(["sleep", "30"])
+    try:
+        assert procfs.attach_access_errno(child.pid) == 0          # root, our child
+    finally:
+        child.kill()
+        child.wait()
+    assert procfs.attach_access_errno(child.pid) == errno.ENOENT    # reaped: gone
+    assert procfs.read_lsm_label(child.pid) == ""

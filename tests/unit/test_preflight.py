@@ -222,9 +222,9 @@ def test_root_with_cap_sys_ptrace_is_never_told_to_add_the_capability():
     pid1 = dict(cap_sys_ptrace=True, container="/.dockerenv", landlock_abi=7,
                 lsms="lockdown,capability,landlock", status=status(uids=(0, 0, 0, 0)))
     with pytest.raises(AccessDenied) as ei:
-        preflight.preflight(PID, facts(read_errno=errno.EACCES, **pid1))
-    assert ei.value.msg == (f"the kernel refuses access to process {PID} (reading "
-                            f"/proc/{PID}/maps: EACCES) although this process has CAP_SYS_PTRACE")
+        preflight.preflight(PID, facts(access_errno=errno.EACCES, **pid1))
+    assert ei.value.msg == (f"the kernel refuses to let this process trace process {PID} "
+                            f"(opening /proc/{PID}/mem: EACCES) although it has CAP_SYS_PTRACE")
     assert ei.value.hint == LSM_HINT
     # the same when only PTRACE_SEIZE fails
     err = diagnose.diagnose(PID, errno.EPERM, facts(**pid1))
@@ -239,14 +239,29 @@ def test_root_with_cap_sys_ptrace_is_never_told_to_add_the_capability():
                         "audit log.")
     # a rootless container: the capability stops at the user namespace
     with pytest.raises(AccessDenied) as ei:
-        preflight.preflight(PID, facts(read_errno=errno.EACCES, nested_userns=True, **pid1))
+        preflight.preflight(PID, facts(access_errno=errno.EACCES, nested_userns=True, **pid1))
     assert ei.value.hint == (
         "memunreachable runs in a user namespace (a rootless or user-namespaced container): its "
         f"capabilities, CAP_SYS_PTRACE included, do not reach process {PID}, which belongs to "
         "an outer namespace. Run memunreachable in the same container as the process, or on "
         "the host.")
-    # readable: nothing to say before trying
+    # /proc/PID/mem opens: nothing to say before trying
     assert preflight.preflight(PID, facts(**pid1)).pid == PID
+
+
+def test_refused_up_front_without_the_capability():
+    what = (f"the kernel refuses to let this process trace process {PID} (opening "
+            f"/proc/{PID}/mem: EACCES)")
+    with pytest.raises(AccessDenied) as ei:
+        preflight.preflight(PID, facts(access_errno=errno.EACCES, yama_scope=1))
+    assert (ei.value.msg, ei.value.hint) == (what, diagnose.hint_yama(1))
+    with pytest.raises(AccessDenied) as ei:
+        preflight.preflight(PID, facts(access_errno=errno.EACCES, container="/.dockerenv"))
+    assert (ei.value.msg, ei.value.hint) == (what, diagnose.hint_container())
+    # another user's process: that reason first, whatever the probe says
+    with pytest.raises(AccessDenied) as ei:
+        preflight.preflight(PID, facts(access_errno=errno.EACCES, status=status(uids=(0, 0, 0, 0))))
+    assert ei.value.msg == f"process {PID} belongs to user root"
 
 
 def test_diagnose_traced_and_other_user_first():
