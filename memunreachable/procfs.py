@@ -129,15 +129,20 @@ def parse_stat(text: str) -> Stat:
                 ppid=int(rest[1]), flags=int(rest[6]))
 
 
+def _gone(pid: int) -> NoSuchProcess:
+    from memunreachable.diagnose import hint_no_process     # diagnose imports this module
+    return NoSuchProcess(pid, "no such process", hint=hint_no_process(pid))
+
+
 def _read(path: str, pid: int) -> str:
     try:
         with open(path, "rb") as f:
             return f.read().decode("utf-8", "replace")
     except (FileNotFoundError, ProcessLookupError) as exc:
-        raise NoSuchProcess(pid, f"There is no process with PID {pid}.") from exc
+        raise _gone(pid) from exc
     except OSError as exc:
         if exc.errno == errno.ESRCH:
-            raise NoSuchProcess(pid, f"There is no process with PID {pid}.") from exc
+            raise _gone(pid) from exc
         raise
 
 
@@ -169,7 +174,7 @@ def list_tasks(pid: int) -> List[int]:
     try:
         return sorted(int(t) for t in os.listdir(f"/proc/{pid}/task"))
     except (FileNotFoundError, ProcessLookupError) as exc:
-        raise NoSuchProcess(pid, f"There is no process with PID {pid}.") from exc
+        raise _gone(pid) from exc
 
 
 def task_state(pid: int, tid: int) -> str:
