@@ -27,6 +27,9 @@ import struct
 from dataclasses import dataclass
 from typing import List, Optional, Sequence, Tuple
 
+from memunreachable import procfs
+from memunreachable._errors import NoSuchProcess
+
 # include/uapi/linux/seccomp.h
 RET_KILL_PROCESS = 0x80000000
 RET_KILL_THREAD = 0x00000000
@@ -332,13 +335,11 @@ class Verdict:
 # interpreter cannot run) give ok=allow_unreadable with .unreadable set.
 def thread_verdict(pid: int, tid: int, calls: Sequence[Call],
                    allow_unreadable: bool = False) -> Verdict:
-    from memunreachable import procfs
-    from memunreachable._errors import NoSuchProcess
     try:
-        st = procfs.read_status(pid, tid)
-    except (NoSuchProcess, OSError, ValueError):
+        mode, count = procfs.read_seccomp(pid, tid)
+    except (NoSuchProcess, OSError):
         return Verdict(tid, -1, False, "it is gone")
-    return verdict_for(tid, st.seccomp, calls, lambda: read_filters(tid, st.seccomp_filters or None),
+    return verdict_for(tid, mode, calls, lambda: read_filters(tid, count or None),
                        allow_unreadable)
 
 

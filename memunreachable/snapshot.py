@@ -89,24 +89,27 @@ def choose_thread(fz: Frozen, tid: Optional[int] = None,
                   allow_unreadable: bool = False) -> Tuple[int, int, List[str]]:
     candidates = [t for t in fz.threads if fz.stop_kind(t.tid) == "interrupt"
                   and (tid is None or t.tid == tid)]
-    at_syscall = [(t, t.regs[RIP] - 2) for t in candidates
-                  if _signed(t.regs[ORIG_RAX]) >= 0
-                  and _read_target(fz.pid, t.regs[RIP] - 2, 2) == SYSCALL_INSN]
-    others = [(t, 0) for t in candidates if t.tid not in {c.tid for c, _ in at_syscall}]
     refusals: List[str] = []
-    other_insn = None
-    for t, insn in at_syscall + others:
-        if not insn:
-            if other_insn is None:
-                other_insn = find_syscall_insn(fz.pid, fz.maps)
-            insn = other_insn
-            if not insn:
-                continue
+    others = []
+
+    def acceptable(t, insn: int) -> bool:
         verdict = seccomp.thread_verdict(fz.pid, t.tid, seccomp.injected_calls(insn),
                                          allow_unreadable)
-        if verdict.ok:
+        if not verdict.ok:
+            refusals.append(f"thread {t.tid}: {verdict.reason}")
+        return verdict.ok
+
+    for t in candidates:        # first pass: threads sitting right after a `syscall`
+        if _signed(t.regs[ORIG_RAX]) >= 0 and \
+                _read_target(fz.pid, t.regs[RIP] - 2, 2) == SYSCALL_INSN:
+            if acceptable(t, t.regs[RIP] - 2):
+                return t.tid, t.regs[RIP] - 2, refusals
+        else:
+            others.append(t)
+    insn = find_syscall_insn(fz.pid, fz.maps) if others else 0
+    for t in others if insn else ():
+        if acceptable(t, insn):
             return t.tid, insn, refusals
-        refusals.append(f"thread {t.tid}: {verdict.reason}")
     return 0, 0, refusals
 
 

@@ -138,3 +138,10 @@ def test_parse_lsm_label(text, label):
 def test_parse_uid_map_is_initial(text, initial):
     assert procfs.parse_uid_map_is_initial(text) is initial
 
+
+
+def test_parse_seccomp():
+    assert procfs.parse_seccomp(STATUS.encode()) == (2, 1)
+    assert procfs.parse_seccomp(b"Name:\tx\nSeccomp:\t1\nSeccomp_filters:\t0\nSpeculation_Store_Bypass:\tx\n") == (1, 0)
+    assert procfs.parse_seccomp(b"Name:\tx\nSeccomp:\t2\n") == (2, 0)
+    assert procfs.parse_seccomp(b"Name:\tx\nState:\tS\n") == (0, 0)
