@@ -2,6 +2,7 @@
 import errno
 import json
 import os
+import shutil
 import subprocess
 import sys
 import threading
@@ -231,3 +232,56 @@ def test_attach_access_errno():
         child.wait()
     assert procfs.attach_access_errno(child.pid) == errno.ENOENT    # reaped: gone
     assert procfs.read_lsm_label(child.pid) == ""
+
+
+# ---- missing permissions, seen by an unprivileged user (uid 65534, no capabilities)
+
+NOBODY = ["setpriv", "--reuid=65534", "--regid=65534", "--clear-groups", "--inh-caps=-all",
+          "--bounding-set=-all"]
+NOBODY_CHECK = """
+import sys
+from memunreachable import cli
+sys.exit(cli.main(["check", sys.argv[1], "--json"]))
+"""
+
+
+def check_as_nobody(pid: int):
+    proc = subprocess.run(NOBODY + [sys.executable, "-c", NOBODY_CHECK, str(pid)],
+                          capture_output=True, text=True, timeout=120)
+    return proc.returncode, json.loads(proc.stdout)["error"], proc.stderr
+
+
+def test_another_users_process():
+    with fixtures.start("ptr_busy") as fx:
+        rc, error, stderr = check_as_nobody(fx.pid)
+        hint = (f"Process {fx.pid} belongs to user root. Tracing another user's process needs "
+                f"root or CAP_SYS_PTRACE; try: sudo {sys.executable} -m memunreachable check "
+                f"{fx.pid}")
+        assert (rc, error) == (3, {"kind": "AccessDenied", "hint": hint,
+                                   "message": f"process {fx.pid} belongs to user root "
+                                              f"(pid={fx.pid}, name='ptr_busy')"})
+        assert stderr.splitlines()[-1] == f"hint: {hint}"
+        assert_running(fx.pid)
+
+
+def test_non_dumpable_process_of_the_same_user(tmp_path):
+    exe = tmp_path / "ptr_nodump"
+    shutil.copy(fixtures.build("ptr_nodump"), exe)
+    os.chmod(tmp_path, 0o755)
+    proc = subprocess.Popen(NOBODY + [str(exe)], stdin=subprocess.PIPE, stdout=subprocess.PIPE,
+                            stderr=subprocess.PIPE)
+    try:
+        assert b"ready\n" in [proc.stdout.readline() for _ in range(2)]
+        st = procfs.read_status(proc.pid)
+        assert st.uids == (65534,) * 4
+        assert os.stat(f"/proc/{proc.pid}/mem").st_uid == 0        # the non-dumpable sign
+        rc, error, _ = check_as_nobody(proc.pid)
+        assert (rc, error) == (3, {
+            "kind": "AccessDenied", "hint": diagnose.hint_not_dumpable(proc.pid),
+            "message": f"process {proc.pid} is not dumpable (pid={proc.pid}, name='ptr_nodump')"})
+        out, err = proc.communicate(b"quit\n", timeout=10)
+        assert (proc.returncode, out) == (0, b"bye\n"), err
+    finally:
+        if proc.poll() is None:
+            proc.kill()
+            proc.wait()
