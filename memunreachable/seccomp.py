@@ -325,7 +325,8 @@ class Verdict:
     tid: int
     mode: int                   # 0 disabled, 1 strict, 2 filter
     ok: bool
-    reason: str = ""            # "" when ok; else e.g. "its seccomp filter returns KILL_THREAD for clone"
+    reason: str = ""            # "" when ok, else why not, e.g. "its seccomp filter returns
+                                # KILL_THREAD for clone"
     unreadable: int = 0         # errno when the filters could not be read (mode 2)
 
 

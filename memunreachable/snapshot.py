@@ -2,7 +2,8 @@
 
 Input: a Frozen (freeze.py). Output: a Snapshot
     .pid          the snapshot child (mode "clone"), or the target itself (mode "direct")
-    .mode/.reason "clone", or "direct" with the reason (seccomp, clone refused, job-control stop)
+    .mode/.reason "clone", or "direct" with the reason (no thread whose seccomp rules allow
+                  the injected syscalls, clone refused, job-control stop)
     .open_memory() -> memory.ProcessMemory over /proc/<.pid>/mem
     .release()    kill the child, collect it as its tracer, then reap its zombie in the target
                   (a short injected wait4); idempotent; also `with take_snapshot(fz) as snap:`
@@ -10,6 +11,8 @@ Input: a Frozen (freeze.py). Output: a Snapshot
 The caller thaws the target right after take_snapshot() in clone mode (the pause stays in
 milliseconds); in direct mode it keeps the target frozen for the whole sweep.
 
+seccomp (issue 7, seccomp.py): a syscall is injected only into a thread whose seccomp rules
+ALLOW/LOG both injected syscalls (clone, wait4); a strict-mode thread never gets one.
 Mechanics (ptrace-snapshot.md sections 4-7, 10, 12): clone(flags=0) injected by
 native/mu_ptrace.c at a `syscall` instruction (rip-2 of a thread stopped in a syscall,
 else one found in [vdso] or another executable mapping); never a code write. exit_signal 0:
@@ -79,24 +82,24 @@ def find_syscall_insn(pid: int, maps) -> int:
 # at an interrupt stop whose seccomp state allows every injected syscall (seccomp.py:
 # clone, and the wait4 that reaps the child) at that address, preferring a thread stopped
 # right after a `syscall` instruction (rip-2), else one found in [vdso] or another
-# executable mapping. (0, 0, refusals) when no thread qualifies: refusals says why for each
-# thread that was considered ([] when no thread sits at an interrupt stop: all in
-# group-stop or signal-delivery-stop, leave them as found). A thread in seccomp strict mode,
+# executable mapping. (0, 0, refusals) when no thread qualifies: refusals holds the
+# seccomp.Verdict of each thread that was considered and refused ([] when no thread sits
+# at an interrupt stop: all in group-stop or signal-delivery-stop, leave them as found). A thread in seccomp strict mode,
 # or whose filters would not ALLOW/LOG a call, is never chosen; one whose filters cannot be
 # read only with allow_unreadable (--allow-seccomp-target).
 # tid: only consider that thread (tests inject into each kind of waiting thread).
 def choose_thread(fz: Frozen, tid: Optional[int] = None,
-                  allow_unreadable: bool = False) -> Tuple[int, int, List[str]]:
+                  allow_unreadable: bool = False) -> Tuple[int, int, List[seccomp.Verdict]]:
     candidates = [t for t in fz.threads if fz.stop_kind(t.tid) == "interrupt"
                   and (tid is None or t.tid == tid)]
-    refusals: List[str] = []
+    refusals: List[seccomp.Verdict] = []
     others = []
 
     def acceptable(t, insn: int) -> bool:
         verdict = seccomp.thread_verdict(fz.pid, t.tid, seccomp.injected_calls(insn),
                                          allow_unreadable)
         if not verdict.ok:
-            refusals.append(f"thread {t.tid}: {verdict.reason}")
+            refusals.append(verdict)
         return verdict.ok
 
     for t in candidates:        # first pass: threads sitting right after a `syscall`
@@ -187,7 +190,7 @@ class Snapshot:
     # it sits after a `syscall` instruction, else at the snapshot's instruction; (0, 0, why)
     # when no thread may (a strict-mode thread, or a filter added since the snapshot).
     def _reap_thread(self, fz: Frozen, prefer: int = 0) -> Tuple[int, int, str]:
-        refusals = []
+        refusals: List[seccomp.Verdict] = []
         for t in sorted(fz.threads, key=lambda t: t.tid != prefer):
             insn = self.syscall_insn
             if _signed(t.regs[ORIG_RAX]) >= 0 and \
@@ -197,9 +200,9 @@ class Snapshot:
                                              self.allow_seccomp)
             if verdict.ok:
                 return t.tid, insn, ""
-            refusals.append(f"thread {t.tid}: {verdict.reason}")
+            refusals.append(verdict)
         return 0, 0, ("no thread may run the reaping wait4 under its seccomp rules ("
-                      + "; ".join(refusals) + ")")
+                      f"{_why(refusals)})")
 
     def _inject_wait4(self, fz: Frozen, tid: int, insn: int) -> None:
         out = ffi.new("mu_inject *")
@@ -253,6 +256,11 @@ def _check_alive(pid: int) -> procfs.Status:
     return status
 
 
+def _why(refusals) -> str:
+    """'thread 12: <reason>; thread 13: <reason>' for seccomp.Verdicts."""
+    return "; ".join(f"thread {v.tid}: {v.reason}" for v in refusals)
+
+
 def _direct(fz: Frozen, reason: str, allow_direct: bool, seccomp: bool = False,
             unreadable: bool = False) -> Snapshot:
     _check_alive(fz.pid)
@@ -268,8 +276,9 @@ def _direct(fz: Frozen, reason: str, allow_direct: bool, seccomp: bool = False,
 # run the injected syscalls under its seccomp rules (strict mode, a filter that does not
 # ALLOW/LOG clone or wait4, or unreadable filters without allow_seccomp: see choose_thread),
 # when the clone is refused (-EPERM, -EAGAIN, -ENOMEM), or when no thread sits at an
-# interrupt stop; with allow_direct False those raise UnsupportedTarget (with a hint). Raises NoSuchProcess (the target exited) or CollectionError (a ptrace
-# step failed; any child was killed and reaped). The target stays frozen: thaw it next.
+# interrupt stop; with allow_direct False those raise UnsupportedTarget (with a hint).
+# Raises NoSuchProcess (the target exited) or CollectionError (a ptrace step failed; any
+# child was killed and reaped). The target stays frozen: thaw it next.
 # tid: inject into that thread (tests); default: the best candidate.
 def take_snapshot(fz: Frozen, allow_direct: bool = True, allow_seccomp: bool = False,
                   tid: Optional[int] = None) -> Snapshot:
@@ -279,10 +288,9 @@ def take_snapshot(fz: Frozen, allow_direct: bool = True, allow_seccomp: bool = F
     _check_alive(fz.pid)
     tid, insn, refusals = choose_thread(fz, tid, allow_unreadable=allow_seccomp)
     if refusals and not tid:
-        unreadable = any("cannot be read" in r or "cannot be evaluated" in r for r in refusals)
         return _direct(fz, "no thread can run the injected clone and wait4 under its seccomp "
-                           "rules (" + "; ".join(refusals) + ")", allow_direct,
-                       seccomp=True, unreadable=unreadable)
+                           "rules (" + _why(refusals) + ")", allow_direct, seccomp=True,
+                       unreadable=any(v.unreadable for v in refusals))
     if not tid and not any(fz.stop_kind(t.tid) == "interrupt" for t in fz.threads):
         return _direct(fz, "no thread stopped at an interrupt stop (job-control stopped "
                            "or signal pending)", allow_direct)
