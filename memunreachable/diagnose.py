@@ -49,6 +49,17 @@ class Facts:
     nested_userns: bool = False           # we run in a user namespace (rootless container)
     landlock_abi: int = 0                 # Landlock's ABI version when enabled, else 0
     lsms: str = ""                        # /sys/kernel/security/lsm, "" when unreadable
+    live_threads: Optional[int] = None    # threads not yet exited, counted when the leader
+                                          # is a zombie (pthread_exit in main); None: not counted
+
+    @property
+    def exited(self) -> bool:
+        """The whole process has exited (a zombie), not just its leader thread."""
+        if self.status is None or self.status.state not in ("Z", "X"):
+            return False
+        if self.live_threads is not None:
+            return self.live_threads == 0
+        return self.status.threads <= 1
 
 
 def _read_small(path: str) -> str:
@@ -129,7 +140,14 @@ def gather_facts(pid: int) -> Facts:
         stat = procfs.read_stat(pid)
     except (NoSuchProcess, ValueError):
         return base
-    return replace(base, exists=True, status=status, stat=stat,
+    live = None
+    if status.state in ("Z", "X"):
+        try:
+            live = sum(1 for t in procfs.list_tasks(pid)
+                       if procfs.task_state(pid, t) not in ("Z", "X", ""))
+        except NoSuchProcess:
+            live = 0
+    return replace(base, exists=True, status=status, stat=stat, live_threads=live,
                    tracer_name=procfs.read_comm(status.tracer_pid) if status.tracer_pid else "",
                    dumpable=_dumpable(pid, status), target_elf=_target_elf(pid),
                    access_errno=procfs.attach_access_errno(pid),
@@ -160,6 +178,12 @@ def hint_zombie(pid: int, ppid: int = 0) -> str:
     parent = f" (PID {ppid})" if ppid else ""
     return (f"Process {pid} has already exited; only its exit status is left until its parent"
             f"{parent} collects it (a zombie), so there is no memory to check.")
+
+
+def hint_zombie_leader(pid: int) -> str:
+    return (f"Process {pid}'s main thread called pthread_exit() (it is a zombie while the "
+            "other threads run). The kernel then shows no memory map for the process's PID, "
+            "and memunreachable cannot check such a process yet.")
 
 
 def hint_traced(pid: int, tracer: int, tracer_name: str) -> str:
@@ -337,7 +361,7 @@ def diagnose(pid: int, err: int, facts: Optional[Facts] = None) -> Memunreachabl
     if not f.exists:
         return NoSuchProcess(pid, "no such process", hint=hint_no_process(pid))
     name = _name(f)
-    if f.status.state in ("Z", "X"):
+    if f.exited:
         return ZombieProcess(pid, f"process {pid} has exited (zombie)",
                              hint=hint_zombie(pid, f.status.ppid), name=name)
     if err == errno_mod.ESRCH:

@@ -17,7 +17,8 @@ from typing import List, Optional
 
 from memunreachable._errors import NoSuchProcess, UnsupportedTarget, ZombieProcess
 from memunreachable.diagnose import (Facts, _definite_denial, _name, gather_facts, hint_kernel_thread,
-                                     hint_no_process, hint_self, hint_zombie)
+                                     hint_no_process, hint_self, hint_zombie,
+                                     hint_zombie_leader)
 
 
 @dataclass
@@ -37,9 +38,15 @@ def preflight(pid: int, facts: Optional[Facts] = None) -> Target:
     if not f.exists:
         raise NoSuchProcess(pid, "no such process", hint=hint_no_process(pid))
     st, name = f.status, _name(f)
-    if st.state in ("Z", "X"):
+    if f.exited:
         raise ZombieProcess(pid, f"process {pid} has exited (zombie)",
                             hint=hint_zombie(pid, st.ppid), name=name)
+    if st.state in ("Z", "X"):
+        # the main thread called pthread_exit, other threads still run: its /proc/PID/maps
+        # and /proc/PID/mem are empty, so there is nothing to walk through that pid
+        raise UnsupportedTarget(
+            f"the main thread of process {pid} has exited while {f.live_threads or 'other'} "
+            "thread(s) still run", hint=hint_zombie_leader(pid))
     if f.stat is not None and f.stat.kernel_thread:
         raise UnsupportedTarget(f"PID {pid} ({name}) is a kernel thread", hint=hint_kernel_thread(pid))
     if pid == f.our_pid:

@@ -285,3 +285,14 @@ def test_non_dumpable_process_of_the_same_user(tmp_path):
         if proc.poll() is None:
             proc.kill()
             proc.wait()
+
+
+def test_zombie_leader_with_running_threads_is_not_called_exited():
+    with fixtures.start("zombie_leader") as fx:
+        assert wait_until(lambda: procfs.task_state(fx.pid, fx.pid) == "Z")
+        with pytest.raises(UnsupportedTarget) as ei:
+            preflight.preflight(fx.pid)
+        assert str(ei.value) == (f"the main thread of process {fx.pid} has exited while 1 "
+                                 "thread(s) still run")
+        assert ei.value.hint == diagnose.hint_zombie_leader(fx.pid)
+        assert wait_until(lambda: procfs.task_state(fx.pid, fx.expect["thread_tid"]) == "S")

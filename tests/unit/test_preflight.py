@@ -281,3 +281,21 @@ def test_errors_pickle():
 
 def test_container_detector_runs():
     assert isinstance(diagnose.detect_container(), str)
+
+
+def test_zombie_leader_is_not_an_exited_process():
+    # main called pthread_exit: the leader is Z, Threads counts it, other threads still run
+    with pytest.raises(UnsupportedTarget) as ei:
+        preflight.preflight(PID, facts(status=status(state="Z", threads=3), live_threads=2))
+    assert str(ei.value) == f"the main thread of process {PID} has exited while 2 thread(s) still run"
+    assert ei.value.hint == (f"Process {PID}'s main thread called pthread_exit() (it is a zombie "
+                             "while the other threads run). The kernel then shows no memory map "
+                             "for the process's PID, and memunreachable cannot check such a "
+                             "process yet.")
+    with pytest.raises(ZombieProcess):
+        preflight.preflight(PID, facts(status=status(state="Z", threads=3), live_threads=0))
+    with pytest.raises(ZombieProcess):      # not counted: the Threads line decides
+        preflight.preflight(PID, facts(status=status(state="Z", threads=1)))
+    err = diagnose.diagnose(PID, errno.EPERM, facts(status=status(state="Z", threads=2),
+                                                     live_threads=1, cap_sys_ptrace=True))
+    assert not isinstance(err, ZombieProcess)
