@@ -43,6 +43,23 @@ class Facts:
     apparmor: str = ""                    # our confinement label, "" when unconfined/absent
     machine: str = "x86_64"
     target_elf: str = ""                  # e.g. "EM_X86_64/64"; "" when unreadable
+    access_errno: int = 0                 # opening /proc/PID/mem: 0, or EACCES when the
+                                          # kernel's attach-mode ptrace check refuses us
+    target_label: str = ""                # the target's AppArmor/SELinux label, "" when none
+    nested_userns: bool = False           # we run in a user namespace (rootless container)
+    landlock_abi: int = 0                 # Landlock's ABI version when enabled, else 0
+    lsms: str = ""                        # /sys/kernel/security/lsm, "" when unreadable
+    live_threads: Optional[int] = None    # threads not yet exited, counted when the leader
+                                          # is a zombie (pthread_exit in main); None: not counted
+
+    @property
+    def exited(self) -> bool:
+        """The whole process has exited (a zombie), not just its leader thread."""
+        if self.status is None or self.status.state not in ("Z", "X"):
+            return False
+        if self.live_threads is not None:
+            return self.live_threads == 0
+        return self.status.threads <= 1
 
 
 def _read_small(path: str) -> str:
@@ -92,17 +109,30 @@ def _dumpable(pid: int, status: procfs.Status) -> Optional[bool]:
     return owner == status.uids[1]
 
 
+def landlock_abi() -> int:
+    """Landlock's ABI version (landlock_create_ruleset(NULL, 0, VERSION)), 0 when off."""
+    try:
+        import ctypes
+        libc = ctypes.CDLL(None, use_errno=True)
+        libc.syscall.restype = ctypes.c_long
+        abi = libc.syscall(444, None, 0, 1)      # SYS_landlock_create_ruleset, _VERSION
+        return abi if abi > 0 else 0
+    except (OSError, AttributeError):
+        return 0
+
+
 # Returns the Facts about pid as seen from this process; never raises for a missing pid.
+# Only reads /proc and /sys: the target is never touched.
 def gather_facts(pid: int) -> Facts:
     ours = procfs.read_status(os.getpid())
-    label = _read_small("/proc/self/attr/current").strip().rstrip("\x00")
     base = Facts(
         pid=pid, exists=False, our_pid=os.getpid(), our_uid=os.getuid(),
         cap_sys_ptrace=ours.has_cap(procfs.CAP_SYS_PTRACE), yama_scope=_yama_scope(),
         container=detect_container(),
         selinux_enforcing=_read_small("/sys/fs/selinux/enforce").strip() == "1",
-        apparmor="" if label in ("", "unconfined") or label.startswith("unconfined") else label,
-        machine=platform.machine())
+        apparmor=procfs.read_lsm_label("self"), machine=platform.machine(),
+        nested_userns=not procfs.in_initial_user_ns(), landlock_abi=landlock_abi(),
+        lsms=_read_small("/sys/kernel/security/lsm").strip())
     if pid <= 0 or not os.path.isdir(f"/proc/{pid}"):
         return base
     try:
@@ -110,9 +140,18 @@ def gather_facts(pid: int) -> Facts:
         stat = procfs.read_stat(pid)
     except (NoSuchProcess, ValueError):
         return base
-    return replace(base, exists=True, status=status, stat=stat,
+    live = None
+    if status.state in ("Z", "X"):
+        try:
+            live = sum(1 for t in procfs.list_tasks(pid)
+                       if procfs.task_state(pid, t) not in ("Z", "X", ""))
+        except NoSuchProcess:
+            live = 0
+    return replace(base, exists=True, status=status, stat=stat, live_threads=live,
                    tracer_name=procfs.read_comm(status.tracer_pid) if status.tracer_pid else "",
-                   dumpable=_dumpable(pid, status), target_elf=_target_elf(pid))
+                   dumpable=_dumpable(pid, status), target_elf=_target_elf(pid),
+                   access_errno=procfs.attach_access_errno(pid),
+                   target_label=procfs.read_lsm_label(pid))
 
 
 def _user_name(uid: int) -> str:
@@ -125,7 +164,8 @@ def _user_name(uid: int) -> str:
 # ---- hint texts (landscape.md section 5; keep the wording in sync with docs/permissions.md)
 
 def hint_no_process(pid: int) -> str:
-    return f"There is no process with PID {pid}."
+    return (f"No process has PID {pid} now: it may have exited. Find its current PID with "
+            "`pgrep NAME` or `pidof NAME` and check that one.")
 
 
 def hint_other_namespace(pid: int) -> str:
@@ -134,8 +174,16 @@ def hint_other_namespace(pid: int) -> str:
             "with hidepid.")
 
 
-def hint_zombie(pid: int) -> str:
-    return f"Process {pid} has already exited (zombie); there is nothing left to check."
+def hint_zombie(pid: int, ppid: int = 0) -> str:
+    parent = f" (PID {ppid})" if ppid else ""
+    return (f"Process {pid} has already exited; only its exit status is left until its parent"
+            f"{parent} collects it (a zombie), so there is no memory to check.")
+
+
+def hint_zombie_leader(pid: int) -> str:
+    return (f"Process {pid}'s main thread called pthread_exit() (it is a zombie while the "
+            "other threads run). The kernel then shows no memory map for the process's PID, "
+            "and memunreachable cannot check such a process yet.")
 
 
 def hint_traced(pid: int, tracer: int, tracer_name: str) -> str:
@@ -178,6 +226,28 @@ def hint_container() -> str:
             "(microsoft/WSL#3053).")
 
 
+def hint_user_namespace(pid: int) -> str:
+    return (f"memunreachable runs in a user namespace (a rootless or user-namespaced "
+            f"container): its capabilities, CAP_SYS_PTRACE included, do not reach process "
+            f"{pid}, which belongs to an outer namespace. Run memunreachable in the same "
+            "container as the process, or on the host.")
+
+
+def hint_lsm(pid: int, landlock: int, lsms: str) -> str:
+    enabled = [m for m in lsms.split(",") if m] if lsms else []
+    if landlock and "landlock" not in enabled:
+        enabled.append("landlock")
+    where = f" (enabled here: {', '.join(enabled)})" if enabled else ""
+    text = (f"This process has CAP_SYS_PTRACE, yet the kernel refuses it access to process "
+            f"{pid}: a Linux security module or a sandbox around memunreachable forbids "
+            f"it{where}.")
+    if landlock:
+        text += (" A Landlock-sandboxed program may only trace processes inside its own "
+                 "sandbox: run memunreachable outside the sandbox, or start the target "
+                 "inside it.")
+    return text + " Look for 'ptrace' denials in the kernel or audit log."
+
+
 def hint_selinux() -> str:
     return ("SELinux policy may forbid tracing this process; look for 'avc: denied { ptrace }' "
             "in the audit log. Relaxing the policy weakens protection for that domain.")
@@ -189,11 +259,16 @@ def hint_apparmor(label: str) -> str:
             "profile weakens protection for the programs it confines.")
 
 
-def hint_seccomp(pid: int) -> str:
-    return (f"Process {pid} runs under a seccomp filter; taking a snapshot means making it call "
-            "clone, which the filter may refuse or punish. Re-run with "
-            "`--allow-seccomp-target`, or `--no-snapshot` (the process stays paused for the "
-            "whole scan).")
+def hint_seccomp(pid: int, unreadable: bool = False) -> str:
+    text = (f"The seccomp rules of process {pid} would refuse or punish the syscalls a "
+            "snapshot makes it run (clone, then wait4), in every thread that could run them. "
+            "Without --no-fallback, memunreachable reads the stopped process directly instead "
+            "(it stays paused for the whole scan).")
+    if unreadable:
+        text += (" Its seccomp filters could not be read (that needs CAP_SYS_ADMIN); if you "
+                 "know they allow clone and wait4, --allow-seccomp-target takes the snapshot "
+                 "anyway.")
+    return text
 
 
 def hint_kernel_thread(pid: int) -> str:
@@ -201,9 +276,9 @@ def hint_kernel_thread(pid: int) -> str:
 
 
 def hint_self(pid: int) -> str:
-    return (f"PID {pid} is this process (or one of its threads); a process cannot ptrace "
-            "itself. Use memunreachable.NoLeaks() for in-process checks: it starts a "
-            "separate tracer.")
+    return (f"PID {pid} is memunreachable's own process (or one of its threads), and a "
+            "process cannot ptrace itself. To check a program's own memory, call "
+            "memunreachable.NoLeaks() inside it: it starts a separate tracer.")
 
 
 # ---- decisions
@@ -217,7 +292,8 @@ def _definite_denial(f: Facts) -> Optional[AccessDenied]:
     st = f.status
     pid, name = f.pid, _name(f)
     if st.tracer_pid:
-        return AccessDenied(pid, f"process {pid} is already traced by PID {st.tracer_pid}",
+        tracer = f"PID {st.tracer_pid}" + (f" ({f.tracer_name})" if f.tracer_name else "")
+        return AccessDenied(pid, f"process {pid} is already traced by {tracer}",
                             hint=hint_traced(pid, st.tracer_pid, f.tracer_name), name=name)
     if not f.cap_sys_ptrace:
         if any(u != f.our_uid for u in st.uids[:3]):
@@ -233,19 +309,61 @@ def _definite_denial(f: Facts) -> Optional[AccessDenied]:
     if f.yama_scope == 3:
         return AccessDenied(pid, "ptrace is disabled (Yama ptrace_scope 3)",
                             hint=hint_yama(3), name=name)
+    if f.access_errno == errno_mod.EACCES:
+        # the kernel's attach-mode check (opening /proc/PID/mem) already refuses: say why
+        # without touching the target
+        what = f"the kernel refuses to let this process trace process {pid} (opening " \
+               f"/proc/{pid}/mem: EACCES)"
+        if f.cap_sys_ptrace:
+            return _confinement(f, what + " although it has CAP_SYS_PTRACE")
+        return _uncapped(f, what)
     return None
+
+
+def _uncapped(f: Facts, what: str) -> AccessDenied:
+    """Why a process without CAP_SYS_PTRACE is refused (same uid, dumpable): Yama, a
+    security module, a container, or a reason we cannot name."""
+    pid, name = f.pid, _name(f)
+    if f.yama_scope in (1, 2):
+        return AccessDenied(pid, what, hint=hint_yama(f.yama_scope), name=name)
+    if f.selinux_enforcing:
+        return AccessDenied(pid, what, hint=hint_selinux(), name=name)
+    if f.apparmor or f.target_label:
+        return AccessDenied(pid, what, hint=hint_apparmor(f.apparmor or f.target_label),
+                            name=name)
+    if f.container:
+        return AccessDenied(pid, what, hint=hint_container(), name=name)
+    return AccessDenied(pid, what, hint=(
+        "The kernel refused ptrace for a reason memunreachable could not identify; "
+        "run with -vv to see every ptrace request and its errno."), name=name)
+
+
+def _confinement(f: Facts, what: str) -> AccessDenied:
+    """Why a process holding CAP_SYS_PTRACE is refused: the first confinement that applies."""
+    pid, name = f.pid, _name(f)
+    if f.nested_userns:
+        return AccessDenied(pid, what, hint=hint_user_namespace(pid), name=name)
+    if f.selinux_enforcing:
+        return AccessDenied(pid, what, hint=hint_selinux(), name=name)
+    if f.apparmor or f.target_label:
+        return AccessDenied(pid, what, hint=hint_apparmor(f.apparmor or f.target_label),
+                            name=name)
+    return AccessDenied(pid, what, hint=hint_lsm(pid, f.landlock_abi, f.lsms), name=name)
 
 
 # Returns the error (not raised) that explains why tracing pid failed with err (an errno
 # from PTRACE_SEIZE, or from opening /proc/PID/mem): the first of landscape.md section 5
-# that applies. facts: injected by unit tests.
+# that applies. With CAP_SYS_PTRACE in CapEff, neither Yama 1 nor a container's missing
+# capability is the cause: a security module, a sandbox or a user namespace is.
+# facts: injected by unit tests.
 def diagnose(pid: int, err: int, facts: Optional[Facts] = None) -> MemunreachableError:
     f = facts if facts is not None else gather_facts(pid)
     if not f.exists:
-        return NoSuchProcess(pid, f"no process with PID {pid}", hint=hint_no_process(pid))
+        return NoSuchProcess(pid, "no such process", hint=hint_no_process(pid))
     name = _name(f)
-    if f.status.state in ("Z", "X"):
-        return ZombieProcess(pid, f"process {pid} is a zombie", hint=hint_zombie(pid), name=name)
+    if f.exited:
+        return ZombieProcess(pid, f"process {pid} has exited (zombie)",
+                             hint=hint_zombie(pid, f.status.ppid), name=name)
     if err == errno_mod.ESRCH:
         return NoSuchProcess(pid, f"process {pid} cannot be traced from here (ESRCH)",
                              hint=hint_other_namespace(pid), name=name)
@@ -253,17 +371,6 @@ def diagnose(pid: int, err: int, facts: Optional[Facts] = None) -> Memunreachabl
     if denial is not None:
         return denial
     what = f"tracing process {pid} failed: {errno_mod.errorcode.get(err, err)}"
-    if not f.cap_sys_ptrace:
-        if f.yama_scope in (1, 2):
-            return AccessDenied(pid, what, hint=hint_yama(f.yama_scope), name=name)
-        if f.container:
-            return AccessDenied(pid, what, hint=hint_container(), name=name)
-    if f.selinux_enforcing:
-        return AccessDenied(pid, what, hint=hint_selinux(), name=name)
-    if f.apparmor:
-        return AccessDenied(pid, what, hint=hint_apparmor(f.apparmor), name=name)
-    if f.container:
-        return AccessDenied(pid, what, hint=hint_container(), name=name)
-    return AccessDenied(pid, what, hint=(
-        "The kernel refused ptrace for a reason memunreachable could not identify; "
-        "run with -vv to see every ptrace request and its errno."), name=name)
+    if f.cap_sys_ptrace:
+        return _confinement(f, what + " although this process has CAP_SYS_PTRACE")
+    return _uncapped(f, what)

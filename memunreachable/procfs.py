@@ -2,7 +2,8 @@
 
 Parsers (pure, unit-tested on literal text):
     parse_maps(text)   -> [Mapping]         /proc/PID/maps
-    parse_status(text) -> Status            /proc/PID/status (State, Tgid, Uid, TracerPid, Seccomp, CapEff)
+    parse_status(text) -> Status            /proc/PID/status (State, Tgid, Uid, TracerPid, Seccomp,
+                                            Seccomp_filters, CapEff)
     parse_stat(text)   -> Stat              /proc/PID/stat (comm may hold spaces and parentheses)
 Readers (one open+read each; a vanished process raises NoSuchProcess):
     read_maps(pid), read_status(pid), read_stat(pid), list_tasks(pid), read_comm(pid)
@@ -42,6 +43,8 @@ class Status:
     cap_eff: int
     threads: int
     sig_pending: int = 0            # SigPnd | ShdPnd (bit n-1 for signal n)
+    seccomp_filters: int = 0        # Seccomp_filters: (kernel 5.9+; 0 when absent)
+    no_new_privs: int = 0
 
     def has_cap(self, cap: int) -> bool:
         return bool(self.cap_eff >> cap & 1)
@@ -111,6 +114,8 @@ def parse_status(text: str) -> Status:
         cap_eff=int(fields.get("CapEff", "0") or "0", 16),
         threads=int(fields.get("Threads", "0") or 0),
         sig_pending=int(fields.get("SigPnd", "0") or "0", 16) | int(fields.get("ShdPnd", "0") or "0", 16),
+        seccomp_filters=int(fields.get("Seccomp_filters", "0") or 0),
+        no_new_privs=int(fields.get("NoNewPrivs", "0") or 0),
     )
 
 
@@ -124,15 +129,20 @@ def parse_stat(text: str) -> Stat:
                 ppid=int(rest[1]), flags=int(rest[6]))
 
 
+def _gone(pid: int) -> NoSuchProcess:
+    from memunreachable.diagnose import hint_no_process     # diagnose imports this module
+    return NoSuchProcess(pid, "no such process", hint=hint_no_process(pid))
+
+
 def _read(path: str, pid: int) -> str:
     try:
         with open(path, "rb") as f:
             return f.read().decode("utf-8", "replace")
     except (FileNotFoundError, ProcessLookupError) as exc:
-        raise NoSuchProcess(pid, f"There is no process with PID {pid}.") from exc
+        raise _gone(pid) from exc
     except OSError as exc:
         if exc.errno == errno.ESRCH:
-            raise NoSuchProcess(pid, f"There is no process with PID {pid}.") from exc
+            raise _gone(pid) from exc
         raise
 
 
@@ -164,7 +174,7 @@ def list_tasks(pid: int) -> List[int]:
     try:
         return sorted(int(t) for t in os.listdir(f"/proc/{pid}/task"))
     except (FileNotFoundError, ProcessLookupError) as exc:
-        raise NoSuchProcess(pid, f"There is no process with PID {pid}.") from exc
+        raise _gone(pid) from exc
 
 
 def task_state(pid: int, tid: int) -> str:
@@ -194,3 +204,85 @@ def parse_smaps_flags(text: str) -> List[Tuple[Mapping, frozenset]]:
 
 def read_smaps_flags(pid: int) -> List[Tuple[Mapping, frozenset]]:
     return parse_smaps_flags(_read(f"/proc/{pid}/smaps", pid))
+
+
+# ---- access probes and security labels (diagnose.py)
+
+# Returns the confinement label from the text of /proc/PID/attr/current (AppArmor "profile
+# (mode)", SELinux "user:role:type:level"), "" for none or unconfined.
+def parse_lsm_label(text: str) -> str:
+    label = text.strip().rstrip("\x00").strip()
+    if not label or label == "unconfined" or label.startswith("unconfined ") \
+            or label.startswith("unconfined_u:unconfined_r:unconfined_t"):
+        return ""
+    return label
+
+
+def read_lsm_label(pid) -> str:
+    """The AppArmor/SELinux label of pid ("self" for us), "" when none or unreadable.
+    /proc/PID/attr/apparmor/current (kernel 5.8+, AppArmor stacked) first."""
+    for path in (f"/proc/{pid}/attr/apparmor/current", f"/proc/{pid}/attr/current"):
+        try:
+            with open(path, "rb") as f:
+                return parse_lsm_label(f.read(4096).decode("utf-8", "replace"))
+        except OSError:
+            continue
+    return ""
+
+
+# Returns True when the uid_map text maps the whole uid range onto itself: the process is in
+# the initial user namespace (or one that mirrors it), where its capabilities reach every
+# process. A rootless container shows e.g. "0 1000 1".
+def parse_uid_map_is_initial(text: str) -> bool:
+    rows = [line.split() for line in text.splitlines() if line.strip()]
+    return rows == [["0", "0", "4294967295"]]
+
+
+def in_initial_user_ns() -> bool:
+    try:
+        with open("/proc/self/uid_map") as f:
+            return parse_uid_map_is_initial(f.read())
+    except OSError:
+        return True
+
+
+def attach_access_errno(pid: int) -> int:
+    """0 when /proc/PID/mem opens, else the errno (EACCES: refused). Opening it runs the
+    kernel's attach-mode ptrace check (the one PTRACE_SEIZE runs, Yama and security modules
+    included); nothing is read and the target is never touched."""
+    try:
+        fd = os.open(f"/proc/{pid}/mem", os.O_RDONLY | os.O_CLOEXEC)
+    except OSError as exc:
+        return exc.errno or errno.EIO
+    os.close(fd)
+    return 0
+
+
+# Returns (Seccomp, Seccomp_filters) from the bytes of a status file; (0, 0) for lines
+# that are missing (kernels without seccomp, or before 5.9 for the count).
+def parse_seccomp(raw: bytes) -> Tuple[int, int]:
+    out = []
+    for key in (b"\nSeccomp:", b"\nSeccomp_filters:"):
+        i = raw.find(key)
+        if i < 0:
+            out.append(0)
+            continue
+        j = raw.find(b"\n", i + 1)
+        value = raw[i + len(key):j if j >= 0 else len(raw)].strip()
+        out.append(int(value) if value.isdigit() else 0)
+    return out[0], out[1]
+
+
+def read_seccomp(pid: int, tid: int) -> Tuple[int, int]:
+    """(seccomp mode, filter count) of one thread; a third of read_status()'s cost, for the
+    pause. Raises NoSuchProcess when the thread is gone."""
+    try:
+        fd = os.open(f"/proc/{pid}/task/{tid}/status", os.O_RDONLY | os.O_CLOEXEC)
+    except (FileNotFoundError, ProcessLookupError) as exc:
+        raise _gone(pid) from exc
+    try:
+        return parse_seccomp(os.read(fd, 16384))
+    except ProcessLookupError as exc:
+        raise _gone(pid) from exc
+    finally:
+        os.close(fd)

@@ -2,7 +2,8 @@
 
 Input: a Frozen (freeze.py). Output: a Snapshot
     .pid          the snapshot child (mode "clone"), or the target itself (mode "direct")
-    .mode/.reason "clone", or "direct" with the reason (seccomp, clone refused, job-control stop)
+    .mode/.reason "clone", or "direct" with the reason (no thread whose seccomp rules allow
+                  the injected syscalls, clone refused, job-control stop)
     .open_memory() -> memory.ProcessMemory over /proc/<.pid>/mem
     .release()    kill the child, collect it as its tracer, then reap its zombie in the target
                   (a short injected wait4); idempotent; also `with take_snapshot(fz) as snap:`
@@ -10,6 +11,8 @@ Input: a Frozen (freeze.py). Output: a Snapshot
 The caller thaws the target right after take_snapshot() in clone mode (the pause stays in
 milliseconds); in direct mode it keeps the target frozen for the whole sweep.
 
+seccomp (issue 7, seccomp.py): a syscall is injected only into a thread whose seccomp rules
+ALLOW/LOG both injected syscalls (clone, wait4); a strict-mode thread never gets one.
 Mechanics (ptrace-snapshot.md sections 4-7, 10, 12): clone(flags=0) injected by
 native/mu_ptrace.c at a `syscall` instruction (rip-2 of a thread stopped in a syscall,
 else one found in [vdso] or another executable mapping); never a code write. exit_signal 0:
@@ -26,7 +29,7 @@ import time
 from dataclasses import dataclass, field
 from typing import List, Optional, Tuple
 
-from memunreachable import diagnose, procfs
+from memunreachable import diagnose, procfs, seccomp
 from memunreachable._errors import (AccessDenied, CollectionError, NoSuchProcess,
                                     UnsupportedTarget)
 from memunreachable._ffi import ffi, lib
@@ -75,19 +78,42 @@ def find_syscall_insn(pid: int, maps) -> int:
     return 0
 
 
-# Returns (tid, syscall instruction address) for the injection, or (0, 0) when no thread sits
-# at an interrupt stop (all in group-stop or signal-delivery-stop: leave them as found).
+# Returns (tid, syscall instruction address, refusals) for the injection: the first thread
+# at an interrupt stop whose seccomp state allows every injected syscall (seccomp.py:
+# clone, and the wait4 that reaps the child) at that address, preferring a thread stopped
+# right after a `syscall` instruction (rip-2), else one found in [vdso] or another
+# executable mapping. (0, 0, refusals) when no thread qualifies: refusals holds the
+# seccomp.Verdict of each thread that was considered and refused ([] when no thread sits
+# at an interrupt stop: all in group-stop or signal-delivery-stop, leave them as found). A thread in seccomp strict mode,
+# or whose filters would not ALLOW/LOG a call, is never chosen; one whose filters cannot be
+# read only with allow_unreadable (--allow-seccomp-target).
 # tid: only consider that thread (tests inject into each kind of waiting thread).
-def choose_thread(fz: Frozen, tid: Optional[int] = None) -> Tuple[int, int]:
+def choose_thread(fz: Frozen, tid: Optional[int] = None,
+                  allow_unreadable: bool = False) -> Tuple[int, int, List[seccomp.Verdict]]:
     candidates = [t for t in fz.threads if fz.stop_kind(t.tid) == "interrupt"
                   and (tid is None or t.tid == tid)]
-    for t in candidates:
+    refusals: List[seccomp.Verdict] = []
+    others = []
+
+    def acceptable(t, insn: int) -> bool:
+        verdict = seccomp.thread_verdict(fz.pid, t.tid, seccomp.injected_calls(insn),
+                                         allow_unreadable)
+        if not verdict.ok:
+            refusals.append(verdict)
+        return verdict.ok
+
+    for t in candidates:        # first pass: threads sitting right after a `syscall`
         if _signed(t.regs[ORIG_RAX]) >= 0 and \
                 _read_target(fz.pid, t.regs[RIP] - 2, 2) == SYSCALL_INSN:
-            return t.tid, t.regs[RIP] - 2
-    if not candidates:
-        return 0, 0
-    return candidates[0].tid, find_syscall_insn(fz.pid, fz.maps)
+            if acceptable(t, t.regs[RIP] - 2):
+                return t.tid, t.regs[RIP] - 2, refusals
+        else:
+            others.append(t)
+    insn = find_syscall_insn(fz.pid, fz.maps) if others else 0
+    for t in others if insn else ():
+        if acceptable(t, insn):
+            return t.tid, insn, refusals
+    return 0, 0, refusals
 
 
 @dataclass
@@ -105,6 +131,7 @@ class Snapshot:
     syscall_insn: int = 0
     inject_tid: int = 0
     timeout: float = 2.0
+    allow_seccomp: bool = False     # inject wait4 into a thread whose filters cannot be read
     _fz: Optional[Frozen] = field(default=None, repr=False)
     _created: float = field(default_factory=time.monotonic, repr=False)
 
@@ -134,24 +161,48 @@ class Snapshot:
         fz = self._fz
         try:
             if fz is not None and not fz.thawed:
-                # still frozen (an error path before the thaw): use the injected thread
-                self._inject_wait4(fz, self.inject_tid, self.syscall_insn)
+                # still frozen (an error path before the thaw): the injected thread first
+                tid, insn, why = self._reap_thread(fz, prefer=self.inject_tid)
+                if not tid:
+                    raise CollectionError(why)
+                self._inject_wait4(fz, tid, insn)
                 return
-            with frozen(self.target_pid, timeout=self.timeout, one_thread=True) as fz1, \
-                    fz1.critical():
-                t = fz1.threads[0]
-                insn = self.syscall_insn
-                if _signed(t.regs[ORIG_RAX]) >= 0 and \
-                        _read_target(fz1.pid, t.regs[RIP] - 2, 2) == SYSCALL_INSN:
-                    insn = t.regs[RIP] - 2
-                self._inject_wait4(fz1, t.tid, insn)
-            self.reap_pause_ms = fz1.pause_ms
+            # the first live thread; when its seccomp rules forbid wait4, every thread
+            for one_thread in (True, False):
+                with frozen(self.target_pid, timeout=self.timeout,
+                            one_thread=one_thread) as fz1, fz1.critical():
+                    tid, insn, why = self._reap_thread(fz1)
+                    if tid:
+                        self._inject_wait4(fz1, tid, insn)
+                self.reap_pause_ms += fz1.pause_ms
+                if tid:
+                    return
+            raise CollectionError(why)
         except NoSuchProcess:
             pass        # the target is gone: init (or a subreaper) reaps the child
         except (CollectionError, AccessDenied, OSError) as exc:
             self.zombie_left = True
             self.warnings.append(f"snapshot process {self.pid} is left as a zombie of process "
                                  f"{self.target_pid}: {exc}")
+
+    # Returns (tid, syscall instruction, "") of a thread of fz (prefer first) whose seccomp
+    # rules let it run wait4(child, NULL, __WALL|WNOHANG, NULL) (seccomp.py), at rip-2 when
+    # it sits after a `syscall` instruction, else at the snapshot's instruction; (0, 0, why)
+    # when no thread may (a strict-mode thread, or a filter added since the snapshot).
+    def _reap_thread(self, fz: Frozen, prefer: int = 0) -> Tuple[int, int, str]:
+        refusals: List[seccomp.Verdict] = []
+        for t in sorted(fz.threads, key=lambda t: t.tid != prefer):
+            insn = self.syscall_insn
+            if _signed(t.regs[ORIG_RAX]) >= 0 and \
+                    _read_target(fz.pid, t.regs[RIP] - 2, 2) == SYSCALL_INSN:
+                insn = t.regs[RIP] - 2
+            verdict = seccomp.thread_verdict(fz.pid, t.tid, [seccomp.wait4_call(insn, self.pid)],
+                                             self.allow_seccomp)
+            if verdict.ok:
+                return t.tid, insn, ""
+            refusals.append(verdict)
+        return 0, 0, ("no thread may run the reaping wait4 under its seccomp rules ("
+                      f"{_why(refusals)})")
 
     def _inject_wait4(self, fz: Frozen, tid: int, insn: int) -> None:
         out = ffi.new("mu_inject *")
@@ -210,35 +261,45 @@ def _check_alive(pid: int) -> procfs.Status:
     return status
 
 
-def _direct(fz: Frozen, reason: str, allow_direct: bool, seccomp: bool = False) -> Snapshot:
+def _why(refusals) -> str:
+    """'thread 12: <reason>; thread 13: <reason>' for seccomp.Verdicts."""
+    return "; ".join(f"thread {v.tid}: {v.reason}" for v in refusals)
+
+
+def _direct(fz: Frozen, reason: str, allow_direct: bool, seccomp: bool = False,
+            unreadable: bool = False) -> Snapshot:
     _check_alive(fz.pid)
     if not allow_direct:
         raise UnsupportedTarget(f"no snapshot of process {fz.pid}: {reason}",
-                                hint=diagnose.hint_seccomp(fz.pid) if seccomp else None)
+                                hint=diagnose.hint_seccomp(fz.pid, unreadable) if seccomp
+                                else None)
     return Snapshot(pid=fz.pid, target_pid=fz.pid, mode="direct", reason=reason,
                     timeout=fz.timeout, _fz=fz)
 
 
-# Returns a Snapshot of the frozen process. Mode "direct" (with .reason) when the target runs
-# under seccomp mode 2 and allow_seccomp is False, when the clone is refused (-EPERM, -EAGAIN,
-# -ENOMEM), or when no thread sits at an interrupt stop; with allow_direct False those raise
-# UnsupportedTarget. Raises NoSuchProcess (the target exited) or CollectionError (a ptrace
-# step failed; any child was killed and reaped). The target stays frozen: thaw it next.
+# Returns a Snapshot of the frozen process. Mode "direct" (with .reason) when no thread may
+# run the injected syscalls under its seccomp rules (strict mode, a filter that does not
+# ALLOW/LOG clone or wait4, or unreadable filters without allow_seccomp: see choose_thread),
+# when the clone is refused (-EPERM, -EAGAIN, -ENOMEM), or when no thread sits at an
+# interrupt stop; with allow_direct False those raise UnsupportedTarget (with a hint).
+# Raises NoSuchProcess (the target exited) or CollectionError (a ptrace step failed; any
+# child was killed and reaped). The target stays frozen: thaw it next.
 # tid: inject into that thread (tests); default: the best candidate.
 def take_snapshot(fz: Frozen, allow_direct: bool = True, allow_seccomp: bool = False,
                   tid: Optional[int] = None) -> Snapshot:
     fz.check_owner()
     if fz.thawed:
         raise CollectionError(f"process {fz.pid} must be frozen to take a snapshot")
-    status = _check_alive(fz.pid)
-    if status.seccomp == 2 and not allow_seccomp:
-        return _direct(fz, "the target runs under a seccomp filter (Seccomp: 2); injecting "
-                           "clone needs --allow-seccomp-target", allow_direct, seccomp=True)
-    tid, insn = choose_thread(fz, tid)
-    if not tid:
+    _check_alive(fz.pid)
+    tid, insn, refusals = choose_thread(fz, tid, allow_unreadable=allow_seccomp)
+    if refusals and not tid:
+        return _direct(fz, "no thread can run the injected clone and wait4 under its seccomp "
+                           "rules (" + _why(refusals) + ")", allow_direct, seccomp=True,
+                       unreadable=any(v.unreadable for v in refusals))
+    if not tid and not any(fz.stop_kind(t.tid) == "interrupt" for t in fz.threads):
         return _direct(fz, "no thread stopped at an interrupt stop (job-control stopped "
                            "or signal pending)", allow_direct)
-    if not insn:
+    if not tid or not insn:
         return _direct(fz, "no readable `syscall` instruction in the target", allow_direct)
     out = ffi.new("mu_inject *")
     snap = None
@@ -251,7 +312,7 @@ def take_snapshot(fz: Frozen, allow_direct: bool = True, allow_seccomp: bool = F
             if out.child > 0:
                 snap = Snapshot(pid=out.child, target_pid=fz.pid, mode="clone",
                                 inject_ms=inject_ms, syscall_insn=insn, inject_tid=tid,
-                                timeout=fz.timeout, _fz=fz)
+                                timeout=fz.timeout, allow_seccomp=allow_seccomp, _fz=fz)
             if rc < 0:
                 if snap is not None and out.restored:
                     snap.release()

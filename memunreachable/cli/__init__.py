@@ -12,6 +12,12 @@ main(argv=None) -> int is the ONLY place where exceptions become exit codes
     3   could not check (no such process, permission, unsupported target, collection failed)
     1   unexpected internal error (a bug of ours)
 
+Under --json every error is also a JSON object on stdout (reporters/json.py render_error:
+{"schema_version", "tool_version", "pid", "error": {"kind", "message", "hint"}}, kind = the
+exception class name, CommandError for usage errors), with the same exit code; the text
+message stays on stderr. Usage errors name the subcommand's own usage (`check 1 2` is an
+error of `memunreachable check`, not of the top-level parser).
+
 A check interrupted by SIGINT/SIGTERM (the engine raises an exception carrying .signum, after
 releasing the target) ends by re-raising that signal on ourselves with the default disposition,
 so the parent shell sees the usual "killed by signal" status (or 128 + signum as a fallback).
@@ -37,6 +43,8 @@ EXIT_CANNOT_CHECK = 3
 EXIT_LEAKS = 23
 
 PROG = "memunreachable"
+INTERNAL_HINT = ("this is a bug in memunreachable; rerun with -vv for the full traceback and "
+                 "report it with that output")
 LOGGER = "memunreachable"
 
 EXIT_CODES_HELP = """\
@@ -47,6 +55,23 @@ exit codes:
   3   could not check (no such process, permission, unsupported target or allocator)
   1   unexpected internal error (please report it)
 """
+
+
+class UsageError(Exception):
+    """argparse found a usage error; .parser is the (sub)parser whose usage applies."""
+
+    def __init__(self, parser: argparse.ArgumentParser, message: str):
+        super().__init__(message)
+        self.parser = parser
+        self.message = message
+
+
+class ArgumentParser(argparse.ArgumentParser):
+    """argparse that raises UsageError instead of printing and exiting (main() reports it,
+    also as JSON under --json). Subparsers inherit the class."""
+
+    def error(self, message: str):
+        raise UsageError(self, message)
 
 
 class Command:
@@ -82,7 +107,7 @@ def get_commands() -> List[Type[Command]]:
 
 
 def _common_parser() -> argparse.ArgumentParser:
-    common = argparse.ArgumentParser(add_help=False)
+    common = ArgumentParser(add_help=False)
     group = common.add_argument_group("output verbosity")
     group.add_argument("-v", "--verbose", action="count", default=0,
                        help="more log output on stderr (-v: INFO, -vv: DEBUG)")
@@ -94,7 +119,7 @@ def _common_parser() -> argparse.ArgumentParser:
 def build_parser() -> argparse.ArgumentParser:
     from memunreachable import __version__
 
-    parser = argparse.ArgumentParser(
+    parser = ArgumentParser(
         prog=PROG,
         description="Find unreachable (leaked) heap memory in a running glibc Linux process, "
                     "without restarting it.",
@@ -109,7 +134,7 @@ def build_parser() -> argparse.ArgumentParser:
                            description=cls.description(), epilog=EXIT_CODES_HELP,
                            formatter_class=argparse.RawDescriptionHelpFormatter)
         command.add_arguments(p)
-        p.set_defaults(command_obj=command)
+        p.set_defaults(command_obj=command, command_parser=p)
     return parser
 
 
@@ -162,28 +187,79 @@ def _internal_error(exc: BaseException, verbose: int) -> int:
     frames = traceback.extract_tb(exc.__traceback__)
     where = f" (at {os.path.basename(frames[-1].filename)}:{frames[-1].lineno} in " \
             f"{frames[-1].name})" if frames else ""
-    print_error(f"internal error: {type(exc).__name__}: {exc}{where}",
-                "this is a bug in memunreachable; rerun with -vv for the full traceback and "
-                "report it with that output")
+    print_error(f"internal error: {type(exc).__name__}: {exc}{where}", INTERNAL_HINT)
     if verbose >= 2:
         traceback.print_exception(type(exc), exc, exc.__traceback__, file=sys.stderr)
     return EXIT_INTERNAL
 
 
+def wants_json(argv: Sequence[str]) -> bool:
+    """--json among the options (before any "--"): errors are then reported as JSON too."""
+    for arg in argv:
+        if arg == "--":
+            return False
+        if arg == "--json":
+            return True
+    return False
+
+
+def print_json_error(kind: str, message: str, hint: Optional[str] = None,
+                     pid: Optional[int] = None) -> None:
+    """The error as a JSON object on stdout (--json)."""
+    from memunreachable.reporters.json import write_json_error
+
+    try:
+        write_json_error(sys.stdout, kind, message, hint, pid)
+    except (BrokenPipeError, OSError):
+        pass
+
+
+def extras_message(args: argparse.Namespace, extras: Sequence[str]) -> str:
+    """The usage error for arguments left over after parsing (`check 12 13`)."""
+    if getattr(args, "command", None) == "check" and all(e.isdigit() for e in extras):
+        pids = [str(p) for p in (getattr(args, "pid", None), getattr(args, "pid_option", None))
+                if p is not None] + list(extras)
+        return (f"one PID per check, got {len(pids)}: {' '.join(pids)} "
+                "(run one check per process)")
+    return f"unrecognized arguments: {' '.join(extras)}"
+
+
+def _parse(parser: ArgumentParser, argv: Sequence[str]) -> argparse.Namespace:
+    args, extras = parser.parse_known_args(argv)
+    if extras:
+        sub = getattr(args, "command_parser", None) or parser
+        sub.error(extras_message(args, extras))
+    return args
+
+
 def main(argv: Optional[Sequence[str]] = None) -> int:
     """Parse argv (default sys.argv[1:]), run the command, return its exit code."""
+    argv = list(sys.argv[1:] if argv is None else argv)
+    as_json = wants_json(argv)
     parser = build_parser()
     try:
-        args = parser.parse_args(argv)
-    except SystemExit as exc:          # argparse: --help/--version (0) and usage errors (2)
+        args = _parse(parser, argv)
+    except UsageError as exc:
+        exc.parser.print_usage(sys.stderr)
+        hint = f"run '{exc.parser.prog} --help' to see the arguments"
+        sys.stderr.write(f"{exc.parser.prog}: error: {exc.message}\n")
+        if as_json:
+            print_json_error("CommandError", exc.message, hint)
+        return EXIT_USAGE
+    except SystemExit as exc:          # argparse: --help/--version (0)
         return exc.code if isinstance(exc.code, int) else EXIT_USAGE
     command = getattr(args, "command_obj", None)
     if command is None:
         parser.print_usage(sys.stderr)
-        print_error("a command is required", f"run '{PROG} --help' to list the commands, or "
-                    f"'{PROG} demo' to try it on a bundled leaky program")
+        msg, hint = "a command is required", (f"run '{PROG} --help' to list the commands, or "
+                                              f"'{PROG} demo' to try it on a bundled leaky program")
+        print_error(msg, hint)
+        if as_json:
+            print_json_error("CommandError", msg, hint)
         return EXIT_USAGE
 
+    as_json = bool(getattr(args, "json", False))
+    pid = getattr(args, "pid", None) or getattr(args, "pid_option", None)
     handler, old_level = _setup_logging(args)
     try:
         return command.run(args)
@@ -191,16 +267,13 @@ def main(argv: Optional[Sequence[str]] = None) -> int:
         signum = getattr(exc, "signum", None)
         if isinstance(exc, KeyboardInterrupt) and signum is None:
             signum = signal.SIGINT
+        kind = type(exc).__name__
         if isinstance(signum, int) and signum > 0:
-            sys.stderr.write(f"{PROG}: interrupted by {_signal_name(signum)}; the target was "
-                             "released\n")
+            msg = f"interrupted by {_signal_name(signum)}; the target was released"
+            sys.stderr.write(f"{PROG}: {msg}\n")
+            if as_json:
+                print_json_error(kind, msg, None, pid)
             return die_by_signal(signum)
-        if isinstance(exc, CommandError):
-            print_error(str(exc), exc.hint)
-            return exc.exit_code
-        if isinstance(exc, MemunreachableError):
-            print_error(str(exc), exc.hint)
-            return EXIT_CANNOT_CHECK
         if isinstance(exc, SystemExit):
             return exc.code if isinstance(exc.code, int) else EXIT_INTERNAL
         if isinstance(exc, BrokenPipeError):   # `memunreachable check N | head`
@@ -209,7 +282,16 @@ def main(argv: Optional[Sequence[str]] = None) -> int:
             except OSError:
                 pass
             return EXIT_INTERNAL
-        return _internal_error(exc, getattr(args, "verbose", 0))
+        if isinstance(exc, MemunreachableError):
+            print_error(str(exc), exc.hint)
+            if as_json:     # a usage error is not about the pid: "pid" is null then
+                print_json_error(kind, str(exc), exc.hint, None if isinstance(exc, CommandError)
+                                 else getattr(exc, "pid", None) or pid)
+            return exc.exit_code if isinstance(exc, CommandError) else EXIT_CANNOT_CHECK
+        code = _internal_error(exc, getattr(args, "verbose", 0))
+        if as_json:
+            print_json_error(kind, f"internal error: {kind}: {exc}", INTERNAL_HINT, pid)
+        return code
     finally:
         logging.getLogger(LOGGER).removeHandler(handler)
         logging.getLogger(LOGGER).setLevel(old_level)

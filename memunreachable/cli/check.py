@@ -182,18 +182,24 @@ class Check(Command):
         parser.add_argument("-p", "--pid", dest="pid_option", type=pid_type, metavar="PID",
                             help="process to check (instead of the positional PID)")
         parser.add_argument("--json", action="store_true",
-                            help="print the JSON report (schema_version 1) instead of text")
+                            help="print the JSON report (schema_version 1) instead of text; "
+                                 "an error is then a JSON object too ({\"error\": {\"kind\", "
+                                 "\"message\", \"hint\"}})")
         parser.add_argument("-o", "--output", metavar="FILE",
                             help="write the report to FILE instead of stdout")
         parser.add_argument("-f", "--force", action="store_true",
                             help="overwrite the -o FILE if it exists")
         add_engine_arguments(parser)
         parser.add_argument("--no-fallback", action="store_true",
-                            help="fail instead of reading the stopped target directly when a "
-                                 "snapshot cannot be taken (keeps the pause short)")
+                            help="fail (exit 3) instead of reading the stopped target directly "
+                                 "when no snapshot can be taken: the clone is refused, or no "
+                                 "thread's seccomp rules allow the injected clone and wait4 "
+                                 "(keeps the pause short)")
         parser.add_argument("--allow-seccomp-target", action="store_true",
-                            help="take the snapshot even if the target runs under a seccomp "
-                                 "filter (the filter may refuse or punish the injected clone)")
+                            help="inject the snapshot's clone and wait4 even into a thread "
+                                 "whose seccomp filters cannot be read (without CAP_SYS_ADMIN); "
+                                 "filters that can be read are always obeyed, and a thread in "
+                                 "seccomp strict mode is never used")
 
     def get_pid(self, args: argparse.Namespace) -> int:
         if args.pid is not None and args.pid_option is not None:

@@ -10,11 +10,17 @@ Input: an UnreachableMemoryInfo. Output: one JSON object. The fields issue 2 fix
 Additive fields (allowed by the schema promise: additive changes only): tool_version, comm,
 snapshot_mode, snapshot_ms, retries, bytes_scanned, warnings, stats, and total_size per leak.
 Readers must ignore keys they do not know. load_json() is the inverse (for re-rendering).
+
+stats is one flat object (flatten_stats): the walker's figures (arenas, chunks, ...) next to
+the sweep's (seconds, root_bytes, ...); allocator and warnings appear only at the top level.
+An error is data too (render_error): {"schema_version", "tool_version", "pid",
+"error": {"kind", "message", "hint"}} where kind is the exception class name (NoSuchProcess,
+AccessDenied, CommandError, ...) and the exit code is the one the text mode would give.
 """
 from __future__ import annotations
 
 import json
-from typing import IO, Any, Dict
+from typing import IO, Any, Dict, Optional
 
 from memunreachable.report import SCHEMA_VERSION, Leak, UnreachableMemoryInfo
 
@@ -34,6 +40,24 @@ def _jsonable(value: Any) -> Any:
     if value is None or isinstance(value, (bool, int, float, str)):
         return value
     return str(value)
+
+
+# keys of the engine's sweep metadata that the report carries at its top level already
+_TOP_LEVEL_KEYS = ("allocator", "warnings")
+
+
+# Returns one flat dict: the nested walker figures (stats["stats"]) lifted to the top, then
+# the other keys except allocator and warnings (reported at the top level of the JSON); a
+# key present in both keeps the walker's value and the other is renamed "sweep_<key>".
+# Idempotent (a flat dict comes back equal).
+def flatten_stats(stats: Dict[str, Any]) -> Dict[str, Any]:
+    inner = stats.get("stats")
+    flat: Dict[str, Any] = dict(inner) if isinstance(inner, dict) else {}
+    for key, value in stats.items():
+        if key in _TOP_LEVEL_KEYS or (key == "stats" and isinstance(value, dict)):
+            continue
+        flat[key if key not in flat else f"sweep_{key}"] = value
+    return flat
 
 
 def leak_to_dict(leak: Leak) -> Dict[str, Any]:
@@ -72,13 +96,30 @@ def render_json(info: UnreachableMemoryInfo) -> Dict[str, Any]:
         "leaks": [leak_to_dict(leak) for leak in info.leaks],
         "truncated": info.truncated,
         "warnings": list(info.warnings),
-        "stats": _jsonable(info.stats),
+        "stats": _jsonable(flatten_stats(info.stats)),
     }
 
 
 def write_json(info: UnreachableMemoryInfo, stream: IO[str]) -> None:
     """render_json(info) as indented JSON plus a final newline."""
     json.dump(render_json(info), stream, indent=2)
+    stream.write("\n")
+    stream.flush()
+
+
+def render_error(kind: str, message: str, hint: Optional[str] = None,
+                 pid: Optional[int] = None) -> Dict[str, Any]:
+    """The JSON object for an error (kind: the exception class name)."""
+    from memunreachable import __version__
+
+    return {"schema_version": SCHEMA_VERSION, "tool_version": __version__, "pid": pid,
+            "error": {"kind": kind, "message": message, "hint": hint}}
+
+
+def write_json_error(stream: IO[str], kind: str, message: str, hint: Optional[str] = None,
+                     pid: Optional[int] = None) -> None:
+    """render_error(...) as indented JSON plus a final newline."""
+    json.dump(render_error(kind, message, hint, pid), stream, indent=2)
     stream.write("\n")
     stream.flush()
 

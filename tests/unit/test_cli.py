@@ -146,7 +146,11 @@ def test_check_fills_comm_from_proc(engine, capsys):
                                        "invalid limit '-1': expected an integer >= 0"),
     (["check", "12", "--timeout", "0"], "memunreachable check: error: argument --timeout: "
                                         "invalid timeout '0': expected seconds > 0"),
-    (["check", "12", "--bogus"], "memunreachable: error: unrecognized arguments: --bogus"),
+    (["check", "12", "--bogus"], "memunreachable check: error: unrecognized arguments: --bogus"),
+    (["check", "12", "13"], "memunreachable check: error: one PID per check, got 2: 12 13 "
+                            "(run one check per process)"),
+    (["check", "-p", "12", "13", "14"], "memunreachable check: error: one PID per check, got "
+                                        "3: 13 12 14 (run one check per process)"),
     ([], "memunreachable: error: a command is required"),
     (["frobnicate"], "memunreachable: error: argument COMMAND: invalid choice: 'frobnicate' "
                      "(choose from 'check', 'demo')"),
@@ -434,3 +438,107 @@ def test_demo_missing_program(monkeypatch, capsys, tmp_path):
     err = capsys.readouterr().err.splitlines()
     assert err[0].startswith("memunreachable: error: the bundled demo program is missing: ")
     assert err[0].endswith(os.path.join("memunreachable", "_demo", "no-such-demo"))
+
+
+# ---- errors as data (--json) ---------------------------------------------------------------
+
+def json_error(kind, message, hint, pid=None):
+    return {"schema_version": 1, "tool_version": __version__, "pid": pid,
+            "error": {"kind": kind, "message": message, "hint": hint}}
+
+
+@pytest.mark.parametrize("exc, kind", [
+    (NoSuchProcess(4242, "no such process", "find it with pgrep"), "NoSuchProcess"),
+    (ZombieProcess(4242, "process 4242 has exited (zombie)", "nothing", name="srv"),
+     "ZombieProcess"),
+    (AccessDenied(4242, "cannot trace", "run as root"), "AccessDenied"),
+    (UnsupportedTarget("unsupported allocator: jemalloc", "only glibc"), "UnsupportedTarget"),
+    (CollectionError("thread 12 did not stop", None), "CollectionError"),
+    (HeapWalkError("heap inconsistent", "try again"), "HeapWalkError"),
+    (SweepError("sweeper crashed", "report it"), "SweepError"),
+])
+def test_json_error_on_stdout_exit_3(engine, capsys, exc, kind):
+    engine(exc)
+    assert cli.main(["check", "4242", "--json"]) == 3
+    out, err = capsys.readouterr()
+    assert json.loads(out) == json_error(kind, str(exc), exc.hint, 4242)
+    assert err.splitlines()[0] == f"memunreachable: error: {exc}"     # text stays on stderr
+
+
+def test_json_error_without_json_flag_is_text_only(engine, capsys):
+    engine(NoSuchProcess(4242, "no such process", "find it"))
+    assert cli.main(["check", "4242"]) == 3
+    assert capsys.readouterr().out == ""
+
+
+def test_json_internal_error_exit_1(engine, capsys):
+    engine(RuntimeError("boom"))
+    assert cli.main(["check", "4242", "--json"]) == 1
+    assert json.loads(capsys.readouterr().out) == json_error(
+        "RuntimeError", "internal error: RuntimeError: boom", cli.INTERNAL_HINT, 4242)
+
+
+@pytest.mark.parametrize("argv, message, hint_prog", [
+    (["check", "12", "13", "--json"],
+     "one PID per check, got 2: 12 13 (run one check per process)", "memunreachable check"),
+    (["check", "abc", "--json"],
+     "argument PID: invalid pid 'abc': expected a positive integer", "memunreachable check"),
+    (["check", "12", "--json", "--limit", "x"],
+     "argument --limit: invalid limit 'x': expected an integer >= 0", "memunreachable check"),
+    (["--json"], "unrecognized arguments: --json", "memunreachable"),
+])
+def test_json_usage_errors_exit_2(engine, capsys, argv, message, hint_prog):
+    fake = engine(leaky_info())
+    assert cli.main(argv) == 2
+    out, err = capsys.readouterr()
+    assert json.loads(out) == json_error("CommandError", message,
+                                         f"run '{hint_prog} --help' to see the arguments")
+    assert err.splitlines()[0].startswith(f"usage: {hint_prog} ")
+    assert err.splitlines()[-1] == f"{hint_prog}: error: {message}"
+    assert fake.calls == []
+
+
+def test_json_command_error_exit_2(engine, capsys, tmp_path):
+    engine(leaky_info())
+    path = tmp_path / "r.json"
+    path.write_text("old\n")
+    assert cli.main(["check", "4242", "--json", "-o", str(path)]) == 2
+    assert json.loads(capsys.readouterr().out) == json_error(
+        "CommandError", f"output file {str(path)!r} already exists",
+        "use -f/--force to overwrite it, or choose another name")
+
+
+def test_two_pids_is_a_check_usage_error(engine, capsys):
+    fake = engine(leaky_info())
+    assert cli.main(["check", "12", "13"]) == 2
+    err = capsys.readouterr().err.splitlines()
+    assert err[0].startswith("usage: memunreachable check [-h]")
+    assert err[-1] == ("memunreachable check: error: one PID per check, got 2: 12 13 (run one "
+                       "check per process)")
+    assert fake.calls == []
+
+
+def test_wants_json_stops_at_double_dash():
+    assert cli.wants_json(["check", "1", "--json"])
+    assert not cli.wants_json(["check", "1", "--", "--json"])
+    assert not cli.wants_json(["check", "1", "--jsonx"])
+
+
+# ---- stats: one flat object ------------------------------------------------------------------
+
+def test_stats_flattened_without_repeats():
+    from memunreachable.reporters.json import flatten_stats
+    meta = {"allocator": {"name": "glibc", "version": "2.36"}, "warnings": ["w"],
+            "stats": {"arenas": 1, "chunks": 8, "method": "file", "seconds": "walker's"},
+            "seconds": {"walk": 0.5}, "root_bytes": 100, "suspect_tids": []}
+    flat = flatten_stats(meta)
+    assert flat == {"arenas": 1, "chunks": 8, "method": "file", "seconds": "walker's",
+                    "sweep_seconds": {"walk": 0.5}, "root_bytes": 100, "suspect_tids": []}
+    assert flatten_stats(flat) == flat
+    info = leaky_info()
+    info.stats = meta
+    info.warnings = ["w"]
+    doc = render_json(info)
+    assert doc["stats"] == flat
+    assert doc["allocator"] == {"name": "glibc", "version": "2.36"} and doc["warnings"] == ["w"]
+    assert "stats" not in doc["stats"] and "allocator" not in doc["stats"]

@@ -35,41 +35,68 @@ def test_ok_target():
     assert (t.pid, t.name, t.seccomp, t.uid, t.warnings) == (PID, "prog", 0, 1000, [])
 
 
-def test_seccomp_target_passes_with_warning():
-    t = preflight.preflight(PID, facts(status=status(seccomp=2)))
-    assert t.seccomp == 2
-    assert t.warnings == [diagnose.hint_seccomp(PID)]
-    assert "--allow-seccomp-target" in t.warnings[0] and "--no-snapshot" in t.warnings[0]
+def test_seccomp_target_passes_without_warning():
+    # the snapshot stage decides per thread (seccomp.py); preflight only records the mode
+    for mode in (1, 2):
+        t = preflight.preflight(PID, facts(status=status(seccomp=mode)))
+        assert (t.seccomp, t.warnings) == (mode, [])
+
+
+def test_seccomp_hint_wording():
+    assert diagnose.hint_seccomp(PID) == (
+        f"The seccomp rules of process {PID} would refuse or punish the syscalls a snapshot "
+        "makes it run (clone, then wait4), in every thread that could run them. Without "
+        "--no-fallback, memunreachable reads the stopped process directly instead (it stays "
+        "paused for the whole scan).")
+    assert diagnose.hint_seccomp(PID, unreadable=True) == diagnose.hint_seccomp(PID) + (
+        " Its seccomp filters could not be read (that needs CAP_SYS_ADMIN); if you know they "
+        "allow clone and wait4, --allow-seccomp-target takes the snapshot anyway.")
+
+
+NO_PROCESS_HINT = (f"No process has PID {PID} now: it may have exited. Find its current PID "
+                   "with `pgrep NAME` or `pidof NAME` and check that one.")
 
 
 def test_absent():
     with pytest.raises(NoSuchProcess) as ei:
         preflight.preflight(PID, diagnose.Facts(pid=PID, exists=False))
-    assert ei.value.hint == f"There is no process with PID {PID}."
+    assert (str(ei.value), ei.value.hint) == (f"no such process (pid={PID})", NO_PROCESS_HINT)
     assert ei.value.pid == PID
 
 
 def test_zombie():
     with pytest.raises(ZombieProcess) as ei:
-        preflight.preflight(PID, facts(status=status(state="Z")))
-    assert ei.value.hint == (f"Process {PID} has already exited (zombie); there is nothing "
-                             "left to check.")
+        preflight.preflight(PID, facts(status=status(state="Z", ppid=77)))
+    assert str(ei.value) == f"process {PID} has exited (zombie) (pid={PID}, name='prog')"
+    assert ei.value.hint == (f"Process {PID} has already exited; only its exit status is left "
+                             "until its parent (PID 77) collects it (a zombie), so there is no "
+                             "memory to check.")
 
 
 def test_kernel_thread():
-    f = facts(stat=Stat(pid=PID, comm="kworker/0:1", state="I", ppid=2, flags=PF_KTHREAD | 0x40))
+    f = facts(status=status(name="kworker/0:1"),
+              stat=Stat(pid=PID, comm="kworker/0:1", state="I", ppid=2, flags=PF_KTHREAD | 0x40))
     with pytest.raises(UnsupportedTarget) as ei:
         preflight.preflight(PID, f)
-    assert "kernel thread" in str(ei.value) and str(PID) in ei.value.hint
+    assert str(ei.value) == f"PID {PID} (kworker/0:1) is a kernel thread"
+    assert ei.value.hint == f"PID {PID} is a kernel thread: it has no user memory and no heap to check."
+
+
+SELF_HINT = (f"PID {PID} is memunreachable's own process (or one of its threads), and a "
+             "process cannot ptrace itself. To check a program's own memory, call "
+             "memunreachable.NoLeaks() inside it: it starts a separate tracer.")
 
 
 def test_self_and_own_thread():
     with pytest.raises(UnsupportedTarget) as ei:
         preflight.preflight(PID, facts(our_pid=PID))
-    assert "NoLeaks()" in ei.value.hint
+    assert (str(ei.value), ei.value.hint) == (f"PID {PID} is memunreachable's own process",
+                                              SELF_HINT)
     own_thread = facts(status=status(tgid=77, pid=PID), our_pid=77)
-    with pytest.raises(UnsupportedTarget):
+    with pytest.raises(UnsupportedTarget) as ei:
         preflight.preflight(PID, own_thread)
+    assert (str(ei.value), ei.value.hint) == \
+        (f"PID {PID} is a thread of memunreachable's own process 77", SELF_HINT)
 
 
 def test_thread_id_of_another_process():
@@ -90,6 +117,7 @@ def test_already_traced_names_tracer():
     f = facts(status=status(tracer_pid=555), tracer_name="gdb", cap_sys_ptrace=True)
     with pytest.raises(AccessDenied) as ei:
         preflight.preflight(PID, f)
+    assert ei.value.msg == f"process {PID} is already traced by PID 555 (gdb)"
     assert ei.value.hint == (f"Process {PID} is being traced by PID 555 (gdb). A process can "
                              "have only one tracer; detach gdb/strace/py-spy, or wait for the "
                              "other check to finish.")
@@ -135,7 +163,7 @@ def test_yama_2_and_3_refused_up_front_yama_1_not():
 
 def test_diagnose_order_no_process_then_namespace():
     err = diagnose.diagnose(PID, errno.ESRCH, diagnose.Facts(pid=PID, exists=False))
-    assert isinstance(err, NoSuchProcess) and err.hint == f"There is no process with PID {PID}."
+    assert isinstance(err, NoSuchProcess) and err.hint == NO_PROCESS_HINT
     err = diagnose.diagnose(PID, errno.ESRCH, facts())
     assert isinstance(err, NoSuchProcess)
     assert err.hint.startswith(f"PID {PID} is visible here but cannot be traced from this PID "
@@ -163,13 +191,77 @@ def test_diagnose_container_selinux_apparmor_fallback():
     assert err.hint == diagnose.hint_container()
     assert "--cap-add=SYS_PTRACE" in err.hint and "kubectl debug" in err.hint
     assert "WSL#3053" in err.hint
+    with_cap = f"tracing process {PID} failed: EPERM although this process has CAP_SYS_PTRACE"
     err = diagnose.diagnose(PID, errno.EPERM, facts(cap_sys_ptrace=True, selinux_enforcing=True))
+    assert (err.msg, err.hint) == (with_cap, diagnose.hint_selinux())
     assert "avc: denied { ptrace }" in err.hint
     err = diagnose.diagnose(PID, errno.EPERM, facts(cap_sys_ptrace=True, apparmor="docker-default"))
-    assert "'docker-default'" in err.hint
-    err = diagnose.diagnose(PID, errno.EPERM, facts(cap_sys_ptrace=True))
+    assert (err.msg, err.hint) == (with_cap, diagnose.hint_apparmor("docker-default"))
+    # the target's own AppArmor label counts too
+    err = diagnose.diagnose(PID, errno.EPERM, facts(cap_sys_ptrace=True,
+                                                     target_label="snap.x (enforce)"))
+    assert err.hint == diagnose.hint_apparmor("snap.x (enforce)")
+    err = diagnose.diagnose(PID, errno.EPERM, facts(yama_scope=1, target_label="p (enforce)"))
+    assert "ptrace_scope = 1" in err.hint        # without the capability Yama comes first
+    err = diagnose.diagnose(PID, errno.EPERM, facts())
     assert isinstance(err, AccessDenied) and "-vv" in err.hint
-    assert "EPERM" in str(err)
+    assert str(err) == f"tracing process {PID} failed: EPERM (pid={PID}, name='prog')"
+
+
+LSM_HINT = (f"This process has CAP_SYS_PTRACE, yet the kernel refuses it access to process "
+            f"{PID}: a Linux security module or a sandbox around memunreachable forbids it "
+            "(enabled here: lockdown, capability, landlock). A Landlock-sandboxed program may "
+            "only trace processes inside its own sandbox: run memunreachable outside the "
+            "sandbox, or start the target inside it. Look for 'ptrace' denials in the kernel "
+            "or audit log.")
+
+
+def test_root_with_cap_sys_ptrace_is_never_told_to_add_the_capability():
+    # pid 1 on the issue's machine: root, CapEff has SYS_PTRACE, /.dockerenv exists, and a
+    # Landlock sandbox around the session refuses even /proc/1/maps
+    pid1 = dict(cap_sys_ptrace=True, container="/.dockerenv", landlock_abi=7,
+                lsms="lockdown,capability,landlock", status=status(uids=(0, 0, 0, 0)))
+    with pytest.raises(AccessDenied) as ei:
+        preflight.preflight(PID, facts(access_errno=errno.EACCES, **pid1))
+    assert ei.value.msg == (f"the kernel refuses to let this process trace process {PID} "
+                            f"(opening /proc/{PID}/mem: EACCES) although it has CAP_SYS_PTRACE")
+    assert ei.value.hint == LSM_HINT
+    # the same when only PTRACE_SEIZE fails
+    err = diagnose.diagnose(PID, errno.EPERM, facts(**pid1))
+    assert (err.msg, err.hint) == (f"tracing process {PID} failed: EPERM although this process "
+                                   "has CAP_SYS_PTRACE", LSM_HINT)
+    assert "SYS_PTRACE capability" not in err.hint
+    # no Landlock, no LSM list: the generic wording
+    err = diagnose.diagnose(PID, errno.EPERM, facts(cap_sys_ptrace=True, container="/.dockerenv"))
+    assert err.hint == (f"This process has CAP_SYS_PTRACE, yet the kernel refuses it access to "
+                        f"process {PID}: a Linux security module or a sandbox around "
+                        "memunreachable forbids it. Look for 'ptrace' denials in the kernel or "
+                        "audit log.")
+    # a rootless container: the capability stops at the user namespace
+    with pytest.raises(AccessDenied) as ei:
+        preflight.preflight(PID, facts(access_errno=errno.EACCES, nested_userns=True, **pid1))
+    assert ei.value.hint == (
+        "memunreachable runs in a user namespace (a rootless or user-namespaced container): its "
+        f"capabilities, CAP_SYS_PTRACE included, do not reach process {PID}, which belongs to "
+        "an outer namespace. Run memunreachable in the same container as the process, or on "
+        "the host.")
+    # /proc/PID/mem opens: nothing to say before trying
+    assert preflight.preflight(PID, facts(**pid1)).pid == PID
+
+
+def test_refused_up_front_without_the_capability():
+    what = (f"the kernel refuses to let this process trace process {PID} (opening "
+            f"/proc/{PID}/mem: EACCES)")
+    with pytest.raises(AccessDenied) as ei:
+        preflight.preflight(PID, facts(access_errno=errno.EACCES, yama_scope=1))
+    assert (ei.value.msg, ei.value.hint) == (what, diagnose.hint_yama(1))
+    with pytest.raises(AccessDenied) as ei:
+        preflight.preflight(PID, facts(access_errno=errno.EACCES, container="/.dockerenv"))
+    assert (ei.value.msg, ei.value.hint) == (what, diagnose.hint_container())
+    # another user's process: that reason first, whatever the probe says
+    with pytest.raises(AccessDenied) as ei:
+        preflight.preflight(PID, facts(access_errno=errno.EACCES, status=status(uids=(0, 0, 0, 0))))
+    assert ei.value.msg == f"process {PID} belongs to user root"
 
 
 def test_diagnose_traced_and_other_user_first():
@@ -189,3 +281,21 @@ def test_errors_pickle():
 
 def test_container_detector_runs():
     assert isinstance(diagnose.detect_container(), str)
+
+
+def test_zombie_leader_is_not_an_exited_process():
+    # main called pthread_exit: the leader is Z, Threads counts it, other threads still run
+    with pytest.raises(UnsupportedTarget) as ei:
+        preflight.preflight(PID, facts(status=status(state="Z", threads=3), live_threads=2))
+    assert str(ei.value) == f"the main thread of process {PID} has exited while 2 thread(s) still run"
+    assert ei.value.hint == (f"Process {PID}'s main thread called pthread_exit() (it is a zombie "
+                             "while the other threads run). The kernel then shows no memory map "
+                             "for the process's PID, and memunreachable cannot check such a "
+                             "process yet.")
+    with pytest.raises(ZombieProcess):
+        preflight.preflight(PID, facts(status=status(state="Z", threads=3), live_threads=0))
+    with pytest.raises(ZombieProcess):      # not counted: the Threads line decides
+        preflight.preflight(PID, facts(status=status(state="Z", threads=1)))
+    err = diagnose.diagnose(PID, errno.EPERM, facts(status=status(state="Z", threads=2),
+                                                     live_threads=1, cap_sys_ptrace=True))
+    assert not isinstance(err, ZombieProcess)

@@ -105,3 +105,43 @@ def test_readers_on_this_process_and_gone_pid(tmp_path):
     with pytest.raises(NoSuchProcess):
         procfs.list_tasks(4194305)
     assert procfs.task_state(4194305, 4194305) == ""
+
+
+def test_parse_status_seccomp_filters_and_no_new_privs():
+    st = procfs.parse_status(STATUS)
+    assert (st.seccomp, st.seccomp_filters) == (2, 1)
+    st = procfs.parse_status("Name:\tx\nState:\tS\nNoNewPrivs:\t1\nSeccomp:\t1\nSeccomp_filters:\t0\n")
+    assert (st.seccomp, st.seccomp_filters, st.no_new_privs) == (1, 0, 1)
+    # kernels before 5.9 have no Seccomp_filters line
+    assert procfs.parse_status("Name:\tx\nState:\tS\nSeccomp:\t2\n").seccomp_filters == 0
+
+
+@pytest.mark.parametrize("text, label", [
+    ("", ""),
+    ("unconfined\n", ""),
+    ("unconfined (unconfined)\n", ""),
+    ("unconfined_u:unconfined_r:unconfined_t:s0-s0:c0.c1023\x00", ""),
+    ("docker-default (enforce)\n", "docker-default (enforce)"),
+    ("system_u:system_r:container_t:s0:c1,c2\x00", "system_u:system_r:container_t:s0:c1,c2"),
+])
+def test_parse_lsm_label(text, label):
+    assert procfs.parse_lsm_label(text) == label
+
+
+@pytest.mark.parametrize("text, initial", [
+    ("         0          0 4294967295\n", True),
+    ("0 1000 1\n", False),
+    ("0 100000 65536\n", False),
+    ("0 0 4294967295\n1 1 1\n", False),
+    ("", False),
+])
+def test_parse_uid_map_is_initial(text, initial):
+    assert procfs.parse_uid_map_is_initial(text) is initial
+
+
+
+def test_parse_seccomp():
+    assert procfs.parse_seccomp(STATUS.encode()) == (2, 1)
+    assert procfs.parse_seccomp(b"Name:\tx\nSeccomp:\t1\nSeccomp_filters:\t0\nSpeculation_Store_Bypass:\tx\n") == (1, 0)
+    assert procfs.parse_seccomp(b"Name:\tx\nSeccomp:\t2\n") == (2, 0)
+    assert procfs.parse_seccomp(b"Name:\tx\nState:\tS\n") == (0, 0)
