@@ -8,7 +8,10 @@ Input: an UnreachableMemoryInfo. Output: one JSON object. The fields issue 2 fix
              contents (hex of the first <= 32 bytes), backtrace (list)}]
 
 Additive fields (allowed by the schema promise: additive changes only): tool_version, comm,
-snapshot_mode, snapshot_ms, retries, bytes_scanned, warnings, stats, and total_size per leak.
+snapshot_mode, snapshot_ms, retries, retake_counts, bytes_scanned, warnings, stats,
+total_size per leak, and num_uncertain, uncertain_bytes, uncertain [{address, size,
+contents}]: unreachable blocks withheld because what decides their fate could not be seen
+(not leaks: not in num_leaks, leak_bytes nor the exit code).
 Readers must ignore keys they do not know. load_json() is the inverse (for re-rendering).
 
 stats is one flat object (flatten_stats): the walker's figures (arenas, chunks, ...) next to
@@ -88,6 +91,7 @@ def render_json(info: UnreachableMemoryInfo) -> Dict[str, Any]:
         "snapshot_mode": info.snapshot_mode,
         "snapshot_ms": _ms(info.snapshot_ms),
         "retries": info.retries,
+        "retake_counts": dict(info.retake_counts),
         "num_allocations": info.num_allocations,
         "allocation_bytes": info.allocation_bytes,
         "bytes_scanned": info.bytes_scanned,
@@ -95,6 +99,11 @@ def render_json(info: UnreachableMemoryInfo) -> Dict[str, Any]:
         "leak_bytes": info.leak_bytes,
         "leaks": [leak_to_dict(leak) for leak in info.leaks],
         "truncated": info.truncated,
+        "num_uncertain": info.num_uncertain,
+        "uncertain_bytes": info.uncertain_bytes,
+        "uncertain": [{"address": u.address, "size": u.size,
+                       "contents": bytes(u.contents[:CONTENTS_BYTES]).hex()}
+                      for u in info.uncertain],
         "warnings": list(info.warnings),
         "stats": _jsonable(flatten_stats(info.stats)),
     }
@@ -151,6 +160,7 @@ def load_json(data: Dict[str, Any]) -> UnreachableMemoryInfo:
         snapshot_mode=data.get("snapshot_mode", "clone"),
         snapshot_ms=float(data.get("snapshot_ms", 0.0)),
         retries=int(data.get("retries", 0)),
+        retake_counts=dict(data.get("retake_counts", {})),
         num_allocations=int(data.get("num_allocations", 0)),
         allocation_bytes=int(data.get("allocation_bytes", 0)),
         bytes_scanned=int(data.get("bytes_scanned", 0)),
@@ -158,6 +168,11 @@ def load_json(data: Dict[str, Any]) -> UnreachableMemoryInfo:
         leak_bytes=int(data.get("leak_bytes", 0)),
         leaks=leaks,
         truncated=int(data.get("truncated", 0)),
+        num_uncertain=int(data.get("num_uncertain", 0)),
+        uncertain_bytes=int(data.get("uncertain_bytes", 0)),
+        uncertain=[Leak(address=int(e["address"]), size=int(e["size"]),
+                        contents=bytes.fromhex(e.get("contents", "")))
+                   for e in data.get("uncertain", [])],
         warnings=list(data.get("warnings", [])),
         stats=dict(data.get("stats", {})),
     )

@@ -240,6 +240,7 @@ EXPECTED_JSON = {
     "snapshot_mode": "clone",
     "snapshot_ms": 40.0,
     "retries": 0,
+    "retake_counts": {},
     "num_allocations": 120,
     "allocation_bytes": 65536,
     "bytes_scanned": 0,
@@ -256,6 +257,9 @@ EXPECTED_JSON = {
          "total_size": 1, "contents": "7f", "backtrace": []},
     ],
     "truncated": 0,
+    "num_uncertain": 0,
+    "uncertain_bytes": 0,
+    "uncertain": [],
     "warnings": ["heap was mid-update once"],
     "stats": {},
 }
@@ -317,3 +321,18 @@ def test_uncertain_blocks_are_listed_apart_and_not_in_the_summary():
     assert lines[i + 1:i + 4] == ["   72 bytes uncertain at 2000", "   72 bytes uncertain at 3000",
                                   "   ... 1 more not shown"]
     assert lines[-1] == "SUMMARY: memunreachable: 200 bytes leaked in 1 allocation, 1 report entry"
+
+
+def test_json_carries_uncertain_blocks_and_round_trips():
+    from memunreachable.report import Leak, UnreachableMemoryInfo
+    info = UnreachableMemoryInfo(pid=7, num_uncertain=2, uncertain_bytes=144,
+                                 uncertain=[Leak(0x2000, 72, contents=b"ab"), Leak(0x3000, 72)],
+                                 retries=1, retake_counts={"capture": 1})
+    obj = render_json(info)
+    assert obj["num_uncertain"] == 2 and obj["uncertain_bytes"] == 144
+    assert obj["uncertain"] == [{"address": 0x2000, "size": 72, "contents": "6162"},
+                                {"address": 0x3000, "size": 72, "contents": ""}]
+    assert obj["num_leaks"] == 0 and obj["retake_counts"] == {"capture": 1}
+    back = load_json(obj)
+    assert back.uncertain == info.uncertain and back.num_uncertain == 2
+    assert back.retake_counts == {"capture": 1}
