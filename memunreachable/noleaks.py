@@ -13,6 +13,7 @@ from __future__ import annotations
 
 import contextlib
 import ctypes
+import gc
 import logging
 import os
 import pickle
@@ -159,6 +160,8 @@ def _check_self(limit: Optional[int], timeout: float) -> UnreachableMemoryInfo:
         os.close(wfd)
     try:
         _set_ptracer(helper.pid)
+        # unreachable reference cycles are not leaks: let the cyclic GC free them first
+        gc.collect()
         # Dead frames of functions that returned (a C extension's malloc'ing call, say) may
         # still hold pointers exactly where our wait's frames will live: zero them first,
         # before the helper may freeze us.
