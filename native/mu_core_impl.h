@@ -83,7 +83,8 @@ static inline int mu_live_next(mu_live_iter *it, uint64_t *b, uint64_t *e)
     }
 }
 
-/* 1 when allocation [b, b+len) (bytes at p, avail readable) holds a dead object (mu_dead). */
+/* 1 when allocation [b, b+len) (bytes at p, avail readable) holds a dead object or an object
+ * that holds no references (mu_dead types). */
 static inline int mu_dead_object(const mu_dead *d, const uint8_t *p, uint64_t len, uint64_t avail)
 {
     if (!d || !d->ntypes)
@@ -91,8 +92,6 @@ static inline int mu_dead_object(const mu_dead *d, const uint8_t *p, uint64_t le
     for (uint64_t off = 0; off + 16 <= len && off + 16 <= avail && off <= 48; off += 16) {
         uint64_t rc, tp;
         memcpy(&rc, p + off, 8);
-        if (rc)
-            continue;
         memcpy(&tp, p + off + 8, 8);
         uint64_t lo = 0, hi = d->ntypes;
         while (lo < hi) {
@@ -102,8 +101,19 @@ static inline int mu_dead_object(const mu_dead *d, const uint8_t *p, uint64_t le
             else
                 hi = mid;
         }
-        if (lo < d->ntypes && d->types[2 * lo] == tp && d->types[2 * lo + 1] == off)
+        if (lo == d->ntypes || d->types[2 * lo] != tp || (d->types[2 * lo + 1] & 0xff) != off)
+            continue;
+        uint64_t kind = d->types[2 * lo + 1] >> 8;
+        if (kind == MU_TYPE_DEAD_AT_ZERO && rc == 0)
             return 1;
+        if (kind == MU_TYPE_OPAQUE)
+            return 1;
+        if (kind == MU_TYPE_STR && off + 36 <= len && off + 36 <= avail) {
+            uint32_t state;
+            memcpy(&state, p + off + 32, 4);
+            if ((state & 0x60) == 0x60)     /* compact and ASCII: the text follows, inline */
+                return 1;
+        }
     }
     return 0;
 }

@@ -354,8 +354,10 @@ int64_t mu_scan_index_set_dead(mu_scan_index *ix, const mu_dead *dead)
     }
     if (dead->ntypes && !dead->types)
         return -EINVAL;
-    for (uint64_t k = 1; k < dead->ntypes; k++)
-        if (dead->types[2 * k] <= dead->types[2 * k - 2])
+    for (uint64_t k = 0; k < dead->ntypes; k++)
+        if ((k && dead->types[2 * k] <= dead->types[2 * k - 2])
+            || (dead->types[2 * k + 1] & 0xff) > 48 || (dead->types[2 * k + 1] & 7)
+            || (dead->types[2 * k + 1] >> 8) > MU_TYPE_STR)
             return -EINVAL;
     ix->dead = dead;
     return 0;

@@ -16,10 +16,14 @@ typedef struct {
  * A word pointing into allocation i below the end of its PyGC_Head (head_word[i] != 0) is no
  * reference either: references to a GC object point at the object, after its head.
  * Pass NULL for none. */
-/* Dead objects: types holds ntypes pairs (type address, object offset in its block), sorted
- * by address. An allocation whose word at an offset off is 0 (ob_refcnt) and whose next word
- * (ob_type) is a type listed with that offset holds a dead object (a zombie or free-listed
- * frame, a free-listed tuple, cpython-memory.md section 6): none of its words is scanned. */
+/* Objects whose words are not scanned: types holds ntypes pairs (type address, code), sorted
+ * by address; code = object offset in its block (low 8 bits) | kind << 8. An allocation whose
+ * word at offset off + 8 (ob_type) is a listed type with that offset is not scanned when
+ *   kind MU_TYPE_DEAD_AT_ZERO: its ob_refcnt (at off) is 0: a dead object (a zombie or
+ *       free-listed frame, a free-listed tuple, cpython-memory.md section 6);
+ *   kind MU_TYPE_OPAQUE: always (int, float, bytes hold no references; their slack bytes
+ *       would only add stale words);
+ *   kind MU_TYPE_STR: the str is compact ASCII (state bits at off + 32): text only. */
 typedef struct {
     const uint64_t *ranges;
     uint64_t nranges;
@@ -27,3 +31,7 @@ typedef struct {
     const uint64_t *types;
     uint64_t ntypes;
 } mu_dead;
+
+#define MU_TYPE_DEAD_AT_ZERO 0
+#define MU_TYPE_OPAQUE 1
+#define MU_TYPE_STR 2

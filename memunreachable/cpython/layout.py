@@ -272,6 +272,18 @@ GC_STATES: Dict[Tuple[int, int], GcState] = {
 }
 
 # --- object layouts read to name a leaked object (Include/object.h, cpython/*object.h) -------
+# 3.8-3.10: dead objects that roots still reach (zombie and free-listed frames, the 3.8/3.9
+# static free lists of tuples, lists and dicts: cpython-memory.md sections 5-6, and stale
+# refcount-0 headers of any GC type); 3.10+ free lists are read by the walker (dead_blocks),
+# 3.11+ frames live in the data stack. On 3.11 the rule over every GC type made a live bound
+# method look unreachable (PYTHONMALLOC=malloc): a zero word followed by a type pointer is not
+# proof enough there, so 3.11+ do without it.
+DEAD_OBJECTS_UNTIL = (3, 10)
+DEAD_OBJECT_TYPES = None       # every GC type: stale refcount-0 objects abound there
+
+# exported builtin types whose objects hold no references: symbol -> (tp_name, mu_dead kind)
+OPAQUE_TYPES = {"PyLong_Type": ("int", "MU_TYPE_OPAQUE"), "PyFloat_Type": ("float", "MU_TYPE_OPAQUE"),
+                "PyBytes_Type": ("bytes", "MU_TYPE_OPAQUE"), "PyUnicode_Type": ("str", "MU_TYPE_STR")}
 TSTATE_FRAME = 24              # 3.8-3.10 PyThreadState.frame (PyFrameObject *, innermost)
 TP_NAME = 24                    # PyTypeObject.tp_name (const char *)
 TP_FLAGS = 168                  # PyTypeObject.tp_flags (unsigned long)

@@ -8,7 +8,8 @@ the unreachable allocations and the GC-link words (head_word). Output:
                        the collector's own test (subtract_refs/move_unreachable) run over the
                        unreachable set: an object whose ob_refcnt exceeds the references found
                        inside the set was leaked by a missing Py_DECREF; so is everything it
-                       reaches, and every non-object block no object reaches (a native leak).
+                       reaches, and every non-object block that no object reaches or that
+                       points at no unreachable object (a native leak, not an object's part).
                        The rest is garbage the cyclic GC will free (or refcount-0 dead objects).
 An object is recognised only when its ob_type is a type whose type chain ends in `type`
 (ob_type of ob_type ... is itself, named "type") and the object's offset in its block matches
@@ -234,6 +235,7 @@ def split_garbage(begins, sizes, indices: Sequence[int], objects: Dict[int, PyOb
     by_obj = {info.address: i for i, info in objects.items()}
     internal = dict.fromkeys(objects, 0)
     edges: Dict[int, List[int]] = {}
+    holds_objects = set()         # blocks holding an exact pointer to an unreachable object
     for i in order:
         out = set()
         for v in (words(i) if sizes[i] <= MAX_BLOCK_WORDS else ()):
@@ -241,7 +243,9 @@ def split_garbage(begins, sizes, indices: Sequence[int], objects: Dict[int, PyOb
                 continue
             t = by_obj.get(v)
             if t is not None:
-                internal[t] += 1
+                holds_objects.add(i)
+                if not (objects[i].refcount == 0 if i in objects else False):
+                    internal[t] += 1
             k = bisect.bisect_right(ub, v) - 1
             if k >= 0 and v < ue[k] and order[k] != i:
                 out.add(order[k])
@@ -256,10 +260,18 @@ def split_garbage(begins, sizes, indices: Sequence[int], objects: Dict[int, PyOb
                     stack.append(t)
         return seen
 
-    from_objects = reach(objects)
+    # a dead object (refcount 0: free-listed, a zombie frame) holds stale words: no edges
+    for i, info in objects.items():
+        if info.refcount == 0 and not info.immortal:
+            edges[i] = []
+    from_objects = reach([i for i, info in objects.items() if info.refcount or info.immortal])
     roots = [i for i, info in objects.items()
              if not info.immortal and info.refcount > internal[i]]
-    roots += [i for i in order if i not in objects and i not in from_objects]
+    # a non-object block is an object's part (an item array, a key table) only when an
+    # unreachable object reaches it and it points at unreachable objects itself; any other
+    # (a native block a stale word of an object happens to point into) is a leak
+    roots += [i for i in order if i not in objects
+              and (i not in from_objects or i not in holds_objects)]
     leaked = reach(roots)
     return {i for i in order if i not in leaked}, internal
 

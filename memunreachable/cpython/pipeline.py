@@ -86,9 +86,11 @@ def prepare(mem, maps, threads, pid: Optional[int], image: HeapImage) -> CPython
             cuts += spans
             dead_ranges += spans
             out.stats["gc_nodes"] = nodes
-    if head_word is not None and cp.version <= (3, 10):
+    dead_types = []
+    if head_word is not None and cp.version <= L.DEAD_OBJECTS_UNTIL:
         types = sorted(set(types) | set(frame_types(mem, cp)))
-    dead_types = object_types(mem, cp, types) if head_word is not None else []
+        dead_types = object_types(mem, cp, types, L.DEAD_OBJECT_TYPES)
+    dead_types = sorted(dead_types + opaque_types(mem, maps, pid, cp))
     out.stats["gc_types"] = len(dead_types)
     out.root_cuts = merge_ranges(cuts)
     out.dead = DeadWords(ranges=[(r.begin, r.end) for r in merge_ranges(dead_ranges)],
@@ -245,17 +247,49 @@ def gc_heads(mem, cp: CPythonMap) -> Optional[List[Tuple[int, int, int]]]:
 
 
 # Returns [(type address, object offset in its block)] ascending, for the GC objects' types
-# that read as real types (cpython/objects.py): an allocation with a zero ob_refcnt and one of
-# these at that offset holds a dead object (cpython-memory.md section 6, refcount rule).
-def object_types(mem, cp: CPythonMap, types: Sequence[int]) -> List[Tuple[int, int]]:
+# that read as real types named in `names` (cpython/objects.py): an allocation with a zero
+# ob_refcnt and one of these at that offset holds a dead object (cpython-memory.md section 6,
+# refcount rule). Only the types whose dead objects hide in roots are listed: any other
+# zero word followed by a type pointer is left alone (a wrong "dead" would hide references).
+def object_types(mem, cp: CPythonMap, types: Sequence[int], names) -> List[Tuple[int, int]]:
     from memunreachable.cpython.objects import ObjectReader
     prefix = L.DEBUG_HOOK_PREFIX if (cp.allocator or "").endswith("debug") else 0
     reader = ObjectReader(mem, cp.version, prefix)
     out = []
     for t in types:
-        off = reader.object_offset(t)
-        if off is not None:
-            out.append((t, off))
+        ti = reader.type_info(t)
+        if ti is None or (names is not None and ti[0] not in names):
+            continue
+        out.append((t, reader.object_offset(t) | lib.MU_TYPE_DEAD_AT_ZERO << 8))
+    return out
+
+
+# Returns [(type address, code)] for the builtin types whose objects hold no references
+# (int, float, bytes; compact ASCII str), found by their exported symbols and checked to be
+# the types they claim (mu_dead types: MU_TYPE_OPAQUE, MU_TYPE_STR).
+def opaque_types(mem, maps, pid, cp: CPythonMap) -> List[Tuple[int, int]]:
+    from memunreachable.cpython import locate
+    from memunreachable.cpython.objects import ObjectReader
+    prefix = L.DEBUG_HOOK_PREFIX if (cp.allocator or "").endswith("debug") else 0
+    reader = ObjectReader(mem, cp.version, prefix)
+    mappings = [m for m in maps if m.path == cp.runtime.object_path]
+    try:
+        with locate._open(cp.runtime.object_path, mappings, pid) as f:
+            elf = locate.ELFFile(f)
+            bias = locate._load_bias(elf, mappings)
+            syms = locate._symbols(elf, list(L.OPAQUE_TYPES))
+    except Exception:        # noqa: BLE001 - any ELF problem: no opaque types, scan all
+        return []
+    if bias is None:
+        return []
+    out = []
+    for sym, (name, kind) in L.OPAQUE_TYPES.items():
+        if sym not in syms:
+            continue
+        t = bias + syms[sym]
+        ti = reader.type_info(t)
+        if ti is not None and ti[0] == name:
+            out.append((t, reader.object_offset(t) | getattr(lib, kind) << 8))
     return out
 
 
