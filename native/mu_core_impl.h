@@ -85,6 +85,8 @@ static inline int mu_live_next(mu_live_iter *it, uint64_t *b, uint64_t *e)
 
 /* 1 when allocation [b, b+len) (bytes at p, avail readable) holds a dead object or an object
  * that holds no references (mu_dead types). */
+#define MU_REFCNT_SMALL (1ull << 24)
+
 static inline int mu_dead_object(const mu_dead *d, const uint8_t *p, uint64_t len, uint64_t avail)
 {
     if (!d || !d->ntypes)
@@ -106,6 +108,10 @@ static inline int mu_dead_object(const mu_dead *d, const uint8_t *p, uint64_t le
         uint64_t kind = d->types[2 * lo + 1] >> 8;
         if (kind == MU_TYPE_DEAD_AT_ZERO && rc == 0)
             return 1;
+        /* a plausible ob_refcnt, not a pointer (an item array holding the type object at
+         * index 1 looks the same otherwise): small, or the 3.12+ immortal value */
+        if (!((rc >= 1 && rc < MU_REFCNT_SMALL) || rc == 0xFFFFFFFFull))
+            continue;
         if (kind == MU_TYPE_OPAQUE)
             return 1;
         if (kind == MU_TYPE_STR && off + 36 <= len && off + 36 <= avail) {

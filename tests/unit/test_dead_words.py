@@ -175,3 +175,45 @@ def test_pointer_into_a_gc_head_is_no_reference():
     for delta, kept in ((0, 0), (16, 0), (31, 0), (32, 1)):
         res = mark(h.image(), [(ROOT, words_buffer(h.addrs[1] + delta))], dead=DeadWords(head_word=hw))
         assert list(res.marked) == [0, kept], delta
+
+
+# --- objects whose words are not scanned (mu_dead types) ------------------------------------
+INT_TYPE, TUPLE_TYPE, STR_TYPE = 0x7F00_0000_1000, 0x7F00_0000_2000, 0x7F00_0000_3000
+OPAQUE, STR, DEAD = lib.MU_TYPE_OPAQUE << 8, lib.MU_TYPE_STR << 8, lib.MU_TYPE_DEAD_AT_ZERO << 8
+
+
+def typed_heap(first_words, target_size=16):
+    """Block 0 (64 bytes) starts with first_words and points at block 1 from its last word."""
+    h = Heap([64, target_size])
+    for k, w in enumerate(first_words):
+        h.point(0, k, w)
+    h.link(0, 7, 1)
+    return h
+
+
+@pytest.mark.parametrize("words, types, kept", [
+    ([1, INT_TYPE], [(INT_TYPE, 0 | OPAQUE)], 0),                  # an int: not scanned
+    ([0xFFFFFFFF, INT_TYPE], [(INT_TYPE, 0 | OPAQUE)], 0),         # immortal (3.12+)
+    ([BASE + 0x500, INT_TYPE], [(INT_TYPE, 0 | OPAQUE)], 1),       # an item array [x, int]
+    ([1, INT_TYPE], [(INT_TYPE, 16 | OPAQUE)], 1),                 # wrong offset for the type
+    ([0, 0, 0, TUPLE_TYPE], [(TUPLE_TYPE, 16 | DEAD)], 0),         # a dead GC tuple
+    ([0, 0, 1, TUPLE_TYPE], [(TUPLE_TYPE, 16 | DEAD)], 1),         # a live one
+    ([1, STR_TYPE, 3, 0, 0x64], [(STR_TYPE, 0 | STR)], 0),         # compact ASCII str (kind 1)
+    ([1, STR_TYPE, 3, 0, 0x28], [(STR_TYPE, 0 | STR)], 1),         # compact, kind 2, not ASCII
+])
+def test_typed_objects_scanned_or_not(words, types, kept):
+    h = typed_heap(words)
+    dead = DeadWords(types=types)
+    res = mark(h.image(), [], [h.addrs[0]], dead=dead)
+    assert list(res.marked) == [1, kept]
+    entries = fold(h.image(), bytearray(2), dead=dead)
+    assert entries == ([FoldedLeak(0, 1, 16)] if kept else [FoldedLeak(0, 0, 0), FoldedLeak(1, 0, 0)])
+
+
+def test_bad_types_rejected():
+    h = Heap([16])
+    for types in ([(INT_TYPE, 3 | OPAQUE)], [(INT_TYPE, 0 | (7 << 8))],
+                  [(STR_TYPE, 0), (INT_TYPE, 0)]):
+        with pytest.raises(OSError) as e:
+            mark(h.image(), [], dead=DeadWords(types=types))
+        assert e.value.errno == errno.EINVAL
