@@ -2,7 +2,7 @@
 
 Each target (TARGET below) leaks native blocks (a C extension's calloc and ctypes' libc.calloc,
 pointers dropped), leaks Python objects by reference count (a list of 1,000 heap ints and a
-str, through the extension's incref), keeps clean blocks whose addresses it formats, hashes
+str, made by the extension with one reference too many), keeps clean blocks whose addresses it formats, hashes
 and wraps (f"{addr:#x}", a dict keyed by address, ctypes.c_void_p), creates cyclic garbage
 (two __slots__ objects and two lists referencing each other), prints what it made as JSON,
 then `ready`, and blocks on stdin. memunreachable.unreachable.check(pid) must report exactly
@@ -67,26 +67,37 @@ out = {}
 print("baseline", flush=True)        # the test checks once here: what was unreachable before
 sys.stdin.readline()
 
+def reserve():
+    # The native blocks are mmapped chunks (above the mmap threshold); the kernel places them
+    # just below the lowest mapping, next to the libraries, where stale words whose low bytes
+    # were overwritten by small data (2-byte strings over an old pointer into libpython) read
+    # as pointers into them. So 1 GiB of PROT_NONE goes there first, and more down to an
+    # address whose low 32 bits are LOW32_TOP, as tests/ext/leakytools.py does, and the blocks
+    # are 4 MiB (no gap between libraries fits them): they land in address space never used
+    # before. calloc: untouched zero pages, nothing resident.
+    LOW32_TOP = 0xB0000000
+    top = pyleaks.reserve(1 << 30)
+    floor = (top - LOW32_TOP) // (1 << 32) * (1 << 32) + LOW32_TOP
+    if floor < top:
+        pyleaks.reserve(top - floor, floor)
+
 def native():
     # above the mmap threshold: a chunk of its own, high in the address space (Debian's
     # python3 is not PIE: its brk heap lies below 4 GiB, where 4 ASCII bytes followed by
-    # 4 zero bytes read as a pointer into it)
-    hidden, size = pyleaks.leak_native(300000)
+    # 4 zero bytes read as a pointer into it), below the reservation
+    hidden, size = pyleaks.leak_native(4 << 20)
     # addresses leave as text: a non-PIE interpreter's heap lies below 2**30, where a
     # 1-digit int holding an address is a pointer-sized copy of it
     out["ext"] = [f"{(~hidden) & MASK:#x}", size]
-    p = libc.calloc(1, 200000)      # zeroed: no stale words; mmapped: high (see above)
+    p = libc.calloc(1, (4 << 20) + 4096)   # zeroed: no stale words; mmapped (see above)
     out["ctypes"] = [f"{p:#x}", libc.malloc_usable_size(p)]
 
 def python_leaks():
-    items = [None] * 1000           # its item array allocated once (no realloc leaving copies)
-    for k in range(1000):
-        items[k] = 1000 + k
-    pyleaks.incref(items)
-    out["list"] = id(items)
-    text = "leaked-" + str(4242)
-    pyleaks.incref(text)
-    out["str"] = id(text)
+    # built in C (pyleaks.leak_list/leak_str): a Python-level list would leave copies of its
+    # address in argument arrays and over-allocated item arrays still in use (a stale word a
+    # conservative scan counts, cpython-memory.md section 7)
+    out["list"] = (~pyleaks.leak_list(1000, 1000)) & MASK
+    out["str"] = (~pyleaks.leak_str("leaked-4242")) & MASK
 
 def cycles():
     x, y = Node(), Node()
@@ -99,6 +110,7 @@ def cycles():
 # the Python leaks first: a leaked object's padding may keep the high half of an old pointer
 # (a str's state word), which must not point into the native blocks leaked later
 python_leaks()
+reserve()
 native()
 cycles()
 keep = [libc.malloc(100 + 8 * k) for k in range(8)]
