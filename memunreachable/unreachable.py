@@ -390,6 +390,12 @@ def sweep(mem, maps, threads, pid: int, confirm: Optional[set] = None,
         bytes_scanned=marked.root_bytes + marked.heap_bytes,
     )
     objects = py.objects if py is not None else {}
+    if py is not None:      # a short repr only for the objects that head an entry
+        from memunreachable.cpython.objects import with_repr
+        for f in list(folded) + list(garbage):
+            if f.index in objects:
+                objects[f.index] = with_repr(py.reader, objects[f.index],
+                                             begins[f.index] + sizes[f.index])
     for f in folded:
         res.entries.append(_entry(f, begins, sizes, contents, objects))
     for f in garbage:
@@ -449,6 +455,7 @@ class _PythonLeaks:
     garbage_flags: bytearray      # marked flags with the leaks marked too: fold the garbage
     warnings: list
     dead: int = 0                 # unreachable refcount-0 (dead) objects, not reported
+    reader: object = None         # the ObjectReader (reprs of the entries' heads)
 
 
 def _python_objects(mem, cps, image, marked, contents) -> _PythonLeaks:
@@ -461,9 +468,13 @@ def _python_objects(mem, cps, image, marked, contents) -> _PythonLeaks:
     reader = O.ObjectReader(mem, cp.version, prefix)
     begins, sizes = image.begins, image.sizes
     unmarked = _unmarked(marked)
+    warnings = []
+    if len(unmarked) > O.MAX_OBJECTS:
+        warnings.append(f"{len(unmarked)} unreachable blocks are too many to name Python "
+                        "objects and tell cyclic garbage from leaks: all are reported as leaks")
+        return _PythonLeaks({}, set(), bytearray(marked), bytearray(marked), warnings, 0, reader)
     objects = O.objects_in(reader, begins, sizes, unmarked, contents.read)
     head_word = cps.dead.head_word if cps.dead is not None else None
-    warnings = []
     garbage, _ = O.split_garbage(begins, sizes, unmarked, objects,
                                  lambda i: O.block_words(contents.view(begins[i], sizes[i]),
                                                          head_word, i))
@@ -482,7 +493,7 @@ def _python_objects(mem, cps, image, marked, contents) -> _PythonLeaks:
     for i in unmarked:
         if i not in garbage:
             garbage_flags[i] = 1
-    return _PythonLeaks(objects, garbage, leak_flags, garbage_flags, warnings, len(dead))
+    return _PythonLeaks(objects, garbage, leak_flags, garbage_flags, warnings, len(dead), reader)
 
 
 def _unmarked(marked) -> list:

@@ -29,6 +29,7 @@ from memunreachable.cpython import layout as L
 MAX_NAME = 120
 MAX_REPR = 40
 MAX_REFCNT = 1 << 40
+MAX_OBJECTS = 1_000_000           # unreachable blocks examined at most (~8 us each, Python)
 MAX_GARBAGE_BYTES = 64 << 20      # unreachable bytes examined for cycles at most
 MAX_BLOCK_WORDS = 1 << 20         # bytes of one block examined at most (bigger: no words read;
                                   # what only they reference then reads as leaked, never as garbage)
@@ -114,7 +115,8 @@ class ObjectReader:
         return self.prefix + 16 * bool(flags & L.TPFLAGS_HAVE_GC) + 16 * bool(flags & self.pre)
 
     # Returns the PyObjectInfo of the object in block [begin, begin+size), or None.
-    def object_in(self, begin: int, size: int, data: Optional[bytes] = None) -> Optional[PyObjectInfo]:
+    def object_in(self, begin: int, size: int, data: Optional[bytes] = None,
+                  with_repr: bool = True) -> Optional[PyObjectInfo]:
         for off in (0, 16, 32):
             off += self.prefix
             if off + 16 > size:
@@ -135,8 +137,8 @@ class ObjectReader:
             if not immortal and refcnt >= MAX_REFCNT:
                 continue
             obj = begin + off
-            return PyObjectInfo(obj, name, refcnt & 0xFFFFFFFF if immortal else refcnt,
-                                immortal, self.short_repr(name, obj, begin + size))
+            return PyObjectInfo(obj, name, refcnt & 0xFFFFFFFF if immortal else refcnt, immortal,
+                                self.short_repr(name, obj, begin + size) if with_repr else None)
         return None
 
     def short_repr(self, name: str, obj: int, end: int) -> Optional[str]:
@@ -207,17 +209,24 @@ def _clip(text: str, more: bool = False) -> str:
     return text + "..." if more else text
 
 
-# Returns {index: PyObjectInfo} for the allocations at `indices` that hold a Python object.
-# contents(addr, n) returns the block's bytes from the sweeper's copies.
+# Returns {index: PyObjectInfo} for the allocations at `indices` that hold a Python object,
+# without their repr (with_repr: see with_repr()). contents(addr, n) returns the block's bytes
+# from the sweeper's copies.
 def objects_in(reader: ObjectReader, begins, sizes, indices: Sequence[int],
                contents) -> Dict[int, PyObjectInfo]:
     out = {}
     for i in indices:
         b, s = begins[i], sizes[i]
-        info = reader.object_in(b, s, contents(b, min(s, 64)))
+        info = reader.object_in(b, s, contents(b, min(s, 64)), with_repr=False)
         if info is not None:
             out[i] = info
     return out
+
+
+def with_repr(reader: ObjectReader, info: PyObjectInfo, end: int) -> PyObjectInfo:
+    """info with its short repr filled in (end: the end of its block)."""
+    r = reader.short_repr(info.type_name, info.address, end)
+    return PyObjectInfo(info.address, info.type_name, info.refcount, info.immortal, r)
 
 
 # Returns (garbage indices, internal reference count per object index), or (None, {}) when
