@@ -179,14 +179,33 @@ def merge_images(a: HeapImage, b: HeapImage) -> HeapImage:
             begins.extend(src.begins[s_lo:s_hi])
             sizes.extend(src.sizes[s_lo:s_hi])
             continue
-        pairs = sorted(list(zip(a.begins[alo:ahi], a.sizes[alo:ahi]))
-                       + list(zip(b.begins[blo:bhi], b.sizes[blo:bhi])))
-        for k, (x, n) in enumerate(pairs):
-            if k and x < pairs[k - 1][0] + max(pairs[k - 1][1], 1):
-                raise ValueError(f"allocations overlap at {x:#x}")
-            begins.append(x)
-            sizes.append(n)
+        _interleave(begins, sizes, (a, alo, ahi), (b, blo, bhi))
     return HeapImage(begins, sizes, regions)
+
+
+def _interleave(begins, sizes, one, two) -> None:
+    """Append the allocations of two ascending slices (image, lo, hi) in address order: the
+    smaller side is placed by bisection into the larger, copied by array slices. ValueError
+    when a placed allocation overlaps a neighbour."""
+    (big, blo, bhi), (small, slo, shi) = sorted((one, two), key=lambda t: -(t[2] - t[1]))
+    placed = []
+    pos = blo
+    for k in range(slo, shi):
+        x = small.begins[k]
+        cut = bisect.bisect_left(big.begins, x, pos, bhi)
+        begins.extend(big.begins[pos:cut])
+        sizes.extend(big.sizes[pos:cut])
+        placed.append(len(begins))
+        begins.append(x)
+        sizes.append(small.sizes[k])
+        pos = cut
+    begins.extend(big.begins[pos:bhi])
+    sizes.extend(big.sizes[pos:bhi])
+    n = len(begins)
+    for i in placed:
+        for j in (i - 1, i):
+            if 0 <= j < n - 1 and begins[j] + max(sizes[j], 1) > begins[j + 1]:
+                raise ValueError(f"allocations overlap at {begins[j + 1]:#x}")
 
 
 def _buffer(size: int):
