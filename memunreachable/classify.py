@@ -86,8 +86,10 @@ def register_words(threads: Sequence[ThreadState]) -> List[int]:
 
 
 def classify(maps: Sequence[Mapping], threads: Sequence[ThreadState],
-             heap_ranges: Sequence[Range], metadata_ranges: Sequence[Range]) -> RootSet:
-    """Return the RootSet: root ranges (minus heap and allocator metadata) and root words."""
+             heap_ranges: Sequence[Range], metadata_ranges: Sequence[Range],
+             extra_cuts: Sequence[Range] = ()) -> RootSet:
+    """Return the RootSet: root ranges (minus heap, allocator metadata and extra_cuts: other
+    allocators' heaps and dead memory, e.g. CPythonSweep.root_cuts) and root words."""
     objects = loaded_objects(maps)
     sps = sorted((t.sp, live_stack_start(t)) for t in threads if t.sp)
     candidates: List[tuple] = []
@@ -106,7 +108,7 @@ def classify(maps: Sequence[Mapping], threads: Sequence[ThreadState],
             kind = "stack"
         candidates.append((rng, kind))
 
-    holes = merge_ranges(list(heap_ranges) + list(metadata_ranges))
+    holes = merge_ranges(list(heap_ranges) + list(metadata_ranges) + list(extra_cuts))
     roots = RootSet(words=register_words(threads))
     for rng, kind in candidates:
         for piece in subtract_ranges([rng], holes):

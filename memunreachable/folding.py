@@ -16,6 +16,7 @@ from typing import List
 
 from memunreachable._ffi import check, ffi, lib, region_array, u64_view
 from memunreachable._types import HeapImage
+from memunreachable.mark import dead_words
 
 
 # output arrays are written by mu_fold up to its return value: no need to zero them first
@@ -31,8 +32,9 @@ class FoldedLeak:
 
 
 # Returns the entries ordered by index; raises OSError(EINVAL) on invalid input (as mark),
-# OSError(ENOMEM) when out of memory. `marked` is a bytes-like of length n, or a MarkResult.
-def fold(image: HeapImage, marked, glibc_chunks: bool = False) -> List[FoldedLeak]:
+# OSError(ENOMEM) when out of memory. `marked` is a bytes-like of length n, or a MarkResult;
+# dead: DeadWords (mark.py) whose words are not edges, or None.
+def fold(image: HeapImage, marked, glibc_chunks: bool = False, dead=None) -> List[FoldedLeak]:
     marked = getattr(marked, "marked", marked)
     begins, keep_b = u64_view(image.begins)
     sizes, keep_s = u64_view(image.sizes)
@@ -46,10 +48,12 @@ def fold(image: HeapImage, marked, glibc_chunks: bool = False) -> List[FoldedLea
     ref_count = _new_uncleared("uint64_t[]", max(cap, 1))
     ref_size = _new_uncleared("uint64_t[]", max(cap, 1))
     flags_c = ffi.from_buffer("uint8_t[]", flags) if n else ffi.NULL
+    dead_c, keep_d = dead_words(dead, n)
     rc = lib.mu_fold(begins, sizes, n, heap, len(image.regions), flags_c,
-                     rep, ref_count, ref_size, cap, lib.MU_GLIBC_CHUNKS if glibc_chunks else 0)
+                     rep, ref_count, ref_size, cap, lib.MU_GLIBC_CHUNKS if glibc_chunks else 0,
+                     dead_c)
     check(rc, "fold")
-    del keep_b, keep_s, keep_h
+    del keep_b, keep_s, keep_h, keep_d
     reps = ffi.unpack(rep, rc)
     counts = ffi.unpack(ref_count, rc)
     rsizes = ffi.unpack(ref_size, rc)

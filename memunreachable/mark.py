@@ -12,6 +12,7 @@ Pure over plain data: no pid, no ptrace.
 from __future__ import annotations
 
 import time
+from array import array
 from dataclasses import dataclass
 from typing import Sequence, Tuple
 
@@ -30,10 +31,52 @@ class MarkResult:
     seconds: float       # wall time of the native mark
 
 
+@dataclass
+class DeadWords:
+    """Words that are not references (native/mu_scan.h mu_dead): ranges, sorted disjoint
+    8-aligned (begin, end) pairs anywhere (roots or allocations); head_word, None or n bytes:
+    head_word[i] = 1 + word offset of a PyGC_Head (two link words) in allocation i, 0: none."""
+    ranges: Sequence[Tuple[int, int]] = ()
+    head_word: object = None
+    types: Sequence[Tuple[int, int]] = ()    # (type address, object offset), ascending: an
+    #   allocation with 0 at that offset followed by that type holds a dead object (unscanned)
+
+    def __bool__(self) -> bool:
+        return bool(self.ranges) or self.head_word is not None or bool(self.types)
+
+
+# Returns (mu_dead * or NULL, objects to keep alive) for a DeadWords over n allocations.
+def dead_words(dead: "DeadWords", n: int):
+    if not dead:
+        return ffi.NULL, None
+    flat = array("Q")
+    for b, e in dead.ranges:
+        flat.append(b)
+        flat.append(e)
+    c = ffi.new("mu_dead *")
+    keep = [c, flat]
+    if flat:
+        c.ranges = ffi.from_buffer("uint64_t[]", flat)
+        keep.append(c.ranges)
+    c.nranges = len(dead.ranges)
+    if dead.types:
+        tflat = array("Q", [w for pair in dead.types for w in pair])
+        c.types = ffi.from_buffer("uint64_t[]", tflat)
+        c.ntypes = len(dead.types)
+        keep += [tflat, c.types]
+    if dead.head_word is not None:
+        if len(dead.head_word) != n:
+            raise ValueError(f"head_word has {len(dead.head_word)} bytes for {n} allocations")
+        c.head_word = ffi.from_buffer("uint8_t[]", dead.head_word) if n else ffi.NULL
+        keep.append(c.head_word)
+    return c, keep
+
+
 # Returns MarkResult; raises OSError(EINVAL) for unsorted/overlapping allocations, an
-# allocation outside every heap region or overlapping regions, OSError(ENOMEM) when out of memory.
+# allocation outside every heap region or overlapping regions, or bad dead words; OSError(ENOMEM)
+# when out of memory. dead: DeadWords (GC links, dead slots) ignored by the scan, or None.
 def mark(image: HeapImage, roots: Sequence[Tuple[int, object]], words: Sequence[int] = (),
-         glibc_chunks: bool = False) -> MarkResult:
+         glibc_chunks: bool = False, dead=None) -> MarkResult:
     begins, keep_b = u64_view(image.begins)
     sizes, keep_s = u64_view(image.sizes)
     n = len(begins)
@@ -45,12 +88,13 @@ def mark(image: HeapImage, roots: Sequence[Tuple[int, object]], words: Sequence[
     marked = bytearray(n)
     marked_c = ffi.from_buffer("uint8_t[]", marked) if n else ffi.NULL
     stats = ffi.new("mu_mark_stats *")
+    dead_c, keep_d = dead_words(dead, n)
     t0 = time.perf_counter()
     rc = lib.mu_mark(begins, sizes, n, heap, len(image.regions), root_regions, len(roots),
                      word_arr, len(word_arr), marked_c, stats,
-                     lib.MU_GLIBC_CHUNKS if glibc_chunks else 0)
+                     lib.MU_GLIBC_CHUNKS if glibc_chunks else 0, dead_c)
     seconds = time.perf_counter() - t0
     check(rc, "mark")
-    del keep_b, keep_s, keep_h, keep_r, keep_w
+    del keep_b, keep_s, keep_h, keep_r, keep_w, keep_d
     return MarkResult(marked=marked, root_bytes=stats.root_bytes, heap_bytes=stats.heap_bytes,
                       words=stats.words, num_marked=stats.marked, seconds=seconds)

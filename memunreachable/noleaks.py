@@ -15,6 +15,7 @@ from __future__ import annotations
 
 import contextlib
 import ctypes
+import gc
 import logging
 import os
 import pickle
@@ -182,6 +183,8 @@ class _Helper:
     # Returns the pickled message of one check; raises SweepError when the helper died or
     # did not answer within HELPER_TIMEOUT (it is then closed: the next check starts anew).
     def run(self, limit: Optional[int], timeout: float) -> bytes:
+        # unreachable reference cycles are not leaks: let the cyclic GC free them first
+        gc.collect()
         # Dead frames of functions that returned (a C extension's malloc'ing call, say) may
         # still hold pointers exactly where our wait's frames will live: zero them first,
         # before the helper may freeze us.

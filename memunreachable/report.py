@@ -20,6 +20,9 @@ class Leak:
     referenced_size: int = 0
     contents: bytes = b""            # first min(size, 32) bytes, from the snapshot
     backtrace: List[str] = field(default_factory=list)
+    python_type: Optional[str] = None   # the block holds a Python object of this type
+    refcount: Optional[int] = None      # its ob_refcnt in the snapshot
+    repr: Optional[str] = None          # short value of a str/bytes/int/float
 
     @property
     def total_size(self) -> int:
@@ -55,6 +58,12 @@ class UnreachableMemoryInfo:
     num_uncertain: int = 0
     uncertain_bytes: int = 0
     comm: Optional[str] = None       # /proc/PID/comm of the target, when known (reports only)
+    # unreachable Python reference cycles whose reference counts are all explained from inside
+    # (cpython-memory.md section 8): the cyclic GC frees them at its next run; not leaks, not
+    # in num_leaks nor in the exit code
+    cyclic_garbage: List[Leak] = field(default_factory=list)
+    num_cyclic_garbage: int = 0
+    cyclic_garbage_bytes: int = 0
 
 
 def sort_and_limit(leaks: List[Leak], limit: Optional[int]) -> tuple:

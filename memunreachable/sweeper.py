@@ -13,7 +13,8 @@ Wire format (version 2, little-endian):
               u8 contents_len, 32 bytes contents), then n_uncertain records of the same shape
               (unreachable blocks withheld as uncertain), then n_leak_addresses u64 (every
               unreachable block, sent only when a confirming snapshot may follow), then a
-              UTF-8 JSON object (allocator, stats, warnings)
+              UTF-8 JSON object (allocator, stats, warnings; "_python_objects" and
+              "_cyclic_garbage" carry the CPython annotations and the cyclic garbage)
     kind 2  : error. A pickled MemunreachableError (HeapInconsistent means: retake the snapshot)
 """
 from __future__ import annotations
@@ -29,7 +30,7 @@ import signal
 import struct
 import time
 from dataclasses import dataclass, field
-from typing import Callable, List
+from typing import Callable, List, Optional
 
 from memunreachable._errors import MemunreachableError, SweepError
 
@@ -42,6 +43,10 @@ KIND_ERROR = 2
 HEADER = struct.Struct("<4sHHQ")
 TOTALS = struct.Struct("<8Q")
 ENTRY = struct.Struct("<4QB32s")
+# CPython additions ride in the JSON tail (additive): Python object annotations of entries
+# ({entry index: [type name, refcount, repr]}) and the cyclic garbage entries
+_PY_KEY = "_python_objects"
+_GARBAGE_KEY = "_cyclic_garbage"
 
 
 @dataclass
@@ -51,6 +56,9 @@ class SweepEntry:
     referenced_count: int
     referenced_size: int
     contents: bytes
+    python_type: Optional[str] = None   # the block holds a Python object (cpython/objects.py)
+    refcount: Optional[int] = None
+    repr: Optional[str] = None
 
 
 @dataclass
@@ -64,6 +72,7 @@ class SweepResult:
     meta: dict = field(default_factory=dict)
     leak_addresses: List[int] = field(default_factory=list)
     uncertain: List[SweepEntry] = field(default_factory=list)   # withheld, not leaks
+    cyclic_garbage: List[SweepEntry] = field(default_factory=list)  # the GC will free them
 
 
 def encode_result(res: SweepResult) -> bytes:
@@ -74,7 +83,16 @@ def encode_result(res: SweepResult) -> bytes:
         c = e.contents[:32]
         parts.append(ENTRY.pack(e.address, e.size, e.referenced_count, e.referenced_size, len(c), c))
     parts.append(array("Q", res.leak_addresses).tobytes())
-    parts.append(json.dumps(res.meta).encode())
+    meta = dict(res.meta)
+    py = {str(k): [e.python_type, e.refcount, e.repr]
+          for k, e in enumerate(res.entries) if e.python_type is not None}
+    if py:
+        meta[_PY_KEY] = py
+    if res.cyclic_garbage:
+        meta[_GARBAGE_KEY] = [[e.address, e.size, e.referenced_count, e.referenced_size,
+                               e.contents.hex(), e.python_type, e.refcount, e.repr]
+                              for e in res.cyclic_garbage]
+    parts.append(json.dumps(meta).encode())
     payload = b"".join(parts)
     return HEADER.pack(MAGIC, VERSION, KIND_RESULT, len(payload)) + payload
 
@@ -114,6 +132,11 @@ def decode(message: bytes):
     res.leak_addresses = addrs.tolist()
     off += 8 * vals[6]
     res.meta = json.loads(payload[off:].decode() or "{}")
+    for k, (t, rc, r) in res.meta.pop(_PY_KEY, {}).items():
+        e = res.entries[int(k)]
+        e.python_type, e.refcount, e.repr = t, rc, r
+    res.cyclic_garbage = [SweepEntry(a, s, rc, rs, bytes.fromhex(c), t, n, r)
+                          for a, s, rc, rs, c, t, n, r in res.meta.pop(_GARBAGE_KEY, [])]
     return res
 
 

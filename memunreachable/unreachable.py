@@ -16,6 +16,7 @@ from __future__ import annotations
 
 import bisect
 import logging
+import struct
 import time
 from dataclasses import dataclass, field
 from itertools import compress
@@ -344,9 +345,13 @@ def sweep(mem, maps, threads, pid: int, confirm: Optional[set] = None,
         exc.suspect_tids = threads_in_allocator(threads, maps, pid, ())
         raise
     suspect = threads_in_allocator(threads, maps, pid, hw.stats.get("arena_addresses", ()))
+    # 4b. CPython: pymalloc blocks are allocations, its arenas and dead memory are not roots,
+    # GC links are not references (cpython/pipeline.py)
+    cps = _see_through_cpython(mem, maps, threads, pid, hw.image)
+    image, dead = cps.image, cps.dead
     t_walk = time.monotonic()
     # 5. Roots
-    roots = classify(maps, threads, hw.heap_ranges, hw.metadata_ranges)
+    roots = classify(maps, threads, hw.heap_ranges, hw.metadata_ranges, cps.root_cuts)
     root_buffers = []
     for r in roots.ranges:
         buf = bytearray(r.size)
@@ -355,9 +360,9 @@ def sweep(mem, maps, threads, pid: int, confirm: Optional[set] = None,
     t_roots = time.monotonic()
     # 6. Mark
     log.info("sweeping process %d for unreachable memory", pid)
-    marked = mark(hw.image, root_buffers, roots.words, glibc_chunks=True)
-    contents = _ContentsReader(hw.image)
-    begins, sizes = hw.image.begins, hw.image.sizes
+    marked = mark(image, root_buffers, roots.words, glibc_chunks=True, dead=dead)
+    contents = _ContentsReader(image)
+    begins, sizes = image.begins, image.sizes
     unsure_sizes = getattr(hw, "uncertain_sizes", None) or {}
     unmarked = _unmarked(marked.marked) if (confirm is not None or unsure_sizes or
                                             all_uncertain) else []
@@ -372,16 +377,21 @@ def sweep(mem, maps, threads, pid: int, confirm: Optional[set] = None,
         # treat them as roots: what they point to is not reported either
         more = uncertain + extra
         root_buffers += [(begins[i], contents.view(begins[i], sizes[i])) for i in more]
-        marked = mark(hw.image, root_buffers, list(roots.words) + [begins[i] for i in more],
-                      glibc_chunks=True)
+        marked = mark(image, root_buffers, list(roots.words) + [begins[i] for i in more],
+                      glibc_chunks=True, dead=dead)
     t_mark = time.monotonic()
     del root_buffers
+    # 6b. CPython: unreachable Python objects, and which of them are cyclic garbage
+    py = _python_objects(mem, cps, image, marked.marked, contents) if cps.usable else None
+    leak_flags = marked.marked if py is None else py.leak_flags
     # 7. Fold
     log.info("folding related leaks")
-    folded = fold(hw.image, marked.marked, glibc_chunks=True)
+    folded = fold(image, leak_flags, glibc_chunks=True, dead=dead)
+    garbage = (fold(image, py.garbage_flags, glibc_chunks=True, dead=dead)
+               if py is not None and py.garbage else [])
     t_fold = time.monotonic()
     # 8. Result
-    leaked_mask = bytes(marked.marked).translate(_INVERT)
+    leaked_mask = bytes(leak_flags).translate(_INVERT)
     res = SweepResult(
         num_allocations=len(sizes),
         allocation_bytes=sum(sizes),
@@ -389,16 +399,24 @@ def sweep(mem, maps, threads, pid: int, confirm: Optional[set] = None,
         leak_bytes=sum(compress(sizes, leaked_mask)),
         bytes_scanned=marked.root_bytes + marked.heap_bytes,
     )
+    objects = py.objects if py is not None else {}
+    if py is not None:      # a short repr only for the objects that head an entry
+        from memunreachable.cpython.objects import with_repr
+        for f in list(folded) + list(garbage):
+            if f.index in objects:
+                objects[f.index] = with_repr(py.reader, objects[f.index],
+                                             begins[f.index] + sizes[f.index])
     for f in folded:
-        addr, size = begins[f.index], sizes[f.index]
-        res.entries.append(SweepEntry(addr, size, f.referenced_count, f.referenced_size,
-                                      contents.read(addr, min(size, CONTENTS_BYTES))))
+        res.entries.append(_entry(f, begins, sizes, contents, objects))
+    for f in garbage:
+        res.cyclic_garbage.append(_entry(f, begins, sizes, contents, objects))
     for i in uncertain:
         res.uncertain.append(SweepEntry(begins[i], sizes[i], 0, 0,
                                         contents.read(begins[i], min(sizes[i], CONTENTS_BYTES))))
     res.meta = {
         "allocator": {"name": hw.allocator.name, "version": hw.allocator.version},
-        "warnings": list(hw.soft_issues) + _tolerated_warning(mem),
+        "warnings": list(hw.soft_issues) + _tolerated_warning(mem) + cps.warnings
+                    + (py.warnings if py is not None else []),
         "stats": dict(hw.stats),
         "seconds": {"walk": t_walk - t0, "roots": t_roots - t_walk, "mark": t_mark - t_roots,
                     "fold": t_fold - t_mark},
@@ -408,9 +426,84 @@ def sweep(mem, maps, threads, pid: int, confirm: Optional[set] = None,
         "unconfirmed": unconfirmed,
         "suspect_tids": suspect,
     }
+    if cps.cpython is not None and cps.cpython.found:
+        res.meta["cpython"] = dict(cps.stats, usable=cps.usable,
+                                   garbage_blocks=len(py.garbage) if py is not None else 0,
+                                   dead_objects=py.dead if py is not None else 0)
     if suspect or hw.soft_issues or confirm is not None:
         res.leak_addresses = list(compress(begins, leaked_mask))
     return res
+
+
+def _entry(f, begins, sizes, contents, objects) -> SweepEntry:
+    addr, size = begins[f.index], sizes[f.index]
+    e = SweepEntry(addr, size, f.referenced_count, f.referenced_size,
+                   contents.read(addr, min(size, CONTENTS_BYTES)))
+    info = objects.get(f.index)
+    if info is not None:
+        e.python_type, e.refcount, e.repr = info.type_name, info.refcount, info.repr
+    return e
+
+
+def _see_through_cpython(mem, maps, threads, pid, image):
+    """cpython.pipeline.prepare, or glibc's image alone with a warning if it fails: a bug in
+    the CPython map must never turn into a wrong answer."""
+    from memunreachable.cpython import pipeline
+    try:
+        return pipeline.prepare(mem, maps, threads, pid, image)
+    except (OSError, ValueError, MemoryUnreadable, struct.error) as exc:
+        log.warning("CPython map failed: %s", exc)
+        return pipeline.CPythonSweep(None, image, warnings=[
+            f"CPython's memory could not be mapped ({exc}): it is scanned whole as roots"])
+
+
+@dataclass
+class _PythonLeaks:
+    objects: dict                 # allocation index -> PyObjectInfo
+    garbage: set                  # indices of cyclic garbage (not leaks)
+    leak_flags: bytearray         # marked flags with the garbage marked too: fold the leaks
+    garbage_flags: bytearray      # marked flags with the leaks marked too: fold the garbage
+    warnings: list
+    dead: int = 0                 # unreachable refcount-0 (dead) objects, not reported
+    reader: object = None         # the ObjectReader (reprs of the entries' heads)
+
+
+def _python_objects(mem, cps, image, marked, contents) -> _PythonLeaks:
+    """Name the unreachable Python objects and split off the cyclic garbage
+    (cpython/objects.py)."""
+    from memunreachable.cpython import layout as CL
+    from memunreachable.cpython import objects as O
+    cp = cps.cpython
+    prefix = CL.DEBUG_HOOK_PREFIX if cp.allocator and cp.allocator.endswith("debug") else 0
+    reader = O.ObjectReader(mem, cp.version, prefix)
+    begins, sizes = image.begins, image.sizes
+    unmarked = _unmarked(marked)
+    warnings = []
+    if len(unmarked) > O.MAX_OBJECTS:
+        warnings.append(f"{len(unmarked)} unreachable blocks are too many to name Python "
+                        "objects and tell cyclic garbage from leaks: all are reported as leaks")
+        return _PythonLeaks({}, set(), bytearray(marked), bytearray(marked), warnings, 0, reader)
+    objects = O.objects_in(reader, begins, sizes, unmarked, contents.read)
+    head_word = cps.dead.head_word if cps.dead is not None else None
+    garbage, _ = O.split_garbage(begins, sizes, unmarked, objects,
+                                 lambda i: O.block_words(contents.view(begins[i], sizes[i]),
+                                                         head_word, i))
+    if garbage is None:
+        warnings.append(f"{len(unmarked)} unreachable blocks are too many to tell cyclic "
+                        "garbage from leaks: all are reported as leaks")
+        garbage = set()
+    # refcount-0 objects are dead (free-listed, zombie frames): neither leak nor garbage
+    dead = {i for i in garbage if i in objects and objects[i].refcount == 0
+            and not objects[i].immortal}
+    garbage -= dead
+    leak_flags = bytearray(marked)
+    garbage_flags = bytearray(marked)
+    for i in garbage | dead:
+        leak_flags[i] = 1
+    for i in unmarked:
+        if i not in garbage:
+            garbage_flags[i] = 1
+    return _PythonLeaks(objects, garbage, leak_flags, garbage_flags, warnings, len(dead), reader)
 
 
 def _unmarked(marked) -> list:
@@ -450,6 +543,11 @@ class _ContentsReader:
         return bytes(self.view(addr, n))
 
 
+def _leak(e: SweepEntry) -> Leak:
+    return Leak(e.address, e.size, e.referenced_count, e.referenced_size, e.contents,
+                python_type=e.python_type, refcount=e.refcount, repr=e.repr)
+
+
 def _fill(info: UnreachableMemoryInfo, res: SweepResult, limit: Optional[int]) -> None:
     info.allocator_name = res.meta.get("allocator", {}).get("name", "glibc")
     info.allocator_version = res.meta.get("allocator", {}).get("version")
@@ -460,10 +558,12 @@ def _fill(info: UnreachableMemoryInfo, res: SweepResult, limit: Optional[int]) -
     info.bytes_scanned = res.bytes_scanned
     info.warnings.extend(res.meta.get("warnings", []))
     info.stats = res.meta
-    leaks = [Leak(e.address, e.size, e.referenced_count, e.referenced_size, e.contents)
-             for e in res.entries]
+    leaks = [_leak(e) for e in res.entries]
     info.leaks, info.truncated = sort_and_limit(leaks, limit)
     info.num_uncertain = len(res.uncertain)
     info.uncertain_bytes = sum(e.size for e in res.uncertain)
     info.uncertain, _ = sort_and_limit([Leak(e.address, e.size, 0, 0, e.contents)
                                         for e in res.uncertain], limit)
+    info.num_cyclic_garbage = sum(1 + e.referenced_count for e in res.cyclic_garbage)
+    info.cyclic_garbage_bytes = sum(e.size + e.referenced_size for e in res.cyclic_garbage)
+    info.cyclic_garbage, _ = sort_and_limit([_leak(e) for e in res.cyclic_garbage], limit)

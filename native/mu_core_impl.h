@@ -10,4 +10,125 @@
 #include <string.h>
 #include <sys/types.h>
 #include "mu_core.h"
+
+/* Live words of a scanned range (mu_dead): yields runs of word start addresses, skipping the
+ * dead ones. Shared by mu_mark (mu_scan.c) and mu_fold (mu_fold.c). */
+typedef struct {
+    uint64_t w, end;             /* next word start; word starts stay below end */
+    uint64_t hb, he;             /* GC-link words of this allocation: starts in [hb, he) */
+    const uint64_t *sk;          /* dead range pairs */
+    uint64_t nsk, k;             /* count; first pair that may still matter */
+} mu_live_iter;
+
+static inline void mu_live_init(mu_live_iter *it, const mu_dead *d, uint64_t w, uint64_t end,
+                                uint64_t hb, uint64_t he)
+{
+    it->w = w;
+    it->end = end;
+    it->hb = hb;
+    it->he = he;
+    it->k = 0;
+    it->nsk = 0;
+    it->sk = NULL;
+    if (!d || !d->nranges)
+        return;
+    const uint64_t *sk = d->ranges;
+    uint64_t n = d->nranges;
+    if (end <= sk[0] || w >= sk[2 * n - 1])
+        return;                 /* no dead range meets [w, end) */
+    uint64_t lo = 0, hi = n;    /* first pair ending after w */
+    while (lo < hi) {
+        uint64_t mid = (lo + hi) >> 1;
+        if (sk[2 * mid + 1] <= w)
+            lo = mid + 1;
+        else
+            hi = mid;
+    }
+    it->sk = sk;
+    it->nsk = n;
+    it->k = lo;
+}
+
+static inline uint64_t mu_live_past(uint64_t w, uint64_t e)
+{
+    return w + ((e - w + 7) & ~(uint64_t)7);
+}
+
+/* Next run of live word starts [*b, *e) (8-byte steps; *e may pass end by a partial word).
+ * Returns 0 when the range is exhausted. */
+static inline int mu_live_next(mu_live_iter *it, uint64_t *b, uint64_t *e)
+{
+    for (;;) {
+        uint64_t w = it->w;
+        if (w >= it->end)
+            return 0;
+        if (w >= it->hb && w < it->he) {
+            it->w = mu_live_past(w, it->he);
+            continue;
+        }
+        while (it->k < it->nsk && it->sk[2 * it->k + 1] <= w)
+            it->k++;
+        if (it->k < it->nsk && it->sk[2 * it->k] <= w) {
+            it->w = mu_live_past(w, it->sk[2 * it->k + 1]);
+            continue;
+        }
+        uint64_t stop = it->end;
+        if (it->hb > w && it->hb < stop)
+            stop = it->hb;
+        if (it->k < it->nsk && it->sk[2 * it->k] < stop)
+            stop = it->sk[2 * it->k];
+        *b = w;
+        *e = it->w = mu_live_past(w, stop);
+        return 1;
+    }
+}
+
+/* 1 when allocation [b, b+len) (bytes at p, avail readable) holds a dead object or an object
+ * that holds no references (mu_dead types). */
+#define MU_REFCNT_SMALL (1ull << 24)
+
+static inline int mu_dead_object(const mu_dead *d, const uint8_t *p, uint64_t len, uint64_t avail)
+{
+    if (!d || !d->ntypes)
+        return 0;
+    for (uint64_t off = 0; off + 16 <= len && off + 16 <= avail && off <= 48; off += 16) {
+        uint64_t rc, tp;
+        memcpy(&rc, p + off, 8);
+        memcpy(&tp, p + off + 8, 8);
+        uint64_t lo = 0, hi = d->ntypes;
+        while (lo < hi) {
+            uint64_t mid = (lo + hi) >> 1;
+            if (d->types[2 * mid] < tp)
+                lo = mid + 1;
+            else
+                hi = mid;
+        }
+        if (lo == d->ntypes || d->types[2 * lo] != tp || (d->types[2 * lo + 1] & 0xff) != off)
+            continue;
+        uint64_t kind = d->types[2 * lo + 1] >> 8;
+        if (kind == MU_TYPE_DEAD_AT_ZERO && rc == 0)
+            return 1;
+        /* a plausible ob_refcnt, not a pointer (an item array holding the type object at
+         * index 1 looks the same otherwise): small, or the 3.12+ immortal value */
+        if (!((rc >= 1 && rc < MU_REFCNT_SMALL) || rc == 0xFFFFFFFFull))
+            continue;
+        if (kind == MU_TYPE_OPAQUE)
+            return 1;
+        if (kind == MU_TYPE_STR && off + 36 <= len && off + 36 <= avail) {
+            uint32_t state;
+            memcpy(&state, p + off + 32, 4);
+            if ((state & 0x60) == 0x60)     /* compact and ASCII: the text follows, inline */
+                return 1;
+        }
+    }
+    return 0;
+}
+
+/* The GC-link words of allocation i (0, 0 when none). */
+static inline void mu_live_head(const mu_dead *d, uint64_t i, uint64_t b, uint64_t *hb, uint64_t *he)
+{
+    uint8_t hw = (d && d->head_word) ? d->head_word[i] : 0;
+    *hb = hw ? b + 8 * (uint64_t)(hw - 1) : 0;
+    *he = hw ? *hb + 16 : 0;
+}
 #endif

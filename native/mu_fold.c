@@ -137,7 +137,7 @@ static void heads_sum(cond *g, uint32_t h, uint64_t *cnt, uint64_t *sz)
 int64_t mu_fold(const uint64_t *begin, const uint64_t *size, uint64_t n,
                 const mu_region *heap, uint64_t nheap, const uint8_t *marked,
                 uint64_t *rep, uint64_t *ref_count, uint64_t *ref_size, uint64_t cap,
-                uint32_t flags)
+                uint32_t flags, const mu_dead *dead)
 {
     if ((n && !marked) || (cap && (!rep || !ref_count || !ref_size)))
         return -EINVAL;
@@ -145,6 +145,11 @@ int64_t mu_fold(const uint64_t *begin, const uint64_t *size, uint64_t n,
     int64_t rc = mu_scan_index_init(&ix, begin, size, n, heap, nheap, flags);
     if (rc < 0)
         return rc;
+    rc = mu_scan_index_set_dead(&ix, dead);
+    if (rc < 0) {
+        mu_scan_index_free(&ix);
+        return rc;
+    }
 
     uint32_t *node_of = NULL, *alloc_of = NULL, *stamp = NULL, *idx = NULL, *low = NULL;
     uint32_t *comp = NULL, *tstack = NULL, *cstack = NULL, *cstart = NULL, *members = NULL;
@@ -186,17 +191,21 @@ int64_t mu_fold(const uint64_t *begin, const uint64_t *size, uint64_t n,
             uint64_t skip = (8 - (b & 7)) & 7;
             if (skip >= len)
                 continue;
-            const uint8_t *p = heap[r].data + (b - heap[r].base) + skip;
-            uint64_t rest = len - skip, nw = rest >> 3;
-            for (uint64_t w = 0; w <= nw; w++) {
+            const uint8_t *base = heap[r].data + (b - heap[r].base);
+            if (mu_dead_object(dead, base, len, avail))
+                continue;               /* a dead object: its words are stale */
+            uint64_t hb, he, rb, re;
+            mu_live_head(dead, i, b, &hb, &he);
+            mu_live_iter it;
+            mu_live_init(&it, dead, b + skip, b + len, hb, he);
+            while (mu_live_next(&it, &rb, &re)) {
+              for (uint64_t s = rb; s < re; s += 8) {
                 uint64_t v = 0;
-                if (w < nw) {
-                    memcpy(&v, p + 8 * w, 8);
+                if (s + 8 <= b + len) {
+                    memcpy(&v, base + (s - b), 8);
                 } else {                /* a last word starting before the end: read whole */
-                    if (!(rest & 7))
-                        break;
-                    uint64_t have = avail - skip - 8 * nw;
-                    memcpy(&v, p + 8 * w, have < 8 ? have : 8);
+                    uint64_t have = avail - (s - b);
+                    memcpy(&v, base + (s - b), have < 8 ? have : 8);
                 }
                 if (v - ix.lo >= ix.hi - ix.lo)
                     continue;
@@ -204,6 +213,7 @@ int64_t mu_fold(const uint64_t *begin, const uint64_t *size, uint64_t n,
                 eb.val[eb.n++] = v;
                 if (eb.n == FOLD_BATCH && add_edges(&ix, marked, node_of, stamp, &adj, off, &eb) < 0)
                     goto nomem;
+              }
             }
         }
         if (eb.n && add_edges(&ix, marked, node_of, stamp, &adj, off, &eb) < 0)

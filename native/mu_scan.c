@@ -186,6 +186,10 @@ static inline int64_t page_search(const mu_scan_index *ix, uint64_t r, const uin
         return -1;
     if ((ix->flags & MU_GLIBC_CHUNKS) && ((end - sp[2 * lo]) & 15) == 8 && v == end - 8)
         return -1;                      /* the next chunk's header, not a reference */
+    if (ix->dead && ix->dead->head_word && ix->dead->head_word[lo]
+        && v < sp[2 * lo] + 8 * (uint64_t)ix->dead->head_word[lo] + 8)
+        return -1;                      /* into a PyGC_Head (or before it): a GC link or a stale
+                                         * copy of one; references point at the object after it */
     return (int64_t)lo;
 }
 
@@ -307,30 +311,63 @@ static inline __attribute__((always_inline)) void consider(mark_ctx *m, uint64_t
         flush(m);
 }
 
-/* Scans [addr, addr+len) whose bytes are at data; avail (>= len) bytes are readable there. */
-static void scan_range(mark_ctx *m, const uint8_t *data, uint64_t addr, uint64_t len, uint64_t avail)
+/* Scans [addr, addr+len) whose bytes are at data; avail (>= len) bytes are readable there.
+ * hb/he: GC-link words to ignore (0, 0: none); the index's dead ranges are ignored too. */
+static void scan_range(mark_ctx *m, const uint8_t *data, uint64_t addr, uint64_t len, uint64_t avail,
+                       uint64_t hb, uint64_t he)
 {
     uint64_t skip = (8 - (addr & 7)) & 7;
     if (skip >= len)
         return;
-    const uint8_t *p = data + skip;
-    uint64_t rest = len - skip, nw = rest >> 3;
-    for (uint64_t w = 0; w < nw; w++)
-        consider(m, ld64(p + 8 * w));
-    m->words += nw;
-    if (rest & 7) {                     /* a last word starting before the end: read whole */
-        uint64_t v = 0, have = avail - skip - 8 * nw;
-        memcpy(&v, p + 8 * nw, have < 8 ? have : 8);
-        consider(m, v);
-        m->words++;
+    uint64_t end = addr + len;
+    mu_live_iter it;
+    mu_live_init(&it, m->ix->dead, addr + skip, end, hb, he);
+    uint64_t b, e;
+    while (mu_live_next(&it, &b, &e)) {
+        const uint8_t *p = data + (b - addr);
+        uint64_t nw = (e - b) >> 3;
+        if (e > end)
+            nw--;                       /* the last word is partial */
+        for (uint64_t w = 0; w < nw; w++)
+            consider(m, ld64(p + 8 * w));
+        m->words += nw;
+        if (e > end) {                  /* a last word starting before the end: read whole */
+            uint64_t v = 0, have = avail - (e - 8 - addr);
+            memcpy(&v, p + 8 * nw, have < 8 ? have : 8);
+            consider(m, v);
+            m->words++;
+        }
     }
+}
+
+int64_t mu_scan_index_set_dead(mu_scan_index *ix, const mu_dead *dead)
+{
+    ix->dead = NULL;
+    if (!dead)
+        return 0;
+    if (dead->nranges && !dead->ranges)
+        return -EINVAL;
+    for (uint64_t k = 0; k < dead->nranges; k++) {
+        uint64_t b = dead->ranges[2 * k], e = dead->ranges[2 * k + 1];
+        if (b >= e || (b & 7) || (e & 7) || (k && b < dead->ranges[2 * k - 1]))
+            return -EINVAL;
+    }
+    if (dead->ntypes && !dead->types)
+        return -EINVAL;
+    for (uint64_t k = 0; k < dead->ntypes; k++)
+        if ((k && dead->types[2 * k] <= dead->types[2 * k - 2])
+            || (dead->types[2 * k + 1] & 0xff) > 48 || (dead->types[2 * k + 1] & 7)
+            || (dead->types[2 * k + 1] >> 8) > MU_TYPE_STR)
+            return -EINVAL;
+    ix->dead = dead;
+    return 0;
 }
 
 int64_t mu_mark(const uint64_t *begin, const uint64_t *size, uint64_t n,
                 const mu_region *heap, uint64_t nheap,
                 const mu_region *roots, uint64_t nroots,
                 const uint64_t *words, uint64_t nwords,
-                uint8_t *marked, mu_mark_stats *stats, uint32_t flags)
+                uint8_t *marked, mu_mark_stats *stats, uint32_t flags, const mu_dead *dead)
 {
     if ((n && !marked) || (nroots && !roots) || (nwords && !words))
         return -EINVAL;
@@ -341,6 +378,11 @@ int64_t mu_mark(const uint64_t *begin, const uint64_t *size, uint64_t n,
     int64_t rc = mu_scan_index_init(&ix, begin, size, n, heap, nheap, flags);
     if (rc < 0)
         return rc;
+    rc = mu_scan_index_set_dead(&ix, dead);
+    if (rc < 0) {
+        mu_scan_index_free(&ix);
+        return rc;
+    }
     mark_ctx *m = calloc(1, sizeof *m);
     uint32_t *stack = big_alloc(n * sizeof(uint32_t));
     if (!m || !stack) {
@@ -356,7 +398,7 @@ int64_t mu_mark(const uint64_t *begin, const uint64_t *size, uint64_t n,
         memset(marked, 0, n);
     uint64_t root_bytes = 0, heap_bytes = 0;
     for (uint64_t r = 0; r < nroots; r++) {
-        scan_range(m, roots[r].data, roots[r].base, roots[r].len, roots[r].len);
+        scan_range(m, roots[r].data, roots[r].base, roots[r].len, roots[r].len, 0, 0);
         root_bytes += roots[r].len;
     }
     for (uint64_t w = 0; w < nwords; w++)
@@ -392,7 +434,11 @@ int64_t mu_mark(const uint64_t *begin, const uint64_t *size, uint64_t n,
             uint64_t b = ix.span[2 * i], len = ix.span[2 * i + 1] - b;
             if (len == 1)
                 len = size[i];          /* 0 or 1: a zero-size allocation has no words */
-            scan_range(m, bdata[k], b, len, heap[r].base + heap[r].len - b);
+            uint64_t hb, he, avail = heap[r].base + heap[r].len - b;
+            if (mu_dead_object(dead, bdata[k], len, avail))
+                continue;               /* a dead object: its words are stale */
+            mu_live_head(dead, i, b, &hb, &he);
+            scan_range(m, bdata[k], b, len, avail, hb, he);
             heap_bytes += len;
         }
     }

@@ -18,12 +18,13 @@ typedef struct {
  * marked[i] is set to 1 for every allocation reachable from a root (iterative worklist).
  * Returns the number of marked allocations, or -EINVAL (unsorted/overlapping input, or an
  * allocation not inside any heap region, or unsorted/overlapping heap regions), -EOVERFLOW
- * (n >= 2^32 - 1) or -ENOMEM. */
+ * (n >= 2^32 - 1) or -ENOMEM. dead: words to ignore (mu_dead), or NULL; -EINVAL when its ranges
+ * are unsorted, overlapping or unaligned. */
 int64_t mu_mark(const uint64_t *begin, const uint64_t *size, uint64_t n,
                 const mu_region *heap, uint64_t nheap,
                 const mu_region *roots, uint64_t nroots,
                 const uint64_t *words, uint64_t nwords,
-                uint8_t *marked, mu_mark_stats *stats, uint32_t flags);
+                uint8_t *marked, mu_mark_stats *stats, uint32_t flags, const mu_dead *dead);
 
 /* flags for mu_mark / mu_fold.
  * MU_GLIBC_CHUNKS: allocations whose size is 8 mod 16 are glibc in-heap chunks, whose last
@@ -50,6 +51,7 @@ typedef struct {
     uint32_t shift;          /* log2 of the page-table granule (>= 4) */
     uint64_t last_region;    /* lookup cache */
     uint32_t flags;          /* MU_GLIBC_CHUNKS */
+    const mu_dead *dead;     /* words to ignore, or NULL (set by mu_scan_index_set_dead) */
 } mu_scan_index;
 
 /* Validates the inputs (as mu_mark) and builds ix. Returns 0, -EINVAL, -EOVERFLOW or -ENOMEM;
@@ -63,3 +65,32 @@ int64_t mu_scan_index_find(mu_scan_index *ix, uint64_t v);
 void mu_scan_index_find_many(mu_scan_index *ix, const uint64_t *vals, uint64_t nv, int64_t *out);
 /* Returns the index of the heap region holding allocation i (i < n). */
 uint64_t mu_scan_index_region_of(const mu_scan_index *ix, uint64_t i);
+/* Validates dead (NULL: none) and attaches it to ix. Returns 0 or -EINVAL. */
+int64_t mu_scan_index_set_dead(mu_scan_index *ix, const mu_dead *dead);
+
+/* The CPython GC generation lists (cpython-memory.md section 4), walked over the allocations.
+ * heads: nheads triples (address of a list head PyGC_Head, its _gc_next, its _gc_prev), the
+ * head words read by the caller (heads live outside the allocations, or inside one).
+ * From each head, follow _gc_next (bit 0 masked) back to the head; every node must be the
+ * start of a PyGC_Head lying, 8-aligned, inside one allocation i (at most 254 words in, with
+ * its 16 bytes inside), never visited before, whose _gc_prev (low 2 bits masked) is the node
+ * before it; the head's _gc_prev must be the last node. head_word (n bytes, zeroed here)
+ * receives, per allocation holding a node, 1 + the node's word offset in it (mu_dead).
+ * At most max_nodes nodes in all. types (types_cap entries) receives the distinct ob_type
+ * words of the nodes' objects (the word after the head), ascending; stats->ntypes their count,
+ * which may exceed types_cap (then types holds the first types_cap).
+ * Returns the number of nodes, or -EINVAL (bad input), -ELOOP (more than max_nodes, or a
+ * node met twice), -EFAULT (a node not inside an allocation), -EPROTO (a _gc_prev that does
+ * not point back); stats->bad_node / bad_list say where it stopped. */
+typedef struct {
+    uint64_t bad_node;
+    uint64_t bad_list;
+    uint64_t nodes;
+    uint64_t ntypes;         /* distinct ob_type values (node + 24) written to types[] */
+} mu_gc_walk_stats;
+
+int64_t mu_gc_walk(const uint64_t *begin, const uint64_t *size, uint64_t n,
+                   const mu_region *heap, uint64_t nheap,
+                   const uint64_t *heads, uint64_t nheads, uint64_t max_nodes,
+                   uint8_t *head_word, uint64_t *types, uint64_t types_cap,
+                   mu_gc_walk_stats *stats);

@@ -6,3 +6,32 @@ typedef struct {
     uint64_t len;
     uint8_t *data;
 } mu_region;
+
+/* Words that are not references (GC links, dead free-list slots): mark and fold ignore every
+ * 8-byte word whose start address is
+ *   - inside one of the nranges pairs ranges[2k] .. ranges[2k+1] (sorted, disjoint, 8-aligned;
+ *     they may lie in roots or inside allocations), or
+ *   - inside allocation i at [begin[i] + 8*(head_word[i]-1), +16) when head_word[i] != 0
+ *     (head_word: n bytes or NULL; a PyGC_Head's two link words).
+ * A word pointing into allocation i below the end of its PyGC_Head (head_word[i] != 0) is no
+ * reference either: references to a GC object point at the object, after its head.
+ * Pass NULL for none. */
+/* Objects whose words are not scanned: types holds ntypes pairs (type address, code), sorted
+ * by address; code = object offset in its block (low 8 bits) | kind << 8. An allocation whose
+ * word at offset off + 8 (ob_type) is a listed type with that offset is not scanned when
+ *   kind MU_TYPE_DEAD_AT_ZERO: its ob_refcnt (at off) is 0: a dead object (a zombie or
+ *       free-listed frame, a free-listed tuple, cpython-memory.md section 6);
+ *   kind MU_TYPE_OPAQUE: always (int, float, bytes hold no references; their slack bytes
+ *       would only add stale words);
+ *   kind MU_TYPE_STR: the str is compact ASCII (state bits at off + 32): text only. */
+typedef struct {
+    const uint64_t *ranges;
+    uint64_t nranges;
+    const uint8_t *head_word;
+    const uint64_t *types;
+    uint64_t ntypes;
+} mu_dead;
+
+#define MU_TYPE_DEAD_AT_ZERO 0
+#define MU_TYPE_OPAQUE 1
+#define MU_TYPE_STR 2

@@ -246,3 +246,68 @@ def get_layout(version: Optional[Tuple[int, int]], table: Optional[Dict] = None)
     if version is None:
         return None
     return (LAYOUTS if table is None else table).get((version[0], version[1]))
+
+
+# --- GC generation lists (Include/internal/pycore_gc.h; 3.8 pycore_pymem.h) -----------------
+@dataclass(frozen=True)
+class GcState:
+    """struct _gc_runtime_state (240 bytes, same fields in 3.8-3.13): in _PyRuntime (3.8) or in
+    each interpreter (3.9+). Its list heads are PyGC_Heads whose links are not references."""
+    in_runtime: bool            # True: _PyRuntime + offset; False: interp + offset
+    offset: int
+    generations: int = 24       # struct gc_generation generations[3] {PyGC_Head head; int threshold, count}
+    generation_size: int = 24
+    num_generations: int = 3
+    permanent: int = 104        # permanent_generation.head
+    heads_end: int = 120        # end of the permanent generation's head
+
+
+GC_STATES: Dict[Tuple[int, int], GcState] = {
+    (3, 8): GcState(in_runtime=True, offset=344),
+    (3, 9): GcState(in_runtime=False, offset=616),
+    (3, 10): GcState(in_runtime=False, offset=616),
+    (3, 11): GcState(in_runtime=False, offset=648),
+    (3, 12): GcState(in_runtime=False, offset=112),
+    (3, 13): GcState(in_runtime=False, offset=7400),
+}
+
+# --- object layouts read to name a leaked object (Include/object.h, cpython/*object.h) -------
+# 3.8-3.10: dead objects that roots still reach (zombie and free-listed frames, the 3.8/3.9
+# static free lists of tuples, lists and dicts: cpython-memory.md sections 5-6, and stale
+# refcount-0 headers of any GC type); 3.10+ free lists are read by the walker (dead_blocks),
+# 3.11+ frames live in the data stack. On 3.11 the rule over every GC type made a live bound
+# method look unreachable (PYTHONMALLOC=malloc): a zero word followed by a type pointer is not
+# proof enough there, so 3.11+ do without it.
+DEAD_OBJECTS_UNTIL = (3, 10)
+DEAD_OBJECT_TYPES = None       # every GC type: stale refcount-0 objects abound there
+
+# exported builtin types whose objects hold no references: symbol -> (tp_name, mu_dead kind)
+OPAQUE_TYPES = {"PyLong_Type": ("int", "MU_TYPE_OPAQUE"), "PyFloat_Type": ("float", "MU_TYPE_OPAQUE"),
+                "PyBytes_Type": ("bytes", "MU_TYPE_OPAQUE"), "PyUnicode_Type": ("str", "MU_TYPE_STR")}
+TSTATE_FRAME = 24              # 3.8-3.10 PyThreadState.frame (PyFrameObject *, innermost)
+TP_NAME = 24                    # PyTypeObject.tp_name (const char *)
+TP_FLAGS = 168                  # PyTypeObject.tp_flags (unsigned long)
+TPFLAGS_HAVE_GC = 1 << 14
+TPFLAGS_MANAGED_DICT = 1 << 4   # 3.11+
+TPFLAGS_PREHEADER = (1 << 4) | (1 << 3)   # MANAGED_DICT | MANAGED_WEAKREF, 3.12+
+OB_SIZE = 16                    # PyVarObject.ob_size
+FLOAT_VALUE = 16                # PyFloatObject.ob_fval
+LONG_DIGITS = 24                # PyLongObject digits (30-bit, uint32 each)
+LONG_TAG = 16                   # 3.12+ _PyLongValue.lv_tag: ndigits << 3 | sign (0 +, 1 zero, 2 -)
+BYTES_DATA = 32                 # PyBytesObject.ob_sval
+STR_LENGTH = 16                 # PyASCIIObject.length
+STR_STATE = 32                  # PyASCIIObject.state bit field (interned:2 kind:3 compact:1 ascii:1)
+
+
+def preheader_flags(version: Tuple[int, int]) -> int:
+    """tp_flags bits that put 16 bytes before the GC head (cpython-memory.md section 3)."""
+    if version >= (3, 12):
+        return TPFLAGS_PREHEADER
+    if version >= (3, 11):
+        return TPFLAGS_MANAGED_DICT
+    return 0
+
+
+def str_ascii_size(version: Tuple[int, int]) -> Tuple[int, int]:
+    """(sizeof(PyASCIIObject), sizeof(PyCompactUnicodeObject)): the wstr fields went in 3.12."""
+    return (40, 56) if version >= (3, 12) else (48, 72)

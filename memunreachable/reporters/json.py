@@ -11,7 +11,9 @@ Additive fields (allowed by the schema promise: additive changes only): tool_ver
 snapshot_mode, snapshot_ms, retries, retake_counts, bytes_scanned, warnings, stats,
 total_size per leak, and num_uncertain, uncertain_bytes, uncertain [{address, size,
 contents}]: unreachable blocks withheld because what decides their fate could not be seen
-(not leaks: not in num_leaks, leak_bytes nor the exit code).
+(not leaks: not in num_leaks, leak_bytes nor the exit code);
+for CPython targets python_type, refcount and repr per leak holding a Python object, and
+num_cyclic_garbage, cyclic_garbage_bytes, cyclic_garbage (entries shaped like leaks).
 Readers must ignore keys they do not know. load_json() is the inverse (for re-rendering).
 
 stats is one flat object (flatten_stats): the walker's figures (arenas, chunks, ...) next to
@@ -64,7 +66,7 @@ def flatten_stats(stats: Dict[str, Any]) -> Dict[str, Any]:
 
 
 def leak_to_dict(leak: Leak) -> Dict[str, Any]:
-    return {
+    out = {
         "address": leak.address,
         "size": leak.size,
         "referenced_count": leak.referenced_count,
@@ -73,13 +75,16 @@ def leak_to_dict(leak: Leak) -> Dict[str, Any]:
         "contents": bytes(leak.contents[:CONTENTS_BYTES]).hex(),
         "backtrace": list(leak.backtrace),
     }
+    if leak.python_type is not None:
+        out.update(python_type=leak.python_type, refcount=leak.refcount, repr=leak.repr)
+    return out
 
 
 def render_json(info: UnreachableMemoryInfo) -> Dict[str, Any]:
     """The schema_version 1 object for `info` (plain dict, ready for json.dumps)."""
     from memunreachable import __version__
 
-    return {
+    out = {
         "schema_version": SCHEMA_VERSION,
         "tool_version": __version__,
         "pid": info.pid,
@@ -107,6 +112,11 @@ def render_json(info: UnreachableMemoryInfo) -> Dict[str, Any]:
         "warnings": list(info.warnings),
         "stats": _jsonable(flatten_stats(info.stats)),
     }
+    if info.num_cyclic_garbage:
+        out.update(num_cyclic_garbage=info.num_cyclic_garbage,
+                   cyclic_garbage_bytes=info.cyclic_garbage_bytes,
+                   cyclic_garbage=[leak_to_dict(g) for g in info.cyclic_garbage])
+    return out
 
 
 def write_json(info: UnreachableMemoryInfo, stream: IO[str]) -> None:
@@ -147,8 +157,11 @@ def load_json(data: Dict[str, Any]) -> UnreachableMemoryInfo:
                   referenced_count=int(e.get("referenced_count", 0)),
                   referenced_size=int(e.get("referenced_size", 0)),
                   contents=bytes.fromhex(e.get("contents", "")),
-                  backtrace=list(e.get("backtrace", [])))
-             for e in data.get("leaks", [])]
+                  backtrace=list(e.get("backtrace", [])), python_type=e.get("python_type"),
+                  refcount=e.get("refcount"), repr=e.get("repr"))
+             for e in data.get("leaks", []) + data.get("cyclic_garbage", [])]
+    garbage = leaks[len(data.get("leaks", [])):]
+    leaks = leaks[:len(data.get("leaks", []))]
     return UnreachableMemoryInfo(
         pid=int(data["pid"]),
         comm=data.get("comm"),
@@ -175,4 +188,7 @@ def load_json(data: Dict[str, Any]) -> UnreachableMemoryInfo:
                    for e in data.get("uncertain", [])],
         warnings=list(data.get("warnings", [])),
         stats=dict(data.get("stats", {})),
+        cyclic_garbage=garbage,
+        num_cyclic_garbage=int(data.get("num_cyclic_garbage", 0)),
+        cyclic_garbage_bytes=int(data.get("cyclic_garbage_bytes", 0)),
     )

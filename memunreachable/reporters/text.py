@@ -20,6 +20,8 @@ injected stream. The middle block keeps libmemunreachable's Leak::ToString shape
       ... 3 more entries not shown; use --limit 0 to show all               <- ours
       72 bytes in 1 uncertain allocation (not counted as leaks)             <- ours, only
        72 bytes uncertain at 55d0c0a01400                                      when any
+      96 bytes in 2 allocations of cyclic garbage awaiting collection (not counted as leaks)
+       48 bytes at 7f...0 (Node, refcount 1), referencing 1 allocation      <- CPython only
     <blank>
     SUMMARY: memunreachable: 1264 bytes leaked in 5 allocations, 5 report entries
 
@@ -127,6 +129,10 @@ def _hexdump(address: int, data: bytes) -> List[Line]:
 def _entry(leak: Leak, contents: bool) -> List[Line]:
     lines: List[Line] = [[("  ", ""), (f"{leak.size} bytes", "bold red"),
                           (" unreachable at ", ""), (f"{leak.address:x}", "cyan")]]
+    if leak.python_type is not None:
+        lines.append([(f"   Python object: {leak.python_type}", "magenta"),
+                      (_refcount_text(leak), ""),
+                      (f", value {leak.repr}" if leak.repr is not None else "", "")])
     if leak.referenced_count > 0:
         lines.append([(f"   referencing {leak.referenced_size} unreachable bytes in "
                        f"{plural(leak.referenced_count, 'allocation')}", "")])
@@ -141,6 +147,10 @@ def _entry(leak: Leak, contents: bool) -> List[Line]:
         lines.append([(f"   {frame}", "")])
     lines.append([])
     return lines
+
+
+def _refcount_text(leak: Leak) -> str:
+    return "" if leak.refcount is None else f", refcount {leak.refcount}"
 
 
 def iter_lines(info: UnreachableMemoryInfo, contents: bool = False) -> List[Line]:
@@ -158,6 +168,7 @@ def iter_lines(info: UnreachableMemoryInfo, contents: bool = False) -> List[Line
         lines.append([(f"  ... {more} not shown; use --limit 0 to show all", "yellow")])
         lines.append([])
     lines.extend(_uncertain(info, contents))
+    lines.extend(_cyclic_garbage(info))
     lines.append([(summary_line(info), "bold")])
     return lines
 
@@ -177,6 +188,25 @@ def _uncertain(info: UnreachableMemoryInfo, contents: bool) -> List[Line]:
             lines.extend(_hexdump(leak.address, bytes(leak.contents[:CONTENTS_BYTES])))
     if info.num_uncertain > len(info.uncertain):
         lines.append([(f"   ... {info.num_uncertain - len(info.uncertain)} more not shown", "yellow")])
+    lines.append([])
+    return lines
+
+
+def _cyclic_garbage(info: UnreachableMemoryInfo) -> List[Line]:
+    """Unreachable Python reference cycles the cyclic GC will free: not leaks, not in the
+    SUMMARY nor the exit code."""
+    n = getattr(info, "num_cyclic_garbage", 0)
+    if not n:
+        return []
+    lines: List[Line] = [[(f"  {info.cyclic_garbage_bytes} bytes in "
+                           f"{plural(n, 'allocation')} of cyclic garbage awaiting collection "
+                           "(not counted as leaks)", "bold")]]
+    for g in info.cyclic_garbage:
+        what = f" ({g.python_type}{_refcount_text(g)})" if g.python_type else ""
+        more = (f", referencing {plural(g.referenced_count, 'allocation')}"
+                if g.referenced_count else "")
+        lines.append([("   ", ""), (f"{g.size} bytes", ""), (" at ", ""),
+                      (f"{g.address:x}", "cyan"), (what + more, "")])
     lines.append([])
     return lines
 

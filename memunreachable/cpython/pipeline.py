@@ -1,0 +1,353 @@
+"""Stages 4-5 (CPython): merge the CPython memory map into the sweep's allocations and roots.
+
+Input: the snapshot (Memory), mappings, threads, pid and glibc's HeapWalk. Output: CPythonSweep:
+    image       glibc's HeapImage plus pymalloc's used blocks (ascending merge), minus the
+                blocks of free-listed (dead) objects
+    root_cuts   pymalloc's arenas/pools, the dead data stack, free-list arrays and GC list
+                heads: never roots (classify's extra_cuts)
+    dead        DeadWords for mark/fold: every GC-tracked object's PyGC_Head (found by walking
+                the generation lists from their heads in C), the list heads, and dead ranges
+                lying inside an allocation (3.9/3.10: the interpreter is a glibc chunk)
+    warnings    soft issues (a part left to the old treatment)
+When CPython is absent or its map is unusable, image is glibc's and nothing is cut: today's
+treatment (CPython's memory scanned whole as roots). See cpython-memory.md, style.md 2b.
+"""
+from __future__ import annotations
+
+import bisect
+import errno
+import mmap
+import struct
+from array import array
+from dataclasses import dataclass, field
+from typing import List, Optional, Sequence, Tuple
+
+from memunreachable._errors import MemoryUnreadable
+from memunreachable._ffi import ffi, lib, region_array, u64_view
+from memunreachable._types import HeapImage, Range, merge_ranges, subtract_ranges
+from memunreachable.cpython import layout as L
+from memunreachable.cpython.walker import CPythonMap, walk_cpython
+from memunreachable.mark import DeadWords
+
+MAX_GC_NODES = 1 << 28
+MAX_TYPES = 1 << 16
+GC_ERRORS = {errno.ELOOP: "does not return to its head", errno.EFAULT: "leaves the allocations",
+             errno.EPROTO: "has a back link that does not match"}
+
+
+@dataclass
+class CPythonSweep:
+    cpython: Optional[CPythonMap]
+    image: HeapImage
+    root_cuts: List[Range] = field(default_factory=list)
+    dead: Optional[DeadWords] = None
+    warnings: List[str] = field(default_factory=list)
+    stats: dict = field(default_factory=dict)
+
+    @property
+    def usable(self) -> bool:
+        return bool(self.cpython and self.cpython.usable)
+
+
+def _u64(mem, addr: int) -> int:
+    return struct.unpack("<Q", mem.read(addr, 8))[0]
+
+
+# Returns the CPythonSweep of the snapshot; never raises for CPython's sake (a problem leaves
+# the glibc image and a warning).
+def prepare(mem, maps, threads, pid: Optional[int], image: HeapImage) -> CPythonSweep:
+    cp = walk_cpython(mem, maps, threads, pid)
+    out = CPythonSweep(cp, image, warnings=list(cp.warnings))
+    if not cp.usable:
+        return out
+    blocks, sizes, kept_cuts, dropped = drop_overlapping(cp, image, cp.layout.obmalloc.pool_size)
+    if dropped:
+        out.warnings.append(
+            f"{dropped} pymalloc pool(s) overlap glibc allocations ({cp.runtime.object_path}):"
+            " their blocks are not allocations and their memory is scanned as before")
+    merged = merge_images(image, HeapImage(blocks, sizes, list(cp.regions)))
+    merged, ndead = drop_blocks(merged, cp.dead_blocks)
+    out.image = merged
+    cuts = list(kept_cuts) + list(cp.dead_ranges)
+    dead_ranges = list(cp.dead_ranges)
+    head_word = None
+    heads = gc_heads(mem, cp)
+    if heads is None:
+        out.warnings.append(f"CPython {cp.version[0]}.{cp.version[1]}: no GC state layout: "
+                            "GC links count as references (leaked Python objects are missed)")
+    else:
+        head_word, nodes, types, problem = walk_gc_lists(merged, heads)
+        if problem:
+            out.warnings.append(f"CPython's GC generation list {problem}: GC links count as "
+                                "references (leaked Python objects are missed)")
+            head_word = None
+        else:
+            spans = [Range(b, e) for b, e in gc_head_spans(cp)]
+            cuts += spans
+            dead_ranges += spans
+            out.stats["gc_nodes"] = nodes
+    dead_types = []
+    if head_word is not None and cp.version <= L.DEAD_OBJECTS_UNTIL:
+        types = sorted(set(types) | set(frame_types(mem, cp)))
+        dead_types = object_types(mem, cp, types, L.DEAD_OBJECT_TYPES)
+    dead_types = sorted(dead_types + opaque_types(mem, maps, pid, cp))
+    out.stats["gc_types"] = len(dead_types)
+    out.root_cuts = merge_ranges(cuts)
+    out.dead = DeadWords(ranges=[(r.begin, r.end) for r in merge_ranges(dead_ranges)],
+                         head_word=head_word, types=dead_types)
+    out.stats.update(cp.stats, pymalloc_blocks=len(blocks), dead_blocks_dropped=ndead,
+                     version="%d.%d" % cp.version, allocator=cp.allocator)
+    return out
+
+
+def _nbytes(buf) -> int:
+    return memoryview(buf).nbytes
+
+
+# Returns (blocks, sizes, heap ranges kept, pools dropped): cp's pymalloc blocks minus every
+# pool that overlaps a glibc allocation (a pool header look-alike inside malloc's memory).
+def drop_overlapping(cp: CPythonMap, image: HeapImage, pool_size: int):
+    gb, gs = image.begins, image.sizes
+    pools = sorted({b - b % pool_size for b in _pool_starts(cp.blocks, pool_size)})
+    bad = set()
+    for p in pools:
+        i = bisect.bisect_left(gb, p + pool_size)          # allocations beginning before the end
+        if i and gb[i - 1] + max(gs[i - 1], 1) > p:
+            bad.add(p)
+    if not bad:
+        return cp.blocks, cp.sizes, cp.heap_ranges, 0
+    blocks, sizes = array("Q"), array("Q")
+    for p in pools:
+        if p in bad:
+            continue
+        lo, hi = _slice(cp.blocks, p, p + pool_size)
+        blocks.extend(cp.blocks[lo:hi])
+        sizes.extend(cp.sizes[lo:hi])
+    holes = [Range(p, p + pool_size) for p in sorted(bad)]
+    return blocks, sizes, subtract_ranges(cp.heap_ranges, holes), len(bad)
+
+
+def _pool_starts(blocks, pool_size: int):
+    """One block address per pool (blocks ascending): jumps pool by pool with bisect."""
+    i, n = 0, len(blocks)
+    while i < n:
+        b = blocks[i]
+        yield b
+        i = bisect.bisect_left(blocks, b - b % pool_size + pool_size, i + 1)
+
+
+def _slice(begins, lo_addr: int, hi_addr: int) -> Tuple[int, int]:
+    return bisect.bisect_left(begins, lo_addr), bisect.bisect_left(begins, hi_addr)
+
+
+# Returns the union of two HeapImages whose allocations do not overlap (ValueError otherwise):
+# allocations ascending; regions sorted and disjoint. Overlapping regions (copies of the same
+# snapshot memory, e.g. glibc's copy of an anonymous mapping the kernel merged with a
+# pymalloc arena) become the one that covers them all, or one new copy of their union.
+def merge_images(a: HeapImage, b: HeapImage) -> HeapImage:
+    if not len(b.begins):
+        return a
+    if not len(a.begins) and not a.regions:
+        return HeapImage(b.begins, b.sizes, sorted(b.regions, key=lambda r: r[0]))
+    spans = sorted([(base, base + _nbytes(buf), buf) for base, buf in a.regions + b.regions],
+                   key=lambda t: (t[0], -t[1]))
+    groups = []
+    for lo, hi, buf in spans:
+        if groups and lo < groups[-1][1]:
+            g = groups[-1]
+            g[1] = max(g[1], hi)
+            g[2].append((lo, hi, buf))
+        else:
+            groups.append([lo, hi, [(lo, hi, buf)]])
+    regions = []
+    for lo, hi, members in groups:
+        whole = next((m for m in members if m[0] == lo and m[1] == hi), None)
+        if whole is not None:
+            regions.append((lo, whole[2]))
+            continue
+        buf = _buffer(hi - lo)
+        view = memoryview(buf)
+        for mlo, mhi, mbuf in members:
+            view[mlo - lo:mhi - lo] = memoryview(mbuf).cast("B")
+        regions.append((lo, buf))
+    begins, sizes = array("Q"), array("Q")
+    for lo, hi, _ in groups:
+        alo, ahi = _slice(a.begins, lo, hi)
+        blo, bhi = _slice(b.begins, lo, hi)
+        if alo == ahi or blo == bhi:
+            src, s_lo, s_hi = (a, alo, ahi) if blo == bhi else (b, blo, bhi)
+            begins.extend(src.begins[s_lo:s_hi])
+            sizes.extend(src.sizes[s_lo:s_hi])
+            continue
+        _interleave(begins, sizes, (a, alo, ahi), (b, blo, bhi))
+    return HeapImage(begins, sizes, regions)
+
+
+def _interleave(begins, sizes, one, two) -> None:
+    """Append the allocations of two ascending slices (image, lo, hi) in address order: the
+    smaller side is placed by bisection into the larger, copied by array slices. ValueError
+    when a placed allocation overlaps a neighbour."""
+    (big, blo, bhi), (small, slo, shi) = sorted((one, two), key=lambda t: -(t[2] - t[1]))
+    placed = []
+    pos = blo
+    for k in range(slo, shi):
+        x = small.begins[k]
+        cut = bisect.bisect_left(big.begins, x, pos, bhi)
+        begins.extend(big.begins[pos:cut])
+        sizes.extend(big.sizes[pos:cut])
+        placed.append(len(begins))
+        begins.append(x)
+        sizes.append(small.sizes[k])
+        pos = cut
+    begins.extend(big.begins[pos:bhi])
+    sizes.extend(big.sizes[pos:bhi])
+    n = len(begins)
+    for i in placed:
+        for j in (i - 1, i):
+            if 0 <= j < n - 1 and begins[j] + max(sizes[j], 1) > begins[j + 1]:
+                raise ValueError(f"allocations overlap at {begins[j + 1]:#x}")
+
+
+def _buffer(size: int):
+    return mmap.mmap(-1, size) if size >= 4096 else bytearray(size)
+
+
+# Returns (image without the allocations that begin at one of `addresses`, how many went).
+def drop_blocks(image: HeapImage, addresses: Sequence[int]) -> Tuple[HeapImage, int]:
+    idx = []
+    for addr in addresses:
+        i = bisect.bisect_left(image.begins, addr)
+        if i < len(image.begins) and image.begins[i] == addr:
+            idx.append(i)
+    if not idx:
+        return image, 0
+    begins, sizes, prev = array("Q"), array("Q"), 0
+    for i in sorted(set(idx)):
+        begins.extend(image.begins[prev:i])
+        sizes.extend(image.sizes[prev:i])
+        prev = i + 1
+    begins.extend(image.begins[prev:])
+    sizes.extend(image.sizes[prev:])
+    return HeapImage(begins, sizes, image.regions), len(set(idx))
+
+
+def _gc_states(cp: CPythonMap) -> Optional[List[int]]:
+    st = L.GC_STATES.get(cp.version)
+    if st is None:
+        return None
+    if st.in_runtime:
+        return [cp.runtime.runtime + st.offset]
+    return [i.address + st.offset for i in cp.interpreters]
+
+
+def gc_head_spans(cp: CPythonMap) -> List[Tuple[int, int]]:
+    """[begin, end) of each GC state's list heads (3 generations and the permanent one)."""
+    st = L.GC_STATES[cp.version]
+    return [(s + st.generations, s + st.heads_end) for s in _gc_states(cp)]
+
+
+# Returns [(head address, _gc_next, _gc_prev)] of every generation list, or None when the
+# version has no known GC state. Unreadable heads: [] (the walk then finds nothing to skip).
+def gc_heads(mem, cp: CPythonMap) -> Optional[List[Tuple[int, int, int]]]:
+    states = _gc_states(cp)
+    if states is None:
+        return None
+    st = L.GC_STATES[cp.version]
+    offs = [st.generations + k * st.generation_size for k in range(st.num_generations)]
+    offs.append(st.permanent)
+    out = []
+    try:
+        for s in states:
+            for o in offs:
+                out.append((s + o, _u64(mem, s + o), _u64(mem, s + o + 8)))
+    except MemoryUnreadable:
+        return []
+    return out
+
+
+# Returns [(type address, object offset in its block)] ascending, for the GC objects' types
+# that read as real types named in `names` (cpython/objects.py): an allocation with a zero
+# ob_refcnt and one of these at that offset holds a dead object (cpython-memory.md section 6,
+# refcount rule). Only the types whose dead objects hide in roots are listed: any other
+# zero word followed by a type pointer is left alone (a wrong "dead" would hide references).
+def object_types(mem, cp: CPythonMap, types: Sequence[int], names) -> List[Tuple[int, int]]:
+    from memunreachable.cpython.objects import ObjectReader
+    prefix = L.DEBUG_HOOK_PREFIX if (cp.allocator or "").endswith("debug") else 0
+    reader = ObjectReader(mem, cp.version, prefix)
+    out = []
+    for t in types:
+        ti = reader.type_info(t)
+        if ti is None or (names is not None and ti[0] not in names):
+            continue
+        out.append((t, reader.object_offset(t) | lib.MU_TYPE_DEAD_AT_ZERO << 8))
+    return out
+
+
+# Returns [(type address, code)] for the builtin types whose objects hold no references
+# (int, float, bytes; compact ASCII str), found by their exported symbols and checked to be
+# the types they claim (mu_dead types: MU_TYPE_OPAQUE, MU_TYPE_STR).
+def opaque_types(mem, maps, pid, cp: CPythonMap) -> List[Tuple[int, int]]:
+    from memunreachable.cpython import locate
+    from memunreachable.cpython.objects import ObjectReader
+    prefix = L.DEBUG_HOOK_PREFIX if (cp.allocator or "").endswith("debug") else 0
+    reader = ObjectReader(mem, cp.version, prefix)
+    mappings = [m for m in maps if m.path == cp.runtime.object_path]
+    try:
+        with locate._open(cp.runtime.object_path, mappings, pid) as f:
+            elf = locate.ELFFile(f)
+            bias = locate._load_bias(elf, mappings)
+            syms = locate._symbols(elf, list(L.OPAQUE_TYPES))
+    except Exception:        # noqa: BLE001 - any ELF problem: no opaque types, scan all
+        return []
+    if bias is None:
+        return []
+    out = []
+    for sym, (name, kind) in L.OPAQUE_TYPES.items():
+        if sym not in syms:
+            continue
+        t = bias + syms[sym]
+        ti = reader.type_info(t)
+        if ti is not None and ti[0] == name:
+            out.append((t, reader.object_offset(t) | getattr(lib, kind) << 8))
+    return out
+
+
+# Returns the ob_type of each thread's innermost frame (3.8-3.10: frames are heap objects,
+# often untracked by the GC; zombie and free-listed frames keep stale pointers).
+def frame_types(mem, cp: CPythonMap) -> List[int]:
+    out = []
+    for interp in cp.interpreters:
+        for t in interp.threads:
+            try:
+                f = _u64(mem, t.address + L.TSTATE_FRAME)
+                if f:
+                    out.append(_u64(mem, f + L.OB_TYPE))
+            except MemoryUnreadable:
+                continue
+    return out
+
+
+# Returns (head_word bytearray, node count, distinct object types, problem or ""): walks the
+# generation lists in C (native/mu_gc.c) over the image's allocations.
+def walk_gc_lists(image: HeapImage, heads: Sequence[Tuple[int, int, int]]):
+    n = len(image.begins)
+    head_word = bytearray(n)
+    if not heads:
+        return head_word, 0, [], "heads could not be read"
+    begins, kb = u64_view(image.begins)
+    sizes, ks = u64_view(image.sizes)
+    regs, kr = region_array(image.regions)
+    flat = array("Q", [w for t in heads for w in t])
+    st = ffi.new("mu_gc_walk_stats *")
+    types = array("Q", bytes(8 * MAX_TYPES))
+    rc = lib.mu_gc_walk(begins, sizes, n, regs, len(image.regions),
+                        ffi.from_buffer("uint64_t[]", flat), len(heads), MAX_GC_NODES,
+                        ffi.from_buffer("uint8_t[]", head_word) if n else ffi.NULL,
+                        ffi.from_buffer("uint64_t[]", types), MAX_TYPES, st)
+    del kb, ks, kr
+    if rc < 0:
+        why = GC_ERRORS.get(-rc, f"could not be walked (error {-rc})")
+        return head_word, 0, [], (f"at {heads[st.bad_list][0]:#x} {why} "
+                                  f"(node {st.bad_node:#x}, {st.nodes} nodes in)")
+    ntypes = st.ntypes if st.ntypes <= MAX_TYPES else 0     # too many: no dead-object rule
+    return head_word, rc, list(types[:ntypes]), ""

@@ -1,0 +1,118 @@
+/* mu_gc.c: walk CPython's GC generation lists over the allocations (cpython-memory.md section
+ * 4), to tell the sweep which words are GC links rather than references. */
+#include "mu_core_impl.h"
+
+#define GC_NEXT_MASK (~(uint64_t)1)     /* NEXT_MASK_UNREACHABLE, set only during a collection */
+#define GC_PREV_MASK (~(uint64_t)3)     /* _PyGC_PREV_MASK_FINALIZED | _PyGC_PREV_MASK_COLLECTING */
+#define GC_MAX_WORD 254u                /* head_word holds 1 + word offset in a uint8_t */
+
+typedef struct {
+    uint64_t *v;
+    uint64_t len, cap;
+} vec64;
+
+/* Returns 0 or -ENOMEM. Consecutive duplicates are dropped at once (objects of a type often
+ * follow each other). */
+static int vec_add(vec64 *a, uint64_t x)
+{
+    if (a->len && a->v[a->len - 1] == x)
+        return 0;
+    if (a->len == a->cap) {
+        uint64_t cap = a->cap ? 2 * a->cap : 1024;
+        uint64_t *nv = realloc(a->v, cap * sizeof *nv);
+        if (!nv)
+            return -ENOMEM;
+        a->v = nv;
+        a->cap = cap;
+    }
+    a->v[a->len++] = x;
+    return 0;
+}
+
+static int cmp_u64(const void *a, const void *b)
+{
+    uint64_t x = *(const uint64_t *)a, y = *(const uint64_t *)b;
+    return x < y ? -1 : x > y;
+}
+
+int64_t mu_gc_walk(const uint64_t *begin, const uint64_t *size, uint64_t n,
+                   const mu_region *heap, uint64_t nheap,
+                   const uint64_t *heads, uint64_t nheads, uint64_t max_nodes,
+                   uint8_t *head_word, uint64_t *types, uint64_t types_cap,
+                   mu_gc_walk_stats *stats)
+{
+    if ((nheads && !heads) || (n && !head_word) || !stats || (types_cap && !types))
+        return -EINVAL;
+    memset(stats, 0, sizeof *stats);
+    mu_scan_index ix;
+    int64_t rc = mu_scan_index_init(&ix, begin, size, n, heap, nheap, 0);
+    if (rc < 0)
+        return rc;
+    if (n)
+        memset(head_word, 0, n);
+    uint64_t total = 0;
+    vec64 tv = {0};
+    rc = 0;
+    for (uint64_t h = 0; h < nheads && rc == 0; h++) {
+        uint64_t head = heads[3 * h], prev = head;
+        uint64_t node = heads[3 * h + 1] & GC_NEXT_MASK;
+        stats->bad_list = h;
+        while (node != head) {
+            stats->bad_node = node;
+            if (++total > max_nodes) {
+                rc = -ELOOP;
+                break;
+            }
+            int64_t a = (node & 7) ? -1 : mu_scan_index_find(&ix, node);
+            uint64_t b = a >= 0 ? begin[a] : 0;
+            if (a < 0 || node + 16 > b + (size[a] ? size[a] : 1) || (node - b) / 8 > GC_MAX_WORD - 1) {
+                rc = -EFAULT;
+                break;
+            }
+            if (head_word[a]) {
+                rc = -ELOOP;
+                break;
+            }
+            uint64_t r = nheap == 1 ? 0 : mu_scan_index_region_of(&ix, (uint64_t)a);
+            const uint8_t *p = heap[r].data + (node - heap[r].base);
+            uint64_t next, back;
+            memcpy(&next, p, 8);
+            memcpy(&back, p + 8, 8);
+            if ((back & GC_PREV_MASK) != prev) {
+                rc = -EPROTO;
+                break;
+            }
+            head_word[a] = (uint8_t)((node - b) / 8 + 1);
+            if (node + 32 <= b + size[a]) {
+                uint64_t tp;
+                memcpy(&tp, p + 24, 8);
+                if (vec_add(&tv, tp) < 0) {
+                    rc = -ENOMEM;
+                    break;
+                }
+            }
+            prev = node;
+            node = next & GC_NEXT_MASK;
+        }
+        if (rc == 0 && (heads[3 * h + 2] & GC_PREV_MASK) != prev) {
+            stats->bad_node = head;
+            rc = -EPROTO;
+        }
+    }
+    stats->nodes = total;
+    mu_scan_index_free(&ix);
+    if (rc == 0) {
+        qsort(tv.v, tv.len, sizeof *tv.v, cmp_u64);
+        uint64_t k = 0;
+        for (uint64_t j = 0; j < tv.len; j++) {
+            if (j && tv.v[j] == tv.v[j - 1])
+                continue;
+            if (k < types_cap)
+                types[k] = tv.v[j];
+            k++;
+        }
+        stats->ntypes = k;
+    }
+    free(tv.v);
+    return rc < 0 ? rc : (int64_t)total;
+}

@@ -1,0 +1,232 @@
+"""Unit tests of the dead-word mask (mark.DeadWords, native mu_dead) and the CPython GC list
+walk (native mu_gc_walk, cpython/gclinks.py), on in-memory heaps.
+
+A GC-tracked object sits in a block after its PyGC_Head (two link words): those words, and the
+generation list heads, must keep nothing alive (cpython-memory.md section 4).
+"""
+import errno
+import struct
+from array import array
+
+import pytest
+
+from memunreachable._ffi import ffi, lib
+from memunreachable.folding import FoldedLeak, fold
+from memunreachable.mark import DeadWords, mark
+from tests.unit.test_mark import BASE, ROOT, Heap, words_buffer
+
+
+def test_dead_range_in_root_keeps_nothing():
+    h = Heap([32, 32])
+    root = words_buffer(h.addrs[0], h.addrs[1])
+    res = mark(h.image(), [(ROOT, root)], dead=DeadWords(ranges=[(ROOT + 8, ROOT + 16)]))
+    assert list(res.marked) == [1, 0]
+    assert res.words == 1 + 4                # one root word, the 4 words of block 0
+    res = mark(h.image(), [(ROOT, root)])
+    assert list(res.marked) == [1, 1] and res.words == 2 + 8
+
+
+def test_dead_range_inside_an_allocation():
+    # the 3.10 interpreter is a glibc chunk: its free-list array words are dead
+    h = Heap([64, 16, 16])
+    h.link(0, 2, 1)
+    h.link(0, 5, 2)
+    a0 = h.addrs[0]
+    dead = DeadWords(ranges=[(a0 + 16, a0 + 24)])
+    res = mark(h.image(), [], [a0], dead=dead)
+    assert list(res.marked) == [1, 0, 1]
+    # fold: the dead word is no edge either
+    assert fold(h.image(), bytearray(3), dead=dead) == [FoldedLeak(0, 1, 16), FoldedLeak(1, 0, 0)]
+    assert fold(h.image(), bytearray(3)) == [FoldedLeak(0, 2, 32)]
+
+
+def test_head_word_skips_two_link_words_only():
+    # A: [gc_next -> B][gc_prev -> C][ob_refcnt][ob_type -> D]: the links keep neither B nor C
+    h = Heap([32, 32, 32, 32])
+    h.link(0, 0, 1)
+    h.link(0, 1, 2)
+    h.link(0, 3, 3)
+    hw = bytearray([1, 0, 0, 0])            # a PyGC_Head at word 0 of allocation 0
+    res = mark(h.image(), [], [h.addrs[0] + 16], dead=DeadWords(head_word=hw))
+    assert list(res.marked) == [1, 0, 0, 1]
+    hw = bytearray([2, 0, 0, 0])            # at word 1 (debug-hook prefix): words 1, 2
+    res = mark(h.image(), [], [h.addrs[0] + 24], dead=DeadWords(head_word=hw))
+    assert list(res.marked) == [1, 1, 0, 1]
+    assert fold(h.image(), bytearray([0, 1, 1, 0]), dead=DeadWords(head_word=bytearray([1, 0, 0, 0]))) \
+        == [FoldedLeak(0, 1, 32)]
+
+
+def test_partial_last_word_and_dead_ranges_together():
+    h = Heap([20, 16])                       # a 20-byte block: last word starts at +16
+    h.link(0, 2, 1)
+    res = mark(h.image(), [], [h.addrs[0]], dead=DeadWords(ranges=[(h.addrs[0], h.addrs[0] + 8)]))
+    assert list(res.marked) == [1, 1]
+    res = mark(h.image(), [], [h.addrs[0]],
+               dead=DeadWords(ranges=[(h.addrs[0] + 16, h.addrs[0] + 24)]))
+    assert list(res.marked) == [1, 0]
+
+
+def test_bad_dead_ranges_rejected():
+    h = Heap([16])
+    for ranges in ([(ROOT + 8, ROOT + 8)], [(ROOT + 4, ROOT + 16)],
+                   [(ROOT + 16, ROOT + 32), (ROOT, ROOT + 24)]):
+        with pytest.raises(OSError) as e:
+            mark(h.image(), [], dead=DeadWords(ranges=ranges))
+        assert e.value.errno == errno.EINVAL
+    with pytest.raises(ValueError):
+        mark(h.image(), [], dead=DeadWords(head_word=bytearray(2)))
+
+
+# --- the GC list walk -----------------------------------------------------------------------
+HEAD = 0x5555_0000_1000
+
+
+def gc_heap(n, gc_off=0, gap=16):
+    """n 48-byte blocks, each with a PyGC_Head at gc_off, linked into one circular list
+    with HEAD; returns (heap, head triple)."""
+    h = Heap([48] * n, gap=gap)
+    nodes = [a + gc_off for a in h.addrs]
+    ring = [HEAD] + nodes
+    for k, node in enumerate(nodes, start=1):
+        nxt, prv = ring[(k + 1) % len(ring)], ring[k - 1]
+        struct.pack_into("<QQ", h.buf, node - h.base, nxt | (1 if k == 2 else 0), prv | 2)
+    return h, (HEAD, nodes[0] if nodes else HEAD, nodes[-1] if nodes else HEAD)
+
+
+def gc_walk(h, heads, max_nodes=1 << 20):
+    img = h.image()
+    hw = bytearray(len(img.begins))
+    st = ffi.new("mu_gc_walk_stats *")
+    flat = array("Q", [w for t in heads for w in t])
+    rc = lib.mu_gc_walk(ffi.from_buffer("uint64_t[]", img.begins), ffi.from_buffer("uint64_t[]", img.sizes),
+                        len(img.begins), *_regions(img), ffi.from_buffer("uint64_t[]", flat), len(heads),
+                        max_nodes, ffi.from_buffer("uint8_t[]", hw), ffi.NULL, 0, st)
+    return rc, hw, st
+
+
+_keep = []
+
+
+def _regions(img):
+    from memunreachable._ffi import region_array
+    r, keep = region_array(img.regions)
+    _keep.append(keep)
+    return r, len(img.regions)
+
+
+def test_gc_walk_marks_every_head():
+    h, head = gc_heap(5)
+    rc, hw, st = gc_walk(h, [head])
+    assert rc == 5 and list(hw) == [1] * 5
+    h, head = gc_heap(3, gc_off=16)
+    rc, hw, _ = gc_walk(h, [head])
+    assert rc == 3 and list(hw) == [3] * 3
+    h, head = gc_heap(0)
+    assert gc_walk(h, [head])[0] == 0
+
+
+def test_gc_walk_rejects_broken_lists():
+    h, head = gc_heap(4)
+    assert gc_walk(h, [head], max_nodes=3)[0] == -errno.ELOOP
+    # a prev link that does not point back
+    struct.pack_into("<Q", h.buf, h.addrs[2] + 8 - h.base, h.addrs[0])
+    rc, _, st = gc_walk(h, [head])
+    assert rc == -errno.EPROTO and st.bad_node == h.addrs[2]
+    # a node outside every allocation
+    h, head = gc_heap(3)
+    struct.pack_into("<Q", h.buf, h.addrs[0] - h.base, ROOT)
+    rc, _, st = gc_walk(h, [head])
+    assert rc == -errno.EFAULT and st.bad_node == ROOT
+    # a node met twice (a loop that never returns to the head)
+    h, head = gc_heap(3)
+    struct.pack_into("<QQ", h.buf, h.addrs[2] - h.base, h.addrs[1], h.addrs[1])
+    assert gc_walk(h, [head])[0] in (-errno.ELOOP, -errno.EPROTO)
+    # the head's prev must be the last node
+    h, head = gc_heap(3)
+    assert gc_walk(h, [(head[0], head[1], h.addrs[0])])[0] == -errno.EPROTO
+
+
+def test_gc_links_keep_nothing_alive_and_objects_still_reach():
+    # three GC objects in one list; only the middle one is referenced from a root; its
+    # links point at its neighbours' heads, which must not keep them
+    h, head = gc_heap(3)
+    rc, hw, _ = gc_walk(h, [head])
+    assert rc == 3
+    root = words_buffer(h.addrs[1] + 16)
+    res = mark(h.image(), [(ROOT, root)], dead=DeadWords(head_word=hw))
+    assert list(res.marked) == [0, 1, 0]
+    res = mark(h.image(), [(ROOT, root)])
+    assert list(res.marked) == [1, 1, 1]
+    assert fold(h.image(), bytearray(3), dead=DeadWords(head_word=hw)) == \
+        [FoldedLeak(0, 0, 0), FoldedLeak(1, 0, 0), FoldedLeak(2, 0, 0)]
+
+
+def test_pointer_into_a_gc_head_is_no_reference():
+    # a stale copy of a GC link (pointing at the head, not the object) keeps nothing
+    h, head = gc_heap(2)
+    rc, hw, _ = gc_walk(h, [head])
+    assert rc == 2
+    for delta, kept in ((0, 0), (8, 0), (15, 0), (16, 1), (40, 1)):
+        root = words_buffer(h.addrs[1] + delta)
+        res = mark(h.image(), [(ROOT, root)], dead=DeadWords(head_word=hw))
+        assert list(res.marked) == [0, kept], delta
+    h, head = gc_heap(2, gc_off=16)          # debug-hook prefix: head at +16, object at +32
+    rc, hw, _ = gc_walk(h, [head])
+    for delta, kept in ((0, 0), (16, 0), (31, 0), (32, 1)):
+        res = mark(h.image(), [(ROOT, words_buffer(h.addrs[1] + delta))], dead=DeadWords(head_word=hw))
+        assert list(res.marked) == [0, kept], delta
+
+
+# --- objects whose words are not scanned (mu_dead types) ------------------------------------
+INT_TYPE, TUPLE_TYPE, STR_TYPE = 0x7F00_0000_1000, 0x7F00_0000_2000, 0x7F00_0000_3000
+OPAQUE, STR, DEAD = lib.MU_TYPE_OPAQUE << 8, lib.MU_TYPE_STR << 8, lib.MU_TYPE_DEAD_AT_ZERO << 8
+
+
+def typed_heap(first_words, target_size=16):
+    """Block 0 (64 bytes) starts with first_words and points at block 1 from its last word."""
+    h = Heap([64, target_size])
+    for k, w in enumerate(first_words):
+        h.point(0, k, w)
+    h.link(0, 7, 1)
+    return h
+
+
+@pytest.mark.parametrize("words, types, kept", [
+    ([1, INT_TYPE], [(INT_TYPE, 0 | OPAQUE)], 0),                  # an int: not scanned
+    ([0xFFFFFFFF, INT_TYPE], [(INT_TYPE, 0 | OPAQUE)], 0),         # immortal (3.12+)
+    ([BASE + 0x500, INT_TYPE], [(INT_TYPE, 0 | OPAQUE)], 1),       # an item array [x, int]
+    ([1, INT_TYPE], [(INT_TYPE, 16 | OPAQUE)], 1),                 # wrong offset for the type
+    ([0, 0, 0, TUPLE_TYPE], [(TUPLE_TYPE, 16 | DEAD)], 0),         # a dead GC tuple
+    ([0, 0, 1, TUPLE_TYPE], [(TUPLE_TYPE, 16 | DEAD)], 1),         # a live one
+    ([1, STR_TYPE, 3, 0, 0x64], [(STR_TYPE, 0 | STR)], 0),         # compact ASCII str (kind 1)
+    ([1, STR_TYPE, 3, 0, 0x28], [(STR_TYPE, 0 | STR)], 1),         # compact, kind 2, not ASCII
+])
+def test_typed_objects_scanned_or_not(words, types, kept):
+    h = typed_heap(words)
+    dead = DeadWords(types=types)
+    res = mark(h.image(), [], [h.addrs[0]], dead=dead)
+    assert list(res.marked) == [1, kept]
+    entries = fold(h.image(), bytearray(2), dead=dead)
+    assert entries == ([FoldedLeak(0, 1, 16)] if kept else [FoldedLeak(0, 0, 0), FoldedLeak(1, 0, 0)])
+
+
+def test_bad_types_rejected():
+    h = Heap([16])
+    for types in ([(INT_TYPE, 3 | OPAQUE)], [(INT_TYPE, 0 | (7 << 8))],
+                  [(STR_TYPE, 0), (INT_TYPE, 0)]):
+        with pytest.raises(OSError) as e:
+            mark(h.image(), [], dead=DeadWords(types=types))
+        assert e.value.errno == errno.EINVAL
+
+
+def test_glibc_next_header_rule_never_applies_to_pymalloc_blocks():
+    # a glibc in-heap chunk's usable size is 8 mod 16 (its last 8 bytes are the next chunk's
+    # size field): a word equal to that address is no reference under glibc_chunks. pymalloc
+    # blocks are multiples of 16, so their last word is an ordinary interior pointer.
+    h = Heap([24, 32])
+    for block, kept_with_rule in ((0, 0), (1, 1)):
+        end = h.addrs[block] + h.sizes[block]
+        res = mark(h.image(), [(ROOT, words_buffer(end - 8))], glibc_chunks=True)
+        assert res.marked[block] == kept_with_rule
+        res = mark(h.image(), [(ROOT, words_buffer(end - 8))])
+        assert res.marked[block] == 1
