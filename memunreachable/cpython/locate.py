@@ -151,6 +151,68 @@ def _symbols(elf: ELFFile, names: Sequence[str]) -> Dict[str, int]:
     return out
 
 
+@dataclass(frozen=True)
+class ElfFacts:
+    """What the CPython stages read from an object's ELF file: independent of where it is
+    mapped, so cached by file identity (a long-lived checker sees the same libpython again
+    and again; pyelftools takes 15-20 ms a parse)."""
+    machine_x64: bool
+    first_load: Tuple[int, int]         # page-aligned p_offset, p_vaddr of the first PT_LOAD
+    symbols: Dict[str, int]             # .dynsym values of the names asked for
+    pyruntime_section: int              # .PyRuntime sh_addr, 0 when absent
+    shared: bool                        # ET_DYN
+
+
+_FACTS: Dict[tuple, Optional[ElfFacts]] = {}
+FACT_SYMBOLS = ("_PyRuntime", "Py_Version") + tuple(L.OPAQUE_TYPES)
+
+
+# Returns the ElfFacts of the open file f (FACT_SYMBOLS looked up), or None when it is not a
+# usable ELF file (malformed, no PT_LOAD).
+def elf_facts(f) -> Optional[ElfFacts]:
+    st = os.fstat(f.fileno())
+    key = (st.st_dev, st.st_ino, st.st_size, st.st_mtime_ns)
+    if key not in _FACTS:
+        facts = None
+        try:
+            elf = ELFFile(f)
+            loads = [x for x in elf.iter_segments() if x["p_type"] == "PT_LOAD"]
+            if loads:
+                first = min(loads, key=lambda x: x["p_vaddr"])
+                sec = elf.get_section_by_name(".PyRuntime")
+                facts = ElfFacts(elf.get_machine_arch() == "x64",
+                                 (first["p_offset"] & ~(PAGE - 1), first["p_vaddr"] & ~(PAGE - 1)),
+                                 _symbols(elf, FACT_SYMBOLS),
+                                 sec["sh_addr"] if sec is not None else 0,
+                                 elf["e_type"] == "ET_DYN")
+        except Exception:        # malformed ELF: pyelftools raises many types
+            facts = None
+        if len(_FACTS) >= 16:
+            _FACTS.clear()
+        _FACTS[key] = facts
+    return _FACTS[key]
+
+
+def facts_bias(facts: ElfFacts, mappings: List[Mapping]) -> Optional[int]:
+    """Runtime address minus link-time address (0 for a non-PIE executable)."""
+    page_off, page_vaddr = facts.first_load
+    for m in sorted(mappings, key=lambda m: m.begin):
+        if m.offset == page_off:
+            return m.begin - page_vaddr
+    return None
+
+
+def warm(maps: Sequence[Mapping], pid: Optional[int]) -> None:
+    """Parse the candidate objects' ELF files now (in the long-lived checker, before the
+    sweeper forks), so every sweeper finds them cached."""
+    for path, mappings in _candidates(maps, pid):
+        try:
+            with _open(path, mappings, pid) as f:
+                elf_facts(f)
+        except OSError:
+            continue
+
+
 # Returns the Runtime of the first candidate object that exports (or has a section for)
 # _PyRuntime, or None when the process holds no CPython runtime.
 def find_runtime(mem, maps: Sequence[Mapping], pid: Optional[int] = None) -> Optional[Runtime]:
@@ -160,24 +222,20 @@ def find_runtime(mem, maps: Sequence[Mapping], pid: Optional[int] = None) -> Opt
         except OSError:
             continue
         with f:
-            try:
-                elf = ELFFile(f)
-                if elf.get_machine_arch() != "x64":
-                    continue
-                bias = _load_bias(elf, mappings)
-                if bias is None:
-                    continue
-                syms = _symbols(elf, ("_PyRuntime", "Py_Version"))
-                source = "dynsym"
-                if "_PyRuntime" not in syms:
-                    sec = elf.get_section_by_name(".PyRuntime")
-                    if sec is None or not sec["sh_addr"]:
-                        continue
-                    syms["_PyRuntime"] = sec["sh_addr"]
-                    source = ".PyRuntime section"
-                shared = elf["e_type"] == "ET_DYN"
-            except Exception:        # malformed ELF: pyelftools raises many types
+            facts = elf_facts(f)
+        if facts is None or not facts.machine_x64:
+            continue
+        bias = facts_bias(facts, mappings)
+        if bias is None:
+            continue
+        syms = {k: v for k, v in facts.symbols.items() if k in ("_PyRuntime", "Py_Version")}
+        source = "dynsym"
+        if "_PyRuntime" not in syms:
+            if not facts.pyruntime_section:
                 continue
+            syms["_PyRuntime"] = facts.pyruntime_section
+            source = ".PyRuntime section"
+        shared = facts.shared
         runtime = bias + syms["_PyRuntime"]
         version, vhex, vsource = _version_from_name(path), None, "file name"
         try:

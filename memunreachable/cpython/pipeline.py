@@ -294,11 +294,13 @@ def opaque_types(mem, maps, pid, cp: CPythonMap) -> List[Tuple[int, int]]:
     mappings = [m for m in maps if m.path == cp.runtime.object_path]
     try:
         with locate._open(cp.runtime.object_path, mappings, pid) as f:
-            elf = locate.ELFFile(f)
-            bias = locate._load_bias(elf, mappings)
-            syms = locate._symbols(elf, list(L.OPAQUE_TYPES))
-    except Exception:        # noqa: BLE001 - any ELF problem: no opaque types, scan all
+            facts = locate.elf_facts(f)
+    except OSError:
         return []
+    if facts is None:       # any ELF problem: no opaque types, scan all
+        return []
+    bias = locate.facts_bias(facts, mappings)
+    syms = facts.symbols
     if bias is None:
         return []
     out = []
