@@ -17,6 +17,7 @@ from itertools import compress
 from typing import Optional
 
 from memunreachable import detect
+from memunreachable import leftovers
 from memunreachable import preflight as preflight_stage
 from memunreachable._errors import HeapWalkError
 from memunreachable.classify import classify
@@ -34,6 +35,7 @@ MAX_RETRIES = 20
 CONTENTS_BYTES = 32
 
 
+@leftovers.guarded     # signals, per-target lock, no snapshot process left (leftovers.py)
 def check(pid: int, *, limit: Optional[int] = 100, timeout: float = 2.0,
           sweep_timeout: float = 600.0, allow_direct: bool = True,
           allow_seccomp: bool = False) -> UnreachableMemoryInfo:

@@ -170,7 +170,7 @@ static int inject(int tid, uint64_t insn, uint64_t nr, const uint64_t args[6], i
     if (ptrace(PTRACE_GETREGS, tid, 0, &saved) < 0)
         return -errno;
     if (is_clone)
-        opts |= PTRACE_O_TRACEFORK | PTRACE_O_EXITKILL;
+        opts |= PTRACE_O_TRACEFORK;
     if (ptrace(PTRACE_SETOPTIONS, tid, 0, opts) < 0)
         return -errno;
     out->step = MU_STEP_OPTIONS;
@@ -203,6 +203,13 @@ static int inject(int tid, uint64_t insn, uint64_t nr, const uint64_t args[6], i
             goto restore;
         }
         out->step = MU_STEP_ENTER;
+        /* EXITKILL only from the syscall entry to the clone event: the child inherits it at
+         * birth (no window where it could run untraced as a duplicate), and while the
+         * target thread carries it a dying tracer kills the target: keep that short */
+        if (is_clone && ptrace(PTRACE_SETOPTIONS, tid, 0, opts | PTRACE_O_EXITKILL) < 0) {
+            rc = -errno;
+            goto restore;
+        }
         for (;;) {
             running = 1;
             kind = resume_until_syscall(tid, deadline, out);
@@ -217,6 +224,12 @@ static int inject(int tid, uint64_t insn, uint64_t nr, const uint64_t args[6], i
             if (is_clone && out->child == 0) {
                 unsigned long msg = 0;
                 int status = 0, w;
+                /* EXITKILL stays on in the child only */
+                if (ptrace(PTRACE_SETOPTIONS, tid, 0,
+                           PTRACE_O_TRACECLONE | PTRACE_O_TRACESYSGOOD) < 0) {
+                    rc = -errno;
+                    goto restore;
+                }
                 if (ptrace(PTRACE_GETEVENTMSG, tid, 0, &msg) < 0) {
                     rc = -errno;
                     goto restore;
@@ -226,12 +239,6 @@ static int inject(int tid, uint64_t insn, uint64_t nr, const uint64_t args[6], i
                 w = wait_until(out->child, deadline, &status);
                 if (w <= 0) {
                     rc = w < 0 ? w : -ETIMEDOUT;
-                    goto restore;
-                }
-                /* EXITKILL stays on in the child only */
-                if (ptrace(PTRACE_SETOPTIONS, tid, 0,
-                           PTRACE_O_TRACECLONE | PTRACE_O_TRACESYSGOOD) < 0) {
-                    rc = -errno;
                     goto restore;
                 }
             }
