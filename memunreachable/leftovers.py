@@ -340,14 +340,14 @@ def _open(pid: int, lock_wait: float) -> Optional[Session]:
         raise
 
 
-# Runs the body as one check of pid: signals handled for its whole duration, the per-target
+# Runs the body as one check of pid (lock_wait None: LOCK_WAIT): signals handled for its whole duration, the per-target
 # lock held, every snapshot registered by note_clone() released on every exit path. Yields
 # the Session (None: no such process, or no usable RUN_DIR). Raises CollectionError when
 # another check of pid held the lock for lock_wait seconds, FreezeInterrupted on a signal.
 @contextmanager
-def guard(pid: int, lock_wait: float = LOCK_WAIT) -> Iterator[Optional[Session]]:
+def guard(pid: int, lock_wait: Optional[float] = None) -> Iterator[Optional[Session]]:
     with interruptible():
-        sess = _open(pid, lock_wait)
+        sess = _open(pid, LOCK_WAIT if lock_wait is None else lock_wait)
         if sess is None:
             yield None
             return
