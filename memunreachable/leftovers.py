@@ -422,7 +422,7 @@ def find_leftovers(pid: int) -> List[Tuple[int, ProcStat]]:
 def settle_leftovers(pid: int, left: List[Clone]) -> None:
     """After a reaping pass: only `left` (not reaped) stays in the record; windows resolved."""
     sess = _SESSIONS.get(pid)
-    if sess is not None:
+    if sess is not None and (sess.inherited != list(left) or sess.windows):
         sess.inherited = list(left)
         sess.windows = []
         sess.write()

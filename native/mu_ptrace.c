@@ -169,8 +169,12 @@ static int inject(int tid, uint64_t insn, uint64_t nr, const uint64_t args[6], i
     memset(out, 0, sizeof *out);
     if (ptrace(PTRACE_GETREGS, tid, 0, &saved) < 0)
         return -errno;
+    /* EXITKILL from before the injected registers are set until the clone event: the child
+     * inherits it at birth, so it can never run untraced as a duplicate of the target; if
+     * the tracer dies between SETREGS and the syscall entry, the target is killed rather
+     * than left running the clone untraced from corrupted registers (section 8) */
     if (is_clone)
-        opts |= PTRACE_O_TRACEFORK;
+        opts |= PTRACE_O_TRACEFORK | PTRACE_O_EXITKILL;
     if (ptrace(PTRACE_SETOPTIONS, tid, 0, opts) < 0)
         return -errno;
     out->step = MU_STEP_OPTIONS;
@@ -203,13 +207,6 @@ static int inject(int tid, uint64_t insn, uint64_t nr, const uint64_t args[6], i
             goto restore;
         }
         out->step = MU_STEP_ENTER;
-        /* EXITKILL only from the syscall entry to the clone event: the child inherits it at
-         * birth (no window where it could run untraced as a duplicate), and while the
-         * target thread carries it a dying tracer kills the target: keep that short */
-        if (is_clone && ptrace(PTRACE_SETOPTIONS, tid, 0, opts | PTRACE_O_EXITKILL) < 0) {
-            rc = -errno;
-            goto restore;
-        }
         for (;;) {
             running = 1;
             kind = resume_until_syscall(tid, deadline, out);
@@ -224,7 +221,8 @@ static int inject(int tid, uint64_t insn, uint64_t nr, const uint64_t args[6], i
             if (is_clone && out->child == 0) {
                 unsigned long msg = 0;
                 int status = 0, w;
-                /* EXITKILL stays on in the child only */
+                /* EXITKILL stays on in the child only: drop it from the target thread
+                 * at once, before waiting for the child's birth stop */
                 if (ptrace(PTRACE_SETOPTIONS, tid, 0,
                            PTRACE_O_TRACECLONE | PTRACE_O_TRACESYSGOOD) < 0) {
                     rc = -errno;
