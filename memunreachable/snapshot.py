@@ -6,9 +6,9 @@ Input: a Frozen (freeze.py). Output: a Snapshot
     .open_memory() -> memory.ProcessMemory over /proc/<.pid>/mem
     .release()    kill the child, collect it as its tracer, then reap its zombie in the target
                   (a short injected wait4); idempotent; also `with take_snapshot(fz) as snap:`
+    .inject_ms, .reap_pause_ms, .lifetime_ms   the figures the report shows
 reap_leftovers(fz) reaps the clones an earlier, killed check of the same target left
 (leftovers.py: the per-target record); take_snapshot() runs it first, while frozen.
-    .inject_ms, .reap_pause_ms, .lifetime_ms   the figures the report shows
 The caller thaws the target right after take_snapshot() in clone mode (the pause stays in
 milliseconds); in direct mode it keeps the target frozen for the whole sweep.
 
