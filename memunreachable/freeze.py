@@ -4,9 +4,16 @@ Input: a pid. Output, inside `with frozen(pid, timeout=2.0) as fz:`
     fz.threads  [ThreadState] (27 general registers, FP/SIMD state, recorded signal), tid order
     fz.maps     [Mapping] read while stopped
     fz.thaw()   detach every thread, re-delivering recorded signals; idempotent; sets fz.pause_ms
-Leaving the block thaws on every path (exception, KeyboardInterrupt). SIGINT/SIGTERM that
-arrive while the guard is active raise FreezeInterrupted(signum) (deferred while a ptrace
+Leaving the block thaws on every path (exception, KeyboardInterrupt). SIGINT/SIGTERM/SIGHUP
+that arrive while the guard is active raise FreezeInterrupted(signum) (deferred while a ptrace
 sequence runs), so the thaw in `finally` always runs; the caller re-raises the signal.
+
+Signals (shared by the whole check, not only the freeze): `interruptible()` installs the
+handlers for as long as its outermost block runs (leftovers.guard() wraps a whole check in
+it; frozen() nests one), `critical()` defers them while a sequence that must not be cut
+runs (a ptrace injection, a kill + reap, a fork). The first signal raises once; later ones
+are only recorded, so the unwinding path (thaw, snapshot release, sweeper kill) is never
+cut by a second exception. Signals set to SIG_IGN (nohup, background jobs) stay ignored.
 
 Mechanics (ptrace-snapshot.md sections 2, 3, 9): PTRACE_SEIZE(TRACECLONE) + PTRACE_INTERRUPT
 for every tid of /proc/PID/task, then collect the stops with waitpid(tid, __WALL|WNOHANG)
@@ -69,13 +76,99 @@ STATE_WORDS = {"D": "uninterruptible sleep: I/O, vfork or a frozen cgroup",
 
 
 class FreezeInterrupted(KeyboardInterrupt):
-    """SIGINT or SIGTERM arrived while threads were frozen; everything was thawed.
+    """SIGINT, SIGTERM or SIGHUP arrived during a check (or a freeze); everything was released.
 
     The caller should re-raise `signum` (with its original disposition) once it cleaned up."""
 
     def __init__(self, signum: int):
         super().__init__(f"interrupted by {signal.Signals(signum).name}")
         self.signum = signum
+
+
+CheckInterrupted = FreezeInterrupted    # the name used outside the freeze stage
+INTERRUPT_SIGNALS = (signal.SIGINT, signal.SIGTERM, signal.SIGHUP)
+
+
+class _Signals:
+    """Process-wide signal state of the running check (handlers run in the main thread)."""
+    depth = 0           # nesting of interruptible(); handlers installed while > 0
+    critical = 0        # nesting of critical(): a signal is only recorded
+    pending = 0         # the first signal caught, 0 when none
+    raised = False      # FreezeInterrupted was raised for it: never raise again
+    old: Dict[int, object] = {}
+
+
+def _on_signal(signum, frame):
+    if not _Signals.pending:
+        _Signals.pending = signum
+    if _Signals.critical or _Signals.raised:
+        return
+    _Signals.raised = True
+    raise FreezeInterrupted(_Signals.pending)
+
+
+def raise_pending() -> None:
+    """Raise FreezeInterrupted for a signal deferred by critical() (no-op inside one, or once
+    it was raised already)."""
+    if _Signals.pending and not _Signals.raised and not _Signals.critical and _Signals.depth:
+        _Signals.raised = True
+        raise FreezeInterrupted(_Signals.pending)
+
+
+def interrupted() -> int:
+    """The signal caught during the current check, or 0."""
+    return _Signals.pending
+
+
+# Installs the SIGINT/SIGTERM/SIGHUP handlers for the outermost block (main thread only; in
+# another thread, or for a signal set to SIG_IGN or handled outside Python, nothing changes).
+# Raises FreezeInterrupted(signum) at the first signal (after any critical() block ends);
+# on leaving the outermost block the previous handlers come back and a signal still pending
+# is raised.
+@contextmanager
+def interruptible() -> Iterator[None]:
+    if threading.current_thread() is not threading.main_thread():
+        yield
+        return
+    outer = _Signals.depth == 0
+    if outer:
+        _Signals.pending, _Signals.raised, _Signals.old = 0, False, {}
+        for signum in INTERRUPT_SIGNALS:
+            old = signal.getsignal(signum)
+            if old is None or old is signal.SIG_IGN:
+                continue
+            _Signals.old[signum] = old
+            signal.signal(signum, _on_signal)
+    _Signals.depth += 1
+    ok = False
+    try:
+        yield
+        ok = True
+    finally:
+        _Signals.critical += 1      # first statement: nothing may raise while restoring
+        _Signals.depth -= 1
+        pending = _Signals.pending
+        if outer:
+            for signum, old in _Signals.old.items():
+                signal.signal(signum, old)
+            _Signals.old, _Signals.pending, _Signals.raised = {}, 0, False
+        _Signals.critical -= 1
+    if ok and outer and pending:
+        raise FreezeInterrupted(pending)
+
+
+@contextmanager
+def critical() -> Iterator[None]:
+    """Defer SIGINT/SIGTERM/SIGHUP while the body runs; raise FreezeInterrupted at its end."""
+    _Signals.critical += 1
+    ok = False
+    try:
+        yield
+        ok = True
+    finally:
+        _Signals.critical -= 1
+    if ok:
+        raise_pending()
 
 
 class _IOVec(ctypes.Structure):
@@ -150,46 +243,12 @@ class Frozen:
         self.tracer_tid = threading.get_native_id()
         self._tracees: Dict[int, _Tracee] = {}
         self._started: Optional[float] = None
-        self._critical = 0
-        self._deferred = 0
-        self._old_handlers: Dict[int, object] = {}
 
-    # ---- signals: SIGINT/SIGTERM raise, except inside a ptrace sequence (deferred)
+    # ---- signals: see interruptible()/critical() above
 
-    def _on_signal(self, signum, frame):
-        if self._critical:
-            self._deferred = self._deferred or signum
-            return
-        raise FreezeInterrupted(signum)
-
-    def _install_handlers(self) -> None:
-        if threading.current_thread() is not threading.main_thread():
-            return
-        for signum in (signal.SIGINT, signal.SIGTERM):
-            old = signal.getsignal(signum)
-            if old is None:         # installed outside Python: leave it alone
-                continue
-            self._old_handlers[signum] = old
-            signal.signal(signum, self._on_signal)
-
-    def _restore_handlers(self) -> None:
-        for signum, old in self._old_handlers.items():
-            signal.signal(signum, old)
-        self._old_handlers = {}
-
-    @contextmanager
-    def critical(self) -> Iterator[None]:
-        """Defer SIGINT/SIGTERM while the body runs; raise FreezeInterrupted at its end."""
-        self._critical += 1
-        ok = False
-        try:
-            yield
-            ok = True
-        finally:
-            self._critical -= 1
-        if ok and not self._critical and self._deferred and self._old_handlers:
-            signum, self._deferred = self._deferred, 0
-            raise FreezeInterrupted(signum)
+    def critical(self):
+        """Defer SIGINT/SIGTERM/SIGHUP while the body runs; raise FreezeInterrupted at its end."""
+        return critical()
 
     # ---- queries used by the snapshot stage
 
@@ -394,7 +453,7 @@ class Frozen:
         if self.thawed:
             return self.pause_ms
         self.check_owner()
-        self._critical += 1
+        _Signals.critical += 1
         try:
             grace = time.monotonic() + SETTLE_GRACE
             for tr in list(self._tracees.values()):
@@ -419,11 +478,8 @@ class Frozen:
                 self.pause_ms = (time.monotonic() - self._started) * 1000.0
             self.thawed = True
         finally:
-            self._critical -= 1
-            self._restore_handlers()
-        if self._deferred:
-            signum, self._deferred = self._deferred, 0
-            raise FreezeInterrupted(signum)
+            _Signals.critical -= 1
+        raise_pending()
         return self.pause_ms
 
     def pending_tids(self) -> List[int]:
@@ -450,14 +506,14 @@ def _get_fpregs(tid: int) -> bytes:
 # used to inject a short syscall). on_attach(tid) runs between each SEIZE and INTERRUPT
 # (a test hook: deliver a signal or kill a thread there). Raises NoSuchProcess (gone or exited meanwhile),
 # AccessDenied (from diagnose.diagnose, with a hint), CollectionError (a thread did not stop
-# within timeout; every thread was released), FreezeInterrupted (SIGINT/SIGTERM).
+# within timeout; every thread was released), FreezeInterrupted (SIGINT/SIGTERM/SIGHUP).
 @contextmanager
 def frozen(pid: int, timeout: float = 2.0, *, one_thread: bool = False,
            on_attach: Optional[Callable[[int], None]] = None) -> Iterator[Frozen]:
-    fz = Frozen(pid, timeout, on_attach)
-    fz._install_handlers()
-    try:
-        fz._freeze(one_thread)
-        yield fz
-    finally:
-        fz.thaw()
+    with interruptible():
+        fz = Frozen(pid, timeout, on_attach)
+        try:
+            fz._freeze(one_thread)
+            yield fz
+        finally:
+            fz.thaw()

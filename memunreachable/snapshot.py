@@ -8,6 +8,8 @@ Input: a Frozen (freeze.py). Output: a Snapshot
     .release()    kill the child, collect it as its tracer, then reap its zombie in the target
                   (a short injected wait4); idempotent; also `with take_snapshot(fz) as snap:`
     .inject_ms, .reap_pause_ms, .lifetime_ms   the figures the report shows
+reap_leftovers(fz) reaps the clones an earlier, killed check of the same target left
+(leftovers.py: the per-target record); take_snapshot() runs it first, while frozen.
 The caller thaws the target right after take_snapshot() in clone mode (the pause stays in
 milliseconds); in direct mode it keeps the target frozen for the whole sweep.
 
@@ -23,19 +25,22 @@ traced child back to its real parent after the tracer collected it).
 from __future__ import annotations
 
 import errno
+import logging
 import os
 import signal
 import time
 from dataclasses import dataclass, field
 from typing import List, Optional, Tuple
 
-from memunreachable import diagnose, procfs, seccomp
+from memunreachable import diagnose, leftovers, procfs, seccomp
 from memunreachable._errors import (AccessDenied, CollectionError, NoSuchProcess,
                                     UnsupportedTarget)
 from memunreachable._ffi import ffi, lib
 from memunreachable._types import REG_NAMES
-from memunreachable.freeze import Frozen, frozen
+from memunreachable.freeze import Frozen, critical, frozen
 from memunreachable.memory import ProcessMemory
+
+log = logging.getLogger("memunreachable")
 
 SYSCALL_INSN = b"\x0f\x05"
 RIP, ORIG_RAX = REG_NAMES.index("rip"), REG_NAMES.index("orig_rax")
@@ -144,17 +149,20 @@ class Snapshot:
             raise NoSuchProcess(self.pid, "the snapshot process is gone") from None
 
     # Kills and reaps the child (clone mode); a no-op in direct mode. Idempotent. Never
-    # raises for cleanup trouble (it lands in .warnings / .zombie_left); FreezeInterrupted
-    # from the reap pause propagates after the cleanup.
+    # raises for cleanup trouble (it lands in .warnings / .zombie_left); a signal that
+    # arrives meanwhile is deferred (freeze.critical) and raised as FreezeInterrupted after
+    # the cleanup. A child left as a zombie stays in the check record (leftovers.py), so the
+    # next check of the target reaps it.
     def release(self) -> None:
         if self.released:
             return
-        self.released = True
-        self.lifetime_ms = (time.monotonic() - self._created) * 1000.0
-        if self.mode != "clone":
-            return
-        _kill_child(self.pid, self.timeout)
-        self._reap()
+        with critical():
+            self.lifetime_ms = (time.monotonic() - self._created) * 1000.0
+            if self.mode == "clone":
+                _kill_child(self.pid, self.timeout)
+                self._reap()
+                leftovers.note_released(self, reaped=not self.zombie_left)
+            self.released = True
 
     def _reap(self) -> None:
         """Reap the child's zombie in the target with an injected wait4(child, __WALL|WNOHANG)."""
@@ -277,6 +285,86 @@ def _direct(fz: Frozen, reason: str, allow_direct: bool, seccomp: bool = False,
                     timeout=fz.timeout, _fz=fz)
 
 
+# Returns warnings (for the report). Reaps, through a thread of the frozen target, the
+# snapshot processes an earlier check of it left behind (leftovers.find_leftovers: children
+# named in the check record, or born in a recorded injection window, still with exit_signal
+# 0): a zombie with an injected wait4(pid, NULL, __WALL|WNOHANG); one still alive and
+# untraced (never seen: the clone inherits EXITKILL at birth) is SIGKILLed first. A clone
+# it cannot reap stays in the record (a warning says so). Raises like take_snapshot() when
+# the injection itself fails.
+def reap_leftovers(fz: Frozen, allow_seccomp: bool = False) -> List[str]:
+    found = leftovers.find_leftovers(fz.pid)
+    if not found:
+        leftovers.settle_leftovers(fz.pid, [])
+        return []
+    pids = [p for p, _ in found]
+    left = [leftovers.Clone(p, st.start) for p, st in found]
+    why = ""
+    tid, insn, refusals = choose_thread(fz, allow_unreadable=allow_seccomp)
+    if not tid or not insn:
+        why = ("; ".join(f"thread {r.tid}: {r.reason}"
+                         for r in refusals) if refusals else
+               "no thread of the target can run a wait4 now (job-control stopped?)")
+    if why:
+        leftovers.settle_leftovers(fz.pid, left)
+        return [f"snapshot process(es) {pids} left by an earlier check of process {fz.pid} "
+                f"were not reaped: {why}"]
+    reaped, notes = [], []
+    try:
+        with fz.critical():
+            for pid, st in found:
+                if st.state not in ("Z", "X"):
+                    tracer = leftovers.tracer_of(pid)
+                    if tracer:
+                        notes.append(f"snapshot process {pid} of an earlier check is traced "
+                                     f"by process {tracer}: left alone")
+                        continue
+                    _kill_leftover(pid)
+                out = ffi.new("mu_inject *")
+                rc = lib.mu_inject_wait4(tid, insn, pid, int(fz.timeout * 1000), out)
+                fz.record_signals(tid, list(out.signals)[:out.nsignals])
+                if rc < 0:
+                    _raise_inject(fz, tid, rc, out, "wait4")
+                if out.ret == pid or out.ret == -errno.ECHILD:
+                    reaped.append(pid)
+                    left = [c for c in left if c.pid != pid]
+                else:
+                    notes.append(f"wait4 for the leftover snapshot process {pid} returned "
+                                 f"{out.ret}; the next check retries")
+    finally:
+        leftovers.settle_leftovers(fz.pid, left)
+    if reaped:
+        notes.insert(0, f"reaped {len(reaped)} snapshot process(es) (pid {', '.join(map(str, reaped))}) "
+                        f"left in process {fz.pid} by an earlier check that was killed")
+        log.warning("%s", notes[0])
+    return notes
+
+
+def _kill_leftover(pid: int, timeout: float = 1.0) -> None:
+    """SIGKILL a leftover clone that is still alive; wait (bounded) until it is a zombie."""
+    try:
+        os.kill(pid, signal.SIGKILL)
+    except ProcessLookupError:
+        return
+    deadline = time.monotonic() + timeout
+    while time.monotonic() < deadline:
+        st = leftovers.read_stat(pid)
+        if st is None or st.state in ("Z", "X"):
+            return
+        time.sleep(0.001)
+
+
+# Returns a Snapshot of the frozen process, after reaping what an earlier killed check left
+# (reap_leftovers; its warnings come first in .warnings). See _take_snapshot().
+def take_snapshot(fz: Frozen, allow_direct: bool = True, allow_seccomp: bool = False,
+                  tid: Optional[int] = None) -> Snapshot:
+    fz.check_owner()
+    notes = reap_leftovers(fz, allow_seccomp) if not fz.thawed else []
+    snap = _take_snapshot(fz, allow_direct, allow_seccomp, tid)
+    snap.warnings[:0] = notes
+    return snap
+
+
 # Returns a Snapshot of the frozen process. Mode "direct" (with .reason) when no thread may
 # run the injected syscalls under its seccomp rules (strict mode, a filter that does not
 # ALLOW/LOG clone or wait4, or unreadable filters without allow_seccomp: see choose_thread),
@@ -285,8 +373,8 @@ def _direct(fz: Frozen, reason: str, allow_direct: bool, seccomp: bool = False,
 # Raises NoSuchProcess (the target exited) or CollectionError (a ptrace step failed; any
 # child was killed and reaped). The target stays frozen: thaw it next.
 # tid: inject into that thread (tests); default: the best candidate.
-def take_snapshot(fz: Frozen, allow_direct: bool = True, allow_seccomp: bool = False,
-                  tid: Optional[int] = None) -> Snapshot:
+def _take_snapshot(fz: Frozen, allow_direct: bool = True, allow_seccomp: bool = False,
+                   tid: Optional[int] = None) -> Snapshot:
     fz.check_owner()
     if fz.thawed:
         raise CollectionError(f"process {fz.pid} must be frozen to take a snapshot")
@@ -305,6 +393,7 @@ def take_snapshot(fz: Frozen, allow_direct: bool = True, allow_seccomp: bool = F
     snap = None
     try:
         with fz.critical():
+            leftovers.note_injection(fz.pid, fz.timeout)    # before the clone can exist
             t0 = time.monotonic()
             rc = lib.mu_inject_clone(tid, insn, int(fz.timeout * 1000), out)
             inject_ms = (time.monotonic() - t0) * 1000.0
@@ -313,6 +402,7 @@ def take_snapshot(fz: Frozen, allow_direct: bool = True, allow_seccomp: bool = F
                 snap = Snapshot(pid=out.child, target_pid=fz.pid, mode="clone",
                                 inject_ms=inject_ms, syscall_insn=insn, inject_tid=tid,
                                 timeout=fz.timeout, allow_seccomp=allow_seccomp, _fz=fz)
+            leftovers.note_clone(fz.pid, out.child, snap)
             if rc < 0:
                 if snap is not None and out.restored:
                     snap.release()

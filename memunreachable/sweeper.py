@@ -19,6 +19,7 @@ Wire format (version 2, little-endian):
 """
 from __future__ import annotations
 
+import ctypes
 import faulthandler
 from array import array
 import json
@@ -33,6 +34,7 @@ from dataclasses import dataclass, field
 from typing import Callable, List, Optional
 
 from memunreachable._errors import MemunreachableError, SweepError
+from memunreachable.freeze import critical
 
 log = logging.getLogger("memunreachable")
 
@@ -143,35 +145,27 @@ def decode(message: bytes):
 def run_sweeper(work: Callable[[], SweepResult], timeout: float) -> SweepResult:
     """Fork a sweeper that runs work() and send its result back; return it or raise.
 
-    Only the sweeper holds the pipe's write end, so its death is seen as EOF.
+    Only the sweeper holds the pipe's write end, so its death is seen as EOF. The sweeper
+    never outlives the checker: it is killed on every exit path of this function (signal,
+    timeout, error), and PR_SET_PDEATHSIG kills it when the checker itself is killed.
     """
+    _libc_prctl()           # resolved before the fork
     rfd, wfd = os.pipe2(os.O_CLOEXEC)
-    pid = os.fork()
-    if pid == 0:  # ---- sweeper process ----
-        code = 0
-        try:
-            os.close(rfd)
-            faulthandler.disable()      # a crash is reported by the checker, not dumped here
-            signal.signal(signal.SIGINT, signal.SIG_DFL)
-            signal.signal(signal.SIGTERM, signal.SIG_DFL)
-            try:
-                msg = encode_result(work())
-            except BaseException as exc:  # noqa: BLE001 - everything goes over the pipe
-                msg = encode_error(exc)
-            view = memoryview(msg)
-            while view:
-                n = os.write(wfd, view)
-                view = view[n:]
-        except BaseException:  # noqa: BLE001
-            code = 70
-        finally:
-            os._exit(code)
-    # ---- checker ----
-    os.close(wfd)
+    parent = os.getpid()
+    pid = 0
     try:
+        with critical():        # no signal between the fork and `pid` being known
+            pid = os.fork()
+            if pid == 0:
+                _sweeper_main(work, rfd, wfd, parent)      # never returns
+            os.close(wfd)
+            wfd = -1
         data = _read_all(rfd, pid, timeout)
     except BaseException:
-        _kill(pid)          # interrupted (SIGINT/SIGTERM) or timed out: no sweeper left behind
+        if wfd >= 0:
+            os.close(wfd)
+        if pid:
+            _kill(pid)      # interrupted (SIGINT/SIGTERM/SIGHUP) or timed out: none left behind
         raise
     finally:
         os.close(rfd)
@@ -179,11 +173,59 @@ def run_sweeper(work: Callable[[], SweepResult], timeout: float) -> SweepResult:
     if not data:
         if os.WIFSIGNALED(status):
             sig = signal.Signals(os.WTERMSIG(status)).name
+            if os.WTERMSIG(status) in (signal.SIGKILL, signal.SIGTERM):
+                raise SweepError(f"the sweeper process {pid} was killed ({sig}) before sending "
+                                 "a result; nothing was reported",
+                                 hint="something outside memunreachable killed it (the OOM "
+                                      "killer? see dmesg); run the check again")
             raise SweepError(f"the sweeper process crashed ({sig}) before sending a result",
                              hint="this is a bug in memunreachable; please report it with -vv output")
         raise SweepError(f"the sweeper exited with status {os.waitstatus_to_exitcode(status)} "
                          "without sending a result")
     return decode(data)
+
+
+def _sweeper_main(work: Callable[[], SweepResult], rfd: int, wfd: int, parent: int) -> None:
+    """The sweeper process: run work(), write the message, _exit. Never returns."""
+    code = 0
+    try:
+        os.close(rfd)
+        # dies with the checker, even by SIGKILL (PR_SET_PDEATHSIG); a terminal's SIGINT or
+        # SIGHUP reaches the whole process group: the checker alone decides, and kills us
+        _set_pdeathsig(signal.SIGKILL)
+        if os.getppid() != parent:
+            os._exit(71)                        # the checker died before the prctl
+        faulthandler.disable()      # a crash is reported by the checker, not dumped here
+        signal.signal(signal.SIGINT, signal.SIG_IGN)
+        signal.signal(signal.SIGHUP, signal.SIG_IGN)
+        signal.signal(signal.SIGTERM, signal.SIG_DFL)
+        try:
+            msg = encode_result(work())
+        except BaseException as exc:  # noqa: BLE001 - everything goes over the pipe
+            msg = encode_error(exc)
+        view = memoryview(msg)
+        while view:
+            n = os.write(wfd, view)
+            view = view[n:]
+    except BaseException:  # noqa: BLE001
+        code = 70
+    finally:
+        os._exit(code)
+
+
+PR_SET_PDEATHSIG = 1
+_prctl = None
+
+
+def _libc_prctl():
+    global _prctl
+    if _prctl is None:
+        _prctl = ctypes.CDLL(None, use_errno=True).prctl
+    return _prctl
+
+
+def _set_pdeathsig(sig: int) -> None:
+    _libc_prctl()(PR_SET_PDEATHSIG, ctypes.c_ulong(sig), 0, 0, 0)
 
 
 def _read_all(fd: int, pid: int, timeout: float) -> bytes:
@@ -205,11 +247,12 @@ def _read_all(fd: int, pid: int, timeout: float) -> bytes:
 
 
 def _kill(pid: int) -> None:
-    try:
-        os.kill(pid, signal.SIGKILL)
-    except ProcessLookupError:
-        pass
-    _reap(pid)
+    with critical():
+        try:
+            os.kill(pid, signal.SIGKILL)
+        except ProcessLookupError:
+            pass
+        _reap(pid)
 
 
 def _reap(pid: int) -> int:

@@ -22,7 +22,7 @@ from dataclasses import dataclass, field
 from itertools import compress
 from typing import List, Optional
 
-from memunreachable import detect, diagnose, procfs
+from memunreachable import detect, diagnose, leftovers, procfs
 from memunreachable import preflight as preflight_stage
 from memunreachable._errors import (CollectionError, HeapCorrupt, HeapWalkError,
                                     MemoryUnreadable, NoSuchProcess)
@@ -50,6 +50,7 @@ RETAKE_WORDS = {"inflight": "a thread was inside malloc/free",
                 "died": "the snapshot process died during the sweep"}
 
 
+@leftovers.guarded     # signals, per-target lock, no snapshot process left (leftovers.py)
 def check(pid: int, *, limit: Optional[int] = 100, timeout: float = 2.0,
           sweep_timeout: float = 600.0, allow_direct: bool = True,
           allow_seccomp: bool = False) -> UnreachableMemoryInfo:

@@ -169,6 +169,10 @@ static int inject(int tid, uint64_t insn, uint64_t nr, const uint64_t args[6], i
     memset(out, 0, sizeof *out);
     if (ptrace(PTRACE_GETREGS, tid, 0, &saved) < 0)
         return -errno;
+    /* EXITKILL from before the injected registers are set until the clone event: the child
+     * inherits it at birth, so it can never run untraced as a duplicate of the target; if
+     * the tracer dies between SETREGS and the syscall entry, the target is killed rather
+     * than left running the clone untraced from corrupted registers (section 8) */
     if (is_clone)
         opts |= PTRACE_O_TRACEFORK | PTRACE_O_EXITKILL;
     if (ptrace(PTRACE_SETOPTIONS, tid, 0, opts) < 0)
@@ -217,6 +221,13 @@ static int inject(int tid, uint64_t insn, uint64_t nr, const uint64_t args[6], i
             if (is_clone && out->child == 0) {
                 unsigned long msg = 0;
                 int status = 0, w;
+                /* EXITKILL stays on in the child only: drop it from the target thread
+                 * at once, before waiting for the child's birth stop */
+                if (ptrace(PTRACE_SETOPTIONS, tid, 0,
+                           PTRACE_O_TRACECLONE | PTRACE_O_TRACESYSGOOD) < 0) {
+                    rc = -errno;
+                    goto restore;
+                }
                 if (ptrace(PTRACE_GETEVENTMSG, tid, 0, &msg) < 0) {
                     rc = -errno;
                     goto restore;
@@ -226,12 +237,6 @@ static int inject(int tid, uint64_t insn, uint64_t nr, const uint64_t args[6], i
                 w = wait_until(out->child, deadline, &status);
                 if (w <= 0) {
                     rc = w < 0 ? w : -ETIMEDOUT;
-                    goto restore;
-                }
-                /* EXITKILL stays on in the child only */
-                if (ptrace(PTRACE_SETOPTIONS, tid, 0,
-                           PTRACE_O_TRACECLONE | PTRACE_O_TRACESYSGOOD) < 0) {
-                    rc = -errno;
                     goto restore;
                 }
             }

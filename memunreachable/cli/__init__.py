@@ -18,9 +18,11 @@ exception class name, CommandError for usage errors), with the same exit code; t
 message stays on stderr. Usage errors name the subcommand's own usage (`check 1 2` is an
 error of `memunreachable check`, not of the top-level parser).
 
-A check interrupted by SIGINT/SIGTERM (the engine raises an exception carrying .signum, after
-releasing the target) ends by re-raising that signal on ourselves with the default disposition,
-so the parent shell sees the usual "killed by signal" status (or 128 + signum as a fallback).
+A check interrupted by SIGINT/SIGTERM/SIGHUP (the engine raises an exception carrying .signum,
+after releasing the target and killing its helper processes: leftovers.guard) ends by
+re-raising that signal on ourselves with the default disposition, so the parent shell sees the
+usual "killed by signal" status (or 128 + signum as a fallback). main() turns SIGTERM/SIGHUP
+into that exception outside the check too (unless they were ignored, as under nohup).
 """
 from __future__ import annotations
 
@@ -31,6 +33,7 @@ import os
 import re
 import signal
 import sys
+import threading
 import traceback
 from typing import List, Optional, Sequence, Tuple, Type
 
@@ -176,6 +179,31 @@ def die_by_signal(signum: int) -> int:
     return 128 + signum
 
 
+class Interrupted(KeyboardInterrupt):
+    """SIGTERM/SIGHUP outside a check (inside one the engine raises its own, with .signum)."""
+
+    def __init__(self, signum: int):
+        super().__init__(f"interrupted by {_signal_name(signum)}")
+        self.signum = signum
+
+
+def _raise_interrupted(signum, frame):
+    raise Interrupted(signum)
+
+
+def _catch_signals() -> dict:
+    """SIGTERM/SIGHUP -> Interrupted, unless ignored or handled outside Python; returns the
+    old handlers (main thread only: signal.signal refuses other threads)."""
+    old = {}
+    if threading.current_thread() is not threading.main_thread():
+        return old
+    for signum in (signal.SIGTERM, signal.SIGHUP):
+        prev = signal.getsignal(signum)
+        if prev is signal.SIG_DFL:
+            old[signum] = signal.signal(signum, _raise_interrupted)
+    return old
+
+
 def _signal_name(signum: int) -> str:
     try:
         return signal.Signals(signum).name
@@ -261,6 +289,7 @@ def main(argv: Optional[Sequence[str]] = None) -> int:
     as_json = bool(getattr(args, "json", False))
     pid = getattr(args, "pid", None) or getattr(args, "pid_option", None)
     handler, old_level = _setup_logging(args)
+    old_handlers = _catch_signals()
     try:
         return command.run(args)
     except BaseException as exc:       # the one place where exceptions become exit codes
@@ -293,5 +322,7 @@ def main(argv: Optional[Sequence[str]] = None) -> int:
             print_json_error(kind, f"internal error: {kind}: {exc}", INTERNAL_HINT, pid)
         return code
     finally:
+        for signum, old in old_handlers.items():
+            signal.signal(signum, old)
         logging.getLogger(LOGGER).removeHandler(handler)
         logging.getLogger(LOGGER).setLevel(old_level)
