@@ -286,3 +286,16 @@ def read_seccomp(pid: int, tid: int) -> Tuple[int, int]:
         raise _gone(pid) from exc
     finally:
         os.close(fd)
+
+
+# Returns the file behind mappings (of one object), opened for reading: through
+# /proc/PID/map_files first (it survives the file being replaced or deleted on disk), else by
+# path. Raises OSError when neither opens.
+def open_mapped_file(mappings: List[Mapping], pid: Optional[int], path: Optional[str] = None):
+    first = min(mappings, key=lambda m: m.begin)
+    if pid is not None:
+        try:
+            return open(f"/proc/{pid}/map_files/{first.begin:x}-{first.end:x}", "rb")
+        except OSError:
+            pass
+    return open(path or first.path, "rb")

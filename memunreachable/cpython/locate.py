@@ -20,6 +20,7 @@ from typing import Dict, List, Optional, Sequence, Tuple
 
 from elftools.elf.elffile import ELFFile
 
+from memunreachable import procfs
 from memunreachable._errors import MemoryUnreadable
 from memunreachable._types import Mapping, ThreadState
 from memunreachable.cpython import layout as L
@@ -106,13 +107,7 @@ def _version_from_name(path: str) -> Optional[Tuple[int, int]]:
 
 
 def _open(path: str, mappings: List[Mapping], pid: Optional[int]):
-    first = min(mappings, key=lambda m: m.begin)
-    if pid is not None:
-        try:
-            return open(f"/proc/{pid}/map_files/{first.begin:x}-{first.end:x}", "rb")
-        except OSError:
-            pass
-    return open(path, "rb")
+    return procfs.open_mapped_file(mappings, pid, path)
 
 
 def _load_bias(elf: ELFFile, mappings: List[Mapping]) -> Optional[int]:

@@ -19,6 +19,7 @@ from elftools.elf.elffile import ELFFile
 from elftools.elf.relocation import RelocationSection
 
 from memunreachable._errors import MemoryUnreadable
+from memunreachable import procfs
 from memunreachable._types import Mapping
 from memunreachable.glibc import layout as L
 
@@ -42,17 +43,6 @@ class _Image:
     rw: List[Tuple[int, bytes]]       # (p_vaddr, file bytes) of each writable PT_LOAD
     relative: dict                    # r_offset -> addend of R_X86_64_RELATIVE (RELA builds)
     version: Optional[str]
-
-
-def _open_object(mappings: List[Mapping], pid: Optional[int]):
-    """Open the object's file: map_files first (survives replacement on disk), then the path."""
-    first = min(mappings, key=lambda m: m.begin)
-    if pid is not None:
-        try:
-            return open(f"/proc/{pid}/map_files/{first.begin:x}-{first.end:x}", "rb")
-        except OSError:
-            pass
-    return open(first.path, "rb")
 
 
 def _load_bias(first_load: Tuple[int, int], mappings: List[Mapping]) -> Optional[int]:
@@ -115,7 +105,7 @@ def _file_facts(f) -> Optional[_FileFacts]:
 def read_image(mappings: List[Mapping], pid: Optional[int]) -> Optional[_Image]:
     """Parse the object's file (program headers, RELA relatives, version string); None if unreadable."""
     try:
-        f = _open_object(mappings, pid)
+        f = procfs.open_mapped_file(mappings, pid)
     except OSError:
         return None
     with f:
