@@ -39,14 +39,9 @@ def pytest_configure(config):
 
 
 def pytest_report_header(config):
-    import os
     if not (config.getoption("--memunreachable") or config.getini("memunreachable")):
         return None
-    if os.environ.get("PYTHONMALLOC") != "malloc":
-        return ("memunreachable: PYTHONMALLOC is not 'malloc': Python objects live in pymalloc "
-                "arenas, which are scanned as roots, so stale words there can hide leaks; "
-                "run with PYTHONMALLOC=malloc for precise checks")
-    return "memunreachable: checking every test for unreachable native memory"
+    return "memunreachable: checking every test for unreachable native memory and Python objects"
 
 
 def _enabled(item) -> bool:
