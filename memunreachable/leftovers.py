@@ -39,7 +39,8 @@ from contextlib import contextmanager
 from dataclasses import dataclass, field
 from typing import Dict, Iterator, List, Optional, Tuple
 
-from memunreachable._errors import CollectionError
+from memunreachable import procfs
+from memunreachable._errors import CollectionError, NoSuchProcess
 from memunreachable.freeze import critical, interruptible
 
 log = logging.getLogger("memunreachable")
@@ -82,13 +83,9 @@ def read_stat(pid: int) -> Optional[ProcStat]:
 def tracer_of(pid: int) -> int:
     """TracerPid of pid (0: not traced, or gone)."""
     try:
-        with open(f"/proc/{pid}/status", "rb") as f:
-            for line in f:
-                if line.startswith(b"TracerPid:"):
-                    return int(line.split()[1])
-    except (OSError, ValueError, IndexError):
-        pass
-    return 0
+        return procfs.read_status(pid).tracer_pid
+    except (NoSuchProcess, OSError, ValueError):
+        return 0
 
 
 def now_ticks() -> int:

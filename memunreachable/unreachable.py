@@ -142,7 +142,7 @@ def _judge_inconsistency(pid: int, st: _Attempts, exc: HeapInconsistent) -> None
     suspect = bool(getattr(exc, "suspect_tids", None))
     st.suspect_seen |= suspect
     if text == st.last_inconsistency and not suspect and not st.last_suspect:
-        first_bad = getattr(exc, "first_bad", 0)
+        first_bad = exc.first_bad
         where = f" (first bad chunk at {first_bad:#x})" if first_bad else ""
         err = HeapCorrupt(
             f"the heap of process {pid} is corrupt{where}: {text}; it was the same in two "
@@ -367,7 +367,7 @@ def sweep(mem, maps, threads, pid: int, confirm: Optional[set] = None,
     marked = mark(image, root_buffers, roots.words, glibc_chunks=True, dead=dead)
     contents = _ContentsReader(image)
     begins, sizes = image.begins, image.sizes
-    unsure_sizes = getattr(hw, "uncertain_sizes", None) or {}
+    unsure_sizes = hw.uncertain_sizes
     unmarked = _unmarked(marked.marked) if (confirm is not None or unsure_sizes or
                                             all_uncertain) else []
     uncertain = [i for i in unmarked if all_uncertain or sizes[i] in unsure_sizes]

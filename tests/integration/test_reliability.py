@@ -20,7 +20,7 @@ import time
 import pytest
 
 import fixtures
-from memunreachable import unreachable
+from memunreachable import leftovers, unreachable
 from memunreachable._errors import CollectionError, HeapCorrupt
 from memunreachable.unreachable import check
 from test_check import assert_target_running, children_of
@@ -38,17 +38,8 @@ def fixture_leaks(fx) -> set:
 
 def snapshot_children(pid: int) -> list:
     """Children of pid created by clone(flags=0): exit_signal (stat field 38) is 0."""
-    out = []
-    for child, _ in children_of(pid):
-        try:
-            with open(f"/proc/{child}/stat") as f:
-                stat = f.read()
-        except OSError:
-            continue
-        fields = stat[stat.rindex(")") + 2:].split()
-        if int(fields[35]) == 0:       # field 38 counted from 1; fields[0] is field 3
-            out.append(child)
-    return out
+    return [c for c, _ in children_of(pid)
+            if (st := leftovers.read_stat(c)) is not None and st.exit_signal == 0]
 
 
 # ---- the snapshot process dies during the sweep ------------------------------------------
@@ -66,11 +57,8 @@ def _killing_walk(marker: str, times: int):
                 f.write("k")
                 os.kill(pid, signal.SIGKILL)
                 for _ in range(1000):           # until the kernel tore it down
-                    try:
-                        with open(f"/proc/{pid}/stat") as s:
-                            if s.read().rsplit(")", 1)[1].split()[0] in "ZX":
-                                break
-                    except OSError:
+                    st = leftovers.read_stat(pid)
+                    if st is None or st.state in "ZX":
                         break
                     time.sleep(0.001)
         return real(mem, maps, threads, pid)
@@ -229,11 +217,8 @@ def test_corrupt_heap_of_an_idle_target_is_reported_after_two_snapshots(caplog):
 # ---- the target dies during the check -------------------------------------------------------
 
 def _gone(pid: int) -> bool:
-    try:
-        with open(f"/proc/{pid}/stat") as f:
-            return f.read().rsplit(")", 1)[1].split()[0] == "X"
-    except OSError:
-        return True
+    st = leftovers.read_stat(pid)
+    return st is None or st.state == "X"
 
 
 @pytest.mark.parametrize("seed", range(6))
