@@ -51,32 +51,14 @@ VERSION = 1
 HZ = os.sysconf("SC_CLK_TCK")   # unit of /proc/PID/stat starttime
 
 
-@dataclass(frozen=True)
-class ProcStat:
-    """The fields of /proc/PID/stat this module needs."""
-    pid: int
-    state: str
-    ppid: int
-    start: int          # field 22, clock ticks since boot
-    exit_signal: int    # field 38: 0 for a clone(flags=0) child
-
-
-# Returns the ProcStat of one /proc/PID/stat text. comm (field 2) may hold spaces and ")":
-# the fields after it start after the LAST ")". Raises ValueError on a short line.
-def parse_stat(text: str) -> ProcStat:
-    rest = text[text.rindex(")") + 2:].split()
-    if len(rest) < 36:
-        raise ValueError(f"short /proc stat line ({len(rest) + 2} fields)")
-    return ProcStat(pid=int(text[:text.index("(")]), state=rest[0], ppid=int(rest[1]),
-                    start=int(rest[19]), exit_signal=int(rest[35]))
+ProcStat = procfs.Stat      # the /proc/PID/stat fields used here: pid, state, ppid, start, exit_signal
 
 
 def read_stat(pid: int) -> Optional[ProcStat]:
-    """/proc/PID/stat parsed, or None when the process is gone."""
+    """/proc/PID/stat parsed (procfs.parse_stat), or None when the process is gone."""
     try:
-        with open(f"/proc/{pid}/stat", "rb") as f:
-            return parse_stat(f.read().decode("utf-8", "replace"))
-    except (OSError, ValueError):
+        return procfs.read_stat(pid)
+    except (NoSuchProcess, OSError, ValueError):
         return None
 
 

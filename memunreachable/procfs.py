@@ -63,6 +63,8 @@ class Stat:
     state: str
     ppid: int
     flags: int
+    start: Optional[int] = None          # field 22: clock ticks since boot
+    exit_signal: Optional[int] = None    # field 38: 0 for a clone(flags=0) child (kernels 2.2+)
 
     @property
     def kernel_thread(self) -> bool:
@@ -120,13 +122,19 @@ def parse_status(text: str) -> Status:
 
 
 # Returns a Stat. comm sits between the first "(" and the LAST ")" (it may contain both).
+# start and exit_signal are None when the line stops before them. Raises ValueError on a
+# line too short to hold flags.
 def parse_stat(text: str) -> Stat:
     lpar = text.index("(")
     rpar = text.rindex(")")
     rest = text[rpar + 1:].split()
-    # rest[0] is field 3 (state); flags is field 9 -> rest[6]
+    if len(rest) < 7:
+        raise ValueError(f"short /proc stat line ({len(rest) + 2} fields)")
+    # rest[0] is field 3 (state); flags is field 9 -> rest[6]; field N is rest[N - 3]
     return Stat(pid=int(text[:lpar]), comm=text[lpar + 1:rpar], state=rest[0],
-                ppid=int(rest[1]), flags=int(rest[6]))
+                ppid=int(rest[1]), flags=int(rest[6]),
+                start=int(rest[19]) if len(rest) > 19 else None,
+                exit_signal=int(rest[35]) if len(rest) > 35 else None)
 
 
 def _gone(pid: int) -> NoSuchProcess:
