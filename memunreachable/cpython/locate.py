@@ -30,7 +30,7 @@ MAX_INTERPRETERS = 256
 MAX_THREADS = 1 << 16
 LIBPYTHON = re.compile(r"^libpython(\d)\.(\d+)[a-z]*\.so")
 EXECUTABLE = re.compile(r"^python(\d)\.(\d+)[a-z]*$")
-ANY_PYTHON = re.compile(r"python")
+ANY_PYTHON = re.compile(r"^(lib)?python")   # not extension modules (foo.cpython-311-...so)
 SYM = struct.Struct("<IBBHQQ")            # Elf64_Sym
 
 
@@ -182,7 +182,7 @@ def elf_facts(f) -> Optional[ElfFacts]:
                                  elf["e_type"] == "ET_DYN")
         except Exception:        # malformed ELF: pyelftools raises many types
             facts = None
-        if len(_FACTS) >= 16:
+        if len(_FACTS) >= 256:
             _FACTS.clear()
         _FACTS[key] = facts
     return _FACTS[key]
@@ -203,9 +203,11 @@ def warm(maps: Sequence[Mapping], pid: Optional[int]) -> None:
     for path, mappings in _candidates(maps, pid):
         try:
             with _open(path, mappings, pid) as f:
-                elf_facts(f)
+                facts = elf_facts(f)
         except OSError:
             continue
+        if facts is not None and ("_PyRuntime" in facts.symbols or facts.pyruntime_section):
+            return              # find_runtime stops at this one too
 
 
 # Returns the Runtime of the first candidate object that exports (or has a section for)
