@@ -23,6 +23,7 @@ def main(argv=None) -> int:
     ap.add_argument("--pid", type=int, required=True)
     ap.add_argument("--fd", type=int, required=True)
     args = ap.parse_args(argv)
+    _warm(args.pid)
     for line in sys.stdin.buffer:
         words = line.split()
         if len(words) != 3 or words[0] != b"go":
@@ -34,6 +35,18 @@ def main(argv=None) -> int:
             view = view[os.write(args.fd, view):]
     os.close(args.fd)
     return 0
+
+
+def _warm(pid: int) -> None:
+    """Import the pipeline and parse the caller's malloc and Python ELF files before the first
+    request (the caller may have started us early: this overlaps with its own work). Only
+    caches are filled; a failure here shows up, if it matters, in the first check."""
+    try:
+        from memunreachable import procfs
+        from memunreachable.unreachable import _warm_caches
+        _warm_caches(procfs.read_maps(pid), pid)
+    except Exception:  # noqa: BLE001 - a cache that stays cold is only slower
+        pass
 
 
 def _one_check(pid: int, limit, timeout: float) -> tuple:

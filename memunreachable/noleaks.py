@@ -245,14 +245,29 @@ atexit.register(_close_helper)
 os.register_at_fork(after_in_child=_forget_helper_in_child)
 
 
+def _ensure_helper() -> "_Helper":
+    """This process's live helper, started (or restarted) when needed. Caller holds the lock."""
+    global _HELPER
+    if _HELPER is None or not _HELPER.alive():
+        if _HELPER is not None and _HELPER.owner == os.getpid():
+            _HELPER.close()
+        _HELPER = _Helper()
+    return _HELPER
+
+
+def start_helper() -> None:
+    """Start this process's helper now, so that its start-up (imports, parsing libc's and
+    libpython's ELF files) overlaps with the caller's own work instead of the first check.
+    Raises what starting it raises (OSError); checks start it anyway when it is absent."""
+    with _HELPER_LOCK:
+        _ensure_helper()
+
+
 def _check_self(limit: Optional[int], timeout: float) -> UnreachableMemoryInfo:
     global _HELPER
     with _HELPER_LOCK:
         for attempt in (1, 2):
-            if _HELPER is None or not _HELPER.alive():
-                if _HELPER is not None and _HELPER.owner == os.getpid():
-                    _HELPER.close()
-                _HELPER = _Helper()
+            _ensure_helper()
             try:
                 data = _HELPER.run(limit, timeout)
                 break

@@ -195,19 +195,28 @@ def task_state(pid: int, tid: int) -> str:
 
 # Returns [(Mapping, VmFlags)] in file order from /proc/PID/smaps text: each mapping's header
 # line with the two-letter flags of its VmFlags line ("dc" MADV_DONTFORK, "wf"
-# MADV_WIPEONFORK, "io"/"pf" device memory; proc(5)). A mapping without a VmFlags line
-# (kernels before 3.8) gets an empty set. Raises ValueError on a malformed header line.
+# MADV_WIPEONFORK, "io"/"pf" device memory; proc(5)), plus the pseudo-flag "written" when the
+# mapping holds anonymous pages, resident or swapped ("Anonymous:" or "Swap:" above 0 kB): in
+# a private file mapping those are the pages the process wrote. A mapping without a VmFlags
+# line (kernels before 3.8) gets no two-letter flags. Raises ValueError on a malformed header.
 def parse_smaps_flags(text: str) -> List[Tuple[Mapping, frozenset]]:
     out: List[Tuple[Mapping, frozenset]] = []
     for line in text.splitlines():
         if line.startswith("VmFlags:"):
             if out:
-                out[-1] = (out[-1][0], frozenset(line[8:].split()))
+                out[-1] = (out[-1][0], out[-1][1] | frozenset(line[8:].split()))
+            continue
+        if line.startswith(("Anonymous:", "Swap:")):
+            if out and line.split()[1] != "0":
+                out[-1] = (out[-1][0], out[-1][1] | WRITTEN)
             continue
         head = line.split(None, 1)[0] if line.strip() else ""
         if "-" in head and not head.endswith(":"):
             out.append((parse_maps(line)[0], frozenset()))
     return out
+
+
+WRITTEN = frozenset({"written"})
 
 
 def read_smaps_flags(pid: int) -> List[Tuple[Mapping, frozenset]]:

@@ -3,6 +3,10 @@
 Inactive unless asked: `--memunreachable` checks every test, `@pytest.mark.no_leaks` one
 test, and the `memunreachable` fixture gives explicit checks inside a test. A test fails
 when unreachable blocks appeared during it (a baseline is taken just before it).
+Consecutive checked tests that use no fixture share a check: the check after one test is
+the baseline of the next (only pytest's own code ran between them), so such tests cost one
+check each instead of two. A test with fixtures (their setup and the previous test's
+teardown may allocate) gets its own baseline just before its body.
 A check that cannot run (no ptrace here, say) never skips or hides the test: its body always
 runs and its own outcome stands; the check's failure then errors the test at teardown, with
 the reason and hint, or is a warning with `--memunreachable-cannot-check=warn` (ini
@@ -10,12 +14,14 @@ the reason and hint, or is a warning with `--memunreachable-cannot-check=warn` (
 """
 from __future__ import annotations
 
+import contextlib
 import warnings
 
 import pytest
 
 from memunreachable._errors import MemunreachableError
-from memunreachable.noleaks import _only, _render, get_unreachable_memory, leak_baseline
+from memunreachable.noleaks import (LeakBaseline, _only, _render, get_unreachable_memory,
+                                    leak_baseline, start_helper)
 
 
 def pytest_addoption(parser):
@@ -36,6 +42,13 @@ def pytest_addoption(parser):
 def pytest_configure(config):
     config.addinivalue_line("markers", "no_leaks: fail the test if native heap blocks become "
                                        "unreachable during it (memunreachable)")
+    xdist_controller = getattr(config.option, "numprocesses", None) and \
+        not hasattr(config, "workerinput")
+    if (config.getoption("--memunreachable") or config.getini("memunreachable")) and \
+            not xdist_controller and not config.option.collectonly:
+        # the helper starts while pytest collects; a failure here is reported by the checks
+        with contextlib.suppress(MemunreachableError, OSError):
+            start_helper()
 
 
 def pytest_report_header(config):
@@ -51,6 +64,8 @@ def _enabled(item) -> bool:
 
 
 _CANNOT = pytest.StashKey[MemunreachableError]()
+_AFTER = pytest.StashKey[tuple]()       # (item, LeakBaseline) of the last check after a test body
+_PREVIOUS = pytest.StashKey[object]()   # the item whose protocol ran last
 
 
 def _reason(exc: MemunreachableError) -> str:
@@ -65,15 +80,55 @@ def _cannot_check_mode(config) -> str:
     return mode
 
 
+def _runs_no_fixture_code(item) -> bool:
+    """True when no fixture (setup or teardown code) belongs to the item: its fixture names
+    are only direct parametrize arguments (pytest's pseudo-fixtures)."""
+    names = set(getattr(item, "fixturenames", ()) or ())
+    params = getattr(getattr(item, "callspec", None), "params", {})
+    try:
+        defs = item._fixtureinfo.name2fixturedefs        # private: any doubt means "no"
+    except AttributeError:
+        return not names
+    for name in names:
+        if name not in params or any(
+                getattr(d.func, "__name__", "") != "get_direct_param_fixture_func"
+                for d in defs.get(name, ())):
+            return False
+    return True
+
+
+@pytest.hookimpl(wrapper=True)
+def pytest_runtest_protocol(item, nextitem):
+    try:
+        return (yield)
+    finally:
+        item.config.stash[_PREVIOUS] = item
+
+
+def _chained_baseline(item):
+    """The check after the previous test's body, when it may serve as this test's baseline:
+    that test ran just before this one and neither has fixtures."""
+    after = item.config.stash.get(_AFTER, None)
+    if after is None:
+        return None
+    prev, base = after
+    if (prev is not item.config.stash.get(_PREVIOUS, None) or not _runs_no_fixture_code(prev)
+            or not _runs_no_fixture_code(item)):
+        return None
+    return base
+
+
 @pytest.hookimpl(wrapper=True)
 def pytest_runtest_call(item):
     if not _enabled(item):
         return (yield)
-    base = None
-    try:
-        base = leak_baseline()
-    except MemunreachableError as exc:
-        item.stash[_CANNOT] = exc       # reported at teardown; the test body runs regardless
+    base = _chained_baseline(item)
+    item.config.stash[_AFTER] = None        # this test's body runs: any older check is stale
+    if base is None:
+        try:
+            base = leak_baseline()
+        except MemunreachableError as exc:
+            item.stash[_CANNOT] = exc       # reported at teardown; the test body runs regardless
     # a test that fails on its own raises here: its outcome stands, no leak report on top
     result = yield
     if base is None:
@@ -83,6 +138,7 @@ def pytest_runtest_call(item):
     except MemunreachableError as exc:
         item.stash[_CANNOT] = exc
         return result
+    item.config.stash[_AFTER] = (item, LeakBaseline(l.address for l in info.leaks))
     new = base.new_leaks(info)
     if new:
         new_info = _only(info, new)

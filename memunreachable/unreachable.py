@@ -20,7 +20,7 @@ import struct
 import time
 from dataclasses import dataclass, field
 from itertools import compress
-from typing import List, Optional
+from typing import List, Optional, Sequence
 
 from memunreachable import detect, diagnose, leftovers, procfs
 from memunreachable import preflight as preflight_stage
@@ -33,7 +33,8 @@ from memunreachable.freeze import frozen
 from memunreachable.glibc import locate
 from memunreachable.glibc.walker import HeapInconsistent, walk_heap
 from memunreachable.mark import mark
-from memunreachable.memory import ProcessMemory, SnapshotPlan, capture, mapped_file_size, plan_snapshot
+from memunreachable.memory import (CopiedMemory, ProcessMemory, SnapshotPlan, capture,
+                                   mapped_file_size, plan_snapshot)
 from memunreachable.report import Leak, UnreachableMemoryInfo, sort_and_limit
 from memunreachable.snapshot import take_snapshot
 from memunreachable.sweeper import SweepEntry, SweepResult, run_sweeper
@@ -311,7 +312,7 @@ def _sweep_snapshot(snap, fz, st: _Attempts, sweep_timeout: float, confirm, over
         maps = [m for m in maps if not any(m.range.overlaps(u) for u in unseen)]
     try:
         return run_sweeper(lambda: sweep(mem, maps, fz.threads, snap.pid, confirm,
-                                         all_uncertain=bool(unseen)),
+                                         all_uncertain=bool(unseen), unwritten=plan.unwritten),
                            sweep_timeout)
     finally:
         mem.close()
@@ -329,7 +330,7 @@ def _warm_caches(maps, pid: int) -> None:
 
 
 def sweep(mem, maps, threads, pid: int, confirm: Optional[set] = None,
-          all_uncertain: bool = False) -> SweepResult:
+          all_uncertain: bool = False, unwritten: Sequence[Range] = ()) -> SweepResult:
     """Stages 4-8 over a memory image; runs inside the sweeper process.
 
     confirm: addresses found unreachable in an earlier snapshot; a block unreachable now but
@@ -339,6 +340,7 @@ def sweep(mem, maps, threads, pid: int, confirm: Optional[set] = None,
     Uncertain blocks (unreachable, but of a size a broken free list may hold; or every
     unreachable block when all_uncertain, because memory that may reference them was not
     seen) are returned apart and treated as roots, so nothing they point to is a leak.
+    unwritten: file mappings the process never wrote (SnapshotPlan.unwritten): not roots.
     """
     t0 = time.monotonic()
     # 4. Enumerate allocations
@@ -351,15 +353,19 @@ def sweep(mem, maps, threads, pid: int, confirm: Optional[set] = None,
     suspect = threads_in_allocator(threads, maps, pid, hw.stats.get("arena_addresses", ()))
     # 4b. CPython: pymalloc blocks are allocations, its arenas and dead memory are not roots,
     # GC links are not references (cpython/pipeline.py)
+    mem = CopiedMemory(mem, list(hw.image.regions) + hw.spare)  # what the walk copied is not read again
     cps = _see_through_cpython(mem, maps, threads, pid, hw.image)
     image, dead = cps.image, cps.dead
     t_walk = time.monotonic()
     # 5. Roots
-    roots = classify(maps, threads, hw.heap_ranges, hw.metadata_ranges, cps.root_cuts)
+    roots = classify(maps, threads, hw.heap_ranges, hw.metadata_ranges,
+                     list(cps.root_cuts) + list(unwritten))
     root_buffers = []
     for r in roots.ranges:
-        buf = bytearray(r.size)
-        mem.read_into(r.begin, buf)
+        buf = mem.view(r.begin, r.size)
+        if buf is None:
+            buf = bytearray(r.size)
+            mem.read_into(r.begin, buf)
         root_buffers.append((r.begin, buf))
     t_roots = time.monotonic()
     # 6. Mark

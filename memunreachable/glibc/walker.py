@@ -50,6 +50,10 @@ class HeapWalk:
     # in transit, so an unreachable block of that size may be a free chunk: report it as
     # "uncertain", never as a leak (usable = chunk size - 8)
     uncertain_sizes: Dict[int, str] = field(default_factory=dict)
+    # [(base, buffer)]: copies the walk made that hold no allocation (anonymous memory without
+    # mmapped chunks: pymalloc arenas, thread stacks, user mmaps). Later stages read them from
+    # here instead of the snapshot again (memory.CopiedMemory); the caller closes them.
+    spare: list = field(default_factory=list)
 
 
 class _Copy:
@@ -383,14 +387,12 @@ class _Walker(FreeListsMixin):
             usable.extend(p.usable)
         return user, usable
 
-    def image(self, user: array, usable: array) -> HeapImage:
-        keep = []
+    # Returns (the HeapImage, [(base, buffer)] of the copies that hold no allocation).
+    def image(self, user: array, usable: array) -> Tuple[HeapImage, list]:
+        keep, spare = [], []
         for c in sorted(self.copies, key=lambda c: c.base):
-            if c.used:
-                keep.append((c.base, c.buf))
-            else:
-                c.close()
-        return HeapImage(user, usable, keep)
+            (keep if c.used else spare).append((c.base, c.buf))
+        return HeapImage(user, usable, keep), spare
 
 
 def _find_objects(mem, maps, pid) -> Tuple[detect.AllocatorScan, locate.Located]:
@@ -490,5 +492,6 @@ def walk_heap(mem, maps: List[Mapping], threads: List[ThreadState], pid: int) ->
     w.v.raise_if_hard()
     w.stats["in_use"] = len(user)
     w.stats["method"] = loc.method
-    return HeapWalk(allocator, w.image(user, usable), sorted(w.heap_ranges), metadata,
-                    w.v.soft, w.stats, dict(w.v.uncertain))
+    image, spare = w.image(user, usable)
+    return HeapWalk(allocator, image, sorted(w.heap_ranges), metadata,
+                    w.v.soft, w.stats, dict(w.v.uncertain), spare)

@@ -52,6 +52,7 @@ EXPECTED: Dict[str, Shape] = {
     "live_thread_stack": Shape(single("leak_a")),
     "live_dlopen": Shape(single("leak_a")),
     "live_mmap": Shape(single("leak_a")),
+    "live_data_readonly": Shape(single("leak_a")),
     # glibc heap shapes
     "free_chunks": Shape(singletons="leak"),
     "thread_arena": Shape((Head(("leak_t",), ("leak_m",)),)),

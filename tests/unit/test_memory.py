@@ -117,3 +117,60 @@ def test_plan_of_a_complete_snapshot_is_empty():
     snap = [(m(0x10000, 0x30000), frozenset({"rd", "wr"}))]
     plan = plan_snapshot(target, snap)
     assert plan.missing == [] and plan.tolerated == []
+
+
+SMAPS = """\
+7f0000000000-7f0000002000 r--p 00000000 fe:00 42   /usr/lib/libx.so
+Size:                  8 kB
+Anonymous:             0 kB
+Swap:                  0 kB
+SwapPss:               0 kB
+VmFlags: rd mr mw me
+7f0000002000-7f0000003000 r--p 00002000 fe:00 42   /usr/lib/libx.so
+Anonymous:             4 kB
+Swap:                  0 kB
+VmFlags: rd mr mw me ac
+7f0000003000-7f0000004000 rw-p 00003000 fe:00 42   /usr/lib/libx.so
+Anonymous:             0 kB
+Swap:                  4 kB
+VmFlags: rd wr mr mw me ac
+7f0000004000-7f0000005000 rw-s 00000000 fe:00 43   /dev/shm/seg
+Anonymous:             0 kB
+VmFlags: rd wr sh mr mw me ms
+7f0000005000-7f0000006000 rw-p 00000000 00:00 0
+Anonymous:             0 kB
+VmFlags: rd wr mr mw me ac wf
+"""
+
+
+def test_smaps_flags_mark_mappings_with_anonymous_or_swapped_pages_written():
+    from memunreachable.procfs import parse_smaps_flags
+    rows = parse_smaps_flags(SMAPS)
+    assert [(mp.begin, "written" in f) for mp, f in rows] == [
+        (0x7f0000000000, False), (0x7f0000002000, True), (0x7f0000003000, True),
+        (0x7f0000004000, False), (0x7f0000005000, False)]
+    assert "wf" in rows[4][1] and "ac" in rows[1][1]
+
+
+def test_plan_cuts_only_private_file_mappings_never_written():
+    from memunreachable.procfs import parse_smaps_flags
+    rows = parse_smaps_flags(SMAPS)
+    plan = plan_snapshot([mp for mp, _ in rows], rows)
+    # the untouched r--p piece only: written (resident or swapped) pieces, shared file
+    # mappings (written through the file) and anonymous memory stay roots
+    assert plan.unwritten == [Range(0x7f0000000000, 0x7f0000002000)]
+
+
+def test_copied_memory_serves_reads_inside_one_copy_and_delegates_the_rest():
+    from memunreachable._types import BufferMemory
+    from memunreachable.memory import CopiedMemory
+    backing = BufferMemory({0x1000: bytes(range(256)) * 32})
+    copy = bytearray(b"\xaa" * 0x100)          # differs from the backing: shows which served
+    mem = CopiedMemory(backing, [(0x1400, copy)])
+    assert mem.read(0x1410, 4) == b"\xaa" * 4
+    assert mem.view(0x1400, 0x100).tobytes() == bytes(copy)
+    assert mem.view(0x14f0, 0x20) is None                  # runs past the copy
+    assert mem.read(0x14f0, 0x20) == (bytes(range(256)) * 32)[0x4f0:0x510]
+    buf = bytearray(8)
+    mem.read_into(0x1000, buf)
+    assert bytes(buf) == bytes(range(8))
