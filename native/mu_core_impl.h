@@ -124,6 +124,47 @@ static inline int mu_dead_object(const mu_dead *d, const uint8_t *p, uint64_t le
     return 0;
 }
 
+/* The live length of allocation [b, b+len) (bytes at p, avail readable): len, or less when it
+ * holds an object whose words past some point are dead (mu_dead kind MU_TYPE_FRAME). */
+#define MU_FRAME_STACKTOP 64
+#define MU_FRAME_SLOTS 72
+
+static inline uint64_t mu_live_len(const mu_dead *d, const uint8_t *p, uint64_t b, uint64_t len,
+                                   uint64_t avail)
+{
+    if (!d || !d->ntypes)
+        return len;
+    uint64_t have = len < avail ? len : avail;
+    for (uint64_t off = 0; off + 32 <= have && off <= 48; off += 16) {
+        uint64_t rc, tp, fr;
+        memcpy(&rc, p + off, 8);
+        memcpy(&tp, p + off + 8, 8);
+        uint64_t lo = 0, hi = d->ntypes;
+        while (lo < hi) {
+            uint64_t mid = (lo + hi) >> 1;
+            if (d->types[2 * mid] < tp)
+                lo = mid + 1;
+            else
+                hi = mid;
+        }
+        if (lo == d->ntypes || d->types[2 * lo] != tp || (d->types[2 * lo + 1] & 0xff) != off
+            || (d->types[2 * lo + 1] >> 8) != MU_TYPE_FRAME)
+            continue;
+        if (!((rc >= 1 && rc < MU_REFCNT_SMALL) || rc == 0xFFFFFFFFull))
+            continue;
+        memcpy(&fr, p + off + 24, 8);
+        if (fr < b + off + 32 || (fr & 7) || fr + MU_FRAME_SLOTS > b + have)
+            continue;               /* the frame data lives elsewhere (a running frame) */
+        int32_t top;
+        memcpy(&top, p + (fr - b) + MU_FRAME_STACKTOP, 4);
+        uint64_t end = fr + MU_FRAME_SLOTS + 8 * (uint64_t)(top < 0 ? 0 : top);
+        if (top < 0 || end > b + len)
+            continue;               /* not a stacktop we can trust: scan it all */
+        return end - b;
+    }
+    return len;
+}
+
 /* The GC-link words of allocation i (0, 0 when none). */
 static inline void mu_live_head(const mu_dead *d, uint64_t i, uint64_t b, uint64_t *hb, uint64_t *he)
 {

@@ -194,6 +194,7 @@ int64_t mu_fold(const uint64_t *begin, const uint64_t *size, uint64_t n,
             const uint8_t *base = heap[r].data + (b - heap[r].base);
             if (mu_dead_object(dead, base, len, avail))
                 continue;               /* a dead object: its words are stale */
+            len = mu_live_len(dead, base, b, len, avail);
             uint64_t hb, he, rb, re;
             mu_live_head(dead, i, b, &hb, &he);
             mu_live_iter it;

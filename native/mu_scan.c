@@ -357,7 +357,7 @@ int64_t mu_scan_index_set_dead(mu_scan_index *ix, const mu_dead *dead)
     for (uint64_t k = 0; k < dead->ntypes; k++)
         if ((k && dead->types[2 * k] <= dead->types[2 * k - 2])
             || (dead->types[2 * k + 1] & 0xff) > 48 || (dead->types[2 * k + 1] & 7)
-            || (dead->types[2 * k + 1] >> 8) > MU_TYPE_STR)
+            || (dead->types[2 * k + 1] >> 8) > MU_TYPE_FRAME)
             return -EINVAL;
     ix->dead = dead;
     return 0;
@@ -437,6 +437,7 @@ int64_t mu_mark(const uint64_t *begin, const uint64_t *size, uint64_t n,
             uint64_t hb, he, avail = heap[r].base + heap[r].len - b;
             if (mu_dead_object(dead, bdata[k], len, avail))
                 continue;               /* a dead object: its words are stale */
+            len = mu_live_len(dead, bdata[k], b, len, avail);
             mu_live_head(dead, i, b, &hb, &he);
             scan_range(m, bdata[k], b, len, avail, hb, he);
             heap_bytes += len;

@@ -94,3 +94,14 @@ int64_t mu_gc_walk(const uint64_t *begin, const uint64_t *size, uint64_t n,
                    const uint64_t *heads, uint64_t nheads, uint64_t max_nodes,
                    uint8_t *head_word, uint64_t *types, uint64_t types_cap,
                    mu_gc_walk_stats *stats);
+
+/* The stale slots of CPython lists: list.pop() and del shrink ob_size without clearing the
+ * slots above it, which keep pointers to objects that may since have leaked. For every
+ * allocation i with head_word[i] != 0 (a GC object, mu_gc_walk) whose object's ob_type is
+ * list_type, with 0 <= ob_size < allocated and ob_item 8-aligned, stores the pair
+ * (ob_item + 8*ob_size, ob_item + 8*allocated) in out (2*cap words), in allocation order.
+ * Object layout: ob_type at +8, ob_size +16, ob_item +24, allocated +32 after the 16-byte head.
+ * Returns the number of pairs found (may exceed cap: then only cap were stored), or -EINVAL. */
+int64_t mu_list_slack(const uint64_t *begin, const uint64_t *size, uint64_t n,
+                      const mu_region *heap, uint64_t nheap, const uint8_t *head_word,
+                      uint64_t list_type, uint64_t *out, uint64_t cap);

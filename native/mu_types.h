@@ -23,7 +23,12 @@ typedef struct {
  *       free-listed frame, a free-listed tuple, cpython-memory.md section 6);
  *   kind MU_TYPE_OPAQUE: always (int, float, bytes hold no references; their slack bytes
  *       would only add stale words);
- *   kind MU_TYPE_STR: the str is compact ASCII (state bits at off + 32): text only. */
+ *   kind MU_TYPE_STR: the str is compact ASCII (state bits at off + 32): text only;
+ * and is scanned only up to its live end for
+ *   kind MU_TYPE_FRAME: a 3.11+ frame object that owns its frame data (f_frame, at off + 24,
+ *       points inside the allocation): the words above the data's stacktop (int at f_frame +
+ *       64, slots from f_frame + 72) are dead: CPython copies a frame only up to its
+ *       stacktop and never clears the slots above (cpython-memory.md section 5). */
 typedef struct {
     const uint64_t *ranges;
     uint64_t nranges;
@@ -35,3 +40,4 @@ typedef struct {
 #define MU_TYPE_DEAD_AT_ZERO 0
 #define MU_TYPE_OPAQUE 1
 #define MU_TYPE_STR 2
+#define MU_TYPE_FRAME 3

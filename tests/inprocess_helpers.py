@@ -23,17 +23,26 @@ import fixtures
 EXT_SRC = os.path.join(os.path.dirname(os.path.abspath(__file__)), "ext", "leaky.c")
 
 
-def build_leaky() -> str:
-    """Compile tests/ext/leaky.c; return the directory to put on sys.path."""
+def build_extension(name: str, flags=("-O0", "-g")) -> str:
+    """Compile tests/ext/<name>.c into a CPython extension `name` for this interpreter;
+    return the directory to put on sys.path."""
     out_dir = os.path.join(fixtures.build_dir(), "ext")
-    target = os.path.join(out_dir, "leaky" + sysconfig.get_config_var("EXT_SUFFIX"))
+    target = os.path.join(out_dir, name + sysconfig.get_config_var("EXT_SUFFIX"))
     if not os.path.exists(target):
         os.makedirs(out_dir, exist_ok=True)
         cc = fixtures.compiler()
         if cc is None:
-            raise fixtures.FixtureError("no C compiler: the leaky extension cannot be built")
-        subprocess.run([cc, "-shared", "-fPIC", "-O0", "-g", "-I", sysconfig.get_paths()["include"],
-                        "-o", target, EXT_SRC], check=True, capture_output=True)
+            raise fixtures.FixtureError(f"no C compiler: the {name} extension cannot be built")
+        subprocess.run([cc, "-shared", "-fPIC", *flags, "-I", sysconfig.get_paths()["include"],
+                        "-o", target, os.path.join(os.path.dirname(EXT_SRC), name + ".c")],
+                       check=True, capture_output=True)
+    return out_dir
+
+
+def build_leaky() -> str:
+    """Compile tests/ext/leaky.c; return the directory to put on sys.path."""
+    out_dir = build_extension("leaky")
+    if not os.path.exists(os.path.join(out_dir, "leakytools.py")):
         shutil.copy(os.path.join(os.path.dirname(EXT_SRC), "leakytools.py"), out_dir)
     return out_dir
 

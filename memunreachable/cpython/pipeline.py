@@ -86,6 +86,11 @@ def prepare(mem, maps, threads, pid: Optional[int], image: HeapImage) -> CPython
             cuts += spans
             dead_ranges += spans
             out.stats["gc_nodes"] = nodes
+            list_type = _type_address(mem, maps, pid, cp, "PyList_Type", "list")
+            if list_type:
+                slack = list_slack(merged, head_word, list_type)
+                dead_ranges += slack
+                out.stats["list_slack_ranges"] = len(slack)
     dead_types = []
     if head_word is not None and cp.version <= L.DEAD_OBJECTS_UNTIL:
         types = sorted(set(types) | set(frame_types(mem, cp)))
@@ -287,31 +292,63 @@ def object_types(mem, cp: CPythonMap, types: Sequence[int], names) -> List[Tuple
 # (int, float, bytes; compact ASCII str), found by their exported symbols and checked to be
 # the types they claim (mu_dead types: MU_TYPE_OPAQUE, MU_TYPE_STR).
 def opaque_types(mem, maps, pid, cp: CPythonMap) -> List[Tuple[int, int]]:
-    from memunreachable.cpython import locate
     from memunreachable.cpython.objects import ObjectReader
     prefix = L.DEBUG_HOOK_PREFIX if (cp.allocator or "").endswith("debug") else 0
     reader = ObjectReader(mem, cp.version, prefix)
+    out = []
+    rules = dict(L.OPAQUE_TYPES)
+    if cp.version >= (3, 11):     # frame objects own a copy of their frame data (MU_TYPE_FRAME)
+        rules["PyFrame_Type"] = ("frame", "MU_TYPE_FRAME")
+    for sym, (name, kind) in rules.items():
+        t = _type_address(mem, maps, pid, cp, sym, name)
+        if t:
+            out.append((t, reader.object_offset(t) | getattr(lib, kind) << 8))
+    return out
+
+
+# Returns the address of the static type object `sym` of the runtime's ELF object, checked by
+# its tp_name in the snapshot, or 0 (symbol absent, ELF unreadable, name differs).
+def _type_address(mem, maps, pid, cp: CPythonMap, sym: str, name: str) -> int:
+    from memunreachable.cpython import locate
+    from memunreachable.cpython.objects import ObjectReader
     mappings = [m for m in maps if m.path == cp.runtime.object_path]
     try:
         with locate._open(cp.runtime.object_path, mappings, pid) as f:
             facts = locate.elf_facts(f)
     except OSError:
-        return []
-    if facts is None:       # any ELF problem: no opaque types, scan all
-        return []
+        return 0
+    if facts is None or sym not in facts.symbols:
+        return 0
     bias = locate.facts_bias(facts, mappings)
-    syms = facts.symbols
     if bias is None:
+        return 0
+    t = bias + facts.symbols[sym]
+    ti = ObjectReader(mem, cp.version, 0).type_info(t)
+    return t if ti is not None and ti[0] == name else 0
+
+
+# Returns [Range] of the stale slots of every list on the GC lists (mu_list_slack): words
+# above ob_size in its item array, which are not references.
+def list_slack(image: HeapImage, head_word, list_type: int) -> List[Range]:
+    n = len(image.begins)
+    if not n:
         return []
-    out = []
-    for sym, (name, kind) in L.OPAQUE_TYPES.items():
-        if sym not in syms:
-            continue
-        t = bias + syms[sym]
-        ti = reader.type_info(t)
-        if ti is not None and ti[0] == name:
-            out.append((t, reader.object_offset(t) | getattr(lib, kind) << 8))
-    return out
+    begins, kb = u64_view(image.begins)
+    sizes, ks = u64_view(image.sizes)
+    regs, kr = region_array(image.regions)
+    hw = ffi.from_buffer("uint8_t[]", head_word)
+    cap = 4096
+    while True:
+        out = array("Q", bytes(16 * cap))
+        rc = lib.mu_list_slack(begins, sizes, n, regs, len(image.regions), hw, list_type,
+                               ffi.from_buffer("uint64_t[]", out), cap)
+        if rc <= cap:
+            break
+        cap = rc
+    del kb, ks, kr
+    if rc < 0:
+        return []
+    return [Range(out[2 * k], out[2 * k + 1]) for k in range(rc)]
 
 
 # Returns the ob_type of each thread's innermost frame (3.8-3.10: frames are heap objects,

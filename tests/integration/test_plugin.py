@@ -4,7 +4,7 @@ import shutil
 
 import pytest
 
-from inprocess_helpers import build_leaky
+from inprocess_helpers import build_extension, build_leaky
 
 pytestmark = pytest.mark.ptrace
 pytest_plugins = ["pytester"]
@@ -130,3 +130,100 @@ def test_a_passing_suite_with_an_impossible_check_is_not_green(suite):
     res = suite.run(*prefix, *suite._getpytestargs(), "--memunreachable", "-k", "clean")
     res.assert_outcomes(passed=1, errors=1)
     assert res.ret == 1
+
+
+# A user's suite over an extension written the usual way (-O2, no frame pointers), with no
+# address hidden and no address space reserved: 2 leaky tests, 8 clean ones, some of which
+# format, hash and wrap addresses or leave cyclic garbage.
+REAL = """
+import pytest
+import textparse
+
+def test_parse_plain():
+    assert textparse.parse("hello") == "hello"
+
+def test_parse_long():
+    assert len(textparse.parse("x" * 5000)) == 4095
+
+def test_parse_error_leaks():
+    with pytest.raises(ValueError):
+        textparse.parse("!oops, the scratch buffer")
+
+def test_parse_many():
+    assert [textparse.parse(str(i)) for i in range(100)][-1] == "99"
+
+def test_remember_leaks_a_list():
+    textparse.remember([10 ** 12, 2 ** 70, "three"])
+
+def test_remember_ok():
+    textparse.remember_ok([4, 5])
+    assert textparse.cache[-1] == [4, 5]
+
+def test_dict_of_parsed():
+    d = {textparse.parse(str(i)): i for i in range(50)}
+    assert len(d) == 50
+
+def test_addresses_formatted_and_hashed():
+    objs = [object() for _ in range(10)]
+    ids = {hex(id(o)): o for o in objs}
+    assert len({hash(i) for i in ids}) == 10
+
+def test_bytes():
+    assert textparse.parse("abc").encode() == b"abc"
+
+def test_cyclic_garbage():
+    a = []
+    a.append(a)
+    del a
+"""
+
+
+@pytest.fixture(params=["pymalloc", "malloc"])
+def real_suite(request, pytester, monkeypatch):
+    ext = build_extension("textparse", flags=("-O2", "-g", "-fomit-frame-pointer"))
+    monkeypatch.setenv("PYTHONPATH", ext)
+    if request.param == "malloc":
+        monkeypatch.setenv("PYTHONMALLOC", "malloc")
+    else:
+        monkeypatch.delenv("PYTHONMALLOC", raising=False)
+    pytester.makepyfile(test_real=REAL)
+    return pytester
+
+
+def _run_real(suite) -> str:
+    res = suite.runpytest_subprocess("--memunreachable", "-p", "no:cacheprovider", "-rf")
+    res.assert_outcomes(passed=8, failed=2)
+    out = res.stdout.str()
+    failed = sorted(re.findall(r"^FAILED test_real.py::(\w+)", out, re.M))
+    assert failed == ["test_parse_error_leaks", "test_remember_leaks_a_list"]
+    return out
+
+
+def test_a_real_extension_s_leaky_tests_fail_and_clean_ones_pass(real_suite):
+    out = _run_real(real_suite)
+    # the leaked list is named by its type, the forgotten buffer shows its contents
+    section = out[out.index("_ test_remember_leaks_a_list _"):]
+    assert re.search(r"\blist\b", section[:section.index("short test summary")])
+    section = out[out.index("_ test_parse_error_leaks _"):]
+    section = section[:section.index("_ test_remember_leaks_a_list _")]
+    assert "!oops, the scrat" in section                     # the first 16 bytes, as text
+    assert f"memunreachable: {_usable(4096)} bytes leaked in 1 allocation" in section
+
+
+def _usable(n: int) -> int:
+    """malloc_usable_size of a fresh malloc(n) here (the same glibc as the suite's)."""
+    import ctypes
+    libc = ctypes.CDLL(None)
+    libc.malloc.restype = ctypes.c_void_p
+    libc.malloc_usable_size.argtypes = [ctypes.c_void_p]
+    p = libc.malloc(n)
+    try:
+        return libc.malloc_usable_size(p)
+    finally:
+        libc.free(ctypes.c_void_p(p))
+
+
+@pytest.mark.slow
+def test_a_real_extension_s_leaky_tests_fail_in_10_of_10_runs(real_suite):
+    for _ in range(10):
+        _run_real(real_suite)

@@ -135,3 +135,24 @@ def test_split_garbage_cycle_leak_and_native_block():
     objs[0] = O.PyObjectInfo(begins[0] + 16, "list", 0)
     garbage, internal = O.split_garbage(begins, sizes, range(7), objs, lambda i: array("Q", words[i]))
     assert internal[1] == 0 and garbage == set()
+
+
+def test_list_slack_is_the_item_array_above_ob_size():
+    LIST, OTHER = 0x7000, 0x7100
+    head = bytes(16)                                   # PyGC_Head (links unused here)
+
+    def obj(tp, size, items, allocated):
+        return head + struct.pack("<5Q", 1, tp, size, items, allocated)
+    blocks = [(0x1000, obj(LIST, 2, 0x2000, 5)),        # 3 stale slots
+              (0x1100, obj(LIST, 4, 0x2100, 4)),        # full: none
+              (0x1200, obj(OTHER, 1, 0x2200, 8)),       # not a list
+              (0x1300, obj(LIST, 0, 0x2300, 2)),        # popped empty: both slots stale
+              (0x1400, obj(LIST, 3, 0x2403, 6))]        # misaligned items: not trusted
+    data = bytearray(0x600)
+    for b, d in blocks:
+        data[b - 0x1000:b - 0x1000 + len(d)] = d
+    img = HeapImage(array("Q", [b for b, _ in blocks]), array("Q", [56] * len(blocks)),
+                    [(0x1000, data)])
+    head_word = bytes([1] * len(blocks))               # each block starts with a GC head
+    assert P.list_slack(img, head_word, LIST) == [Range(0x2010, 0x2028), Range(0x2300, 0x2310)]
+    assert P.list_slack(img, bytes(len(blocks)), LIST) == []     # no GC objects known
