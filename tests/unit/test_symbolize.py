@@ -1,0 +1,297 @@
+"""Unit tests of symbolize.py on real return addresses.
+
+The fixtures (fixtures/sym_chain.c, sym_chain_cpp.cc) are built here -O2 -g without frame
+pointers, print the return addresses backtrace() saw inside a known call chain and stay alive;
+the test reads their /proc/PID/maps (modules) and asserts the exact function, file and line of
+every frame (lines from the "@line NAME" marks of the sources), the inline frame, the offsets
+(cross-checked with binutils' addr2line), separate debug files found by build-id and by
+.gnu_debuglink, stripped binaries (ELF .dynsym names, or module+offset with the build-id), and
+libc's frames named from Debian's libc6-dbg (installed when missing).
+"""
+import os
+import shutil
+
+import pytest
+
+from memunreachable import symbolize as S
+from memunreachable.symbolize import Frame, SymbolCache, format_frame, merge_python, symbolize
+from sym_helpers import (addr2line, build_id_of, build_sym, ensure_libc_debug, libc_path,
+                               lines_marked, run, source, SymProcess)
+
+C_LINES = lines_marked("sym_chain.c")
+CXX_LINES = lines_marked("sym_chain_cpp.cc")
+
+
+@pytest.fixture(scope="module")
+def out_dir(tmp_path_factory):
+    return str(tmp_path_factory.mktemp("sym"))
+
+
+@pytest.fixture(scope="module")
+def c_exe(out_dir):
+    return build_sym("sym_chain.c", out_dir)
+
+
+def fresh_cache(**kw):
+    kw.setdefault("disk_dir", None)
+    return SymbolCache(**kw)
+
+
+def native_frames_of(frames, exe):
+    return [(f.function, f.file, f.line, f.inlined) for f in frames if f.module == exe]
+
+
+def expected_c_chain():
+    src = source("sym_chain.c")
+    return [("leaf", src, C_LINES["leaf_bt"], False),
+            ("helper", src, C_LINES["helper_leaf"], True),
+            ("mid", src, C_LINES["mid_helper"], False),
+            ("outer", src, C_LINES["outer_mid"], False),
+            ("main", src, C_LINES["main_outer"], False)]
+
+
+def test_fixture_is_built_without_frame_pointers(c_exe):
+    # leaf must not set up rbp as a frame pointer: the stack is right only thanks to unwinding
+    dis = run(["objdump", "-d", "--no-show-raw-insn", c_exe])
+    body = dis.split("<leaf>:")[1].split("\n\n")[0]
+    assert "push   %rbp" not in body and "mov    %rsp,%rbp" not in body
+
+
+def test_c_chain_function_file_line_and_inline_frame(c_exe):
+    with SymProcess(c_exe) as sp:
+        frames = symbolize(sp.pcs, sp.modules(), cache=fresh_cache())
+    got = native_frames_of(frames, c_exe)
+    # _start (no DWARF line for it) follows main
+    assert got[:5] == expected_c_chain()
+    assert got[5][0] == "_start"
+    # every frame of one pc carries that pc; helper is inlined at leaf's return address in mid
+    assert frames[1].pc == frames[2].pc == sp.pcs[1]
+    assert [f.pc for f in frames if not f.inlined] == sp.pcs
+    bid = build_id_of(c_exe)
+    assert {f.build_id for f in frames if f.module == c_exe} == {bid}
+
+
+def test_c_chain_offsets_match_addr2line(c_exe):
+    with SymProcess(c_exe) as sp:
+        frames = symbolize(sp.pcs, sp.modules(), cache=fresh_cache())
+    mine = [f for f in frames if f.module == c_exe and f.line]
+    by_pc = {}
+    for f in mine:
+        by_pc.setdefault(f.offset, []).append((f.function, f.line))
+    for offset, names in by_pc.items():
+        assert addr2line(c_exe, offset) == names
+
+
+def test_libc_frames_from_the_build_id_debug_file(c_exe):
+    with SymProcess(c_exe) as sp:
+        modules = sp.modules()
+        libc = libc_path(modules)
+        ensure_libc_debug(libc)
+        cache = fresh_cache()
+        frames = symbolize(sp.pcs, modules, cache=cache)
+    in_libc = [f for f in frames if f.module == libc]
+    assert in_libc, "backtrace() saw no libc frame below main"
+    first = in_libc[0]
+    assert first.function == "__libc_start_call_main"
+    assert first.file.endswith("libc_start_call_main.h") and first.line > 0
+    assert first.build_id == build_id_of(libc)
+    # the debug file was found by build-id (libc itself is stripped: no DWARF)
+    facts, opened = cache.facts([libc])
+    assert not facts.has_dwarf
+    assert cache.debug_file(facts, opened, libc)[1] == "build-id"
+
+
+def test_cpp_names_demangled(out_dir):
+    exe = build_sym("sym_chain_cpp.cc", out_dir)
+    src = source("sym_chain_cpp.cc")
+    with SymProcess(exe) as sp:
+        frames = symbolize(sp.pcs, sp.modules(), cache=fresh_cache())
+    assert native_frames_of(frames, exe)[:4] == [
+        ("record", src, CXX_LINES["record_bt"], False),
+        ("shapes::Store<int>::put(int const&)", src, CXX_LINES["put_record"], False),
+        ("shapes::Circle::grow(double)", src, CXX_LINES["grow_put"], False),
+        ("main", src, CXX_LINES["main_grow"], False)]
+
+
+def _stripped_copy(exe, where, name):
+    os.makedirs(where, exist_ok=True)
+    out = os.path.join(where, name)
+    shutil.copy(exe, out)
+    return out
+
+
+def test_separate_debug_file_by_build_id(c_exe, out_dir):
+    root = os.path.join(out_dir, "debugroot")
+    exe = _stripped_copy(c_exe, os.path.join(out_dir, "bid"), "chain")
+    bid = build_id_of(exe)
+    dbg = os.path.join(root, ".build-id", bid[:2], bid[2:] + ".debug")
+    os.makedirs(os.path.dirname(dbg), exist_ok=True)
+    run(["objcopy", "--only-keep-debug", exe, dbg])
+    run(["strip", exe])
+    assert "debug_info" not in run(["readelf", "-S", exe])
+    with SymProcess(exe) as sp:
+        with_dir = symbolize(sp.pcs, sp.modules(), cache=fresh_cache(debug_dirs=[root]))
+        without = symbolize(sp.pcs, sp.modules(),
+                            cache=fresh_cache(debug_dirs=[os.path.join(out_dir, "none")]))
+    assert native_frames_of(with_dir, exe)[:5] == expected_c_chain()
+    # without the debug directory: the stripped file names nothing in its own code
+    assert [f.function for f in without if f.module == exe][:5] == [None] * 5
+
+
+def test_separate_debug_file_by_debuglink(c_exe, out_dir):
+    here = os.path.join(out_dir, "link")
+    exe = _stripped_copy(c_exe, here, "chain")
+    os.makedirs(os.path.join(here, ".debug"), exist_ok=True)
+    dbg = os.path.join(here, ".debug", "chain.dbg")
+    run(["objcopy", "--only-keep-debug", exe, dbg])
+    run(["strip", exe])
+    run(["objcopy", f"--add-gnu-debuglink={dbg}", exe])
+    no_dirs = [os.path.join(out_dir, "none")]      # the build-id path cannot find it
+    with SymProcess(exe) as sp:
+        cache = fresh_cache(debug_dirs=no_dirs)
+        frames = symbolize(sp.pcs, sp.modules(), cache=cache)
+        facts, opened = cache.facts([exe])
+        assert cache.debug_file(facts, opened, exe) == (dbg, "debuglink")
+        # a file of that name whose CRC32 differs is not used
+        with open(dbg, "ab") as f:
+            f.write(b"\0")
+        wrong = symbolize(sp.pcs, sp.modules(), cache=fresh_cache(debug_dirs=no_dirs))
+    assert native_frames_of(frames, exe)[:5] == expected_c_chain()
+    assert [f.function for f in wrong if f.module == exe][:5] == [None] * 5
+
+
+def test_stripped_without_debug_info_is_module_offset_with_build_id(c_exe, out_dir):
+    exe = _stripped_copy(c_exe, os.path.join(out_dir, "bare"), "chain")
+    run(["strip", exe])
+    syms = {l.split()[2]: int(l.split()[0], 16) for l in run(["nm", c_exe]).splitlines()
+            if len(l.split()) == 3}
+    with SymProcess(exe) as sp:
+        frames = symbolize(sp.pcs, sp.modules(), cache=fresh_cache(debug_dirs=[]))
+        leaf_ret = sp.pcs[0]
+    first = frames[0]
+    assert (first.function, first.file, first.line) == (None, None, None)
+    assert first.module == exe and first.build_id == build_id_of(exe)
+    # the offset is leaf's ELF address of the call (pc - 1): inside leaf, per the unstripped nm
+    assert syms["leaf"] < first.offset < syms["leaf"] + 0x40
+    assert addr2line(c_exe, first.offset)[0] == ("leaf", C_LINES["leaf_bt"])
+    assert format_frame(0, first) == (f"#0 {leaf_ret:#x} ({exe}+{first.offset:#x}) "
+                                      f"(BuildId: {first.build_id})")
+
+
+def test_stripped_with_dynamic_symbols_gives_elf_names(out_dir):
+    exe = build_sym("sym_chain.c", out_dir, extra=["-rdynamic"])
+    run(["strip", exe])
+    with SymProcess(exe) as sp:
+        frames = symbolize(sp.pcs, sp.modules(), cache=fresh_cache(debug_dirs=[]))
+    got = [(f.function, f.file, f.line) for f in frames if f.module == exe]
+    # helper is inlined: .dynsym knows only the real functions, without files or lines
+    assert got[:4] == [("leaf", None, None), ("mid", None, None), ("outer", None, None),
+                       ("main", None, None)]
+
+
+def test_deleted_binary_is_read_through_map_files(c_exe, out_dir):
+    exe = _stripped_copy(c_exe, os.path.join(out_dir, "gone"), "chain")
+    with SymProcess(exe) as sp:
+        modules = sp.modules()
+        os.unlink(exe)
+        modules = [(b, e, o, p) for b, e, o, p in sp.modules()]
+        assert any(p == exe + " (deleted)" for _, _, _, p in modules)
+        frames = symbolize(sp.pcs, modules, cache=fresh_cache(), pid=sp.pid)
+    assert native_frames_of(frames, exe)[:5] == expected_c_chain()
+
+
+def test_no_symbolize_keeps_module_offset_build_id(c_exe):
+    with SymProcess(c_exe) as sp:
+        cache = fresh_cache()
+        frames = symbolize(sp.pcs, sp.modules(), cache=cache, resolve=False)
+    assert len(frames) == len(sp.pcs)
+    assert all(f.function is None and f.module for f in frames)
+    assert cache.stats["symcaches_built"] == 0 and cache.stats["lookups"] == 0
+    assert frames[0].build_id == build_id_of(c_exe)
+
+
+def test_pc_outside_every_module():
+    frames = symbolize([0x1000], [(0x400000, 0x401000, 0, "/bin/x")], cache=fresh_cache())
+    assert frames == [Frame(pc=0x1000, module=None, offset=0xfff)]
+    assert format_frame(3, frames[0]) == "#3 0x1000 (<unknown module>)"
+
+
+def test_disk_cache_is_reused_by_a_new_process_cache(c_exe, tmp_path):
+    with SymProcess(c_exe) as sp:
+        first = SymbolCache(disk_dir=str(tmp_path))
+        a = symbolize(sp.pcs, sp.modules(), cache=first)
+        second = SymbolCache(disk_dir=str(tmp_path))
+        b = symbolize(sp.pcs, sp.modules(), cache=second)
+    assert a == b
+    assert first.stats["symcaches_built"] >= 1
+    assert second.stats["symcaches_built"] == 0
+    assert second.stats["disk_hits"] == first.stats["symcaches_built"]
+    assert os.listdir(tmp_path) and all(n.endswith(".symcache") for n in os.listdir(tmp_path))
+
+
+@pytest.mark.parametrize("mangled, plain", [
+    ("_ZN6shapes5StoreIiE3putERKi", "shapes::Store<int>::put(int const&)"),
+    ("_ZN6shapes5StoreIiE3putERKi.isra.0", "shapes::Store<int>::put(int const&)"),
+    ("_ZNKSt6vectorIiSaIiEE4sizeEv", "std::vector<int, std::allocator<int> >::size() const"),
+    ("_Znwm", "operator new(unsigned long)"),
+    ("_ZN1r5leafy17h38fae256fe66e4c4E", "r::leafy"),
+    ("_ZN4core3ptr85drop_in_place$LT$std..rt..lang_start$LT$$LP$$RP$$GT$..$u7b$$u7b$closure"
+     "$u7d$$u7d$$GT$17h0123456789abcdefE",
+     "core::ptr::drop_in_place<std::rt::lang_start<()>::{{closure}}>"),
+    ("_ZN3std2io5stdio6_print17h0123456789abcdefE.llvm.42", "std::io::stdio::_print"),
+    ("msort_with_tmp.part.0", "msort_with_tmp"),
+    ("main", "main"),
+])
+def test_demangle(mangled, plain):
+    assert S.demangle(mangled) == plain
+
+
+def test_demangle_rust_v0_through_cxxfilt():
+    assert shutil.which("c++filt"), "binutils' c++filt is needed: apt-get install binutils"
+    out = S.demangle("_RNvCs6GmmlP4bgsG_1r5leafy")
+    assert out.startswith("r") and out.endswith("::leafy")
+
+
+def _native(fn, pc):
+    return Frame(pc=pc, module="/usr/lib/libpython3.11.so", offset=pc, function=fn)
+
+
+PY = [("inner", "/app/b.py", 7), ("outer", "/app/a.py", 3)]
+
+
+def test_python_frames_replace_the_single_eval_frame():
+    native = [_native("PyList_New", 1), _native("_PyEval_EvalFrameDefault", 2),
+              _native("PyEval_EvalCode", 3)]
+    got = merge_python(native, PY)
+    assert [(f.function, f.python) for f in got] == [
+        ("PyList_New", False), ("inner", True), ("outer", True), ("PyEval_EvalCode", False)]
+    assert got[1] == Frame(pc=0, module="", function="inner", file="/app/b.py", line=7,
+                           python=True)
+
+
+def test_python_frames_one_per_eval_frame():
+    native = [_native("malloc_caller", 1), _native("_PyEval_EvalFrameDefault", 2),
+              _native("_PyFunction_Vectorcall", 3), _native("_PyEval_EvalFrameDefault", 4)]
+    got = merge_python(native, PY)
+    assert [f.function for f in got] == ["malloc_caller", "inner", "_PyFunction_Vectorcall",
+                                         "outer"]
+
+
+def test_python_frames_above_native_when_they_cannot_be_placed():
+    native = [_native("f", 1), _native("_PyEval_EvalFrameDefault", 2),
+              _native("_PyEval_EvalFrameDefault", 3), _native("_PyEval_EvalFrameDefault", 4)]
+    got = merge_python(native, PY)
+    assert [f.function for f in got] == ["inner", "outer", "f"] + ["_PyEval_EvalFrameDefault"] * 3
+    assert merge_python([], PY)[0].python and merge_python(native, []) == native
+    assert format_frame(0, got[0]) == "#0 inner /app/b.py:7 (Python)"
+
+
+def test_frame_dict_round_trip():
+    f = Frame(pc=0x10, module="/x", build_id="ab", offset=0xf, function="g", file="g.c",
+              line=3, inlined=True)
+    d = f.to_dict()
+    assert d == {"pc": 0x10, "module": "/x", "build_id": "ab", "offset": 0xf, "function": "g",
+                 "file": "g.c", "line": 3, "inlined": True}
+    assert Frame.from_dict(d) == f
+    p = S.python_frames([("h", "h.py", 1)])[0]
+    assert p.to_dict()["python"] is True and Frame.from_dict(p.to_dict()) == p
