@@ -596,6 +596,19 @@ def merge_python(native: Sequence[Frame], python_stack: Sequence[PythonFrame]) -
     return py + list(native)
 
 
+def _is_operator_new(frame: Frame) -> bool:
+    return bool(frame.function) and frame.function.startswith("operator new")
+
+
+def drop_allocator_frames(frames: List[Frame]) -> List[Frame]:
+    """Without the leading C++ `operator new` frames (libstdc++'s new calls malloc: the
+    caller of new is the frame that matters, allocation-tracking.md section 1)."""
+    i = 0
+    while i < len(frames) and _is_operator_new(frames[i]):
+        i += 1
+    return list(frames[i:]) if i < len(frames) else list(frames)
+
+
 # Sets leak.backtrace for every leak from its stack/python_stack (symbolized once per distinct
 # stack); returns the number of distinct stacks. Leaks without a stack get [] (their Python
 # frames alone when they have some).
@@ -609,7 +622,7 @@ def symbolize_leaks(leaks, modules: Sequence[Module], *, cache: Optional[SymbolC
         key = (stack, pystack)
         if key not in done:
             native = symbolize(stack, index, cache=cache, resolve=resolve, pid=pid) if stack else []
-            done[key] = merge_python(native, pystack)
+            done[key] = merge_python(drop_allocator_frames(native), pystack)
         leak.backtrace = done[key]
     return len(done)
 

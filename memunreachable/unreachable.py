@@ -569,7 +569,7 @@ def _symbolize_and_group(info: UnreachableMemoryInfo, leaks: List[Leak], limit: 
     t0 = time.monotonic()
     opts = dict(resolve=resolve, pid=info.pid)
     if rules:
-        symbolize_stage.symbolize_leaks(leaks, info.modules, **opts)
+        _backtraces(info, leaks, opts)
         leaks, gone = suppressions_stage.apply(rules, leaks)
         info.num_suppressed = sum(1 + l.referenced_count for l in gone)
         info.suppressed_bytes = sum(l.size + l.referenced_size for l in gone)
@@ -579,8 +579,20 @@ def _symbolize_and_group(info: UnreachableMemoryInfo, leaks: List[Leak], limit: 
     info.groups, info.truncated = group_leaks(leaks, limit)
     info.leaks = members(info.groups)
     if not rules:
-        symbolize_stage.symbolize_leaks(info.leaks, info.modules, **opts)
+        _backtraces(info, info.leaks, opts)
     info.stats["symbolize_seconds"] = time.monotonic() - t0
+
+
+def _backtraces(info: UnreachableMemoryInfo, leaks: List[Leak], opts: dict) -> None:
+    """symbolize.symbolize_leaks; a failure there costs the names (module+offset is still
+    shown, with a warning), never the report."""
+    try:
+        symbolize_stage.symbolize_leaks(leaks, info.modules, **opts)
+    except Exception as exc:  # noqa: BLE001 - a symbolizer bug must not lose the leaks
+        log.warning("symbolization failed: %s", exc, exc_info=True)
+        info.warnings.append(f"allocation stacks could not be symbolized ({type(exc).__name__}: "
+                             f"{exc}): frames are shown as module+offset")
+        symbolize_stage.symbolize_leaks(leaks, info.modules, **dict(opts, resolve=False))
 
 
 # Returns every leak entry of the sweep as a Leak (unsorted); fills the rest of info.

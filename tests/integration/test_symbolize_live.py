@@ -26,6 +26,13 @@ pytestmark = pytest.mark.ptrace
 CLI = [sys.executable, "-m", "memunreachable", "check"]
 
 
+@pytest.fixture(autouse=True)
+def private_symbol_cache(tmp_path, monkeypatch):
+    """Step 9 uses the process-wide cache: give it a fresh one whose disk cache is private."""
+    from memunreachable import symbolize
+    monkeypatch.setattr(symbolize, "DEFAULT_CACHE", SymbolCache(disk_dir=str(tmp_path / "sc")))
+
+
 @pytest.fixture(scope="module")
 def chain(tmp_path_factory):
     exe = build_sym("sym_chain.c", str(tmp_path_factory.mktemp("symlive")))

@@ -295,3 +295,13 @@ def test_frame_dict_round_trip():
     assert Frame.from_dict(d) == f
     p = S.python_frames([("h", "h.py", 1)])[0]
     assert p.to_dict()["python"] is True and Frame.from_dict(p.to_dict()) == p
+
+
+def test_leading_operator_new_frames_are_dropped():
+    new = Frame(pc=1, module="/usr/lib/libstdc++.so.6", offset=0, function="operator new(unsigned long)")
+    arr = Frame(pc=2, module="/usr/lib/libstdc++.so.6", offset=1,
+                function="operator new[](unsigned long)")
+    user = Frame(pc=3, module="/bin/app", offset=2, function="make")
+    assert S.drop_allocator_frames([new, arr, user, new]) == [user, new]
+    assert S.drop_allocator_frames([new]) == [new]         # nothing else: keep what there is
+    assert S.drop_allocator_frames([]) == []
