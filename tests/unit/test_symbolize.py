@@ -305,3 +305,62 @@ def test_leading_operator_new_frames_are_dropped():
     assert S.drop_allocator_frames([new, arr, user, new]) == [user, new]
     assert S.drop_allocator_frames([new]) == [new]         # nothing else: keep what there is
     assert S.drop_allocator_frames([]) == []
+
+
+PY_SCRIPT = '''\
+import ctypes, sys, traceback
+libc = ctypes.CDLL(None)
+buf = (ctypes.c_void_p * 64)()
+
+def leaky():
+    n = libc.backtrace(buf, 64)                      # @line py_bt
+    return n, traceback.extract_stack()
+
+def outer():
+    return leaky()                                   # @line py_outer
+
+n, st = outer()                                      # @line py_module
+for i in range(n):
+    print("pc", i, hex(buf[i]))
+print("ready", flush=True)
+sys.stdin.readline()
+print("bye")
+'''
+
+
+def test_cpython_python_frames_in_place_of_the_eval_frame(tmp_path):
+    """A real interpreter's native stack (ctypes -> libc backtrace() from Python code): the
+    eval loop frame is found by name and replaced by the Python frames that ran in it."""
+    import subprocess
+    import sys
+    from memunreachable import procfs
+    script = tmp_path / "leaky_app.py"
+    script.write_text(PY_SCRIPT)
+    marks = {m: n for n, text in enumerate(PY_SCRIPT.split("\n"), 1)
+             for m in ("py_bt", "py_outer", "py_module") if f"@line {m}" in text}
+    proc = subprocess.Popen([sys.executable, str(script)], stdin=subprocess.PIPE,
+                            stdout=subprocess.PIPE, text=True)
+    try:
+        pcs = []
+        for line in proc.stdout:
+            if line.startswith("pc "):
+                pcs.append(int(line.split()[2], 16))
+            elif line.startswith("ready"):
+                break
+        native = symbolize(pcs, S.modules_from_maps(procfs.read_maps(proc.pid)),
+                           cache=fresh_cache())
+    finally:
+        proc.communicate("quit\n", timeout=30)
+    # what the tracker records: (function, file, line), innermost first
+    python_stack = [("leaky", str(script), marks["py_bt"]),
+                    ("outer", str(script), marks["py_outer"]),
+                    ("<module>", str(script), marks["py_module"])]
+    evals = [i for i, f in enumerate(native) if f.function == "_PyEval_EvalFrameDefault"]
+    assert len(evals) == 1, [f.function for f in native]
+    merged = merge_python(native, python_stack)
+    i = evals[0]
+    assert [(f.function, f.file, f.line, f.python) for f in merged[i:i + 3]] == \
+        [(fn, fl, ln, True) for fn, fl, ln in python_stack]
+    assert merged[:i] == native[:i] and merged[i + 3:] == native[i + 1:]
+    # the ctypes call into libc is below (inner to) the Python line that made it
+    assert any(f.function == "PyCFuncPtr_call" for f in merged[:i])
