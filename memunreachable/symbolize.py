@@ -154,8 +154,9 @@ def read_elf_facts(f) -> ElfFacts:
                     has_dwarf)
 
 
-# Returns {st_value: [names]} of the sized STT_FUNC symbols of .symtab and .dynsym (global and
-# weak names before local ones, .cold/.part pieces last); {} when the file has none. Read with
+# Returns {st_value: [names]} of the sized STT_FUNC symbols of .symtab and .dynsym, the name to
+# show first: global and weak names before local ones, clone pieces (.cold, .part.0) last, then
+# fewer leading underscores (strdup before __strdup); {} when the file has none. Read with
 # struct, not pyelftools' symbol iterator (1.8 s for libpython's 6 861 functions; this: ms).
 def read_function_symbols(path: str) -> Dict[int, List[str]]:
     import struct
@@ -179,8 +180,9 @@ def read_function_symbols(path: str) -> Dict[int, List[str]]:
                     if st_info & 0xf != 2 or size == 0 or shndx == 0:      # STT_FUNC, defined
                         continue
                     end = strtab.find(b"\0", st_name)
-                    sym = strtab[st_name:end].decode(errors="replace")
-                    rank = (0 if st_info >> 4 in (1, 2) else 1) + (2 if _CLONE_SUFFIX.search(sym) else 0)
+                    sym = strtab[st_name:end].decode(errors="replace").split("@")[0]   # foo@@GLIBC_2.34
+                    rank = ((0 if st_info >> 4 in (1, 2) else 1) + (2 if _CLONE_SUFFIX.search(sym) else 0),
+                            len(sym) - len(sym.lstrip("_")))
                     names = out.setdefault(value, [])
                     if all(n != sym for _, n in names):
                         names.append((rank, sym))
@@ -337,11 +339,11 @@ class _Symbols:
         self.functions = functions
 
     def name_at(self, sym_addr: int, name: str) -> str:
-        """`name`, or the ELF symbol at sym_addr when `name` is not one of its names."""
+        """The preferred ELF symbol name at sym_addr (its aliases ranked: the public name of
+        an aliased function, e.g. __libc_start_main rather than __libc_start_main_alias_2);
+        `name` when no sized function symbol starts there."""
         names = self.functions.get(sym_addr)
-        if not names or name in names:
-            return name
-        return names[0]
+        return names[0] if names else name
 
 
 def _import_symbolic():

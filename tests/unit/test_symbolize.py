@@ -95,6 +95,9 @@ def test_libc_frames_from_the_build_id_debug_file(c_exe):
     assert first.function == "__libc_start_call_main"
     assert first.file.endswith("libc_start_call_main.h") and first.line > 0
     assert first.build_id == build_id_of(libc)
+    # aliases of one function: the public name (not __libc_start_main_impl/_alias_2, nor the
+    # symbol version suffix of the debug file's .symtab)
+    assert in_libc[1].function == "__libc_start_main"
     # the debug file was found by build-id (libc itself is stripped: no DWARF)
     facts, opened = cache.facts([libc])
     assert not facts.has_dwarf
