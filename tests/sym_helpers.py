@@ -76,16 +76,20 @@ def addr2line(path: str, offset: int) -> List[tuple]:
 
 
 class SymProcess:
-    """A running fixture that printed its return addresses ("pc I HEX") and "ready"."""
+    """A running fixture that printed its return addresses ("pc I HEX", or "stack KIND HEX...")
+    and "ready"."""
 
     def __init__(self, exe: str):
         self.proc = subprocess.Popen([exe], stdin=subprocess.PIPE, stdout=subprocess.PIPE,
                                      stderr=subprocess.PIPE, text=True)
         self.pcs: List[int] = []
         self.addrs: Dict[str, int] = {}
+        self.stacks: Dict[str, List[int]] = {}
         for line in self.proc.stdout:
             words = line.split()
-            if words[:1] == ["pc"]:
+            if words[:1] == ["stack"]:
+                self.stacks[words[1]] = [int(w, 16) for w in words[2:]]
+            elif words[:1] == ["pc"]:
                 self.pcs.append(int(words[2], 16))
             elif words[:1] == ["addr"]:
                 self.addrs[words[1]] = int(words[2], 16)

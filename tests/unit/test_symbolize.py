@@ -344,3 +344,28 @@ def test_cpython_python_frames_in_place_of_the_eval_frame(tmp_path):
     assert merged[:i] == native[:i] and merged[i + 3:] == native[i + 1:]
     # the ctypes call into libc is below (inner to) the Python line that made it
     assert any(f.function == "PyCFuncPtr_call" for f in merged[:i])
+
+
+def test_allocation_stacks_malloc_calloc_strdup(out_dir):
+    """Stacks shaped as the tracking table records them (the allocator's own frame removed):
+    the caller's file:line of each malloc/calloc call, and for strdup libc's strdup (from its
+    debug file) then the caller's line."""
+    exe = build_sym("sym_alloc.c", out_dir, extra=["-fno-builtin-malloc", "-fno-builtin-calloc"])
+    src, marks = source("sym_alloc.c"), lines_marked("sym_alloc.c")
+    with SymProcess(exe) as sp:
+        modules = sp.modules()
+        libc = libc_path(modules)
+        debug = ensure_libc_debug(libc)
+        cache = fresh_cache()
+        got = {kind: symbolize(stack, modules, cache=cache) for kind, stack in sp.stacks.items()}
+    assert set(got) == {"malloc", "calloc", "strdup"}
+    names = {k: [(f.function, f.file, f.line) for f in v] for k, v in got.items()}
+    assert names["malloc"][:2] == [("make_block", src, marks["alloc_malloc"]),
+                                   ("main", src, marks["main_malloc"])]
+    assert names["calloc"][:2] == [("make_zeroed", src, marks["alloc_calloc"]),
+                                   ("main", src, marks["main_calloc"])]
+    top = got["strdup"][0]
+    assert (top.module, top.function) == (libc, "strdup")
+    assert top.file.endswith("strdup.c") and top.line == addr2line(debug, top.offset)[-1][1]
+    assert names["strdup"][1:3] == [("make_name", src, marks["alloc_strdup"]),
+                                    ("main", src, marks["main_strdup"])]
