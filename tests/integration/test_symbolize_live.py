@@ -149,3 +149,19 @@ def test_cli_untracked_target_with_suppressions_and_no_symbolize(tmp_path):
     assert obj["suppressions_used"] == []
     assert all(l["backtrace"] == [] and l["stack_status"] == "untracked" for l in obj["leaks"])
     assert [g["leaks"] for g in obj["groups"]] == [[i] for i in range(len(obj["leaks"]))]
+
+
+def test_api_suppressions_in_process_and_bad_file(tmp_path):
+    from memunreachable._errors import SuppressionsError
+    from memunreachable.noleaks import get_unreachable_memory
+    bad = tmp_path / "bad.supp"
+    bad.write_text("leak:a\n\nnot a rule\n")
+    with pytest.raises(SuppressionsError) as ei:
+        get_unreachable_memory(suppressions=str(bad))
+    assert ei.value.line == 3 and ei.value.path == str(bad)
+    # the rules travel to the in-process helper; this process has no stacks: nothing matches
+    info = get_unreachable_memory(limit=None, suppressions=suppressions.parse("leak:*\n"),
+                                  symbolize=False)
+    assert info.num_suppressed == 0 and info.suppressions_used == []
+    assert all(l.backtrace == [] and l.stack_status == "untracked" for l in info.leaks)
+    assert len(info.groups) == len(info.leaks)
