@@ -85,6 +85,16 @@ class SweepError(MemunreachableError):
     """The sweeper process crashed, timed out or sent garbage."""
 
 
+class SuppressionsError(MemunreachableError):
+    """A suppressions file could not be read or parsed (suppressions.py); path and line (1-based,
+    0 when the file could not be read) say where."""
+
+    def __init__(self, msg: str = "", hint: Optional[str] = None, path: str = "", line: int = 0):
+        super().__init__(msg, hint)
+        self.path = path
+        self.line = line
+
+
 class CommandError(MemunreachableError):
     """CLI-only: a usage problem found after parsing."""
 

@@ -2,7 +2,8 @@
 
 The caller (noleaks.py) starts us once, with a result fd and a control pipe on stdin, and
 keeps us for its lifetime (start-up and imports are paid once, not per check). For every line
-"go LIMIT TIMEOUT" (sent after the caller's prctl(PR_SET_PTRACER, our pid)) we run the
+"go LIMIT TIMEOUT [SYMBOLIZE SUPPRESSIONS]" (SYMBOLIZE 0/1; SUPPRESSIONS the hex of an LSan
+suppressions text, "-" for none; sent after the caller's prctl(PR_SET_PTRACER, our pid)) we run the
 ordinary check pipeline against the caller (freeze, clone snapshot, thaw, sweep, reap) and
 write one framed message back: u64 little-endian length, then the pickled
 ("ok", UnreachableMemoryInfo) or ("error", MemunreachableError). End of stdin (the caller
@@ -26,10 +27,12 @@ def main(argv=None) -> int:
     _warm(args.pid)
     for line in sys.stdin.buffer:
         words = line.split()
-        if len(words) != 3 or words[0] != b"go":
+        if len(words) not in (3, 5) or words[0] != b"go":
             return 2
         limit, timeout = int(words[1]), float(words[2])
-        data = pickle.dumps(_one_check(args.pid, None if limit < 0 else limit, timeout))
+        symbolize, supp = (words[3] != b"0", words[4]) if len(words) == 5 else (True, b"-")
+        data = pickle.dumps(_one_check(args.pid, None if limit < 0 else limit, timeout,
+                                       symbolize, supp))
         view = memoryview(struct.pack("<Q", len(data)) + data)
         while view:
             view = view[os.write(args.fd, view):]
@@ -49,10 +52,14 @@ def _warm(pid: int) -> None:
         pass
 
 
-def _one_check(pid: int, limit, timeout: float) -> tuple:
+def _one_check(pid: int, limit, timeout: float, symbolize: bool = True,
+               supp: bytes = b"-") -> tuple:
     try:
+        from memunreachable.suppressions import parse
         from memunreachable.unreachable import check
-        return ("ok", check(pid, limit=limit, timeout=timeout))
+        rules = parse(bytes.fromhex(supp.decode()).decode()) if supp != b"-" else None
+        return ("ok", check(pid, limit=limit, timeout=timeout, symbolize=symbolize,
+                            suppressions=rules))
     except BaseException as exc:  # noqa: BLE001 - every failure goes back to the caller
         from memunreachable._errors import MemunreachableError, SweepError
         if not isinstance(exc, MemunreachableError):

@@ -41,27 +41,39 @@ __all__ = ["get_unreachable_memory", "get_unreachable_memory_string", "log_unrea
 
 
 def get_unreachable_memory(limit: Optional[int] = 100, pid: Optional[int] = None,
-                           timeout: float = 2.0) -> UnreachableMemoryInfo:
-    """Check process `pid` (None: this process); keep at most `limit` entries (None: all)."""
+                           timeout: float = 2.0, *, suppressions=None,
+                           symbolize: bool = True) -> UnreachableMemoryInfo:
+    """Check process `pid` (None: this process); keep at most `limit` entries (None: all).
+
+    suppressions: None, the path of an LSan suppressions file ('leak:PATTERN' lines) or rules
+    from memunreachable.suppressions.parse(); suppressed leaks are not reported nor counted
+    (a bad file raises SuppressionsError before anything is checked).
+    symbolize: False shows allocation stacks as module+offset with build-ids only."""
+    from memunreachable.suppressions import as_rules
+    rules = as_rules(suppressions)
     if pid is not None and pid != os.getpid():
         from memunreachable.unreachable import check
-        return check(pid, limit=limit, timeout=timeout)
-    return _check_self(limit, timeout)
+        return check(pid, limit=limit, timeout=timeout, symbolize=symbolize, suppressions=rules)
+    return _check_self(limit, timeout, symbolize, rules)
 
 
 def get_unreachable_memory_string(log_contents: bool = False, limit: Optional[int] = 100,
-                                  pid: Optional[int] = None) -> str:
+                                  pid: Optional[int] = None, *, suppressions=None,
+                                  symbolize: bool = True) -> str:
     """The same text report as `memunreachable check`."""
-    return _render(get_unreachable_memory(limit=limit, pid=pid), log_contents)
+    return _render(get_unreachable_memory(limit=limit, pid=pid, suppressions=suppressions,
+                                          symbolize=symbolize), log_contents)
 
 
 def log_unreachable_memory(log_contents: bool = False, limit: Optional[int] = 100,
-                           logger: Optional[logging.Logger] = None) -> bool:
+                           logger: Optional[logging.Logger] = None, *, suppressions=None,
+                           symbolize: bool = True) -> bool:
     """Log the summary and up to `limit` leaks; False (reason logged) if the check failed."""
     from memunreachable._errors import MemunreachableError
     lg = logger or log
     try:
-        text = get_unreachable_memory_string(log_contents=log_contents, limit=limit)
+        text = get_unreachable_memory_string(log_contents=log_contents, limit=limit,
+                                             suppressions=suppressions, symbolize=symbolize)
     except MemunreachableError as exc:
         lg.error("unreachable memory check failed: %s%s", exc,
                  f" (hint: {exc.hint})" if getattr(exc, "hint", None) else "")
@@ -71,16 +83,19 @@ def log_unreachable_memory(log_contents: bool = False, limit: Optional[int] = 10
     return True
 
 
-def NoLeaks() -> bool:  # noqa: N802 - libmemunreachable's name
-    """True when this process has no unreachable memory; False when it has.
+def NoLeaks(suppressions=None) -> bool:  # noqa: N802 - libmemunreachable's name
+    """True when this process has no unreachable memory (suppressed leaks aside); False when
+    it has.
 
     Raises MemunreachableError when the check could not run (never a verdict)."""
-    return get_unreachable_memory(limit=0).num_leaks == 0
+    return get_unreachable_memory(limit=0, suppressions=suppressions,
+                                  symbolize=bool(suppressions)).num_leaks == 0
 
 
-def assert_no_leaks(limit: Optional[int] = 100, log_contents: bool = True) -> UnreachableMemoryInfo:
+def assert_no_leaks(limit: Optional[int] = 100, log_contents: bool = True, *,
+                    suppressions=None, symbolize: bool = True) -> UnreachableMemoryInfo:
     """Raise LeaksDetected (an AssertionError with the report) if anything is unreachable."""
-    info = get_unreachable_memory(limit=limit)
+    info = get_unreachable_memory(limit=limit, suppressions=suppressions, symbolize=symbolize)
     if info.num_leaks:
         raise LeaksDetected(info, _render(info, log_contents))
     return info
@@ -116,18 +131,23 @@ class LeakBaseline:
         return [l for l in info.leaks if (l.address ^ _ADDRESS_MASK) not in self._keys]
 
 
-def leak_baseline() -> LeakBaseline:
+def leak_baseline(suppressions=None) -> LeakBaseline:
     """The unreachable blocks of this process now (raises MemunreachableError if it cannot check)."""
-    info = get_unreachable_memory(limit=None)
+    info = get_unreachable_memory(limit=None, suppressions=suppressions,
+                                  symbolize=bool(suppressions))
     return LeakBaseline(l.address for l in info.leaks)
 
 
 @contextlib.contextmanager
-def no_new_leaks(log_contents: bool = True) -> Iterator[LeakBaseline]:
-    """Fail (LeaksDetected) if unreachable blocks appear inside the with-block."""
-    base = leak_baseline()
+def no_new_leaks(log_contents: bool = True, *, suppressions=None,
+                 symbolize: bool = True) -> Iterator[LeakBaseline]:
+    """Fail (LeaksDetected) if unreachable blocks appear inside the with-block (leaks a
+    suppression matches never fail it)."""
+    from memunreachable.suppressions import as_rules
+    rules = as_rules(suppressions)
+    base = leak_baseline(rules)
     yield base
-    info = get_unreachable_memory(limit=None)
+    info = get_unreachable_memory(limit=None, suppressions=rules, symbolize=symbolize)
     new = base.new_leaks(info)
     if new:
         new_info = _only(info, new)
@@ -135,10 +155,14 @@ def no_new_leaks(log_contents: bool = True) -> Iterator[LeakBaseline]:
 
 
 def _only(info: UnreachableMemoryInfo, leaks: list) -> UnreachableMemoryInfo:
+    """info reduced to `leaks` (counts, groups and the limit recomputed)."""
     import dataclasses
+    from memunreachable.report import group_leaks
     total = sum(1 + l.referenced_count for l in leaks)
     size = sum(l.size + l.referenced_size for l in leaks)
-    return dataclasses.replace(info, leaks=leaks, num_leaks=total, leak_bytes=size, truncated=0)
+    groups, _ = group_leaks(leaks)
+    return dataclasses.replace(info, leaks=[l for g in groups for l in g.leaks], groups=groups,
+                               num_leaks=total, leak_bytes=size, truncated=0)
 
 
 def _render(info: UnreachableMemoryInfo, contents: bool) -> str:
@@ -182,7 +206,8 @@ class _Helper:
 
     # Returns the pickled message of one check; raises SweepError when the helper died or
     # did not answer within HELPER_TIMEOUT (it is then closed: the next check starts anew).
-    def run(self, limit: Optional[int], timeout: float) -> bytes:
+    def run(self, limit: Optional[int], timeout: float, symbolize: bool = True,
+            rules=()) -> bytes:
         # unreachable reference cycles are not leaks: let the cyclic GC free them first
         gc.collect()
         # Dead frames of functions that returned (a C extension's malloc'ing call, say) may
@@ -190,7 +215,9 @@ class _Helper:
         # before the helper may freeze us.
         _scrub_stack()
         try:
-            self.proc.stdin.write(f"go {-1 if limit is None else limit} {timeout}\n".encode())
+            supp = "\n".join(f"leak:{r.template}" for r in rules).encode().hex() or "-"
+            self.proc.stdin.write(f"go {-1 if limit is None else limit} {timeout} "
+                                  f"{int(symbolize)} {supp}\n".encode())
             self.proc.stdin.flush()
             head = _read_exactly(self.rfd, 8, HELPER_TIMEOUT)
             data = _read_exactly(self.rfd, struct.unpack("<Q", head)[0], HELPER_TIMEOUT)
@@ -263,13 +290,14 @@ def start_helper() -> None:
         _ensure_helper()
 
 
-def _check_self(limit: Optional[int], timeout: float) -> UnreachableMemoryInfo:
+def _check_self(limit: Optional[int], timeout: float, symbolize: bool = True,
+                rules=()) -> UnreachableMemoryInfo:
     global _HELPER
     with _HELPER_LOCK:
         for attempt in (1, 2):
             _ensure_helper()
             try:
-                data = _HELPER.run(limit, timeout)
+                data = _HELPER.run(limit, timeout, symbolize, rules)
                 break
             except SweepError:
                 _HELPER = None

@@ -11,6 +11,9 @@ A check that cannot run (no ptrace here, say) never skips or hides the test: its
 runs and its own outcome stands; the check's failure then errors the test at teardown, with
 the reason and hint, or is a warning with `--memunreachable-cannot-check=warn` (ini
 `memunreachable_cannot_check`).
+Suppressions (LSan format, issue 9): `--memunreachable-suppressions FILE` or the ini
+`memunreachable_suppressions` (relative to the ini file's directory); leaks a rule matches never
+fail a test. A file that cannot be read or parsed stops the run at start-up (usage error).
 """
 from __future__ import annotations
 
@@ -37,9 +40,41 @@ def pytest_addoption(parser):
                   help="same as --memunreachable")
     parser.addini("memunreachable_cannot_check", default="error",
                   help="same as --memunreachable-cannot-check (error | warn)")
+    group.addoption("--memunreachable-suppressions", metavar="FILE", default=None,
+                    help="LeakSanitizer suppressions file ('leak:PATTERN' lines): matching "
+                         "leaks never fail a test")
+    parser.addini("memunreachable_suppressions", default="",
+                  help="same as --memunreachable-suppressions (relative to the ini file)")
+
+
+_RULES = pytest.StashKey[list]()
+
+
+def _load_rules(config) -> list:
+    """The suppression rules of the option or the ini ([] for none); UsageError when bad."""
+    import os
+    from memunreachable.suppressions import load
+    path = config.getoption("--memunreachable-suppressions")
+    if not path:
+        path = config.getini("memunreachable_suppressions")
+        if path and not os.path.isabs(path):
+            base = config.inipath.parent if config.inipath else config.rootpath
+            path = os.path.join(str(base), path)
+    if not path:
+        return []
+    try:
+        return load(path)
+    except MemunreachableError as exc:
+        raise pytest.UsageError(f"memunreachable: {exc}" + (f" (hint: {exc.hint})"
+                                                             if exc.hint else ""))
+
+
+def _rules(config) -> list:
+    return config.stash.get(_RULES, [])
 
 
 def pytest_configure(config):
+    config.stash[_RULES] = _load_rules(config)
     config.addinivalue_line("markers", "no_leaks: fail the test if native heap blocks become "
                                        "unreachable during it (memunreachable)")
     xdist_controller = getattr(config.option, "numprocesses", None) and \
@@ -122,11 +157,12 @@ def _chained_baseline(item):
 def pytest_runtest_call(item):
     if not _enabled(item):
         return (yield)
+    rules = _rules(item.config)
     base = _chained_baseline(item)
     item.config.stash[_AFTER] = None        # this test's body runs: any older check is stale
     if base is None:
         try:
-            base = leak_baseline()
+            base = leak_baseline(rules)
         except MemunreachableError as exc:
             item.stash[_CANNOT] = exc       # reported at teardown; the test body runs regardless
     # a test that fails on its own raises here: its outcome stands, no leak report on top
@@ -134,7 +170,7 @@ def pytest_runtest_call(item):
     if base is None:
         return result
     try:
-        info = get_unreachable_memory(limit=None)
+        info = get_unreachable_memory(limit=None, suppressions=rules)
     except MemunreachableError as exc:
         item.stash[_CANNOT] = exc
         return result
@@ -164,17 +200,18 @@ class _Checker:
     """The `memunreachable` fixture: explicit checks inside a test. When the baseline cannot
     be taken the test still runs; each check then raises the reason."""
 
-    def __init__(self):
+    def __init__(self, rules=()):
         self.error = None
+        self.rules = list(rules)
         try:
-            self.baseline = leak_baseline()
+            self.baseline = leak_baseline(self.rules)
         except MemunreachableError as exc:
             self.error = exc
 
     def _info(self):
         if self.error is not None:
             raise self.error
-        return get_unreachable_memory(limit=None)
+        return get_unreachable_memory(limit=None, suppressions=self.rules)
 
     def new_leaks(self):
         return self.baseline.new_leaks(self._info())
@@ -190,4 +227,4 @@ class _Checker:
 
 @pytest.fixture
 def memunreachable(request):
-    return _Checker()
+    return _Checker(_rules(request.config))

@@ -1,13 +1,19 @@
-"""report.py: Stage 9 data: Leak and UnreachableMemoryInfo, sorting and the limit.
+"""report.py: Stage 9 data: Leak and UnreachableMemoryInfo, grouping, sorting and the limit.
 
-Field names follow libmemunreachable (num_leaks, leak_bytes, referenced_size, total_size).
-Sort: total_size descending, ties by address ascending; then truncate to `limit`
-(0 = no limit in the CLI's sense is handled by the caller passing None).
+Field names follow libmemunreachable (num_leaks, leak_bytes, referenced_size, total_size,
+similar_count, similar_size, ...). Sort: total_size descending, ties by address ascending;
+then truncate to `limit` (0 = no limit in the CLI's sense is handled by the caller passing None).
+
+Grouping (libmemunreachable.md section 6.2): entries whose recorded allocation stack is the
+same (same native pcs and Python frames) form one LeakGroup, shown once with "and N similar
+unreachable bytes in K allocations"; its representative is the lowest-address member. Entries
+without a recorded stack never merge. Groups are sorted by their total size (every member with
+what it references), largest first.
 """
 from __future__ import annotations
 
 from dataclasses import dataclass, field
-from typing import List, Optional
+from typing import Any, List, Optional, Tuple
 
 SCHEMA_VERSION = 1
 
@@ -19,10 +25,17 @@ class Leak:
     referenced_count: int = 0
     referenced_size: int = 0
     contents: bytes = b""            # first min(size, 32) bytes, from the snapshot
-    backtrace: List[str] = field(default_factory=list)
+    # symbolize.Frame records of the allocation stack, innermost first (issue 9); [] when none
+    backtrace: List[Any] = field(default_factory=list)
     python_type: Optional[str] = None   # the block holds a Python object of this type
     refcount: Optional[int] = None      # its ob_refcnt in the snapshot
     repr: Optional[str] = None          # short value of a str/bytes/int/float
+    # allocation stack from the tracking table (issue 9, filled by the sweep): native return
+    # addresses innermost first; Python (function, file, line) innermost first; "recorded",
+    # "untracked" (no table, or the block is not in it) or "table_full"
+    stack: List[int] = field(default_factory=list)
+    python_stack: List[Tuple[str, str, int]] = field(default_factory=list)
+    stack_status: str = "untracked"
 
     @property
     def total_size(self) -> int:
@@ -64,6 +77,91 @@ class UnreachableMemoryInfo:
     cyclic_garbage: List[Leak] = field(default_factory=list)
     num_cyclic_garbage: int = 0
     cyclic_garbage_bytes: int = 0
+    # issue 9: the target's executable file mappings [(begin, end, offset, path)] (symbolization
+    # runs after the target and snapshot are gone) and its tracking table's header figures
+    modules: List[Tuple[int, int, int, str]] = field(default_factory=list)
+    tracking: Optional[dict] = None
+    # leak groups shown (same allocation stack), largest first; leaks holds their members
+    groups: List["LeakGroup"] = field(default_factory=list)
+    # suppressions (suppressions.py): leaks a rule matched are in none of the counts above
+    num_suppressed: int = 0
+    suppressed_bytes: int = 0
+    suppressions_used: List[Tuple[str, int, int]] = field(default_factory=list)  # template, count, bytes
+
+
+@dataclass
+class LeakGroup:
+    """Report entries sharing one allocation stack (a single entry when it has none).
+
+    leaks: members kept (representative = lowest address first, at most the limit);
+    num_entries: every member; num_allocations / total_size: every member with what it
+    references (libmemunreachable's total_size); similar_*: the members other than the
+    representative (libmemunreachable's similar_count/size, similar_referenced_count/size).
+    """
+    leaks: List[Leak]
+    num_entries: int = 1
+    num_allocations: int = 0
+    total_size: int = 0
+    similar_count: int = 0
+    similar_size: int = 0
+    similar_referenced_count: int = 0
+    similar_referenced_size: int = 0
+
+    @property
+    def representative(self) -> Leak:
+        return self.leaks[0]
+
+    @property
+    def backtrace(self) -> list:
+        return self.leaks[0].backtrace
+
+    @property
+    def stack_status(self) -> str:
+        return self.leaks[0].stack_status
+
+
+def stack_key(leak: Leak) -> Optional[tuple]:
+    """What groups a leak with others: its recorded stack (pcs and Python frames); None when it
+    has none (it then stands alone)."""
+    if leak.stack_status != "recorded" or not (leak.stack or leak.python_stack):
+        return None
+    return (tuple(leak.stack), tuple(tuple(p) for p in leak.python_stack))
+
+
+# Returns (groups kept, groups left out): leaks grouped by stack_key, each group's members by
+# address (the representative first), groups by total_size desc then representative address;
+# at most `limit` groups (None: all), each keeping at most `limit` members (counts stay whole).
+def group_leaks(leaks: List[Leak], limit: Optional[int] = None) -> Tuple[List[LeakGroup], int]:
+    by_key: dict = {}
+    singles: List[List[Leak]] = []
+    for leak in leaks:
+        key = stack_key(leak)
+        if key is None:
+            singles.append([leak])
+        else:
+            by_key.setdefault(key, []).append(leak)
+    groups = []
+    for members in list(by_key.values()) + singles:
+        members.sort(key=lambda l: l.address)
+        rest = members[1:]
+        groups.append(LeakGroup(
+            leaks=members if limit is None else members[:max(limit, 1)],
+            num_entries=len(members),
+            num_allocations=sum(1 + l.referenced_count for l in members),
+            total_size=sum(l.total_size for l in members),
+            similar_count=len(rest),
+            similar_size=sum(l.size for l in rest),
+            similar_referenced_count=sum(l.referenced_count for l in rest),
+            similar_referenced_size=sum(l.referenced_size for l in rest)))
+    groups.sort(key=lambda g: (-g.total_size, g.representative.address))
+    if limit is None or limit >= len(groups):
+        return groups, 0
+    return groups[:limit], len(groups) - limit
+
+
+def members(groups: List[LeakGroup]) -> List[Leak]:
+    """The kept members of every group, in group order (what info.leaks holds)."""
+    return [l for g in groups for l in g.leaks]
 
 
 def sort_and_limit(leaks: List[Leak], limit: Optional[int]) -> tuple:

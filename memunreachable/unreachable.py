@@ -4,7 +4,8 @@
     2. collect     freeze every thread, capture registers and maps
     3. snapshot    inject clone(0) -> a copy-on-write child; thaw the target at once
     4-8. sweep     in a forked sweeper: enumerate allocations, roots, mark, fold
-    9. report      UnreachableMemoryInfo (sorted, limited); the CLI renders it
+    9. symbolize   allocation stacks -> frames; suppressions; leaks grouped by stack (issue 9)
+   10. report      UnreachableMemoryInfo (sorted, limited); the CLI renders it
 
 A result is valid or it is an error. A snapshot that cannot give a valid result is retaken,
 bounded: a hard heap inconsistency (a thread stopped inside malloc; the same inconsistency
@@ -23,6 +24,8 @@ from itertools import compress
 from typing import List, Optional, Sequence
 
 from memunreachable import detect, diagnose, leftovers, procfs
+from memunreachable import suppressions as suppressions_stage
+from memunreachable import symbolize as symbolize_stage
 from memunreachable import preflight as preflight_stage
 from memunreachable._errors import (CollectionError, HeapCorrupt, HeapWalkError,
                                     MemoryUnreadable, NoSuchProcess)
@@ -35,7 +38,7 @@ from memunreachable.glibc.walker import HeapInconsistent, walk_heap
 from memunreachable.mark import mark
 from memunreachable.memory import (CopiedMemory, ProcessMemory, SnapshotPlan, capture,
                                    mapped_file_size, plan_snapshot)
-from memunreachable.report import Leak, UnreachableMemoryInfo, sort_and_limit
+from memunreachable.report import Leak, UnreachableMemoryInfo, group_leaks, members, sort_and_limit
 from memunreachable.snapshot import take_snapshot
 from memunreachable.sweeper import SweepEntry, SweepResult, run_sweeper
 
@@ -54,14 +57,19 @@ RETAKE_WORDS = {"inflight": "a thread was inside malloc/free",
 @leftovers.guarded     # signals, per-target lock, no snapshot process left (leftovers.py)
 def check(pid: int, *, limit: Optional[int] = 100, timeout: float = 2.0,
           sweep_timeout: float = 600.0, allow_direct: bool = True,
-          allow_seccomp: bool = False) -> UnreachableMemoryInfo:
+          allow_seccomp: bool = False, symbolize: bool = True,
+          suppressions=None) -> UnreachableMemoryInfo:
     """Find the unreachable allocations of process `pid`.
 
-    limit: how many leak entries to keep (largest first); None keeps all.
+    limit: how many leak groups to keep (largest first); None keeps all.
+    symbolize: name the frames of allocation stacks (False: module+offset and build-id only).
+    suppressions: None, a path to an LSan suppressions file, or suppressions.parse() rules;
+    suppressed leaks are in none of the counts (info.suppressions_used says what matched).
     timeout: bound on the pause (freeze); sweep_timeout: bound on the sweep.
     Raises MemunreachableError subclasses when the check cannot be done.
     """
     started = time.monotonic()
+    rules = suppressions_stage.as_rules(suppressions)      # a bad file fails before any pause
     # 1. Preflight
     target = preflight_stage.preflight(pid)
     info = UnreachableMemoryInfo(pid=pid, comm=target.name)
@@ -82,8 +90,10 @@ def check(pid: int, *, limit: Optional[int] = 100, timeout: float = 2.0,
                                  "(in flight in malloc/free) were not reported")
     for kind, n in sorted(info.retake_counts.items()):
         info.warnings.append(f"snapshot retaken {n} time(s): {RETAKE_WORDS[kind]}")
-    # 9. Report
-    _fill(info, result, limit)
+    # 9. Symbolize, suppress, group
+    leaks = _fill(info, result, limit)
+    _symbolize_and_group(info, leaks, limit, symbolize, rules)
+    # 10. Report
     info.duration_ms = (time.monotonic() - started) * 1000.0
     log.info("check done in %.1f ms: %d bytes in %d unreachable allocations",
              info.duration_ms, info.leak_bytes, info.num_leaks)
@@ -558,7 +568,41 @@ def _leak(e: SweepEntry) -> Leak:
                 python_type=e.python_type, refcount=e.refcount, repr=e.repr)
 
 
-def _fill(info: UnreachableMemoryInfo, res: SweepResult, limit: Optional[int]) -> None:
+def _symbolize_and_group(info: UnreachableMemoryInfo, leaks: List[Leak], limit: Optional[int],
+                         resolve: bool, rules) -> None:
+    """Step 9: backtraces for the leaks (all of them when suppressions must see them, else only
+    the groups kept), suppressed leaks out of the counts, groups by stack, the limit."""
+    t0 = time.monotonic()
+    opts = dict(resolve=resolve, pid=info.pid)
+    if rules:
+        _backtraces(info, leaks, opts)
+        leaks, gone = suppressions_stage.apply(rules, leaks)
+        info.num_suppressed = sum(1 + l.referenced_count for l in gone)
+        info.suppressed_bytes = sum(l.size + l.referenced_size for l in gone)
+        info.num_leaks -= info.num_suppressed
+        info.leak_bytes -= info.suppressed_bytes
+        info.suppressions_used = suppressions_stage.used(rules)
+    info.groups, info.truncated = group_leaks(leaks, limit)
+    info.leaks = members(info.groups)
+    if not rules:
+        _backtraces(info, info.leaks, opts)
+    info.stats["symbolize_seconds"] = time.monotonic() - t0
+
+
+def _backtraces(info: UnreachableMemoryInfo, leaks: List[Leak], opts: dict) -> None:
+    """symbolize.symbolize_leaks; a failure there costs the names (module+offset is still
+    shown, with a warning), never the report."""
+    try:
+        symbolize_stage.symbolize_leaks(leaks, info.modules, **opts)
+    except Exception as exc:  # noqa: BLE001 - a symbolizer bug must not lose the leaks
+        log.warning("symbolization failed: %s", exc, exc_info=True)
+        info.warnings.append(f"allocation stacks could not be symbolized ({type(exc).__name__}: "
+                             f"{exc}): frames are shown as module+offset")
+        symbolize_stage.symbolize_leaks(leaks, info.modules, **dict(opts, resolve=False))
+
+
+# Returns every leak entry of the sweep as a Leak (unsorted); fills the rest of info.
+def _fill(info: UnreachableMemoryInfo, res: SweepResult, limit: Optional[int]) -> List[Leak]:
     info.allocator_name = res.meta.get("allocator", {}).get("name", "glibc")
     info.allocator_version = res.meta.get("allocator", {}).get("version")
     info.num_allocations = res.num_allocations
@@ -569,7 +613,6 @@ def _fill(info: UnreachableMemoryInfo, res: SweepResult, limit: Optional[int]) -
     info.warnings.extend(res.meta.get("warnings", []))
     info.stats = res.meta
     leaks = [_leak(e) for e in res.entries]
-    info.leaks, info.truncated = sort_and_limit(leaks, limit)
     info.num_uncertain = len(res.uncertain)
     info.uncertain_bytes = sum(e.size for e in res.uncertain)
     info.uncertain, _ = sort_and_limit([Leak(e.address, e.size, 0, 0, e.contents)
@@ -577,3 +620,4 @@ def _fill(info: UnreachableMemoryInfo, res: SweepResult, limit: Optional[int]) -
     info.num_cyclic_garbage = sum(1 + e.referenced_count for e in res.cyclic_garbage)
     info.cyclic_garbage_bytes = sum(e.size + e.referenced_size for e in res.cyclic_garbage)
     info.cyclic_garbage, _ = sort_and_limit([_leak(e) for e in res.cyclic_garbage], limit)
+    return leaks

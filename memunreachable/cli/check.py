@@ -68,6 +68,35 @@ def add_engine_arguments(parser: argparse.ArgumentParser) -> None:
                              "threads are frozen (default: the engine's)")
 
 
+def add_report_arguments(parser: argparse.ArgumentParser) -> None:
+    """--no-symbolize and --suppressions FILE (issue 9)."""
+    parser.add_argument("--no-symbolize", action="store_true",
+                        help="do not name the frames of allocation stacks: show them as "
+                             "module+0xoffset with the module's build-id (faster; symbolize "
+                             "elsewhere with addr2line -e MODULE)")
+    parser.add_argument("--suppressions", metavar="FILE",
+                        help="LeakSanitizer suppressions file: 'leak:PATTERN' lines ('*' "
+                             "wildcards, '^'/'$' anchors, '#' comments) matched against the "
+                             "function, source file and module of every frame of a leak's "
+                             "allocation stack; suppressed leaks are not reported and do not "
+                             "count for the exit code")
+
+
+def load_suppressions(args: argparse.Namespace) -> list:
+    """The rules of --suppressions FILE ([] without it); a file that cannot be read or parsed
+    is a usage error (exit 2), found before the target is touched."""
+    from memunreachable import suppressions
+    from memunreachable._errors import SuppressionsError
+
+    path = getattr(args, "suppressions", None)
+    if path is None:
+        return []
+    try:
+        return suppressions.load(path)
+    except SuppressionsError as exc:
+        raise CommandError(str(exc), exc.hint, exit_code=EXIT_USAGE) from None
+
+
 def run_engine(pid: int, args: argparse.Namespace) -> UnreachableMemoryInfo:
     """Call memunreachable.unreachable.check() with the options in args (imported lazily)."""
     from memunreachable import unreachable
@@ -79,6 +108,10 @@ def run_engine(pid: int, args: argparse.Namespace) -> UnreachableMemoryInfo:
         kwargs["allow_direct"] = False
     if getattr(args, "allow_seccomp_target", False):
         kwargs["allow_seccomp"] = True
+    if getattr(args, "no_symbolize", False):
+        kwargs["symbolize"] = False
+    if getattr(args, "suppression_rules", None):
+        kwargs["suppressions"] = args.suppression_rules
     info = unreachable.check(pid, **kwargs)
     if info.comm is None:
         info.comm = read_comm(pid)
@@ -95,7 +128,8 @@ def read_comm(pid: int) -> Optional[str]:
 
 
 def exit_code_for(info: UnreachableMemoryInfo) -> int:
-    """23 when any allocation is unreachable, else 0."""
+    """23 when any allocation is unreachable (suppressed ones excepted: they are not in
+    num_leaks), else 0."""
     return EXIT_LEAKS if info.num_leaks > 0 else EXIT_OK
 
 
@@ -201,6 +235,8 @@ class Check(Command):
                                  "filters that can be read are always obeyed, and a thread in "
                                  "seccomp strict mode is never used")
 
+        add_report_arguments(parser)
+
     def get_pid(self, args: argparse.Namespace) -> int:
         if args.pid is not None and args.pid_option is not None:
             raise CommandError("give the pid either as PID or with -p/--pid, not both",
@@ -214,6 +250,7 @@ class Check(Command):
 
     def run(self, args: argparse.Namespace) -> int:
         pid = self.get_pid(args)
+        args.suppression_rules = load_suppressions(args)
         output = None
         if args.output is not None and args.output != "-":
             output = OutputFile(args.output, args.force)

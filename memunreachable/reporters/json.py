@@ -14,6 +14,12 @@ contents}]: unreachable blocks withheld because what decides their fate could no
 (not leaks: not in num_leaks, leak_bytes nor the exit code);
 for CPython targets python_type, refcount and repr per leak holding a Python object, and
 num_cyclic_garbage, cyclic_garbage_bytes, cyclic_garbage (entries shaped like leaks).
+Issue 9: backtrace per leak is [{pc, module, build_id, offset, function, file, line, inlined}]
+(Python frames add "python": true), stack_status per leak; groups: [{leaks (indices into
+leaks), num_entries, num_allocations, total_size, similar_count, similar_size,
+similar_referenced_count, similar_referenced_size}] largest first; tracking (the target's
+tracking table figures, null when untracked); num_suppressed, suppressed_bytes and
+suppressions_used [{template, count, bytes}].
 Readers must ignore keys they do not know. load_json() is the inverse (for re-rendering).
 
 stats is one flat object (flatten_stats): the walker's figures (arenas, chunks, ...) next to
@@ -27,7 +33,8 @@ from __future__ import annotations
 import json
 from typing import IO, Any, Dict, Optional
 
-from memunreachable.report import SCHEMA_VERSION, Leak, UnreachableMemoryInfo
+from memunreachable.report import SCHEMA_VERSION, Leak, LeakGroup, UnreachableMemoryInfo, group_leaks
+from memunreachable.symbolize import Frame
 
 CONTENTS_BYTES = 32
 
@@ -73,7 +80,8 @@ def leak_to_dict(leak: Leak) -> Dict[str, Any]:
         "referenced_size": leak.referenced_size,
         "total_size": leak.total_size,
         "contents": bytes(leak.contents[:CONTENTS_BYTES]).hex(),
-        "backtrace": list(leak.backtrace),
+        "backtrace": [f if isinstance(f, str) else f.to_dict() for f in leak.backtrace],
+        "stack_status": leak.stack_status,
     }
     if leak.python_type is not None:
         out.update(python_type=leak.python_type, refcount=leak.refcount, repr=leak.repr)
@@ -103,6 +111,7 @@ def render_json(info: UnreachableMemoryInfo) -> Dict[str, Any]:
         "num_leaks": info.num_leaks,
         "leak_bytes": info.leak_bytes,
         "leaks": [leak_to_dict(leak) for leak in info.leaks],
+        "groups": _groups_to_json(info),
         "truncated": info.truncated,
         "num_uncertain": info.num_uncertain,
         "uncertain_bytes": info.uncertain_bytes,
@@ -111,12 +120,33 @@ def render_json(info: UnreachableMemoryInfo) -> Dict[str, Any]:
                       for u in info.uncertain],
         "warnings": list(info.warnings),
         "stats": _jsonable(flatten_stats(info.stats)),
+        "tracking": _jsonable(info.tracking),
+        "num_suppressed": info.num_suppressed,
+        "suppressed_bytes": info.suppressed_bytes,
+        "suppressions_used": [{"template": t, "count": c, "bytes": b}
+                              for t, c, b in info.suppressions_used],
     }
     if info.num_cyclic_garbage:
         out.update(num_cyclic_garbage=info.num_cyclic_garbage,
                    cyclic_garbage_bytes=info.cyclic_garbage_bytes,
                    cyclic_garbage=[leak_to_dict(g) for g in info.cyclic_garbage])
     return out
+
+
+def _groups_to_json(info: UnreachableMemoryInfo) -> list:
+    """groups with their members as indices into leaks (info.leaks holds every kept member)."""
+    groups = info.groups or group_leaks(info.leaks)[0]
+    index = {id(l): i for i, l in enumerate(info.leaks)}
+    return [{"leaks": [index[id(l)] for l in g.leaks if id(l) in index],
+             "num_entries": g.num_entries, "num_allocations": g.num_allocations,
+             "total_size": g.total_size, "similar_count": g.similar_count,
+             "similar_size": g.similar_size,
+             "similar_referenced_count": g.similar_referenced_count,
+             "similar_referenced_size": g.similar_referenced_size} for g in groups]
+
+
+def _frame(d):
+    return d if isinstance(d, str) else Frame.from_dict(d)
 
 
 def write_json(info: UnreachableMemoryInfo, stream: IO[str]) -> None:
@@ -157,11 +187,18 @@ def load_json(data: Dict[str, Any]) -> UnreachableMemoryInfo:
                   referenced_count=int(e.get("referenced_count", 0)),
                   referenced_size=int(e.get("referenced_size", 0)),
                   contents=bytes.fromhex(e.get("contents", "")),
-                  backtrace=list(e.get("backtrace", [])), python_type=e.get("python_type"),
-                  refcount=e.get("refcount"), repr=e.get("repr"))
+                  backtrace=[_frame(f) for f in e.get("backtrace", [])],
+                  python_type=e.get("python_type"), refcount=e.get("refcount"),
+                  repr=e.get("repr"), stack_status=e.get("stack_status", "untracked"))
              for e in data.get("leaks", []) + data.get("cyclic_garbage", [])]
     garbage = leaks[len(data.get("leaks", [])):]
     leaks = leaks[:len(data.get("leaks", []))]
+    groups = [LeakGroup(leaks=[leaks[i] for i in g.get("leaks", [])],
+                        **{k: int(g.get(k, 0)) for k in (
+                            "num_entries", "num_allocations", "total_size", "similar_count",
+                            "similar_size", "similar_referenced_count",
+                            "similar_referenced_size")})
+              for g in data.get("groups", []) if g.get("leaks")]
     return UnreachableMemoryInfo(
         pid=int(data["pid"]),
         comm=data.get("comm"),
@@ -191,4 +228,10 @@ def load_json(data: Dict[str, Any]) -> UnreachableMemoryInfo:
         cyclic_garbage=garbage,
         num_cyclic_garbage=int(data.get("num_cyclic_garbage", 0)),
         cyclic_garbage_bytes=int(data.get("cyclic_garbage_bytes", 0)),
+        groups=groups,
+        tracking=data.get("tracking"),
+        num_suppressed=int(data.get("num_suppressed", 0)),
+        suppressed_bytes=int(data.get("suppressed_bytes", 0)),
+        suppressions_used=[(u["template"], int(u["count"]), int(u["bytes"]))
+                           for u in data.get("suppressions_used", [])],
     )

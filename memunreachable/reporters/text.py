@@ -16,12 +16,23 @@ injected stream. The middle block keeps libmemunreachable's Leak::ToString shape
        referencing 240 unreachable bytes in 3 allocations
        first 32 bytes of contents:                                          (--contents)
        55d0c0a012a0: 68 65 6c 6c 6f 00 00 00 00 00 00 00 00 00 00 00 hello...........
+       and 2048 similar unreachable bytes in 2 allocations                  <- same stack
+       referencing 480 unreachable bytes in 6 allocations                      (grouped)
+       #0 0x55d0c0a01234 in make_node src/list.c:42 (/usr/bin/server+0x1233)  <- issue 9
+       #1 0x55d0c0a01300 in main src/main.c:7 (/usr/bin/server+0x12ff)
+       no stack recorded (allocated before tracking / not tracked)          (tracked target)
     <blank>                                                                 (after each entry)
       ... 3 more entries not shown; use --limit 0 to show all               <- ours
       72 bytes in 1 uncertain allocation (not counted as leaks)             <- ours, only
        72 bytes uncertain at 55d0c0a01400                                      when any
       96 bytes in 2 allocations of cyclic garbage awaiting collection (not counted as leaks)
        48 bytes at 7f...0 (Node, refcount 1), referencing 1 allocation      <- CPython only
+    <blank>
+    -----------------------------------------------------                   <- LSan's block,
+    Suppressions used:                                                         only when a
+      count      bytes template                                                rule matched
+          1        666 *LSanTestLeakingFunc*
+    -----------------------------------------------------
     <blank>
     SUMMARY: memunreachable: 1264 bytes leaked in 5 allocations, 5 report entries
 
@@ -34,7 +45,9 @@ from __future__ import annotations
 import os
 from typing import IO, List, Optional, Tuple
 
-from memunreachable.report import Leak, UnreachableMemoryInfo
+from memunreachable.report import Leak, LeakGroup, UnreachableMemoryInfo, group_leaks
+from memunreachable.suppressions import format_used
+from memunreachable.symbolize import format_frame
 
 BYTES_PER_LINE = 16
 CONTENTS_BYTES = 32               # at most this many bytes are shown (libmemunreachable)
@@ -74,8 +87,9 @@ def duration(ms: float) -> str:
 
 
 def num_entries(info: UnreachableMemoryInfo) -> int:
-    """All report entries (root leaks), including those left out by the limit."""
-    return len(info.leaks) + info.truncated
+    """All report entries (groups of root leaks with one stack), including those left out by
+    the limit."""
+    return len(info.groups or group_leaks(info.leaks)[0]) + info.truncated
 
 
 def summary_line(info: UnreachableMemoryInfo) -> str:
@@ -126,7 +140,13 @@ def _hexdump(address: int, data: bytes) -> List[Line]:
     return lines
 
 
-def _entry(leak: Leak, contents: bool) -> List[Line]:
+NO_STACK = "no stack recorded (allocated before tracking / not tracked)"
+TABLE_FULL = ("no stack recorded: the tracking table was full ([stack table full]; raise "
+              "MEMUNREACHABLE_TRACK_BUDGET)")
+
+
+def _entry(leak: Leak, contents: bool, group: Optional[LeakGroup] = None,
+           tracked: bool = False) -> List[Line]:
     lines: List[Line] = [[("  ", ""), (f"{leak.size} bytes", "bold red"),
                           (" unreachable at ", ""), (f"{leak.address:x}", "cyan")]]
     if leak.python_type is not None:
@@ -136,6 +156,12 @@ def _entry(leak: Leak, contents: bool) -> List[Line]:
     if leak.referenced_count > 0:
         lines.append([(f"   referencing {leak.referenced_size} unreachable bytes in "
                        f"{plural(leak.referenced_count, 'allocation')}", "")])
+    if group is not None and group.similar_count:
+        lines.append([(f"   and {group.similar_size} similar unreachable bytes in "
+                       f"{plural(group.similar_count, 'allocation')}", "bold")])
+        if group.similar_referenced_count:
+            lines.append([(f"   referencing {group.similar_referenced_size} unreachable bytes "
+                           f"in {plural(group.similar_referenced_count, 'allocation')}", "")])
     if contents and leak.contents:
         data = bytes(leak.contents[:CONTENTS_BYTES])
         if len(data) >= leak.size:
@@ -143,8 +169,15 @@ def _entry(leak: Leak, contents: bool) -> List[Line]:
         else:
             lines.append([(f"   first {len(data)} bytes of contents:", "")])
         lines.extend(_hexdump(leak.address, data))
-    for frame in leak.backtrace:
-        lines.append([(f"   {frame}", "")])
+    for n, frame in enumerate(leak.backtrace):
+        if isinstance(frame, str):          # a frame already formatted
+            lines.append([(f"   {frame}", "")])
+        else:
+            lines.append([(f"   {format_frame(n, frame)}", "magenta" if frame.python else "")])
+    if not leak.backtrace and leak.stack_status == "table_full":
+        lines.append([(f"   {TABLE_FULL}", "yellow")])
+    elif not leak.backtrace and tracked:
+        lines.append([(f"   {NO_STACK}", "dim")])
     lines.append([])
     return lines
 
@@ -161,16 +194,27 @@ def iter_lines(info: UnreachableMemoryInfo, contents: bool = False) -> List[Line
                    "bold")])
     lines.append([(f"  ABI: '{ABI}'", "")])
     lines.append([])
-    for leak in info.leaks:
-        lines.extend(_entry(leak, contents))
+    tracked = info.tracking is not None
+    for group in _groups(info):
+        lines.extend(_entry(group.representative, contents, group, tracked))
     if info.truncated:
         more = _entries(info.truncated, "more entry")
         lines.append([(f"  ... {more} not shown; use --limit 0 to show all", "yellow")])
         lines.append([])
     lines.extend(_uncertain(info, contents))
     lines.extend(_cyclic_garbage(info))
+    block = format_used(info.suppressions_used)
+    if block:
+        lines.extend([[(text, "")] for text in block] + [[]])
     lines.append([(summary_line(info), "bold")])
     return lines
+
+
+def _groups(info: UnreachableMemoryInfo) -> List[LeakGroup]:
+    """info.groups, or (a hand-built or re-loaded info without them) the leaks grouped here."""
+    if info.groups:
+        return info.groups
+    return group_leaks(info.leaks)[0]
 
 
 def _uncertain(info: UnreachableMemoryInfo, contents: bool) -> List[Line]:

@@ -227,3 +227,20 @@ def _usable(n: int) -> int:
 def test_a_real_extension_s_leaky_tests_fail_in_10_of_10_runs(real_suite):
     for _ in range(10):
         _run_real(real_suite)
+
+
+def test_bad_suppressions_ini_stops_the_run_with_the_line(suite):
+    suite.makefile(".supp", known="leak:ok\n# fine\nthread:bad\n")
+    suite.makeini("[pytest]\nmemunreachable = true\nmemunreachable_suppressions = known.supp\n")
+    res = suite.runpytest_subprocess()
+    assert res.ret == pytest.ExitCode.USAGE_ERROR
+    assert "known.supp:3: failed to parse suppressions: unknown suppression type 'thread'" \
+        in res.stderr.str()
+
+
+def test_suppressions_option_with_an_untracked_process_changes_nothing(suite):
+    suite.makefile(".supp", allof="leak:*\n")
+    res = suite.runpytest_subprocess("--memunreachable", "--memunreachable-suppressions",
+                                     "allof.supp", "-k", "test_leaks or test_clean")
+    # no allocation stacks in an untracked process: no rule can match, the leak still fails
+    res.assert_outcomes(passed=1, failed=1)

@@ -1,4 +1,5 @@
 """Unit tests of reporters/text.py and reporters/json.py on hand-built UnreachableMemoryInfo."""
+import dataclasses
 import io
 import json
 import re
@@ -250,18 +251,28 @@ EXPECTED_JSON = {
         {"address": 0x55d0c0a012a0, "size": 1024, "referenced_count": 3, "referenced_size": 240,
          "total_size": 1264,
          "contents": "68656c6c6f20776f726c64007c7d7e7f808182838485868788898a8b8c8d8e8f",
-         "backtrace": []},
+         "backtrace": [], "stack_status": "untracked"},
         {"address": 0x55d0c0a01000, "size": 24, "referenced_count": 1, "referenced_size": 48,
-         "total_size": 72, "contents": "616263" + "00" * 21, "backtrace": []},
+         "total_size": 72, "contents": "616263" + "00" * 21, "backtrace": [],
+         "stack_status": "untracked"},
         {"address": 0x7f0000001000, "size": 1, "referenced_count": 0, "referenced_size": 0,
-         "total_size": 1, "contents": "7f", "backtrace": []},
+         "total_size": 1, "contents": "7f", "backtrace": [], "stack_status": "untracked"},
     ],
+    "groups": [
+        {"leaks": [i], "num_entries": 1, "num_allocations": n, "total_size": t,
+         "similar_count": 0, "similar_size": 0, "similar_referenced_count": 0,
+         "similar_referenced_size": 0}
+        for i, n, t in ((0, 4, 1264), (1, 2, 72), (2, 1, 1))],
     "truncated": 0,
     "num_uncertain": 0,
     "uncertain_bytes": 0,
     "uncertain": [],
     "warnings": ["heap was mid-update once"],
     "stats": {},
+    "tracking": None,
+    "num_suppressed": 0,
+    "suppressed_bytes": 0,
+    "suppressions_used": [],
 }
 
 
@@ -289,7 +300,8 @@ def test_json_round_trip_through_text():
     parsed = json.loads(text)
     assert parsed == EXPECTED_JSON
     info = load_json(parsed)
-    assert info == make_info()
+    assert [g.leaks for g in info.groups] == [[l] for l in make_info().leaks]
+    assert dataclasses.replace(info, groups=[]) == make_info()
     assert render_json(info) == EXPECTED_JSON
 
 

@@ -1,0 +1,182 @@
+"""Unit tests of report.py's grouping by allocation stack and of how the reporters show groups,
+backtraces, missing stacks and suppressions (issue 9)."""
+import io
+import json
+
+from memunreachable.report import Leak, UnreachableMemoryInfo, group_leaks, members, stack_key
+from memunreachable.reporters import format_text, load_json, render_json, write_json
+from memunreachable.symbolize import Frame
+
+S1 = [0x401234, 0x401300]
+S2 = [0x401999]
+PY = [("work", "/app/w.py", 12)]
+
+
+def leak(addr, size, stack=None, status="recorded", ref=(0, 0), py=()):
+    return Leak(addr, size, ref[0], ref[1], b"", stack=list(stack or []),
+                python_stack=list(py), stack_status=status if stack or py else status)
+
+
+def sample():
+    return [leak(0x3000, 100, S1, ref=(1, 16)),
+            leak(0x1000, 100, S1),
+            leak(0x2000, 100, S1, ref=(2, 32)),
+            leak(0x4000, 500, S2),
+            leak(0x5000, 40, None, status="untracked"),
+            leak(0x6000, 40, None, status="untracked"),
+            leak(0x7000, 8, S1, py=PY),                 # same pcs, other Python frames
+            leak(0x8000, 1000, S1, status="table_full")]  # a stack that is not "recorded"
+
+
+def test_stack_key():
+    assert stack_key(leak(1, 1, S1)) == (tuple(S1), ())
+    assert stack_key(leak(1, 1, S1, py=PY)) == (tuple(S1), (PY[0],))
+    assert stack_key(leak(1, 1, None, status="untracked")) is None
+    assert stack_key(leak(1, 1, S1, status="table_full")) is None
+
+
+def test_group_leaks_like_libmemunreachable():
+    groups, left = group_leaks(sample())
+    assert left == 0
+    assert [[l.address for l in g.leaks] for g in groups] == [
+        [0x8000], [0x4000], [0x1000, 0x2000, 0x3000], [0x5000], [0x6000], [0x7000]]
+    g = groups[2]
+    # representative = lowest address; similar = the others, with what they reference
+    assert g.representative.address == 0x1000
+    assert (g.num_entries, g.num_allocations, g.total_size) == (3, 6, 348)
+    assert (g.similar_count, g.similar_size) == (2, 200)
+    assert (g.similar_referenced_count, g.similar_referenced_size) == (3, 48)
+    assert [g.total_size for g in groups] == [1000, 500, 348, 40, 40, 8]
+
+
+def test_group_limit_counts_groups_and_caps_members():
+    groups, left = group_leaks(sample(), limit=3)
+    assert left == 3
+    assert [g.total_size for g in groups] == [1000, 500, 348]
+    assert [len(g.leaks) for g in groups] == [1, 1, 3]
+    groups, left = group_leaks(sample(), limit=2)
+    assert left == 4
+    groups, _ = group_leaks([leak(a, 8, S1) for a in range(0x100, 0x600, 0x100)], limit=2)
+    assert [l.address for l in groups[0].leaks] == [0x100, 0x200]
+    assert groups[0].num_entries == 5 and groups[0].similar_count == 4
+    assert members(groups) == groups[0].leaks
+
+
+def frames_s1():
+    return [Frame(pc=0x401234, module="/usr/bin/app", build_id="ab12", offset=0x1233,
+                  function="make_node", file="/src/list.c", line=42),
+            Frame(pc=0x401300, module="/usr/bin/app", build_id="ab12", offset=0x12ff,
+                  function="main", file="/src/main.c", line=7)]
+
+
+def info_for(leaks, **kw):
+    groups, truncated = group_leaks(leaks, kw.pop("limit", None))
+    fields = dict(pid=7, threads=1, num_allocations=20, allocation_bytes=4096,
+                  num_leaks=sum(1 + l.referenced_count for l in leaks),
+                  leak_bytes=sum(l.total_size for l in leaks), groups=groups,
+                  leaks=members(groups), truncated=truncated)
+    fields.update(kw)
+    return UnreachableMemoryInfo(**fields)
+
+
+def body(text):
+    lines = text.split("\n")
+    start = lines.index("  ABI: 'x86_64'") + 2
+    return lines[start:]
+
+
+def test_text_group_shows_similar_and_the_stack_once():
+    leaks = [leak(0x3000, 100, S1, ref=(1, 16)), leak(0x1000, 100, S1),
+             leak(0x2000, 100, S1, ref=(2, 32))]
+    for l in leaks:
+        l.backtrace = frames_s1()
+    out = format_text(info_for(leaks))
+    assert body(out)[:7] == [
+        "  100 bytes unreachable at 1000",
+        "   and 200 similar unreachable bytes in 2 allocations",
+        "   referencing 48 unreachable bytes in 3 allocations",
+        "   #0 0x401234 in make_node /src/list.c:42 (/usr/bin/app+0x1233)",
+        "   #1 0x401300 in main /src/main.c:7 (/usr/bin/app+0x12ff)",
+        "",
+        "SUMMARY: memunreachable: 348 bytes leaked in 6 allocations, 1 report entry",
+    ]
+    assert out.count("make_node") == 1
+
+
+def test_text_missing_stacks_on_a_tracked_target():
+    leaks = [leak(0x1000, 64, None, status="untracked"), leak(0x2000, 32, None, status="table_full")]
+    tracked = info_for(leaks, tracking={"version": 1, "live_blocks": 10, "stacks": 3,
+                                        "table_full_blocks": 1, "budget_bytes": 1 << 26})
+    assert body(format_text(tracked))[:6] == [
+        "  64 bytes unreachable at 1000",
+        "   no stack recorded (allocated before tracking / not tracked)",
+        "",
+        "  32 bytes unreachable at 2000",
+        "   no stack recorded: the tracking table was full ([stack table full]; raise "
+        "MEMUNREACHABLE_TRACK_BUDGET)",
+        "",
+    ]
+    # an untracked target (no table at all) keeps the plain report
+    assert "no stack recorded (" not in format_text(info_for(leaks[:1]))
+
+
+def test_text_python_and_unresolved_frames():
+    l = leak(0x1000, 24, S2, py=PY)
+    l.backtrace = [Frame(pc=0x401999, module="/usr/lib/libx.so", build_id="cafe", offset=0x998),
+                   Frame(pc=0, module="", function="work", file="/app/w.py", line=12,
+                         python=True)]
+    assert body(format_text(info_for([l])))[:4] == [
+        "  24 bytes unreachable at 1000",
+        "   #0 0x401999 (/usr/lib/libx.so+0x998) (BuildId: cafe)",
+        "   #1 work /app/w.py:12 (Python)",
+        "",
+    ]
+
+
+def test_text_suppressions_block_before_summary():
+    info = info_for([leak(0x1000, 8, None, status="untracked")], num_suppressed=3,
+                    suppressed_bytes=700, suppressions_used=[("*LSanTestLeakingFunc*", 3, 700)])
+    lines = format_text(info).split("\n")
+    i = lines.index("Suppressions used:")
+    assert lines[i - 1:i + 6] == [
+        "-----------------------------------------------------",
+        "Suppressions used:",
+        "  count      bytes template",
+        "      3        700 *LSanTestLeakingFunc*",
+        "-----------------------------------------------------",
+        "",
+        "SUMMARY: memunreachable: 8 bytes leaked in 1 allocation, 1 report entry",
+    ]
+
+
+def test_json_backtrace_groups_and_round_trip():
+    leaks = [leak(0x2000, 100, S1), leak(0x1000, 100, S1), leak(0x9000, 5, None, "untracked")]
+    for l in leaks[:2]:
+        l.backtrace = frames_s1()
+    info = info_for(leaks, suppressions_used=[("x", 1, 2)], num_suppressed=1,
+                    suppressed_bytes=2)
+    obj = render_json(info)
+    assert [l["address"] for l in obj["leaks"]] == [0x1000, 0x2000, 0x9000]
+    assert obj["leaks"][0]["backtrace"] == [
+        {"pc": 0x401234, "module": "/usr/bin/app", "build_id": "ab12", "offset": 0x1233,
+         "function": "make_node", "file": "/src/list.c", "line": 42, "inlined": False},
+        {"pc": 0x401300, "module": "/usr/bin/app", "build_id": "ab12", "offset": 0x12ff,
+         "function": "main", "file": "/src/main.c", "line": 7, "inlined": False}]
+    assert obj["leaks"][0]["stack_status"] == "recorded"
+    assert obj["leaks"][2]["backtrace"] == [] and obj["leaks"][2]["stack_status"] == "untracked"
+    assert obj["groups"] == [
+        {"leaks": [0, 1], "num_entries": 2, "num_allocations": 2, "total_size": 200,
+         "similar_count": 1, "similar_size": 100, "similar_referenced_count": 0,
+         "similar_referenced_size": 0},
+        {"leaks": [2], "num_entries": 1, "num_allocations": 1, "total_size": 5,
+         "similar_count": 0, "similar_size": 0, "similar_referenced_count": 0,
+         "similar_referenced_size": 0}]
+    assert obj["suppressions_used"] == [{"template": "x", "count": 1, "bytes": 2}]
+    assert (obj["num_suppressed"], obj["suppressed_bytes"], obj["tracking"]) == (1, 2, None)
+    buf = io.StringIO()
+    write_json(info, buf)
+    back = load_json(json.loads(buf.getvalue()))
+    assert back.leaks[0].backtrace == frames_s1()
+    assert [[l.address for l in g.leaks] for g in back.groups] == [[0x1000, 0x2000], [0x9000]]
+    assert format_text(back) == format_text(info)
+    assert render_json(back) == obj
