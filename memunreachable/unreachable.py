@@ -18,6 +18,7 @@ from __future__ import annotations
 import bisect
 import logging
 import struct
+import os
 import time
 from dataclasses import dataclass, field
 from itertools import compress
@@ -328,6 +329,18 @@ def _sweep_snapshot(snap, fz, st: _Attempts, sweep_timeout: float, confirm, over
         mem.close()
 
 
+def _explain_address() -> int:
+    """MEMUNREACHABLE_EXPLAIN: a hex address, or @FILE holding one (read at each sweep)."""
+    v = os.environ["MEMUNREACHABLE_EXPLAIN"]
+    if v.startswith("@"):
+        try:
+            with open(v[1:]) as f:
+                v = f.read().strip()
+        except OSError:
+            return 0
+    return int(v, 16) if v else 0
+
+
 def _warm_caches(maps, pid: int) -> None:
     """Parse the malloc object's and the Python runtime's ELF files and import the CPython
     stages here, in the long-lived checker, so that every forked sweeper inherits them
@@ -366,6 +379,11 @@ def sweep(mem, maps, threads, pid: int, confirm: Optional[set] = None,
     mem = CopiedMemory(mem, list(hw.image.regions) + hw.spare)  # what the walk copied is not read again
     cps = _see_through_cpython(mem, maps, threads, pid, hw.image)
     image, dead = cps.image, cps.dead
+    # glibc's rule "a word equal to a chunk's last 8 usable bytes is the next chunk's header"
+    # breaks under CPython's malloc debug hooks: a PyMem_Malloc(0) block's pointer is exactly
+    # there (16-byte prefix, 8-byte tail); without the rule a stale header copy can only hide
+    # a leak, never invent one
+    glibc_chunks = cps.stats.get("allocator") != "malloc_debug"
     t_walk = time.monotonic()
     # 5. Roots
     roots = classify(maps, threads, hw.heap_ranges, hw.metadata_ranges,
@@ -380,7 +398,7 @@ def sweep(mem, maps, threads, pid: int, confirm: Optional[set] = None,
     t_roots = time.monotonic()
     # 6. Mark
     log.info("sweeping process %d for unreachable memory", pid)
-    marked = mark(image, root_buffers, roots.words, glibc_chunks=True, dead=dead)
+    marked = mark(image, root_buffers, roots.words, glibc_chunks=glibc_chunks, dead=dead)
     contents = _ContentsReader(image)
     begins, sizes = image.begins, image.sizes
     unsure_sizes = hw.uncertain_sizes
@@ -398,16 +416,21 @@ def sweep(mem, maps, threads, pid: int, confirm: Optional[set] = None,
         more = uncertain + extra
         root_buffers += [(begins[i], contents.view(begins[i], sizes[i])) for i in more]
         marked = mark(image, root_buffers, list(roots.words) + [begins[i] for i in more],
-                      glibc_chunks=True, dead=dead)
+                      glibc_chunks=glibc_chunks, dead=dead)
     t_mark = time.monotonic()
+    if os.environ.get("MEMUNREACHABLE_EXPLAIN"):       # diagnostic: explain.py
+        from memunreachable.explain import explain
+        for line in explain(_explain_address(), image, root_buffers, marked.marked,
+                            dead.ranges if dead else (), dead.types if dead else ()):
+            log.warning("%s", line)
     del root_buffers
     # 6b. CPython: unreachable Python objects, and which of them are cyclic garbage
     py = _python_objects(mem, cps, image, marked.marked, contents) if cps.usable else None
     leak_flags = marked.marked if py is None else py.leak_flags
     # 7. Fold
     log.info("folding related leaks")
-    folded = fold(image, leak_flags, glibc_chunks=True, dead=dead)
-    garbage = (fold(image, py.garbage_flags, glibc_chunks=True, dead=dead)
+    folded = fold(image, leak_flags, glibc_chunks=glibc_chunks, dead=dead)
+    garbage = (fold(image, py.garbage_flags, glibc_chunks=glibc_chunks, dead=dead)
                if py is not None and py.garbage else [])
     t_fold = time.monotonic()
     # 8. Result

@@ -105,7 +105,7 @@ static inline int mu_dead_object(const mu_dead *d, const uint8_t *p, uint64_t le
         }
         if (lo == d->ntypes || d->types[2 * lo] != tp || (d->types[2 * lo + 1] & 0xff) != off)
             continue;
-        uint64_t kind = d->types[2 * lo + 1] >> 8;
+        uint64_t kind = (d->types[2 * lo + 1] >> 8) & 0xff;
         if (kind == MU_TYPE_DEAD_AT_ZERO && rc == 0)
             return 1;
         /* a plausible ob_refcnt, not a pointer (an item array holding the type object at
@@ -147,11 +147,17 @@ static inline uint64_t mu_live_len(const mu_dead *d, const uint8_t *p, uint64_t 
             else
                 hi = mid;
         }
-        if (lo == d->ntypes || d->types[2 * lo] != tp || (d->types[2 * lo + 1] & 0xff) != off
-            || (d->types[2 * lo + 1] >> 8) != MU_TYPE_FRAME)
+        uint64_t code = lo < d->ntypes ? d->types[2 * lo + 1] : 0;
+        uint64_t kind = (code >> 8) & 0xff;
+        if (lo == d->ntypes || d->types[2 * lo] != tp || (code & 0xff) != off
+            || (kind != MU_TYPE_FRAME && kind != MU_TYPE_SIZED))
             continue;
         if (!((rc >= 1 && rc < MU_REFCNT_SMALL) || rc == 0xFFFFFFFFull))
             continue;
+        if (kind == MU_TYPE_SIZED) {
+            uint64_t end = b + off + (((code >> 16) + 7) & ~7ull);
+            return end < b + len ? end - b : len;
+        }
         memcpy(&fr, p + off + 24, 8);
         if (fr < b + off + 32 || (fr & 7) || fr + MU_FRAME_SLOTS > b + have)
             continue;               /* the frame data lives elsewhere (a running frame) */

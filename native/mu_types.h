@@ -28,7 +28,9 @@ typedef struct {
  *   kind MU_TYPE_FRAME: a 3.11+ frame object that owns its frame data (f_frame, at off + 24,
  *       points inside the allocation): the words above the data's stacktop (int at f_frame +
  *       64, slots from f_frame + 72) are dead: CPython copies a frame only up to its
- *       stacktop and never clears the slots above (cpython-memory.md section 5). */
+ *       stacktop and never clears the slots above (cpython-memory.md section 5);
+ *   kind MU_TYPE_SIZED: an object of a fixed-size type whose size (tp_basicsize) is in bits
+ *       16-47 of code: the allocator's rounding slack after it holds only stale words. */
 typedef struct {
     const uint64_t *ranges;
     uint64_t nranges;
@@ -41,3 +43,4 @@ typedef struct {
 #define MU_TYPE_OPAQUE 1
 #define MU_TYPE_STR 2
 #define MU_TYPE_FRAME 3
+#define MU_TYPE_SIZED 4

@@ -286,6 +286,7 @@ OPAQUE_TYPES = {"PyLong_Type": ("int", "MU_TYPE_OPAQUE"), "PyFloat_Type": ("floa
                 "PyBytes_Type": ("bytes", "MU_TYPE_OPAQUE"), "PyUnicode_Type": ("str", "MU_TYPE_STR")}
 TSTATE_FRAME = 24              # 3.8-3.10 PyThreadState.frame (PyFrameObject *, innermost)
 TP_NAME = 24                    # PyTypeObject.tp_name (const char *)
+TP_BASICSIZE = 32               # PyTypeObject.tp_basicsize, then tp_itemsize (Py_ssize_t)
 TP_FLAGS = 168                  # PyTypeObject.tp_flags (unsigned long)
 TPFLAGS_HAVE_GC = 1 << 14
 TPFLAGS_MANAGED_DICT = 1 << 4   # 3.11+

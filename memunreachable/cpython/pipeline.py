@@ -95,7 +95,11 @@ def prepare(mem, maps, threads, pid: Optional[int], image: HeapImage) -> CPython
     if head_word is not None and cp.version <= L.DEAD_OBJECTS_UNTIL:
         types = sorted(set(types) | set(frame_types(mem, cp)))
         dead_types = object_types(mem, cp, types, L.DEAD_OBJECT_TYPES)
-    dead_types = sorted(dead_types + opaque_types(mem, maps, pid, cp))
+    dead_types += opaque_types(mem, maps, pid, cp)
+    if head_word is not None and not dead_types_all_gc(cp):
+        taken = {t for t, _ in dead_types}
+        dead_types += [x for x in sized_types(mem, maps, cp, types) if x[0] not in taken]
+    dead_types = sorted(dead_types)
     out.stats["gc_types"] = len(dead_types)
     out.root_cuts = merge_ranges(cuts)
     out.dead = DeadWords(ranges=[(r.begin, r.end) for r in merge_ranges(dead_ranges)],
@@ -303,6 +307,32 @@ def opaque_types(mem, maps, pid, cp: CPythonMap) -> List[Tuple[int, int]]:
         t = _type_address(mem, maps, pid, cp, sym, name)
         if t:
             out.append((t, reader.object_offset(t) | getattr(lib, kind) << 8))
+    return out
+
+
+def dead_types_all_gc(cp: CPythonMap) -> bool:
+    """3.8-3.10: every GC type already has the dead-at-zero rule (one rule per type)."""
+    return cp.version <= L.DEAD_OBJECTS_UNTIL and L.DEAD_OBJECT_TYPES is None
+
+
+# Returns [(type address, code)] of MU_TYPE_SIZED rules: the interpreter's own static GC
+# types (inside the runtime's ELF object) of fixed size (tp_itemsize 0): the pymalloc or
+# malloc rounding slack after tp_basicsize holds stale words of the block's earlier users.
+# Types of extensions and heap types are left whole: they may allocate past tp_basicsize.
+def sized_types(mem, maps, cp: CPythonMap, types) -> List[Tuple[int, int]]:
+    from memunreachable.cpython.objects import ObjectReader
+    prefix = L.DEBUG_HOOK_PREFIX if (cp.allocator or "").endswith("debug") else 0
+    reader = ObjectReader(mem, cp.version, prefix)
+    own = [m.range for m in maps if m.path == cp.runtime.object_path]
+    out = []
+    for t in types:
+        if not any(r.contains(t) for r in own) or reader.type_info(t) is None:
+            continue
+        basic, item = struct.unpack("<QQ", mem.read(t + L.TP_BASICSIZE, 16))
+        off = reader.object_offset(t)
+        if item or basic < 16 or basic > 1 << 16 or basic % 8 or off is None or off > 48:
+            continue
+        out.append((t, off | lib.MU_TYPE_SIZED << 8 | basic << 16))
     return out
 
 

@@ -257,3 +257,20 @@ def test_frame_object_scanned_up_to_its_stacktop(stacktop, owned, kept):
     assert list(res.marked) == kept
     folded = fold(h.image(), bytearray(3), dead=dead)
     assert folded[0].referenced_count == sum(kept) - 1
+
+
+SIZED = lib.MU_TYPE_SIZED << 8
+
+
+@pytest.mark.parametrize("basic, kept", [
+    (40, [1, 1, 0]),        # object ends at 16 + 40: the word at 64 is allocator slack
+    (56, [1, 1, 1]),        # the type says the object reaches it: scanned
+])
+def test_sized_objects_scanned_up_to_their_basicsize(basic, kept):
+    h = Heap([80, 16, 16])              # GC head at 0, object at 16
+    for slot, w in enumerate([0, 0, 1, INT_TYPE + 0x100]):
+        h.point(0, slot, w)
+    h.link(0, 4, 1)                     # inside the object
+    h.link(0, 8, 2)                     # at block offset 64
+    dead = DeadWords(types=[(INT_TYPE + 0x100, 16 | SIZED | basic << 16)])
+    assert list(mark(h.image(), [], [h.addrs[0]], dead=dead).marked) == kept

@@ -1,0 +1,119 @@
+"""explain.py: why is a block reachable? A diagnostic for missed leaks.
+
+With MEMUNREACHABLE_EXPLAIN=<hex address> in the checker's environment, the sweep logs (at
+WARNING level) a chain of referrers that kept the block holding that address alive: each step
+names the word that points into the previous block and what holds it (a root range, or a
+marked allocation with its size and first words). Words the sweep does not count (dead ranges,
+GC links, unscanned object types) may still be listed: the chain is a lead, not a proof.
+Slow (Python over every scanned byte, per step); never used in normal runs.
+"""
+from __future__ import annotations
+
+import bisect
+import struct
+from typing import List, Optional, Sequence, Tuple
+
+MAX_STEPS = 6
+
+
+def _skipped(buf, types) -> bool:
+    """mu_dead_object for one allocation's bytes (types: {type address: code})."""
+    mv = bytes(memoryview(buf)[:64])
+    for off in range(0, min(len(mv) - 15, 49), 16):
+        rc, tp = struct.unpack_from("<QQ", mv, off)
+        code = types.get(tp)
+        if code is None or code & 0xFF != off:
+            continue
+        kind = code >> 8
+        if kind == 0 and rc == 0:
+            return True
+        if not (1 <= rc < 1 << 24 or rc == 0xFFFFFFFF):
+            continue
+        if kind == 1:
+            return True
+        if kind == 2 and off + 36 <= len(mv) and mv[off + 32] & 0x60 == 0x60:
+            return True
+    return False
+
+
+def _live_len(buf, base: int, types) -> int:
+    """mu_live_len: bytes of the allocation that are scanned (MU_TYPE_FRAME, MU_TYPE_SIZED)."""
+    mv = memoryview(buf)
+    n = len(mv)
+    for off in range(0, min(n - 31, 49), 16):
+        rc, tp = struct.unpack_from("<QQ", mv, off)
+        code = types.get(tp)
+        if code is None or code & 0xFF != off or not (1 <= rc < 1 << 24 or rc == 0xFFFFFFFF):
+            continue
+        kind = (code >> 8) & 0xFF
+        if kind == 4:
+            return min(n, off + (((code >> 16) + 7) & ~7))
+        if kind == 3:
+            fr = struct.unpack_from("<Q", mv, off + 24)[0]
+            if base + off + 32 <= fr and fr % 8 == 0 and fr + 72 <= base + n:
+                top = struct.unpack_from("<i", mv, fr - base + 64)[0]
+                end = fr + 72 + 8 * top
+                if top >= 0 and end <= base + n:
+                    return end - base
+    return n
+
+
+def _referrers(lo: int, hi: int, buffers: Sequence[Tuple[int, object]], dead) -> List[int]:
+    out = []
+    for base, buf in buffers:
+        mv = memoryview(buf).cast("B")
+        n = len(mv) // 8 * 8
+        skip = (8 - base % 8) % 8
+        for k, (w,) in enumerate(struct.iter_unpack("<Q", mv[skip:skip + (n - skip) // 8 * 8])):
+            if lo <= w < hi:
+                a = base + skip + 8 * k
+                if not any(b <= a < e for b, e in dead):
+                    out.append(a)
+    return out
+
+
+# Returns log lines: the chain of referrers of the allocation holding addr (or why none).
+def explain(addr: int, image, root_buffers, marked, dead_ranges, types=()) -> List[str]:
+    begins, sizes = image.begins, image.sizes
+    i = bisect.bisect_right(begins, addr) - 1
+    if i < 0 or addr >= begins[i] + max(sizes[i], 1):
+        return [f"explain {addr:#x}: not inside any allocation"]
+    if not marked[i]:
+        return [f"explain {addr:#x}: allocation {begins[i]:#x} ({sizes[i]} bytes) is unreachable"]
+    lines = []
+    tmap = dict(types)
+    blocks = [(begins[j], _view(image, begins[j], sizes[j])) for j in range(len(begins))
+              if marked[j] and sizes[j]]
+    blocks = [(b, v[:_live_len(v, b, tmap)]) for b, v in blocks if not _skipped(v, tmap)]
+    dead = list(dead_ranges)
+    seen = {i}
+    for _ in range(MAX_STEPS):
+        lo, hi = begins[i], begins[i] + max(sizes[i], 1)
+        roots = _referrers(lo, hi, root_buffers, dead)
+        if roots:
+            lines.append(f"  {lo:#x} ({sizes[i]} bytes) <- root words at "
+                         + ", ".join(f"{a:#x}" for a in roots[:8]))
+            return [f"explain {addr:#x}:"] + lines
+        refs = _referrers(lo, hi, blocks, dead)
+        nxt: Optional[int] = None
+        for a in refs:
+            j = bisect.bisect_right(begins, a) - 1
+            if j >= 0 and j not in seen:
+                nxt = j
+                break
+        if nxt is None:
+            lines.append(f"  {lo:#x} ({sizes[i]} bytes) <- no referrer found outside the chain")
+            break
+        head = bytes(_view(image, begins[nxt], min(sizes[nxt], 32))).hex()
+        lines.append(f"  {lo:#x} ({sizes[i]} bytes) <- word at {a:#x} (offset {a - begins[nxt]})"
+                     f" of {begins[nxt]:#x} ({sizes[nxt]} bytes, starts {head})")
+        seen.add(nxt)
+        i = nxt
+    return [f"explain {addr:#x}:"] + lines
+
+
+def _view(image, addr: int, size: int):
+    for base, buf in image.regions:
+        if base <= addr and addr + size <= base + len(buf):
+            return memoryview(buf)[addr - base:addr - base + size]
+    return memoryview(b"")

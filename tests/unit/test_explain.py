@@ -1,0 +1,24 @@
+"""explain.py: the referrer chain of a reachable block, on in-memory data."""
+from memunreachable.explain import explain
+from memunreachable.mark import mark
+from tests.unit.test_mark import BASE, ROOT, Heap, words_buffer
+
+
+def test_chain_from_a_root_through_two_blocks():
+    h = Heap([32, 32, 32])
+    h.link(0, 1, 1)
+    h.link(1, 3, 2, delta=8)                    # an interior pointer
+    roots = [(ROOT, words_buffer(0, h.addrs[0]))]
+    res = mark(h.image(), roots)
+    lines = explain(h.addrs[2] + 4, h.image(), roots, res.marked, ())
+    assert lines[0] == f"explain {h.addrs[2] + 4:#x}:"
+    assert f"word at {h.addrs[1] + 24:#x} (offset 24) of {h.addrs[1]:#x}" in lines[1]
+    assert f"word at {h.addrs[0] + 8:#x} (offset 8) of {h.addrs[0]:#x}" in lines[2]
+    assert lines[3].endswith(f"root words at {ROOT + 8:#x}")
+
+
+def test_unreachable_and_outside_blocks_say_so():
+    h = Heap([32])
+    res = mark(h.image(), [])
+    assert "is unreachable" in explain(h.addrs[0], h.image(), [], res.marked, ())[0]
+    assert "not inside any allocation" in explain(BASE - 64, h.image(), [], res.marked, ())[0]
