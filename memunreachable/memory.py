@@ -19,14 +19,13 @@ smaps and says which ranges need an overlay and which are tolerated.
 from __future__ import annotations
 
 import bisect
-import mmap
 import os
 from dataclasses import dataclass, field
 from typing import Iterable, List, Sequence, Tuple
 
 from memunreachable._errors import MemoryUnreadable
 from memunreachable._ffi import buffer_of, check, ffi, lib
-from memunreachable._types import Mapping, Range, merge_ranges, subtract_ranges
+from memunreachable._types import Mapping, Range, local_buffer, merge_ranges, subtract_ranges
 
 PAGE = 4096
 # mappings the kernel gives every process and the sweep never reads as memory
@@ -214,7 +213,7 @@ def capture(pid: int, ranges: Iterable[Range]) -> List[Tuple[int, object]]:
     out = []
     with ProcessMemory(pid) as mem:
         for r in ranges:
-            buf = mmap.mmap(-1, r.size)
+            buf = local_buffer(r.size)
             mem.read_into(r.begin, buf)
             out.append((r.begin, buf))
     return out

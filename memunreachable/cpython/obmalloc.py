@@ -24,7 +24,7 @@ from typing import List, Sequence, Tuple
 
 from memunreachable._errors import MemoryUnreadable
 from memunreachable._ffi import check, ffi, lib
-from memunreachable._types import Mapping, Range, merge_ranges
+from memunreachable._types import Mapping, Range, local_buffer, merge_ranges
 from memunreachable.cpython import layout as L
 
 SCAN_WINDOW = 16 << 20          # pool scan reads anonymous memory in windows of this size
@@ -50,8 +50,6 @@ def _zeros(n: int) -> array:
     return array("Q", (0,)) * n
 
 
-def _buffer(size: int):
-    return mmap.mmap(-1, size) if size >= 4096 else bytearray(size)
 
 
 class _Acc:
@@ -178,7 +176,7 @@ def _walk_array(mem, lay: L.Layout, arr: ArenaArray, out: PymallocWalk, acc: _Ac
         carved = (pool_address - first) // ps
         if carved == 0:
             continue
-        buf = _buffer(pool_address - first)
+        buf = local_buffer(pool_address - first)
         try:
             mem.read_into(first, buf)
         except MemoryUnreadable as exc:
@@ -214,7 +212,7 @@ def scan_pools(mem, maps: Sequence[Mapping], lay: L.Layout) -> PymallocWalk:
         lo = m.begin
         while lo < m.end:
             hi = min(m.end, (lo // SCAN_WINDOW + 1) * SCAN_WINDOW)
-            buf = _buffer(hi - lo)
+            buf = local_buffer(hi - lo)
             try:
                 mem.read_into(lo, buf)
             except MemoryUnreadable as exc:

@@ -16,7 +16,6 @@ from __future__ import annotations
 
 import bisect
 import errno
-import mmap
 import struct
 from array import array
 from dataclasses import dataclass, field
@@ -24,7 +23,7 @@ from typing import List, Optional, Sequence, Tuple
 
 from memunreachable._errors import MemoryUnreadable
 from memunreachable._ffi import ffi, lib, region_array, u64_view
-from memunreachable._types import HeapImage, Range, merge_ranges, subtract_ranges
+from memunreachable._types import HeapImage, Range, local_buffer, merge_ranges, subtract_ranges
 from memunreachable.cpython import layout as L
 from memunreachable.cpython.walker import CPythonMap, walk_cpython
 from memunreachable.mark import DeadWords
@@ -174,7 +173,7 @@ def merge_images(a: HeapImage, b: HeapImage) -> HeapImage:
         if whole is not None:
             regions.append((lo, whole[2]))
             continue
-        buf = _buffer(hi - lo)
+        buf = local_buffer(hi - lo)
         view = memoryview(buf)
         for mlo, mhi, mbuf in members:
             view[mlo - lo:mhi - lo] = memoryview(mbuf).cast("B")
@@ -217,8 +216,6 @@ def _interleave(begins, sizes, one, two) -> None:
                 raise ValueError(f"allocations overlap at {begins[j + 1]:#x}")
 
 
-def _buffer(size: int):
-    return mmap.mmap(-1, size) if size >= 4096 else bytearray(size)
 
 
 # Returns (image without the allocations that begin at one of `addresses`, how many went).

@@ -23,7 +23,8 @@ from typing import Dict, List, Optional, Tuple
 from memunreachable import detect
 from memunreachable._errors import UnsupportedTarget
 from memunreachable._ffi import check, ffi, lib
-from memunreachable._types import Allocator, HeapImage, Mapping, Range, ThreadState, subtract_ranges
+from memunreachable._types import (Allocator, HeapImage, Mapping, Range, ThreadState, local_buffer,
+                                   subtract_ranges)
 from memunreachable.glibc import layout as L
 from memunreachable.glibc import locate
 from memunreachable.glibc import validate as V
@@ -62,7 +63,7 @@ class _Copy:
     def __init__(self, mem, base: int, size: int):
         self.base = base
         self.size = size
-        self.buf = mmap.mmap(-1, size) if size >= L.PAGE else bytearray(size)
+        self.buf = local_buffer(size)
         mem.read_into(base, self.buf)
         self.ptr = ffi.cast("uint8_t *", ffi.from_buffer(self.buf))
         self.used = False
