@@ -12,7 +12,7 @@ Pure over plain data: no pid, no ptrace.
 from __future__ import annotations
 
 from dataclasses import dataclass
-from typing import List
+from typing import List, Tuple
 
 from memunreachable._ffi import check, ffi, lib, region_array, u64_view
 from memunreachable._types import HeapImage
@@ -58,3 +58,14 @@ def fold(image: HeapImage, marked, glibc_chunks: bool = False, dead=None) -> Lis
     counts = ffi.unpack(ref_count, rc)
     rsizes = ffi.unpack(ref_size, rc)
     return [FoldedLeak(i, c, s) for i, c, s in zip(reps, counts, rsizes)]
+
+
+# Returns (number of flagged allocations, total bytes of all, bytes of the flagged ones) for
+# sizes (array('Q')) and mask (n bytes, non-zero: flagged), in one C pass.
+def size_totals(sizes, mask) -> Tuple[int, int, int]:
+    view, keep = u64_view(sizes)
+    total, selected = ffi.new("uint64_t *"), ffi.new("uint64_t *")
+    n = check(lib.mu_sum_sizes(view, ffi.from_buffer("uint8_t[]", mask) if len(mask) else ffi.NULL,
+                               len(mask), total, selected), "sum sizes")
+    del keep
+    return n, total[0], selected[0]

@@ -89,7 +89,19 @@ def pytest_configure(config):
 def pytest_report_header(config):
     if not (config.getoption("--memunreachable") or config.getini("memunreachable")):
         return None
-    return "memunreachable: checking every test for unreachable native memory and Python objects"
+    line = "memunreachable: checking every test for unreachable native memory and Python objects"
+    if not _debug_hooks():
+        line += ("\nmemunreachable: CPython's memory debug hooks are off, so a stale copy of a "
+                 "pointer can hide a leak in some runs; `python -X dev -m pytest` (or "
+                 "PYTHONMALLOC=pymalloc_debug) fills freed memory: the same outcome every run")
+    return line
+
+
+def _debug_hooks() -> bool:
+    """CPython's allocator debug hooks are installed (-X dev, PYTHONMALLOC=*debug)."""
+    import os
+    import sys
+    return bool(sys.flags.dev_mode) or os.environ.get("PYTHONMALLOC", "").endswith("debug")
 
 
 def _enabled(item) -> bool:

@@ -32,7 +32,7 @@ from memunreachable._errors import (CollectionError, HeapCorrupt, HeapWalkError,
                                     MemoryUnreadable, NoSuchProcess)
 from memunreachable._types import Range, merge_ranges, subtract_ranges
 from memunreachable.classify import classify
-from memunreachable.folding import fold
+from memunreachable.folding import fold, size_totals
 from memunreachable.freeze import frozen
 from memunreachable.glibc import locate
 from memunreachable.glibc.walker import HeapInconsistent, walk_heap
@@ -435,11 +435,12 @@ def sweep(mem, maps, threads, pid: int, confirm: Optional[set] = None,
     t_fold = time.monotonic()
     # 8. Result
     leaked_mask = bytes(leak_flags).translate(_INVERT)
+    num_leaks, all_bytes, leak_bytes = size_totals(sizes, leaked_mask)
     res = SweepResult(
         num_allocations=len(sizes),
-        allocation_bytes=sum(sizes),
-        num_leaks=sum(leaked_mask),
-        leak_bytes=sum(compress(sizes, leaked_mask)),
+        allocation_bytes=all_bytes,
+        num_leaks=num_leaks,
+        leak_bytes=leak_bytes,
         bytes_scanned=marked.root_bytes + marked.heap_bytes,
     )
     objects = py.objects if py is not None else {}

@@ -423,3 +423,21 @@ done:
     mu_scan_index_free(&ix);
     return out;
 }
+
+int64_t mu_sum_sizes(const uint64_t *size, const uint8_t *mask, uint64_t n, uint64_t *total,
+                     uint64_t *selected)
+{
+    if ((n && (!size || !mask)) || !total || !selected)
+        return -EINVAL;
+    uint64_t t = 0, s = 0, k = 0;
+    for (uint64_t i = 0; i < n; i++) {
+        t += size[i];
+        if (mask[i]) {
+            s += size[i];
+            k++;
+        }
+    }
+    *total = t;
+    *selected = s;
+    return (int64_t)k;
+}

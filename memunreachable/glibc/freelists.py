@@ -97,7 +97,7 @@ class FreeListsMixin:
                           active_bins: int, max_count: int, want_key: int = 0):
         """(mu_tcache_cand[], n): blocks shaped like tc that pass mu_walk_tcache_scan's
         prefilter (linear, in C); with want_key, only those with a head holding it."""
-        cap = max(1, usable.count(tc.chunk_size - L.ARENA_USABLE_DELTA))   # one C pass
+        cap = 64            # a tcache per thread; mu_walk_tcache_scan says when more are needed
         while True:
             out = ffi.new("mu_tcache_cand[]", cap)
             n = check(lib.mu_walk_tcache_scan(

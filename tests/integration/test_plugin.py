@@ -56,6 +56,7 @@ def test_option_fails_the_leaking_test_with_the_report(suite):
     assert section.count(f"{size} bytes unreachable at {addr}") == 1   # the report, once
     assert "pytest_plugin.py" not in out                               # no plugin traceback
     assert "became unreachable during the test" in out
+    assert "memory debug hooks are off" in out and "python -X dev -m pytest" in out
     # -s puts the test's own output between its name and the verdict: match the -rf summary
     # (test_fixture's own assertion, exactly one new leak, holds: the plugin fails it after)
     res.stdout.fnmatch_lines(["FAILED test_suite.py::test_leaks - Failed: 1 native heap block*",
@@ -203,6 +204,7 @@ def _run_real(suite) -> str:
 
 def test_a_real_extension_s_leaky_tests_fail_and_clean_ones_pass(real_suite):
     out = _run_real(real_suite)
+    assert "debug hooks are off" not in out
     # the leaked list is named by its type, the forgotten buffer shows its contents
     section = out[out.index("_ test_remember_leaks_a_list _"):]
     assert re.search(r"\blist\b", section[:section.index("short test summary")])

@@ -318,3 +318,10 @@ def test_fold_ignores_next_chunk_header_words_for_glibc_chunks():
     without = fold(img, bytearray(2))
     assert [(f.index, f.referenced_count) for f in with_rule] == [(0, 0), (1, 0)]
     assert [(f.index, f.referenced_count) for f in without] == [(0, 1)]
+
+
+def test_size_totals_counts_and_sums_the_flagged():
+    from array import array
+    from memunreachable.folding import size_totals
+    assert size_totals(array("Q", [8, 24, 40, 56]), bytes([1, 0, 1, 0])) == (2, 128, 48)
+    assert size_totals(array("Q"), b"") == (0, 0, 0)
