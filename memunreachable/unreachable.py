@@ -35,7 +35,7 @@ from memunreachable.glibc.walker import HeapInconsistent, walk_heap
 from memunreachable.mark import mark
 from memunreachable.memory import ProcessMemory, SnapshotPlan, capture, mapped_file_size, plan_snapshot
 from memunreachable.report import Leak, UnreachableMemoryInfo, sort_and_limit
-from memunreachable.snapshot import take_snapshot
+from memunreachable.snapshot import note_injection_ahead, take_snapshot
 from memunreachable.sweeper import SweepEntry, SweepResult, run_sweeper
 
 log = logging.getLogger("memunreachable")
@@ -160,6 +160,7 @@ def _one_snapshot(pid: int, info: UnreachableMemoryInfo, confirm, st: _Attempts,
     """One freeze + snapshot + sweep. Raises _Retake when a fresh snapshot may succeed."""
     # 2. Collect: freeze every thread, registers, maps
     log.info("collecting thread info for process %d", pid)
+    note_injection_ahead(pid, timeout)      # the check record's write stays out of the pause
     with frozen(pid, timeout=timeout) as fz:
         # 3. Snapshot: clone(0) injected into a stopped thread, then thaw at once
         try:
@@ -174,7 +175,7 @@ def _one_snapshot(pid: int, info: UnreachableMemoryInfo, confirm, st: _Attempts,
                 # 3b. memory the snapshot cannot show (MADV_DONTFORK/WIPEONFORK), known from
                 # an earlier snapshot: copied from the frozen target during the pause
                 overlays = capture(pid, subtract_ranges(st.capture, subtract_ranges(
-                    st.capture, [m.range for m in fz.maps if m.readable])))
+                    st.capture, [m.range for m in fz.maps if m.readable]))) if st.capture else []
                 fz.thaw()
             elif not any(w.startswith("no snapshot") for w in info.warnings):
                 info.warnings.append(f"no snapshot ({snap.reason}): the target stayed "

@@ -1,0 +1,70 @@
+"""The snapshot's share of the pause (issue 10): the check record is written before the
+freeze (the injection window) and names the clone after the thaw; the record stays exact
+on every path."""
+import pytest
+
+import fixtures
+from memunreachable import leftovers
+from memunreachable.freeze import frozen
+from memunreachable.snapshot import note_injection_ahead, take_snapshot
+from ptr_helpers import assert_running, children
+
+pytestmark = pytest.mark.ptrace
+
+
+def _record(sess):
+    with open(sess.path, "rb") as f:
+        return leftovers.decode_record(f.read())
+
+
+def test_clone_is_named_in_the_record_after_the_thaw():
+    with fixtures.start("ptr_busy") as fx:
+        with leftovers.guard(fx.pid) as sess:
+            note_injection_ahead(fx.pid, 2.0)
+            window = _record(sess).windows
+            assert len(window) == 1
+            with frozen(fx.pid) as fz:
+                snap = take_snapshot(fz)
+                assert snap.mode == "clone" and snap.pid in children(fx.pid)
+                # while frozen the record still holds only the window, which covers the clone
+                rec = _record(sess)
+                assert rec.windows == window and rec.clones == []
+                born = leftovers.read_stat(snap.pid).start
+                assert window[0][0] <= born <= window[0][1]
+            rec = _record(sess)
+            assert [c.pid for c in rec.clones] == [snap.pid] and rec.windows == []
+            assert [c.pid for c in sess.own] == [snap.pid]
+            snap.release()
+            assert _record(sess).clones == [] and not snap.zombie_left
+            assert snap.pid not in children(fx.pid)
+        assert_running(fx.pid)
+
+
+def test_released_before_the_thaw_still_names_then_forgets_the_clone():
+    with fixtures.start("ptr_busy") as fx:
+        with leftovers.guard(fx.pid) as sess:
+            note_injection_ahead(fx.pid, 2.0)
+            with frozen(fx.pid) as fz:
+                snap = take_snapshot(fz)
+                snap.release()                  # an error path: released while frozen
+                assert sess.injecting is None and sess.own == []
+            assert sess.own == [] and _record(sess).clones == []
+            assert snap.pid not in children(fx.pid)
+        assert_running(fx.pid)
+
+
+def test_direct_mode_closes_the_window_noted_ahead():
+    import os
+    import signal
+    from ptr_helpers import states, wait_until
+    with fixtures.start("ptr_busy") as fx:
+        os.kill(fx.pid, signal.SIGSTOP)
+        assert wait_until(lambda: set(states(fx.pid).values()) == {"T"})
+        with leftovers.guard(fx.pid) as sess:
+            note_injection_ahead(fx.pid, 2.0)
+            with frozen(fx.pid) as fz:
+                snap = take_snapshot(fz)
+                assert snap.mode == "direct"
+            assert sess.injecting is None and _record(sess).windows == []
+        os.kill(fx.pid, signal.SIGCONT)
+        assert_running(fx.pid)
