@@ -41,9 +41,6 @@ from contextlib import contextmanager
 from dataclasses import dataclass, field
 from typing import Callable, Dict, Iterator, List, Optional, Tuple
 
-from ptrace import PtraceError
-from ptrace.binding.func import ptrace
-
 from memunreachable import diagnose, procfs
 from memunreachable._errors import CollectionError, NoSuchProcess
 from memunreachable._ffi import ffi, lib
@@ -82,6 +79,18 @@ _REGS = ffi.offsetof("mu_thread", "regs") // 8
 STATE_WORDS = {"D": "uninterruptible sleep: I/O, vfork or a frozen cgroup",
                "T": "stopped by job control", "t": "traced", "Z": "zombie", "R": "running",
                "S": "sleeping"}
+
+
+class PtraceError(OSError):
+    """A ptrace request failed (.errno)."""
+
+
+def ptrace(request: int, tid: int, addr: int = 0, data: int = 0) -> int:
+    """ptrace(2) through the C core (python-ptrace costs ~20 ms of start-up: issue 10)."""
+    rc = lib.mu_ptrace(request, tid, addr, data)
+    if rc < 0:
+        raise PtraceError(-rc, os.strerror(-rc), f"ptrace({request:#x}, {tid})")
+    return rc
 
 
 class FreezeInterrupted(KeyboardInterrupt):

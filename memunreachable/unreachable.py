@@ -28,6 +28,7 @@ from memunreachable._errors import (CollectionError, HeapCorrupt, HeapWalkError,
                                     MemoryUnreadable, NoSuchProcess)
 from memunreachable._types import Range, merge_ranges, subtract_ranges
 from memunreachable.classify import classify
+from memunreachable.cpython import probe
 from memunreachable.folding import fold
 from memunreachable.freeze import frozen
 from memunreachable.glibc import locate
@@ -325,6 +326,8 @@ def _warm_caches(maps, pid: int) -> None:
     scan = detect.scan_maps(maps, pid)
     if scan.object_mappings:
         locate.read_image(scan.object_mappings, pid)
+    if not probe.may_hold_runtime(maps, pid):
+        return              # not a Python process: the CPython stages are never loaded
     from memunreachable.cpython import locate as cpython_locate, pipeline, objects  # noqa: F401
     cpython_locate.warm(maps, pid)
 
@@ -453,6 +456,8 @@ def _entry(f, begins, sizes, contents, objects) -> SweepEntry:
 def _see_through_cpython(mem, maps, threads, pid, image):
     """cpython.pipeline.prepare, or glibc's image alone with a warning if it fails: a bug in
     the CPython map must never turn into a wrong answer."""
+    if not probe.may_hold_runtime(maps, pid):
+        return _NoCPython(image)    # what pipeline.prepare gives, without loading it
     from memunreachable.cpython import pipeline
     try:
         return pipeline.prepare(mem, maps, threads, pid, image)
@@ -460,6 +465,18 @@ def _see_through_cpython(mem, maps, threads, pid, image):
         log.warning("CPython map failed: %s", exc)
         return pipeline.CPythonSweep(None, image, warnings=[
             f"CPython's memory could not be mapped ({exc}): it is scanned whole as roots"])
+
+
+@dataclass
+class _NoCPython:
+    """pipeline.CPythonSweep of a process without a CPython runtime (cpython/probe.py)."""
+    image: object
+    cpython: None = None
+    root_cuts: list = field(default_factory=list)
+    dead: None = None
+    warnings: list = field(default_factory=list)
+    stats: dict = field(default_factory=dict)
+    usable: bool = False
 
 
 @dataclass

@@ -576,3 +576,9 @@ int mu_thaw(mu_thread *t, int n)
     }
     return done;
 }
+
+int64_t mu_ptrace(int64_t request, int tid, uint64_t addr, uint64_t data)
+{
+    long rc = ptrace((enum __ptrace_request)request, tid, (void *)addr, (void *)data);
+    return rc < 0 ? -errno : rc;
+}

@@ -126,3 +126,7 @@ int mu_thaw(mu_thread *threads, int n);
 
 /* Bytes of the largest XSAVE area this CPU can use (CPUID 0xD.0 ECX), 512 without XSAVE. */
 int mu_xstate_size(void);
+
+/* ptrace(request, tid, addr, data) for the Python state machine (no python-ptrace on the
+ * check's path). Returns the call's result (>= 0; not for PEEK requests) or -errno. */
+int64_t mu_ptrace(int64_t request, int tid, uint64_t addr, uint64_t data);
