@@ -380,15 +380,23 @@ def _kill_leftover(pid: int, timeout: float = 1.0) -> None:
         time.sleep(0.001)
 
 
-# Records in pid's check record (leftovers.note_injection) that a clone injection may happen
-# from now until the freeze (at most timeout) and the injection (at most timeout) ended; called
-# before frozen() so that the pause does not pay for the record write.
-def note_injection_ahead(pid: int, timeout: float) -> None:
+# Called before frozen(), so that the pause pays neither for the check record's write nor
+# for first-time costs: records in pid's check record (leftovers.note_injection) that a clone
+# injection may happen from now until the freeze (at most timeout) and the injection (at most
+# timeout) ended, and reads once what choose_thread() reads while the target is stopped (the
+# leader's seccomp state: its /proc entries are then cached; a first lookup cost 60-100 us).
+def prepare(pid: int, timeout: float) -> None:
     leftovers.note_injection(pid, 2 * timeout + 1.0)
+    try:
+        procfs.read_seccomp(pid, pid)
+        seccomp.injected_calls(0)
+        _read_target(pid, 0, 0)
+    except (NoSuchProcess, OSError):
+        pass                # the freeze says what is wrong
 
 
 def _injection_noted(pid: int, timeout: float) -> bool:
-    """The record's injection window (note_injection_ahead) still covers an injection that
+    """The record's injection window (prepare) still covers an injection that
     starts now and ends within timeout."""
     sess = leftovers.session(pid)
     if sess is None:

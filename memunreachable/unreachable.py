@@ -36,7 +36,7 @@ from memunreachable.glibc.walker import HeapInconsistent, walk_heap
 from memunreachable.mark import mark
 from memunreachable.memory import ProcessMemory, SnapshotPlan, capture, mapped_file_size, plan_snapshot
 from memunreachable.report import Leak, UnreachableMemoryInfo, sort_and_limit
-from memunreachable.snapshot import note_injection_ahead, take_snapshot
+from memunreachable.snapshot import prepare as prepare_snapshot, take_snapshot
 from memunreachable.sweeper import SweepEntry, SweepResult, run_sweeper
 
 log = logging.getLogger("memunreachable")
@@ -161,7 +161,7 @@ def _one_snapshot(pid: int, info: UnreachableMemoryInfo, confirm, st: _Attempts,
     """One freeze + snapshot + sweep. Raises _Retake when a fresh snapshot may succeed."""
     # 2. Collect: freeze every thread, registers, maps
     log.info("collecting thread info for process %d", pid)
-    note_injection_ahead(pid, timeout)      # the check record's write stays out of the pause
+    prepare_snapshot(pid, timeout)          # record write and first-time reads: not in the pause
     with frozen(pid, timeout=timeout) as fz:
         # 3. Snapshot: clone(0) injected into a stopped thread, then thaw at once
         try:
@@ -322,7 +322,7 @@ def _sweep_snapshot(snap, fz, st: _Attempts, sweep_timeout: float, confirm, over
 def _warm_caches(maps, pid: int) -> None:
     """Parse the malloc object's and the Python runtime's ELF files and import the CPython
     stages here, in the long-lived checker, so that every forked sweeper inherits them
-    (pyelftools takes 120 ms on libc, 15-20 ms on libpython; the imports 15 ms)."""
+    (elf.py: a few ms per file; the CPython imports ~60 ms, only for a Python target)."""
     scan = detect.scan_maps(maps, pid)
     if scan.object_mappings:
         locate.read_image(scan.object_mappings, pid)

@@ -6,7 +6,7 @@ import pytest
 import fixtures
 from memunreachable import leftovers
 from memunreachable.freeze import frozen
-from memunreachable.snapshot import note_injection_ahead, take_snapshot
+from memunreachable.snapshot import prepare, take_snapshot
 from ptr_helpers import assert_running, children
 
 pytestmark = pytest.mark.ptrace
@@ -20,7 +20,7 @@ def _record(sess):
 def test_clone_is_named_in_the_record_after_the_thaw():
     with fixtures.start("ptr_busy") as fx:
         with leftovers.guard(fx.pid) as sess:
-            note_injection_ahead(fx.pid, 2.0)
+            prepare(fx.pid, 2.0)
             window = _record(sess).windows
             assert len(window) == 1
             with frozen(fx.pid) as fz:
@@ -43,7 +43,7 @@ def test_clone_is_named_in_the_record_after_the_thaw():
 def test_released_before_the_thaw_still_names_then_forgets_the_clone():
     with fixtures.start("ptr_busy") as fx:
         with leftovers.guard(fx.pid) as sess:
-            note_injection_ahead(fx.pid, 2.0)
+            prepare(fx.pid, 2.0)
             with frozen(fx.pid) as fz:
                 snap = take_snapshot(fz)
                 snap.release()                  # an error path: released while frozen
@@ -61,7 +61,7 @@ def test_direct_mode_closes_the_window_noted_ahead():
         os.kill(fx.pid, signal.SIGSTOP)
         assert wait_until(lambda: set(states(fx.pid).values()) == {"T"})
         with leftovers.guard(fx.pid) as sess:
-            note_injection_ahead(fx.pid, 2.0)
+            prepare(fx.pid, 2.0)
             with frozen(fx.pid) as fz:
                 snap = take_snapshot(fz)
                 assert snap.mode == "direct"
