@@ -397,6 +397,8 @@ class Frozen:
     def record_signals(self, tid: int, signals) -> None:
         """Signals met (and suppressed) while driving tid; re-delivered at the thaw."""
         if self._fast:
+            if not any(signals):
+                return
             r = self._rec(tid)
             for sig in signals:
                 if sig and not r.sig and r.status >> 16 != 0:

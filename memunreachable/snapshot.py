@@ -69,6 +69,15 @@ def _read_target(pid: int, addr: int, size: int) -> bytes:
         os.close(fd)
 
 
+def _after_syscall_insn(pid: int, tid: int, rip: int) -> bool:
+    """The two bytes before rip in stopped tracee tid are a `syscall` instruction. One
+    PTRACE_PEEKDATA (a few us while the target is stopped), else /proc/PID/mem."""
+    word = ffi.new("uint64_t *")
+    if lib.mu_peek(tid, rip - 2, word) == 0:
+        return word[0] & 0xFFFF == int.from_bytes(SYSCALL_INSN, "little")
+    return _read_target(pid, rip - 2, 2) == SYSCALL_INSN   # rip-2 near the end of a mapping
+
+
 # Returns the address of a `syscall` instruction in an executable mapping of pid ([vdso]
 # first), or 0 when none is readable. Any 0f 05 pair works: execution starts at it, and the
 # thread is stopped at the syscall exit before it could run the bytes that follow.
@@ -107,7 +116,7 @@ def choose_thread(fz: Frozen, tid: Optional[int] = None,
         return verdict.ok
 
     for t, orig_rax, rip in candidates:     # first pass: threads right after a `syscall`
-        if _signed(orig_rax) >= 0 and _read_target(fz.pid, rip - 2, 2) == SYSCALL_INSN:
+        if _signed(orig_rax) >= 0 and _after_syscall_insn(fz.pid, t, rip):
             if acceptable(t, rip - 2):
                 return t, rip - 2, refusals
         else:
@@ -225,7 +234,7 @@ class Snapshot:
         for t in sorted(fz.threads, key=lambda t: t.tid != prefer):
             insn = self.syscall_insn
             if _signed(t.regs[ORIG_RAX]) >= 0 and \
-                    _read_target(fz.pid, t.regs[RIP] - 2, 2) == SYSCALL_INSN:
+                    _after_syscall_insn(fz.pid, t.tid, t.regs[RIP]):
                 insn = t.regs[RIP] - 2
             verdict = seccomp.thread_verdict(fz.pid, t.tid, [seccomp.wait4_call(insn, self.pid)],
                                              self.allow_seccomp)

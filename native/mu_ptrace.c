@@ -554,6 +554,7 @@ int mu_freeze(mu_thread *t, mu_freeze_args *a)
             a->result = MU_FREEZE_FAILED;
     if (a->result == MU_FREEZE_DONE)
         read_maps(a);
+    a->t_maps_ns = now_ns();
 out:
     for (int i = 0; i < a->n; i++)
         a->stopped += t[i].state == MU_T_STOPPED;
@@ -581,4 +582,15 @@ int64_t mu_ptrace(int64_t request, int tid, uint64_t addr, uint64_t data)
 {
     long rc = ptrace((enum __ptrace_request)request, tid, (void *)addr, (void *)data);
     return rc < 0 ? -errno : rc;
+}
+
+int mu_peek(int tid, uint64_t addr, uint64_t *word)
+{
+    long v;
+    errno = 0;
+    v = ptrace(PTRACE_PEEKDATA, tid, (void *)addr, 0);
+    if (v == -1 && errno)
+        return -errno;
+    *word = (uint64_t)v;
+    return 0;
 }

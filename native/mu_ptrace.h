@@ -107,6 +107,7 @@ typedef struct {
     int64_t t_seize_ns;   /* CLOCK_MONOTONIC at the first PTRACE_SEIZE */
     int64_t t_interrupted_ns; /* CLOCK_MONOTONIC once the last INTERRUPTs were sent */
     int64_t t_stopped_ns; /* CLOCK_MONOTONIC when the last stop was collected */
+    int64_t t_maps_ns;    /* CLOCK_MONOTONIC once the maps were read again */
     int32_t rounds;       /* waitpid rounds over the seized threads */
 } mu_freeze_args;
 
@@ -130,3 +131,6 @@ int mu_xstate_size(void);
 /* ptrace(request, tid, addr, data) for the Python state machine (no python-ptrace on the
  * check's path). Returns the call's result (>= 0; not for PEEK requests) or -errno. */
 int64_t mu_ptrace(int64_t request, int tid, uint64_t addr, uint64_t data);
+
+/* The 8-byte word at addr of stopped tracee tid (PTRACE_PEEKDATA): 0 and *word, or -errno. */
+int mu_peek(int tid, uint64_t addr, uint64_t *word);

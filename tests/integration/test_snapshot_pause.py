@@ -68,3 +68,16 @@ def test_direct_mode_closes_the_window_noted_ahead():
             assert sess.injecting is None and _record(sess).windows == []
         os.kill(fx.pid, signal.SIGCONT)
         assert_running(fx.pid)
+
+
+def test_syscall_instruction_check_by_peek_matches_proc_mem():
+    from memunreachable.snapshot import SYSCALL_INSN, _after_syscall_insn, _read_target
+    with fixtures.start("ptr_busy") as fx:
+        with frozen(fx.pid) as fz:
+            seen = {}
+            for tid, _orig_rax, rip in fz.interrupt_stops():
+                seen[tid] = _after_syscall_insn(fx.pid, tid, rip)
+                assert seen[tid] == (_read_target(fx.pid, rip - 2, 2) == SYSCALL_INSN)
+            assert seen[fx.pid]                                 # main: in read(0)
+            assert not seen[fx.expect["busy_tid"]]              # busy: never in a syscall
+        assert_running(fx.pid)
