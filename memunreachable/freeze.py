@@ -18,8 +18,16 @@ cut by a second exception. Signals set to SIG_IGN (nohup, background jobs) stay 
 Mechanics (ptrace-snapshot.md sections 2, 3, 9): PTRACE_SEIZE(TRACECLONE) + PTRACE_INTERRUPT
 for every tid of /proc/PID/task, then collect the stops with waitpid(tid, __WALL|WNOHANG)
 per tid (never waitpid(-1): the caller may have other children), re-listing until a pass
-finds nothing new. All ptrace requests go through python-ptrace's raw `ptrace()` call, from
-the thread that entered `frozen()` (ptrace requests only work from the tracer thread).
+finds nothing new. The pause (issue 10): everything that reads /proc text, parses or
+allocates runs before the first SEIZE (the leader's status, the maps, parsed, the C
+buffers: _Prepared); then one C call, mu_freeze (native/mu_ptrace.c), seizes, interrupts,
+collects, captures the registers, re-lists and reads the maps text again (parsed again,
+after the thaw, only if it changed); mu_thaw detaches. ThreadStates are built from its records on first use. What mu_freeze
+leaves to policy (a refused SEIZE, a thread slow to stop, more threads than records, the
+on_attach hook raising) continues in the Python state machine below (_to_python), which
+is the whole freeze of earlier versions. Every ptrace request comes from the thread that
+entered `frozen()` (ptrace requests only work from the tracer thread); ptrace() below
+calls the C core (python-ptrace's import cost 20 ms of start-up).
 Deadline: a thread that does not stop within `timeout` (state D: I/O, vfork, a frozen
 cgroup) fails the freeze with CollectionError naming it; every other thread is detached.
 Such a thread can only be detached once it stops: it is kept in a registry that
@@ -559,7 +567,7 @@ class Frozen:
                 self._started = prep.args.t_seize_ns / 1e9
             self.passes = prep.args.passes + 1
             if n < 0 or prep.args.result != lib.MU_FREEZE_DONE:
-                self._to_python(n)
+                self._to_python(prep.args.n if n >= 0 else 0)
                 self._freeze_python(one_thread, deadline)
             else:
                 self._fast = True

@@ -494,6 +494,7 @@ int mu_freeze(mu_thread *t, mu_freeze_args *a)
     if (a->n < 0 || a->n > a->cap || a->fp_stride < 0 || (a->fp_stride && !a->fp))
         return -EINVAL;
     a->result = MU_FREEZE_DONE;
+    a->list_err = 0;
     a->passes = 0;
     a->stopped = 0;
     a->maps_len = 0;
@@ -538,8 +539,11 @@ int mu_freeze(mu_thread *t, mu_freeze_args *a)
             a->result = MU_FREEZE_OVERFLOW;
             goto out;
         }
-        if (rc < 0)
-            return rc;
+        if (rc < 0) {
+            a->list_err = -rc;          /* the records stay valid: the caller goes on */
+            a->result = MU_FREEZE_LISTING;
+            goto out;
+        }
         if (rc == 0)
             break;
         if (seize_new(t, a) < 0) {

@@ -68,6 +68,7 @@ int mu_tgkill(int tgid, int tid, int sig);
 #define MU_FREEZE_OVERFLOW 2  /* a new thread did not fit in cap records */
 #define MU_FREEZE_FAILED 3    /* a SEIZE_FAILED or CAPTURE_FAILED record needs the caller */
 #define MU_FREEZE_HOOK 4      /* on_attach returned non-zero: stopped after that thread */
+#define MU_FREEZE_LISTING 5   /* listing /proc/PID/task failed (list_err): the caller lists */
 #define MU_NREGS 27
 
 typedef struct {
@@ -100,6 +101,7 @@ typedef struct {
     mu_attach_fn on_attach; /* NULL, or called between each SEIZE and INTERRUPT (tests) */
     /* out */
     int32_t result;       /* MU_FREEZE_* */
+    int32_t list_err;     /* errno of a failed listing (MU_FREEZE_LISTING) */
     int32_t passes;       /* listings of /proc/PID/task */
     int64_t maps_len;     /* bytes of maps text read while stopped, or -errno; maps_cap: too long */
     int32_t maps_changed; /* 1 when that text differs from maps_before */
@@ -115,11 +117,12 @@ typedef struct {
  * /proc/PID/task not in the records (until a listing finds none), collect their stops with
  * waitpid(tid, __WALL|WNOHANG) (a PTRACE_EVENT_CLONE stop adds the new thread, which the
  * kernel attached), and read each stopped thread's registers: GETREGS, then
- * GETREGSET(NT_X86_XSTATE) into its fp slot (GETFPREGS when the kernel refuses it). Then
- * reads maps_fd. Policy stays with the caller: it looks at a->result and the records
+ * GETREGSET(NT_X86_XSTATE) into its fp slot (GETFPREGS when the kernel refuses it). Then,
+ * once every thread stopped (MU_FREEZE_DONE), reads maps_fd into maps_buf and compares it
+ * with maps_before. Policy stays with the caller: it looks at a->result and the records
  * (SEIZE_FAILED, CAPTURE_FAILED, SEIZED stragglers) and continues from there.
  * Returns a->n (records in use) or -errno for bad arguments. Never blocks past wait_ms. */
-int mu_freeze(mu_thread *threads, mu_freeze_args *a);
+int mu_freeze(mu_thread *threads, mu_freeze_args *a);   /* after any seize: always a->n */
 
 /* PTRACE_DETACH every STOPPED record with its sig: DETACHED, or DETACH_FAILED with err.
  * Returns how many were detached. */

@@ -72,8 +72,8 @@ def test_maps_changed_between_the_read_and_the_stop(change):
                 done.append(_command(fx, change))
 
         with frozen(fx.pid, on_attach=on_attach) as fz:
-            assert fz._fast and fz._prep.args.maps_changed == 1
             assert fz.maps == procfs.read_maps(fx.pid)
+            assert fz._fast and fz._prep.args.maps_changed == 1
             mapped = [m for m in fz.maps if m.begin <= done[0] < m.end]
             if change == "map":
                 assert mapped and mapped[0].perms.startswith("r--")
@@ -86,8 +86,8 @@ def test_maps_changed_between_the_read_and_the_stop(change):
 def test_unchanged_maps_are_not_parsed_again():
     with fixtures.start("ptr_maps") as fx:
         with frozen(fx.pid) as fz:
-            assert fz._fast and fz._prep.args.maps_changed == 0
             assert fz.maps is fz._prep.maps
+            assert fz._fast and fz._prep.args.maps_changed == 0
             assert fz.maps == procfs.read_maps(fx.pid)
         assert_running(fx.pid)
 
@@ -158,6 +158,33 @@ def test_pause_is_first_seize_to_last_detach():
         with frozen(fx.pid) as fz:
             a = fz._prep.args
             assert a.t_seize_ns <= a.t_interrupted_ns <= a.t_stopped_ns
+        # the maps were read again after the last stop, before the thaw
+        assert a.t_stopped_ns <= a.t_maps_ns and a.maps_len > 0
         stopped_ms = (a.t_stopped_ns - a.t_seize_ns) / 1e6
-        assert 0 < stopped_ms <= fz.pause_ms
+        assert 0 < stopped_ms <= (a.t_maps_ns - a.t_seize_ns) / 1e6 <= fz.pause_ms
         assert_running(fx.pid)
+
+
+def test_listing_failure_continues_in_python(monkeypatch):
+    # /proc/PID/task cannot be listed by mu_freeze (here: not a directory): the records it
+    # made stay valid and the Python state machine lists, seizes and collects the rest
+    init = freeze._Prepared.__init__
+
+    def broken_listing(self, *args, **kwargs):
+        init(self, *args, **kwargs)
+        if self.args.task_fd >= 0:
+            fd = os.open("/dev/null", os.O_RDONLY)
+            self._fds.append(fd)
+            self.args.task_fd = fd
+
+    monkeypatch.setattr(freeze._Prepared, "__init__", broken_listing)
+    with fixtures.start("ptr_busy") as fx:
+        with frozen(fx.pid) as fz:
+            assert fz._prep.args.result == freeze.lib.MU_FREEZE_LISTING
+            assert fz._prep.args.list_err == errno.ENOTDIR and not fz._fast
+            assert [t.tid for t in fz.threads] == procfs.list_tasks(fx.pid)
+            assert set(states(fx.pid).values()) == {"t"}
+            for t in fz.threads:
+                assert (t.regs, t.fpregs) == _python_regs(t.tid)
+        assert_running(fx.pid)
+        assert moves(fx.pid, fx.expect["busy_addr"])
