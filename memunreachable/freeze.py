@@ -79,10 +79,6 @@ INTERRUPT_STATUS = PTRACE_EVENT_STOP << 8 | signal.SIGTRAP     # status >> 8 of 
 ORIG_RAX, RIP = REG_NAMES.index("orig_rax"), REG_NAMES.index("rip")
 MAPS_SLACK = 64 << 10           # room for maps that grew between the read and the freeze
 _XSTATE_STRIDE = 0              # bytes per thread for the FP/SIMD area (CPUID), set on first use
-# mu_thread layout (native/mu_ptrace.h): int32 indexes of tid/state/status, uint64 index of regs
-_REC_SIZE = ffi.sizeof("mu_thread")
-_TID, _STATE, _STATUS = (ffi.offsetof("mu_thread", f) // 4 for f in ("tid", "state", "status"))
-_REGS = ffi.offsetof("mu_thread", "regs") // 8
 
 STATE_WORDS = {"D": "uninterruptible sleep: I/O, vfork or a frozen cgroup",
                "T": "stopped by job control", "t": "traced", "Z": "zombie", "R": "running",
@@ -238,7 +234,6 @@ class _Prepared:
         if not _XSTATE_STRIDE:
             _XSTATE_STRIDE = (lib.mu_xstate_size() + 63) // 64 * 64
         self.hook_error: Optional[BaseException] = None
-        self._words = None
         self.maps: List[Mapping] = []
         self._fds: List[int] = []
         cap = record_capacity(leader.threads) if not one_thread else 1
@@ -247,6 +242,8 @@ class _Prepared:
         a = self.args = ffi.new("mu_freeze_args *")
         a.pid, a.cap, a.wait_ms = pid, cap, int(FAST_WAIT * 1000)
         a.fp, a.fp_stride = self.fp, _XSTATE_STRIDE
+        self.order = ffi.new("int32_t[]", cap)
+        a.order = self.order
         a.task_fd = a.maps_fd = -1
         if one_thread:
             a.flags = lib.MU_FREEZE_NO_RELIST
@@ -291,13 +288,6 @@ class _Prepared:
                                 hint=diagnose.hint_no_process(int(path.split("/")[2]))) from exc
         self._fds.append(fd)
         return fd
-
-    def words(self):
-        """The records as (int32, uint64) memoryviews: cheap to index while stopped."""
-        if self._words is None:
-            raw = memoryview(ffi.buffer(self.recs))
-            self._words = (raw.cast("i"), raw.cast("Q"))
-        return self._words
 
     def fpregs(self, i: int, n: int) -> bytes:
         return ffi.buffer(self.fp + i * self.args.fp_stride, n)[:] if n > 0 else b""
@@ -699,16 +689,24 @@ class Frozen:
             yield from ((t.tid, t.regs[ORIG_RAX], t.regs[RIP]) for t in self.threads
                         if self.stop_kind(t.tid) == "interrupt")
             return
-        words32, words64 = self._prep.words()
-        n32, n64 = _REC_SIZE // 4, _REC_SIZE // 8
-        stopped, state_at, status_at = lib.MU_T_STOPPED, _STATE, _STATUS
-        found = sorted((words32[b + _TID], i) for i, b in
-                       ((i, i * n32) for i in range(self._prep.args.n))
-                       if words32[b + state_at] == stopped
-                       and words32[b + status_at] >> 8 == INTERRUPT_STATUS)
-        for tid, i in found:
-            b64 = i * n64 + _REGS
-            yield tid, words64[b64 + ORIG_RAX], words64[b64 + RIP]
+        prep = self._prep
+        recs, order = prep.recs, prep.order
+        for k in range(prep.args.norder):         # mu_freeze sorted them by tid
+            r = recs[order[k]]
+            if r.state == lib.MU_T_STOPPED and r.status >> 8 == INTERRUPT_STATUS:
+                regs = r.regs
+                yield r.tid, regs[ORIG_RAX], regs[RIP]
+
+    # Returns (tid, address of its `syscall` instruction) of the first thread, in tid order,
+    # at an interrupt stop right after a `syscall` instruction (mu_freeze found it: one
+    # PTRACE_PEEKDATA), or None (not the fast path, or no such thread).
+    def syscall_candidate(self) -> Optional[Tuple[int, int]]:
+        if not self._fast or self._prep.args.candidate < 0:
+            return None
+        r = self._prep.recs[self._prep.args.candidate]
+        if r.state != lib.MU_T_STOPPED:
+            return None
+        return r.tid, r.regs[RIP] - 2
 
     def _rec(self, tid: int):
         recs = self._prep.recs

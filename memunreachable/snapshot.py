@@ -104,6 +104,12 @@ def find_syscall_insn(pid: int, maps) -> int:
 # tid: only consider that thread (tests inject into each kind of waiting thread).
 def choose_thread(fz: Frozen, tid: Optional[int] = None,
                   allow_unreadable: bool = False) -> Tuple[int, int, List[seccomp.Verdict]]:
+    first = fz.syscall_candidate() if tid is None else None
+    if first is not None:
+        # the first pass's first candidate, found by mu_freeze: most often the answer
+        t, insn = first
+        if seccomp.thread_verdict(fz.pid, t, seccomp.injected_calls(insn), allow_unreadable).ok:
+            return t, insn, []
     candidates = (c for c in fz.interrupt_stops() if tid is None or c[0] == tid)
     refusals: List[seccomp.Verdict] = []
     others = []

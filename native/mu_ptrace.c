@@ -487,6 +487,13 @@ static void read_maps(mu_freeze_args *a)
                       memcmp(a->maps_buf, a->maps_before, len) != 0;
 }
 
+static int by_tid(const void *x, const void *y, void *arg)
+{
+    const mu_thread *t = arg;
+    int a = t[*(const int32_t *)x].tid, b = t[*(const int32_t *)y].tid;
+    return (a > b) - (a < b);
+}
+
 int mu_freeze(mu_thread *t, mu_freeze_args *a)
 {
     int64_t deadline;
@@ -560,8 +567,31 @@ int mu_freeze(mu_thread *t, mu_freeze_args *a)
         read_maps(a);
     a->t_maps_ns = now_ns();
 out:
-    for (int i = 0; i < a->n; i++)
-        a->stopped += t[i].state == MU_T_STOPPED;
+    a->norder = 0;
+    for (int i = 0; i < a->n; i++) {
+        if (t[i].state != MU_T_STOPPED)
+            continue;
+        a->stopped++;
+        if (a->order)
+            a->order[a->norder++] = i;
+    }
+    if (a->order)
+        qsort_r(a->order, a->norder, sizeof *a->order, by_tid, t);
+    a->candidate = -1;
+    for (int k = 0; a->order && k < a->norder; k++) {
+        mu_thread *r = &t[a->order[k]];
+        long word;
+        if ((r->status >> 8) != ((PTRACE_EVENT_STOP << 8) | SIGTRAP) || (int64_t)r->regs[15] < 0)
+            continue;
+        errno = 0;
+        word = ptrace(PTRACE_PEEKDATA, r->tid, (void *)(r->regs[16] - 2), 0);
+        if (word == -1 && errno)
+            break;              /* rip-2 near the end of a mapping: the caller looks itself */
+        if ((word & 0xffff) == 0x050f) {
+            a->candidate = a->order[k];
+            break;
+        }
+    }
     return a->n;
 }
 

@@ -99,6 +99,11 @@ typedef struct {
     uint8_t *fp;          /* FP/SIMD areas, fp_stride bytes per record */
     int64_t fp_stride;
     mu_attach_fn on_attach; /* NULL, or called between each SEIZE and INTERRUPT (tests) */
+    int32_t *order;       /* NULL, or cap entries: out, the indexes of the STOPPED records */
+    int32_t norder;       /* out: how many, in tid order */
+    int32_t candidate;    /* out: index of the first (tid order) record at an interrupt stop
+                           * inside a syscall (orig_rax >= 0) whose two bytes before rip are a
+                           * `syscall` instruction (0f 05): where an injection can run; -1 */
     /* out */
     int32_t result;       /* MU_FREEZE_* */
     int32_t list_err;     /* errno of a failed listing (MU_FREEZE_LISTING) */

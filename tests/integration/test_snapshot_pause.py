@@ -81,3 +81,16 @@ def test_syscall_instruction_check_by_peek_matches_proc_mem():
             assert seen[fx.pid]                                 # main: in read(0)
             assert not seen[fx.expect["busy_tid"]]              # busy: never in a syscall
         assert_running(fx.pid)
+
+
+def test_the_candidate_mu_freeze_found_is_the_first_the_search_would_take():
+    from memunreachable.snapshot import SYSCALL_INSN, _read_target, _signed, choose_thread
+    with fixtures.start("ptr_busy", "4") as fx:
+        for _ in range(5):
+            with frozen(fx.pid) as fz:
+                want = next((t, rip - 2) for t, orig_rax, rip in fz.interrupt_stops()
+                            if _signed(orig_rax) >= 0
+                            and _read_target(fx.pid, rip - 2, 2) == SYSCALL_INSN)
+                assert fz.syscall_candidate() == want
+                assert choose_thread(fz) == (want[0], want[1], [])
+            assert_running(fx.pid)
