@@ -234,6 +234,7 @@ class _Prepared:
         if not _XSTATE_STRIDE:
             _XSTATE_STRIDE = (lib.mu_xstate_size() + 63) // 64 * 64
         self.hook_error: Optional[BaseException] = None
+        self.status_fd = -1
         self.maps: List[Mapping] = []
         self._fds: List[int] = []
         cap = record_capacity(leader.threads) if not one_thread else 1
@@ -255,6 +256,8 @@ class _Prepared:
             if leader.state == "Z":
                 self._add(pid, lib.MU_T_SKIP)   # a zombie leader never stops: never seized
             a.task_fd = self._open(f"/proc/{pid}/task", os.O_DIRECTORY)
+            # the leader's seccomp mode is read while stopped (Frozen.leader_seccomp_mode)
+            self.status_fd = self._open(f"/proc/{pid}/task/{pid}/status")
             a.maps_fd = self._open(f"/proc/{pid}/maps")
             text = _read_all(a.maps_fd)
             self.maps = procfs.parse_maps(text.decode(errors="replace"))
@@ -707,6 +710,18 @@ class Frozen:
         if r.state != lib.MU_T_STOPPED:
             return None
         return r.tid, r.regs[RIP] - 2
+
+    def leader_seccomp_mode(self) -> int:
+        """The leader's seccomp mode now (procfs.parse_seccomp of its status, open since
+        before the freeze: one pread while stopped), -1 when unknown (not the fast path,
+        thawed, unreadable)."""
+        fd = self._prep.status_fd if self._fast and not self.thawed else -1
+        if fd < 0:
+            return -1
+        try:
+            return procfs.parse_seccomp(os.pread(fd, 16384, 0))[0]
+        except OSError:
+            return -1
 
     def _rec(self, tid: int):
         recs = self._prep.recs

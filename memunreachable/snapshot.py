@@ -108,7 +108,10 @@ def choose_thread(fz: Frozen, tid: Optional[int] = None,
     if first is not None:
         # the first pass's first candidate, found by mu_freeze: most often the answer
         t, insn = first
-        if seccomp.thread_verdict(fz.pid, t, seccomp.injected_calls(insn), allow_unreadable).ok:
+        # seccomp mode 0 (the leader's status is open since before the freeze: one pread) is
+        # the verdict "ok" without building the calls; anything else gets the full verdict
+        if (t == fz.pid and fz.leader_seccomp_mode() == 0) or seccomp.thread_verdict(
+                fz.pid, t, seccomp.injected_calls(insn), allow_unreadable).ok:
             return t, insn, []
     candidates = (c for c in fz.interrupt_stops() if tid is None or c[0] == tid)
     refusals: List[seccomp.Verdict] = []

@@ -94,3 +94,21 @@ def test_the_candidate_mu_freeze_found_is_the_first_the_search_would_take():
                 assert fz.syscall_candidate() == want
                 assert choose_thread(fz) == (want[0], want[1], [])
             assert_running(fx.pid)
+
+
+@pytest.mark.parametrize("clone_action,scope,want_tid", [
+    ("allow", "all", "main"),               # mode 2, but the filters allow: the candidate
+    ("errno", "main", "other"),             # the main thread's filter refuses clone
+])
+def test_candidate_under_seccomp_filters(clone_action, scope, want_tid):
+    from memunreachable import procfs
+    from memunreachable.snapshot import choose_thread
+    with fixtures.start("sec_filter", clone_action, "allow", scope) as fx:
+        other = fx.expect["other_tid"]
+        with frozen(fx.pid) as fz:
+            assert fz.leader_seccomp_mode() == procfs.read_seccomp(fx.pid, fx.pid)[0] == 2
+            tid, insn, refusals = choose_thread(fz)
+            assert tid == (fx.pid if want_tid == "main" else other)
+            assert [v.tid for v in refusals] == ([] if want_tid == "main" else [fx.pid])
+        assert fz.leader_seccomp_mode() == -1           # thawed: unknown
+        assert_running(fx.pid)
