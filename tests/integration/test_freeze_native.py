@@ -10,7 +10,7 @@ import fixtures
 from memunreachable import freeze, procfs
 from memunreachable._types import REG_NAMES
 from memunreachable.freeze import frozen
-from ptr_helpers import assert_running, moves, states
+from ptr_helpers import assert_running, moves, states, wait_until
 from ptrace.binding.func import ptrace
 
 pytestmark = pytest.mark.ptrace
@@ -188,3 +188,29 @@ def test_listing_failure_continues_in_python(monkeypatch):
                 assert (t.regs, t.fpregs) == _python_regs(t.tid)
         assert_running(fx.pid)
         assert moves(fx.pid, fx.expect["busy_addr"])
+
+
+def test_thread_created_by_a_seized_thread_during_the_freeze():
+    # the leader is seized (TRACECLONE) but not interrupted yet when the hook makes it start a
+    # thread: the kernel attaches the new thread, the leader reports PTRACE_EVENT_CLONE, and
+    # mu_freeze must add the new thread from the event and collect its stop
+    with fixtures.start("ptr_maps") as fx:
+        before = procfs.list_tasks(fx.pid)
+
+        def on_attach(tid):
+            if tid == fx.pid:
+                fx.proc.stdin.write(b"thread\n")
+                fx.proc.stdin.flush()
+                assert wait_until(lambda: len(procfs.list_tasks(fx.pid)) == len(before) + 1)
+
+        with frozen(fx.pid, on_attach=on_attach) as fz:
+            assert fz._fast
+            new = [t for t in procfs.list_tasks(fx.pid) if t not in before]
+            assert len(new) == 1
+            assert [t.tid for t in fz.threads] == sorted(before + new)
+            assert fz.stop_kind(fx.pid) == "clone" and fz.stop_kind(new[0]) == "interrupt"
+            assert set(states(fx.pid).values()) == {"t"}
+            for t in fz.threads:
+                assert (t.regs, t.fpregs) == _python_regs(t.tid)
+        assert fx.proc.stdout.readline().decode().split() == ["thread", str(new[0])]
+        assert_running(fx.pid)
