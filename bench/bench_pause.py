@@ -10,14 +10,14 @@ thaw), its parts, and the later one-thread reap pause. Prints medians and pause 
     python bench/bench_pause.py [--heap-mb 50] [--threads 32] [--runs 15]
                                 [--compare OTHER_CHECKOUT]
 
---compare runs the same rounds with a second checkout as well (its C core built in place, see
-below), alternating, so before/after come from one run
-against one target.
+--compare runs the same rounds with a second checkout as well (its C core built in place,
+see below), alternating, so before/after come from one run against one target.
+Aims (issue 10): pause <= 1.3x one fork() of the target, <= 3 ms at 32 threads / 50 MiB.
+
 Building another checkout's C core in place: `git archive REV | tar -x -C OTHER`, then in an
 empty directory `cp -r OTHER/native . && python native/ffi_build.py && cp
 memunreachable/_native*.so OTHER/memunreachable/` (cffi's compile reads the pyproject.toml of
-the directory it runs in, and this setuptools rejects its license table). Aims (issue 10): pause <= 1.3x one fork() of the target, <= 3 ms at
-32 threads / 50 MiB.
+the directory it runs in, and this setuptools rejects its license table).
 """
 import argparse
 import json

@@ -9,9 +9,8 @@ exit 23 and print the same report (timings and addresses aside).
 
     python bench/bench_startup.py [--runs 10] [--compare OTHER_CHECKOUT]
 
---compare alternates with a second checkout (its C core built in place, as
-bench_pause.py says), so before/after
-come from one run. Byte-compile both first (`python -m compileall -q memunreachable`): an
+--compare alternates with a second checkout (its C core built in place, as bench_pause.py
+says), so before/after come from one run. Byte-compile both first (`python -m compileall -q memunreachable`): an
 installed package has its .pyc files, and PYTHONDONTWRITEBYTECODE=1 environments never
 write them.
 """
