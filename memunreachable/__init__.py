@@ -10,14 +10,34 @@ In-process API (libmemunreachable's, in Python form):
 """
 __version__ = "0.1.0"
 
-from memunreachable._errors import (AccessDenied, CollectionError, HeapWalkError, LeaksDetected,
-                                    MemunreachableError, NoSuchProcess, SweepError,
-                                    UnsupportedTarget, ZombieProcess)
-from memunreachable.noleaks import (LeakBaseline, NoLeaks, assert_no_leaks, get_unreachable_memory,
-                                    get_unreachable_memory_string, leak_baseline,
-                                    log_unreachable_memory, no_new_leaks)
-from memunreachable.report import Leak, UnreachableMemoryInfo
-from memunreachable.signal_dump import disable_signal_dump, enable_signal_dump
+# The public names load on first use (PEP 562): `memunreachable check` imports only what
+# the check needs (issue 10, fast start), and `import memunreachable` stays cheap.
+_LAZY = {
+    "memunreachable._errors": ("AccessDenied", "CollectionError", "HeapWalkError",
+                               "LeaksDetected", "MemunreachableError", "NoSuchProcess",
+                               "SweepError", "UnsupportedTarget", "ZombieProcess"),
+    "memunreachable.noleaks": ("LeakBaseline", "NoLeaks", "assert_no_leaks",
+                               "get_unreachable_memory", "get_unreachable_memory_string",
+                               "leak_baseline", "log_unreachable_memory", "no_new_leaks"),
+    "memunreachable.report": ("Leak", "UnreachableMemoryInfo"),
+    "memunreachable.signal_dump": ("disable_signal_dump", "enable_signal_dump"),
+}
+_WHERE = {name: module for module, names in _LAZY.items() for name in names}
+
+
+def __getattr__(name):
+    module = _WHERE.get(name)
+    if module is None:
+        raise AttributeError(f"module 'memunreachable' has no attribute {name!r}")
+    import importlib
+    value = getattr(importlib.import_module(module), name)
+    globals()[name] = value
+    return value
+
+
+def __dir__():
+    return sorted(set(globals()) | set(_WHERE))
+
 
 __all__ = [
     "get_unreachable_memory", "get_unreachable_memory_string", "log_unreachable_memory",

@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import os
 import re
+import struct
 from dataclasses import dataclass, field
 from typing import List, Optional
 
@@ -97,11 +98,10 @@ def malloc_interposers(maps: List[Mapping], scan: AllocatorScan, pid: Optional[i
     """Loaded objects, other than glibc's own, whose dynamic symbol table defines `malloc`.
 
     Such an object (an unnamed allocator preloaded or linked into the program) takes every
-    malloc call away from glibc's arenas. Looked up through each object's hash table, so this
-    costs a few ms even for a process with many libraries.
+    malloc call away from glibc's arenas. Looked up in each object's .dynsym (elf.py), so
+    this costs a few ms even for a process with many libraries.
     """
-    from elftools.common.exceptions import ELFError
-    from elftools.elf.elffile import ELFFile
+    from memunreachable.elf import ElfError, ElfFile
 
     found: List[str] = []
     seen = set()
@@ -114,26 +114,11 @@ def malloc_interposers(maps: List[Mapping], scan: AllocatorScan, pid: Optional[i
         src = f"/proc/{pid}/map_files/{m.begin:x}-{m.end:x}" if pid is not None else path
         try:
             with open(src if os.path.exists(src) else path, "rb") as f:
-                if _defines_malloc(ELFFile(f)):
+                if ElfFile(f).defines_function("malloc"):
                     found.append(path)
-        except (OSError, ELFError, ValueError):
+        except (OSError, ElfError, ValueError, struct.error):
             continue
     return found
-
-
-def _defines_malloc(elf) -> bool:
-    for name in (".gnu.hash", ".hash", ".dynsym"):
-        sec = elf.get_section_by_name(name)
-        if sec is None:
-            continue
-        if name == ".dynsym":
-            syms = sec.get_symbol_by_name("malloc") or []
-        else:
-            sym = sec.get_symbol("malloc")
-            syms = [sym] if sym is not None else []
-        return any(s["st_shndx"] != "SHN_UNDEF" and s["st_info"]["type"] in ("STT_FUNC", "STT_GNU_IFUNC")
-                   for s in syms)
-    return False
 
 
 def interposer_message(paths: List[str]) -> str:

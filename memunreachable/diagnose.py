@@ -13,7 +13,6 @@ from __future__ import annotations
 
 import errno as errno_mod
 import os
-import platform
 import pwd
 import sys
 from dataclasses import dataclass, replace
@@ -89,10 +88,10 @@ def _yama_scope() -> Optional[int]:
 
 def _target_elf(pid: int) -> str:
     try:
-        from elftools.elf.elffile import ELFFile
+        from memunreachable.elf import ElfFile
         with open(f"/proc/{pid}/exe", "rb") as f:
-            elf = ELFFile(f)
-            return f"{elf['e_machine']}/{elf.elfclass}"
+            elf = ElfFile(f)
+            return f"{elf.machine_name}/{elf.elfclass}"
     except Exception:       # unreadable (permissions), not ELF, gone: no verdict
         return ""
 
@@ -130,7 +129,7 @@ def gather_facts(pid: int) -> Facts:
         cap_sys_ptrace=ours.has_cap(procfs.CAP_SYS_PTRACE), yama_scope=_yama_scope(),
         container=detect_container(),
         selinux_enforcing=_read_small("/sys/fs/selinux/enforce").strip() == "1",
-        apparmor=procfs.read_lsm_label("self"), machine=platform.machine(),
+        apparmor=procfs.read_lsm_label("self"), machine=os.uname().machine,
         nested_userns=not procfs.in_initial_user_ns(), landlock_abi=landlock_abi(),
         lsms=_read_small("/sys/kernel/security/lsm").strip())
     if pid <= 0 or not os.path.isdir(f"/proc/{pid}"):

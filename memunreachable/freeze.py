@@ -18,8 +18,16 @@ cut by a second exception. Signals set to SIG_IGN (nohup, background jobs) stay 
 Mechanics (ptrace-snapshot.md sections 2, 3, 9): PTRACE_SEIZE(TRACECLONE) + PTRACE_INTERRUPT
 for every tid of /proc/PID/task, then collect the stops with waitpid(tid, __WALL|WNOHANG)
 per tid (never waitpid(-1): the caller may have other children), re-listing until a pass
-finds nothing new. All ptrace requests go through python-ptrace's raw `ptrace()` call, from
-the thread that entered `frozen()` (ptrace requests only work from the tracer thread).
+finds nothing new. The pause (issue 10): everything that reads /proc text, parses or
+allocates runs before the first SEIZE (the leader's status, the maps, parsed, the C
+buffers: _Prepared); then one C call, mu_freeze (native/mu_ptrace.c), seizes, interrupts,
+collects, captures the registers, re-lists and reads the maps text again (parsed again,
+after the thaw, only if it changed); mu_thaw detaches. ThreadStates are built from its records on first use. What mu_freeze
+leaves to policy (a refused SEIZE, a thread slow to stop, more threads than records, the
+on_attach hook raising) continues in the Python state machine below (_to_python), which
+is the whole freeze of earlier versions. Every ptrace request comes from the thread that
+entered `frozen()` (ptrace requests only work from the tracer thread); ptrace() below
+calls the C core (python-ptrace's import cost 20 ms of start-up).
 Deadline: a thread that does not stop within `timeout` (state D: I/O, vfork, a frozen
 cgroup) fails the freeze with CollectionError naming it; every other thread is detached.
 Such a thread can only be detached once it stops: it is kept in a registry that
@@ -39,14 +47,11 @@ import threading
 import time
 from contextlib import contextmanager
 from dataclasses import dataclass, field
-from typing import Callable, Dict, Iterator, List, Optional
-
-from ptrace import PtraceError
-from ptrace.binding.func import ptrace
+from typing import Callable, Dict, Iterator, List, Optional, Tuple
 
 from memunreachable import diagnose, procfs
 from memunreachable._errors import CollectionError, NoSuchProcess
-from memunreachable._ffi import lib
+from memunreachable._ffi import ffi, lib
 from memunreachable._types import REG_NAMES, Mapping, ThreadState
 
 log = logging.getLogger("memunreachable")
@@ -69,10 +74,27 @@ XSTATE_MAX = 16384              # AMX tiles make the xsave area ~11 KiB
 FXSAVE_SIZE = 512               # user_fpregs_struct
 JOB_CONTROL_SIGNALS = (signal.SIGSTOP, signal.SIGTSTP, signal.SIGTTIN, signal.SIGTTOU)
 SETTLE_GRACE = 0.5              # seconds a thaw waits for a stop that is still on its way
+FAST_WAIT = 0.05                # seconds mu_freeze waits for stops before Python takes over
+INTERRUPT_STATUS = PTRACE_EVENT_STOP << 8 | signal.SIGTRAP     # status >> 8 of an interrupt stop
+ORIG_RAX, RIP = REG_NAMES.index("orig_rax"), REG_NAMES.index("rip")
+MAPS_SLACK = 64 << 10           # room for maps that grew between the read and the freeze
+_XSTATE_STRIDE = 0              # bytes per thread for the FP/SIMD area (CPUID), set on first use
 
 STATE_WORDS = {"D": "uninterruptible sleep: I/O, vfork or a frozen cgroup",
                "T": "stopped by job control", "t": "traced", "Z": "zombie", "R": "running",
                "S": "sleeping"}
+
+
+class PtraceError(OSError):
+    """A ptrace request failed (.errno)."""
+
+
+def ptrace(request: int, tid: int, addr: int = 0, data: int = 0) -> int:
+    """ptrace(2) through the C core (python-ptrace costs ~20 ms of start-up: issue 10)."""
+    rc = lib.mu_ptrace(request, tid, addr, data)
+    if rc < 0:
+        raise PtraceError(-rc, os.strerror(-rc), f"ptrace({request:#x}, {tid})")
+    return rc
 
 
 class FreezeInterrupted(KeyboardInterrupt):
@@ -184,6 +206,115 @@ class _Tracee:
     extra_signals: List[int] = field(default_factory=list)   # tgkill'ed after detach
 
 
+def _kind_of(status: int) -> str:
+    """interrupt | group | signal | clone | event: the kind of a ptrace-stop's wait status."""
+    event, sig = status >> 16, os.WSTOPSIG(status)
+    if event == PTRACE_EVENT_STOP:
+        return "interrupt" if sig == signal.SIGTRAP else (
+            "group" if sig in JOB_CONTROL_SIGNALS else "event")
+    if event == PTRACE_EVENT_CLONE:
+        return "clone"
+    return "signal" if event == 0 else "event"
+
+
+def record_capacity(threads: int) -> int:
+    """Records mu_freeze gets for a process that had `threads` threads just before: room for
+    the threads created meanwhile (more continue in Python: MU_FREEZE_OVERFLOW)."""
+    return max(64, 2 * threads + 32)
+
+
+class _Prepared:
+    """What mu_freeze needs, made before the stop: the records (the live threads, or the
+    first one), the FP/SIMD areas, /proc/PID/task and /proc/PID/maps open, the maps text
+    and its parse, the on_attach callback. Closes its descriptors when collected."""
+
+    def __init__(self, pid: int, leader: procfs.Status, one_thread: bool,
+                 on_attach: Optional[Callable[[int], None]]):
+        global _XSTATE_STRIDE
+        if not _XSTATE_STRIDE:
+            _XSTATE_STRIDE = (lib.mu_xstate_size() + 63) // 64 * 64
+        self.hook_error: Optional[BaseException] = None
+        self.status_fd = -1
+        self.maps: List[Mapping] = []
+        self._fds: List[int] = []
+        cap = record_capacity(leader.threads) if not one_thread else 1
+        self.recs = ffi.new("mu_thread[]", cap)
+        self.fp = ffi.new("uint8_t[]", cap * _XSTATE_STRIDE)
+        a = self.args = ffi.new("mu_freeze_args *")
+        a.pid, a.cap, a.wait_ms = pid, cap, int(FAST_WAIT * 1000)
+        a.fp, a.fp_stride = self.fp, _XSTATE_STRIDE
+        self.order = ffi.new("int32_t[]", cap)
+        a.order = self.order
+        a.task_fd = a.maps_fd = -1
+        if one_thread:
+            a.flags = lib.MU_FREEZE_NO_RELIST
+            live = [t for t in procfs.list_tasks(pid)
+                    if procfs.task_state(pid, t) not in ("Z", "X", "")][:1]
+            for tid in live:
+                self._add(tid, lib.MU_T_NEW)
+        else:
+            if leader.state == "Z":
+                self._add(pid, lib.MU_T_SKIP)   # a zombie leader never stops: never seized
+            a.task_fd = self._open(f"/proc/{pid}/task", os.O_DIRECTORY)
+            # the leader's seccomp mode is read while stopped (Frozen.leader_seccomp_mode)
+            self.status_fd = self._open(f"/proc/{pid}/task/{pid}/status")
+            a.maps_fd = self._open(f"/proc/{pid}/maps")
+            text = _read_all(a.maps_fd)
+            self.maps = procfs.parse_maps(text.decode(errors="replace"))
+            self._before = ffi.from_buffer(text)
+            self._text = text
+            a.maps_before, a.maps_before_len = self._before, len(text)
+            a.maps_cap = len(text) + MAPS_SLACK
+            self.maps_buf = ffi.new("uint8_t[]", a.maps_cap)
+            a.maps_buf = self.maps_buf
+        if on_attach is not None:
+            def hook(tid):
+                try:
+                    on_attach(tid)
+                    return 0
+                except BaseException as exc:    # raised again once the records are Python's
+                    self.hook_error = exc
+                    return 1
+            self._hook = ffi.callback("int(int)", hook)
+            a.on_attach = self._hook
+
+    def _add(self, tid: int, state: int) -> None:
+        r = self.recs[self.args.n]
+        r.tid, r.state = tid, state
+        self.args.n += 1
+
+    def _open(self, path: str, flags: int = 0) -> int:
+        try:
+            fd = os.open(path, os.O_RDONLY | os.O_CLOEXEC | flags)
+        except (FileNotFoundError, ProcessLookupError) as exc:
+            raise NoSuchProcess(int(path.split("/")[2]), "process exited",
+                                hint=diagnose.hint_no_process(int(path.split("/")[2]))) from exc
+        self._fds.append(fd)
+        return fd
+
+    def fpregs(self, i: int, n: int) -> bytes:
+        return ffi.buffer(self.fp + i * self.args.fp_stride, n)[:] if n > 0 else b""
+
+    def close(self) -> None:
+        for fd in self._fds:
+            os.close(fd)
+        self._fds = []
+
+    def __del__(self):
+        self.close()
+
+
+def _read_all(fd: int) -> bytes:
+    """The whole text of a /proc file open at fd, from offset 0."""
+    parts, off = [], 0
+    while True:
+        chunk = os.pread(fd, 65536, off)
+        if not chunk:
+            return b"".join(parts)
+        parts.append(chunk)
+        off += len(chunk)
+
+
 # Threads that were seized but had not stopped when their thaw gave up (a D-state thread):
 # tid -> (pid, tracer thread ident). release_pending() detaches them once they stop.
 _PENDING: Dict[int, tuple] = {}
@@ -234,8 +365,12 @@ class Frozen:
         self.pid = pid
         self.on_attach = on_attach
         self.timeout = timeout
-        self.threads: List[ThreadState] = []
-        self.maps: List[Mapping] = []
+        self._threads: Optional[List[ThreadState]] = None
+        self._maps: Optional[List[Mapping]] = None
+        self._fast = False              # mu_freeze completed: the records hold the state
+        self._prep: Optional[_Prepared] = None
+        self._extra: Dict[int, List[int]] = {}     # fast path: signals to tgkill after detach
+        self.after_thaw: List[Callable[[], None]] = []  # run once every thread was detached
         self.pause_ms = 0.0
         self.thawed = False
         self.passes = 0
@@ -254,11 +389,24 @@ class Frozen:
 
     def stop_kind(self, tid: int) -> str:
         """interrupt | group | signal | clone | event, or "" for a thread not stopped."""
+        if self._fast:
+            r = self._rec(tid)
+            return _kind_of(r.status) if r is not None and r.state == lib.MU_T_STOPPED else ""
         tr = self._tracees.get(tid)
         return tr.kind if tr is not None and tr.state == "stopped" else ""
 
     def record_signals(self, tid: int, signals) -> None:
         """Signals met (and suppressed) while driving tid; re-delivered at the thaw."""
+        if self._fast:
+            if not any(signals):
+                return
+            r = self._rec(tid)
+            for sig in signals:
+                if sig and not r.sig and r.status >> 16 != 0:
+                    r.sig = sig
+                elif sig:
+                    self._extra.setdefault(tid, []).append(sig)
+            return
         tr = self._tracees[tid]
         for sig in signals:
             if sig and not tr.signal and tr.kind != "signal":
@@ -280,25 +428,8 @@ class Frozen:
             ptrace(PTRACE_SEIZE, tid, 0, PTRACE_O_TRACECLONE)
             log.debug("PTRACE_SEIZE pid=%d tid=%d: ok", self.pid, tid)
         except PtraceError as exc:
-            err = _errno_of(exc)
-            log.debug("PTRACE_SEIZE pid=%d tid=%d: %s", self.pid, tid, errno.errorcode.get(err, err))
-            if err == errno.ESRCH:
-                tr.state = "gone"
-                return
-            if err == errno.EPERM and tid != self.pid:
-                # an exiting non-leader thread answers EPERM (ptrace-snapshot.md section 2.5);
-                # a thread we already trace (auto-attached by TRACECLONE) does too
-                st = self._thread_status(tid)
-                if st is None or st.state in ("Z", "X"):
-                    tr.state = "gone"
-                    return
-                if st.tracer_pid == self.tracer_tid:
-                    tr.state = "interrupted"
-                    return
-            if err in (errno.EPERM, errno.EACCES, errno.ESRCH):
-                tr.state = "gone"
-                raise diagnose.diagnose(self.pid, err) from None
-            raise CollectionError(f"PTRACE_SEIZE tid {tid} of process {self.pid}: {exc}") from None
+            self._seize_failed(tr, _errno_of(exc))
+            return
         tr.state = "interrupted"
         if self.on_attach is not None:
             self.on_attach(tid)     # tests: kill a thread or send a signal between the two
@@ -307,6 +438,30 @@ class Frozen:
         except PtraceError as exc:
             # it exited meanwhile: waitpid reports it
             log.debug("PTRACE_INTERRUPT tid=%d: %s", tid, errno.errorcode.get(_errno_of(exc), exc))
+
+    # PTRACE_SEIZE of tr answered err: gone (ESRCH, an exiting thread), already ours
+    # (auto-attached by TRACECLONE: "interrupted"), or raises AccessDenied/CollectionError.
+    def _seize_failed(self, tr: _Tracee, err: int) -> None:
+        tid = tr.tid
+        log.debug("PTRACE_SEIZE pid=%d tid=%d: %s", self.pid, tid, errno.errorcode.get(err, err))
+        if err == errno.ESRCH:
+            tr.state = "gone"
+            return
+        if err == errno.EPERM and tid != self.pid:
+            # an exiting non-leader thread answers EPERM (ptrace-snapshot.md section 2.5);
+            # a thread we already trace (auto-attached by TRACECLONE) does too
+            st = self._thread_status(tid)
+            if st is None or st.state in ("Z", "X"):
+                tr.state = "gone"
+                return
+            if st.tracer_pid == self.tracer_tid:
+                tr.state = "interrupted"
+                return
+        if err in (errno.EPERM, errno.EACCES, errno.ESRCH):
+            tr.state = "gone"
+            raise diagnose.diagnose(self.pid, err) from None
+        raise CollectionError(f"PTRACE_SEIZE tid {tid} of process {self.pid}: "
+                              f"{os.strerror(err)}")
 
     def _thread_status(self, tid: int) -> Optional[procfs.Status]:
         try:
@@ -324,22 +479,15 @@ class Frozen:
         if not os.WIFSTOPPED(status):
             tr.state = "gone"
             return
-        event, sig = status >> 16, os.WSTOPSIG(status)
-        if event == PTRACE_EVENT_STOP:
-            tr.kind = "interrupt" if sig == signal.SIGTRAP else (
-                "group" if sig in JOB_CONTROL_SIGNALS else "event")
-        elif event == PTRACE_EVENT_CLONE:
-            tr.kind = "clone"
+        tr.kind = _kind_of(status)
+        if tr.kind == "clone":
             msg = ctypes.c_ulong()
             ptrace(PTRACE_GETEVENTMSG, tr.tid, 0, ctypes.addressof(msg))
             if msg.value and msg.value not in self._tracees:
                 # auto-attached by TRACECLONE; it reports its own PTRACE_EVENT_STOP
                 self._tracees[msg.value] = _Tracee(msg.value, state="interrupted")
-        elif event == 0:
-            tr.kind = "signal"
-            tr.signal = sig
-        else:
-            tr.kind = "event"
+        elif tr.kind == "signal":
+            tr.signal = os.WSTOPSIG(status)
         tr.state = "stopped"
         try:
             self._capture(tr)
@@ -387,40 +535,200 @@ class Frozen:
             else:
                 time.sleep(0.0002)
 
+    # Stops every thread (one_thread: the first live one) and captures it. Everything that
+    # reads /proc text, parses or allocates runs before the first SEIZE (the leader's status,
+    # the maps, the C buffers); mu_freeze (native/mu_ptrace.c) then seizes, interrupts,
+    # collects, captures and re-lists in one call and re-reads the maps text, which is
+    # parsed again only if it changed. Whatever mu_freeze leaves to policy (a SEIZE refused,
+    # a thread that did not stop within FAST_WAIT, a thread past the record capacity, the
+    # on_attach hook raising) continues in the Python state machine below, as before.
     def _freeze(self, one_thread: bool) -> None:
         self._regs: Dict[int, tuple] = {}
         self._fpregs: Dict[int, bytes] = {}
         release_pending()
         deadline = time.monotonic() + self.timeout
+        # before the stop: the target still runs
+        leader = procfs.read_status(self.pid)
+        if leader.state in ("Z", "X") and leader.threads <= 1:
+            raise diagnose.diagnose(self.pid, errno.ESRCH)
+        prep = _Prepared(self.pid, leader, one_thread, self.on_attach)
+        self._prep = prep
         with self.critical():
             self._started = time.monotonic()
-            leader = procfs.read_status(self.pid)
-            if leader.state in ("Z", "X") and leader.threads <= 1:
-                raise diagnose.diagnose(self.pid, errno.ESRCH)
-            while True:
-                self.passes += 1
-                tids = procfs.list_tasks(self.pid)
-                new = [t for t in tids if t not in self._tracees]
-                if one_thread:
-                    new = [t for t in tids if procfs.task_state(self.pid, t) not in ("Z", "X", "")][:1]
-                for tid in new:
-                    if tid == self.pid and procfs.task_state(self.pid, tid) == "Z":
-                        self._tracees[tid] = _Tracee(tid, state="zombie")
-                        continue
-                    self._seize(tid)
-                if not new and self.passes > 1:
-                    break
-                self._collect(deadline)
-                if one_thread:
-                    break
-            self.threads = [ThreadState(tid=t, regs=self._regs[t], fpregs=self._fpregs[t],
-                                        stop_signal=tr.signal)
-                            for t, tr in sorted(self._tracees.items()) if tr.state == "stopped"]
-            if not self.threads:
-                raise NoSuchProcess(self.pid, f"process {self.pid} exited while being frozen",
-                                    hint=diagnose.hint_no_process(self.pid))
-            if not one_thread:
-                self.maps = procfs.read_maps(self.pid)
+            n = lib.mu_freeze(prep.recs, prep.args)
+            if prep.args.t_seize_ns:
+                self._started = prep.args.t_seize_ns / 1e9
+            self.passes = prep.args.passes + 1
+            if n < 0 or prep.args.result != lib.MU_FREEZE_DONE:
+                self._to_python(prep.args.n if n >= 0 else 0)
+                self._freeze_python(one_thread, deadline)
+            else:
+                self._fast = True
+                a = prep.args
+                if a.maps_fd >= 0 and not 0 <= a.maps_len < a.maps_cap:
+                    self.maps = procfs.read_maps(self.pid)  # unreadable, or too long: now
+            if not self._fast:
+                self.threads = [ThreadState(tid=t, regs=self._regs[t], fpregs=self._fpregs[t],
+                                            stop_signal=tr.signal)
+                                for t, tr in sorted(self._tracees.items())
+                                if tr.state == "stopped"]
+                if not self.threads:
+                    raise self._exited()
+                if not one_thread:
+                    self.maps = procfs.read_maps(self.pid)
+            elif not prep.args.stopped:
+                raise self._exited()
+
+    def _exited(self) -> NoSuchProcess:
+        return NoSuchProcess(self.pid, f"process {self.pid} exited while being frozen",
+                             hint=diagnose.hint_no_process(self.pid))
+
+    # Hands the records of an incomplete mu_freeze (n of them, or n < 0: none) to the Python
+    # state machine (_tracees), then applies the policy mu_freeze left open: a refused SEIZE
+    # (_seize_failed), a capture that failed (_capture again raises as before), the hook's
+    # exception.
+    def _to_python(self, n: int) -> None:
+        prep = self._prep
+        failed = []
+        for i in range(max(n, 0)):
+            r = prep.recs[i]
+            tid, state = r.tid, r.state
+            if state == lib.MU_T_NEW:
+                continue                # never seized: the next listing finds it
+            tr = self._tracees[tid] = _Tracee(tid)
+            if state == lib.MU_T_SKIP:
+                tr.state = "zombie"
+            elif state == lib.MU_T_SEIZED:
+                tr.state = "interrupted"
+            elif state == lib.MU_T_GONE:
+                tr.state = "gone"
+            elif state == lib.MU_T_SEIZE_FAILED:
+                failed.append((tr, r.err))
+            elif state in (lib.MU_T_STOPPED, lib.MU_T_CAPTURE_FAILED):
+                tr.state, tr.kind = "stopped", _kind_of(r.status)
+                tr.signal = r.sig
+                if state == lib.MU_T_STOPPED:
+                    self._regs[tid] = tuple(r.regs)
+                    self._fpregs[tid] = prep.fpregs(i, r.fplen)
+                else:
+                    failed.append((tr, -1))
+                if r.event_msg and r.event_msg not in self._tracees:
+                    self._tracees.setdefault(r.event_msg, _Tracee(r.event_msg, state="interrupted"))
+        for tr, err in failed:
+            if err == -1:
+                try:
+                    self._capture(tr)
+                except PtraceError as exc:
+                    if _errno_of(exc) != errno.ESRCH:
+                        raise
+                    tr.state = "gone"
+            else:
+                self._seize_failed(tr, err)
+        if prep.hook_error is not None:
+            raise prep.hook_error
+
+    def _freeze_python(self, one_thread: bool, deadline: float) -> None:
+        """The Python state machine: collect, re-list, seize until a listing finds no thread."""
+        while True:
+            self._collect(deadline)
+            if one_thread:
+                return
+            self.passes += 1
+            tids = procfs.list_tasks(self.pid)
+            new = [t for t in tids if t not in self._tracees]
+            for tid in new:
+                if tid == self.pid and procfs.task_state(self.pid, tid) == "Z":
+                    self._tracees[tid] = _Tracee(tid, state="zombie")
+                    continue
+                self._seize(tid)
+            if not new:
+                return
+
+    # ---- the records of a complete mu_freeze (the fast path): read lazily, after the thaw
+    # when the caller can wait
+
+    @property
+    def threads(self) -> List[ThreadState]:
+        if self._threads is None and self._fast:
+            prep = self._prep
+            out = []
+            for i in range(prep.args.n):
+                r = prep.recs[i]
+                if r.state in (lib.MU_T_STOPPED, lib.MU_T_DETACHED, lib.MU_T_DETACH_FAILED) \
+                        and r.status:
+                    out.append(ThreadState(tid=r.tid, regs=tuple(r.regs),
+                                           fpregs=prep.fpregs(i, r.fplen), stop_signal=r.sig))
+            out.sort(key=lambda t: t.tid)
+            self._threads = out
+        return self._threads if self._threads is not None else []
+
+    @threads.setter
+    def threads(self, value: List[ThreadState]) -> None:
+        self._threads = value
+
+    @property
+    def maps(self) -> List[Mapping]:
+        if self._maps is None and self._fast:
+            prep = self._prep
+            if prep.args.maps_fd < 0:
+                self._maps = []
+            elif prep.args.maps_changed:
+                # the text read while stopped differs from the one parsed before: parse it
+                text = ffi.buffer(prep.maps_buf, prep.args.maps_len)[:].decode(errors="replace")
+                self._maps = procfs.parse_maps(text)
+                log.debug("maps of process %d changed before the freeze: parsed again", self.pid)
+            else:
+                self._maps = prep.maps
+        return self._maps if self._maps is not None else []
+
+    @maps.setter
+    def maps(self, value: List[Mapping]) -> None:
+        self._maps = value
+
+    # Yields (tid, orig_rax, rip) of the threads at an interrupt stop, in tid order, read
+    # straight from the records (no ThreadState built while the target is stopped).
+    def interrupt_stops(self) -> Iterator[Tuple[int, int, int]]:
+        if not self._fast:
+            yield from ((t.tid, t.regs[ORIG_RAX], t.regs[RIP]) for t in self.threads
+                        if self.stop_kind(t.tid) == "interrupt")
+            return
+        prep = self._prep
+        recs, order = prep.recs, prep.order
+        for k in range(prep.args.norder):         # mu_freeze sorted them by tid
+            r = recs[order[k]]
+            if r.state == lib.MU_T_STOPPED and r.status >> 8 == INTERRUPT_STATUS:
+                regs = r.regs
+                yield r.tid, regs[ORIG_RAX], regs[RIP]
+
+    # Returns (tid, address of its `syscall` instruction) of the first thread, in tid order,
+    # at an interrupt stop right after a `syscall` instruction (mu_freeze found it: one
+    # PTRACE_PEEKDATA), or None (not the fast path, or no such thread).
+    def syscall_candidate(self) -> Optional[Tuple[int, int]]:
+        if not self._fast or self._prep.args.candidate < 0:
+            return None
+        r = self._prep.recs[self._prep.args.candidate]
+        if r.state != lib.MU_T_STOPPED:
+            return None
+        return r.tid, r.regs[RIP] - 2
+
+    def leader_seccomp_mode(self) -> int:
+        """The leader's seccomp mode now (procfs.parse_seccomp of its status, open since
+        before the freeze: one pread while stopped), -1 when unknown (not the fast path,
+        thawed, unreadable)."""
+        fd = self._prep.status_fd if self._fast and not self.thawed else -1
+        if fd < 0:
+            return -1
+        try:
+            return procfs.parse_seccomp(os.pread(fd, 16384, 0))[0]
+        except OSError:
+            return -1
+
+    def _rec(self, tid: int):
+        recs = self._prep.recs
+        for i in range(self._prep.args.n):
+            if recs[i].tid == tid:
+                return recs[i]
+        return None
 
     # ---- thaw
 
@@ -456,6 +764,8 @@ class Frozen:
         _Signals.critical += 1
         try:
             grace = time.monotonic() + SETTLE_GRACE
+            if self._fast:
+                self._thaw_fast(grace)
             for tr in list(self._tracees.values()):
                 if tr.state == "stopped":
                     try:
@@ -474,13 +784,37 @@ class Frozen:
             for tr in self._tracees.values():
                 for sig in tr.extra_signals:
                     lib.mu_tgkill(self.pid, tr.tid, sig)
-            if self._started is not None:
+            for tid, sigs in self._extra.items():
+                for sig in sigs:
+                    lib.mu_tgkill(self.pid, tid, sig)
+            if self._prep is not None:
+                self._prep.close()
+            for fn in self.after_thaw:
+                try:
+                    fn()
+                except Exception as exc:    # noqa: BLE001 - the thaw itself succeeded
+                    log.warning("after the thaw of process %d: %s", self.pid, exc)
+            self.after_thaw = []
+            if self._started is not None and (not self._fast or self._tracees):
                 self.pause_ms = (time.monotonic() - self._started) * 1000.0
             self.thawed = True
         finally:
             _Signals.critical -= 1
         raise_pending()
         return self.pause_ms
+
+    def _thaw_fast(self, grace: float) -> None:
+        """Detach every stopped record in one C call; a thread that left its stop meanwhile
+        (killed, exiting) is settled like in the Python path."""
+        prep = self._prep
+        lib.mu_thaw(prep.recs, prep.args.n)
+        if self._started is not None:
+            self.pause_ms = (time.monotonic() - self._started) * 1000.0
+        for i in range(prep.args.n):
+            r = prep.recs[i]
+            if r.state == lib.MU_T_DETACH_FAILED:
+                tr = self._tracees[r.tid] = _Tracee(r.tid, state="settling", signal=r.sig)
+                self._settle(tr, grace)
 
     def pending_tids(self) -> List[int]:
         """Threads the thaw could not detach (they had not stopped); see release_pending()."""

@@ -282,8 +282,7 @@ class _Sockfilter(ctypes.Structure):
 
 
 def _ptrace(req: int, tid: int, addr: int, data: int) -> int:
-    from ptrace import PtraceError
-    from ptrace.binding.func import ptrace
+    from memunreachable.freeze import PtraceError, ptrace
     try:
         return ptrace(req, tid, addr, data)
     except PtraceError as exc:

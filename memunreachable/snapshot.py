@@ -30,7 +30,7 @@ import os
 import signal
 import time
 from dataclasses import dataclass, field
-from typing import List, Optional, Tuple
+from typing import Dict, List, Optional, Tuple
 
 from memunreachable import diagnose, leftovers, procfs, seccomp
 from memunreachable._errors import (AccessDenied, CollectionError, NoSuchProcess,
@@ -69,6 +69,15 @@ def _read_target(pid: int, addr: int, size: int) -> bytes:
         os.close(fd)
 
 
+def _after_syscall_insn(pid: int, tid: int, rip: int) -> bool:
+    """The two bytes before rip in stopped tracee tid are a `syscall` instruction. One
+    PTRACE_PEEKDATA (a few us while the target is stopped), else /proc/PID/mem."""
+    word = ffi.new("uint64_t *")
+    if lib.mu_peek(tid, rip - 2, word) == 0:
+        return word[0] & 0xFFFF == int.from_bytes(SYSCALL_INSN, "little")
+    return _read_target(pid, rip - 2, 2) == SYSCALL_INSN   # rip-2 near the end of a mapping
+
+
 # Returns the address of a `syscall` instruction in an executable mapping of pid ([vdso]
 # first), or 0 when none is readable. Any 0f 05 pair works: execution starts at it, and the
 # thread is stopped at the syscall exit before it could run the bytes that follow.
@@ -95,29 +104,36 @@ def find_syscall_insn(pid: int, maps) -> int:
 # tid: only consider that thread (tests inject into each kind of waiting thread).
 def choose_thread(fz: Frozen, tid: Optional[int] = None,
                   allow_unreadable: bool = False) -> Tuple[int, int, List[seccomp.Verdict]]:
-    candidates = [t for t in fz.threads if fz.stop_kind(t.tid) == "interrupt"
-                  and (tid is None or t.tid == tid)]
+    first = fz.syscall_candidate() if tid is None else None
+    if first is not None:
+        # the first pass's first candidate, found by mu_freeze: most often the answer
+        t, insn = first
+        # seccomp mode 0 (the leader's status is open since before the freeze: one pread) is
+        # the verdict "ok" without building the calls; anything else gets the full verdict
+        if (t == fz.pid and fz.leader_seccomp_mode() == 0) or seccomp.thread_verdict(
+                fz.pid, t, seccomp.injected_calls(insn), allow_unreadable).ok:
+            return t, insn, []
+    candidates = (c for c in fz.interrupt_stops() if tid is None or c[0] == tid)
     refusals: List[seccomp.Verdict] = []
     others = []
 
-    def acceptable(t, insn: int) -> bool:
-        verdict = seccomp.thread_verdict(fz.pid, t.tid, seccomp.injected_calls(insn),
+    def acceptable(t: int, insn: int) -> bool:
+        verdict = seccomp.thread_verdict(fz.pid, t, seccomp.injected_calls(insn),
                                          allow_unreadable)
         if not verdict.ok:
             refusals.append(verdict)
         return verdict.ok
 
-    for t in candidates:        # first pass: threads sitting right after a `syscall`
-        if _signed(t.regs[ORIG_RAX]) >= 0 and \
-                _read_target(fz.pid, t.regs[RIP] - 2, 2) == SYSCALL_INSN:
-            if acceptable(t, t.regs[RIP] - 2):
-                return t.tid, t.regs[RIP] - 2, refusals
+    for t, orig_rax, rip in candidates:     # first pass: threads right after a `syscall`
+        if _signed(orig_rax) >= 0 and _after_syscall_insn(fz.pid, t, rip):
+            if acceptable(t, rip - 2):
+                return t, rip - 2, refusals
         else:
             others.append(t)
     insn = find_syscall_insn(fz.pid, fz.maps) if others else 0
     for t in others if insn else ():
         if acceptable(t, insn):
-            return t.tid, insn, refusals
+            return t, insn, refusals
     return 0, 0, refusals
 
 
@@ -138,7 +154,23 @@ class Snapshot:
     timeout: float = 2.0
     allow_seccomp: bool = False     # inject wait4 into a thread whose filters cannot be read
     _fz: Optional[Frozen] = field(default=None, repr=False)
+    _inject_out: object = field(default=None, repr=False)   # the mu_inject of the clone
+    _note_pending: bool = field(default=False, repr=False)   # note_clone() deferred to the thaw
     _created: float = field(default_factory=time.monotonic, repr=False)
+
+    @property
+    def inject_steps_ms(self) -> Dict[str, float]:
+        """How long each step of the clone injection took (ms), keyed by STEP_NAMES."""
+        out = self._inject_out
+        if out is None:
+            return {}
+        steps, last = {}, out.t_ns[lib.MU_STEP_START]
+        for step in range(lib.MU_STEP_OPTIONS, lib.MU_STEP_PARKED + 1):
+            t = out.t_ns[step]
+            if t and last:
+                steps[STEP_NAMES[step]] = (t - last) / 1e6
+                last = t
+        return steps
 
     def open_memory(self) -> ProcessMemory:
         if self.released:
@@ -156,6 +188,7 @@ class Snapshot:
     def release(self) -> None:
         if self.released:
             return
+        self.note_clone()
         with critical():
             self.lifetime_ms = (time.monotonic() - self._created) * 1000.0
             if self.mode == "clone":
@@ -163,6 +196,14 @@ class Snapshot:
                 self._reap()
                 leftovers.note_released(self, reaped=not self.zombie_left)
             self.released = True
+
+    def note_clone(self) -> None:
+        """Name the clone in the check record (leftovers.note_clone). Deferred by the snapshot
+        until the target is thawed (the record's injection window covers it until then);
+        idempotent."""
+        if self._note_pending:
+            self._note_pending = False
+            leftovers.note_clone(self.target_pid, self.pid, self)
 
     def _reap(self) -> None:
         """Reap the child's zombie in the target with an injected wait4(child, __WALL|WNOHANG)."""
@@ -202,7 +243,7 @@ class Snapshot:
         for t in sorted(fz.threads, key=lambda t: t.tid != prefer):
             insn = self.syscall_insn
             if _signed(t.regs[ORIG_RAX]) >= 0 and \
-                    _read_target(fz.pid, t.regs[RIP] - 2, 2) == SYSCALL_INSN:
+                    _after_syscall_insn(fz.pid, t.tid, t.regs[RIP]):
                 insn = t.regs[RIP] - 2
             verdict = seccomp.thread_verdict(fz.pid, t.tid, [seccomp.wait4_call(insn, self.pid)],
                                              self.allow_seccomp)
@@ -276,6 +317,9 @@ def _why(refusals) -> str:
 
 def _direct(fz: Frozen, reason: str, allow_direct: bool, seccomp: bool = False,
             unreadable: bool = False) -> Snapshot:
+    sess = leftovers.session(fz.pid)
+    if sess is not None and sess.injecting:
+        leftovers.note_clone(fz.pid, 0)     # no clone: close the window noted ahead
     _check_alive(fz.pid)
     if not allow_direct:
         raise UnsupportedTarget(f"no snapshot of process {fz.pid}: {reason}",
@@ -354,6 +398,32 @@ def _kill_leftover(pid: int, timeout: float = 1.0) -> None:
         time.sleep(0.001)
 
 
+# Called before frozen(), so that the pause pays neither for the check record's write nor
+# for first-time costs: records in pid's check record (leftovers.note_injection) that a clone
+# injection may happen from now until the freeze (at most timeout) and the injection (at most
+# timeout) ended, and reads once what choose_thread() reads while the target is stopped (the
+# leader's seccomp state: its /proc entries are then cached; a first lookup cost 60-100 us).
+def prepare(pid: int, timeout: float) -> None:
+    leftovers.note_injection(pid, 2 * timeout + 1.0)
+    try:
+        procfs.read_seccomp(pid, pid)
+        seccomp.injected_calls(0)
+        _read_target(pid, 0, 0)
+    except (NoSuchProcess, OSError):
+        pass                # the freeze says what is wrong
+
+
+def _injection_noted(pid: int, timeout: float) -> bool:
+    """The record's injection window (prepare) still covers an injection that
+    starts now and ends within timeout."""
+    sess = leftovers.session(pid)
+    if sess is None:
+        return True         # no check record (outside a guard): nothing to note
+    window = sess.injecting
+    return window is not None and \
+        window[1] >= leftovers.now_ticks() + int((timeout + 1.0) * leftovers.HZ) + 1
+
+
 # Returns a Snapshot of the frozen process, after reaping what an earlier killed check left
 # (reap_leftovers; its warnings come first in .warnings). See _take_snapshot().
 def take_snapshot(fz: Frozen, allow_direct: bool = True, allow_seccomp: bool = False,
@@ -378,13 +448,13 @@ def _take_snapshot(fz: Frozen, allow_direct: bool = True, allow_seccomp: bool = 
     fz.check_owner()
     if fz.thawed:
         raise CollectionError(f"process {fz.pid} must be frozen to take a snapshot")
-    _check_alive(fz.pid)
+    # (a target killed meanwhile fails the injection with ESRCH: _raise_inject names it)
     tid, insn, refusals = choose_thread(fz, tid, allow_unreadable=allow_seccomp)
     if refusals and not tid:
         return _direct(fz, "no thread can run the injected clone and wait4 under its seccomp "
                            "rules (" + _why(refusals) + ")", allow_direct, seccomp=True,
                        unreadable=any(v.unreadable for v in refusals))
-    if not tid and not any(fz.stop_kind(t.tid) == "interrupt" for t in fz.threads):
+    if not tid and next(fz.interrupt_stops(), None) is None:
         return _direct(fz, "no thread stopped at an interrupt stop (job-control stopped "
                            "or signal pending)", allow_direct)
     if not tid or not insn:
@@ -393,7 +463,8 @@ def _take_snapshot(fz: Frozen, allow_direct: bool = True, allow_seccomp: bool = 
     snap = None
     try:
         with fz.critical():
-            leftovers.note_injection(fz.pid, fz.timeout)    # before the clone can exist
+            if not _injection_noted(fz.pid, fz.timeout):
+                leftovers.note_injection(fz.pid, fz.timeout)    # before the clone can exist
             t0 = time.monotonic()
             rc = lib.mu_inject_clone(tid, insn, int(fz.timeout * 1000), out)
             inject_ms = (time.monotonic() - t0) * 1000.0
@@ -401,8 +472,14 @@ def _take_snapshot(fz: Frozen, allow_direct: bool = True, allow_seccomp: bool = 
             if out.child > 0:
                 snap = Snapshot(pid=out.child, target_pid=fz.pid, mode="clone",
                                 inject_ms=inject_ms, syscall_insn=insn, inject_tid=tid,
-                                timeout=fz.timeout, allow_seccomp=allow_seccomp, _fz=fz)
-            leftovers.note_clone(fz.pid, out.child, snap)
+                                timeout=fz.timeout, allow_seccomp=allow_seccomp, _fz=fz,
+                                _inject_out=out)
+            if snap is not None and rc == 0 and out.ret > 0:
+                # named in the record once the target runs again (the window covers it)
+                snap._note_pending = True
+                fz.after_thaw.append(snap.note_clone)
+            else:
+                leftovers.note_clone(fz.pid, out.child, snap)
             if rc < 0:
                 if snap is not None and out.restored:
                     snap.release()

@@ -32,6 +32,7 @@ from memunreachable._errors import (CollectionError, HeapCorrupt, HeapWalkError,
                                     MemoryUnreadable, NoSuchProcess)
 from memunreachable._types import Range, merge_ranges, subtract_ranges
 from memunreachable.classify import classify
+from memunreachable.cpython import probe
 from memunreachable.folding import fold, size_totals
 from memunreachable.freeze import frozen
 from memunreachable.glibc import locate
@@ -40,7 +41,7 @@ from memunreachable.mark import mark
 from memunreachable.memory import (CopiedMemory, ProcessMemory, SnapshotPlan, capture,
                                    mapped_file_size, plan_snapshot)
 from memunreachable.report import Leak, UnreachableMemoryInfo, group_leaks, members, sort_and_limit
-from memunreachable.snapshot import take_snapshot
+from memunreachable.snapshot import prepare as prepare_snapshot, take_snapshot
 from memunreachable.sweeper import SweepEntry, SweepResult, run_sweeper
 
 log = logging.getLogger("memunreachable")
@@ -172,6 +173,7 @@ def _one_snapshot(pid: int, info: UnreachableMemoryInfo, confirm, st: _Attempts,
     """One freeze + snapshot + sweep. Raises _Retake when a fresh snapshot may succeed."""
     # 2. Collect: freeze every thread, registers, maps
     log.info("collecting thread info for process %d", pid)
+    prepare_snapshot(pid, timeout)          # record write and first-time reads: not in the pause
     with frozen(pid, timeout=timeout) as fz:
         # 3. Snapshot: clone(0) injected into a stopped thread, then thaw at once
         try:
@@ -186,7 +188,7 @@ def _one_snapshot(pid: int, info: UnreachableMemoryInfo, confirm, st: _Attempts,
                 # 3b. memory the snapshot cannot show (MADV_DONTFORK/WIPEONFORK), known from
                 # an earlier snapshot: copied from the frozen target during the pause
                 overlays = capture(pid, subtract_ranges(st.capture, subtract_ranges(
-                    st.capture, [m.range for m in fz.maps if m.readable])))
+                    st.capture, [m.range for m in fz.maps if m.readable]))) if st.capture else []
                 fz.thaw()
             elif not any(w.startswith("no snapshot") for w in info.warnings):
                 info.warnings.append(f"no snapshot ({snap.reason}): the target stayed "
@@ -344,10 +346,12 @@ def _explain_address() -> int:
 def _warm_caches(maps, pid: int) -> None:
     """Parse the malloc object's and the Python runtime's ELF files and import the CPython
     stages here, in the long-lived checker, so that every forked sweeper inherits them
-    (pyelftools takes 120 ms on libc, 15-20 ms on libpython; the imports 15 ms)."""
+    (elf.py: a few ms per file; the CPython imports ~60 ms, only for a Python target)."""
     scan = detect.scan_maps(maps, pid)
     if scan.object_mappings:
         locate.read_image(scan.object_mappings, pid)
+    if not probe.may_hold_runtime(maps, pid):
+        return              # not a Python process: the CPython stages are never loaded
     from memunreachable.cpython import locate as cpython_locate, pipeline, objects  # noqa: F401
     cpython_locate.warm(maps, pid)
 
@@ -492,6 +496,8 @@ def _entry(f, begins, sizes, contents, objects) -> SweepEntry:
 def _see_through_cpython(mem, maps, threads, pid, image):
     """cpython.pipeline.prepare, or glibc's image alone with a warning if it fails: a bug in
     the CPython map must never turn into a wrong answer."""
+    if not probe.may_hold_runtime(maps, pid):
+        return _NoCPython(image)    # what pipeline.prepare gives, without loading it
     from memunreachable.cpython import pipeline
     try:
         return pipeline.prepare(mem, maps, threads, pid, image)
@@ -499,6 +505,18 @@ def _see_through_cpython(mem, maps, threads, pid, image):
         log.warning("CPython map failed: %s", exc)
         return pipeline.CPythonSweep(None, image, warnings=[
             f"CPython's memory could not be mapped ({exc}): it is scanned whole as roots"])
+
+
+@dataclass
+class _NoCPython:
+    """pipeline.CPythonSweep of a process without a CPython runtime (cpython/probe.py)."""
+    image: object
+    cpython: None = None
+    root_cuts: list = field(default_factory=list)
+    dead: None = None
+    warnings: list = field(default_factory=list)
+    stats: dict = field(default_factory=dict)
+    usable: bool = False
 
 
 @dataclass

@@ -167,6 +167,7 @@ static int inject(int tid, uint64_t insn, uint64_t nr, const uint64_t args[6], i
     int rc = 0, kind, attempt, running = 0;
 
     memset(out, 0, sizeof *out);
+    out->t_ns[MU_STEP_START] = now_ns();
     if (ptrace(PTRACE_GETREGS, tid, 0, &saved) < 0)
         return -errno;
     /* EXITKILL from before the injected registers are set until the clone event: the child
@@ -178,6 +179,7 @@ static int inject(int tid, uint64_t insn, uint64_t nr, const uint64_t args[6], i
     if (ptrace(PTRACE_SETOPTIONS, tid, 0, opts) < 0)
         return -errno;
     out->step = MU_STEP_OPTIONS;
+    out->t_ns[MU_STEP_OPTIONS] = now_ns();
 
     for (attempt = 0; attempt < CLONE_RETRIES; attempt++) {
         regs = saved;
@@ -195,6 +197,7 @@ static int inject(int tid, uint64_t insn, uint64_t nr, const uint64_t args[6], i
             goto restore;
         }
         out->step = MU_STEP_SETREGS;
+        out->t_ns[MU_STEP_SETREGS] = now_ns();
         running = 1;
         kind = resume_until_syscall(tid, deadline, out);
         if (kind < 0) {
@@ -207,6 +210,7 @@ static int inject(int tid, uint64_t insn, uint64_t nr, const uint64_t args[6], i
             goto restore;
         }
         out->step = MU_STEP_ENTER;
+        out->t_ns[MU_STEP_ENTER] = now_ns();
         for (;;) {
             running = 1;
             kind = resume_until_syscall(tid, deadline, out);
@@ -234,6 +238,7 @@ static int inject(int tid, uint64_t insn, uint64_t nr, const uint64_t args[6], i
                 }
                 out->child = (int32_t)msg;
                 out->step = MU_STEP_EVENT;
+                out->t_ns[MU_STEP_EVENT] = now_ns();
                 w = wait_until(out->child, deadline, &status);
                 if (w <= 0) {
                     rc = w < 0 ? w : -ETIMEDOUT;
@@ -242,6 +247,7 @@ static int inject(int tid, uint64_t insn, uint64_t nr, const uint64_t args[6], i
             }
         }
         out->step = MU_STEP_EXIT;
+        out->t_ns[MU_STEP_EXIT] = now_ns();
         if (ptrace(PTRACE_GETREGS, tid, 0, &regs) < 0) {
             rc = -errno;
             goto restore;
@@ -265,6 +271,7 @@ restore:
     if (ptrace(PTRACE_SETOPTIONS, tid, 0, PTRACE_O_TRACECLONE) < 0)
         return rc ? rc : -errno;
     out->restored = 1;
+    out->t_ns[MU_STEP_RESTORED] = now_ns();
     if (rc == 0)
         out->step = MU_STEP_RESTORED;
     if (rc == 0 && out->child > 0) {
@@ -278,6 +285,7 @@ restore:
         if (ptrace(PTRACE_SETREGS, out->child, 0, &c) < 0)
             return -errno;
         out->step = MU_STEP_PARKED;
+        out->t_ns[MU_STEP_PARKED] = now_ns();
     }
     return rc;
 }
@@ -292,4 +300,331 @@ int mu_inject_wait4(int tid, uint64_t syscall_insn, int child, int64_t timeout_m
 {
     const uint64_t args[6] = {(uint64_t)(int64_t)child, 0, MU_WALL | WNOHANG, 0, 0, 0};
     return inject(tid, syscall_insn, NR_WAIT4, args, 0, timeout_ms, out);
+}
+
+/* ---- freeze / thaw (ptrace-snapshot.md sections 2, 3, 9) ---- */
+
+#include <cpuid.h>
+#include <dirent.h>
+#include <elf.h>
+#include <sys/uio.h>
+
+#ifndef NT_X86_XSTATE
+#define NT_X86_XSTATE 0x202
+#endif
+
+int mu_xstate_size(void)
+{
+    unsigned a, b, c, d;
+    if (!__get_cpuid(1, &a, &b, &c, &d) || !(c & bit_XSAVE))
+        return 512;
+    __cpuid_count(0xd, 0, a, b, c, d);
+    return c > 512 ? (int)c : 512;
+}
+
+static int find_tid(const mu_thread *t, int n, int tid)
+{
+    for (int i = n - 1; i >= 0; i--)
+        if (t[i].tid == tid)
+            return i;
+    return -1;
+}
+
+/* Add tid as a new record in state; returns its index, or -1 when threads[] is full. */
+static int add_tid(mu_thread *t, mu_freeze_args *a, int tid, int state)
+{
+    if (a->n >= a->cap)
+        return -1;
+    memset(&t[a->n], 0, sizeof t[a->n]);
+    t[a->n].tid = tid;
+    t[a->n].state = state;
+    return a->n++;
+}
+
+static int seize(mu_thread *r, mu_freeze_args *a)
+{
+    if (a->t_seize_ns == 0)
+        a->t_seize_ns = now_ns();
+    if (ptrace(PTRACE_SEIZE, r->tid, 0, (void *)(long)PTRACE_O_TRACECLONE) < 0) {
+        r->err = errno;
+        r->state = errno == ESRCH ? MU_T_GONE : MU_T_SEIZE_FAILED;
+        return 0;
+    }
+    r->state = MU_T_SEIZED;
+    if (a->on_attach && a->on_attach(r->tid) != 0)
+        return -1;              /* the hook asks to stop here (it raised) */
+    ptrace(PTRACE_INTERRUPT, r->tid, 0, 0);     /* ESRCH: it exited; waitpid says so */
+    return 0;
+}
+
+static void capture(mu_thread *r, uint8_t *fp, int64_t stride)
+{
+    struct iovec iov = {fp, (size_t)stride};
+    if (ptrace(PTRACE_GETREGS, r->tid, 0, r->regs) < 0)
+        goto failed;
+    if (ptrace(PTRACE_GETREGSET, r->tid, (void *)(long)NT_X86_XSTATE, &iov) == 0) {
+        r->fplen = (int32_t)iov.iov_len;
+        r->state = MU_T_STOPPED;
+        return;
+    }
+    if (errno == ESRCH || stride < 512)
+        goto failed;
+    if (ptrace(PTRACE_GETFPREGS, r->tid, 0, fp) < 0)
+        goto failed;
+    r->fplen = 512;
+    r->state = MU_T_STOPPED;
+    return;
+failed:
+    r->err = errno;
+    r->state = errno == ESRCH ? MU_T_GONE : MU_T_CAPTURE_FAILED;  /* SIGKILL ends any stop */
+}
+
+/* One round of waitpid over the SEIZED records. Returns how many changed, or -1 when a
+ * clone event's new thread did not fit (OVERFLOW). */
+static int collect_round(mu_thread *t, mu_freeze_args *a)
+{
+    int changed = 0, overflow = 0;
+    for (int i = 0; i < a->n; i++) {
+        mu_thread *r = &t[i];
+        int status = 0;
+        pid_t w;
+        if (r->state != MU_T_SEIZED)
+            continue;
+        w = waitpid(r->tid, &status, MU_WALL | WNOHANG);
+        if (w == 0)
+            continue;
+        changed++;
+        if (w < 0 || !WIFSTOPPED(status)) {     /* ECHILD: not ours any more, or exited */
+            r->state = MU_T_GONE;
+            continue;
+        }
+        r->status = status;
+        if ((status >> 16) == PTRACE_EVENT_CLONE) {
+            unsigned long msg = 0;
+            if (ptrace(PTRACE_GETEVENTMSG, r->tid, 0, &msg) == 0 && msg) {
+                r->event_msg = msg;
+                /* auto-attached by TRACECLONE: it reports its own PTRACE_EVENT_STOP */
+                if (find_tid(t, a->n, (int)msg) < 0 && add_tid(t, a, (int)msg, MU_T_SEIZED) < 0)
+                    overflow = 1;
+            }
+        } else if ((status >> 16) == 0) {
+            r->sig = WSTOPSIG(status);          /* signal-delivery-stop: re-deliver it */
+        }
+        capture(r, a->fp + (int64_t)i * a->fp_stride, a->fp_stride);
+    }
+    return overflow ? -1 : changed;
+}
+
+/* List /proc/PID/task; add every tid not in the records as NEW. Returns how many were
+ * added, -1 when one did not fit, or -errno. */
+static int relist(mu_thread *t, mu_freeze_args *a)
+{
+    char buf[4096];
+    int added = 0;
+    a->passes++;
+    if (lseek(a->task_fd, 0, SEEK_SET) < 0)
+        return -errno;
+    for (;;) {
+        long nread = syscall(SYS_getdents64, a->task_fd, buf, sizeof buf);
+        if (nread < 0)
+            return -errno;
+        if (nread == 0)
+            return added;
+        for (long off = 0; off < nread;) {
+            struct dirent64 *d = (struct dirent64 *)(buf + off);
+            int tid = 0;
+            const char *c = d->d_name;
+            off += d->d_reclen;
+            if (*c < '0' || *c > '9')
+                continue;
+            while (*c >= '0' && *c <= '9')
+                tid = tid * 10 + (*c++ - '0');
+            if (find_tid(t, a->n, tid) >= 0)
+                continue;
+            if (add_tid(t, a, tid, MU_T_NEW) < 0)
+                return -1;
+            added++;
+        }
+    }
+}
+
+static int seize_new(mu_thread *t, mu_freeze_args *a)
+{
+    for (int i = 0; i < a->n; i++)
+        if (t[i].state == MU_T_NEW && seize(&t[i], a) < 0)
+            return -1;
+    return 0;
+}
+
+static int any_seized(const mu_thread *t, int n)
+{
+    for (int i = 0; i < n; i++)
+        if (t[i].state == MU_T_SEIZED)
+            return 1;
+    return 0;
+}
+
+static void read_maps(mu_freeze_args *a)
+{
+    int64_t len = 0;
+    if (a->maps_fd < 0)
+        return;
+    while (len < a->maps_cap) {
+        ssize_t got = pread(a->maps_fd, a->maps_buf + len, a->maps_cap - len, len);
+        if (got < 0 && errno == EINTR)
+            continue;
+        if (got < 0) {
+            a->maps_len = -errno;
+            a->maps_changed = 1;
+            return;
+        }
+        if (got == 0)
+            break;
+        len += got;
+    }
+    a->maps_len = len;
+    a->maps_changed = len != a->maps_before_len || !a->maps_before ||
+                      memcmp(a->maps_buf, a->maps_before, len) != 0;
+}
+
+static int by_tid(const void *x, const void *y, void *arg)
+{
+    const mu_thread *t = arg;
+    int a = t[*(const int32_t *)x].tid, b = t[*(const int32_t *)y].tid;
+    return (a > b) - (a < b);
+}
+
+int mu_freeze(mu_thread *t, mu_freeze_args *a)
+{
+    int64_t deadline;
+    int spins = 0, rc;
+    if (a->n < 0 || a->n > a->cap || a->fp_stride < 0 || (a->fp_stride && !a->fp))
+        return -EINVAL;
+    a->result = MU_FREEZE_DONE;
+    a->list_err = 0;
+    a->passes = 0;
+    a->stopped = 0;
+    a->maps_len = 0;
+    a->maps_changed = 0;
+    a->t_seize_ns = 0;
+    a->rounds = 0;
+    if (seize_new(t, a) < 0) {
+        a->result = MU_FREEZE_HOOK;
+        return a->n;
+    }
+    a->t_interrupted_ns = now_ns();
+    deadline = now_ns() + a->wait_ms * 1000000;
+    for (;;) {
+        /* collect every stop of this pass */
+        while (any_seized(t, a->n)) {
+            rc = collect_round(t, a);
+            a->rounds++;
+            if (rc < 0) {
+                a->result = MU_FREEZE_OVERFLOW;
+                goto out;
+            }
+            if (rc > 0) {
+                spins = 0;
+                continue;
+            }
+            if (now_ns() >= deadline) {
+                a->result = MU_FREEZE_WAITING;
+                goto out;
+            }
+            if (spins++ < 200) {
+                sched_yield();
+            } else {
+                struct timespec ts = {0, 20000};
+                nanosleep(&ts, NULL);
+            }
+        }
+        if (a->flags & MU_FREEZE_NO_RELIST)
+            break;
+        /* threads created by threads not seized yet show up in the listing */
+        rc = relist(t, a);
+        if (rc == -1) {
+            a->result = MU_FREEZE_OVERFLOW;
+            goto out;
+        }
+        if (rc < 0) {
+            a->list_err = -rc;          /* the records stay valid: the caller goes on */
+            a->result = MU_FREEZE_LISTING;
+            goto out;
+        }
+        if (rc == 0)
+            break;
+        if (seize_new(t, a) < 0) {
+            a->result = MU_FREEZE_HOOK;
+            goto out;
+        }
+        a->t_interrupted_ns = now_ns();
+    }
+    a->t_stopped_ns = now_ns();
+    for (int i = 0; i < a->n; i++)
+        if (t[i].state == MU_T_SEIZE_FAILED || t[i].state == MU_T_CAPTURE_FAILED)
+            a->result = MU_FREEZE_FAILED;
+    if (a->result == MU_FREEZE_DONE)
+        read_maps(a);
+    a->t_maps_ns = now_ns();
+out:
+    a->norder = 0;
+    for (int i = 0; i < a->n; i++) {
+        if (t[i].state != MU_T_STOPPED)
+            continue;
+        a->stopped++;
+        if (a->order)
+            a->order[a->norder++] = i;
+    }
+    if (a->order)
+        qsort_r(a->order, a->norder, sizeof *a->order, by_tid, t);
+    a->candidate = -1;
+    for (int k = 0; a->order && k < a->norder; k++) {
+        mu_thread *r = &t[a->order[k]];
+        long word;
+        if ((r->status >> 8) != ((PTRACE_EVENT_STOP << 8) | SIGTRAP) || (int64_t)r->regs[15] < 0)
+            continue;
+        errno = 0;
+        word = ptrace(PTRACE_PEEKDATA, r->tid, (void *)(r->regs[16] - 2), 0);
+        if (word == -1 && errno)
+            break;              /* rip-2 near the end of a mapping: the caller looks itself */
+        if ((word & 0xffff) == 0x050f) {
+            a->candidate = a->order[k];
+            break;
+        }
+    }
+    return a->n;
+}
+
+int mu_thaw(mu_thread *t, int n)
+{
+    int done = 0;
+    for (int i = 0; i < n; i++) {
+        if (t[i].state != MU_T_STOPPED)
+            continue;
+        if (ptrace(PTRACE_DETACH, t[i].tid, 0, (void *)(long)t[i].sig) < 0) {
+            t[i].err = errno;
+            t[i].state = MU_T_DETACH_FAILED;
+            continue;
+        }
+        t[i].state = MU_T_DETACHED;
+        done++;
+    }
+    return done;
+}
+
+int64_t mu_ptrace(int64_t request, int tid, uint64_t addr, uint64_t data)
+{
+    long rc = ptrace((enum __ptrace_request)request, tid, (void *)addr, (void *)data);
+    return rc < 0 ? -errno : rc;
+}
+
+int mu_peek(int tid, uint64_t addr, uint64_t *word)
+{
+    long v;
+    errno = 0;
+    v = ptrace(PTRACE_PEEKDATA, tid, (void *)addr, 0);
+    if (v == -1 && errno)
+        return -errno;
+    *word = (uint64_t)v;
+    return 0;
 }

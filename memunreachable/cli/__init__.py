@@ -27,14 +27,12 @@ into that exception outside the check too (unless they were ignored, as under no
 from __future__ import annotations
 
 import argparse
-import inspect
 import logging
 import os
 import re
 import signal
 import sys
 import threading
-import traceback
 from typing import List, Optional, Sequence, Tuple, Type
 
 from memunreachable._errors import CommandError, MemunreachableError
@@ -92,6 +90,7 @@ class Command:
 
     @classmethod
     def description(cls) -> str:
+        import inspect
         return inspect.cleandoc(cls.__doc__ or "")
 
     def add_arguments(self, parser: argparse.ArgumentParser) -> None:
@@ -101,12 +100,30 @@ class Command:
         raise NotImplementedError
 
 
-def get_commands() -> List[Type[Command]]:
-    """The registry, in --help order. Imported lazily: the command modules import this one."""
-    from memunreachable.cli.check import Check
-    from memunreachable.cli.demo import Demo
+# The registry, in --help order: command name -> (module, class). A command's module is
+# imported only when it is listed or run (the command modules import this one).
+COMMANDS = {"check": ("memunreachable.cli.check", "Check"),
+            "demo": ("memunreachable.cli.demo", "Demo")}
 
-    return [Check, Demo]
+
+def get_command(name: str) -> Type[Command]:
+    import importlib
+    module, cls = COMMANDS[name]
+    return getattr(importlib.import_module(module), cls)
+
+
+def get_commands(names: Optional[Sequence[str]] = None) -> List[Type[Command]]:
+    """The command classes (all, or those named), in --help order."""
+    return [get_command(n) for n in COMMANDS if names is None or n in names]
+
+
+def selected_command(argv: Sequence[str]) -> Optional[str]:
+    """The command argv runs when its first argument names one (options of the top-level
+    parser come first: -h, -V), else None (then the parser needs every command)."""
+    for arg in argv:
+        if arg in ("-h", "--help", "-V", "--version") or not arg.startswith("-"):
+            return arg if arg in COMMANDS else None
+    return None
 
 
 def _common_parser() -> argparse.ArgumentParser:
@@ -119,7 +136,9 @@ def _common_parser() -> argparse.ArgumentParser:
     return common
 
 
-def build_parser() -> argparse.ArgumentParser:
+# Returns the parser; with argv, only the subcommand argv selects is built (and its module
+# imported): parsing argv gives the same result and the same messages (issue 10, fast start).
+def build_parser(argv: Optional[Sequence[str]] = None) -> argparse.ArgumentParser:
     from memunreachable import __version__
 
     parser = ArgumentParser(
@@ -131,7 +150,8 @@ def build_parser() -> argparse.ArgumentParser:
     parser.add_argument("-V", "--version", action="version", version=f"%(prog)s {__version__}")
     common = _common_parser()
     sub = parser.add_subparsers(dest="command", metavar="COMMAND")
-    for cls in get_commands():
+    chosen = selected_command(argv) if argv is not None else None
+    for cls in get_commands([chosen] if chosen else None):
         command = cls()
         p = sub.add_parser(cls.name(), parents=[common], help=cls.help(),
                            description=cls.description(), epilog=EXIT_CODES_HELP,
@@ -212,6 +232,7 @@ def _signal_name(signum: int) -> str:
 
 
 def _internal_error(exc: BaseException, verbose: int) -> int:
+    import traceback
     frames = traceback.extract_tb(exc.__traceback__)
     where = f" (at {os.path.basename(frames[-1].filename)}:{frames[-1].lineno} in " \
             f"{frames[-1].name})" if frames else ""
@@ -264,7 +285,7 @@ def main(argv: Optional[Sequence[str]] = None) -> int:
     """Parse argv (default sys.argv[1:]), run the command, return its exit code."""
     argv = list(sys.argv[1:] if argv is None else argv)
     as_json = wants_json(argv)
-    parser = build_parser()
+    parser = build_parser(argv)
     try:
         args = _parse(parser, argv)
     except UsageError as exc:

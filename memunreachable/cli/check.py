@@ -8,17 +8,16 @@ turns them into messages and exit codes.
 from __future__ import annotations
 
 import argparse
-import io
 import logging
 import os
 import sys
-import tempfile
-from typing import Optional
+from typing import TYPE_CHECKING, Optional
 
 from memunreachable._errors import CommandError
 from memunreachable.cli import EXIT_LEAKS, EXIT_OK, EXIT_USAGE, Command
-from memunreachable.report import UnreachableMemoryInfo
-from memunreachable.reporters import render_text, write_json
+
+if TYPE_CHECKING:
+    from memunreachable.report import UnreachableMemoryInfo
 
 log = logging.getLogger("memunreachable")
 
@@ -165,6 +164,7 @@ class OutputFile:
                 with open(self.path, "x") as f:
                     f.write(text)
                 return
+            import tempfile
             parent = os.path.dirname(os.path.abspath(self.path))
             fd, tmp = tempfile.mkstemp(prefix=".memunreachable-", dir=parent)
             try:
@@ -186,12 +186,18 @@ class OutputFile:
 def emit_report(info: UnreachableMemoryInfo, args: argparse.Namespace,
                 output: Optional[OutputFile] = None) -> None:
     """Render info as text or JSON to stdout, or into the output file."""
+    # the reporters load here, once the check is done (issue 10, fast start)
+    if getattr(args, "json", False):
+        from memunreachable.reporters.json import write_json
+    else:
+        from memunreachable.reporters.text import render_text
     if output is None:
         if getattr(args, "json", False):
             write_json(info, sys.stdout)
         else:
             render_text(info, sys.stdout, contents=args.contents)
         return
+    import io
     buf = io.StringIO()
     if getattr(args, "json", False):
         write_json(info, buf)

@@ -5,7 +5,7 @@ threads. Output: a Runtime record (&_PyRuntime, version, layout) and, after vali
 interpreters and their thread states.
 Where (cpython-memory.md section 1): a libpython3.X*.so mapping (pyenv, --enable-shared), else
 an executable exporting _PyRuntime (Debian's python3.11: non-PIE, libpython linked in). The
-address comes from the ELF dynamic symbols (pyelftools), else from the `.PyRuntime` section
+address comes from the ELF dynamic symbols (elf.py), else from the `.PyRuntime` section
 (3.10+), plus the load bias. Version: `Py_Version` (3.11+), the `xdebugpy` _Py_DebugOffsets
 header (3.13+), else the library or executable file name. References: elf(5); CPython
 Include/internal/pycore_runtime.h, pycore_interp.h, Include/cpython/pystate.h.
@@ -13,25 +13,21 @@ Include/internal/pycore_runtime.h, pycore_interp.h, Include/cpython/pystate.h.
 from __future__ import annotations
 
 import os
-import re
 import struct
 from dataclasses import dataclass, field
 from typing import Dict, List, Optional, Sequence, Tuple
 
-from elftools.elf.elffile import ELFFile
-
+from memunreachable import elf as E
 from memunreachable import procfs
 from memunreachable._errors import MemoryUnreadable
 from memunreachable._types import Mapping, ThreadState
 from memunreachable.cpython import layout as L
+from memunreachable.cpython import probe
+from memunreachable.cpython.probe import ANY_PYTHON, EXECUTABLE, LIBPYTHON  # noqa: F401
 
 PAGE = 4096
 MAX_INTERPRETERS = 256
 MAX_THREADS = 1 << 16
-LIBPYTHON = re.compile(r"^libpython(\d)\.(\d+)[a-z]*\.so")
-EXECUTABLE = re.compile(r"^python(\d)\.(\d+)[a-z]*$")
-ANY_PYTHON = re.compile(r"^(lib)?python")   # not extension modules (foo.cpython-311-...so)
-SYM = struct.Struct("<IBBHQQ")            # Elf64_Sym
 
 
 @dataclass(frozen=True)
@@ -70,31 +66,7 @@ def _i32(mem, addr: int) -> int:
     return struct.unpack("<i", mem.read(addr, 4))[0]
 
 
-def _candidates(maps: Sequence[Mapping], pid: Optional[int]) -> List[Tuple[str, List[Mapping]]]:
-    """Objects that may hold _PyRuntime, best first: libpython*.so, python3.X, the executable."""
-    by_path: Dict[str, List[Mapping]] = {}
-    for m in maps:
-        if m.path.startswith("/") and m.inode:
-            by_path.setdefault(m.path, []).append(m)
-    exe = None
-    if pid is not None:
-        try:
-            exe = os.readlink(f"/proc/{pid}/exe")
-        except OSError:
-            exe = None
-
-    def rank(path: str) -> int:
-        base = os.path.basename(path)
-        if LIBPYTHON.match(base):
-            return 0
-        if EXECUTABLE.match(base):
-            return 1
-        if path == exe or ANY_PYTHON.search(base):
-            return 2
-        return 9
-    out = [(p, ms) for p, ms in by_path.items() if rank(p) < 9]
-    out.sort(key=lambda pm: rank(pm[0]))
-    return out
+_candidates = probe.candidates
 
 
 def _version_from_name(path: str) -> Optional[Tuple[int, int]]:
@@ -110,7 +82,7 @@ def _open(path: str, mappings: List[Mapping], pid: Optional[int]):
     return procfs.open_mapped_file(mappings, pid, path)
 
 
-def _load_bias(elf: ELFFile, mappings: List[Mapping]) -> Optional[int]:
+def _load_bias(elf, mappings: List[Mapping]) -> Optional[int]:
     """Runtime address minus link-time address (0 for a non-PIE executable)."""
     loads = [s for s in elf.iter_segments() if s["p_type"] == "PT_LOAD"]
     if not loads:
@@ -123,34 +95,11 @@ def _load_bias(elf: ELFFile, mappings: List[Mapping]) -> Optional[int]:
     return None
 
 
-def _symbols(elf: ELFFile, names: Sequence[str]) -> Dict[str, int]:
-    """st_value of each name found defined in .dynsym. Parsed raw (Elf64_Sym is 24 bytes:
-    st_name u32, st_info u8, st_other u8, st_shndx u16, st_value u64, st_size u64):
-    pyelftools' per-symbol parsing takes ~0.35 s on libpython's 2,000 symbols."""
-    out: Dict[str, int] = {}
-    dynsym = elf.get_section_by_name(".dynsym")
-    if dynsym is None or dynsym["sh_entsize"] != SYM.size:
-        return out
-    strtab = elf.get_section(dynsym["sh_link"]).data()
-    wanted: Dict[int, str] = {}
-    for name in names:
-        key = name.encode() + b"\0"
-        pos = strtab.find(key)
-        while pos >= 0:
-            wanted[pos] = name
-            pos = strtab.find(key, pos + 1)
-    for st_name, _info, _other, shndx, value, _size in SYM.iter_unpack(dynsym.data()):
-        name = wanted.get(st_name)
-        if name is not None and shndx != 0 and value and name not in out:
-            out[name] = value
-    return out
-
-
 @dataclass(frozen=True)
 class ElfFacts:
     """What the CPython stages read from an object's ELF file: independent of where it is
     mapped, so cached by file identity (a long-lived checker sees the same libpython again
-    and again; pyelftools takes 15-20 ms a parse)."""
+    and again; parsing takes a few ms)."""
     machine_x64: bool
     first_load: Tuple[int, int]         # page-aligned p_offset, p_vaddr of the first PT_LOAD
     symbols: Dict[str, int]             # .dynsym values of the names asked for
@@ -170,17 +119,14 @@ def elf_facts(f) -> Optional[ElfFacts]:
     if key not in _FACTS:
         facts = None
         try:
-            elf = ELFFile(f)
-            loads = [x for x in elf.iter_segments() if x["p_type"] == "PT_LOAD"]
-            if loads:
-                first = min(loads, key=lambda x: x["p_vaddr"])
-                sec = elf.get_section_by_name(".PyRuntime")
-                facts = ElfFacts(elf.get_machine_arch() == "x64",
-                                 (first["p_offset"] & ~(PAGE - 1), first["p_vaddr"] & ~(PAGE - 1)),
-                                 _symbols(elf, FACT_SYMBOLS),
-                                 sec["sh_addr"] if sec is not None else 0,
-                                 elf["e_type"] == "ET_DYN")
-        except Exception:        # malformed ELF: pyelftools raises many types
+            elf = E.ElfFile(f)
+            first = elf.first_load()
+            if first is not None:
+                sec = elf.section(".PyRuntime")
+                facts = ElfFacts(elf.machine_name == "EM_X86_64", first,
+                                 elf.dynsym_values(FACT_SYMBOLS),
+                                 sec.sh_addr if sec is not None else 0, elf.shared)
+        except (E.ElfError, OSError, ValueError, struct.error):    # malformed or truncated
             facts = None
         if len(_FACTS) >= 256:
             _FACTS.clear()

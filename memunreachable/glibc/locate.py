@@ -15,9 +15,7 @@ import struct
 from dataclasses import dataclass
 from typing import Iterator, List, Optional, Tuple
 
-from elftools.elf.elffile import ELFFile
-from elftools.elf.relocation import RelocationSection
-
+from memunreachable import elf as E
 from memunreachable._errors import MemoryUnreadable
 from memunreachable import procfs
 from memunreachable._types import Mapping
@@ -65,7 +63,7 @@ class _FileFacts:
 
 
 # file identity (st_dev, st_ino, st_size, st_mtime_ns) -> _FileFacts or None (not usable).
-# Parsing libc's ELF costs ~120 ms with pyelftools; a long-lived process (the in-process
+# Parsing libc's ELF took ~120 ms with pyelftools (a few ms with elf.py); a long-lived process (the in-process
 # helper, a CLI watching a target) checks the same libc again and again.
 _FACTS_CACHE: dict = {}
 _FACTS_CACHE_MAX = 16
@@ -78,23 +76,16 @@ def _file_facts(f) -> Optional[_FileFacts]:
         return _FACTS_CACHE[key]
     facts = None
     try:
-        elf = ELFFile(f)
-        if elf.get_machine_arch() == "x64":
-            loads = [s for s in elf.iter_segments() if s["p_type"] == "PT_LOAD"]
-            if loads:
-                first = min(loads, key=lambda s: s["p_vaddr"])
-                first_load = (first["p_offset"] & ~(L.PAGE - 1), first["p_vaddr"] & ~(L.PAGE - 1))
-                rw = [(s["p_vaddr"], s.data()) for s in loads if s["p_flags"] & 2]
-                relative = {}
-                for sec in elf.iter_sections():
-                    if isinstance(sec, RelocationSection) and sec.is_RELA():
-                        for r in sec.iter_relocations():
-                            if r["r_info_type"] == R_X86_64_RELATIVE:
-                                relative[r["r_offset"]] = r["r_addend"]
-                with mmap.mmap(f.fileno(), st.st_size, prot=mmap.PROT_READ) as mm:
-                    version = L.find_version(mm)
-                facts = _FileFacts(first_load, rw, relative, version)
-    except Exception:        # malformed ELF: pyelftools raises many types
+        elf = E.ElfFile(f)
+        first_load = elf.first_load() if elf.machine_name == "EM_X86_64" else None
+        if first_load is not None:
+            rw = [(s.p_vaddr, elf.data(s.p_offset, s.p_filesz)) for s in elf.segments()
+                  if s.p_type == E.PT_LOAD and s.p_flags & 2]
+            relative = elf.rela_relative()
+            with mmap.mmap(f.fileno(), st.st_size, prot=mmap.PROT_READ) as mm:
+                version = L.find_version(mm)
+            facts = _FileFacts(first_load, rw, relative, version)
+    except (E.ElfError, OSError, ValueError, struct.error):    # malformed or truncated ELF
         facts = None
     if len(_FACTS_CACHE) >= _FACTS_CACHE_MAX:
         _FACTS_CACHE.clear()

@@ -1,0 +1,80 @@
+"""cpython/probe.py: may this process hold a CPython runtime? Cheap, without the layouts.
+
+Input: the target's mappings and pid. Output: candidates(maps, pid) -> [(path, mappings)] of
+the objects that may hold _PyRuntime, best first (libpython*.so, python3.X, the executable),
+and may_hold_runtime(maps, pid) -> bool: one of them exports _PyRuntime or has a .PyRuntime
+section (elf.py). When it is False, locate.find_runtime finds nothing either, so the check
+loads the CPython stages (and their ~60 ms of imports) only when it is True (issue 10).
+References: elf(5); cpython-memory.md section 1.
+"""
+from __future__ import annotations
+
+import os
+import re
+import struct
+from typing import Dict, List, Optional, Sequence, Tuple
+
+from memunreachable import procfs
+from memunreachable._types import Mapping
+from memunreachable.elf import ElfError, ElfFile
+
+LIBPYTHON = re.compile(r"^libpython(\d)\.(\d+)[a-z]*\.so")
+EXECUTABLE = re.compile(r"^python(\d)\.(\d+)[a-z]*$")
+ANY_PYTHON = re.compile(r"^(lib)?python")   # not extension modules (foo.cpython-311-...so)
+
+# file identity (st_dev, st_ino, st_size, st_mtime_ns) -> holds a runtime
+_HOLDS: Dict[tuple, bool] = {}
+
+
+def candidates(maps: Sequence[Mapping], pid: Optional[int]) -> List[Tuple[str, List[Mapping]]]:
+    """Objects that may hold _PyRuntime, best first: libpython*.so, python3.X, the executable."""
+    by_path: Dict[str, List[Mapping]] = {}
+    for m in maps:
+        if m.path.startswith("/") and m.inode:
+            by_path.setdefault(m.path, []).append(m)
+    exe = None
+    if pid is not None:
+        try:
+            exe = os.readlink(f"/proc/{pid}/exe")
+        except OSError:
+            exe = None
+
+    def rank(path: str) -> int:
+        base = os.path.basename(path)
+        if LIBPYTHON.match(base):
+            return 0
+        if EXECUTABLE.match(base):
+            return 1
+        if path == exe or ANY_PYTHON.search(base):
+            return 2
+        return 9
+    out = [(p, ms) for p, ms in by_path.items() if rank(p) < 9]
+    out.sort(key=lambda pm: rank(pm[0]))
+    return out
+
+
+def _holds_runtime(f) -> bool:
+    st = os.fstat(f.fileno())
+    key = (st.st_dev, st.st_ino, st.st_size, st.st_mtime_ns)
+    if key not in _HOLDS:
+        try:
+            e = ElfFile(f)
+            _HOLDS[key] = e.machine_name == "EM_X86_64" and bool(
+                e.dynsym_values(["_PyRuntime"]) or e.section(".PyRuntime"))
+        except (ElfError, OSError, ValueError, struct.error):
+            _HOLDS[key] = False
+        if len(_HOLDS) > 256:
+            _HOLDS.clear()
+    return _HOLDS[key]
+
+
+def may_hold_runtime(maps: Sequence[Mapping], pid: Optional[int]) -> bool:
+    """True when an object of candidates() exports _PyRuntime or has a .PyRuntime section."""
+    for path, mappings in candidates(maps, pid):
+        try:
+            with procfs.open_mapped_file(mappings, pid, path) as f:
+                if _holds_runtime(f):
+                    return True
+        except OSError:
+            continue
+    return False

@@ -1,0 +1,91 @@
+"""Fast start (issue 10): `memunreachable check PID` imports only what the check needs, and
+its output does not depend on what was imported."""
+import json
+import os
+import subprocess
+import sys
+
+import pytest
+
+import fixtures
+
+pytestmark = pytest.mark.ptrace
+
+# Runs cli.main(argv) in a fresh interpreter; prints the module names afterwards on stderr's
+# last line (JSON), exits with main's code.
+RUN = ("import json, sys\n"
+       "from memunreachable.cli import main\n"
+       "rc = main(sys.argv[1:])\n"
+       "sys.stdout.flush()\n"
+       "print(json.dumps(sorted(sys.modules)), file=sys.stderr)\n"
+       "sys.exit(rc)\n")
+NOT_FOR_A_C_TARGET = (
+    "rich", "elftools", "ptrace", "pytest", "_pytest",
+    "memunreachable.noleaks", "memunreachable.signal_dump", "memunreachable.cli.demo",
+    "memunreachable.reporters.json", "memunreachable.cpython.layout",
+    "memunreachable.cpython.locate", "memunreachable.cpython.pipeline",
+    "memunreachable.cpython.walker", "memunreachable.cpython.objects",
+    "memunreachable.cpython.obmalloc")
+
+
+def _check(*argv):
+    proc = subprocess.run([sys.executable, "-c", RUN, *argv], capture_output=True, text=True,
+                          timeout=120)
+    modules = json.loads(proc.stderr.strip().splitlines()[-1])
+    return proc, set(modules)
+
+
+def test_check_of_a_c_process_imports_only_the_check():
+    with fixtures.start("leak_one") as fx:
+        proc, modules = _check("check", str(fx.pid))
+        assert proc.returncode == 23, proc.stderr
+        leak = fx.block_list("leak")[0]
+        assert f"{leak.size} bytes unreachable at {leak.address:x}" in proc.stdout
+        loaded = sorted(m for m in modules if m.split(".")[0] in ("rich", "elftools", "ptrace",
+                                                                   "pytest", "_pytest")
+                        or m in NOT_FOR_A_C_TARGET)
+        assert loaded == []
+        assert {"memunreachable.unreachable", "memunreachable.reporters.text",
+                "memunreachable.cpython.probe", "memunreachable.elf"} <= modules
+
+
+def test_json_report_loads_only_the_json_reporter():
+    with fixtures.start("leak_one") as fx:
+        proc, modules = _check("check", "--json", str(fx.pid))
+        assert proc.returncode == 23, proc.stderr
+        report = json.loads(proc.stdout)
+        assert report["num_leaks"] == 1
+        assert "memunreachable.reporters.json" in modules
+        assert "memunreachable.reporters.text" not in modules
+
+
+def test_a_python_target_still_loads_the_cpython_stages():
+    code = "import sys; print('ready', flush=True); sys.stdin.read()"
+    env = dict(os.environ, PYTHONMALLOC="malloc")
+    target = subprocess.Popen([sys.executable, "-c", code], stdin=subprocess.PIPE,
+                              stdout=subprocess.PIPE, text=True, env=env)
+    try:
+        assert target.stdout.readline().strip() == "ready"
+        proc, modules = _check("check", "--json", str(target.pid))
+        assert proc.returncode in (0, 23), proc.stderr
+        assert {"memunreachable.cpython.pipeline", "memunreachable.cpython.locate"} <= modules
+        assert json.loads(proc.stdout)["pid"] == target.pid
+    finally:
+        target.kill()
+        target.wait()
+
+
+def test_usage_errors_and_help_are_unchanged():
+    # the parser builds only the selected command's subparser: messages stay the same
+    proc = subprocess.run([sys.executable, "-m", "memunreachable", "chek", "1"],
+                          capture_output=True, text=True)
+    assert proc.returncode == 2
+    assert "invalid choice: 'chek' (choose from 'check', 'demo')" in proc.stderr
+    proc = subprocess.run([sys.executable, "-m", "memunreachable", "--help"],
+                          capture_output=True, text=True)
+    assert proc.returncode == 0
+    assert "check" in proc.stdout and "demo" in proc.stdout
+    assert "Find unreachable (leaked) heap blocks in a running process." in proc.stdout
+    proc = subprocess.run([sys.executable, "-m", "memunreachable", "check", "1", "2"],
+                          capture_output=True, text=True)
+    assert proc.returncode == 2 and "one PID per check, got 2: 1 2" in proc.stderr
