@@ -7,7 +7,7 @@ Sort: total_size descending, ties by address ascending; then truncate to `limit`
 from __future__ import annotations
 
 from dataclasses import dataclass, field
-from typing import List, Optional
+from typing import List, Optional, Tuple
 
 SCHEMA_VERSION = 1
 
@@ -23,6 +23,10 @@ class Leak:
     python_type: Optional[str] = None   # the block holds a Python object of this type
     refcount: Optional[int] = None      # its ob_refcnt in the snapshot
     repr: Optional[str] = None          # short value of a str/bytes/int/float
+    # allocation stack from the tracking table (memunreachable run; tracking.py):
+    stack: List[int] = field(default_factory=list)        # return addresses, innermost first
+    python_stack: List[Tuple[str, str, int]] = field(default_factory=list)  # (function, file, line)
+    stack_status: str = "untracked"     # "recorded" | "untracked" | "table_full"
 
     @property
     def total_size(self) -> int:
@@ -64,6 +68,10 @@ class UnreachableMemoryInfo:
     cyclic_garbage: List[Leak] = field(default_factory=list)
     num_cyclic_garbage: int = 0
     cyclic_garbage_bytes: int = 0
+    # the tracking table's counters (tracking.TrackingTable.summary), None when untracked
+    tracking: Optional[dict] = None
+    # (begin, end, file offset, path) of the target's executable file mappings (symbolization)
+    modules: List[Tuple[int, int, int, str]] = field(default_factory=list)
 
 
 def sort_and_limit(leaks: List[Leak], limit: Optional[int]) -> tuple:
