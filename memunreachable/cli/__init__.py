@@ -105,8 +105,9 @@ def get_commands() -> List[Type[Command]]:
     """The registry, in --help order. Imported lazily: the command modules import this one."""
     from memunreachable.cli.check import Check
     from memunreachable.cli.demo import Demo
+    from memunreachable.cli.run import Run
 
-    return [Check, Demo]
+    return [Check, Demo, Run]
 
 
 def _common_parser() -> argparse.ArgumentParser:
