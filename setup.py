@@ -28,6 +28,7 @@ class BuildExtWithDemo(build_ext):
         out = os.path.join(self._outdir(), "_track.so")
         subprocess.check_call([cc, "-O2", "-g", "-std=gnu11", "-Wall", "-Wextra", "-fPIC", "-shared",
                                "-fvisibility=hidden", "-fno-builtin", "-fno-strict-aliasing",
+                               "-fno-omit-frame-pointer",   # the fp unwinder walks through us
                                "-Inative", "-o", out + ".tmp", os.path.join("native", "mu_track.c"),
                                "-ldl", "-pthread"])
         os.replace(out + ".tmp", out)

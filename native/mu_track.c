@@ -162,8 +162,10 @@ static int fp_backtrace(void **buf, int max)
             return 0;
     }
     uintptr_t fp = (uintptr_t)__builtin_frame_address(0);
+    /* only [our frame, stack top) is surely mapped: the stack below SP may not be */
+    uintptr_t lo = fp > stack_lo ? fp : stack_lo;
     int n = 0;
-    while (n < max && fp >= stack_lo && fp + 16 <= stack_hi && !(fp & 7)) {
+    while (n < max && fp >= lo && fp + 16 <= stack_hi && !(fp & 7)) {
         uintptr_t next = ((uintptr_t *)fp)[0], ret = ((uintptr_t *)fp)[1];
         if (!ret)
             break;
@@ -464,7 +466,7 @@ static void live_insert(uint64_t addr, uint32_t stack, size_t size)
     __atomic_store_n(&s->seq, s->seq + 1, __ATOMIC_RELAXED);
     uint64_t cap = s->table_off ? 1ULL << s->log2cap : 0;
     if ((uint64_t)(s->used + s->tombs + 1) * 4 > cap * 3) {
-        unsigned log2 = !cap ? 10 : (s->tombs > s->used / 2 ? s->log2cap : s->log2cap + 1);
+        unsigned log2 = !cap ? 6 : (s->tombs > s->used / 2 ? s->log2cap : s->log2cap + 1);
         if (shard_rebuild(s, log2) < 0 && (!cap || (uint64_t)(s->used + s->tombs + 1) * 20 > cap * 19)) {
             __atomic_fetch_add(&H->dropped_blocks, 1, __ATOMIC_RELAXED);
             goto out;
@@ -872,14 +874,14 @@ __attribute__((constructor(101))) static void mu_track_init(void)
     h->shards_off = MU_TRACK_HEADER_BYTES;
     uint64_t off = h->shards_off + MU_TRACK_NSHARDS * sizeof(struct mu_track_shard);
     uint64_t cap = 1;
-    while (cap * 8 * 2 <= budget / 16)     /* index: at most 1/16 of the budget */
+    while (cap * 8 * 2 <= budget / 32)     /* index: at most 1/32 of the budget */
         cap <<= 1;
     h->sindex_off = off;
     h->sindex_cap = cap;
     off += cap * 8;
     uint64_t rest = budget - off;
     h->stack_arena_off = off;
-    h->stack_arena_size = (rest * 3 / 8) & ~7ULL;
+    h->stack_arena_size = (rest / 4) & ~7ULL;      /* the rest: live-block tables */
     h->stack_arena_used = 8;              /* stack id 0 is never handed out */
     h->live_arena_off = (off + h->stack_arena_size + 4095) & ~4095ULL;
     h->live_arena_size = budget - h->live_arena_off;
