@@ -165,7 +165,7 @@ static int fp_backtrace(void **buf, int max)
     /* only [our frame, stack top) is surely mapped: the stack below SP may not be */
     uintptr_t lo = fp > stack_lo ? fp : stack_lo;
     int n = 0;
-    while (n < max && fp >= lo && fp + 16 <= stack_hi && !(fp & 7)) {
+    while (n < max && fp >= lo && fp <= stack_hi - 16 && !(fp & 7)) {
         uintptr_t next = ((uintptr_t *)fp)[0], ret = ((uintptr_t *)fp)[1];
         if (!ret)
             break;
