@@ -419,6 +419,13 @@ static uint64_t table_alloc(unsigned log2)
 
 static void table_free(uint64_t off, unsigned log2)
 {
+    /* give the pages back (a shard table that grew is rarely reused soon: the shards grow
+     * together); the first word stays mapped for the free list */
+    uint64_t bytes = (uint64_t)sizeof(struct mu_track_entry) << log2;
+    uintptr_t lo = ((uintptr_t)(base + off) + 4095 + 8) & ~(uintptr_t)4095;
+    uintptr_t hi = (uintptr_t)(base + off + bytes) & ~(uintptr_t)4095;
+    if (hi > lo)
+        madvise((void *)lo, hi - lo, MADV_DONTNEED);
     lock(&freelist_lock);
     *(uint64_t *)(base + off) = freelists[log2];
     freelists[log2] = off;
