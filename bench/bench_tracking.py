@@ -12,7 +12,8 @@ Workloads:
 Configurations: untracked; tracked with each unwinder (libunwind = the default, libgcc,
 fp); heaptrack (Debian package `heaptrack`; installed with apt-get if missing, and the
 bench says so when it cannot be run). Each is run RUNS times; the table shows the fastest
-wall time (least disturbed on a shared machine), the slowdown against untracked and max RSS.
+wall time and the least CPU time (user+sys, descendants included: heaptrack_interpret)
+(least disturbed on a shared machine), the slowdowns against untracked and max RSS.
 
     python bench/bench_tracking.py [--threads 4] [--iters 500000] [--rounds 3] [--runs 3]
 
@@ -59,7 +60,8 @@ def heaptrack_path() -> str:
 
 
 def timed(cmd, env) -> tuple:
-    """(wall seconds, max RSS bytes of the biggest process) of one run."""
+    """(wall seconds, max RSS bytes of the biggest process, CPU seconds user+sys of the
+    process and its reaped descendants) of one run."""
     t0 = time.perf_counter()
     proc = subprocess.Popen(cmd, env=env, stdout=subprocess.DEVNULL, stderr=subprocess.PIPE)
     _, status, ru = os.wait4(proc.pid, 0)
@@ -68,7 +70,7 @@ def timed(cmd, env) -> tuple:
     proc.stderr.close()
     if os.waitstatus_to_exitcode(status) != 0:
         raise RuntimeError(f"{cmd} failed ({status}): {err[-2000:]}")
-    return wall, ru.ru_maxrss * 1024
+    return wall, ru.ru_maxrss * 1024, ru.ru_utime + ru.ru_stime
 
 
 def configs(heaptrack: str, tmp: str):
@@ -132,15 +134,18 @@ def main():
     print(f"{os.cpu_count()} cpus; {py}; heaptrack: {heaptrack or 'none'}; best of {args.runs}")
     for title, cmd, extra in workloads:
         print(f"\n{title}")
-        print(f"  {'configuration':22} {'wall s':>8} {'x untracked':>12} {'max RSS MB':>11}")
-        ref = None
+        print(f"  {'configuration':22} {'wall s':>8} {'x untracked':>12} {'CPU s':>7} "
+              f"{'x untracked':>12} {'max RSS MB':>11}")
+        ref = ref_cpu = None
         for name, prefix, env in configs(heaptrack, tmp):
             env = dict(env, **extra)
             runs = [timed(prefix + cmd, env) for _ in range(args.runs)]
             wall = min(r[0] for r in runs)
+            cpu = min(r[2] for r in runs)
             rss = max(r[1] for r in runs)
-            ref = ref or wall
-            print(f"  {name:22} {wall:8.3f} {wall / ref:12.2f} {rss / 1e6:11.1f}")
+            ref, ref_cpu = ref or wall, ref_cpu or cpu
+            print(f"  {name:22} {wall:8.3f} {wall / ref:12.2f} {cpu:7.3f} {cpu / ref_cpu:12.2f} "
+                  f"{rss / 1e6:11.1f}")
     plain, tracked = hold_memory(exe, args.hold)
     print(f"\nhold: {args.hold} live 32-byte blocks, one stack: RSS untracked {plain / 1e6:.1f} MB,"
           f" tracked {tracked / 1e6:.1f} MB: {(tracked - plain) / args.hold:.1f} bytes of table per"
