@@ -53,14 +53,19 @@ _M64 = (1 << 64) - 1
 
 
 def addr_hash(addr: int) -> int:
-    """mu_track_addr_hash() of native/mu_track.h."""
-    h = addr >> 4
+    """mu_track_addr_hash() of native/mu_track.h (one hash per 1 KiB window)."""
+    h = addr >> 10
     h ^= h >> 33
     h = (h * 0xff51afd7ed558ccd) & _M64
     h ^= h >> 33
     h = (h * 0xc4ceb9fe1a85ec53) & _M64
     h ^= h >> 33
     return h
+
+
+def first_slot(addr: int, h: int, mask: int) -> int:
+    """mu_track_first_slot() of native/mu_track.h."""
+    return (((h >> 8) << 6) | ((addr >> 4) & 63)) & mask
 
 
 @dataclass
@@ -172,7 +177,7 @@ class TrackingTable:
         data, mask = self._table(h & (self.h["nshards"] - 1))
         if not data:
             return None
-        p = (h >> 8) & mask
+        p = first_slot(address, h, mask)
         for _ in range(mask + 1):
             a, stack, size = ENTRY.unpack_from(data, p * ENTRY.size)
             if a == address:

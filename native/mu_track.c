@@ -448,7 +448,7 @@ static int shard_rebuild(struct mu_track_shard *s, unsigned log2)
             uint64_t a = ot[i].addr;
             if (a <= MU_TRACK_TOMB)
                 continue;
-            uint64_t p = (mu_track_addr_hash(a) >> 8) & mask;
+            uint64_t p = mu_track_first_slot(a, mu_track_addr_hash(a), mask);
             while (nt[p].addr)
                 p = (p + 1) & mask;
             nt[p] = ot[i];
@@ -472,7 +472,7 @@ static void live_insert(uint64_t addr, uint32_t stack, size_t size)
     lock(&s->lock);
     __atomic_store_n(&s->seq, s->seq + 1, __ATOMIC_RELAXED);
     uint64_t cap = s->table_off ? 1ULL << s->log2cap : 0;
-    if ((uint64_t)(s->used + s->tombs + 1) * 4 > cap * 3) {
+    if ((uint64_t)(s->used + s->tombs + 1) * 8 > cap * 5) {
         unsigned log2 = !cap ? 6 : (s->tombs > s->used / 2 ? s->log2cap : s->log2cap + 1);
         if (shard_rebuild(s, log2) < 0 && (!cap || (uint64_t)(s->used + s->tombs + 1) * 20 > cap * 19)) {
             __atomic_fetch_add(&H->dropped_blocks, 1, __ATOMIC_RELAXED);
@@ -481,7 +481,7 @@ static void live_insert(uint64_t addr, uint32_t stack, size_t size)
         cap = 1ULL << s->log2cap;
     }
     struct mu_track_entry *t = shard_table(s);
-    uint64_t mask = cap - 1, p = (h >> 8) & mask, tomb = UINT64_MAX;
+    uint64_t mask = cap - 1, p = mu_track_first_slot(addr, h, mask), tomb = UINT64_MAX;
     for (;;) {
         uint64_t a = t[p].addr;
         if (a == addr) {                    /* a stale entry (a free we did not see) */
@@ -519,7 +519,7 @@ static void live_remove(uint64_t addr)
     lock(&s->lock);
     __atomic_store_n(&s->seq, s->seq + 1, __ATOMIC_RELAXED);
     struct mu_track_entry *t = shard_table(s);
-    uint64_t mask = (1ULL << s->log2cap) - 1, p = (h >> 8) & mask;
+    uint64_t mask = (1ULL << s->log2cap) - 1, p = mu_track_first_slot(addr, h, mask);
     for (uint64_t n = 0; n <= mask; n++, p = (p + 1) & mask) {
         uint64_t a = t[p].addr;
         if (a == MU_TRACK_EMPTY)

@@ -99,17 +99,25 @@ struct mu_track_entry {
     uint32_t size;              /* requested size, saturated at 2^32-1 */
 };
 
-/* Hash of a block address: shard = h & (nshards-1), first probe = (h >> 8) & (cap-1),
- * linear probing. Mirrored in tracking.py. */
+/* Hash of a block address. Blocks in one 1 KiB window of memory share the hash and sit
+ * side by side in one table: malloc hands out neighbouring addresses one after another, so
+ * consecutive inserts and removes touch the same cache lines (the first probe is the cost
+ * of the whole table: a cache miss). shard = h & (nshards-1); first probe =
+ * mu_track_first_slot(); linear probing. Mirrored in tracking.py. */
 static inline uint64_t mu_track_addr_hash(uint64_t addr)
 {
-    uint64_t h = addr >> 4;
+    uint64_t h = addr >> 10;
     h ^= h >> 33;
     h *= 0xff51afd7ed558ccdULL;
     h ^= h >> 33;
     h *= 0xc4ceb9fe1a85ec53ULL;
     h ^= h >> 33;
     return h;
+}
+
+static inline uint64_t mu_track_first_slot(uint64_t addr, uint64_t h, uint64_t mask)
+{
+    return (((h >> 8) << 6) | ((addr >> 4) & 63)) & mask;
 }
 
 #endif

@@ -236,6 +236,9 @@ class Run(Command):
                             "--allow-untracked to run it without allocation stacks")
                 return EXIT_NOT_EXECUTABLE
             log.warning("running %s untracked: %s", argv[0], reason)
+            if args.check_at_exit:
+                log.warning("--check-at-exit needs the tracking library: %s will not be "
+                            "checked at exit", argv[0])
         lib = library_path()
         if tracked and not os.path.exists(lib):
             raise CommandError(f"the tracking library {lib} is missing",

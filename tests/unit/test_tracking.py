@@ -68,7 +68,7 @@ class Writer:
         h = tracking.addr_hash(addr)
         shard = h & (NSHARDS - 1)
         t, mask = self._table(shard), (1 << self.log2cap) - 1
-        p = (h >> 8) & mask
+        p = tracking.first_slot(addr, h, mask)
         while struct.unpack_from("<Q", self.buf, t + 16 * p)[0] > tracking.TOMB:
             p = (p + 1) & mask
         struct.pack_into("<QII", self.buf, t + 16 * p, addr, stack, size)
@@ -77,7 +77,7 @@ class Writer:
     def remove(self, addr):
         h = tracking.addr_hash(addr)
         t, mask = self._table(h & (NSHARDS - 1)), (1 << self.log2cap) - 1
-        p = (h >> 8) & mask
+        p = tracking.first_slot(addr, h, mask)
         while struct.unpack_from("<Q", self.buf, t + 16 * p)[0] != addr:
             p = (p + 1) & mask
         struct.pack_into("<Q", self.buf, t + 16 * p, tracking.TOMB)
@@ -103,12 +103,13 @@ class Writer:
 
 
 def colliding(n, shard=5, first=0x555500000000):
-    """n block addresses of one shard whose first probes collide (same probe slot mod 16)."""
+    """n block addresses of one shard whose first probes collide (same first slot in a
+    16-slot table)."""
     out, a, want = [], first, None
     while len(out) < n:
         h = tracking.addr_hash(a)
         if h & (NSHARDS - 1) == shard:
-            slot = (h >> 8) & 15
+            slot = tracking.first_slot(a, h, 15)
             if want is None:
                 want = slot
             if slot == want:
@@ -294,3 +295,15 @@ def test_stacks_ride_the_sweeper_wire_format():
     got = decode(encode_result(res))
     assert got.entries == [e1, e2, e3] and got.cyclic_garbage == [g]
     assert got.meta == {"tracking": {"version": 1}}
+
+
+def test_neighbouring_blocks_are_neighbouring_slots():
+    """Blocks of one 1 KiB window share shard and hash: their first slots are consecutive
+    (one cache line per four 16-byte blocks), so a run of mallocs does not miss per block."""
+    base = 0x555500123400
+    hashes = {tracking.addr_hash(base + 16 * i) for i in range(64)}
+    assert len(hashes) == 1
+    h = hashes.pop()
+    slots = [tracking.first_slot(base + 16 * i, h, (1 << 12) - 1) for i in range(64)]
+    assert slots == list(range(slots[0], slots[0] + 64))
+    assert tracking.addr_hash(base + 1024) != h
