@@ -206,7 +206,8 @@ class Run(Command):
                             help="--check-at-exit: the report as JSON (on stderr, or -o FILE)")
         parser.add_argument("-o", "--output", metavar="FILE",
                             help="--check-at-exit: write the report to FILE instead of stderr")
-        parser.add_argument("--limit", type=int, default=100, metavar="N",
+        from memunreachable.cli.check import limit_type
+        parser.add_argument("--limit", type=limit_type, default=100, metavar="N",
                             help="--check-at-exit: show at most N leak entries (0 = all)")
         parser.add_argument("--contents", action="store_true",
                             help="--check-at-exit: hexdump the first bytes of each leak")

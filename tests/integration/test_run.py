@@ -135,13 +135,14 @@ def run_cli(*args: str, env: Optional[dict] = None, timeout: float = 60.0, stdin
 
 # ---- stacks ----------------------------------------------------------------------------
 
-def test_c_chain_without_frame_pointers():
+@pytest.mark.parametrize("unwinder", ["libunwind", "libgcc"])
+def test_c_chain_without_frame_pointers(unwinder):
     """-O2 -fomit-frame-pointer: every leak's stack shows leaf -> mid -> top -> make_leaks
     -> main at the marked call lines; strdup's stack starts in libc; the live block made by
     the same chain is not reported; the table (which points at every block) is no root."""
     exe = fixtures.build("track_chain", NO_FP)
     marks = markers(os.path.join(fixtures.FIXTURE_DIR, "track_chain.c"))
-    t = start_run([exe])
+    t = start_run([exe], "--unwinder", unwinder)
     try:
         info = unreachable.check(t.pid, limit=None)
         leaks = leaks_by_address(info)
@@ -167,12 +168,44 @@ def test_c_chain_without_frame_pointers():
         assert info.tracking["version"] == 1
         assert info.tracking["live_blocks"] >= 4 and info.tracking["stacks"] >= 4
         assert info.tracking["table_full_blocks"] == 0
-        assert info.tracking["unwinder"] == "libunwind"
+        assert info.tracking["unwinder"] == unwinder
         assert info.tracking["python"] is None
         assert any(m[3] == exe for m in info.modules)
     finally:
         rc = t.finish()
     assert rc == 0
+
+
+def test_stack_depth_and_fp_unwinder():
+    """--stack-depth 2 keeps the two innermost frames; the fp unwinder, through code built
+    without frame pointers, gets the first return address right and loses the rest (why it
+    is not the default)."""
+    exe = fixtures.build("track_chain", NO_FP)
+    marks = markers(os.path.join(fixtures.FIXTURE_DIR, "track_chain.c"))
+    for opts in (("--stack-depth", "2"), ("--unwinder", "fp")):
+        t = start_run([exe], *opts)
+        try:
+            info = unreachable.check(t.pid)
+            leak = leaks_by_address(info)[t.blocks["leak_malloc"].address]
+            got = frames_in(leak, info.modules, exe)
+            if opts[0] == "--stack-depth":
+                assert len(leak.stack) == 2 and info.tracking["max_depth"] == 2
+                assert got == [("leaf_malloc", "track_chain.c", marks["malloc-leaf"]),
+                               ("mid_malloc", "track_chain.c", marks["malloc-mid"])]
+            else:
+                assert info.tracking["unwinder"] == "fp"
+                assert got[0] == ("leaf_malloc", "track_chain.c", marks["malloc-leaf"])
+                assert ("mid_malloc", "track_chain.c", marks["malloc-mid"]) not in got
+        finally:
+            assert t.finish() == 0
+
+
+def test_usage_errors():
+    assert run_cli().returncode == 2
+    assert run_cli("--budget", "12x", "--", "true").returncode == 2
+    assert run_cli("--stack-depth", "33", "--", "true").returncode == 2
+    assert run_cli("--exitcode", "300", "--", "true").returncode == 2
+    assert run_cli("--budget", "16M", "--stack-depth", "8", "--", "true").returncode == 0
 
 
 def _table_words(pid: int) -> set:
