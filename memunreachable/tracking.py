@@ -23,6 +23,7 @@ import struct
 from dataclasses import dataclass, field
 from typing import Dict, List, Optional, Sequence, Tuple
 
+from memunreachable._errors import MemoryUnreadable
 from memunreachable._types import Mapping, Range
 
 MAGIC = b"MUTRACK\0"
@@ -113,9 +114,12 @@ def find_table(mem, maps: Sequence[Mapping]) -> Optional["TrackingTable"]:
         if not (m.readable and m.writable and not m.shared and m.anonymous
                 and m.path in ("", MAP_NAME)) or m.end - m.begin < 1 << 20:
             continue
-        if mem.read(m.begin, 8) != MAGIC:
+        try:
+            if mem.read(m.begin, 8) != MAGIC:
+                continue
+            h = parse_header(mem.read(m.begin, HEADER.size))
+        except (MemoryUnreadable, OSError):     # a page the snapshot cannot show: not ours
             continue
-        h = parse_header(mem.read(m.begin, HEADER.size))
         if h is None or validate(h, m) is not None:
             continue
         return TrackingTable(mem, h, m)

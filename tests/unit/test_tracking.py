@@ -307,3 +307,19 @@ def test_neighbouring_blocks_are_neighbouring_slots():
     slots = [tracking.first_slot(base + 16 * i, h, (1 << 12) - 1) for i in range(64)]
     assert slots == list(range(slots[0], slots[0] + 64))
     assert tracking.addr_hash(base + 1024) != h
+
+
+def test_unreadable_candidates_are_skipped():
+    from memunreachable._errors import MemoryUnreadable
+
+    class Holes(BufferMemory):
+        def read(self, addr, size):
+            if addr < BASE:
+                raise MemoryUnreadable("hole", address=addr)
+            return super().read(addr, size)
+
+    w = Writer()
+    w.memory()
+    mem = Holes({BASE: bytes(w.buf)})
+    t = tracking.find_table(mem, [anon(0x10000, 0x10000 + SIZE), w.mapping])
+    assert t is not None and t.mapping == w.mapping
