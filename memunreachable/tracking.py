@@ -223,9 +223,13 @@ class TrackingTable:
     # -- Python frames ------------------------------------------------------------------
     def python_frame(self, code: int, offset: int) -> Tuple[str, str, int]:
         """(function, file, line) of a frame executing `code` at byte `offset`."""
-        info = self._code.get(code)
-        if info is None:
-            info = self._read_code(code)
+        if code in self._code:
+            info = self._code[code]
+        else:
+            try:
+                info = self._read_code(code)
+            except (MemoryUnreadable, OSError, ValueError, OverflowError, struct.error):
+                info = None     # freed since (at exit, finalization frees code objects)
             self._code[code] = info
         if info is None:
             return STALE

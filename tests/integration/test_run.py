@@ -393,6 +393,11 @@ def test_check_at_exit():
     r = run_cli("--check-at-exit", "--", "sh", "-c", "exit 3")
     assert r.returncode == 3
     assert run_cli("--check-at-exit", "--", "/bin/true").returncode == 0
+    # a Python program, checked after its finalization freed its code objects (the stack's
+    # Python frames then point at freed memory: they must not break the check)
+    r = run_cli("--check-at-exit", "--", "/usr/bin/python3", PY_FIXTURE, stdin=b"\n")
+    assert r.returncode == 23, r.stderr
+    assert re.search(r"\n  40\d\d bytes unreachable at [0-9a-f]+\n", r.stderr.decode())
 
 
 def test_ld_preload_kept(tmp_path):

@@ -323,3 +323,29 @@ def test_unreadable_candidates_are_skipped():
     mem = Holes({BASE: bytes(w.buf)})
     t = tracking.find_table(mem, [anon(0x10000, 0x10000 + SIZE), w.mapping])
     assert t is not None and t.mapping == w.mapping
+
+
+def test_a_freed_code_object_pointing_anywhere_is_stale():
+    """A code object freed and overwritten may hold any words: a type pointer that cannot
+    be read (here: the reader raises, as /proc/PID/mem does past the address space) gives
+    the stale frame, not an error."""
+    from memunreachable._errors import MemoryUnreadable
+
+    class Strict(BufferMemory):
+        def read(self, addr, size):
+            if addr >= 1 << 47:
+                raise OSError(22, "Invalid argument")
+            if not any(b <= addr < b + len(d) for b, d in self.blocks.items()):
+                raise MemoryUnreadable("unmapped", address=addr)
+            return super().read(addr, size)
+
+    w = Writer(py_version=0x030B07F0, flags=3)
+    sid = w.stack([0x401000], py=[(CODE, 0), (CODE + 0x800, 0)])
+    w.insert(0x555500007000, sid, 16)
+    garbage = bytearray(200)
+    struct.pack_into("<Q", garbage, 8, 0xdead000000000000)        # ob_type: non-canonical
+    junk = bytearray(200)
+    struct.pack_into("<Q", junk, 8, 0x123456789000)               # ob_type: unmapped
+    mem = w.memory({CODE: bytes(garbage) + bytes(0x800 - 200) + bytes(junk)})
+    t = tracking.find_table(Strict(mem.blocks), [w.mapping])
+    assert t.annotate(0x555500007000, 16).python_stack == [tracking.STALE, tracking.STALE]
