@@ -14,7 +14,10 @@ Wire format (version 2, little-endian):
               (unreachable blocks withheld as uncertain), then n_leak_addresses u64 (every
               unreachable block, sent only when a confirming snapshot may follow), then a
               UTF-8 JSON object (allocator, stats, warnings; "_python_objects" and
-              "_cyclic_garbage" carry the CPython annotations and the cyclic garbage)
+              "_cyclic_garbage" carry the CPython annotations and the cyclic garbage;
+              "_stacks" the allocation stacks: {entry index: [status, [pc...],
+              [[function, file, line]...]]}, entries then cyclic garbage, only for
+              entries whose status is not "untracked")
     kind 2  : error. A pickled MemunreachableError (HeapInconsistent means: retake the snapshot)
 """
 from __future__ import annotations
@@ -31,7 +34,7 @@ import signal
 import struct
 import time
 from dataclasses import dataclass, field
-from typing import Callable, List, Optional
+from typing import Callable, List, Optional, Tuple
 
 from memunreachable._errors import MemunreachableError, SweepError
 from memunreachable.freeze import critical
@@ -49,6 +52,7 @@ ENTRY = struct.Struct("<4QB32s")
 # ({entry index: [type name, refcount, repr]}) and the cyclic garbage entries
 _PY_KEY = "_python_objects"
 _GARBAGE_KEY = "_cyclic_garbage"
+_STACKS_KEY = "_stacks"
 
 
 @dataclass
@@ -61,6 +65,9 @@ class SweepEntry:
     python_type: Optional[str] = None   # the block holds a Python object (cpython/objects.py)
     refcount: Optional[int] = None
     repr: Optional[str] = None
+    stack: Tuple[int, ...] = ()          # allocation stack (tracking.py), innermost first
+    python_stack: List[Tuple[str, str, int]] = field(default_factory=list)
+    stack_status: str = "untracked"      # "recorded" | "untracked" | "table_full"
 
 
 @dataclass
@@ -90,6 +97,11 @@ def encode_result(res: SweepResult) -> bytes:
           for k, e in enumerate(res.entries) if e.python_type is not None}
     if py:
         meta[_PY_KEY] = py
+    stacks = {str(k): [e.stack_status, list(e.stack), [list(f) for f in e.python_stack]]
+              for k, e in enumerate(res.entries + res.cyclic_garbage)
+              if e.stack_status != "untracked"}
+    if stacks:
+        meta[_STACKS_KEY] = stacks
     if res.cyclic_garbage:
         meta[_GARBAGE_KEY] = [[e.address, e.size, e.referenced_count, e.referenced_size,
                                e.contents.hex(), e.python_type, e.refcount, e.repr]
@@ -139,6 +151,10 @@ def decode(message: bytes):
         e.python_type, e.refcount, e.repr = t, rc, r
     res.cyclic_garbage = [SweepEntry(a, s, rc, rs, bytes.fromhex(c), t, n, r)
                           for a, s, rc, rs, c, t, n, r in res.meta.pop(_GARBAGE_KEY, [])]
+    both = res.entries + res.cyclic_garbage
+    for k, (status, pcs, py) in res.meta.pop(_STACKS_KEY, {}).items():
+        e = both[int(k)]
+        e.stack_status, e.stack, e.python_stack = status, tuple(pcs), [tuple(f) for f in py]
     return res
 
 

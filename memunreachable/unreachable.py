@@ -24,7 +24,7 @@ from dataclasses import dataclass, field
 from itertools import compress
 from typing import List, Optional, Sequence
 
-from memunreachable import detect, diagnose, leftovers, procfs
+from memunreachable import detect, diagnose, leftovers, procfs, tracking
 from memunreachable import suppressions as suppressions_stage
 from memunreachable import symbolize as symbolize_stage
 from memunreachable import preflight as preflight_stage
@@ -182,6 +182,7 @@ def _one_snapshot(pid: int, info: UnreachableMemoryInfo, confirm, st: _Attempts,
             if getattr(exc, "snapshot_lost", False):
                 _snapshot_died(pid, st, str(exc))   # killed while it was being parked
             raise
+        info.modules = tracking.modules(fz.maps)
         try:
             overlays = []
             if snap.mode == "clone":
@@ -389,9 +390,12 @@ def sweep(mem, maps, threads, pid: int, confirm: Optional[set] = None,
     # a leak, never invent one
     glibc_chunks = cps.stats.get("allocator") != "malloc_debug"
     t_walk = time.monotonic()
+    # 4c. Tracking table (memunreachable run): never a root, it points at every block
+    table = tracking.find_table(mem, maps)
     # 5. Roots
     roots = classify(maps, threads, hw.heap_ranges, hw.metadata_ranges,
-                     list(cps.root_cuts) + list(unwritten))
+                     list(cps.root_cuts) + list(unwritten)
+                     + (table.cuts if table is not None else []))
     root_buffers = []
     for r in roots.ranges:
         buf = mem.view(r.begin, r.size)
@@ -458,6 +462,11 @@ def sweep(mem, maps, threads, pid: int, confirm: Optional[set] = None,
         res.entries.append(_entry(f, begins, sizes, contents, objects))
     for f in garbage:
         res.cyclic_garbage.append(_entry(f, begins, sizes, contents, objects))
+    # 8b. Allocation stacks of the leaks, from the tracking table
+    if table is not None:
+        for e in res.entries + res.cyclic_garbage:
+            a = table.annotate(e.address, e.size)
+            e.stack, e.python_stack, e.stack_status = a.stack, a.python_stack, a.status
     for i in uncertain:
         res.uncertain.append(SweepEntry(begins[i], sizes[i], 0, 0,
                                         contents.read(begins[i], min(sizes[i], CONTENTS_BYTES))))
@@ -474,6 +483,8 @@ def sweep(mem, maps, threads, pid: int, confirm: Optional[set] = None,
         "unconfirmed": unconfirmed,
         "suspect_tids": suspect,
     }
+    if table is not None:
+        res.meta["tracking"] = table.summary()
     if cps.cpython is not None and cps.cpython.found:
         res.meta["cpython"] = dict(cps.stats, usable=cps.usable,
                                    garbage_blocks=len(py.garbage) if py is not None else 0,
@@ -607,7 +618,9 @@ class _ContentsReader:
 
 def _leak(e: SweepEntry) -> Leak:
     return Leak(e.address, e.size, e.referenced_count, e.referenced_size, e.contents,
-                python_type=e.python_type, refcount=e.refcount, repr=e.repr)
+                python_type=e.python_type, refcount=e.refcount, repr=e.repr,
+                stack=list(e.stack), python_stack=list(e.python_stack),
+                stack_status=e.stack_status)
 
 
 def _symbolize_and_group(info: UnreachableMemoryInfo, leaks: List[Leak], limit: Optional[int],
@@ -654,6 +667,7 @@ def _fill(info: UnreachableMemoryInfo, res: SweepResult, limit: Optional[int]) -
     info.bytes_scanned = res.bytes_scanned
     info.warnings.extend(res.meta.get("warnings", []))
     info.stats = res.meta
+    info.tracking = res.meta.get("tracking")
     leaks = [_leak(e) for e in res.entries]
     info.num_uncertain = len(res.uncertain)
     info.uncertain_bytes = sum(e.size for e in res.uncertain)

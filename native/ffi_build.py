@@ -12,8 +12,11 @@ HERE = os.path.dirname(os.path.abspath(__file__))
 # mu_types.h first (shared structs), then each stage's header; mu_core*.h only include them.
 HEADERS = [os.path.join(HERE, "mu_types.h")] + sorted(
     h for h in glob.glob(os.path.join(HERE, "mu_*.h"))
-    if os.path.basename(h) not in ("mu_types.h", "mu_core.h", "mu_core_impl.h"))
-SOURCES = sorted(os.path.relpath(p, os.path.dirname(HERE)) for p in glob.glob(os.path.join(HERE, "mu_*.c")))
+    if os.path.basename(h) not in ("mu_types.h", "mu_core.h", "mu_core_impl.h", "mu_track.h"))
+# mu_track.c is the preloaded tracking library (memunreachable/_track.so, built by setup.py):
+# never part of the cffi module
+SOURCES = sorted(os.path.relpath(p, os.path.dirname(HERE)) for p in glob.glob(os.path.join(HERE, "mu_*.c"))
+                 if os.path.basename(p) != "mu_track.c")
 
 ffibuilder = FFI()
 ffibuilder.cdef("\n".join(open(h).read() for h in HEADERS))

@@ -103,7 +103,8 @@ class Command:
 # The registry, in --help order: command name -> (module, class). A command's module is
 # imported only when it is listed or run (the command modules import this one).
 COMMANDS = {"check": ("memunreachable.cli.check", "Check"),
-            "demo": ("memunreachable.cli.demo", "Demo")}
+            "demo": ("memunreachable.cli.demo", "Demo"),
+            "run": ("memunreachable.cli.run", "Run")}
 
 
 def get_command(name: str) -> Type[Command]:

@@ -154,7 +154,7 @@ def test_check_fills_comm_from_proc(engine, capsys):
                                         "3: 13 12 14 (run one check per process)"),
     ([], "memunreachable: error: a command is required"),
     (["frobnicate"], "memunreachable: error: argument COMMAND: invalid choice: 'frobnicate' "
-                     "(choose from 'check', 'demo')"),
+                     "(choose from 'check', 'demo', 'run')"),
 ])
 def test_usage_errors_exit_2(engine, capsys, argv, message):
     fake = engine(leaky_info())
@@ -334,6 +334,7 @@ def test_command_registry():
     assert [(c.name(), c.help()) for c in cli.get_commands()] == [
         ("check", "Find unreachable (leaked) heap blocks in a running process."),
         ("demo", "Check a bundled leaky example program and show the report."),
+        ("run", "Run a program with allocation tracking: `check PID` then shows where leaks came from."),
     ]
 
     class NoLeaksNow(cli.Command):

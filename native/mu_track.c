@@ -1,0 +1,940 @@
+/* mu_track.c: the allocation-tracking library preloaded by `memunreachable run`.
+ *
+ * Interposes the malloc family and records, per live block, a deduplicated stack of up to
+ * MEMUNREACHABLE_STACK_DEPTH (default and max 32) return addresses, plus the Python frames
+ * running at allocation time when the program is CPython 3.11-3.13. The table lives in one
+ * private anonymous mapping whose layout is native/mu_track.h; the checker reads it from
+ * the fork snapshot (memunreachable/tracking.py). No dependency on Python or cffi.
+ *
+ * Environment (read once, in the constructor):
+ *   MEMUNREACHABLE_TRACK_BUDGET   bytes of the whole table (default 64 MiB; suffix k/m/g)
+ *   MEMUNREACHABLE_STACK_DEPTH    native frames per stack (1..32, default 32)
+ *   MEMUNREACHABLE_UNWINDER       libunwind | libgcc | fp (default: libunwind if it loads)
+ *   MEMUNREACHABLE_PYTHON_FRAMES  0 to skip Python frames
+ *   MEMUNREACHABLE_NO_FOLLOW_FORK 1: children (fork) stop tracking, exec'd programs are
+ *                                 started without this library in LD_PRELOAD
+ *   MEMUNREACHABLE_EXIT_FDS       "W,R" (set by `run --check-at-exit`): at exit, the process
+ *   MEMUNREACHABLE_EXIT_PARENT    whose parent is this pid writes "X" to fd W and waits
+ *                                 for one byte on fd R while `run` checks it
+ *
+ * Safety rules: a per-thread guard (initial-exec TLS, never allocates) makes every call
+ * made while the tracker works on this thread (the unwinder's own allocations, a signal
+ * handler that allocates) pass straight to the real allocator; allocations made while
+ * dlsym resolves the real functions come from a static bootstrap pool; the user's call
+ * never fails because of the tracker (a full table drops detail, never the allocation).
+ */
+#define _GNU_SOURCE
+#include <dlfcn.h>
+#include <errno.h>
+#include <link.h>
+#include <pthread.h>
+#include <sched.h>
+#include <stddef.h>
+#include <stdint.h>
+#include <stdlib.h>
+#include <string.h>
+#include <sys/mman.h>
+#include <sys/prctl.h>
+#include <unistd.h>
+
+#include "mu_track.h"
+
+#define EXPORT __attribute__((visibility("default")))
+#define HIDDEN __attribute__((visibility("hidden")))
+#define LIKELY(x) __builtin_expect(!!(x), 1)
+#define UNLIKELY(x) __builtin_expect(!!(x), 0)
+
+#ifndef PR_SET_VMA
+#define PR_SET_VMA 0x53564d41
+#define PR_SET_VMA_ANON_NAME 0
+#endif
+
+/* ---- real allocator ------------------------------------------------------------------ */
+
+static void *(*real_malloc)(size_t);
+static void (*real_free)(void *);
+static void *(*real_calloc)(size_t, size_t);
+static void *(*real_realloc)(void *, size_t);
+static int (*real_posix_memalign)(void **, size_t, size_t);
+static void *(*real_aligned_alloc)(size_t, size_t);
+static void *(*real_memalign)(size_t, size_t);
+static void *(*real_valloc)(size_t);
+static void *(*real_pvalloc)(size_t);
+static size_t (*real_usable)(void *);
+
+/* bootstrap pool: serves allocations made while dlsym resolves the real functions */
+#define POOL_BYTES (64 * 1024)
+static char pool[POOL_BYTES] __attribute__((aligned(16)));
+static size_t pool_used;
+
+static int in_pool(const void *p)
+{
+    return (const char *)p >= pool && (const char *)p < pool + POOL_BYTES;
+}
+
+static void *pool_alloc(size_t n)
+{
+    size_t need = ((n + 15) & ~(size_t)15) + 16;
+    size_t off = __atomic_fetch_add(&pool_used, need, __ATOMIC_RELAXED);
+    if (off + need > POOL_BYTES)
+        return NULL;
+    *(size_t *)(pool + off) = n;
+    return pool + off + 16;
+}
+
+static size_t pool_size(const void *p) { return *(const size_t *)((const char *)p - 16); }
+
+static __thread int resolving __attribute__((tls_model("initial-exec")));
+
+static void resolve(void)
+{
+    if (real_free)
+        return;
+    resolving = 1;
+    real_malloc = dlsym(RTLD_NEXT, "malloc");
+    real_calloc = dlsym(RTLD_NEXT, "calloc");
+    real_realloc = dlsym(RTLD_NEXT, "realloc");
+    real_posix_memalign = dlsym(RTLD_NEXT, "posix_memalign");
+    real_aligned_alloc = dlsym(RTLD_NEXT, "aligned_alloc");
+    real_memalign = dlsym(RTLD_NEXT, "memalign");
+    real_valloc = dlsym(RTLD_NEXT, "valloc");
+    real_pvalloc = dlsym(RTLD_NEXT, "pvalloc");
+    real_usable = dlsym(RTLD_NEXT, "malloc_usable_size");
+    __atomic_store_n(&real_free, (void (*)(void *))dlsym(RTLD_NEXT, "free"), __ATOMIC_RELEASE);
+    resolving = 0;
+}
+
+/* ---- state ----------------------------------------------------------------------------- */
+
+static struct mu_track_header *H;       /* NULL until the constructor ran */
+static char *base;
+static struct mu_track_shard *shards;
+static uint64_t *sindex;
+static uint64_t sindex_mask;
+static int enabled;                     /* recording (read racily: a plain int) */
+static unsigned depth = MU_TRACK_MAX_DEPTH;
+static unsigned unwinder;
+static uintptr_t self_lo, self_hi;      /* our own text: frames there are skipped */
+static int no_follow_fork;
+static uint32_t freelist_lock;
+static uint64_t freelists[40];          /* freed shard tables per log2cap (offsets) */
+
+static __thread int guard __attribute__((tls_model("initial-exec")));
+
+/* ---- unwinders --------------------------------------------------------------------------- */
+
+static int (*unw_backtrace_p)(void **, int);
+typedef enum { URC_NO_REASON = 0, URC_END_OF_STACK = 5 } urc_t;
+typedef urc_t (*unwind_cb)(void *ctx, void *arg);
+static urc_t (*unwind_backtrace_p)(unwind_cb, void *);
+static uintptr_t (*unwind_getip_p)(void *);
+
+struct gcc_state { void **buf; int n, max; };
+
+static urc_t gcc_cb(void *ctx, void *arg)
+{
+    struct gcc_state *s = arg;
+    if (s->n >= s->max)
+        return URC_END_OF_STACK;
+    uintptr_t ip = unwind_getip_p(ctx);
+    if (!ip)
+        return URC_END_OF_STACK;
+    s->buf[s->n++] = (void *)ip;
+    return URC_NO_REASON;
+}
+
+static __thread uintptr_t stack_lo, stack_hi __attribute__((tls_model("initial-exec")));
+
+static int fp_backtrace(void **buf, int max)
+{
+    if (!stack_hi) {
+        pthread_attr_t a;
+        void *addr;
+        size_t sz;
+        if (pthread_getattr_np(pthread_self(), &a) == 0) {
+            if (pthread_attr_getstack(&a, &addr, &sz) == 0) {
+                stack_lo = (uintptr_t)addr;
+                stack_hi = (uintptr_t)addr + sz;
+            }
+            pthread_attr_destroy(&a);
+        }
+        if (!stack_hi)
+            return 0;
+    }
+    uintptr_t fp = (uintptr_t)__builtin_frame_address(0);
+    /* only [our frame, stack top) is surely mapped: the stack below SP may not be */
+    uintptr_t lo = fp > stack_lo ? fp : stack_lo;
+    int n = 0;
+    while (n < max && fp >= lo && fp <= stack_hi - 16 && !(fp & 7)) {
+        uintptr_t next = ((uintptr_t *)fp)[0], ret = ((uintptr_t *)fp)[1];
+        if (!ret)
+            break;
+        buf[n++] = (void *)ret;
+        if (next <= fp)
+            break;
+        fp = next;
+    }
+    return n;
+}
+
+static __attribute__((noinline)) int capture(void **buf, int max)
+{
+    switch (unwinder) {
+    case MU_UNW_LIBUNWIND:
+        return unw_backtrace_p(buf, max);
+    case MU_UNW_LIBGCC: {
+        struct gcc_state s = {buf, 0, max};
+        unwind_backtrace_p(gcc_cb, &s);
+        return s.n;
+    }
+    default:
+        return fp_backtrace(buf, max);
+    }
+}
+
+/* Which unwinder (MEMUNREACHABLE_UNWINDER; bench/bench_tracking.py, docs/performance.md):
+ * libunwind's unw_backtrace is the default: right through code without frame pointers
+ * (15/15 frames of fixtures/track_chain.c built -O2 -fomit-frame-pointer) at +212 ns per
+ * malloc/free pair on the churn bench; libgcc's _Unwind_Backtrace is as right but +3.3 us
+ * (it re-reads CFI per frame), the fallback when libunwind.so.8 is missing; frame pointers
+ * cost +28 ns but get 2/15 frames there (distribution code has none): opt-in only.
+ * libunwind is dlopen'ed RTLD_LOCAL: Debian's libunwind.so.8 exports a weak `backtrace`
+ * and `_Unwind_Backtrace` that a global load would put in front of the program's. */
+static int setup_unwinder(const char *want)
+{
+    if (!want || !*want || !strcmp(want, "libunwind")) {
+        void *h = dlopen("libunwind.so.8", RTLD_NOW | RTLD_LOCAL);
+        if (h) {
+            unw_backtrace_p = dlsym(h, "unw_backtrace");
+            int (*policy)(void *, int) = dlsym(h, "_ULx86_64_set_caching_policy");
+            void **space = dlsym(h, "_ULx86_64_local_addr_space");
+            if (policy && space)
+                policy(*space, 2 /* UNW_CACHE_PER_THREAD */);
+            if (unw_backtrace_p)
+                return MU_UNW_LIBUNWIND;
+        }
+        if (want && *want)
+            return 0;
+    }
+    if (!want || !*want || !strcmp(want, "libgcc")) {
+        void *h = dlopen("libgcc_s.so.1", RTLD_NOW | RTLD_LOCAL);
+        if (h) {
+            unwind_backtrace_p = dlsym(h, "_Unwind_Backtrace");
+            unwind_getip_p = dlsym(h, "_Unwind_GetIP");
+            if (unwind_backtrace_p && unwind_getip_p)
+                return MU_UNW_LIBGCC;
+        }
+        if (want && *want)
+            return 0;
+    }
+    if (want && !strcmp(want, "fp"))
+        return MU_UNW_FP;
+    return want && *want ? 0 : MU_UNW_FP;
+}
+
+/* ---- CPython frames ---------------------------------------------------------------------- */
+
+struct pylayout {
+    unsigned minor;
+    int tstate_cframe;          /* -1: none (3.13: tstate->current_frame directly) */
+    int cframe_current, tstate_current;
+    int f_code, f_instr, f_previous, f_owner, skip_owner;
+    int co_adaptive, co_filename, co_name, co_qualname, co_firstlineno, co_linetable;
+    int str_ascii, str_compact, str_state;
+};
+
+static const struct pylayout pylayouts[] = {
+    /* 3.11: PyThreadState.cframe 56, _PyCFrame.current_frame 8, _PyInterpreterFrame
+     * {f_code 32, previous 48, prev_instr 56, owner 69}, no C-stack shim frames */
+    {11, 56, 8, -1, 32, 56, 48, 69, -1, 184, 112, 120, 128, 72, 136, 48, 72, 32},
+    /* 3.12: cframe 56, current_frame 0, {f_code 0, previous 8, prev_instr 56, owner 70},
+     * FRAME_OWNED_BY_CSTACK = 3 marks shim frames */
+    {12, 56, 0, -1, 0, 56, 8, 70, 3, 192, 112, 120, 128, 68, 136, 40, 56, 32},
+    /* 3.13: tstate->current_frame 72, {f_executable 0, previous 8, instr_ptr 56, owner 70} */
+    {13, -1, 0, 72, 0, 56, 8, 70, 3, 200, 112, 120, 128, 68, 136, 40, 56, 32},
+};
+
+static const struct pylayout *py;
+static int (*py_initialized)(void);
+static void *(*py_this_tstate)(void);
+
+static void setup_python(void)
+{
+    const char *e = getenv("MEMUNREACHABLE_PYTHON_FRAMES");
+    if (e && !strcmp(e, "0"))
+        return;
+    const unsigned long *ver = dlsym(RTLD_DEFAULT, "Py_Version");
+    py_initialized = dlsym(RTLD_DEFAULT, "Py_IsInitialized");
+    py_this_tstate = dlsym(RTLD_DEFAULT, "PyGILState_GetThisThreadState");
+    if (!ver || !py_initialized || !py_this_tstate || ((*ver >> 24) & 0xff) != 3)
+        return;
+    unsigned minor = (*ver >> 16) & 0xff;
+    for (size_t i = 0; i < sizeof pylayouts / sizeof *pylayouts; i++)
+        if (pylayouts[i].minor == minor)
+            py = &pylayouts[i];
+    if (!py)
+        return;
+    H->py_version = (uint32_t)*ver;
+    H->co_filename = py->co_filename;
+    H->co_name = py->co_name;
+    H->co_qualname = py->co_qualname;
+    H->co_firstlineno = py->co_firstlineno;
+    H->co_linetable = py->co_linetable;
+    H->str_ascii_data = py->str_ascii;
+    H->str_compact_data = py->str_compact;
+    H->str_state = py->str_state;
+    H->flags |= MU_TRACK_F_PYTHON;
+}
+
+static int readable_ptr(uintptr_t p) { return p >= 4096 && !(p & 7); }
+
+/* The Python frames of this thread, innermost first, as (code, instruction offset) pairs.
+ * Reads only this thread's own frame chain (safe while it is not running Python code, and
+ * it is not: it is in malloc), with the GIL held or not. */
+static int python_frames(uint64_t *code, uint64_t *off, int max)
+{
+    if (!py || !py_initialized())
+        return 0;
+    uintptr_t ts = (uintptr_t)py_this_tstate();
+    if (!readable_ptr(ts))
+        return 0;
+    uintptr_t f;
+    if (py->tstate_cframe >= 0) {
+        uintptr_t cf = *(uintptr_t *)(ts + py->tstate_cframe);
+        if (!readable_ptr(cf))
+            return 0;
+        f = *(uintptr_t *)(cf + py->cframe_current);
+    } else {
+        f = *(uintptr_t *)(ts + py->tstate_current);
+    }
+    int n = 0;
+    for (int guard_steps = 0; readable_ptr(f) && n < max && guard_steps < 4096; guard_steps++) {
+        uintptr_t co = *(uintptr_t *)(f + py->f_code);
+        uintptr_t ip = *(uintptr_t *)(f + py->f_instr);
+        unsigned char owner = *(unsigned char *)(f + py->f_owner);
+        if (readable_ptr(co) && (py->skip_owner < 0 || owner != py->skip_owner)) {
+            code[n] = co;
+            off[n] = ip - (co + py->co_adaptive);
+            n++;
+        }
+        f = *(uintptr_t *)(f + py->f_previous);
+    }
+    return n;
+}
+
+/* ---- spinlocks ----------------------------------------------------------------------------- */
+
+static void lock(uint32_t *l)
+{
+    for (unsigned spins = 0;; spins++) {
+        if (!__atomic_exchange_n(l, 1, __ATOMIC_ACQUIRE))
+            return;
+        while (__atomic_load_n(l, __ATOMIC_RELAXED)) {
+            if (++spins > 64)
+                sched_yield();
+            else
+                __builtin_ia32_pause();
+        }
+    }
+}
+
+static void unlock(uint32_t *l) { __atomic_store_n(l, 0, __ATOMIC_RELEASE); }
+
+/* ---- stack table ------------------------------------------------------------------------------ */
+
+static uint64_t hash_words(const uint64_t *w, int n)
+{
+    uint64_t h = 0x9E3779B97F4A7C15ULL ^ (uint64_t)n;
+    for (int i = 0; i < n; i++) {
+        h ^= w[i];
+        h *= 0xff51afd7ed558ccdULL;
+        h ^= h >> 32;
+    }
+    return h;
+}
+
+/* Stack id of words[0..nf+2*npy) (pcs, then code pointers, then offsets), interned;
+ * MU_TRACK_STACK_FULL when the stack table has no room for a new one. */
+static uint32_t intern(const uint64_t *words, int nf, int npy)
+{
+    int nw = nf + 2 * npy;
+    uint64_t h = hash_words(words, nw);
+    uint32_t hi = (uint32_t)(h >> 32) | 1;    /* never 0: a slot is never all-zero */
+    uint64_t pos = h & sindex_mask;
+    char *arena = base + H->stack_arena_off;
+    for (uint64_t probes = 0; probes <= sindex_mask; probes++, pos = (pos + 1) & sindex_mask) {
+        uint64_t slot = __atomic_load_n(&sindex[pos], __ATOMIC_ACQUIRE);
+        while (slot == 0) {
+            if (__atomic_load_n(&H->stacks, __ATOMIC_RELAXED) * 4 >= (sindex_mask + 1) * 3)
+                return MU_TRACK_STACK_FULL;
+            uint64_t bytes = 8 + 8 * (uint64_t)nw;
+            uint64_t off = __atomic_fetch_add(&H->stack_arena_used, bytes, __ATOMIC_RELAXED);
+            if (off + bytes > H->stack_arena_size)
+                return MU_TRACK_STACK_FULL;
+            uint32_t *rec = (uint32_t *)(arena + off);
+            rec[0] = hi;
+            ((uint16_t *)rec)[2] = (uint16_t)nf;
+            ((uint16_t *)rec)[3] = (uint16_t)npy;
+            memcpy(rec + 2, words, 8 * (size_t)nw);
+            uint32_t id = (uint32_t)(off / 8);
+            uint64_t want = ((uint64_t)hi << 32) | id;
+            if (__atomic_compare_exchange_n(&sindex[pos], &slot, want, 0, __ATOMIC_RELEASE,
+                                            __ATOMIC_ACQUIRE)) {
+                __atomic_fetch_add(&H->stacks, 1, __ATOMIC_RELAXED);
+                return id;
+            }
+            /* lost the race: slot now holds the winner, compare it below (our record is
+             * wasted space, counted in stack_arena_used) */
+        }
+        if ((uint32_t)(slot >> 32) != hi)
+            continue;
+        const uint32_t *rec = (const uint32_t *)(arena + (slot & 0xffffffffu) * 8);
+        if (((const uint16_t *)rec)[2] == nf && ((const uint16_t *)rec)[3] == npy &&
+            !memcmp(rec + 2, words, 8 * (size_t)nw))
+            return (uint32_t)slot;
+    }
+    return MU_TRACK_STACK_FULL;
+}
+
+/* ---- live table ------------------------------------------------------------------------------- */
+
+static struct mu_track_entry *shard_table(const struct mu_track_shard *s)
+{
+    return (struct mu_track_entry *)(base + s->table_off);
+}
+
+/* A zeroed table of 1 << log2 entries from the live arena (or a freed one); 0 if full. */
+static uint64_t table_alloc(unsigned log2)
+{
+    uint64_t bytes = (uint64_t)sizeof(struct mu_track_entry) << log2, off = 0;
+    lock(&freelist_lock);
+    if (freelists[log2]) {
+        off = freelists[log2];
+        freelists[log2] = *(uint64_t *)(base + off);
+    }
+    unlock(&freelist_lock);
+    if (off) {
+        memset(base + off, 0, bytes);
+        return off;
+    }
+    off = __atomic_fetch_add(&H->live_arena_used, bytes, __ATOMIC_RELAXED);
+    if (off + bytes > H->live_arena_size) {
+        __atomic_fetch_sub(&H->live_arena_used, bytes, __ATOMIC_RELAXED);
+        return 0;
+    }
+    return H->live_arena_off + off;      /* fresh pages of the mapping are zero */
+}
+
+static void table_free(uint64_t off, unsigned log2)
+{
+    /* give the pages back (a shard table that grew is rarely reused soon: the shards grow
+     * together); the first word stays mapped for the free list */
+    uint64_t bytes = (uint64_t)sizeof(struct mu_track_entry) << log2;
+    uintptr_t lo = ((uintptr_t)(base + off) + 4095 + 8) & ~(uintptr_t)4095;
+    uintptr_t hi = (uintptr_t)(base + off + bytes) & ~(uintptr_t)4095;
+    if (hi > lo)
+        madvise((void *)lo, hi - lo, MADV_DONTNEED);
+    lock(&freelist_lock);
+    *(uint64_t *)(base + off) = freelists[log2];
+    freelists[log2] = off;
+    unlock(&freelist_lock);
+}
+
+/* Rebuild shard s into a table of 1 << log2 entries (copy, then publish): a snapshot sees
+ * either the old table or the new one, both complete. Returns 0 or -ENOMEM. */
+static int shard_rebuild(struct mu_track_shard *s, unsigned log2)
+{
+    uint64_t off = table_alloc(log2);
+    if (!off)
+        return -ENOMEM;
+    struct mu_track_entry *nt = (struct mu_track_entry *)(base + off);
+    uint64_t mask = (1ULL << log2) - 1;
+    if (s->table_off) {
+        struct mu_track_entry *ot = shard_table(s);
+        uint64_t cap = 1ULL << s->log2cap;
+        for (uint64_t i = 0; i < cap; i++) {
+            uint64_t a = ot[i].addr;
+            if (a <= MU_TRACK_TOMB)
+                continue;
+            uint64_t p = mu_track_first_slot(a, mu_track_addr_hash(a), mask);
+            while (nt[p].addr)
+                p = (p + 1) & mask;
+            nt[p] = ot[i];
+        }
+    }
+    uint64_t old = s->table_off;
+    unsigned oldlog = s->log2cap;
+    __atomic_store_n(&s->table_off, 0, __ATOMIC_RELEASE);   /* no torn pair in a snapshot */
+    s->log2cap = log2;
+    __atomic_store_n(&s->table_off, off, __ATOMIC_RELEASE);
+    s->tombs = 0;
+    if (old)
+        table_free(old, oldlog);
+    return 0;
+}
+
+static void live_insert(uint64_t addr, uint32_t stack, size_t size)
+{
+    uint64_t h = mu_track_addr_hash(addr);
+    struct mu_track_shard *s = &shards[h & (MU_TRACK_NSHARDS - 1)];
+    lock(&s->lock);
+    __atomic_store_n(&s->seq, s->seq + 1, __ATOMIC_RELAXED);
+    uint64_t cap = s->table_off ? 1ULL << s->log2cap : 0;
+    if ((uint64_t)(s->used + s->tombs + 1) * 8 > cap * 5) {
+        unsigned log2 = !cap ? 6 : (s->tombs > s->used / 2 ? s->log2cap : s->log2cap + 1);
+        if (shard_rebuild(s, log2) < 0 && (!cap || (uint64_t)(s->used + s->tombs + 1) * 20 > cap * 19)) {
+            __atomic_fetch_add(&H->dropped_blocks, 1, __ATOMIC_RELAXED);
+            goto out;
+        }
+        cap = 1ULL << s->log2cap;
+    }
+    struct mu_track_entry *t = shard_table(s);
+    uint64_t mask = cap - 1, p = mu_track_first_slot(addr, h, mask), tomb = UINT64_MAX;
+    for (;;) {
+        uint64_t a = t[p].addr;
+        if (a == addr) {                    /* a stale entry (a free we did not see) */
+            t[p].stack = stack;
+            t[p].size = size > UINT32_MAX ? UINT32_MAX : (uint32_t)size;
+            goto counted;
+        }
+        if (a == MU_TRACK_TOMB && tomb == UINT64_MAX)
+            tomb = p;
+        if (a == MU_TRACK_EMPTY)
+            break;
+        p = (p + 1) & mask;
+    }
+    if (tomb != UINT64_MAX) {
+        p = tomb;
+        s->tombs--;
+    }
+    t[p].stack = stack;
+    t[p].size = size > UINT32_MAX ? UINT32_MAX : (uint32_t)size;
+    __atomic_store_n(&t[p].addr, addr, __ATOMIC_RELEASE);
+    s->used++;
+counted:
+    __atomic_fetch_add(&H->inserts, 1, __ATOMIC_RELAXED);
+out:
+    __atomic_store_n(&s->seq, s->seq + 1, __ATOMIC_RELEASE);
+    unlock(&s->lock);
+}
+
+static void live_remove(uint64_t addr)
+{
+    uint64_t h = mu_track_addr_hash(addr);
+    struct mu_track_shard *s = &shards[h & (MU_TRACK_NSHARDS - 1)];
+    if (!__atomic_load_n(&s->table_off, __ATOMIC_RELAXED))
+        return;
+    lock(&s->lock);
+    __atomic_store_n(&s->seq, s->seq + 1, __ATOMIC_RELAXED);
+    struct mu_track_entry *t = shard_table(s);
+    uint64_t mask = (1ULL << s->log2cap) - 1, p = mu_track_first_slot(addr, h, mask);
+    for (uint64_t n = 0; n <= mask; n++, p = (p + 1) & mask) {
+        uint64_t a = t[p].addr;
+        if (a == MU_TRACK_EMPTY)
+            break;
+        if (a == addr) {
+            __atomic_store_n(&t[p].addr, (uint64_t)MU_TRACK_TOMB, __ATOMIC_RELEASE);
+            s->used--;
+            s->tombs++;
+            __atomic_fetch_add(&H->removes, 1, __ATOMIC_RELAXED);
+            break;
+        }
+    }
+    __atomic_store_n(&s->seq, s->seq + 1, __ATOMIC_RELEASE);
+    unlock(&s->lock);
+}
+
+/* ---- recording -------------------------------------------------------------------------------- */
+
+static __attribute__((noinline)) void record(void *p, size_t size)
+{
+    void *raw[MU_TRACK_MAX_DEPTH + 8];
+    uint64_t words[MU_TRACK_MAX_DEPTH + 2 * MU_TRACK_MAX_PY];
+    guard = 1;
+    int n = capture(raw, (int)depth + 8);
+    /* drop the leading frames in this library (record, the wrapper, the unwinder's caller) */
+    int first = 0;
+    for (int i = 0; i < n && i < 8; i++)
+        if ((uintptr_t)raw[i] >= self_lo && (uintptr_t)raw[i] < self_hi)
+            first = i + 1;
+    int nf = n - first;
+    if (nf > (int)depth)
+        nf = (int)depth;
+    if (nf < 0)
+        nf = 0;
+    for (int i = 0; i < nf; i++)
+        words[i] = (uint64_t)(uintptr_t)raw[first + i];
+    uint64_t code[MU_TRACK_MAX_PY], off[MU_TRACK_MAX_PY];
+    int npy = python_frames(code, off, MU_TRACK_MAX_PY);
+    for (int i = 0; i < npy; i++) {
+        words[nf + i] = code[i];
+        words[nf + npy + i] = off[i];
+    }
+    uint32_t id = intern(words, nf, npy);
+    if (id == MU_TRACK_STACK_FULL)
+        __atomic_fetch_add(&H->table_full_blocks, 1, __ATOMIC_RELAXED);
+    live_insert((uint64_t)(uintptr_t)p, id, size);
+    guard = 0;
+}
+
+static inline void track(void *p, size_t size)
+{
+    if (LIKELY(p != NULL) && LIKELY(enabled) && !guard)
+        record(p, size);
+}
+
+static inline void untrack(void *p)
+{
+    if (LIKELY(enabled) && !guard) {
+        guard = 1;
+        live_remove((uint64_t)(uintptr_t)p);
+        guard = 0;
+    }
+}
+
+/* ---- the interposed functions ----------------------------------------------------------------- */
+
+EXPORT void *malloc(size_t n)
+{
+    if (UNLIKELY(!real_free)) {
+        if (resolving)
+            return pool_alloc(n);
+        resolve();
+    }
+    void *p = real_malloc(n);
+    track(p, n);
+    return p;
+}
+
+EXPORT void free(void *p)
+{
+    if (!p || UNLIKELY(in_pool(p)))
+        return;
+    if (UNLIKELY(!real_free))
+        resolve();
+    untrack(p);
+    real_free(p);
+}
+
+EXPORT void *calloc(size_t n, size_t m)
+{
+    if (UNLIKELY(!real_free)) {
+        if (resolving) {
+            if (m && n > SIZE_MAX / m)
+                return NULL;
+            return pool_alloc(n * m);      /* static memory: already zero */
+        }
+        resolve();
+    }
+    void *p = real_calloc(n, m);
+    track(p, n * m);
+    return p;
+}
+
+EXPORT void *realloc(void *old, size_t n)
+{
+    if (UNLIKELY(!real_free)) {
+        if (resolving) {
+            void *p = pool_alloc(n);
+            if (p && old)
+                memcpy(p, old, pool_size(old) < n ? pool_size(old) : n);
+            return p;
+        }
+        resolve();
+    }
+    if (old && UNLIKELY(in_pool(old))) {
+        void *p = malloc(n);
+        if (p)
+            memcpy(p, old, pool_size(old) < n ? pool_size(old) : n);
+        return p;
+    }
+    if (old)
+        untrack(old);       /* before: once realloc returns, another thread may get `old` */
+    void *p = real_realloc(old, n);
+    if (p)
+        track(p, n);
+    else if (old && n)
+        track(old, n);      /* failed: the old block lives on */
+    return p;
+}
+
+EXPORT void *reallocarray(void *old, size_t n, size_t m)
+{
+    if (m && n > SIZE_MAX / m) {
+        errno = ENOMEM;
+        return NULL;
+    }
+    return realloc(old, n * m);
+}
+
+EXPORT int posix_memalign(void **out, size_t align, size_t n)
+{
+    if (UNLIKELY(!real_free))
+        resolve();
+    int r = real_posix_memalign(out, align, n);
+    if (!r)
+        track(*out, n);
+    return r;
+}
+
+EXPORT void *aligned_alloc(size_t align, size_t n)
+{
+    if (UNLIKELY(!real_free))
+        resolve();
+    void *p = real_aligned_alloc(align, n);
+    track(p, n);
+    return p;
+}
+
+EXPORT void *memalign(size_t align, size_t n)
+{
+    if (UNLIKELY(!real_free))
+        resolve();
+    void *p = real_memalign(align, n);
+    track(p, n);
+    return p;
+}
+
+EXPORT void *valloc(size_t n)
+{
+    if (UNLIKELY(!real_free))
+        resolve();
+    void *p = real_valloc(n);
+    track(p, n);
+    return p;
+}
+
+EXPORT void *pvalloc(size_t n)
+{
+    if (UNLIKELY(!real_free))
+        resolve();
+    void *p = real_pvalloc(n);
+    track(p, n);
+    return p;
+}
+
+EXPORT size_t malloc_usable_size(void *p)
+{
+    if (!p)
+        return 0;
+    if (in_pool(p))
+        return pool_size(p);
+    if (UNLIKELY(!real_free))
+        resolve();
+    return real_usable(p);
+}
+
+/* ---- fork -------------------------------------------------------------------------------------- */
+
+static int fork_locked;
+
+static void fork_prepare(void)
+{
+    fork_locked = 0;
+    if (!H || guard)        /* fork from a signal handler that interrupted the tracker */
+        return;
+    fork_locked = 1;
+    for (unsigned i = 0; i < MU_TRACK_NSHARDS; i++)
+        lock(&shards[i].lock);
+    lock(&freelist_lock);
+}
+
+static void fork_parent(void)
+{
+    if (!H || !fork_locked)
+        return;
+    unlock(&freelist_lock);
+    for (unsigned i = 0; i < MU_TRACK_NSHARDS; i++)
+        unlock(&shards[i].lock);
+}
+
+static void fork_child(void)
+{
+    if (!H)
+        return;
+    fork_parent();
+    H->pid = (uint64_t)getpid();
+    H->generation++;
+    if (no_follow_fork) {
+        /* this child is not tracked: nothing may find a table that stops being updated */
+        enabled = 0;
+        struct mu_track_header *h = H;
+        H = NULL;
+        memset(h->magic, 0, sizeof h->magic);
+        munmap(h, h->map_size);
+    }
+}
+
+/* ---- setup --------------------------------------------------------------------------------------- */
+
+static uint64_t parse_size(const char *s, uint64_t dflt)
+{
+    if (!s || !*s)
+        return dflt;
+    char *end;
+    unsigned long long v = strtoull(s, &end, 10);
+    switch (*end) {
+    case 'k': case 'K': v <<= 10; break;
+    case 'm': case 'M': v <<= 20; break;
+    case 'g': case 'G': v <<= 30; break;
+    default: break;
+    }
+    return v ? v : dflt;
+}
+
+static int find_self(struct dl_phdr_info *info, size_t size, void *arg)
+{
+    (void)size;
+    uintptr_t me = (uintptr_t)arg;
+    for (int i = 0; i < info->dlpi_phnum; i++) {
+        const ElfW(Phdr) *ph = &info->dlpi_phdr[i];
+        if (ph->p_type != PT_LOAD || !(ph->p_flags & PF_X))
+            continue;
+        uintptr_t lo = info->dlpi_addr + ph->p_vaddr, hi = lo + ph->p_memsz;
+        if (me >= lo && me < hi) {
+            self_lo = lo;
+            self_hi = hi;
+            return 1;
+        }
+    }
+    return 0;
+}
+
+/* Strip our library from LD_PRELOAD, so that programs exec'd from here run untracked. */
+static void strip_preload(void)
+{
+    Dl_info di;
+    const char *pre = getenv("LD_PRELOAD");
+    if (!pre || !dladdr((void *)strip_preload, &di) || !di.dli_fname)
+        return;
+    char buf[4096];
+    size_t used = 0;
+    const char *p = pre;
+    while (*p) {
+        size_t len = strcspn(p, ": ");
+        if (len && !(len == strlen(di.dli_fname) && !memcmp(p, di.dli_fname, len)) &&
+            used + len + 2 < sizeof buf) {
+            if (used)
+                buf[used++] = ':';
+            memcpy(buf + used, p, len);
+            used += len;
+        }
+        p += len;
+        while (*p == ':' || *p == ' ')
+            p++;
+    }
+    buf[used] = 0;
+    if (used)
+        setenv("LD_PRELOAD", buf, 1);
+    else
+        unsetenv("LD_PRELOAD");
+}
+
+static int exit_w = -1, exit_r = -1;
+static pid_t exit_pid;
+
+static void setup_exit_check(void)
+{
+    const char *fds = getenv("MEMUNREACHABLE_EXIT_FDS");
+    const char *parent = getenv("MEMUNREACHABLE_EXIT_PARENT");
+    if (!fds || !parent || (pid_t)strtol(parent, NULL, 10) != getppid())
+        return;
+    char *end;
+    exit_w = (int)strtol(fds, &end, 10);
+    exit_r = *end == ',' ? (int)strtol(end + 1, NULL, 10) : -1;
+    exit_pid = getpid();
+}
+
+__attribute__((constructor(101))) static void mu_track_init(void)
+{
+    resolve();
+    guard = 1;
+    uint64_t budget = parse_size(getenv("MEMUNREACHABLE_TRACK_BUDGET"), 64ULL << 20);
+    if (budget < (1ULL << 20))
+        budget = 1ULL << 20;
+    budget = (budget + 4095) & ~4095ULL;
+    const char *d = getenv("MEMUNREACHABLE_STACK_DEPTH");
+    if (d && *d) {
+        long v = strtol(d, NULL, 10);
+        depth = v < 1 ? 1 : v > (long)MU_TRACK_MAX_DEPTH ? MU_TRACK_MAX_DEPTH : (unsigned)v;
+    }
+    const char *nf = getenv("MEMUNREACHABLE_NO_FOLLOW_FORK");
+    no_follow_fork = nf && *nf && strcmp(nf, "0");
+    /* a PROT_NONE page on each side: the table is a mapping of its own (never merged with
+     * a neighbour), so the checker finds the header at the start of a mapping */
+    char *g = mmap(NULL, budget + 8192, PROT_NONE,
+                   MAP_PRIVATE | MAP_ANONYMOUS | MAP_NORESERVE, -1, 0);
+    if (g == MAP_FAILED) {
+        guard = 0;
+        return;
+    }
+    void *m = g + 4096;
+    if (mprotect(m, budget, PROT_READ | PROT_WRITE) != 0) {
+        munmap(g, budget + 8192);
+        guard = 0;
+        return;
+    }
+    prctl(PR_SET_VMA, PR_SET_VMA_ANON_NAME, (unsigned long)m, budget,
+          (unsigned long)MU_TRACK_MAP_NAME);
+    base = m;
+    struct mu_track_header *h = m;
+    h->version = MU_TRACK_VERSION;
+    h->header_size = sizeof *h;
+    h->self = (uint64_t)(uintptr_t)m;
+    h->map_size = budget;
+    h->budget = budget;
+    h->max_depth = depth;
+    h->max_py = MU_TRACK_MAX_PY;
+    h->nshards = MU_TRACK_NSHARDS;
+    h->shards_off = MU_TRACK_HEADER_BYTES;
+    uint64_t off = h->shards_off + MU_TRACK_NSHARDS * sizeof(struct mu_track_shard);
+    uint64_t cap = 1;
+    while (cap * 8 * 2 <= budget / 32)     /* index: at most 1/32 of the budget */
+        cap <<= 1;
+    h->sindex_off = off;
+    h->sindex_cap = cap;
+    off += cap * 8;
+    uint64_t rest = budget - off;
+    h->stack_arena_off = off;
+    h->stack_arena_size = (rest / 4) & ~7ULL;      /* the rest: live-block tables */
+    h->stack_arena_used = 8;              /* stack id 0 is never handed out */
+    h->live_arena_off = (off + h->stack_arena_size + 4095) & ~4095ULL;
+    h->live_arena_size = budget - h->live_arena_off;
+    h->pid = (uint64_t)getpid();
+    shards = (struct mu_track_shard *)((char *)m + h->shards_off);
+    sindex = (uint64_t *)((char *)m + h->sindex_off);
+    sindex_mask = cap - 1;
+    H = h;
+    unwinder = (unsigned)setup_unwinder(getenv("MEMUNREACHABLE_UNWINDER"));
+    if (!unwinder)
+        unwinder = (unsigned)setup_unwinder(NULL);
+    h->unwinder = unwinder;
+    setup_python();
+    dl_iterate_phdr(find_self, (void *)(uintptr_t)mu_track_init);
+    pthread_atfork(fork_prepare, fork_parent, fork_child);
+    if (no_follow_fork)
+        strip_preload();
+    setup_exit_check();
+    void *warm[4];
+    capture(warm, 4);                     /* lazy unwinder setup happens here, untracked */
+    h->flags |= MU_TRACK_F_ENABLED;
+    __atomic_store_n((uint64_t *)h->magic, *(const uint64_t *)MU_TRACK_MAGIC, __ATOMIC_RELEASE);
+    enabled = 1;
+    guard = 0;
+}
+
+/* --check-at-exit: the last destructor to run asks `run` to check this process while it
+ * waits (blocked in read(): no thread of ours is inside the allocator). */
+__attribute__((destructor(101))) static void mu_track_fini(void)
+{
+    if (exit_w < 0 || getpid() != exit_pid)
+        return;
+    char c = 'X';
+    if (write(exit_w, &c, 1) == 1) {
+        while (read(exit_r, &c, 1) < 0 && errno == EINTR)
+            ;
+    }
+    close(exit_w);
+    close(exit_r);
+    exit_w = exit_r = -1;
+}
