@@ -616,6 +616,21 @@ class _ContentsReader:
         return bytes(self.view(addr, n))
 
 
+def _tracking_warnings(t: Optional[dict]) -> List[str]:
+    """A full tracking table is never silent: blocks without a stack are said."""
+    if not t:
+        return []
+    out = []
+    if t.get("table_full_blocks"):
+        out.append(f"{t['table_full_blocks']} block(s) got no allocation stack: the stack table "
+                   f"is full ({t.get('budget_bytes', 0) // (1 << 20)} MiB budget; raise "
+                   "MEMUNREACHABLE_TRACK_BUDGET or `run --budget`)")
+    if t.get("dropped_blocks"):
+        out.append(f"{t['dropped_blocks']} block(s) are not in the tracking table: its live-block "
+                   "table is full (raise MEMUNREACHABLE_TRACK_BUDGET or `run --budget`)")
+    return out
+
+
 def _leak(e: SweepEntry) -> Leak:
     return Leak(e.address, e.size, e.referenced_count, e.referenced_size, e.contents,
                 python_type=e.python_type, refcount=e.refcount, repr=e.repr,
@@ -668,6 +683,7 @@ def _fill(info: UnreachableMemoryInfo, res: SweepResult, limit: Optional[int]) -
     info.warnings.extend(res.meta.get("warnings", []))
     info.stats = res.meta
     info.tracking = res.meta.get("tracking")
+    info.warnings.extend(_tracking_warnings(info.tracking))
     leaks = [_leak(e) for e in res.entries]
     info.num_uncertain = len(res.uncertain)
     info.uncertain_bytes = sum(e.size for e in res.uncertain)

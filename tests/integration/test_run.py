@@ -159,6 +159,10 @@ def test_c_chain_without_frame_pointers(unwinder):
                                (f"top_{kind}", "track_chain.c", marks[f"{kind}-top"]),
                                ("make_leaks", "track_chain.c", marks[f"{kind}-outer"]),
                                ("main", "track_chain.c", marks["make-leaks"])], got
+            # the report's own symbolization (step 9) names the same frames
+            named = [(f.function, os.path.basename(f.file or ""), f.line)
+                     for f in leak.backtrace if f.module == exe]
+            assert named[:5] == got[:5], named
             first = resolve(leak.stack[0], info.modules)
             if kind == "strdup":
                 assert "libc.so" in first[0] and first[1].endswith("strdup")   # __GI___strdup
@@ -330,6 +334,9 @@ def test_table_full():
         assert tr["table_full_blocks"] >= 1
         assert 1 <= tr["stacks"] < 4096
         assert tr["used_bytes"] <= tr["budget_bytes"]
+        # never silent: the report says how many blocks have no stack, and why
+        assert any(w.startswith(f"{tr['table_full_blocks']} block(s) got no allocation stack")
+                   and "1 MiB budget" in w for w in info.warnings), info.warnings
     finally:
         assert t.finish() == 0
 
