@@ -83,34 +83,51 @@ static inline int mu_live_next(mu_live_iter *it, uint64_t *b, uint64_t *e)
     }
 }
 
-/* 1 when allocation [b, b+len) (bytes at p, avail readable) holds a dead object or an object
- * that holds no references (mu_dead types). */
 #define MU_REFCNT_SMALL (1ull << 24)
 
+/* 1 when d has a rule for the object header at p + off (ob_refcnt, ob_type) at that offset:
+ * *code receives it (offset | kind << 8 | parameter << 16), *rc the ob_refcnt; else 0. */
+static inline int mu_type_rule(const mu_dead *d, const uint8_t *p, uint64_t off, uint64_t *rc,
+                               uint64_t *code)
+{
+    uint64_t tp;
+    memcpy(rc, p + off, 8);
+    memcpy(&tp, p + off + 8, 8);
+    uint64_t lo = 0, hi = d->ntypes;
+    while (lo < hi) {
+        uint64_t mid = (lo + hi) >> 1;
+        if (d->types[2 * mid] < tp)
+            lo = mid + 1;
+        else
+            hi = mid;
+    }
+    if (lo == d->ntypes || d->types[2 * lo] != tp || (d->types[2 * lo + 1] & 0xff) != off)
+        return 0;
+    *code = d->types[2 * lo + 1];
+    return 1;
+}
+
+/* A plausible ob_refcnt, not a pointer (an item array holding the type object at index 1
+ * looks the same otherwise): small, or the 3.12+ immortal value. */
+static inline int mu_plausible_refcnt(uint64_t rc)
+{
+    return (rc >= 1 && rc < MU_REFCNT_SMALL) || rc == 0xFFFFFFFFull;
+}
+
+/* 1 when allocation [b, b+len) (bytes at p, avail readable) holds a dead object or an object
+ * that holds no references (mu_dead types). */
 static inline int mu_dead_object(const mu_dead *d, const uint8_t *p, uint64_t len, uint64_t avail)
 {
     if (!d || !d->ntypes)
         return 0;
     for (uint64_t off = 0; off + 16 <= len && off + 16 <= avail && off <= 48; off += 16) {
-        uint64_t rc, tp;
-        memcpy(&rc, p + off, 8);
-        memcpy(&tp, p + off + 8, 8);
-        uint64_t lo = 0, hi = d->ntypes;
-        while (lo < hi) {
-            uint64_t mid = (lo + hi) >> 1;
-            if (d->types[2 * mid] < tp)
-                lo = mid + 1;
-            else
-                hi = mid;
-        }
-        if (lo == d->ntypes || d->types[2 * lo] != tp || (d->types[2 * lo + 1] & 0xff) != off)
+        uint64_t rc, code;
+        if (!mu_type_rule(d, p, off, &rc, &code))
             continue;
-        uint64_t kind = (d->types[2 * lo + 1] >> 8) & 0xff;
+        uint64_t kind = (code >> 8) & 0xff;
         if (kind == MU_TYPE_DEAD_AT_ZERO && rc == 0)
             return 1;
-        /* a plausible ob_refcnt, not a pointer (an item array holding the type object at
-         * index 1 looks the same otherwise): small, or the 3.12+ immortal value */
-        if (!((rc >= 1 && rc < MU_REFCNT_SMALL) || rc == 0xFFFFFFFFull))
+        if (!mu_plausible_refcnt(rc))
             continue;
         if (kind == MU_TYPE_OPAQUE)
             return 1;
@@ -125,7 +142,7 @@ static inline int mu_dead_object(const mu_dead *d, const uint8_t *p, uint64_t le
 }
 
 /* The live length of allocation [b, b+len) (bytes at p, avail readable): len, or less when it
- * holds an object whose words past some point are dead (mu_dead kind MU_TYPE_FRAME). */
+ * holds an object whose words past some point are dead (mu_dead kinds MU_TYPE_FRAME, SIZED). */
 #define MU_FRAME_STACKTOP 64
 #define MU_FRAME_SLOTS 72
 
@@ -136,28 +153,16 @@ static inline uint64_t mu_live_len(const mu_dead *d, const uint8_t *p, uint64_t 
         return len;
     uint64_t have = len < avail ? len : avail;
     for (uint64_t off = 0; off + 32 <= have && off <= 48; off += 16) {
-        uint64_t rc, tp, fr;
-        memcpy(&rc, p + off, 8);
-        memcpy(&tp, p + off + 8, 8);
-        uint64_t lo = 0, hi = d->ntypes;
-        while (lo < hi) {
-            uint64_t mid = (lo + hi) >> 1;
-            if (d->types[2 * mid] < tp)
-                lo = mid + 1;
-            else
-                hi = mid;
-        }
-        uint64_t code = lo < d->ntypes ? d->types[2 * lo + 1] : 0;
+        uint64_t rc, code, fr;
+        if (!mu_type_rule(d, p, off, &rc, &code) || !mu_plausible_refcnt(rc))
+            continue;
         uint64_t kind = (code >> 8) & 0xff;
-        if (lo == d->ntypes || d->types[2 * lo] != tp || (code & 0xff) != off
-            || (kind != MU_TYPE_FRAME && kind != MU_TYPE_SIZED))
-            continue;
-        if (!((rc >= 1 && rc < MU_REFCNT_SMALL) || rc == 0xFFFFFFFFull))
-            continue;
         if (kind == MU_TYPE_SIZED) {
             uint64_t end = b + off + (((code >> 16) + 7) & ~7ull);
             return end < b + len ? end - b : len;
         }
+        if (kind != MU_TYPE_FRAME)
+            continue;
         memcpy(&fr, p + off + 24, 8);
         if (fr < b + off + 32 || (fr & 7) || fr + MU_FRAME_SLOTS > b + have)
             continue;               /* the frame data lives elsewhere (a running frame) */
