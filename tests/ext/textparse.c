@@ -6,10 +6,11 @@
  *   remember(obj)   -> None: meant to store obj in a cache, but the cache was removed and the
  *                      Py_INCREF stayed (a refcount leak)
  *   remember_ok(obj)-> None: the same with the reference kept in a module-level list
- *   _last_scratch() -> ~address of the last scratch buffer (complemented: no pointer to it is
- *                      kept), for diagnosing a missed leak */
+ *   _last_scratch() -> (~address, usable size) of the last scratch buffer (complemented: no
+ *                      pointer to it is kept): what a test asserts, and a lead for diagnosis */
 #define PY_SSIZE_T_CLEAN
 #include <Python.h>
+#include <malloc.h>
 #include <stdlib.h>
 #include <string.h>
 
@@ -17,6 +18,7 @@
 
 static PyObject *cache;
 static unsigned long last_scratch_hidden;
+static size_t last_scratch_usable;
 
 static PyObject *parse(PyObject *self, PyObject *args)
 {
@@ -27,6 +29,7 @@ static PyObject *parse(PyObject *self, PyObject *args)
     if (!buf)
         return PyErr_NoMemory();
     last_scratch_hidden = ~(unsigned long)buf;
+    last_scratch_usable = malloc_usable_size(buf);
     strncpy(buf, text, SCRATCH - 1);
     buf[SCRATCH - 1] = 0;
     if (buf[0] == '!') {
@@ -53,11 +56,11 @@ static PyObject *remember_ok(PyObject *self, PyObject *obj)
 
 static PyObject *last_scratch(PyObject *self, PyObject *unused)
 {
-    return PyLong_FromUnsignedLong(last_scratch_hidden);
+    return Py_BuildValue("(kn)", last_scratch_hidden, (Py_ssize_t)last_scratch_usable);
 }
 
 static PyMethodDef methods[] = {
-    {"_last_scratch", last_scratch, METH_NOARGS, "~address of the last scratch buffer"},
+    {"_last_scratch", last_scratch, METH_NOARGS, "(~address, usable size) of the last scratch buffer"},
     {"parse", parse, METH_VARARGS, "parse text (leaks its scratch buffer on error)"},
     {"remember", remember, METH_O, "take a reference that is never released"},
     {"remember_ok", remember_ok, METH_O, "keep obj in the module's cache"},
