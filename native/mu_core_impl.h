@@ -83,6 +83,22 @@ static inline int mu_live_next(mu_live_iter *it, uint64_t *b, uint64_t *e)
     }
 }
 
+/* Index of the region holding [addr, addr+n), or -1. */
+static inline int64_t mu_region_find(const mu_region *r, uint64_t nr, uint64_t addr, uint64_t n)
+{
+    uint64_t lo = 0, hi = nr;
+    while (lo < hi) {
+        uint64_t mid = lo + (hi - lo) / 2;
+        if (r[mid].base + r[mid].len <= addr)
+            lo = mid + 1;
+        else
+            hi = mid;
+    }
+    if (lo < nr && r[lo].base <= addr && addr + n <= r[lo].base + r[lo].len && addr + n >= addr)
+        return (int64_t)lo;
+    return -1;
+}
+
 #define MU_REFCNT_SMALL (1ull << 24)
 
 /* 1 when d has a rule for the object header at p + off (ob_refcnt, ob_type) at that offset:

@@ -117,34 +117,27 @@ int64_t mu_gc_walk(const uint64_t *begin, const uint64_t *size, uint64_t n,
     return rc < 0 ? rc : (int64_t)total;
 }
 
-/* Reads the 8 bytes at address a from the region holding allocation i; 0 when outside. */
-static inline int region_word(const mu_region *heap, uint64_t nheap, uint64_t *r, uint64_t a,
-                              uint64_t *w)
-{
-    while (*r < nheap && heap[*r].base + heap[*r].len <= a)
-        (*r)++;
-    if (*r >= nheap || a < heap[*r].base || a + 8 > heap[*r].base + heap[*r].len)
-        return 0;
-    memcpy(w, heap[*r].data + (a - heap[*r].base), 8);
-    return 1;
-}
-
 int64_t mu_list_slack(const uint64_t *begin, const uint64_t *size, uint64_t n,
                       const mu_region *heap, uint64_t nheap, const uint8_t *head_word,
                       uint64_t list_type, uint64_t *out, uint64_t cap)
 {
     if ((n && (!begin || !size || !head_word)) || (nheap && !heap) || (cap && !out))
         return -EINVAL;
-    uint64_t found = 0, r = 0;
+    uint64_t found = 0;
     for (uint64_t i = 0; i < n; i++) {
         if (!head_word[i])
             continue;
         uint64_t obj = begin[i] + 8 * (uint64_t)(head_word[i] - 1) + 16;
+        int64_t r = obj + 40 <= begin[i] + size[i] ? mu_region_find(heap, nheap, obj + 8, 32) : -1;
+        if (r < 0)
+            continue;
+        const uint8_t *o = heap[r].data + (obj - heap[r].base);
         uint64_t tp, n_size, item, alloc;
-        if (obj + 40 > begin[i] + size[i] || !region_word(heap, nheap, &r, obj + 8, &tp)
-            || tp != list_type || !region_word(heap, nheap, &r, obj + 16, &n_size)
-            || !region_word(heap, nheap, &r, obj + 24, &item)
-            || !region_word(heap, nheap, &r, obj + 32, &alloc))
+        memcpy(&tp, o + 8, 8);
+        memcpy(&n_size, o + 16, 8);
+        memcpy(&item, o + 24, 8);
+        memcpy(&alloc, o + 32, 8);
+        if (tp != list_type)
             continue;
         if (!item || (item & 7) || (int64_t)n_size < 0 || n_size >= alloc || alloc > (1ull << 40))
             continue;

@@ -200,25 +200,9 @@ int64_t mu_walk_mmapped(const uint8_t *data, uint64_t base, uint64_t len, uint64
     return (int64_t)stored;
 }
 
-/* Index of the region holding [addr, addr+n), or -1. */
-static int64_t region_find(const mu_region *r, uint64_t nr, uint64_t addr, uint64_t n)
-{
-    uint64_t lo = 0, hi = nr;
-    while (lo < hi) {
-        uint64_t mid = lo + (hi - lo) / 2;
-        if (r[mid].base + r[mid].len <= addr)
-            lo = mid + 1;
-        else
-            hi = mid;
-    }
-    if (lo < nr && r[lo].base <= addr && addr + n <= r[lo].base + r[lo].len && addr + n >= addr)
-        return (int64_t)lo;
-    return -1;
-}
-
 static inline int region_word(const mu_region *r, uint64_t nr, uint64_t addr, uint64_t *v)
 {
-    int64_t i = region_find(r, nr, addr, 8);
+    int64_t i = mu_region_find(r, nr, addr, 8);
     if (i < 0)
         return -1;
     *v = ld64(r[i].data + (addr - r[i].base));
@@ -355,7 +339,7 @@ int64_t mu_walk_tcache_scan(const mu_region *regions, uint64_t nregions, const u
         if (usable[i] != struct_usable)
             continue;
         uint64_t addr = user[i];
-        int64_t r = region_find(regions, nregions, addr, span);
+        int64_t r = mu_region_find(regions, nregions, addr, span);
         if (r < 0)
             continue;
         const uint8_t *p = regions[r].data + (addr - regions[r].base);
