@@ -544,11 +544,9 @@ class _PythonLeaks:
 def _python_objects(mem, cps, image, marked, contents) -> _PythonLeaks:
     """Name the unreachable Python objects and split off the cyclic garbage
     (cpython/objects.py)."""
-    from memunreachable.cpython import layout as CL
     from memunreachable.cpython import objects as O
-    cp = cps.cpython
-    prefix = CL.DEBUG_HOOK_PREFIX if cp.allocator and cp.allocator.endswith("debug") else 0
-    reader = O.ObjectReader(mem, cp.version, prefix)
+    from memunreachable.cpython.pipeline import object_reader
+    reader = object_reader(mem, cps.cpython)
     begins, sizes = image.begins, image.sizes
     unmarked = _unmarked(marked)
     warnings = []

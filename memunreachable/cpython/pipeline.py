@@ -19,7 +19,7 @@ import errno
 import struct
 from array import array
 from dataclasses import dataclass, field
-from typing import List, Optional, Sequence, Tuple
+from typing import Dict, List, Optional, Sequence, Tuple
 
 from memunreachable._errors import MemoryUnreadable
 from memunreachable._ffi import ffi, lib, region_array, u64_view
@@ -70,6 +70,8 @@ def prepare(mem, maps, threads, pid: Optional[int], image: HeapImage) -> CPython
     cuts = list(kept_cuts) + list(cp.dead_ranges)
     dead_ranges = list(cp.dead_ranges)
     head_word = None
+    wanted = {sym: name for sym, (name, _kind) in _type_rules(cp).items()}
+    statics = static_types(mem, maps, pid, cp, dict(wanted, PyList_Type="list"))
     heads = gc_heads(mem, cp)
     if heads is None:
         out.warnings.append(f"CPython {cp.version[0]}.{cp.version[1]}: no GC state layout: "
@@ -85,16 +87,15 @@ def prepare(mem, maps, threads, pid: Optional[int], image: HeapImage) -> CPython
             cuts += spans
             dead_ranges += spans
             out.stats["gc_nodes"] = nodes
-            list_type = _type_address(mem, maps, pid, cp, "PyList_Type", "list")
-            if list_type:
-                slack = list_slack(merged, head_word, list_type)
+            if "PyList_Type" in statics:
+                slack = list_slack(merged, head_word, statics["PyList_Type"])
                 dead_ranges += slack
                 out.stats["list_slack_ranges"] = len(slack)
     dead_types = []
     if head_word is not None and cp.version <= L.DEAD_OBJECTS_UNTIL:
         types = sorted(set(types) | set(frame_types(mem, cp)))
         dead_types = object_types(mem, cp, types, L.DEAD_OBJECT_TYPES)
-    dead_types += opaque_types(mem, maps, pid, cp)
+    dead_types += opaque_types(mem, cp, statics)
     if head_word is not None and not dead_types_all_gc(cp):
         taken = {t for t, _ in dead_types}
         dead_types += [x for x in sized_types(mem, maps, cp, types) if x[0] not in taken]
@@ -276,10 +277,15 @@ def gc_heads(mem, cp: CPythonMap) -> Optional[List[Tuple[int, int, int]]]:
 # ob_refcnt and one of these at that offset holds a dead object (cpython-memory.md section 6,
 # refcount rule). Only the types whose dead objects hide in roots are listed: any other
 # zero word followed by a type pointer is left alone (a wrong "dead" would hide references).
-def object_types(mem, cp: CPythonMap, types: Sequence[int], names) -> List[Tuple[int, int]]:
+def object_reader(mem, cp: CPythonMap):
+    """An ObjectReader for cp's objects (the debug hooks' 2-word prefix when they are on)."""
     from memunreachable.cpython.objects import ObjectReader
     prefix = L.DEBUG_HOOK_PREFIX if (cp.allocator or "").endswith("debug") else 0
-    reader = ObjectReader(mem, cp.version, prefix)
+    return ObjectReader(mem, cp.version, prefix)
+
+
+def object_types(mem, cp: CPythonMap, types: Sequence[int], names) -> List[Tuple[int, int]]:
+    reader = object_reader(mem, cp)
     out = []
     for t in types:
         ti = reader.type_info(t)
@@ -292,19 +298,18 @@ def object_types(mem, cp: CPythonMap, types: Sequence[int], names) -> List[Tuple
 # Returns [(type address, code)] for the builtin types whose objects hold no references
 # (int, float, bytes; compact ASCII str), found by their exported symbols and checked to be
 # the types they claim (mu_dead types: MU_TYPE_OPAQUE, MU_TYPE_STR).
-def opaque_types(mem, maps, pid, cp: CPythonMap) -> List[Tuple[int, int]]:
-    from memunreachable.cpython.objects import ObjectReader
-    prefix = L.DEBUG_HOOK_PREFIX if (cp.allocator or "").endswith("debug") else 0
-    reader = ObjectReader(mem, cp.version, prefix)
-    out = []
+def opaque_types(mem, cp: CPythonMap, statics: Dict[str, int]) -> List[Tuple[int, int]]:
+    reader = object_reader(mem, cp)
+    return [(statics[sym], reader.object_offset(statics[sym]) | getattr(lib, kind) << 8)
+            for sym, (_name, kind) in _type_rules(cp).items() if sym in statics]
+
+
+def _type_rules(cp: CPythonMap) -> Dict[str, Tuple[str, str]]:
+    """{symbol: (tp_name, mu_dead kind)} of the static types with a rule on this version."""
     rules = dict(L.OPAQUE_TYPES)
     if cp.version >= (3, 11):     # frame objects own a copy of their frame data (MU_TYPE_FRAME)
         rules["PyFrame_Type"] = ("frame", "MU_TYPE_FRAME")
-    for sym, (name, kind) in rules.items():
-        t = _type_address(mem, maps, pid, cp, sym, name)
-        if t:
-            out.append((t, reader.object_offset(t) | getattr(lib, kind) << 8))
-    return out
+    return rules
 
 
 def dead_types_all_gc(cp: CPythonMap) -> bool:
@@ -317,9 +322,7 @@ def dead_types_all_gc(cp: CPythonMap) -> bool:
 # malloc rounding slack after tp_basicsize holds stale words of the block's earlier users.
 # Types of extensions and heap types are left whole: they may allocate past tp_basicsize.
 def sized_types(mem, maps, cp: CPythonMap, types) -> List[Tuple[int, int]]:
-    from memunreachable.cpython.objects import ObjectReader
-    prefix = L.DEBUG_HOOK_PREFIX if (cp.allocator or "").endswith("debug") else 0
-    reader = ObjectReader(mem, cp.version, prefix)
+    reader = object_reader(mem, cp)
     own = [m.range for m in maps if m.path == cp.runtime.object_path]
     out = []
     for t in types:
@@ -333,9 +336,10 @@ def sized_types(mem, maps, cp: CPythonMap, types) -> List[Tuple[int, int]]:
     return out
 
 
-# Returns the address of the static type object `sym` of the runtime's ELF object, checked by
-# its tp_name in the snapshot, or 0 (symbol absent, ELF unreadable, name differs).
-def _type_address(mem, maps, pid, cp: CPythonMap, sym: str, name: str) -> int:
+# Returns {symbol: address} of the runtime's static type objects in `wanted` ({symbol:
+# tp_name}) that its ELF file exports and whose tp_name in the snapshot matches; {} when the
+# ELF file cannot be read. One ELF lookup for them all.
+def static_types(mem, maps, pid, cp: CPythonMap, wanted: Dict[str, str]) -> Dict[str, int]:
     from memunreachable.cpython import locate
     from memunreachable.cpython.objects import ObjectReader
     mappings = [m for m in maps if m.path == cp.runtime.object_path]
@@ -343,15 +347,19 @@ def _type_address(mem, maps, pid, cp: CPythonMap, sym: str, name: str) -> int:
         with locate._open(cp.runtime.object_path, mappings, pid) as f:
             facts = locate.elf_facts(f)
     except OSError:
-        return 0
-    if facts is None or sym not in facts.symbols:
-        return 0
-    bias = locate.facts_bias(facts, mappings)
+        return {}
+    bias = locate.facts_bias(facts, mappings) if facts is not None else None
     if bias is None:
-        return 0
-    t = bias + facts.symbols[sym]
-    ti = ObjectReader(mem, cp.version, 0).type_info(t)
-    return t if ti is not None and ti[0] == name else 0
+        return {}
+    reader = ObjectReader(mem, cp.version, 0)
+    out = {}
+    for sym, name in wanted.items():
+        if sym in facts.symbols:
+            t = bias + facts.symbols[sym]
+            ti = reader.type_info(t)
+            if ti is not None and ti[0] == name:
+                out[sym] = t
+    return out
 
 
 # Returns [Range] of the stale slots of every list on the GC lists (mu_list_slack): words
