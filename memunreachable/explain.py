@@ -3,8 +3,9 @@
 With MEMUNREACHABLE_EXPLAIN=<hex address> in the checker's environment, the sweep logs (at
 WARNING level) a chain of referrers that kept the block holding that address alive: each step
 names the word that points into the previous block and what holds it (a root range, or a
-marked allocation with its size and first words). Words the sweep does not count (dead ranges,
-GC links, unscanned object types) may still be listed: the chain is a lead, not a proof.
+marked allocation with its size and first words). Allocations are searched as mark scans them
+(dead objects skipped, typed objects up to their live end) and dead ranges are left out, but a
+GC link word may still be listed: the chain is a lead, not a proof.
 Slow (Python over every scanned byte, per step); never used in normal runs.
 """
 from __future__ import annotations
@@ -14,48 +15,6 @@ import struct
 from typing import List, Optional, Sequence, Tuple
 
 MAX_STEPS = 6
-
-
-def _skipped(buf, types) -> bool:
-    """mu_dead_object for one allocation's bytes (types: {type address: code})."""
-    mv = bytes(memoryview(buf)[:64])
-    for off in range(0, min(len(mv) - 15, 49), 16):
-        rc, tp = struct.unpack_from("<QQ", mv, off)
-        code = types.get(tp)
-        if code is None or code & 0xFF != off:
-            continue
-        kind = code >> 8
-        if kind == 0 and rc == 0:
-            return True
-        if not (1 <= rc < 1 << 24 or rc == 0xFFFFFFFF):
-            continue
-        if kind == 1:
-            return True
-        if kind == 2 and off + 36 <= len(mv) and mv[off + 32] & 0x60 == 0x60:
-            return True
-    return False
-
-
-def _live_len(buf, base: int, types) -> int:
-    """mu_live_len: bytes of the allocation that are scanned (MU_TYPE_FRAME, MU_TYPE_SIZED)."""
-    mv = memoryview(buf)
-    n = len(mv)
-    for off in range(0, min(n - 31, 49), 16):
-        rc, tp = struct.unpack_from("<QQ", mv, off)
-        code = types.get(tp)
-        if code is None or code & 0xFF != off or not (1 <= rc < 1 << 24 or rc == 0xFFFFFFFF):
-            continue
-        kind = (code >> 8) & 0xFF
-        if kind == 4:
-            return min(n, off + (((code >> 16) + 7) & ~7))
-        if kind == 3:
-            fr = struct.unpack_from("<Q", mv, off + 24)[0]
-            if base + off + 32 <= fr and fr % 8 == 0 and fr + 72 <= base + n:
-                top = struct.unpack_from("<i", mv, fr - base + 64)[0]
-                end = fr + 72 + 8 * top
-                if top >= 0 and end <= base + n:
-                    return end - base
-    return n
 
 
 def _referrers(lo: int, hi: int, buffers: Sequence[Tuple[int, object]], dead) -> List[int]:
@@ -73,7 +32,8 @@ def _referrers(lo: int, hi: int, buffers: Sequence[Tuple[int, object]], dead) ->
 
 
 # Returns log lines: the chain of referrers of the allocation holding addr (or why none).
-def explain(addr: int, image, root_buffers, marked, dead_ranges, types=()) -> List[str]:
+# blocks: [(begin, bytes)] of the marked allocations as mark scans them (mark.scanned_blocks).
+def explain(addr: int, image, root_buffers, marked, dead_ranges, blocks) -> List[str]:
     begins, sizes = image.begins, image.sizes
     i = bisect.bisect_right(begins, addr) - 1
     if i < 0 or addr >= begins[i] + max(sizes[i], 1):
@@ -81,10 +41,6 @@ def explain(addr: int, image, root_buffers, marked, dead_ranges, types=()) -> Li
     if not marked[i]:
         return [f"explain {addr:#x}: allocation {begins[i]:#x} ({sizes[i]} bytes) is unreachable"]
     lines = []
-    tmap = dict(types)
-    blocks = [(begins[j], _view(image, begins[j], sizes[j])) for j in range(len(begins))
-              if marked[j] and sizes[j]]
-    blocks = [(b, v[:_live_len(v, b, tmap)]) for b, v in blocks if not _skipped(v, tmap)]
     dead = list(dead_ranges)
     seen = {i}
     for _ in range(MAX_STEPS):

@@ -11,10 +11,11 @@ Pure over plain data: no pid, no ptrace.
 """
 from __future__ import annotations
 
+import bisect
 import time
 from array import array
 from dataclasses import dataclass
-from typing import Sequence, Tuple
+from typing import Optional, Sequence, Tuple
 
 from memunreachable._ffi import check, ffi, lib, region_array, u64_view
 from memunreachable._types import HeapImage
@@ -98,3 +99,24 @@ def mark(image: HeapImage, roots: Sequence[Tuple[int, object]], words: Sequence[
     del keep_b, keep_s, keep_h, keep_r, keep_w, keep_d
     return MarkResult(marked=marked, root_bytes=stats.root_bytes, heap_bytes=stats.heap_bytes,
                       words=stats.words, num_marked=stats.marked, seconds=seconds)
+
+
+# Returns [(begin, memoryview)] of the bytes mark scans in each marked allocation of image:
+# none for a dead or reference-free object, a typed object up to its live end (mu_scanned_len),
+# else the whole allocation. For diagnostics (explain.py): one Python step per allocation.
+def scanned_blocks(image: HeapImage, marked, dead: Optional["DeadWords"] = None) -> list:
+    begins, sizes = image.begins, image.sizes
+    dc, keep = dead_words(dead, len(begins))
+    bases = [b for b, _ in image.regions]
+    out = []
+    for j in range(len(begins)):
+        if not marked[j] or not sizes[j]:
+            continue
+        k = bisect.bisect_right(bases, begins[j]) - 1
+        base, buf = image.regions[k]
+        view = memoryview(buf)[begins[j] - base:]
+        n = lib.mu_scanned_len(dc, ffi.from_buffer("uint8_t[]", view), begins[j], sizes[j], len(view))
+        if n:
+            out.append((begins[j], view[:n]))
+    del keep
+    return out

@@ -428,8 +428,10 @@ def sweep(mem, maps, threads, pid: int, confirm: Optional[set] = None,
     t_mark = time.monotonic()
     if os.environ.get("MEMUNREACHABLE_EXPLAIN"):       # diagnostic: explain.py
         from memunreachable.explain import explain
+        from memunreachable.mark import scanned_blocks
         for line in explain(_explain_address(), image, root_buffers, marked.marked,
-                            dead.ranges if dead else (), dead.types if dead else ()):
+                            dead.ranges if dead else (),
+                            scanned_blocks(image, marked.marked, dead)):
             log.warning("%s", line)
     del root_buffers
     # 6b. CPython: unreachable Python objects, and which of them are cyclic garbage

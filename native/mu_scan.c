@@ -455,3 +455,11 @@ int64_t mu_mark(const uint64_t *begin, const uint64_t *size, uint64_t n,
     mu_scan_index_free(&ix);
     return out;
 }
+
+uint64_t mu_scanned_len(const mu_dead *dead, const uint8_t *p, uint64_t b, uint64_t len,
+                        uint64_t avail)
+{
+    if (mu_dead_object(dead, p, len, avail))
+        return 0;
+    return mu_live_len(dead, p, b, len, avail);
+}

@@ -105,3 +105,9 @@ int64_t mu_gc_walk(const uint64_t *begin, const uint64_t *size, uint64_t n,
 int64_t mu_list_slack(const uint64_t *begin, const uint64_t *size, uint64_t n,
                       const mu_region *heap, uint64_t nheap, const uint8_t *head_word,
                       uint64_t list_type, uint64_t *out, uint64_t cap);
+
+/* The bytes of allocation [b, b+len) (data at p, avail readable) that mu_mark scans under
+ * dead: 0 for a dead or reference-free object, else its live length (mu_dead kinds FRAME and
+ * SIZED), else len. For diagnostics (explain.py); dead may be NULL. */
+uint64_t mu_scanned_len(const mu_dead *dead, const uint8_t *p, uint64_t b, uint64_t len,
+                        uint64_t avail);

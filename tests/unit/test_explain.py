@@ -1,6 +1,6 @@
 """explain.py: the referrer chain of a reachable block, on in-memory data."""
 from memunreachable.explain import explain
-from memunreachable.mark import mark
+from memunreachable.mark import mark, scanned_blocks
 from tests.unit.test_mark import BASE, ROOT, Heap, words_buffer
 
 
@@ -10,7 +10,8 @@ def test_chain_from_a_root_through_two_blocks():
     h.link(1, 3, 2, delta=8)                    # an interior pointer
     roots = [(ROOT, words_buffer(0, h.addrs[0]))]
     res = mark(h.image(), roots)
-    lines = explain(h.addrs[2] + 4, h.image(), roots, res.marked, ())
+    lines = explain(h.addrs[2] + 4, h.image(), roots, res.marked, (),
+                    scanned_blocks(h.image(), res.marked))
     assert lines[0] == f"explain {h.addrs[2] + 4:#x}:"
     assert f"word at {h.addrs[1] + 24:#x} (offset 24) of {h.addrs[1]:#x}" in lines[1]
     assert f"word at {h.addrs[0] + 8:#x} (offset 8) of {h.addrs[0]:#x}" in lines[2]
@@ -20,5 +21,20 @@ def test_chain_from_a_root_through_two_blocks():
 def test_unreachable_and_outside_blocks_say_so():
     h = Heap([32])
     res = mark(h.image(), [])
-    assert "is unreachable" in explain(h.addrs[0], h.image(), [], res.marked, ())[0]
-    assert "not inside any allocation" in explain(BASE - 64, h.image(), [], res.marked, ())[0]
+    assert "is unreachable" in explain(h.addrs[0], h.image(), [], res.marked, (), [])[0]
+    assert "not inside any allocation" in explain(BASE - 64, h.image(), [], res.marked, (), [])[0]
+
+
+def test_scanned_blocks_follow_the_type_rules():
+    from memunreachable._ffi import lib
+    from memunreachable.mark import DeadWords
+    from tests.unit.test_dead_words import INT_TYPE, SIZED
+    h = Heap([80, 16])
+    for slot, w in enumerate([0, 0, 1, INT_TYPE]):
+        h.point(0, slot, w)
+    h.link(0, 8, 1)
+    dead = DeadWords(types=[(INT_TYPE, 16 | SIZED | 40 << 16)])    # object ends at 56
+    blocks = scanned_blocks(h.image(), bytes([1, 1]), dead)
+    assert [(b, len(v)) for b, v in blocks] == [(h.addrs[0], 56), (h.addrs[1], 16)]
+    opaque = DeadWords(types=[(INT_TYPE, 16 | lib.MU_TYPE_OPAQUE << 8)])
+    assert [b for b, _ in scanned_blocks(h.image(), bytes([1, 1]), opaque)] == [h.addrs[1]]
