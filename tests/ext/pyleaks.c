@@ -13,7 +13,7 @@
 #include <Python.h>
 #include <malloc.h>
 #include <string.h>
-#include <sys/mman.h>
+#include "reserve.h"
 
 static PyObject *leak_native(PyObject *self, PyObject *args)
 {
@@ -79,27 +79,6 @@ static PyObject *incref(PyObject *self, PyObject *obj)
 {
     Py_INCREF(obj);
     Py_RETURN_NONE;
-}
-
-/* reserve(n[, at]): map n bytes PROT_NONE (never read, so never scanned), at `at` exactly
- * when given (MAP_FIXED_NOREPLACE), else where the kernel puts it: below the existing
- * mappings. Returns the address (as tests/ext/leaky.c). */
-static PyObject *reserve(PyObject *self, PyObject *args)
-{
-    Py_ssize_t n;
-    unsigned long at = 0;
-    if (!PyArg_ParseTuple(args, "n|k", &n, &at))
-        return NULL;
-    int flags = MAP_PRIVATE | MAP_ANONYMOUS | MAP_NORESERVE | (at ? MAP_FIXED_NOREPLACE : 0);
-    void *r = mmap((void *)at, n, PROT_NONE, flags, -1, 0);
-    if (r == MAP_FAILED)
-        return PyErr_SetFromErrno(PyExc_OSError);
-    if (at && (unsigned long)r != at) {
-        munmap(r, n);
-        PyErr_SetString(PyExc_OSError, "reserve: the kernel ignored the requested address");
-        return NULL;
-    }
-    return PyLong_FromUnsignedLong((unsigned long)r);
 }
 
 static PyMethodDef methods[] = {
