@@ -159,13 +159,22 @@ def signal_round(fx, sig: int, delay: float, anchored: bool = True) -> str:
 
 def check_duration(fx) -> float:
     """Seconds from the checker's first log line to its exit (one measured run)."""
+    return check_timing(fx)[0]
+
+
+def check_timing(fx) -> tuple:
+    """(seconds from the checker's first log line to its exit, (lo, hi) seconds after that
+    line while its snapshot clone lives), from one measured run: the clone lives for the
+    report's snapshot_ms and is released when the sweep ends, just before the check does."""
     proc = spawn(fx.pid)
     head = read_until(proc, ANCHOR)
     t0 = time.monotonic()
     rc, out, err = finish(proc, head)
     assert rc == 23, err
-    assert_exact(fx, load_json(json.loads(out)))
-    return time.monotonic() - t0
+    info = load_json(json.loads(out))
+    assert_exact(fx, info)
+    end, life = info.duration_ms / 1000, info.snapshot_ms / 1000
+    return time.monotonic() - t0, (max(0.0, end - life - 0.01), end)
 
 
 def signal_rounds(name: str, per_signal: int, startup: int) -> dict:
@@ -231,10 +240,17 @@ def kill_rounds(name: str, rounds: int) -> dict:
     died = []
     fx = fixtures.start(name, timeout=120)
     try:
-        span = check_duration(fx) * 1.1
-        for i in range(rounds):
+        span, (lo, hi) = check_timing(fx)
+        span *= 1.1
+        # half the moments spread over the whole check, half over the snapshot's life (the
+        # moments that leave a clone to reap: a shrinking share of the check as start-up and
+        # the report got faster)
+        half = max(rounds // 2, 1)
+        delays = [span * i / max(half - 1, 1) for i in range(half)]
+        delays += [lo + (hi - lo) * i / max(rounds - half - 1, 1) for i in range(rounds - half)]
+        for delay in sorted(delays):
             try:
-                counts["left_a_zombie"] += kill_round(fx, span * i / max(rounds - 1, 1))
+                counts["left_a_zombie"] += kill_round(fx, delay)
             except TargetDied as exc:
                 died.append(str(exc))
                 counts["target_died"] += 1
@@ -245,7 +261,8 @@ def kill_rounds(name: str, rounds: int) -> dict:
     except BaseException:
         fx.kill()
         raise
-    print(f"{name}: SIGKILL over a {span * 1000:.0f} ms window: {counts} {died}")
+    print(f"{name}: SIGKILL over a {span * 1000:.0f} ms window (snapshot {lo * 1000:.0f}-"
+          f"{hi * 1000:.0f} ms): {counts} {died}")
     return counts
 
 
