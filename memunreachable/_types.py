@@ -4,9 +4,10 @@ Every range is half-open [begin, end). Nothing here knows about ptrace or /proc.
 """
 from __future__ import annotations
 
+import bisect
 import mmap
 from dataclasses import dataclass, field
-from typing import Optional, Protocol, Sequence, Tuple
+from typing import List, Optional, Protocol, Sequence, Tuple
 
 # user_regs_struct word order on x86_64 (ptrace-snapshot.md section 3)
 REG_NAMES: Tuple[str, ...] = (
@@ -127,10 +128,14 @@ class Allocator:
     version: Optional[str] = None    # "2.36"; None when not found (static binaries)
 
 
+def _key(r: Range) -> tuple:
+    return (r.begin, r.end)
+
+
 def merge_ranges(ranges: Sequence[Range]) -> list:
     """Sorted, coalesced copy of ranges."""
     out: list = []
-    for r in sorted(ranges):
+    for r in sorted(ranges, key=_key):      # a key: Range's generated __lt__ is 5x slower
         if r.begin >= r.end:
             continue
         if out and r.begin <= out[-1].end:
@@ -143,21 +148,33 @@ def merge_ranges(ranges: Sequence[Range]) -> list:
 
 def subtract_ranges(base: Sequence[Range], holes: Sequence[Range]) -> list:
     """Parts of `base` not covered by any of `holes` (both any order); result sorted."""
-    holes = merge_ranges(holes)
-    out = []
-    for r in merge_ranges(base):
+    cut = RangeCutter(holes)
+    return [piece for r in merge_ranges(base) for piece in cut(r)]
+
+
+class RangeCutter:
+    """Cuts ranges by one set of holes, merged once: cut(r) is the parts of r outside every
+    hole, ascending, in O(log holes + holes inside r)."""
+
+    def __init__(self, holes: Sequence[Range]) -> None:
+        self.holes = merge_ranges(holes)
+        self.ends = [h.end for h in self.holes]
+
+    def __call__(self, r: Range) -> List[Range]:
+        out = []
         cur = r.begin
-        for h in holes:
-            if h.end <= cur or h.begin >= r.end:
-                continue
+        i = bisect.bisect_right(self.ends, cur)
+        while i < len(self.holes) and cur < r.end:
+            h = self.holes[i]
+            if h.begin >= r.end:
+                break
             if h.begin > cur:
                 out.append(Range(cur, h.begin))
             cur = max(cur, h.end)
-            if cur >= r.end:
-                break
+            i += 1
         if cur < r.end:
             out.append(Range(cur, r.end))
-    return out
+        return out
 
 
 @dataclass

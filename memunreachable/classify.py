@@ -26,7 +26,7 @@ import struct
 from dataclasses import dataclass, field
 from typing import Dict, List, Sequence
 
-from memunreachable._types import Mapping, Range, ThreadState, merge_ranges, subtract_ranges
+from memunreachable._types import Mapping, Range, RangeCutter, ThreadState
 
 RED_ZONE = 128          # x86-64 ABI: leaf functions may keep live data below SP
 ORIG_RAX = 15           # user_regs_struct index; -1 when the thread was stopped in user code
@@ -108,11 +108,11 @@ def classify(maps: Sequence[Mapping], threads: Sequence[ThreadState],
             kind = "stack"
         candidates.append((rng, kind))
 
-    holes = merge_ranges(list(heap_ranges) + list(metadata_ranges) + list(extra_cuts))
+    cut = RangeCutter(list(heap_ranges) + list(metadata_ranges) + list(extra_cuts))
     roots = RootSet(words=register_words(threads))
     for rng, kind in candidates:
-        for piece in subtract_ranges([rng], holes):
+        for piece in cut(rng):
             roots.ranges.append(piece)
             roots.kinds[piece] = kind
-    roots.ranges.sort()
+    roots.ranges.sort(key=lambda r: r.begin)
     return roots

@@ -130,6 +130,18 @@ class CopiedMemory:
         return getattr(self.mem, name)
 
 
+# Returns a buffer holding [addr, addr+size) of mem: a view of a copy mem already holds
+# (CopiedMemory), else a new local buffer read from mem (raises as mem.read_into does).
+# The pool walk's windows are mostly the glibc walk's copies: viewed, not copied again.
+def local_copy(mem, addr: int, size: int):
+    view = mem.view(addr, size) if isinstance(mem, CopiedMemory) else None
+    if view is not None:
+        return view
+    buf = local_buffer(size)
+    mem.read_into(addr, buf)
+    return buf
+
+
 @dataclass
 class SnapshotPlan:
     """missing: readable ranges of the target that the snapshot lacks or wiped (overlays

@@ -17,6 +17,7 @@ from __future__ import annotations
 
 import errno
 import os
+import re
 from dataclasses import dataclass
 from typing import List, Optional, Tuple
 
@@ -201,21 +202,19 @@ def task_state(pid: int, tid: int) -> str:
 # line (kernels before 3.8) gets no two-letter flags. Raises ValueError on a malformed header.
 def parse_smaps_flags(text: str) -> List[Tuple[Mapping, frozenset]]:
     out: List[Tuple[Mapping, frozenset]] = []
-    for line in text.splitlines():
-        if line.startswith("VmFlags:"):
-            if out:
-                out[-1] = (out[-1][0], out[-1][1] | frozenset(line[8:].split()))
-            continue
-        if line.startswith(("Anonymous:", "Swap:")):
-            if out and line.split()[1] != "0":
+    for m in _SMAPS_LINE.finditer("\n" + text):    # the regex skips the other 20 lines in C
+        header, counter, flags = m.group(1, 3, 4)
+        if header is not None:
+            out.append((parse_maps(header)[0], frozenset()))
+        elif out and counter is not None:
+            if counter != "0":
                 out[-1] = (out[-1][0], out[-1][1] | WRITTEN)
-            continue
-        head = line.split(None, 1)[0] if line.strip() else ""
-        if "-" in head and not head.endswith(":"):
-            out.append((parse_maps(line)[0], frozenset()))
+        elif out and flags is not None:
+            out[-1] = (out[-1][0], out[-1][1] | frozenset(flags.split()))
     return out
 
 
+_SMAPS_LINE = re.compile(r"\n(?:([0-9a-f]+-[0-9a-f]+ [^\n]*)|(Anonymous|Swap):\s*(\d+)|VmFlags:([^\n]*))")
 WRITTEN = frozenset({"written"})
 
 

@@ -24,7 +24,8 @@ from typing import List, Sequence, Tuple
 
 from memunreachable._errors import MemoryUnreadable
 from memunreachable._ffi import check, ffi, lib
-from memunreachable._types import Mapping, Range, local_buffer, merge_ranges
+from memunreachable._types import Mapping, Range, merge_ranges
+from memunreachable.memory import local_copy
 from memunreachable.cpython import layout as L
 
 SCAN_WINDOW = 16 << 20          # pool scan reads anonymous memory in windows of this size
@@ -176,9 +177,8 @@ def _walk_array(mem, lay: L.Layout, arr: ArenaArray, out: PymallocWalk, acc: _Ac
         carved = (pool_address - first) // ps
         if carved == 0:
             continue
-        buf = local_buffer(pool_address - first)
         try:
-            mem.read_into(first, buf)
+            buf = local_copy(mem, first, pool_address - first)
         except MemoryUnreadable as exc:
             out.problems.append(f"arena {i} unreadable at {exc.address:#x}")
             continue
@@ -212,9 +212,8 @@ def scan_pools(mem, maps: Sequence[Mapping], lay: L.Layout) -> PymallocWalk:
         lo = m.begin
         while lo < m.end:
             hi = min(m.end, (lo // SCAN_WINDOW + 1) * SCAN_WINDOW)
-            buf = local_buffer(hi - lo)
             try:
-                mem.read_into(lo, buf)
+                buf = local_copy(mem, lo, hi - lo)
             except MemoryUnreadable as exc:
                 out.warnings.append(f"anonymous memory at {exc.address:#x} could not be read for "
                                     "the pool scan: it is scanned as before")
