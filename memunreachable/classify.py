@@ -62,6 +62,15 @@ def classify_mapping(m: Mapping, objects: set) -> str:
     return "skip"
 
 
+def data_ranges(maps: Sequence[Mapping], unwritten: Sequence[Range]) -> List[Range]:
+    """The loaded objects' data mappings that can be roots (classify's "data" class) minus
+    the pages never written: read once, early, they serve every small read of the CPython
+    stage (the runtime, static types, free lists) and then the roots."""
+    objects = loaded_objects(maps)
+    cut = RangeCutter(unwritten)
+    return [piece for m in maps if classify_mapping(m, objects) == "data" for piece in cut(m.range)]
+
+
 def loaded_objects(maps: Sequence[Mapping]) -> set:
     """Paths of ELF objects with executable code mapped (libraries and the executable)."""
     return {m.path for m in maps if m.executable and m.path and not m.path.startswith("[")}

@@ -25,7 +25,7 @@ from typing import Iterable, List, Sequence, Tuple
 
 from memunreachable._errors import MemoryUnreadable
 from memunreachable._ffi import buffer_of, check, ffi, lib
-from memunreachable._types import Mapping, Range, local_buffer, merge_ranges, subtract_ranges
+from memunreachable._types import Mapping, Range, RangeCutter, local_buffer, merge_ranges
 
 PAGE = 4096
 # mappings the kernel gives every process and the sweep never reads as memory
@@ -170,7 +170,7 @@ def _needs_reading(m: Mapping) -> bool:
 def plan_snapshot(target_maps: Sequence[Mapping], snapshot_smaps: Sequence[Tuple[Mapping, frozenset]],
                   file_size=None) -> SnapshotPlan:
     plan = SnapshotPlan()
-    present = merge_ranges([m.range for m, _ in snapshot_smaps])
+    absent = RangeCutter([m.range for m, _ in snapshot_smaps])     # cut by what is present
     for m, flags in snapshot_smaps:
         if m.path.startswith("/") and m.inode and not m.shared and "written" not in flags:
             plan.unwritten.append(m.range)
@@ -182,7 +182,7 @@ def plan_snapshot(target_maps: Sequence[Mapping], snapshot_smaps: Sequence[Tuple
     for m in target_maps:
         if not _needs_reading(m):
             continue
-        gone = subtract_ranges([m.range], present)
+        gone = absent(m.range)
         if gone:
             plan.missing.extend(gone)
             plan.notes.append(f"{m.begin:#x}-{m.end:#x} {m.path or '(anonymous)'} is not in the "
@@ -222,10 +222,21 @@ def mapped_file_size(pid: int):
 # Returns [(base, buffer)] copies of `ranges` read from process `pid` (frozen by the caller).
 # Raises MemoryUnreadable when a byte cannot be read (the caller then cannot use the snapshot).
 def capture(pid: int, ranges: Iterable[Range]) -> List[Tuple[int, object]]:
-    out = []
     with ProcessMemory(pid) as mem:
-        for r in ranges:
-            buf = local_buffer(r.size)
+        return read_copies(mem, ranges)
+
+
+# Returns [(base, buffer)] copies of `ranges` read from mem. An unreadable range raises
+# MemoryUnreadable, or is left out when skip_unreadable (a later read of it raises then).
+def read_copies(mem, ranges: Iterable[Range], skip_unreadable: bool = False):
+    out = []
+    for r in ranges:
+        buf = local_buffer(r.size)
+        try:
             mem.read_into(r.begin, buf)
-            out.append((r.begin, buf))
+        except MemoryUnreadable:
+            if not skip_unreadable:
+                raise
+            continue
+        out.append((r.begin, buf))
     return out

@@ -31,14 +31,14 @@ from memunreachable import preflight as preflight_stage
 from memunreachable._errors import (CollectionError, HeapCorrupt, HeapWalkError,
                                     MemoryUnreadable, NoSuchProcess)
 from memunreachable._types import Range, merge_ranges, subtract_ranges
-from memunreachable.classify import classify
+from memunreachable.classify import classify, data_ranges
 from memunreachable.cpython import probe
 from memunreachable.folding import fold, size_totals
 from memunreachable.freeze import frozen
 from memunreachable.glibc import locate
 from memunreachable.glibc.walker import HeapInconsistent, walk_heap
 from memunreachable.mark import mark
-from memunreachable.memory import (CopiedMemory, ProcessMemory, SnapshotPlan, capture,
+from memunreachable.memory import (CopiedMemory, ProcessMemory, SnapshotPlan, capture, read_copies,
                                    mapped_file_size, plan_snapshot)
 from memunreachable.report import Leak, UnreachableMemoryInfo, group_leaks, members, sort_and_limit
 from memunreachable.snapshot import prepare as prepare_snapshot, take_snapshot
@@ -381,7 +381,9 @@ def sweep(mem, maps, threads, pid: int, confirm: Optional[set] = None,
     suspect = threads_in_allocator(threads, maps, pid, hw.stats.get("arena_addresses", ()))
     # 4b. CPython: pymalloc blocks are allocations, its arenas and dead memory are not roots,
     # GC links are not references (cpython/pipeline.py)
-    mem = CopiedMemory(mem, list(hw.image.regions) + hw.spare)  # what the walk copied is not read again
+    # what the walk copied is not read again; the data mappings are read once, here
+    mem = CopiedMemory(mem, list(hw.image.regions) + hw.spare
+                       + read_copies(mem, data_ranges(maps, unwritten), skip_unreadable=True))
     cps = _see_through_cpython(mem, maps, threads, pid, hw.image)
     image, dead = cps.image, cps.dead
     # glibc's rule "a word equal to a chunk's last 8 usable bytes is the next chunk's header"
