@@ -300,6 +300,30 @@ STR_LENGTH = 16                 # PyASCIIObject.length
 STR_STATE = 32                  # PyASCIIObject.state bit field (interned:2 kind:3 compact:1 ascii:1)
 
 
+TPFLAGS_LIST_SUBCLASS = 1 << 25
+TPFLAGS_DICT_SUBCLASS = 1 << 29
+# Fields through which an object owns a separate buffer (3.8-3.13 alike): PyDictObject
+# ma_keys, ma_values; PyListObject ob_item; PySetObject table; PyByteArrayObject ob_bytes
+DICT_KEYS, DICT_VALUES, LIST_ITEMS, SET_TABLE, BYTEARRAY_BYTES = 32, 40, 24, 40, 32
+
+
+def owned_fields(name: str, flags: int, version: Tuple[int, int]) -> Tuple[int, ...]:
+    """Offsets from an object of this type of the words that point at buffers it owns. A
+    managed dict's values (3.11: obj - 32; 3.12: obj - 24, tagged values - 1) too."""
+    out: Tuple[int, ...] = ()
+    if flags & TPFLAGS_DICT_SUBCLASS:
+        out += (DICT_KEYS, DICT_VALUES)
+    if flags & TPFLAGS_LIST_SUBCLASS:
+        out += (LIST_ITEMS,)
+    if name in ("set", "frozenset"):
+        out += (SET_TABLE,)
+    if name == "bytearray":
+        out += (BYTEARRAY_BYTES,)
+    if flags & TPFLAGS_MANAGED_DICT and version in ((3, 11), (3, 12)):
+        out += (-32 if version == (3, 11) else -24,)
+    return out
+
+
 def preheader_flags(version: Tuple[int, int]) -> int:
     """tp_flags bits that put 16 bytes before the GC head (cpython-memory.md section 3)."""
     if version >= (3, 12):

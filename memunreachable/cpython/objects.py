@@ -43,6 +43,7 @@ class PyObjectInfo:
     refcount: int
     immortal: bool = False        # 3.12+ immortal count: never judged by refcount
     repr: Optional[str] = None
+    owned: Tuple[int, ...] = ()   # offsets of its fields that point at buffers it owns
 
 
 class ObjectReader:
@@ -138,7 +139,8 @@ class ObjectReader:
                 continue
             obj = begin + off
             return PyObjectInfo(obj, name, refcnt & 0xFFFFFFFF if immortal else refcnt, immortal,
-                                self.short_repr(name, obj, begin + size) if with_repr else None)
+                                self.short_repr(name, obj, begin + size) if with_repr else None,
+                                L.owned_fields(name, flags, self.version))
         return None
 
     def short_repr(self, name: str, obj: int, end: int) -> Optional[str]:
@@ -226,7 +228,7 @@ def objects_in(reader: ObjectReader, begins, sizes, indices: Sequence[int],
 def with_repr(reader: ObjectReader, info: PyObjectInfo, end: int) -> PyObjectInfo:
     """info with its short repr filled in (end: the end of its block)."""
     r = reader.short_repr(info.type_name, info.address, end)
-    return PyObjectInfo(info.address, info.type_name, info.refcount, info.immortal, r)
+    return PyObjectInfo(info.address, info.type_name, info.refcount, info.immortal, r, info.owned)
 
 
 # Returns (garbage indices, internal reference count per object index), or (None, {}) when
@@ -245,9 +247,13 @@ def split_garbage(begins, sizes, indices: Sequence[int], objects: Dict[int, PyOb
     internal = dict.fromkeys(objects, 0)
     edges: Dict[int, List[int]] = {}
     holds_objects = set()         # blocks holding an exact pointer to an unreachable object
+    owned = set()                 # blocks an unreachable object owns through a typed field
     for i in order:
         out = set()
-        for v in (words(i) if sizes[i] <= MAX_BLOCK_WORDS else ()):
+        ws = words(i) if sizes[i] <= MAX_BLOCK_WORDS else ()
+        if i in objects and ws:
+            owned.update(_owned_blocks(objects[i], begins[i], ws, ub, ue, order))
+        for v in ws:
             if v < ub[0] or v >= ue[-1]:
                 continue
             t = by_obj.get(v)
@@ -276,13 +282,29 @@ def split_garbage(begins, sizes, indices: Sequence[int], objects: Dict[int, PyOb
     from_objects = reach([i for i, info in objects.items() if info.refcount or info.immortal])
     roots = [i for i, info in objects.items()
              if not info.immortal and info.refcount > internal[i]]
-    # a non-object block is an object's part (an item array, a key table) only when an
-    # unreachable object reaches it and it points at unreachable objects itself; any other
-    # (a native block a stale word of an object happens to point into) is a leak
-    roots += [i for i in order if i not in objects
+    # a non-object block is an object's part when an unreachable object owns it through a
+    # typed field (a dict's key table, a list's item array: holding no unreachable object, an
+    # empty dict's keys or a list of small ints, they are still parts), or when an unreachable
+    # object reaches it and it points at unreachable objects itself; any other (a native block
+    # a stale word of an object happens to point into) is a leak
+    roots += [i for i in order if i not in objects and i not in owned
               and (i not in from_objects or i not in holds_objects)]
     leaked = reach(roots)
     return {i for i in order if i not in leaked}, internal
+
+
+def _owned_blocks(info: PyObjectInfo, begin: int, ws, ub, ue, order) -> List[int]:
+    """Indices (in the block order) of the unreachable blocks info's typed fields point into."""
+    out = []
+    for off in info.owned:
+        w = (info.address - begin + off) // 8
+        if not 0 <= w < len(ws):
+            continue
+        v = ws[w] + (ws[w] & 1)               # 3.12's tagged values pointer: values - 1
+        k = bisect.bisect_right(ub, v) - 1
+        if k >= 0 and v < ue[k] and ub[k] != begin:
+            out.append(order[k])
+    return out
 
 
 def block_words(view, head_word, i: int) -> array:

@@ -90,6 +90,16 @@ static PyMethodDef methods[] = {
     {NULL, NULL, 0, NULL},
 };
 
-static struct PyModuleDef module = {PyModuleDef_HEAD_INIT, "pyleaks", NULL, -1, methods};
+/* Multi-phase initialisation, no state: importable in every sub-interpreter, 3.12+'s isolated
+ * ones (own GIL, own obmalloc) included (test_cpython_leaks.py::test_subinterpreters). */
+static PyModuleDef_Slot slots[] = {
+#if PY_VERSION_HEX >= 0x030C0000
+    {Py_mod_multiple_interpreters, Py_MOD_PER_INTERPRETER_GIL_SUPPORTED},
+#endif
+    {0, NULL},
+};
 
-PyMODINIT_FUNC PyInit_pyleaks(void) { return PyModule_Create(&module); }
+static struct PyModuleDef module = {PyModuleDef_HEAD_INIT, "pyleaks", NULL, 0, methods,
+                                    slots, NULL, NULL, NULL};
+
+PyMODINIT_FUNC PyInit_pyleaks(void) { return PyModuleDef_Init(&module); }

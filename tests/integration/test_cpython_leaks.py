@@ -47,6 +47,22 @@ def _ident(path: str) -> str:
     return path.split("/versions/")[1].split("/")[0] if "/versions/" in path else path
 
 
+RESERVE = r"""
+def reserve():
+    # The native blocks are mmapped chunks (above the mmap threshold); the kernel places them
+    # just below the lowest mapping, next to the libraries, where stale words whose low bytes
+    # were overwritten by small data (2-byte strings over an old pointer into libpython) read
+    # as pointers into them. So 1 GiB of PROT_NONE goes there first, and more down to an
+    # address whose low 32 bits are LOW32_TOP, as tests/ext/leakytools.py does, and the blocks
+    # are 4 MiB (no gap between libraries fits them): they land in address space never used
+    # before. calloc: untouched zero pages, nothing resident.
+    LOW32_TOP = 0xB0000000
+    top = pyleaks.reserve(1 << 30)
+    floor = (top - LOW32_TOP) // (1 << 32) * (1 << 32) + LOW32_TOP
+    if floor < top:
+        pyleaks.reserve(top - floor, floor)
+"""
+
 TARGET = r"""
 import ctypes, json, sys
 sys.path.insert(0, sys.argv[1])
@@ -67,20 +83,7 @@ out = {}
 print("baseline", flush=True)        # the test checks once here: what was unreachable before
 sys.stdin.readline()
 
-def reserve():
-    # The native blocks are mmapped chunks (above the mmap threshold); the kernel places them
-    # just below the lowest mapping, next to the libraries, where stale words whose low bytes
-    # were overwritten by small data (2-byte strings over an old pointer into libpython) read
-    # as pointers into them. So 1 GiB of PROT_NONE goes there first, and more down to an
-    # address whose low 32 bits are LOW32_TOP, as tests/ext/leakytools.py does, and the blocks
-    # are 4 MiB (no gap between libraries fits them): they land in address space never used
-    # before. calloc: untouched zero pages, nothing resident.
-    LOW32_TOP = 0xB0000000
-    top = pyleaks.reserve(1 << 30)
-    floor = (top - LOW32_TOP) // (1 << 32) * (1 << 32) + LOW32_TOP
-    if floor < top:
-        pyleaks.reserve(top - floor, floor)
-
+@RESERVE@
 def native():
     # above the mmap threshold: a chunk of its own, high in the address space (Debian's
     # python3 is not PIE: its brk heap lies below 4 GiB, where 4 ASCII bytes followed by
@@ -120,7 +123,7 @@ out["keep"] = keep
 print(json.dumps(out))
 print("ready", flush=True)
 sys.stdin.read(1)
-"""
+""".replace("@RESERVE@", RESERVE)
 
 
 def build_ext(python: str) -> str:
@@ -249,3 +252,103 @@ def test_cli_cyclic_garbage_is_not_a_leak():
     (entry,) = report["cyclic_garbage"]
     assert entry["python_type"] == "Node" and entry["refcount"] == 1
     assert entry["address"] + 16 in (x, y) and entry["referenced_count"] == 1
+
+
+# Sub-interpreters: each leaks a list (refcount) and a native block from inside itself, among
+# live objects of its own. A legacy one (shared obmalloc; its own GC lists from 3.9, 3.12) on
+# every version; on 3.12+ an isolated one too (own GIL, own obmalloc arenas and GC state).
+SUBINTERPRETERS = r"""
+import json, sys
+sys.path.insert(0, sys.argv[1])
+import pyleaks
+print("baseline", flush=True)
+sys.stdin.readline()
+
+def create(isolated):
+    try:
+        import _interpreters as I                              # 3.13
+        return I.create(I.new_config("isolated" if isolated else "legacy")), I.exec
+    except ImportError:
+        import _xxsubinterpreters as I                         # 3.8-3.12
+        try:
+            return I.create(isolated=isolated), I.run_string
+        except TypeError:                                      # 3.8: no keywords
+            return I.create(), I.run_string
+
+CODE = '''
+import json, sys
+sys.path.insert(0, %r)
+import pyleaks
+MASK = (1 << 64) - 1
+keep = [[i, str(i), {i: (i, "x" * (i %% 50))}] for i in range(5000)]
+class Node:
+    pass
+nodes = [Node() for _ in range(2000)]
+lst = (~pyleaks.leak_list(100, 1000)) & MASK
+hidden, size = pyleaks.leak_native(4 << 20)
+with open(%r, "w") as f:
+    json.dump([lst, (~hidden) & MASK, size], f)
+'''
+@RESERVE@
+reserve()                         # the 4 MiB blocks land below it, in never-used address space
+made, interps = [], []
+for isolated in ([False, True] if sys.version_info >= (3, 12) else [False]):
+    interp, run = create(isolated)
+    path = sys.argv[2] + ("-isolated" if isolated else "-legacy")
+    run(interp, CODE % (sys.argv[1], path))
+    with open(path) as f:
+        made.append(["isolated" if isolated else "legacy"] + json.load(f))
+    interps.append(interp)
+print(json.dumps(made))
+print("ready", flush=True)
+sys.stdin.read(1)
+""".replace("@RESERVE@", RESERVE)
+
+
+@pytest.mark.parametrize("python", interpreters(), ids=_ident)
+def test_subinterpreters(python, tmp_path):
+    env = dict(os.environ)
+    env.pop("PYTHONMALLOC", None)
+    proc = subprocess.Popen([python, "-c", SUBINTERPRETERS, build_ext(python), str(tmp_path / "made")],
+                            stdin=subprocess.PIPE, stdout=subprocess.PIPE, stderr=subprocess.PIPE,
+                            text=True, env=env)
+    try:
+        assert proc.stdout.readline().strip() == "baseline", proc.stderr.read()
+        before = {l.address for l in check(proc.pid, limit=None).leaks}
+        proc.stdin.write("go\n")
+        proc.stdin.flush()
+        line = proc.stdout.readline()
+        assert line, proc.stderr.read()
+        made = json.loads(line)
+        assert proc.stdout.readline().strip() == "ready"
+        info = check(proc.pid, limit=None)
+    finally:
+        proc.kill()
+        proc.wait(timeout=30)
+        proc.stdout.close()
+        proc.stderr.close()
+    assert [m[0] for m in made] == (["legacy", "isolated"] if _minor(python) >= 12 else ["legacy"])
+    assert not [w for w in info.warnings if "CPython" in w or "pymalloc" in w], info.warnings
+    leaks = {l.address: l for l in info.leaks if l.address not in before}
+    expected = set()
+    for kind, lst, native, size in made:
+        head = leaks.get(lst - 16)          # the list's block starts at its GC head
+        assert head is not None, (kind, hex(lst), sorted(map(hex, leaks)))
+        assert (head.python_type, head.refcount) == ("list", 1), kind
+        expected.add(lst - 16)
+        if kind == "isolated":
+            # its native block is kept reachable in most runs by a stale copy of its address
+            # in the last word of a glibc chunk reused afterwards (a type's tp_doc buffer, an
+            # object's slack: MEMUNREACHABLE_EXPLAIN shows it), a miss never a false leak:
+            # docs/limitations.md
+            if native in leaks:
+                expected.add(native)
+            continue
+        assert native in leaks, (kind, hex(native), sorted(map(hex, leaks)))
+        assert leaks[native].size == size and leaks[native].python_type is None
+        expected.add(native)
+    # nothing else: the sub-interpreters' live objects and their pending cyclic garbage (an
+    # empty dict's key table, a list of small ints: parts of the garbage) are not leaks
+    assert set(leaks) == expected, "; ".join(
+        f"{l.address:#x} {l.size} {l.python_type} {l.refcount} {l.repr}" for l in info.leaks
+        if l.address in set(leaks) - expected)

@@ -7,6 +7,7 @@ from types import SimpleNamespace
 import pytest
 
 from memunreachable._types import BufferMemory, HeapImage, Range
+from memunreachable.cpython import layout as L
 from memunreachable.cpython import objects as O
 from memunreachable.cpython import pipeline as P
 
@@ -135,6 +136,48 @@ def test_split_garbage_cycle_leak_and_native_block():
     objs[0] = O.PyObjectInfo(begins[0] + 16, "list", 0)
     garbage, internal = O.split_garbage(begins, sizes, range(7), objs, lambda i: array("Q", words[i]))
     assert internal[1] == 0 and garbage == set()
+
+
+def test_split_garbage_owned_buffers_are_parts_of_garbage():
+    # Nodes C (5) <-> Y (6) form a cycle; C also holds dict D (0) and list X (1), each
+    # referenced once, by C. D's key table (2) is empty and X's item array (3) holds small
+    # ints: no unreachable object in either, yet they are the garbage's parts (typed fields:
+    # dict ma_keys, list ob_item), not leaks. 4: a native block a stale word in D's slack
+    # points at: still a leak.
+    begins = [A + 0x100 * k for k in range(7)]
+    sizes = [80] * 7
+    d = O.PyObjectInfo(begins[0] + 16, "dict", 1,
+                       owned=L.owned_fields("dict", L.TPFLAGS_DICT_SUBCLASS, (3, 12)))
+    x = O.PyObjectInfo(begins[1] + 16, "list", 1,
+                       owned=L.owned_fields("list", L.TPFLAGS_LIST_SUBCLASS, (3, 12)))
+    c = O.PyObjectInfo(begins[5] + 16, "Node", 1)
+    y = O.PyObjectInfo(begins[6] + 16, "Node", 1)
+    objs = {0: d, 1: x, 5: c, 6: y}
+    # words from the block start: GC head (2 words, zeroed), ob_refcnt, ob_type, then fields
+    words = {0: [0, 0, 1, 0x7000, 0, 0, begins[2], 0, 0, begins[4]],
+             1: [0, 0, 1, 0x7100, 2, begins[3], 2, 0, 0, 0],
+             2: [1, 0x303, 4, 1, 0xFFFFFFFFFFFFFFFE], 3: [0x7200, 0x7210], 4: [],
+             5: [0, 0, 1, 0x7300, d.address, x.address, y.address],
+             6: [0, 0, 1, 0x7300, c.address]}
+    garbage, _ = O.split_garbage(begins, sizes, range(7), objs, lambda i: array("Q", words[i]))
+    assert garbage == {0, 1, 2, 3, 5, 6}
+    # without the typed fields (the rule before): both buffers read as native leaks
+    plain = dict(objs)
+    plain[0], plain[1] = O.PyObjectInfo(d.address, "dict", 1), O.PyObjectInfo(x.address, "list", 1)
+    garbage, _ = O.split_garbage(begins, sizes, range(7), plain, lambda i: array("Q", words[i]))
+    assert garbage == {0, 1, 5, 6}
+
+
+def test_owned_fields_per_version():
+    assert L.owned_fields("dict", L.TPFLAGS_DICT_SUBCLASS, (3, 8)) == (32, 40)
+    assert L.owned_fields("MyList", L.TPFLAGS_LIST_SUBCLASS, (3, 13)) == (24,)
+    assert L.owned_fields("frozenset", 0, (3, 10)) == (40,)
+    assert L.owned_fields("bytearray", 0, (3, 11)) == (32,)
+    # managed dict values: 3.11 obj - 32, 3.12 obj - 24 (tagged), 3.13 inline (none)
+    assert L.owned_fields("C", L.TPFLAGS_MANAGED_DICT, (3, 11)) == (-32,)
+    assert L.owned_fields("C", L.TPFLAGS_MANAGED_DICT, (3, 12)) == (-24,)
+    assert L.owned_fields("C", L.TPFLAGS_MANAGED_DICT, (3, 13)) == ()
+    assert L.owned_fields("tuple", 0, (3, 12)) == ()
 
 
 def test_list_slack_is_the_item_array_above_ob_size():
