@@ -174,3 +174,31 @@ def test_copied_memory_serves_reads_inside_one_copy_and_delegates_the_rest():
     buf = bytearray(8)
     mem.read_into(0x1000, buf)
     assert bytes(buf) == bytes(range(8))
+
+
+def test_local_copy_views_a_held_copy_and_reads_the_rest():
+    from memunreachable._types import BufferMemory
+    from memunreachable.memory import CopiedMemory, local_copy
+    backing = BufferMemory({0x1000: bytes(range(256)) * 32})
+    copy = bytearray(b"\xaa" * 0x100)
+    mem = CopiedMemory(backing, [(0x1400, copy)])
+    v = local_copy(mem, 0x1410, 0x20)
+    assert isinstance(v, memoryview) and bytes(v) == b"\xaa" * 0x20
+    copy[0x10] = 0xbb                                  # a view, not a copy
+    assert v[0] == 0xbb
+    assert bytes(local_copy(mem, 0x13f0, 0x20)) == (bytes(range(256)) * 32)[0x3f0:0x410]
+    assert bytes(local_copy(backing, 0x1000, 4)) == bytes(range(4))
+
+
+def test_read_copies_skips_unreadable_ranges_only_when_asked(three_pages_middle_unreadable):
+    from memunreachable.memory import read_copies
+    base, _ = three_pages_middle_unreadable
+    # 64 bytes each: local buffers below a page are bytearrays, so no mmap of ours can land
+    # in the hole
+    ranges = [Range(base, base + 64), Range(base + PAGE, base + PAGE + 64),
+              Range(base + 2 * PAGE, base + 2 * PAGE + 64)]
+    with ProcessMemory(os.getpid()) as mem:
+        got = read_copies(mem, ranges, skip_unreadable=True)
+        assert [(b, bytes(buf)[:1]) for b, buf in got] == [(base, b"\x11"), (base + 2 * PAGE, b"\x33")]
+        with pytest.raises(MemoryUnreadable):
+            read_copies(mem, ranges)
