@@ -4,7 +4,10 @@ C++ (Itanium ABI) through libstdc++'s abi::__cxa_demangle (ctypes: 138 k names/s
 c++filt's speed in one process; allocation-tracking.md section 6); Rust legacy names
 (_ZN...17h<hash>E, Itanium-shaped, so __cxa_demangle would keep the hash) by rustc-demangle's
 rules, hash dropped; Rust v0 (_R...) through binutils' c++filt (2.36+) when it is installed,
-else left as is. GCC clone suffixes (.isra.0, .constprop.0, .part.0, .cold) are dropped, as
+else left as is, with the crate disambiguators c++filt prints (`core[c1f1a4ba060b9bfa]::`)
+dropped: both manglings then give the same `crate::module::function` that DWARF names
+(DW_AT_name paths carry no hash) and that suppressions and grouping can rely on across
+builds (the hashes change with the compiler and its flags). GCC clone suffixes (.isra.0, .constprop.0, .part.0, .cold) are dropped, as
 llvm-symbolizer names them, so grouping and suppressions see one name per function.
 
 References: Itanium C++ ABI section 5.1; Rust RFC 2603 (v0); rustc-demangle src/legacy.rs.
@@ -22,6 +25,8 @@ from typing import Dict, Optional, Sequence
 _cxa = None
 _cxa_lock = threading.Lock()
 _RUST_HASH = re.compile(r"17h[0-9a-f]{16}E(\.[^E]*)?$")
+# a v0 crate disambiguator as c++filt prints it (a 64-bit hash in hex) after the crate name
+_RUST_DISAMBIGUATOR = re.compile(r"(?<=[\w])\[[0-9a-f]{1,16}\]")
 _RUST_ESCAPES = {"SP": "@", "BP": "*", "RF": "&", "LT": "<", "GT": ">", "LP": "(", "RP": ")",
                  "C": ","}
 
@@ -131,7 +136,8 @@ def demangle(name: str) -> str:
         out = demangle_rust_legacy(name) or _cxa_demangle(name) or name
         out = _CLONE_DEMANGLED.sub("", out)
     elif name.startswith("_R"):
-        out = _demangle_with_cxxfilt([name]).get(name, name)
+        got = _demangle_with_cxxfilt([name]).get(name)
+        out = _RUST_DISAMBIGUATOR.sub("", got) if got else name
     else:
         out = CLONE_SUFFIX.sub("", name) or name
     _demangled[name] = out

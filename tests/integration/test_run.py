@@ -384,6 +384,56 @@ def test_old_line_tables_match_the_interpreter(version):
         assert nolines > 0          # the -128 "no line" entries were exercised
 
 
+RUST_FIXTURE = os.path.join(fixtures.FIXTURE_DIR, "leaky_rs.rs")
+
+
+def build_rust(out_dir: str, mangling: str) -> str:
+    """fixtures/leaky_rs.rs built with rustc: debuginfo, no frame pointers, opt-level 1
+    (make_leak is #[inline(never)]), legacy or v0 symbol mangling."""
+    rustc = shutil.which("rustc")
+    assert rustc, "rustc is needed to build the Rust fixture (rustup, or apt-get install rustc)"
+    exe = os.path.join(out_dir, f"leaky_rs_{mangling}")
+    cmd = [rustc, "-g", "-C", "opt-level=1", "-C", "force-frame-pointers=no", "-o", exe,
+           RUST_FIXTURE]
+    if mangling == "v0":        # legacy is the default (naming it needs -Z unstable-options)
+        cmd[1:1] = ["-C", "symbol-mangling-version=v0"]
+    r = subprocess.run(cmd, capture_output=True, text=True, timeout=300)
+    assert r.returncode == 0, f"{' '.join(cmd)} failed: {r.stderr}"
+    return exe
+
+
+@pytest.mark.parametrize("mangling", ["legacy", "v0"])
+def test_rust_names_demangled(tmp_path, mangling):
+    """A Vec leaked by a Rust function: the report names the frames as Rust paths without
+    hashes (legacy ::h<hash> and v0 crate[disambiguator] both dropped, as DWARF names them),
+    with the allocating line and the caller's line; every frame of the stack, Rust's
+    precompiled std (v0-mangled) included, is demangled."""
+    exe = build_rust(str(tmp_path), mangling)
+    syms = [l.split()[-1] for l in subprocess.run(["nm", exe], capture_output=True, text=True,
+                                                  check=True).stdout.splitlines()]
+    (mangled,) = [n for n in syms if "make_leak" in n]
+    assert mangled.startswith("_RNv" if mangling == "v0" else "_ZN8leaky_rs9make_leak17h")
+    marks = markers(RUST_FIXTURE)
+    t = start_run([exe])
+    try:
+        info = unreachable.check(t.pid)
+        leak = leaks_by_address(info).get(t.blocks["leak"].address)
+        assert leak is not None, [hex(l.address) for l in info.leaks]
+        assert leak.stack_status == "recorded"
+        own = [(f.function, f.file, f.line) for f in leak.backtrace
+               if f.module == exe and not f.inlined]
+        i = next(i for i, f in enumerate(own) if f[0] == "leaky_rs::make_leak")
+        assert own[i:i + 2] == [("leaky_rs::make_leak", RUST_FIXTURE, marks["rs-alloc"]),
+                                ("leaky_rs::main", RUST_FIXTURE, marks["rs-call"])]
+        names = [f.function for f in leak.backtrace if f.function]
+        assert len(names) >= 5
+        for n in names:
+            assert not n.startswith(("_R", "_ZN")), n
+            assert not re.search(r"\[[0-9a-f]{6,16}\]|::h[0-9a-f]{16}$", n), n
+    finally:
+        assert t.finish() == 0
+
+
 def test_fork_followed_and_not():
     """A leak made in a forked child has its stack; with --no-follow-fork the child has
     no table (untracked) and the leak is still found."""
