@@ -121,6 +121,23 @@ static uint64_t freelists[40];          /* freed shard tables per log2cap (offse
 
 static __thread int guard __attribute__((tls_model("initial-exec")));
 
+/* The guard is set before the first and cleared after the last step that a signal handler
+ * allocating on this thread must not re-enter (a shard lock held, the unwinder running):
+ * the signal fences keep the compiler from moving those steps out of the guarded span (a
+ * plain store may legally sink past an acquire or rise above a release, and a handler
+ * arriving there would spin forever on a lock its own thread holds). */
+static inline void guard_on(void)
+{
+    guard = 1;
+    __atomic_signal_fence(__ATOMIC_SEQ_CST);
+}
+
+static inline void guard_off(void)
+{
+    __atomic_signal_fence(__ATOMIC_SEQ_CST);
+    guard = 0;
+}
+
 /* ---- unwinders --------------------------------------------------------------------------- */
 
 static int (*unw_backtrace_p)(void **, int);
@@ -617,7 +634,7 @@ static __attribute__((noinline)) void record(void *p, size_t size)
 {
     void *raw[MU_TRACK_MAX_DEPTH + 8];
     uint64_t words[MU_TRACK_MAX_DEPTH + 2 * MU_TRACK_MAX_PY];
-    guard = 1;
+    guard_on();
     int n = capture(raw, (int)depth + 8);
     /* drop the leading frames in this library (record, the wrapper, the unwinder's caller) */
     int first = 0;
@@ -641,7 +658,7 @@ static __attribute__((noinline)) void record(void *p, size_t size)
     if (id == MU_TRACK_STACK_FULL)
         __atomic_fetch_add(&H->table_full_blocks, 1, __ATOMIC_RELAXED);
     live_insert((uint64_t)(uintptr_t)p, id, size);
-    guard = 0;
+    guard_off();
 }
 
 static inline void track(void *p, size_t size)
@@ -653,9 +670,9 @@ static inline void track(void *p, size_t size)
 static inline void untrack(void *p)
 {
     if (LIKELY(enabled) && !guard) {
-        guard = 1;
+        guard_on();
         live_remove((uint64_t)(uintptr_t)p);
-        guard = 0;
+        guard_off();
     }
 }
 
@@ -801,6 +818,7 @@ static void fork_prepare(void)
     if (!H || guard)        /* fork from a signal handler that interrupted the tracker */
         return;
     fork_locked = 1;
+    guard_on();             /* a handler allocating now must not wait for our locks */
     for (unsigned i = 0; i < MU_TRACK_NSHARDS; i++)
         lock(&shards[i].lock);
     lock(&freelist_lock);
@@ -813,6 +831,7 @@ static void fork_parent(void)
     unlock(&freelist_lock);
     for (unsigned i = 0; i < MU_TRACK_NSHARDS; i++)
         unlock(&shards[i].lock);
+    guard_off();
 }
 
 static void fork_child(void)

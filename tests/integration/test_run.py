@@ -45,19 +45,20 @@ class Tracked:
         return self.proc.returncode
 
     def kill(self) -> None:
-        if self.proc.poll() is None:
-            self.proc.kill()
-            self.proc.communicate(timeout=10)
-        if self.pid:
+        if self.pid:            # first: it holds run's stdout open (communicate waits on it)
             try:
                 os.kill(self.pid, 9)
             except ProcessLookupError:
                 pass
+        if self.proc.poll() is None:
+            self.proc.kill()
+            self.proc.communicate(timeout=10)
 
 
 def start_run(cmd: List[str], *opts: str, env: Optional[dict] = None,
-              timeout: float = 30.0) -> Tracked:
-    """Start `run [opts] -- cmd`; return once the fixture printed `ready`."""
+              timeout: float = 30.0, hang: str = "") -> Tracked:
+    """Start `run [opts] -- cmd`; return once the fixture printed `ready`. hang: what a
+    missing ready line means; the message then carries every thread's backtrace (gdb)."""
     proc = subprocess.Popen(RUN + list(opts) + ["--"] + cmd, stdin=subprocess.PIPE,
                             stdout=subprocess.PIPE, stderr=subprocess.PIPE,
                             env=dict(os.environ if env is None else env))
@@ -80,9 +81,24 @@ def start_run(cmd: List[str], *opts: str, env: Optional[dict] = None,
         r, _, _ = select.select([proc.stdout], [], [], max(left, 0))
         chunk = os.read(proc.stdout.fileno(), 65536) if r else b""
         if not chunk:
-            t.kill()
-            raise AssertionError(f"{cmd}: no ready line (rc {proc.poll()}): "
-                                 f"{proc.stderr.read().decode(errors='replace')}")
+            stacks = ""
+            if hang and t.pid and proc.poll() is None:
+                stacks = subprocess.run(["gdb", "-p", str(t.pid), "-batch", "-ex",
+                                         "thread apply all bt"], capture_output=True,
+                                        text=True, timeout=60).stdout
+            rc = proc.poll()
+            if t.pid:
+                try:
+                    os.kill(t.pid, 9)
+                except ProcessLookupError:
+                    pass
+            try:
+                _, err = proc.communicate(timeout=10)
+            except subprocess.TimeoutExpired:
+                proc.kill()
+                _, err = proc.communicate(timeout=10)
+            raise AssertionError(f"{cmd}: no ready line within {timeout} s (rc {rc}) "
+                                 f"{hang}: {err.decode(errors='replace')}{stacks}")
         buf += chunk
 
 
@@ -432,6 +448,55 @@ def test_rust_names_demangled(tmp_path, mangling):
             assert not re.search(r"\[[0-9a-f]{6,16}\]|::h[0-9a-f]{16}$", n), n
     finally:
         assert t.finish() == 0
+
+
+SIGNAL_FIXTURE = os.path.join(fixtures.FIXTURE_DIR, "track_signals.c")
+
+
+def test_signal_handlers_allocate_while_threads_churn():
+    """Async-signal tolerance: for 2.5 s, ITIMER_PROF and a signaller thread interrupt two
+    threads churning malloc/calloc/realloc/free through the tracker, and the handler
+    allocates, reallocs and frees (except while the thread is inside glibc's allocator,
+    which is not async-signal-safe: fixtures/track_signals_lib.c, a shim under the tracker,
+    says when). The program must finish (no deadlock: its threads' backtraces are shown if
+    not), exit 0, and the check must find exactly its 5 leaks, each with the stack of its
+    allocating function, the 2 made inside a handler through the signal frame."""
+    exe = fixtures.build("track_signals")
+    shim = os.path.join(fixtures.build_dir(), "libtrack_signals_lib.so")
+    marks = markers(SIGNAL_FIXTURE)
+    t = start_run([exe, "2500"], env=dict(os.environ, LD_PRELOAD=shim), timeout=40,
+                  hang="after 2.5 s of signal-handler churn: a deadlock or a crash in the tracker?")
+    try:
+        # the storm was real: thousands of handler runs, hundreds inside the tracker's code
+        assert t.expect["signals"] >= 1000, t.expect
+        assert t.expect["handler_allocs"] >= 1000, t.expect
+        assert t.expect["in_tracker"] >= 100, t.expect
+        info = unreachable.check(t.pid)
+        want = {t.blocks[k].address: k for k in ("churn0", "churn1", "async0", "async1", "raise")}
+        assert set(leaks_by_address(info)) == set(want)
+        assert info.num_leaks == t.expect["num_leaks"] == 5
+        for leak in info.leaks:
+            kind = want[leak.address]
+            assert leak.stack_status == "recorded", kind
+            named = [(f.function, os.path.basename(f.file or ""), f.line)
+                     for f in leak.backtrace if f.module == exe and not f.inlined]
+            funcs = [n[0] for n in named]
+            if kind.startswith("churn"):
+                assert named[0] == ("leak_in_churn", "track_signals.c", marks["sig-churn"]), named
+                assert "churn_loop" in funcs[1:], named
+            elif kind.startswith("async"):
+                assert named[:2] == [("leak_from_async_handler", "track_signals.c",
+                                      marks["sig-async"]),
+                                     ("on_signal", "track_signals.c", marks["sig-async-call"])], named
+                assert "churn_loop" in funcs[2:], named         # past the signal frame
+            else:
+                assert named[:2] == [("leak_from_raise_handler", "track_signals.c",
+                                      marks["sig-raise"]), ("on_raise", "track_signals.c",
+                                                            marks["sig-on-raise"])], named
+                assert "main" in funcs[2:], named
+    finally:
+        rc = t.finish()
+    assert rc == 0
 
 
 def test_fork_followed_and_not():
