@@ -15,7 +15,8 @@ The reader takes no lock: the writer publishes a slot (stack id and size, then t
 and a rebuilt shard table (a complete copy, then its offset) with single stores, so the
 fork snapshot shows each slot and each shard whole. Python frames are stored as (code
 object address, bytecode offset) pairs and resolved here, from the code objects in the
-snapshot (name, file, and the line from co_linetable, the 3.11+ location table).
+snapshot (name, file, and the line from the code's line table: co_lnotab on 3.8/3.9, the
+PEP 626 co_linetable on 3.10, the location table on 3.11+; the header says which).
 """
 from __future__ import annotations
 
@@ -27,26 +28,29 @@ from memunreachable._errors import MemoryUnreadable
 from memunreachable._types import Mapping, Range
 
 MAGIC = b"MUTRACK\0"
-VERSION = 1
+VERSION = 2                             # 1 (224-byte header, 3.11+ frames) is read too
 MAP_NAME = "[anon:memunreachable-track]"
 STACK_FULL = 0xFFFFFFFF
 EMPTY, TOMB = 0, 1
 MAX_DEPTH, MAX_PY = 32, 16
 UNWINDERS = {1: "fp", 2: "libgcc", 3: "libunwind"}
 F_ENABLED, F_PYTHON = 1, 2
+# py_linetable: the format of the bytes at co_linetable (MU_TRACK_LT_*)
+LT_LNOTAB, LT_310, LT_LOCATIONS = 1, 2, 3
 
-# struct mu_track_header (native/mu_track.h), 224 bytes
-HEADER = struct.Struct("<8sII QQQ IIII QQQ QQQ QQQ QQQQQ II IIIII III QQ")
+# struct mu_track_header (native/mu_track.h), 232 bytes; version 1 ended at generation
+HEADER = struct.Struct("<8sII QQQ IIII QQQ QQQ QQQ QQQQQ II IIIII III QQ II")
+HEADER_V1 = struct.Struct(HEADER.format[:-3])
 _FIELDS = ("magic version header_size self map_size budget max_depth max_py nshards flags "
            "shards_off sindex_off sindex_cap stack_arena_off stack_arena_size stack_arena_used "
            "live_arena_off live_arena_size live_arena_used stacks table_full_blocks "
            "dropped_blocks inserts removes py_version unwinder co_filename co_name co_qualname "
            "co_firstlineno co_linetable str_ascii_data str_compact_data str_state pid "
-           "generation").split()
+           "generation py_linetable reserved").split()
 SHARD = struct.Struct("<QIIIIQ")        # table_off, log2cap, used, tombs, lock, seq
 ENTRY = struct.Struct("<QII")           # addr, stack, size
-# PyBytesObject (3.11-3.13): ob_size at 16, bytes at 32; PyObject.ob_type at 8,
-# PyTypeObject.tp_name at 24
+# PyBytesObject (3.8-3.13, checked with offsetof): ob_size at 16, bytes at 32;
+# PyObject.ob_type at 8, PyTypeObject.tp_name at 24
 BYTES_SIZE, BYTES_DATA, OB_TYPE, TP_NAME = 16, 32, 8, 24
 STALE = ("<stale code object>", "", 0)
 
@@ -77,11 +81,20 @@ class Annotation:
 
 
 def parse_header(data: bytes) -> Optional[dict]:
-    """The header as a dict, or None when data does not start with a valid version-1 header."""
-    if len(data) < HEADER.size or data[:8] != MAGIC:
+    """The header as a dict, or None when data does not start with a valid version-2 (or
+    version-1) header. A version-1 header gets py_linetable = LT_LOCATIONS (it recorded
+    Python frames of 3.11+ only)."""
+    if len(data) < HEADER_V1.size or data[:8] != MAGIC:
+        return None
+    version, size = struct.unpack_from("<II", data, 8)
+    if version == 1 and size == HEADER_V1.size:
+        h = dict(zip(_FIELDS, HEADER_V1.unpack_from(data)))
+        h.update(py_linetable=LT_LOCATIONS, reserved=0)
+        return h
+    if version != VERSION or size != HEADER.size or len(data) < HEADER.size:
         return None
     h = dict(zip(_FIELDS, HEADER.unpack_from(data)))
-    if h["version"] != VERSION or h["header_size"] != HEADER.size:
+    if h["flags"] & F_PYTHON and h["py_linetable"] not in LINE_DECODERS:
         return None
     return h
 
@@ -236,7 +249,7 @@ class TrackingTable:
         name, filename, first, table = info
         if offset >= 1 << 63:           # before the first instruction (an incomplete frame)
             return name, filename, first
-        line = addr2line(table, first, offset)
+        line = LINE_DECODERS[self.h["py_linetable"]](table, first, offset)
         return name, filename, line if line is not None else first
 
     def _read_code(self, code: int):
@@ -309,3 +322,38 @@ def addr2line(table: bytes, firstlineno: int, offset: int) -> Optional[int]:
     except IndexError:
         return None
     return None
+
+
+def _s8(b: int) -> int:
+    return b - 256 if b >= 128 else b
+
+
+def lnotab_line(table: bytes, firstlineno: int, offset: int) -> Optional[int]:
+    """Line of the instruction at byte `offset`, from a CPython 3.8/3.9 co_lnotab: pairs of
+    (bytecode delta u8, line delta s8); PyCode_Addr2Line of those versions."""
+    line, addr = firstlineno, 0
+    for i in range(0, len(table) - 1, 2):
+        addr += table[i]
+        if addr > offset:
+            break
+        line += _s8(table[i + 1])
+    return line
+
+
+def linetable310_line(table: bytes, firstlineno: int, offset: int) -> Optional[int]:
+    """Line of the instruction at byte `offset`, from a CPython 3.10 co_linetable (PEP 626):
+    pairs of (bytecode delta u8, line delta s8) each ending a range [start, start + delta),
+    a line delta of -128 = no line for that range; None when the range has no line."""
+    line, start = firstlineno, 0
+    for i in range(0, len(table) - 1, 2):
+        end = start + table[i]
+        delta = _s8(table[i + 1])
+        if delta != -128:
+            line += delta
+        if start <= offset < end:
+            return None if delta == -128 else line
+        start = end
+    return None
+
+
+LINE_DECODERS = {LT_LNOTAB: lnotab_line, LT_310: linetable310_line, LT_LOCATIONS: addr2line}

@@ -2,7 +2,7 @@
  *
  * Interposes the malloc family and records, per live block, a deduplicated stack of up to
  * MEMUNREACHABLE_STACK_DEPTH (default and max 32) return addresses, plus the Python frames
- * running at allocation time when the program is CPython 3.11-3.13. The table lives in one
+ * running at allocation time when the program is CPython 3.8-3.13. The table lives in one
  * private anonymous mapping whose layout is native/mu_track.h; the checker reads it from
  * the fork snapshot (memunreachable/tracking.py). No dependency on Python or cffi.
  *
@@ -121,6 +121,23 @@ static uint64_t freelists[40];          /* freed shard tables per log2cap (offse
 
 static __thread int guard __attribute__((tls_model("initial-exec")));
 
+/* The guard is set before the first and cleared after the last step that a signal handler
+ * allocating on this thread must not re-enter (a shard lock held, the unwinder running):
+ * the signal fences keep the compiler from moving those steps out of the guarded span (a
+ * plain store may legally sink past an acquire or rise above a release, and a handler
+ * arriving there would spin forever on a lock its own thread holds). */
+static inline void guard_on(void)
+{
+    guard = 1;
+    __atomic_signal_fence(__ATOMIC_SEQ_CST);
+}
+
+static inline void guard_off(void)
+{
+    __atomic_signal_fence(__ATOMIC_SEQ_CST);
+    guard = 0;
+}
+
 /* ---- unwinders --------------------------------------------------------------------------- */
 
 static int (*unw_backtrace_p)(void **, int);
@@ -236,45 +253,107 @@ static int setup_unwinder(const char *want)
 
 struct pylayout {
     unsigned minor;
-    int tstate_cframe;          /* -1: none (3.13: tstate->current_frame directly) */
-    int cframe_current, tstate_current;
-    int f_code, f_instr, f_previous, f_owner, skip_owner;
+    int tstate_cframe;          /* 3.11/3.12: PyThreadState.cframe; -1: none */
+    int cframe_current;         /* _PyCFrame.current_frame */
+    int tstate_current;         /* 3.13: tstate->current_frame; 3.8-3.10: tstate->frame */
+    int f_code, f_instr, f_previous;
+    int f_owner, skip_owner;    /* -1: no owner byte / no shim frames */
+    int instr_unit;             /* 0: f_instr points into co_code_adaptive (3.11+);
+                                 * N: f_instr is the int f_lasti, counting N-byte units */
     int co_adaptive, co_filename, co_name, co_qualname, co_firstlineno, co_linetable;
     int str_ascii, str_compact, str_state;
+    unsigned linetable;         /* MU_TRACK_LT_*: the format at co_linetable */
 };
 
+/* Offsets checked with offsetof() against each version's headers (pyenv 3.8.18, 3.9.18,
+ * 3.10.13, 3.11.7, 3.12.1, 3.13.0 and Debian's 3.11.2); the frame fields of 3.11+ come from
+ * internal/pycore_frame.h. str: PyASCIIObject.state at 32 (kind bits 2-4, compact 5, ascii
+ * 6 in every version), data after sizeof(PyASCIIObject) / sizeof(PyCompactUnicodeObject). */
 static const struct pylayout pylayouts[] = {
+    /* 3.8, 3.9: PyThreadState.frame 24; PyFrameObject {f_back 24, f_code 32, int f_lasti
+     * 104 (bytes; -1 before the first instruction)}; PyCodeObject {co_firstlineno 40,
+     * co_filename 104, co_name 112, co_lnotab 120}, no co_qualname */
+    {.minor = 8, .tstate_cframe = -1, .tstate_current = 24, .f_code = 32, .f_instr = 104,
+     .f_previous = 24, .f_owner = -1, .skip_owner = -1, .instr_unit = 1, .co_filename = 104,
+     .co_name = 112, .co_firstlineno = 40, .co_linetable = 120, .str_ascii = 48,
+     .str_compact = 72, .str_state = 32, .linetable = MU_TRACK_LT_LNOTAB},
+    {.minor = 9, .tstate_cframe = -1, .tstate_current = 24, .f_code = 32, .f_instr = 104,
+     .f_previous = 24, .f_owner = -1, .skip_owner = -1, .instr_unit = 1, .co_filename = 104,
+     .co_name = 112, .co_firstlineno = 40, .co_linetable = 120, .str_ascii = 48,
+     .str_compact = 72, .str_state = 32, .linetable = MU_TRACK_LT_LNOTAB},
+    /* 3.10: f_lasti moved to 96 and counts 2-byte code units; co_linetable (PEP 626) 120 */
+    {.minor = 10, .tstate_cframe = -1, .tstate_current = 24, .f_code = 32, .f_instr = 96,
+     .f_previous = 24, .f_owner = -1, .skip_owner = -1, .instr_unit = 2, .co_filename = 104,
+     .co_name = 112, .co_firstlineno = 40, .co_linetable = 120, .str_ascii = 48,
+     .str_compact = 72, .str_state = 32, .linetable = MU_TRACK_LT_310},
     /* 3.11: PyThreadState.cframe 56, _PyCFrame.current_frame 8, _PyInterpreterFrame
      * {f_code 32, previous 48, prev_instr 56, owner 69}, no C-stack shim frames */
-    {11, 56, 8, -1, 32, 56, 48, 69, -1, 184, 112, 120, 128, 72, 136, 48, 72, 32},
+    {.minor = 11, .tstate_cframe = 56, .cframe_current = 8, .tstate_current = -1,
+     .f_code = 32, .f_instr = 56, .f_previous = 48, .f_owner = 69, .skip_owner = -1,
+     .co_adaptive = 184, .co_filename = 112, .co_name = 120, .co_qualname = 128,
+     .co_firstlineno = 72, .co_linetable = 136, .str_ascii = 48, .str_compact = 72,
+     .str_state = 32, .linetable = MU_TRACK_LT_LOCATIONS},
     /* 3.12: cframe 56, current_frame 0, {f_code 0, previous 8, prev_instr 56, owner 70},
      * FRAME_OWNED_BY_CSTACK = 3 marks shim frames */
-    {12, 56, 0, -1, 0, 56, 8, 70, 3, 192, 112, 120, 128, 68, 136, 40, 56, 32},
+    {.minor = 12, .tstate_cframe = 56, .cframe_current = 0, .tstate_current = -1,
+     .f_code = 0, .f_instr = 56, .f_previous = 8, .f_owner = 70, .skip_owner = 3,
+     .co_adaptive = 192, .co_filename = 112, .co_name = 120, .co_qualname = 128,
+     .co_firstlineno = 68, .co_linetable = 136, .str_ascii = 40, .str_compact = 56,
+     .str_state = 32, .linetable = MU_TRACK_LT_LOCATIONS},
     /* 3.13: tstate->current_frame 72, {f_executable 0, previous 8, instr_ptr 56, owner 70} */
-    {13, -1, 0, 72, 0, 56, 8, 70, 3, 200, 112, 120, 128, 68, 136, 40, 56, 32},
+    {.minor = 13, .tstate_cframe = -1, .cframe_current = 0, .tstate_current = 72,
+     .f_code = 0, .f_instr = 56, .f_previous = 8, .f_owner = 70, .skip_owner = 3,
+     .co_adaptive = 200, .co_filename = 112, .co_name = 120, .co_qualname = 128,
+     .co_firstlineno = 68, .co_linetable = 136, .str_ascii = 40, .str_compact = 56,
+     .str_state = 32, .linetable = MU_TRACK_LT_LOCATIONS},
 };
 
 static const struct pylayout *py;
 static int (*py_initialized)(void);
 static void *(*py_this_tstate)(void);
 
+/* PY_VERSION_HEX of the interpreter in this process, 0 if none: Py_Version (3.11+), else
+ * parsed from Py_GetVersion()'s "3.N.M ..." (3.8-3.10: formatted into a static buffer). */
+static uint32_t python_version(void)
+{
+    const unsigned long *ver = dlsym(RTLD_DEFAULT, "Py_Version");
+    if (ver)
+        return (uint32_t)*ver;
+    const char *(*get)(void) = dlsym(RTLD_DEFAULT, "Py_GetVersion");
+    const char *s = get ? get() : NULL;
+    if (!s)
+        return 0;
+    unsigned v[3] = {0, 0, 0};
+    for (int i = 0; i < 3; i++) {
+        if (*s < '0' || *s > '9')
+            return i < 2 ? 0 : v[0] << 24 | v[1] << 16 | 0xf0;
+        while (*s >= '0' && *s <= '9')
+            v[i] = v[i] * 10 + (unsigned)(*s++ - '0');
+        if (i < 2 && *s++ != '.')
+            return i < 1 ? 0 : v[0] << 24 | v[1] << 16 | 0xf0;
+    }
+    return v[0] << 24 | v[1] << 16 | (v[2] & 0xff) << 8 | 0xf0;
+}
+
 static void setup_python(void)
 {
     const char *e = getenv("MEMUNREACHABLE_PYTHON_FRAMES");
     if (e && !strcmp(e, "0"))
         return;
-    const unsigned long *ver = dlsym(RTLD_DEFAULT, "Py_Version");
     py_initialized = dlsym(RTLD_DEFAULT, "Py_IsInitialized");
     py_this_tstate = dlsym(RTLD_DEFAULT, "PyGILState_GetThisThreadState");
-    if (!ver || !py_initialized || !py_this_tstate || ((*ver >> 24) & 0xff) != 3)
+    if (!py_initialized || !py_this_tstate)
         return;
-    unsigned minor = (*ver >> 16) & 0xff;
+    uint32_t ver = python_version();
+    if (((ver >> 24) & 0xff) != 3)
+        return;
+    unsigned minor = (ver >> 16) & 0xff;
     for (size_t i = 0; i < sizeof pylayouts / sizeof *pylayouts; i++)
         if (pylayouts[i].minor == minor)
             py = &pylayouts[i];
     if (!py)
         return;
-    H->py_version = (uint32_t)*ver;
+    H->py_version = ver;
     H->co_filename = py->co_filename;
     H->co_name = py->co_name;
     H->co_qualname = py->co_qualname;
@@ -283,6 +362,7 @@ static void setup_python(void)
     H->str_ascii_data = py->str_ascii;
     H->str_compact_data = py->str_compact;
     H->str_state = py->str_state;
+    H->py_linetable = py->linetable;
     H->flags |= MU_TRACK_F_PYTHON;
 }
 
@@ -310,11 +390,15 @@ static int python_frames(uint64_t *code, uint64_t *off, int max)
     int n = 0;
     for (int guard_steps = 0; readable_ptr(f) && n < max && guard_steps < 4096; guard_steps++) {
         uintptr_t co = *(uintptr_t *)(f + py->f_code);
-        uintptr_t ip = *(uintptr_t *)(f + py->f_instr);
-        unsigned char owner = *(unsigned char *)(f + py->f_owner);
-        if (readable_ptr(co) && (py->skip_owner < 0 || owner != py->skip_owner)) {
+        int keep = readable_ptr(co);
+        if (keep && py->f_owner >= 0 && py->skip_owner >= 0)
+            keep = *(unsigned char *)(f + py->f_owner) != py->skip_owner;
+        if (keep) {
             code[n] = co;
-            off[n] = ip - (co + py->co_adaptive);
+            if (py->instr_unit)         /* int f_lasti; -1 before the first instruction */
+                off[n] = (uint64_t)((int64_t)*(int32_t *)(f + py->f_instr) * py->instr_unit);
+            else
+                off[n] = *(uintptr_t *)(f + py->f_instr) - (co + py->co_adaptive);
             n++;
         }
         f = *(uintptr_t *)(f + py->f_previous);
@@ -550,7 +634,7 @@ static __attribute__((noinline)) void record(void *p, size_t size)
 {
     void *raw[MU_TRACK_MAX_DEPTH + 8];
     uint64_t words[MU_TRACK_MAX_DEPTH + 2 * MU_TRACK_MAX_PY];
-    guard = 1;
+    guard_on();
     int n = capture(raw, (int)depth + 8);
     /* drop the leading frames in this library (record, the wrapper, the unwinder's caller) */
     int first = 0;
@@ -574,7 +658,7 @@ static __attribute__((noinline)) void record(void *p, size_t size)
     if (id == MU_TRACK_STACK_FULL)
         __atomic_fetch_add(&H->table_full_blocks, 1, __ATOMIC_RELAXED);
     live_insert((uint64_t)(uintptr_t)p, id, size);
-    guard = 0;
+    guard_off();
 }
 
 static inline void track(void *p, size_t size)
@@ -586,9 +670,9 @@ static inline void track(void *p, size_t size)
 static inline void untrack(void *p)
 {
     if (LIKELY(enabled) && !guard) {
-        guard = 1;
+        guard_on();
         live_remove((uint64_t)(uintptr_t)p);
-        guard = 0;
+        guard_off();
     }
 }
 
@@ -734,6 +818,7 @@ static void fork_prepare(void)
     if (!H || guard)        /* fork from a signal handler that interrupted the tracker */
         return;
     fork_locked = 1;
+    guard_on();             /* a handler allocating now must not wait for our locks */
     for (unsigned i = 0; i < MU_TRACK_NSHARDS; i++)
         lock(&shards[i].lock);
     lock(&freelist_lock);
@@ -746,6 +831,7 @@ static void fork_parent(void)
     unlock(&freelist_lock);
     for (unsigned i = 0; i < MU_TRACK_NSHARDS; i++)
         unlock(&shards[i].lock);
+    guard_off();
 }
 
 static void fork_child(void)

@@ -1,4 +1,4 @@
-/* mu_track.h: layout of the allocation-tracking table (version 1).
+/* mu_track.h: layout of the allocation-tracking table (version 2).
  *
  * The tracking library (mu_track.c, built as memunreachable/_track.so and preloaded by
  * `memunreachable run`) keeps, in ONE private anonymous mapping of the target, a table of
@@ -22,14 +22,18 @@
  * Live entries: addr 0 = empty, addr 1 = tombstone (removed). A slot is published by
  * writing stack/size first and addr last, so a snapshot never shows a half-written slot.
  * Python frames: code = address of the PyCodeObject, instr_offset = byte offset of the
- * instruction being executed from the start of the code's bytecode (co_code_adaptive).
+ * instruction being executed from the start of the code's bytecode (co_code_adaptive in
+ * 3.11+; f_lasti, times 2 in 3.10), negative (as u64) before the first instruction. The
+ * line comes from the bytes object at co_linetable, in the format py_linetable says.
+ * Version 1 (224-byte header, no py_linetable) recorded 3.11+ frames only: its format is
+ * MU_TRACK_LT_LOCATIONS; the checker reads both.
  */
 #ifndef MU_TRACK_H
 #define MU_TRACK_H
 #include <stdint.h>
 
 #define MU_TRACK_MAGIC "MUTRACK\0"
-#define MU_TRACK_VERSION 1u
+#define MU_TRACK_VERSION 2u          /* 2: + py_linetable (CPython 3.8-3.10 frames) */
 #define MU_TRACK_HEADER_BYTES 4096u
 #define MU_TRACK_MAP_NAME "memunreachable-track"
 #define MU_TRACK_NSHARDS 256u
@@ -79,10 +83,18 @@ struct mu_track_header {
     uint32_t str_state;         /* 204 offset of the str state bits */
     uint64_t pid;               /* 208 process that owns this copy (updated after fork) */
     uint64_t generation;        /* 216 bumped on every fork child */
+    uint32_t py_linetable;      /* 224 MU_TRACK_LT_*: format of co_linetable's bytes */
+    uint32_t reserved;          /* 228 0 */
 };
 
 #define MU_TRACK_F_ENABLED 1u       /* recording */
 #define MU_TRACK_F_PYTHON 2u        /* Python frames recorded */
+
+/* line table formats (py_linetable) */
+#define MU_TRACK_LT_LNOTAB 1u       /* 3.8, 3.9 co_lnotab: (byte delta u8, line delta s8) */
+#define MU_TRACK_LT_310 2u          /* 3.10 co_linetable (PEP 626): (byte delta u8, line
+                                     * delta s8, -128 = no line) */
+#define MU_TRACK_LT_LOCATIONS 3u    /* 3.11+ co_linetable (Objects/locations.md) */
 
 struct mu_track_shard {
     uint64_t table_off;         /* 0: no table yet */

@@ -24,7 +24,7 @@ def anon(begin, end, perms="rw-p", path=""):
 class Writer:
     """A tracking table in memory, written like mu_track.c writes it."""
 
-    def __init__(self, base=BASE, size=SIZE, log2cap=4, version=1, **extra):
+    def __init__(self, base=BASE, size=SIZE, log2cap=4, version=2, **extra):
         self.base, self.size = base, size
         self.buf = bytearray(size)
         self.shards_off, self.sindex_off, self.sindex_cap = 4096, 4096 + NSHARDS * 32, 1024
@@ -35,7 +35,8 @@ class Writer:
         self.live_used = 0
         self.log2cap = log2cap
         self.tables = {}
-        self.h = dict(magic=tracking.MAGIC, version=version, header_size=tracking.HEADER.size,
+        self.header = tracking.HEADER_V1 if version == 1 else tracking.HEADER
+        self.h = dict(magic=tracking.MAGIC, version=version, header_size=self.header.size,
                       self=base, map_size=size, budget=size, max_depth=32, max_py=16,
                       nshards=NSHARDS, flags=1, shards_off=self.shards_off,
                       sindex_off=self.sindex_off, sindex_cap=self.sindex_cap,
@@ -45,7 +46,8 @@ class Writer:
                       table_full_blocks=0, dropped_blocks=0, inserts=0, removes=0,
                       py_version=0, unwinder=3, co_filename=112, co_name=120, co_qualname=128,
                       co_firstlineno=72, co_linetable=136, str_ascii_data=48,
-                      str_compact_data=72, str_state=32, pid=1234, generation=0)
+                      str_compact_data=72, str_state=32, pid=1234, generation=0,
+                      py_linetable=tracking.LT_LOCATIONS, reserved=0)
         self.h.update(extra)
 
     def stack(self, pcs, py=()):
@@ -92,7 +94,8 @@ class Writer:
     def memory(self, extra=None):
         self.h["stack_arena_used"] = self.stack_used
         self.h["live_arena_used"] = self.live_used
-        self.buf[:tracking.HEADER.size] = tracking.HEADER.pack(*(self.h[k] for k in tracking._FIELDS))
+        n = len(self.header.unpack(bytes(self.header.size)))    # fields of this version
+        self.buf[:self.header.size] = self.header.pack(*(self.h[k] for k in tracking._FIELDS[:n]))
         blocks = {self.base: bytes(self.buf)}
         blocks.update(extra or {})
         return BufferMemory(blocks)
@@ -118,8 +121,8 @@ def colliding(n, shard=5, first=0x555500000000):
     return out
 
 
-def test_header_layout_is_224_bytes_and_matches_the_c_offsets():
-    assert tracking.HEADER.size == 224
+def test_header_layout_is_232_bytes_and_matches_the_c_offsets():
+    assert tracking.HEADER.size == 232 and tracking.HEADER_V1.size == 224
     # offsets written in native/mu_track.h's comments
     import re
     codes = re.findall(r"(8s|I|Q)", tracking.HEADER.format)
@@ -129,7 +132,8 @@ def test_header_layout_is_224_bytes_and_matches_the_c_offsets():
         offs[name] = off
         off += 4 if code == "I" else 8
     assert (offs["self"], offs["stacks"], offs["py_version"], offs["co_filename"],
-            offs["str_state"], offs["pid"], offs["generation"]) == (16, 128, 168, 176, 204, 208, 216)
+            offs["str_state"], offs["pid"], offs["generation"], offs["py_linetable"]) == \
+        (16, 128, 168, 176, 204, 208, 216, 224)
 
 
 def test_find_table_validates_the_header():
@@ -144,7 +148,9 @@ def test_find_table_validates_the_header():
     mem = copy.memory({0x10000: bytes(copy.buf)})
     assert tracking.find_table(mem, [anon(0x10000, 0x10000 + SIZE)]) is None
     # another layout version, a shared or file mapping: not read
-    assert tracking.find_table(Writer(version=2).memory(), [w.mapping]) is None
+    assert tracking.find_table(Writer(version=3).memory(), [w.mapping]) is None
+    # Python frames in a line-table format this reader does not know: not read
+    assert tracking.find_table(Writer(flags=3, py_linetable=9).memory(), [w.mapping]) is None
     assert tracking.find_table(w.memory(), [anon(BASE, BASE + SIZE, "rw-s")]) is None
     wrong_size = anon(BASE, BASE + SIZE + 4096)
     assert tracking.find_table(w.memory(), [wrong_size]) is None
@@ -189,7 +195,7 @@ def test_annotate_statuses():
     assert t.annotate(0x555500005000, 40).status == "untracked"
     s = t.summary()
     assert (s["version"], s["stacks"], s["table_full_blocks"], s["unwinder"], s["python"]) == \
-        (1, 1, 1, "libunwind", None)
+        (2, 1, 1, "libunwind", None)
 
 
 # ---- Python frames -----------------------------------------------------------------------
@@ -349,3 +355,78 @@ def test_a_freed_code_object_pointing_anywhere_is_stale():
     mem = w.memory({CODE: bytes(garbage) + bytes(0x800 - 200) + bytes(junk)})
     t = tracking.find_table(Strict(mem.blocks), [w.mapping])
     assert t.annotate(0x555500007000, 16).python_stack == [tracking.STALE, tracking.STALE]
+
+
+def test_a_version_1_header_is_read_as_3_11_plus_frames():
+    """Version 1 (224 bytes, no py_linetable) recorded 3.11+ frames only: read as such."""
+    w = Writer(version=1, py_version=0x030B07F0, flags=3)
+    co = sample_function.__code__
+    off = next(s for s, e, line in co.co_lines() if line == co.co_firstlineno + 3)
+    sid = w.stack([0x401000], py=[(CODE, off)])
+    w.insert(0x555500006000, sid, 16)
+    extra = code_blocks(sample_function)
+    extra[NAME] = ascii_str("sample_function")
+    extra[FILE] = ascii_str("/src/a.py")
+    t = tracking.find_table(w.memory(extra), [w.mapping])
+    assert t is not None and t.h["py_linetable"] == tracking.LT_LOCATIONS
+    assert t.annotate(0x555500006000, 16).python_stack == [
+        ("sample_function", "/src/a.py", co.co_firstlineno + 3)]
+    assert t.summary()["version"] == 1
+
+
+# 3.8/3.9 co_lnotab: (bytecode delta, line delta s8) pairs, a line change takes effect at the
+# byte where the pair's address delta lands; big deltas are split across pairs.
+LNOTAB = bytes([0, 1,        # byte 0: line +1
+                4, 2,        # byte 4: +2
+                255, 0,      # address jump split: 255 + 45 = byte 304
+                45, 127,     # byte 304: +127 ...
+                0, 127,      # ... +127 = +254
+                2, 0xfd])    # byte 306: -3
+
+
+def test_lnotab_line():
+    first = 10
+    assert [tracking.lnotab_line(LNOTAB, first, off) for off in (0, 2, 4, 6, 302, 304, 306, 400)] \
+        == [11, 11, 13, 13, 13, 267, 264, 264]
+    assert tracking.lnotab_line(b"", first, 6) == first
+
+
+# 3.10 co_linetable: (bytecode delta, line delta s8) pairs, each ending the range
+# [start, start + delta) at that line; -128 = the range has no line.
+LINETABLE_310 = bytes([6, 1,        # [0, 6): first + 1
+                       0, 3,        # empty range: line + 3, no bytes
+                       4, 0,        # [6, 10): first + 4
+                       2, 0x80,     # [10, 12): no line
+                       254, 0xfe,   # [12, 266): first + 2
+                       8, 0])       # [266, 274): first + 2
+
+
+def test_linetable310_line():
+    first = 20
+    assert [tracking.linetable310_line(LINETABLE_310, first, off)
+            for off in (0, 4, 6, 8, 10, 12, 264, 266, 272, 274)] == \
+        [21, 21, 24, 24, None, 22, 22, 22, 22, None]
+
+
+def test_python_frames_of_3_8_code_objects():
+    """A 3.8 table: frames are (code, f_lasti bytes); the code object has no co_qualname
+    (header says 0: co_name is used) and its line table is co_lnotab."""
+    w = Writer(py_version=0x030812F0, flags=3, co_filename=104, co_name=112, co_qualname=0,
+               co_firstlineno=40, co_linetable=120, py_linetable=tracking.LT_LNOTAB)
+    code = bytearray(200)
+    struct.pack_into("<qQ", code, 0, 1, TYPE)
+    struct.pack_into("<i", code, 40, 10)
+    struct.pack_into("<QQQ", code, 104, FILE, NAME, TABLE)
+    tbl = bytearray(32 + len(LNOTAB))
+    struct.pack_into("<qQq", tbl, 0, 1, 0, len(LNOTAB))
+    tbl[32:] = LNOTAB
+    typ = bytearray(32)
+    struct.pack_into("<Q", typ, 24, TPNAME)
+    sid = w.stack([0x401000], py=[(CODE, 304), (CODE, -1)])
+    w.insert(0x555500006000, sid, 16)
+    mem = w.memory({CODE: bytes(code), TYPE: bytes(typ), TPNAME: b"code\0", TABLE: bytes(tbl),
+                    NAME: ascii_str("old_function"), FILE: ascii_str("/src/old.py")})
+    t = tracking.find_table(mem, [w.mapping])
+    assert t.annotate(0x555500006000, 16).python_stack == [("old_function", "/src/old.py", 267),
+                                                           ("old_function", "/src/old.py", 10)]
+    assert t.summary()["python"] == "3.8"
