@@ -108,7 +108,8 @@ class ElfFacts:
 
 
 _FACTS: Dict[tuple, Optional[ElfFacts]] = {}
-FACT_SYMBOLS = ("_PyRuntime", "Py_Version", "PyList_Type", "PyFrame_Type") + tuple(L.OPAQUE_TYPES)
+FACT_SYMBOLS = ("_PyRuntime", "Py_Version", "PyList_Type", "PyFrame_Type", "PyCode_Type") \
+    + tuple(L.OPAQUE_TYPES)
 
 
 # Returns the ElfFacts of the open file f (FACT_SYMBOLS looked up), or None when it is not a

@@ -71,7 +71,7 @@ def prepare(mem, maps, threads, pid: Optional[int], image: HeapImage) -> CPython
     dead_ranges = list(cp.dead_ranges)
     head_word = None
     wanted = {sym: name for sym, (name, _kind) in _type_rules(cp).items()}
-    statics = static_types(mem, maps, pid, cp, dict(wanted, PyList_Type="list"))
+    statics = static_types(mem, maps, pid, cp, dict(wanted, PyList_Type="list", PyCode_Type="code"))
     heads = gc_heads(mem, cp)
     if heads is None:
         out.warnings.append(f"CPython {cp.version[0]}.{cp.version[1]}: no GC state layout: "
@@ -96,9 +96,14 @@ def prepare(mem, maps, threads, pid: Optional[int], image: HeapImage) -> CPython
         types = sorted(set(types) | set(frame_types(mem, cp)))
         dead_types = object_types(mem, cp, types, L.DEAD_OBJECT_TYPES)
     dead_types += opaque_types(mem, cp, statics)
+    taken = {t for t, _ in dead_types}
     if head_word is not None and not dead_types_all_gc(cp):
-        taken = {t for t, _ in dead_types}
         dead_types += [x for x in sized_types(mem, maps, cp, types) if x[0] not in taken]
+    # code objects (every version): the bytecode after the header holds no references, and
+    # a stale pointer's high bytes in the rounding slack after it (glued to the last code
+    # unit) read as a pointer into a leaked block (seen in an xdist worker)
+    if "PyCode_Type" in statics and statics["PyCode_Type"] not in {t for t, _ in dead_types}:
+        dead_types += sized_types(mem, maps, cp, [statics["PyCode_Type"]], header_only=True)
     dead_types = sorted(dead_types)
     out.stats["gc_types"] = len(dead_types)
     out.root_cuts = merge_ranges(cuts)
@@ -321,7 +326,9 @@ def dead_types_all_gc(cp: CPythonMap) -> bool:
 # types (inside the runtime's ELF object) of fixed size (tp_itemsize 0): the pymalloc or
 # malloc rounding slack after tp_basicsize holds stale words of the block's earlier users.
 # Types of extensions and heap types are left whole: they may allocate past tp_basicsize.
-def sized_types(mem, maps, cp: CPythonMap, types) -> List[Tuple[int, int]]:
+# header_only: the types are var-sized but every reference lies in the fixed part (code
+# objects: their bytecode and inline caches follow tp_basicsize, 3.11+).
+def sized_types(mem, maps, cp: CPythonMap, types, header_only: bool = False) -> List[Tuple[int, int]]:
     reader = object_reader(mem, cp)
     own = [m.range for m in maps if m.path == cp.runtime.object_path]
     out = []
@@ -330,7 +337,8 @@ def sized_types(mem, maps, cp: CPythonMap, types) -> List[Tuple[int, int]]:
             continue
         basic, item = struct.unpack("<QQ", mem.read(t + L.TP_BASICSIZE, 16))
         off = reader.object_offset(t)
-        if item or basic < 16 or basic > 1 << 16 or basic % 8 or off is None or off > 48:
+        if (item and not header_only) or basic < 16 or basic > 1 << 16 or basic % 8 \
+                or off is None or off > 48:
             continue
         out.append((t, off | lib.MU_TYPE_SIZED << 8 | basic << 16))
     return out
