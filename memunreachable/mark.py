@@ -46,6 +46,17 @@ class DeadWords:
         return bool(self.ranges) or self.head_word is not None or bool(self.types)
 
 
+def with_dead_words(dead: Optional["DeadWords"], words: Sequence[int]) -> Optional["DeadWords"]:
+    """dead with the 8-byte words at `words` added to its ranges (None stays None if none)."""
+    if not words:
+        return dead
+    from memunreachable._types import Range, merge_ranges
+    base = dead if dead is not None else DeadWords()
+    ranges = merge_ranges([Range(b, e) for b, e in base.ranges] + [Range(w, w + 8) for w in words])
+    return DeadWords(ranges=[(r.begin, r.end) for r in ranges], head_word=base.head_word,
+                     types=base.types)
+
+
 # Returns (mu_dead * or NULL, objects to keep alive) for a DeadWords over n allocations.
 def dead_words(dead: "DeadWords", n: int):
     if not dead:

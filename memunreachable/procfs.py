@@ -18,8 +18,9 @@ from __future__ import annotations
 import errno
 import os
 import re
+import struct
 from dataclasses import dataclass
-from typing import List, Optional, Tuple
+from typing import Dict, List, Optional, Tuple
 
 from memunreachable._errors import NoSuchProcess
 from memunreachable._types import Mapping
@@ -216,6 +217,26 @@ def parse_smaps_flags(text: str) -> List[Tuple[Mapping, frozenset]]:
 
 _SMAPS_LINE = re.compile(r"\n(?:([0-9a-f]+-[0-9a-f]+ [^\n]*)|(Anonymous|Swap):\s*(\d+)|VmFlags:([^\n]*))")
 WRITTEN = frozenset({"written"})
+
+
+# Returns {type: value} of the auxiliary vector text of /proc/PID/auxv (u64 pairs up to
+# AT_NULL); getauxval(3).
+def parse_auxv(data: bytes) -> Dict[int, int]:
+    out: Dict[int, int] = {}
+    for k in range(0, len(data) - 15, 16):
+        key, value = struct.unpack_from("<QQ", data, k)
+        if key == 0:
+            break
+        out[key] = value
+    return out
+
+
+def read_auxv(pid: int) -> Dict[int, int]:
+    try:
+        with open(f"/proc/{pid}/auxv", "rb") as f:
+            return parse_auxv(f.read())
+    except (FileNotFoundError, ProcessLookupError) as exc:
+        raise _gone(pid) from exc
 
 
 def read_smaps_flags(pid: int) -> List[Tuple[Mapping, frozenset]]:

@@ -35,9 +35,9 @@ from memunreachable.classify import classify, data_ranges
 from memunreachable.cpython import probe
 from memunreachable.folding import fold, size_totals
 from memunreachable.freeze import frozen
-from memunreachable.glibc import locate
+from memunreachable.glibc import linkmaps, locate
 from memunreachable.glibc.walker import HeapInconsistent, walk_heap
-from memunreachable.mark import mark
+from memunreachable.mark import mark, with_dead_words
 from memunreachable.memory import (CopiedMemory, ProcessMemory, SnapshotPlan, capture, read_copies,
                                    mapped_file_size, plan_snapshot)
 from memunreachable.report import Leak, UnreachableMemoryInfo, group_leaks, members, sort_and_limit
@@ -391,8 +391,10 @@ def sweep(mem, maps, threads, pid: int, confirm: Optional[set] = None,
     # there (16-byte prefix, 8-byte tail); without the rule a stale header copy can only hide
     # a leak, never invent one
     glibc_chunks = cps.stats.get("allocator") != "malloc_debug"
+    # 4c. ld.so's l_gnu_chain_zero words: addresses computed below an object, not references
+    dead = with_dead_words(dead, linkmaps.of_process(mem, pid))
     t_walk = time.monotonic()
-    # 4c. Tracking table (memunreachable run): never a root, it points at every block
+    # 4d. Tracking table (memunreachable run): never a root, it points at every block
     table = tracking.find_table(mem, maps)
     # 5. Roots
     roots = classify(maps, threads, hw.heap_ranges, hw.metadata_ranges,

@@ -51,6 +51,8 @@ EXPECTED: Dict[str, Shape] = {
     "live_tls": Shape(single("leak_a")),
     "live_thread_stack": Shape(single("leak_a")),
     "live_dlopen": Shape(single("leak_a")),
+    # a big block right below a library whose link_map.l_gnu_chain_zero points into it
+    "leak_below_lib": Shape(single("leak_big")),
     "live_mmap": Shape(single("leak_a")),
     "live_data_readonly": Shape(single("leak_a")),
     # glibc heap shapes

@@ -1,0 +1,120 @@
+"""Stage 4d: words of ld.so's link maps that are addresses computed below an object, not
+references (glibc elf/dl-lookup.c, elf/link.h).
+
+For every loaded object with a GNU hash table, ld.so keeps l_gnu_chain_zero = the hash
+table's chain array minus 4 bytes per symbol the table skips (symoffset: the undefined
+imports at the head of .dynsym). For an object with many imports (a Python extension
+module: hundreds of Py* symbols) that address lies below the object's first page, inside
+whatever is mapped just under it, and that is very often a large malloc'd block: mmapped
+chunks go below the lowest mapping, next to the library loaded last. A conservative scan
+would count the word as a reference and never report a leak of that block.
+
+The link maps are found without symbols: the executable's program headers (AT_PHDR) give
+its dynamic section, whose DT_DEBUG entry ld.so set to &_r_debug; r_debug.r_map starts the
+public chain (l_addr 0, l_ld 16, l_next 24). For each object the expected value is computed
+from its own GNU hash header in memory, and only words of its link map equal to it are
+returned. Static executables (no DT_DEBUG) have none.
+"""
+from __future__ import annotations
+
+import struct
+from typing import Dict, List, Optional
+
+from memunreachable import procfs
+from memunreachable._errors import MemoryUnreadable, NoSuchProcess
+
+AT_PHDR, AT_PHNUM = 3, 5
+PT_DYNAMIC, PT_PHDR = 2, 6
+DT_NULL, DT_DEBUG, DT_GNU_HASH = 0, 21, 0x6FFFFEF5
+PHDR_SIZE = 56
+LINK_MAP_BYTES = 2048       # struct link_map is 1,100-1,300 bytes in glibc 2.27-2.41
+MAX_OBJECTS = 4096
+MAX_DYN = 512
+
+
+def _u64(mem, addr: int) -> int:
+    return struct.unpack("<Q", mem.read(addr, 8))[0]
+
+
+# Returns the address of r_debug from the executable's DT_DEBUG, or None (static, or ld.so
+# did not set it).
+def r_debug_address(mem, auxv: Dict[int, int]) -> Optional[int]:
+    phdr, phnum = auxv.get(AT_PHDR), auxv.get(AT_PHNUM)
+    if not phdr or not phnum or phnum > 256:
+        return None
+    table = mem.read(phdr, phnum * PHDR_SIZE)
+    heads = [struct.unpack_from("<IIQQQ", table, k * PHDR_SIZE) for k in range(phnum)]
+    bias = next((phdr - vaddr for ptype, _f, _o, vaddr, _p in heads if ptype == PT_PHDR), None)
+    dyn = next((vaddr for ptype, _f, _o, vaddr, _p in heads if ptype == PT_DYNAMIC), None)
+    if bias is None or dyn is None:
+        return None
+    for tag, value in _dynamic(mem, bias + dyn):
+        if tag == DT_DEBUG:
+            return value or None
+    return None
+
+
+def _dynamic(mem, addr: int):
+    for first in range(0, MAX_DYN, 32):                  # 32 entries a read
+        block = mem.read(addr + 16 * first, 512)
+        for k in range(32):
+            tag, value = struct.unpack_from("<QQ", block, 16 * k)
+            if tag == DT_NULL:
+                return
+            yield tag, value
+
+
+def _read_up_to(mem, addr: int, n: int) -> bytes:
+    """[addr, addr+n), or the readable part of it before the first unreadable byte."""
+    try:
+        return mem.read(addr, n)
+    except MemoryUnreadable as exc:
+        have = (exc.address - addr) & ~7
+        return mem.read(addr, have) if 0 < have < n else b""
+
+
+# Returns l_gnu_chain_zero as ld.so computes it for the object whose load bias is l_addr and
+# dynamic section is at l_ld, or None when it has no GNU hash table.
+def chain_zero(mem, l_addr: int, l_ld: int) -> Optional[int]:
+    table = next((v for tag, v in _dynamic(mem, l_ld) if tag == DT_GNU_HASH), None)
+    if not table:
+        return None
+    if table < l_addr:                  # not relocated in place (read-only dynamic section)
+        table += l_addr
+    nbuckets, symoffset, bloom_size, _shift = struct.unpack("<IIII", mem.read(table, 16))
+    return table + 16 + 8 * bloom_size + 4 * nbuckets - 4 * symoffset
+
+
+def of_process(mem, pid: int) -> List[int]:
+    """computed_words of process pid (its auxiliary vector read from /proc)."""
+    try:
+        auxv = procfs.read_auxv(pid)
+    except (OSError, NoSuchProcess):
+        return []
+    return computed_words(mem, auxv)
+
+
+# Returns the addresses of the link-map words that hold their object's l_gnu_chain_zero,
+# ascending; [] when the link maps cannot be found or read (the words then count as before).
+def computed_words(mem, auxv: Dict[int, int]) -> List[int]:
+    try:
+        start = r_debug_address(mem, auxv)
+        if start is None:
+            return []
+        lm = _u64(mem, start + 8)                       # r_debug.r_map
+    except (MemoryUnreadable, struct.error):
+        return []
+    out, seen = [], set()
+    while lm and lm % 8 == 0 and lm not in seen and len(seen) < MAX_OBJECTS:
+        seen.add(lm)
+        try:
+            l_addr, _name, l_ld, l_next = struct.unpack("<QQQQ", mem.read(lm, 32))
+            value = chain_zero(mem, l_addr, l_ld) if l_ld else None
+            if value is not None:
+                words = _read_up_to(mem, lm, LINK_MAP_BYTES)
+                out += [lm + k for k in range(0, len(words) - 7, 8)
+                        if struct.unpack_from("<Q", words, k)[0] == value]
+        except (MemoryUnreadable, struct.error):
+            break
+        lm = l_next
+    return sorted(out)

@@ -1,0 +1,84 @@
+"""glibc/linkmaps.py on in-memory images: r_debug from the executable's DT_DEBUG, each
+object's l_gnu_chain_zero from its GNU hash header, and the link-map words equal to it."""
+import struct
+
+from memunreachable._types import BufferMemory
+from memunreachable.glibc import linkmaps as LM
+from memunreachable.procfs import parse_auxv
+
+BIAS = 0x555500000000                   # the executable's load bias
+PHDR = BIAS + 0x40
+R_DEBUG = 0x7F0000001000
+LM1, LM2, LM3 = 0x5555AAAA0000, 0x5555AAAA1000, 0x7F0000002000
+LIB1, LIB2 = 0x7F1000000000, 0x7F2000000000
+
+
+def dyn(*pairs) -> bytes:
+    return b"".join(struct.pack("<QQ", t, v) for t, v in pairs) + bytes(16)
+
+
+def image():
+    mem = BufferMemory()
+    phdrs = [(LM.PT_PHDR, 4, 0x40, 0x40, 0), (1, 5, 0, 0, 0), (LM.PT_DYNAMIC, 6, 0x3000, 0x3000, 0)]
+    mem.blocks[PHDR] = b"".join(struct.pack("<IIQQQ", *p) + bytes(24) for p in phdrs)
+    mem.blocks[BIAS + 0x3000] = dyn((1, 7), (LM.DT_DEBUG, R_DEBUG))
+    mem.blocks[R_DEBUG] = struct.pack("<IIQ", 1, 0, LM1)
+    # object 1: GNU hash relocated in place (absolute), 1,000 skipped symbols
+    h1 = LIB1 + 0x300
+    mem.blocks[LIB1 + 0x200] = dyn((LM.DT_GNU_HASH, h1))
+    mem.blocks[h1] = struct.pack("<IIII", 4, 1000, 2, 6)
+    cz1 = h1 + 16 + 16 + 16 - 4000                    # below LIB1's first page
+    lm1 = bytearray(1300)
+    struct.pack_into("<QQQQ", lm1, 0, LIB1, 0, LIB1 + 0x200, LM2)
+    struct.pack_into("<Q", lm1, 808, cz1)
+    mem.blocks[LM1] = bytes(lm1)
+    # object 2: GNU hash not relocated (a link-time address below l_addr)
+    mem.blocks[LIB2 + 0x200] = dyn((5, 0x123), (LM.DT_GNU_HASH, 0x2a8))
+    mem.blocks[LIB2 + 0x2a8] = struct.pack("<IIII", 1, 3, 1, 6)
+    cz2 = LIB2 + 0x2a8 + 16 + 8 + 4 - 12
+    lm2 = bytearray(1300)
+    struct.pack_into("<QQQQ", lm2, 0, LIB2, 0, LIB2 + 0x200, LM3)
+    struct.pack_into("<Q", lm2, 800, cz2)
+    mem.blocks[LM2] = bytes(lm2)
+    # object 3: no GNU hash; its words are left alone, the chain ends
+    mem.blocks[LM3] = struct.pack("<QQQQ", 0, 0, LIB1 + 0x900, 0) + struct.pack("<Q", cz1)
+    mem.blocks[LIB1 + 0x900] = dyn((5, 1))
+    return mem, cz1, cz2
+
+
+def auxv():
+    return {LM.AT_PHDR: PHDR, LM.AT_PHNUM: 3}
+
+
+def test_r_debug_from_dt_debug():
+    mem, _, _ = image()
+    assert LM.r_debug_address(mem, auxv()) == R_DEBUG
+    assert LM.r_debug_address(mem, {}) is None                     # no AT_PHDR: static
+
+
+def test_chain_zero_relocated_or_not():
+    mem, cz1, cz2 = image()
+    assert LM.chain_zero(mem, LIB1, LIB1 + 0x200) == cz1
+    assert LM.chain_zero(mem, LIB2, LIB2 + 0x200) == cz2
+    assert LM.chain_zero(mem, LIB1, LIB1 + 0x900) is None
+
+
+def test_computed_words_are_the_link_map_words_equal_to_it():
+    mem, cz1, cz2 = image()
+    assert LM.computed_words(mem, auxv()) == [LM1 + 808, LM2 + 800]
+
+
+def test_a_cyclic_or_unset_chain_stops():
+    mem, _, _ = image()
+    mem.blocks[R_DEBUG] = struct.pack("<IIQ", 1, 0, 0)             # r_map not set yet
+    assert LM.computed_words(mem, auxv()) == []
+    mem, _, _ = image()
+    lm2 = bytearray(mem.blocks[LM2])
+    struct.pack_into("<Q", lm2, 24, LM1)                          # l_next back to the first
+    mem.blocks[LM2] = bytes(lm2)
+    assert LM.computed_words(mem, auxv()) == [LM1 + 808, LM2 + 800]
+
+
+def test_parse_auxv():
+    data = struct.pack("<6Q", 3, PHDR, 5, 3, 0, 0) + struct.pack("<2Q", 9, 1)
+    assert parse_auxv(data) == {3: PHDR, 5: 3}
