@@ -12,6 +12,7 @@ Pure over plain data: no pid, no ptrace.
 from __future__ import annotations
 
 import bisect
+import dataclasses
 import time
 from array import array
 from dataclasses import dataclass
@@ -41,9 +42,11 @@ class DeadWords:
     head_word: object = None
     types: Sequence[Tuple[int, int]] = ()    # (type address, object offset), ascending: an
     #   allocation with 0 at that offset followed by that type holds a dead object (unscanned)
+    dict_keys: int = 0                       # MU_DICT_KEYS_*: dict key tables scanned to their end
 
     def __bool__(self) -> bool:
-        return bool(self.ranges) or self.head_word is not None or bool(self.types)
+        return (bool(self.ranges) or self.head_word is not None or bool(self.types)
+                or bool(self.dict_keys))
 
 
 def with_dead_words(dead: Optional["DeadWords"], words: Sequence[int]) -> Optional["DeadWords"]:
@@ -53,8 +56,7 @@ def with_dead_words(dead: Optional["DeadWords"], words: Sequence[int]) -> Option
     from memunreachable._types import Range, merge_ranges
     base = dead if dead is not None else DeadWords()
     ranges = merge_ranges([Range(b, e) for b, e in base.ranges] + [Range(w, w + 8) for w in words])
-    return DeadWords(ranges=[(r.begin, r.end) for r in ranges], head_word=base.head_word,
-                     types=base.types)
+    return dataclasses.replace(base, ranges=[(r.begin, r.end) for r in ranges])
 
 
 # Returns (mu_dead * or NULL, objects to keep alive) for a DeadWords over n allocations.
@@ -71,6 +73,7 @@ def dead_words(dead: "DeadWords", n: int):
         c.ranges = ffi.from_buffer("uint64_t[]", flat)
         keep.append(c.ranges)
     c.nranges = len(dead.ranges)
+    c.dict_keys = dead.dict_keys
     if dead.types:
         tflat = array("Q", [w for pair in dead.types for w in pair])
         c.types = ffi.from_buffer("uint64_t[]", tflat)

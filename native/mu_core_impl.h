@@ -162,9 +162,48 @@ static inline int mu_dead_object(const mu_dead *d, const uint8_t *p, uint64_t le
 #define MU_FRAME_STACKTOP 64
 #define MU_FRAME_SLOTS 72
 
+/* The size of the dict key table at p (len bytes, avail readable) as new_keys_object allocated
+ * it, when every header field is consistent and the allocation exceeds it by 8-15 bytes (an
+ * allocator's rounding); else 0. */
+static inline uint64_t mu_dict_keys_len(uint32_t layout, const uint8_t *p, uint64_t len,
+                                        uint64_t avail)
+{
+    uint64_t h[5], total;
+    if (len < 48 || avail < 40)
+        return 0;
+    memcpy(h, p, 40);
+    if (h[0] < 1 || h[0] >= MU_REFCNT_SMALL)
+        return 0;
+    if (layout == MU_DICT_KEYS_38) {
+        uint64_t size = h[1], frac = (size << 1) / 3;
+        if (size < 8 || size > (1ull << 30) || (size & (size - 1)) || h[2] < 4096
+            || h[3] > frac || h[4] > frac || h[3] + h[4] > frac)
+            return 0;
+        uint64_t ix = size <= 0xff ? 1 : size <= 0xffff ? 2 : 4;
+        total = 40 + ix * size + 24 * frac;
+    } else if (layout == MU_DICT_KEYS_311) {
+        uint8_t log2 = p[8], log2ib = p[9], kind = p[10];
+        if (log2 < 3 || log2 > 30 || kind > 2)
+            return 0;
+        uint8_t want = log2 < 8 ? log2 : log2 < 16 ? log2 + 1 : log2 + 2;
+        uint64_t frac = ((1ull << log2) << 1) / 3;
+        if (log2ib != want || h[2] > frac || h[3] > frac || h[2] + h[3] > frac)
+            return 0;
+        total = 32 + (1ull << log2ib) + (kind == 0 ? 24 : 16) * frac;
+    } else {
+        return 0;
+    }
+    return total + 8 <= len && len - total < 16 ? total : 0;
+}
+
 static inline uint64_t mu_live_len(const mu_dead *d, const uint8_t *p, uint64_t b, uint64_t len,
                                    uint64_t avail)
 {
+    if (d && d->dict_keys) {
+        uint64_t keys = mu_dict_keys_len(d->dict_keys, p, len, avail);
+        if (keys)
+            return keys;
+    }
     if (!d || !d->ntypes)
         return len;
     uint64_t have = len < avail ? len : avail;

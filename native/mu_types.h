@@ -30,14 +30,24 @@ typedef struct {
  *       64, slots from f_frame + 72) are dead: CPython copies a frame only up to its
  *       stacktop and never clears the slots above (cpython-memory.md section 5);
  *   kind MU_TYPE_SIZED: an object of a fixed-size type whose size (tp_basicsize) is in bits
- *       16-47 of code: the allocator's rounding slack after it holds only stale words. */
+ *       16-47 of code: the allocator's rounding slack after it holds only stale words.
+ * dict_keys (MU_DICT_KEYS_*): an allocation whose header is a CPython dict key table
+ * (PyDictKeysObject, consistent in every field) is scanned only up to the table's end as
+ * new_keys_object sized it; the allocator's slack after it (under 16 bytes) holds only stale
+ * words of the block's earlier users. 0: no such rule. */
 typedef struct {
     const uint64_t *ranges;
     uint64_t nranges;
     const uint8_t *head_word;
     const uint64_t *types;
     uint64_t ntypes;
+    uint32_t dict_keys;
 } mu_dead;
+
+#define MU_DICT_KEYS_NONE 0
+#define MU_DICT_KEYS_38 1     /* 3.8-3.10: {refcnt, dk_size, dk_lookup, dk_usable, dk_nentries} */
+#define MU_DICT_KEYS_311 2    /* 3.11-3.13: {refcnt, log2_size, log2_index_bytes, kind, version,
+                               * dk_usable, dk_nentries} */
 
 #define MU_TYPE_DEAD_AT_ZERO 0
 #define MU_TYPE_OPAQUE 1

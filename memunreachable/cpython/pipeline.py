@@ -108,7 +108,7 @@ def prepare(mem, maps, threads, pid: Optional[int], image: HeapImage) -> CPython
     out.stats["gc_types"] = len(dead_types)
     out.root_cuts = merge_ranges(cuts)
     out.dead = DeadWords(ranges=[(r.begin, r.end) for r in merge_ranges(dead_ranges)],
-                         head_word=head_word, types=dead_types)
+                         head_word=head_word, types=dead_types, dict_keys=dict_keys_rule(cp))
     out.stats.update(cp.stats, pymalloc_blocks=len(blocks), dead_blocks_dropped=ndead,
                      version="%d.%d" % cp.version, allocator=cp.allocator)
     return out
@@ -315,6 +315,14 @@ def _type_rules(cp: CPythonMap) -> Dict[str, Tuple[str, str]]:
     if cp.version >= (3, 11):     # frame objects own a copy of their frame data (MU_TYPE_FRAME)
         rules["PyFrame_Type"] = ("frame", "MU_TYPE_FRAME")
     return rules
+
+
+def dict_keys_rule(cp: CPythonMap) -> int:
+    """The mu_dead dict-key-table rule of this version (tables at their block's start: not
+    under the debug hooks, whose prefix comes first and which fill the slack anyway)."""
+    if (cp.allocator or "").endswith("debug") or cp.version > (3, 13):
+        return lib.MU_DICT_KEYS_NONE
+    return lib.MU_DICT_KEYS_38 if cp.version <= (3, 10) else lib.MU_DICT_KEYS_311
 
 
 def dead_types_all_gc(cp: CPythonMap) -> bool:

@@ -274,3 +274,62 @@ def test_sized_objects_scanned_up_to_their_basicsize(basic, kept):
     h.link(0, 8, 2)                     # at block offset 64
     dead = DeadWords(types=[(INT_TYPE + 0x100, 16 | SIZED | basic << 16)])
     assert list(mark(h.image(), [], [h.addrs[0]], dead=dead).marked) == kept
+
+
+# --- dict key tables: the allocator's slack after them ----------------------------------------
+
+def keys_311(h, k, log2=3, kind=1, used=2):
+    """A 3.11+ PyDictKeysObject in block k: 32-byte header, 1 << log2 index bytes, 16-byte
+    entries (24 for kind 0) x USABLE_FRACTION; returns its size."""
+    frac = ((1 << log2) << 1) // 3
+    off = h.addrs[k] - h.base
+    struct.pack_into("<QBBBxIqq", h.buf, off, 1, log2, log2, kind, 0, frac - used, used)
+    return 32 + (1 << log2) + (24 if kind == 0 else 16) * frac
+
+
+def keys_38(h, k, size=8, used=2):
+    """A 3.8-3.10 PyDictKeysObject: {refcnt, dk_size, dk_lookup, dk_usable, dk_nentries}."""
+    frac = (size << 1) // 3
+    struct.pack_into("<5Q", h.buf, h.addrs[k] - h.base, 1, size, 0x7F00_0000_1000, frac - used, used)
+    return 40 + size + 24 * frac
+
+
+@pytest.mark.parametrize("layout, make, block", [
+    (lib.MU_DICT_KEYS_311, keys_311, 128),     # 120-byte table in a 128-byte pymalloc block
+    (lib.MU_DICT_KEYS_38, keys_38, 176),       # 168-byte table in a 176-byte pymalloc block
+])
+def test_dict_key_table_slack_is_not_scanned(layout, make, block):
+    h = Heap([block, 32, 32])
+    size = make(h, 0)
+    assert block - 16 < size < block
+    h.link(0, size // 8, 1)                    # a stale pointer in the slack
+    h.link(0, 5, 2)                            # a live one inside the table (an entry's key)
+    roots = [h.addrs[0]]
+    res = mark(h.image(), [], roots, dead=DeadWords(dict_keys=layout))
+    assert list(res.marked) == [1, 0, 1]
+    res = mark(h.image(), [], roots)
+    assert list(res.marked) == [1, 1, 1]
+    # the fold agrees: the stale word does not make block 1 part of block 0's leak
+    leaks = fold(h.image(), bytearray(3), dead=DeadWords(dict_keys=layout))
+    assert {(e.index, e.referenced_count) for e in leaks} == {(0, 1), (1, 0)}
+
+
+def test_dict_key_table_rule_needs_every_field_consistent():
+    h = Heap([128, 32])
+    size = keys_311(h, 0)
+    h.link(0, size // 8, 1)
+    bad = [(8, 4),            # log2_size 4 with index bytes for 3: inconsistent
+           (10, 3),           # kind 3 does not exist
+           (0, 0)]            # refcount 0
+    for off, value in bad:
+        saved = bytes(h.buf[h.addrs[0] - h.base:h.addrs[0] - h.base + 16])
+        h.buf[h.addrs[0] - h.base + off] = value
+        res = mark(h.image(), [], [h.addrs[0]], dead=DeadWords(dict_keys=lib.MU_DICT_KEYS_311))
+        assert list(res.marked) == [1, 1], off
+        h.buf[h.addrs[0] - h.base:h.addrs[0] - h.base + 16] = saved
+    # a block 16 bytes or more larger than the table is something else
+    h2 = Heap([144, 32])
+    size = keys_311(h2, 0)
+    h2.link(0, size // 8, 1)
+    res = mark(h2.image(), [], [h2.addrs[0]], dead=DeadWords(dict_keys=lib.MU_DICT_KEYS_311))
+    assert list(res.marked) == [1, 1]
