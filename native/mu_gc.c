@@ -149,3 +149,68 @@ int64_t mu_list_slack(const uint64_t *begin, const uint64_t *size, uint64_t n,
     }
     return (int64_t)found;
 }
+
+#define TPFLAGS_HEAPTYPE (1ull << 9)
+
+static int in_sorted(const uint64_t *a, uint64_t n, uint64_t v)
+{
+    uint64_t lo = 0, hi = n;
+    while (lo < hi) {
+        uint64_t mid = (lo + hi) >> 1;
+        if (a[mid] < v)
+            lo = mid + 1;
+        else
+            hi = mid;
+    }
+    return lo < n && a[lo] == v;
+}
+
+/* The allocation starting exactly at addr, or n. */
+static uint64_t block_at(const uint64_t *begin, uint64_t n, uint64_t addr)
+{
+    uint64_t lo = 0, hi = n;
+    while (lo < hi) {
+        uint64_t mid = (lo + hi) >> 1;
+        if (begin[mid] < addr)
+            lo = mid + 1;
+        else
+            hi = mid;
+    }
+    return lo < n && begin[lo] == addr ? lo : n;
+}
+
+int64_t mu_type_docs(const uint64_t *begin, const uint64_t *size, uint64_t n,
+                     const mu_region *heap, uint64_t nheap, const uint8_t *head_word,
+                     const uint64_t *meta, uint64_t nmeta, uint64_t *out, uint64_t cap)
+{
+    if ((n && (!begin || !size || !head_word)) || (nheap && !heap) || (cap && !out)
+        || (nmeta && !meta))
+        return -EINVAL;
+    uint64_t found = 0;
+    for (uint64_t i = 0; i < n && nmeta; i++) {
+        if (!head_word[i])
+            continue;
+        uint64_t obj = begin[i] + 8 * (uint64_t)(head_word[i] - 1) + 16;
+        if (obj + 184 > begin[i] + size[i])
+            continue;
+        int64_t r = mu_region_find(heap, nheap, obj + 8, 176);
+        if (r < 0)
+            continue;
+        const uint8_t *o = heap[r].data + (obj - heap[r].base);
+        uint64_t tp, flags, doc;
+        memcpy(&tp, o + 8, 8);
+        memcpy(&flags, o + 168, 8);
+        memcpy(&doc, o + 176, 8);
+        if (!doc || !(flags & TPFLAGS_HEAPTYPE) || !in_sorted(meta, nmeta, tp))
+            continue;
+        uint64_t k = block_at(begin, n, doc);
+        if (k == n || k == i)
+            continue;
+        if (found < cap) {
+            out[2 * found] = begin[k];
+            out[2 * found + 1] = begin[k] + size[k];
+        }
+        found++;
+    }
+    return (int64_t)found;
+}

@@ -301,6 +301,7 @@ STR_STATE = 32                  # PyASCIIObject.state bit field (interned:2 kind
 
 
 TPFLAGS_LIST_SUBCLASS = 1 << 25
+TPFLAGS_TYPE_SUBCLASS = 1 << 31
 TPFLAGS_DICT_SUBCLASS = 1 << 29
 # Fields through which an object owns a separate buffer (3.8-3.13 alike): PyDictObject
 # ma_keys, ma_values; PyListObject ob_item; PySetObject table; PyByteArrayObject ob_bytes

@@ -91,6 +91,9 @@ def prepare(mem, maps, threads, pid: Optional[int], image: HeapImage) -> CPython
                 slack = list_slack(merged, head_word, statics["PyList_Type"])
                 dead_ranges += slack
                 out.stats["list_slack_ranges"] = len(slack)
+            docs = type_docs(merged, head_word, metatypes(mem, cp, types))
+            dead_ranges += docs
+            out.stats["type_docs"] = len(docs)
     dead_types = []
     if head_word is not None and cp.version <= L.DEAD_OBJECTS_UNTIL:
         types = sorted(set(types) | set(frame_types(mem, cp)))
@@ -381,18 +384,25 @@ def static_types(mem, maps, pid, cp: CPythonMap, wanted: Dict[str, str]) -> Dict
 # Returns [Range] of the stale slots of every list on the GC lists (mu_list_slack): words
 # above ob_size in its item array, which are not references.
 def list_slack(image: HeapImage, head_word, list_type: int) -> List[Range]:
+    return _gc_object_ranges(image, head_word, lambda args, out, cap: lib.mu_list_slack(
+        *args, list_type, out, cap))
+
+
+# Returns the [Range] pairs a native pass over the GC objects of image stores (mu_list_slack,
+# mu_type_docs): call(args, out, cap) with args = (begins, sizes, n, regions, nregions,
+# head_word); [] on an error.
+def _gc_object_ranges(image: HeapImage, head_word, call) -> List[Range]:
     n = len(image.begins)
     if not n:
         return []
     begins, kb = u64_view(image.begins)
     sizes, ks = u64_view(image.sizes)
     regs, kr = region_array(image.regions)
-    hw = ffi.from_buffer("uint8_t[]", head_word)
+    args = (begins, sizes, n, regs, len(image.regions), ffi.from_buffer("uint8_t[]", head_word))
     cap = 4096
     while True:
         out = array("Q", bytes(16 * cap))
-        rc = lib.mu_list_slack(begins, sizes, n, regs, len(image.regions), hw, list_type,
-                               ffi.from_buffer("uint64_t[]", out), cap)
+        rc = call(args, ffi.from_buffer("uint64_t[]", out), cap)
         if rc <= cap:
             break
         cap = rc
@@ -400,6 +410,24 @@ def list_slack(image: HeapImage, head_word, list_type: int) -> List[Range]:
     if rc < 0:
         return []
     return [Range(out[2 * k], out[2 * k + 1]) for k in range(rc)]
+
+
+# Returns the metatypes among `types` (type objects whose tp_flags has
+# Py_TPFLAGS_TYPE_SUBCLASS: type, ABCMeta, EnumType, ...), ascending.
+def metatypes(mem, cp: CPythonMap, types) -> List[int]:
+    reader = object_reader(mem, cp)
+    return sorted(t for t in types if (reader.type_info(t) or ("", 0))[1] & L.TPFLAGS_TYPE_SUBCLASS)
+
+
+# Returns [Range] of the heap types' docstring copies (mu_type_docs): text, not references.
+# A stale pointer's high bytes in the allocator's slack after the text's NUL read as a
+# pointer into a leaked block (MEMUNREACHABLE_EXPLAIN: a pytest class's 1,112-byte docstring).
+def type_docs(image: HeapImage, head_word, metas: Sequence[int]) -> List[Range]:
+    if not metas:
+        return []
+    meta = array("Q", metas)
+    return _gc_object_ranges(image, head_word, lambda args, out, cap: lib.mu_type_docs(
+        *args, ffi.from_buffer("uint64_t[]", meta), len(meta), out, cap))
 
 
 # Returns the ob_type of each thread's innermost frame (3.8-3.10: frames are heap objects,

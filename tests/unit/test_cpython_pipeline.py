@@ -180,6 +180,34 @@ def test_owned_fields_per_version():
     assert L.owned_fields("tuple", 0, (3, 12)) == ()
 
 
+def test_type_docs_are_the_heap_types_docstring_blocks():
+    META, OTHER_META, PLAIN = 0x7000, 0x7100, 0x7200
+    HEAP = 1 << 9
+
+    def typeobj(meta, flags, doc):
+        body = bytearray(200)
+        struct.pack_into("<QQ", body, 0, 1, meta)
+        struct.pack_into("<QQ", body, 168, flags, doc)
+        return bytes(16) + bytes(body)                  # PyGC_Head, then the type object
+    docs = [0x2000, 0x2100, 0x2200, 0x2300]
+    blocks = [(0x1000, typeobj(META, HEAP, docs[0])),          # a heap type: its doc is text
+              (0x1100, typeobj(OTHER_META, HEAP, docs[1])),    # a metaclass not listed
+              (0x1200, typeobj(META, 0, docs[2])),             # a static type: doc in .rodata
+              (0x1300, typeobj(META, HEAP, docs[3] + 8)),      # doc not at a block's start
+              (0x1400, typeobj(META, HEAP, 0))]                # no doc
+    data = bytearray(0x1400)
+    for b, d in blocks:
+        data[b - 0x1000:b - 0x1000 + len(d)] = d
+    begins = [b for b, _ in blocks] + docs
+    sizes = [216] * len(blocks) + [40, 40, 40, 40]
+    img = HeapImage(array("Q", begins), array("Q", sizes), [(0x1000, data)])
+    head_word = bytes([1] * len(blocks) + [0] * len(docs))
+    assert P.type_docs(img, head_word, [META]) == [Range(0x2000, 0x2028)]
+    assert P.type_docs(img, head_word, [META, OTHER_META]) == [Range(0x2000, 0x2028),
+                                                               Range(0x2100, 0x2128)]
+    assert P.type_docs(img, head_word, []) == []
+
+
 def test_list_slack_is_the_item_array_above_ob_size():
     LIST, OTHER = 0x7000, 0x7100
     head = bytes(16)                                   # PyGC_Head (links unused here)
