@@ -45,7 +45,7 @@ static int64_t read_pages(int fd, uint64_t addr, uint8_t *buf, uint64_t len, uin
     return (int64_t)bad;
 }
 
-static int64_t read_serial(int memfd, uint64_t addr, uint8_t *buf, uint64_t len, uint64_t *first_bad)
+int64_t mu_read_serial(int memfd, uint64_t addr, uint8_t *buf, uint64_t len, uint64_t *first_bad)
 {
     uint64_t bad = 0, off = 0;
     while (off < len) {
@@ -87,7 +87,7 @@ struct read_job {
 static void *read_job_run(void *arg)
 {
     struct read_job *j = arg;
-    j->rc = read_serial(j->fd, j->addr, j->buf, j->len, &j->first_bad);
+    j->rc = mu_read_serial(j->fd, j->addr, j->buf, j->len, &j->first_bad);
     return NULL;
 }
 
@@ -98,7 +98,7 @@ int64_t mu_read(int memfd, uint64_t addr, uint8_t *buf, uint64_t len, uint64_t *
     long ncpu = sysconf(_SC_NPROCESSORS_ONLN);
     int n = ncpu > MU_MAX_THREADS ? MU_MAX_THREADS : (int)ncpu;
     if (len < MU_PARALLEL_MIN || n < 2)
-        return read_serial(memfd, addr, buf, len, first_bad);
+        return mu_read_serial(memfd, addr, buf, len, first_bad);
     struct read_job jobs[MU_MAX_THREADS];
     pthread_t tids[MU_MAX_THREADS];
     int started[MU_MAX_THREADS] = {0};
