@@ -42,7 +42,7 @@ from memunreachable.memory import (CopiedMemory, ProcessMemory, SnapshotPlan, ca
                                    mapped_file_size, plan_snapshot)
 from memunreachable.report import Leak, UnreachableMemoryInfo, group_leaks, members, sort_and_limit
 from memunreachable.snapshot import prepare as prepare_snapshot, take_snapshot
-from memunreachable.sweeper import SweepEntry, SweepResult, run_sweeper
+from memunreachable.sweeper import SweepEntry, SweepResult, retain_list, run_sweeper
 
 log = logging.getLogger("memunreachable")
 
@@ -326,7 +326,8 @@ def _sweep_snapshot(snap, fz, st: _Attempts, sweep_timeout: float, confirm, over
         maps = [m for m in maps if not any(m.range.overlaps(u) for u in unseen)]
     try:
         return run_sweeper(lambda: sweep(mem, maps, fz.threads, snap.pid, confirm,
-                                         all_uncertain=bool(unseen), unwritten=plan.unwritten),
+                                         all_uncertain=bool(unseen), unwritten=plan.unwritten,
+                                         retain=retain_list()),
                            sweep_timeout)
     finally:
         mem.close()
@@ -358,7 +359,8 @@ def _warm_caches(maps, pid: int) -> None:
 
 
 def sweep(mem, maps, threads, pid: int, confirm: Optional[set] = None,
-          all_uncertain: bool = False, unwritten: Sequence[Range] = ()) -> SweepResult:
+          all_uncertain: bool = False, unwritten: Sequence[Range] = (),
+          retain: Optional[list] = None) -> SweepResult:
     """Stages 4-8 over a memory image; runs inside the sweeper process.
 
     confirm: addresses found unreachable in an earlier snapshot; a block unreachable now but
@@ -369,6 +371,8 @@ def sweep(mem, maps, threads, pid: int, confirm: Optional[set] = None,
     unreachable block when all_uncertain, because memory that may reference them was not
     seen) are returned apart and treated as roots, so nothing they point to is a leak.
     unwritten: file mappings the process never wrote (SnapshotPlan.unwritten): not roots.
+    retain: a list that keeps the copies of the snapshot's memory past the return (the
+    sweeper process, which exits right after sending the result, never frees them itself).
     """
     t0 = time.monotonic()
     # 4. Enumerate allocations
@@ -493,6 +497,8 @@ def sweep(mem, maps, threads, pid: int, confirm: Optional[set] = None,
                                    dead_objects=py.dead if py is not None else 0)
     if suspect or hw.soft_issues or confirm is not None:
         res.leak_addresses = list(compress(begins, leaked_mask))
+    if retain is not None:
+        retain.append((hw, cps, mem, image, marked))
     return res
 
 
