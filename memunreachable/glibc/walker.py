@@ -84,10 +84,11 @@ class _Copy:
 
 @dataclass
 class _Piece:
-    """In-use chunks of one run, heap or mapping: ascending user addresses inside [lo, hi)."""
+    """In-use chunks of one run, heap or mapping: ascending user addresses inside [lo, hi)
+    (arrays, or 'Q' memoryviews of run_jobs' scratch)."""
     lo: int
-    user: array
-    usable: array
+    user: object
+    usable: object
 
 
 @dataclass
@@ -100,8 +101,7 @@ class _Job:
     res: object = None
     piece: Optional[_Piece] = None
     cap: int = 0
-    user: Optional[array] = None
-    usable: Optional[array] = None
+    off: int = 0
     arena: int = 0
     heap: int = 0
     holds_top: bool = False
@@ -156,21 +156,24 @@ class _Walker(FreeListsMixin):
                 j.res, j.piece = self.walk_run(j.cp, j.first, j.top, j.non_main)
             return
         tab = ffi.new("mu_read_job[]", len(jobs))
-        keep = []
+        for j in jobs:
+            j.cap = max(256, (j.cp.end - j.first) // 192)
+        # the chunks found go to two scratch mappings (zeroed lazily, only the pages written
+        # cost anything), each job at its own offset; assemble() copies them once
+        total = sum(j.cap for j in jobs)
+        su, sv = local_buffer(8 * total), local_buffer(8 * total)
+        pu, pv = ffi.from_buffer("uint64_t[]", su), ffi.from_buffer("uint64_t[]", sv)
+        off = 0
         for k, j in enumerate(jobs):
             t = tab[k]
             t.addr, t.len, t.buf = j.cp.base, j.cp.size, j.cp.ptr
             t.first, t.top, t.non_main = j.first, j.top, int(j.non_main)
-            j.cap = max(256, (j.cp.end - j.first) // 192)
-            j.user, j.usable = _alloc_q(j.cap), _alloc_q(j.cap)
-            pu = ffi.from_buffer("uint64_t[]", j.user)
-            pv = ffi.from_buffer("uint64_t[]", j.usable)
-            keep += [pu, pv]
-            t.user, t.usable, t.cap = pu, pv, j.cap
-        rc = lib.mu_read_walk(self.mem.fd, tab, len(jobs))
-        for b in keep:
-            ffi.release(b)          # the arrays are trimmed below
-        check(rc, "read and walk heaps", pid=self.mem.pid)
+            t.user, t.usable, t.cap = pu + off, pv + off, j.cap
+            j.off = off
+            off += j.cap
+        check(lib.mu_read_walk(self.mem.fd, tab, len(jobs)), "read and walk heaps",
+              pid=self.mem.pid)
+        mu, mv = memoryview(su).cast("Q"), memoryview(sv).cast("Q")
         for k, j in enumerate(jobs):
             t = tab[k]
             if t.bad:
@@ -185,10 +188,8 @@ class _Walker(FreeListsMixin):
             if res.in_use > j.cap:          # more chunks than the estimate: walk again
                 j.res, j.piece = self.walk_run(j.cp, j.first, j.top, j.non_main)
                 continue
-            del j.user[t.stored:]
-            del j.usable[t.stored:]
-            j.res, j.piece = res, _Piece(j.first, j.user, j.usable)
-            j.user = j.usable = None
+            j.res, j.piece = res, _Piece(j.first, mu[j.off:j.off + t.stored],
+                                         mv[j.off:j.off + t.stored])
 
     def mapping_at(self, addr: int) -> Optional[Mapping]:
         i = bisect.bisect_right(self.map_begins, addr) - 1
@@ -464,15 +465,16 @@ class _Walker(FreeListsMixin):
     # -- step 10: emit ----------------------------------------------------------------
     def assemble(self) -> Tuple[array, array]:
         pieces = sorted(self.pieces, key=lambda p: p.lo)
-        if len(pieces) == 1:
+        if len(pieces) == 1 and isinstance(pieces[0].user, array):
             return pieces[0].user, pieces[0].usable
         user, usable = array("Q"), array("Q")
         for p in pieces:
             if len(p.user) and len(user) and p.user[0] <= user[-1]:
                 self.v.fail(f"overlapping chunk runs at {p.user[0]:#x}", p.user[0] - L.CHUNK_HDR)
                 continue
-            user.extend(p.user)
-            usable.extend(p.usable)
+            user.frombytes(memoryview(p.user).cast("B"))   # an array, or a view of the scratch
+            usable.frombytes(memoryview(p.usable).cast("B"))
+        self.pieces = []
         return user, usable
 
     # Returns (the HeapImage, [(base, buffer)] of the copies that hold no allocation).
