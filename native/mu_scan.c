@@ -306,6 +306,21 @@ typedef struct {
     int running;            /* tid was started and must be joined */
 } mark_ctx;
 
+/* Moves half of m's stack to the pool when another thread waits for work. */
+static void share_work(mark_ctx *m)
+{
+    mark_shared *sh = m->sh;
+    if (!__atomic_load_n(&sh->waiting, __ATOMIC_RELAXED) || m->sp < 2 * SCAN_POP)
+        return;
+    pthread_mutex_lock(&sh->mu);
+    uint64_t give = m->sp / 2;
+    memcpy(sh->pool + sh->npool, m->stack + (m->sp - give), give * sizeof(uint32_t));
+    sh->npool += give;
+    m->sp -= give;
+    pthread_cond_broadcast(&sh->cv);
+    pthread_mutex_unlock(&sh->mu);
+}
+
 /* Looks up the pending candidates; marks and pushes the allocations newly hit. */
 static void flush(mark_ctx *m)
 {
@@ -325,6 +340,8 @@ static void flush(mark_ctx *m)
         m->marks++;
     }
     m->nc = 0;
+    if (m->sh)
+        share_work(m);      /* inside a long scan too (a table of a million pointers) */
 }
 
 static inline __attribute__((always_inline)) void consider(mark_ctx *m, uint64_t v)
@@ -386,21 +403,6 @@ int64_t mu_scan_index_set_dead(mu_scan_index *ix, const mu_dead *dead)
             return -EINVAL;
     ix->dead = dead;
     return 0;
-}
-
-/* Moves half of m's stack to the pool when another thread waits for work. */
-static void share_work(mark_ctx *m)
-{
-    mark_shared *sh = m->sh;
-    if (!__atomic_load_n(&sh->waiting, __ATOMIC_RELAXED) || m->sp < 2 * SCAN_POP)
-        return;
-    pthread_mutex_lock(&sh->mu);
-    uint64_t give = m->sp / 2;
-    memcpy(sh->pool + sh->npool, m->stack + (m->sp - give), give * sizeof(uint32_t));
-    sh->npool += give;
-    m->sp -= give;
-    pthread_cond_broadcast(&sh->cv);
-    pthread_mutex_unlock(&sh->mu);
 }
 
 /* Refills m's empty stack from the pool, waiting while other threads work. Returns 0 when
