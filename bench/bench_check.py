@@ -7,7 +7,7 @@ bytes scanned per second of mark), and peak RSS of checker + sweeper against byt
 It also verifies every run found exactly the leaks the target reports.
 
     python bench/bench_check.py [--blocks 5000000] [--threads 8] [--leaks 1000] [--runs 5]
-                                [--compare OTHER_CHECKOUT] [--lsan]
+                                [--compare OTHER_CHECKOUT] [--lsan] [--lsan-cc CC]
 
 --compare runs as many checks with a second checkout (its C core built in place, see
 bench_pause.py), alternating with this one, against the same target: before/after from one
@@ -60,6 +60,8 @@ def main():
     ap.add_argument("--runs", type=int, default=5)
     ap.add_argument("--compare", help="another checkout of memunreachable (built in place)")
     ap.add_argument("--lsan", action="store_true", help="time LeakSanitizer's check too")
+    ap.add_argument("--lsan-cc", default="cc", help="compiler of the LeakSanitizer build "
+                    "(cc: gcc's liblsan; clang-14 needs libclang-rt-14-dev)")
     args = ap.parse_args()
     checkouts = {"this": ROOT}
     if args.compare:
@@ -122,14 +124,15 @@ def _lsan(args):
     """LeakSanitizer's in-process check of the same heap (bench_target.c built -fsanitize=leak)."""
     with tempfile.TemporaryDirectory() as tmp:
         exe = os.path.join(tmp, "bench_target_lsan")
-        subprocess.run(["cc", "-O2", "-g", "-fsanitize=leak", "-DBENCH_LSAN",
+        subprocess.run([args.lsan_cc, "-O2", "-g", "-fsanitize=leak", "-DBENCH_LSAN",
                         "-I", os.path.join(ROOT, "fixtures"), "-o", exe,
                         os.path.join(HERE, "bench_target.c"), "-lpthread"], check=True)
         env = dict(os.environ, LSAN_RUNS=str(args.runs))
         out = subprocess.run([exe, str(args.blocks), str(args.threads), str(args.leaks)], env=env,
                              capture_output=True, text=True).stdout
     secs = [float(line.split()[1]) for line in out.splitlines() if line.startswith("lsan_seconds")]
-    print(f"\nLeakSanitizer's check of the same heap: {', '.join(f'{s:.2f}' for s in secs)} s, "
+    print(f"\nLeakSanitizer's check of the same heap ({args.lsan_cc}): "
+          f"{', '.join(f'{s:.2f}' for s in secs)} s, "
           f"median {statistics.median(secs):.2f} s")
 
 if __name__ == "__main__":
