@@ -19,6 +19,7 @@ import bisect
 import logging
 import struct
 import os
+import signal
 import time
 from dataclasses import dataclass, field
 from itertools import compress
@@ -327,10 +328,28 @@ def _sweep_snapshot(snap, fz, st: _Attempts, sweep_timeout: float, confirm, over
     try:
         return run_sweeper(lambda: sweep(mem, maps, fz.threads, snap.pid, confirm,
                                          all_uncertain=bool(unseen), unwritten=plan.unwritten,
-                                         retain=retain_list()),
+                                         retain=retain_list(),
+                                         release_snapshot=_early_release(snap)),
                            sweep_timeout)
     finally:
         mem.close()
+
+
+def _early_release(snap):
+    """For the sweeper: kill the snapshot process as soon as the sweep has copied all it reads
+    (sweep(release_snapshot=...)). Only a clone: a direct sweep reads the target itself. The
+    checker still collects and reaps it (Snapshot.release: a SIGKILL to a dead child is a
+    no-op); until then its pid, a traced child not yet reaped, cannot be reused."""
+    if snap.mode != "clone":
+        return None
+    pid = snap.pid
+
+    def release():
+        try:
+            os.kill(pid, signal.SIGKILL)
+        except OSError:
+            pass
+    return release
 
 
 def _explain_address() -> int:
@@ -360,7 +379,7 @@ def _warm_caches(maps, pid: int) -> None:
 
 def sweep(mem, maps, threads, pid: int, confirm: Optional[set] = None,
           all_uncertain: bool = False, unwritten: Sequence[Range] = (),
-          retain: Optional[list] = None) -> SweepResult:
+          retain: Optional[list] = None, release_snapshot=None) -> SweepResult:
     """Stages 4-8 over a memory image; runs inside the sweeper process.
 
     confirm: addresses found unreachable in an earlier snapshot; a block unreachable now but
@@ -373,6 +392,9 @@ def sweep(mem, maps, threads, pid: int, confirm: Optional[set] = None,
     unwritten: file mappings the process never wrote (SnapshotPlan.unwritten): not roots.
     retain: a list that keeps the copies of the snapshot's memory past the return (the
     sweeper process, which exits right after sending the result, never frees them itself).
+    release_snapshot: called once nothing more is read from the snapshot (after the roots,
+    when no CPython stage and no tracking table read it later): the snapshot process can be
+    killed then, its teardown overlapping the mark, and the target's copy-on-write costs end.
     """
     t0 = time.monotonic()
     # 4. Enumerate allocations
@@ -407,6 +429,8 @@ def sweep(mem, maps, threads, pid: int, confirm: Optional[set] = None,
             buf = bytearray(r.size)
             mem.read_into(r.begin, buf)
         root_buffers.append((r.begin, buf))
+    if release_snapshot is not None and not cps.usable and table is None:
+        release_snapshot()          # every byte the sweep needs is copied now
     t_roots = time.monotonic()
     # 6. Mark
     log.info("sweeping process %d for unreachable memory", pid)
