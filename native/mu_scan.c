@@ -53,6 +53,33 @@ void mu_scan_index_free(mu_scan_index *ix)
     memset(ix, 0, sizeof *ix);
 }
 
+int64_t mu_scan_index_check(const uint64_t *begin, const uint64_t *size, uint64_t n,
+                            const mu_region *heap, uint64_t nheap)
+{
+    if ((n && (!begin || !size)) || (nheap && !heap) || (n && !nheap))
+        return -EINVAL;
+    if (n >= SCAN_NONE)
+        return -EOVERFLOW;
+    for (uint64_t r = 0; r < nheap; r++) {
+        if (heap[r].base + heap[r].len < heap[r].base || (heap[r].len && !heap[r].data))
+            return -EINVAL;
+        if (r && heap[r].base < heap[r - 1].base + heap[r - 1].len)
+            return -EINVAL;
+    }
+    uint64_t r = 0, prev_end = 0;
+    for (uint64_t i = 0; i < n; i++) {
+        uint64_t b = begin[i], e = b + alloc_len(size[i]);
+        if (e < b || (i && b < prev_end))
+            return -EINVAL;
+        while (r < nheap && heap[r].base + heap[r].len <= b)
+            r++;
+        if (r == nheap || b < heap[r].base || e > heap[r].base + heap[r].len)
+            return -EINVAL;
+        prev_end = e;
+    }
+    return 0;
+}
+
 /* Returns 0, -EINVAL (unsorted, overlapping or outside every region), -EOVERFLOW or -ENOMEM. */
 int64_t mu_scan_index_init(mu_scan_index *ix, const uint64_t *begin, const uint64_t *size,
                            uint64_t n, const mu_region *heap, uint64_t nheap, uint32_t flags)
