@@ -5,9 +5,16 @@
  * thread (pointer-heavy heap), keep them in a per-thread table, then leak NLEAKS of them by
  * hiding the table entries. Prints the usual fixture lines, then parks every thread.
  * Usage: bench_target [nblocks] [nthreads] [nleaks]
+ * Built with -fsanitize=leak -DBENCH_LSAN (bench_check.py --lsan), it times LeakSanitizer's
+ * in-process check of the same heap instead: LSAN_RUNS calls of
+ * __lsan_do_recoverable_leak_check(), one "lsan_seconds S" line each, then exits.
  */
 #include "fixture.h"
 #include <pthread.h>
+#ifdef BENCH_LSAN
+#include <sanitizer/lsan_interface.h>
+#include <time.h>
+#endif
 
 static long g_nblocks = 5000000, g_nthreads = 8, g_nleaks = 1000;
 void **g_tables[64];          /* extern linkage: -O2 must keep these stores */
@@ -68,5 +75,17 @@ int main(int argc, char **argv)
         lb += g_thread_leak_bytes[i];
     print_expect("num_leaks", (g_nleaks / g_nthreads) * g_nthreads);
     print_expect("leak_bytes", lb);
+#ifdef BENCH_LSAN
+    int runs = getenv("LSAN_RUNS") ? atoi(getenv("LSAN_RUNS")) : 3;
+    for (int r = 0; r < runs; r++) {
+        struct timespec a, b;
+        clock_gettime(CLOCK_MONOTONIC, &a);
+        int leaks = __lsan_do_recoverable_leak_check();
+        clock_gettime(CLOCK_MONOTONIC, &b);
+        printf("lsan_seconds %.3f leaks_found %d\n", (b.tv_sec - a.tv_sec) + (b.tv_nsec - a.tv_nsec) / 1e9, leaks);
+        fflush(stdout);
+    }
+    return 0;
+#endif
     ready();
 }

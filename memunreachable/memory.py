@@ -65,6 +65,13 @@ class ProcessMemory:
             self._read_fd(addr + pos, mv[pos:])
         return 0
 
+    # True when [addr, addr+size) is read from the fd alone (no overlay, nothing tolerated
+    # meets it): the C core may then read it straight through self.fd (glibc/walker.py).
+    def plain(self, addr: int, size: int) -> bool:
+        end = addr + size
+        return not any(base < end and addr < base + len(data) for base, data in self.overlays) \
+            and not any(r.begin < end and addr < r.end for r in self.tolerated)
+
     def _read_fd(self, addr: int, mv: memoryview) -> None:
         first = ffi.new("uint64_t *")
         while len(mv):

@@ -19,6 +19,7 @@ import bisect
 import logging
 import struct
 import os
+import signal
 import time
 from dataclasses import dataclass, field
 from itertools import compress
@@ -42,7 +43,7 @@ from memunreachable.memory import (CopiedMemory, ProcessMemory, SnapshotPlan, ca
                                    mapped_file_size, plan_snapshot)
 from memunreachable.report import Leak, UnreachableMemoryInfo, group_leaks, members, sort_and_limit
 from memunreachable.snapshot import prepare as prepare_snapshot, take_snapshot
-from memunreachable.sweeper import SweepEntry, SweepResult, run_sweeper
+from memunreachable.sweeper import SweepEntry, SweepResult, retain_list, run_sweeper
 
 log = logging.getLogger("memunreachable")
 
@@ -326,10 +327,29 @@ def _sweep_snapshot(snap, fz, st: _Attempts, sweep_timeout: float, confirm, over
         maps = [m for m in maps if not any(m.range.overlaps(u) for u in unseen)]
     try:
         return run_sweeper(lambda: sweep(mem, maps, fz.threads, snap.pid, confirm,
-                                         all_uncertain=bool(unseen), unwritten=plan.unwritten),
+                                         all_uncertain=bool(unseen), unwritten=plan.unwritten,
+                                         retain=retain_list(),
+                                         release_snapshot=_early_release(snap)),
                            sweep_timeout)
     finally:
         mem.close()
+
+
+def _early_release(snap):
+    """For the sweeper: kill the snapshot process as soon as the sweep has copied all it reads
+    (sweep(release_snapshot=...)). Only a clone: a direct sweep reads the target itself. The
+    checker still collects and reaps it (Snapshot.release: a SIGKILL to a dead child is a
+    no-op); until then its pid, a traced child not yet reaped, cannot be reused."""
+    if snap.mode != "clone":
+        return None
+    pid = snap.pid
+
+    def release():
+        try:
+            os.kill(pid, signal.SIGKILL)
+        except OSError:
+            pass
+    return release
 
 
 def _explain_address() -> int:
@@ -358,7 +378,8 @@ def _warm_caches(maps, pid: int) -> None:
 
 
 def sweep(mem, maps, threads, pid: int, confirm: Optional[set] = None,
-          all_uncertain: bool = False, unwritten: Sequence[Range] = ()) -> SweepResult:
+          all_uncertain: bool = False, unwritten: Sequence[Range] = (),
+          retain: Optional[list] = None, release_snapshot=None) -> SweepResult:
     """Stages 4-8 over a memory image; runs inside the sweeper process.
 
     confirm: addresses found unreachable in an earlier snapshot; a block unreachable now but
@@ -369,6 +390,11 @@ def sweep(mem, maps, threads, pid: int, confirm: Optional[set] = None,
     unreachable block when all_uncertain, because memory that may reference them was not
     seen) are returned apart and treated as roots, so nothing they point to is a leak.
     unwritten: file mappings the process never wrote (SnapshotPlan.unwritten): not roots.
+    retain: a list that keeps the copies of the snapshot's memory past the return (the
+    sweeper process, which exits right after sending the result, never frees them itself).
+    release_snapshot: called once nothing more is read from the snapshot (after the roots,
+    when no CPython stage and no tracking table read it later): the snapshot process can be
+    killed then, its teardown overlapping the mark, and the target's copy-on-write costs end.
     """
     t0 = time.monotonic()
     # 4. Enumerate allocations
@@ -407,6 +433,8 @@ def sweep(mem, maps, threads, pid: int, confirm: Optional[set] = None,
             buf = bytearray(r.size)
             mem.read_into(r.begin, buf)
         root_buffers.append((r.begin, buf))
+    if release_snapshot is not None and not cps.usable and table is None:
+        release_snapshot()          # every byte the sweep needs is copied now
     t_roots = time.monotonic()
     # 6. Mark
     log.info("sweeping process %d for unreachable memory", pid)
@@ -497,6 +525,8 @@ def sweep(mem, maps, threads, pid: int, confirm: Optional[set] = None,
                                    dead_objects=py.dead if py is not None else 0)
     if suspect or hw.soft_issues or confirm is not None:
         res.leak_addresses = list(compress(begins, leaked_mask))
+    if retain is not None:
+        retain.append((hw, cps, mem, image, marked))
     return res
 
 

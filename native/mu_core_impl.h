@@ -11,6 +11,10 @@
 #include <sys/types.h>
 #include "mu_core.h"
 
+/* Internal to the C core. mu_mem.c: one thread's read of [addr, addr+len) into buf (as
+ * mu_read, without its threads). */
+int64_t mu_read_serial(int memfd, uint64_t addr, uint8_t *buf, uint64_t len, uint64_t *first_bad);
+
 /* Live words of a scanned range (mu_dead): yields runs of word start addresses, skipping the
  * dead ones. Shared by mu_mark (mu_scan.c) and mu_fold (mu_fold.c). */
 typedef struct {

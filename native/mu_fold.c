@@ -45,9 +45,10 @@ static int add_edges(mu_scan_index *ix, const uint8_t *marked, const uint32_t *n
     eb->n = 0;
     for (uint64_t k = 0; k < n; k++) {
         int64_t a = hit[k];
-        if (a < 0 || marked[a])
+        if (a < 0 || (node_of && marked[a]))
             continue;
-        uint32_t u = eb->src[k], t = node_of[a];
+        /* node_of NULL: the index holds the leaks alone, a hit is a node number */
+        uint32_t u = eb->src[k], t = node_of ? node_of[a] : (uint32_t)a;
         if (stamp[t] == u + 1)
             continue;
         stamp[t] = u + 1;
@@ -141,8 +142,38 @@ int64_t mu_fold(const uint64_t *begin, const uint64_t *size, uint64_t n,
 {
     if ((n && !marked) || (cap && (!rep || !ref_count || !ref_size)))
         return -EINVAL;
+    /* The lookup index: over the leaks alone when they are few and nothing is indexed by
+     * allocation number (no PyGC_Head table): building it over every allocation was most of
+     * a fold of 1,000 leaks among 5 M blocks. A word into a reachable block then finds no
+     * leak, as a reachable hit was skipped before. */
+    uint64_t nleak = 0;
+    for (uint64_t i = 0; i < n; i++)
+        nleak += !marked[i];
+    int sub = nleak * 4 < n && !(dead && dead->head_word);
     mu_scan_index ix;
-    int64_t rc = mu_scan_index_init(&ix, begin, size, n, heap, nheap, flags);
+    int64_t rc;
+    if (sub) {
+        rc = mu_scan_index_check(begin, size, n, heap, nheap);
+        if (rc < 0)
+            return rc;
+        uint64_t *lb = malloc((nleak ? nleak : 1) * sizeof *lb);
+        uint64_t *ls = malloc((nleak ? nleak : 1) * sizeof *ls);
+        if (!lb || !ls) {
+            free(lb);
+            free(ls);
+            return -ENOMEM;
+        }
+        for (uint64_t i = 0, k = 0; i < n; i++)
+            if (!marked[i]) {
+                lb[k] = begin[i];
+                ls[k++] = size[i];
+            }
+        rc = mu_scan_index_init(&ix, lb, ls, nleak, heap, nheap, flags);
+        free(lb);                       /* the index keeps its own spans */
+        free(ls);
+    } else {
+        rc = mu_scan_index_init(&ix, begin, size, n, heap, nheap, flags);
+    }
     if (rc < 0)
         return rc;
     rc = mu_scan_index_set_dead(&ix, dead);
@@ -186,7 +217,7 @@ int64_t mu_fold(const uint64_t *begin, const uint64_t *size, uint64_t n,
         edge_batch eb = { .n = 0 };
         for (uint32_t u = 0; u < V; u++) {
             uint64_t i = alloc_of[u], b = begin[i], len = size[i];
-            uint64_t r = nheap == 1 ? 0 : mu_scan_index_region_of(&ix, i);
+            uint64_t r = nheap == 1 ? 0 : mu_scan_index_region_of(&ix, sub ? u : i);
             uint64_t avail = heap[r].base + heap[r].len - b;
             uint64_t skip = (8 - (b & 7)) & 7;
             if (skip >= len)
@@ -212,12 +243,12 @@ int64_t mu_fold(const uint64_t *begin, const uint64_t *size, uint64_t n,
                     continue;
                 eb.src[eb.n] = u;
                 eb.val[eb.n++] = v;
-                if (eb.n == FOLD_BATCH && add_edges(&ix, marked, node_of, stamp, &adj, off, &eb) < 0)
+                if (eb.n == FOLD_BATCH && add_edges(&ix, marked, sub ? NULL : node_of, stamp, &adj, off, &eb) < 0)
                     goto nomem;
               }
             }
         }
-        if (eb.n && add_edges(&ix, marked, node_of, stamp, &adj, off, &eb) < 0)
+        if (eb.n && add_edges(&ix, marked, sub ? NULL : node_of, stamp, &adj, off, &eb) < 0)
             goto nomem;
     }
     for (uint32_t u = 0; u < V; u++)

@@ -1,7 +1,9 @@
 /* mu_scan.c: the conservative mark (libmemunreachable.md section 3): word scan, sorted-range
  * lookup and an iterative LIFO worklist. Policy (which ranges are roots) lives in Python. */
 #include "mu_core_impl.h"
+#include <pthread.h>
 #include <sys/mman.h>
+#include <unistd.h>
 
 #define SCAN_MIN_SHIFT 4u        /* smallest page-table granule: 16 bytes */
 #define SCAN_MAX_SHIFT 40u
@@ -49,6 +51,33 @@ void mu_scan_index_free(mu_scan_index *ix)
     free(ix->page_off);
     free(ix->page);
     memset(ix, 0, sizeof *ix);
+}
+
+int64_t mu_scan_index_check(const uint64_t *begin, const uint64_t *size, uint64_t n,
+                            const mu_region *heap, uint64_t nheap)
+{
+    if ((n && (!begin || !size)) || (nheap && !heap) || (n && !nheap))
+        return -EINVAL;
+    if (n >= SCAN_NONE)
+        return -EOVERFLOW;
+    for (uint64_t r = 0; r < nheap; r++) {
+        if (heap[r].base + heap[r].len < heap[r].base || (heap[r].len && !heap[r].data))
+            return -EINVAL;
+        if (r && heap[r].base < heap[r - 1].base + heap[r - 1].len)
+            return -EINVAL;
+    }
+    uint64_t r = 0, prev_end = 0;
+    for (uint64_t i = 0; i < n; i++) {
+        uint64_t b = begin[i], e = b + alloc_len(size[i]);
+        if (e < b || (i && b < prev_end))
+            return -EINVAL;
+        while (r < nheap && heap[r].base + heap[r].len <= b)
+            r++;
+        if (r == nheap || b < heap[r].base || e > heap[r].base + heap[r].len)
+            return -EINVAL;
+        prev_end = e;
+    }
+    return 0;
 }
 
 /* Returns 0, -EINVAL (unsorted, overlapping or outside every region), -EOVERFLOW or -ENOMEM. */
@@ -260,27 +289,64 @@ void mu_scan_index_find_many(mu_scan_index *ix, const uint64_t *vals, uint64_t n
 
 uint64_t mu_scan_index_region_of(const mu_scan_index *ix, uint64_t i)
 {
-    uint64_t lo = 0, hi = ix->nheap;    /* last region with first_alloc[r] <= i < first_alloc[r+1] */
-    while (hi - lo > 1) {
-        uint64_t mid = (lo + hi) >> 1;
-        if (ix->first_alloc[mid] <= i)
-            lo = mid;
-        else
-            hi = mid;
+    /* last region with first_alloc[r] <= i < first_alloc[r+1]: branch-free halving over a
+     * table that stays in L1 (called once per scanned allocation) */
+    const uint64_t *fa = ix->first_alloc;
+    uint64_t lo = 0, len = ix->nheap;
+    while (len > 1) {
+        uint64_t half = len >> 1;
+        lo = fa[lo + half] <= i ? lo + half : lo;
+        len -= half;
     }
     return lo;
 }
 
+/* Work shared by the mark threads: a pool of allocations to scan (under mu), fed by a thread
+ * whose own stack is deep while another waits for work. The mark ends when every thread waits
+ * and the pool is empty. */
 typedef struct {
-    mu_scan_index *ix;
+    pthread_mutex_t mu;
+    pthread_cond_t cv;
+    uint32_t *pool;
+    uint64_t npool;
+    int nthreads;           /* threads taking part */
+    int idle;               /* threads waiting for work */
+    int waiting;            /* idle, read without the lock as a hint */
+    int done;
+} mark_shared;
+
+typedef struct {
+    mu_scan_index *ix;      /* this thread's copy: its lookup cache (last_region) is private */
+    mu_scan_index ix_own;
+    mark_shared *sh;
+    const uint64_t *size;
+    const mu_dead *dead;
     uint8_t *marked;
     uint32_t *stack;
     uint64_t sp;
     uint64_t marks;
     uint64_t words;
+    uint64_t heap_bytes;
     uint64_t cand[SCAN_BATCH];  /* filtered values waiting for a batched lookup */
     uint64_t nc;
+    pthread_t tid;
+    int running;            /* tid was started and must be joined */
 } mark_ctx;
+
+/* Moves half of m's stack to the pool when another thread waits for work. */
+static void share_work(mark_ctx *m)
+{
+    mark_shared *sh = m->sh;
+    if (!__atomic_load_n(&sh->waiting, __ATOMIC_RELAXED) || m->sp < 2 * SCAN_POP)
+        return;
+    pthread_mutex_lock(&sh->mu);
+    uint64_t give = m->sp / 2;
+    memcpy(sh->pool + sh->npool, m->stack + (m->sp - give), give * sizeof(uint32_t));
+    sh->npool += give;
+    m->sp -= give;
+    pthread_cond_broadcast(&sh->cv);
+    pthread_mutex_unlock(&sh->mu);
+}
 
 /* Looks up the pending candidates; marks and pushes the allocations newly hit. */
 static void flush(mark_ctx *m)
@@ -293,13 +359,16 @@ static void flush(mark_ctx *m)
             __builtin_prefetch(&m->marked[hit[k]]);
     for (uint64_t k = 0; k < m->nc; k++) {
         int64_t a = hit[k];
-        if (a < 0 || m->marked[a])
+        if (a < 0 || __atomic_load_n(&m->marked[a], __ATOMIC_RELAXED))
             continue;
-        m->marked[a] = 1;
+        if (__atomic_exchange_n(&m->marked[a], 1, __ATOMIC_RELAXED))
+            continue;                   /* another mark thread took it first */
         m->stack[m->sp++] = (uint32_t)a;
         m->marks++;
     }
     m->nc = 0;
+    if (m->sh)
+        share_work(m);      /* inside a long scan too (a table of a million pointers) */
 }
 
 static inline __attribute__((always_inline)) void consider(mark_ctx *m, uint64_t v)
@@ -363,6 +432,101 @@ int64_t mu_scan_index_set_dead(mu_scan_index *ix, const mu_dead *dead)
     return 0;
 }
 
+/* Refills m's empty stack from the pool, waiting while other threads work. Returns 0 when
+ * the mark is over (every thread idle, nothing pooled). */
+static int take_work(mark_ctx *m)
+{
+    mark_shared *sh = m->sh;
+    pthread_mutex_lock(&sh->mu);
+    sh->idle++;
+    __atomic_store_n(&sh->waiting, sh->idle, __ATOMIC_RELAXED);
+    while (!sh->npool && !sh->done) {
+        if (sh->idle == sh->nthreads) {
+            sh->done = 1;
+            pthread_cond_broadcast(&sh->cv);
+            break;
+        }
+        pthread_cond_wait(&sh->cv, &sh->mu);
+    }
+    int more = 0;
+    if (sh->npool && !sh->done) {
+        uint64_t take = (sh->npool + 1) / 2;
+        memcpy(m->stack, sh->pool + (sh->npool - take), take * sizeof(uint32_t));
+        sh->npool -= take;
+        m->sp = take;
+        more = 1;
+    }
+    sh->idle--;
+    __atomic_store_n(&sh->waiting, sh->idle, __ATOMIC_RELAXED);
+    pthread_mutex_unlock(&sh->mu);
+    return more;
+}
+
+/* Worklist: pop up to SCAN_POP allocations, fetch their words together, scan them; look the
+ * candidates up in batches. Each allocation is marked when pushed (by one thread: the atomic
+ * exchange decides), so it is scanned at most once. */
+static void mark_loop(mark_ctx *m)
+{
+    mu_scan_index *ix = m->ix;
+    const mu_region *heap = ix->heap;
+    uint64_t nheap = ix->nheap;
+    const mu_dead *dead = m->dead;
+    for (;;) {
+        if (m->sp == 0) {
+            if (m->nc) {
+                flush(m);
+                continue;
+            }
+            if (!m->sh || !take_work(m))
+                break;
+            continue;
+        }
+        if (m->sh)
+            share_work(m);
+        uint32_t batch[SCAN_POP];
+        const uint8_t *bdata[SCAN_POP];
+        uint64_t breg[SCAN_POP];
+        uint64_t nb = 0;
+        while (nb < SCAN_POP && m->sp) {
+            uint64_t i = batch[nb] = m->stack[--m->sp];
+            uint64_t r = breg[nb] = nheap == 1 ? 0 : mu_scan_index_region_of(ix, i);
+            uint64_t b = ix->span[2 * i], len = ix->span[2 * i + 1] - b;
+            const uint8_t *d = bdata[nb++] = heap[r].data + (b - heap[r].base);
+            if (len > SCAN_PREFETCH_BYTES)
+                len = SCAN_PREFETCH_BYTES;
+            for (uint64_t o = 0; o < len; o += 64)
+                __builtin_prefetch(d + o);
+            __builtin_prefetch(d + len - 1);
+        }
+        for (uint64_t k = 0; k < nb; k++) {
+            uint64_t i = batch[k];
+            uint64_t r = breg[k];
+            uint64_t b = ix->span[2 * i], len = ix->span[2 * i + 1] - b;
+            if (len == 1)
+                len = m->size[i];       /* 0 or 1: a zero-size allocation has no words */
+            uint64_t hb, he, avail = heap[r].base + heap[r].len - b;
+            if (mu_dead_object(dead, bdata[k], len, avail))
+                continue;               /* a dead object: its words are stale */
+            len = mu_live_len(dead, bdata[k], b, len, avail);
+            mu_live_head(dead, i, b, &hb, &he);
+            scan_range(m, bdata[k], b, len, avail, hb, he);
+            m->heap_bytes += len;
+        }
+    }
+}
+
+static void *mark_thread(void *arg)
+{
+    mark_loop(arg);
+    return NULL;
+}
+
+/* Marks of more allocations than this run on up to MARK_MAX_THREADS threads (one per CPU):
+ * the mark waits on memory (a lookup and a block fetch per reference), so a second core
+ * nearly halves it; smaller heaps stay on one thread (no thread start-up). */
+#define MARK_PARALLEL_MIN (1u << 16)
+#define MARK_MAX_THREADS 4
+
 int64_t mu_mark(const uint64_t *begin, const uint64_t *size, uint64_t n,
                 const mu_region *heap, uint64_t nheap,
                 const mu_region *roots, uint64_t nroots,
@@ -383,20 +547,56 @@ int64_t mu_mark(const uint64_t *begin, const uint64_t *size, uint64_t n,
         mu_scan_index_free(&ix);
         return rc;
     }
-    mark_ctx *m = calloc(1, sizeof *m);
-    uint32_t *stack = big_alloc(n * sizeof(uint32_t));
-    if (!m || !stack) {
-        free(m);
-        free(stack);
+    int nt = 1;
+    if (n >= MARK_PARALLEL_MIN) {
+        long ncpu = sysconf(_SC_NPROCESSORS_ONLN);
+        nt = ncpu < 1 ? 1 : ncpu > MARK_MAX_THREADS ? MARK_MAX_THREADS : (int)ncpu;
+    }
+    mark_ctx *ms = calloc((size_t)nt, sizeof *ms);
+    mark_shared sh;
+    memset(&sh, 0, sizeof sh);
+    int ok = ms != NULL;
+    /* a thread's stack and the pool each hold at most n entries (each allocation is pushed
+     * once); pages never touched cost nothing */
+    for (int t = 0; ok && t < nt; t++)
+        ok = (ms[t].stack = big_alloc(n * sizeof(uint32_t))) != NULL;
+    if (ok && nt > 1)
+        ok = (sh.pool = big_alloc(n * sizeof(uint32_t))) != NULL;
+    if (!ok) {
+        for (int t = 0; ms && t < nt; t++)
+            free(ms[t].stack);
+        free(ms);
+        free(sh.pool);
         mu_scan_index_free(&ix);
         return -ENOMEM;
     }
-    m->ix = &ix;
-    m->marked = marked;
-    m->stack = stack;
     if (n)
         memset(marked, 0, n);
-    uint64_t root_bytes = 0, heap_bytes = 0;
+    for (int t = 0; t < nt; t++) {
+        ms[t].ix_own = ix;
+        ms[t].ix = &ms[t].ix_own;
+        ms[t].sh = nt > 1 ? &sh : NULL;
+        ms[t].size = size;
+        ms[t].dead = dead;
+        ms[t].marked = marked;
+    }
+    if (nt > 1) {
+        pthread_mutex_init(&sh.mu, NULL);
+        pthread_cond_init(&sh.cv, NULL);
+        sh.nthreads = nt;
+        for (int t = 1; t < nt; t++) {
+            if (pthread_create(&ms[t].tid, NULL, mark_thread, &ms[t]) == 0) {
+                ms[t].running = 1;
+                continue;
+            }
+            pthread_mutex_lock(&sh.mu);     /* one taker fewer: the others must not wait for it */
+            sh.nthreads--;
+            pthread_mutex_unlock(&sh.mu);
+        }
+    }
+    /* Roots and root words on this thread; the other threads take work from its stack. */
+    mark_ctx *m = &ms[0];
+    uint64_t root_bytes = 0;
     for (uint64_t r = 0; r < nroots; r++) {
         scan_range(m, roots[r].data, roots[r].base, roots[r].len, roots[r].len, 0, 0);
         root_bytes += roots[r].len;
@@ -404,56 +604,30 @@ int64_t mu_mark(const uint64_t *begin, const uint64_t *size, uint64_t n,
     for (uint64_t w = 0; w < nwords; w++)
         consider(m, words[w]);
     m->words += nwords;
-    /* Worklist: pop up to SCAN_POP allocations, fetch their words together, scan them; look
-     * the candidates up in batches. Each allocation is marked when pushed, so it is scanned
-     * at most once. */
-    for (;;) {
-        if (m->sp == 0) {
-            if (m->nc == 0)
-                break;
-            flush(m);
-            continue;
-        }
-        uint32_t batch[SCAN_POP];
-        const uint8_t *bdata[SCAN_POP];
-        uint64_t nb = 0;
-        while (nb < SCAN_POP && m->sp) {
-            uint64_t i = batch[nb] = m->stack[--m->sp];
-            uint64_t r = nheap == 1 ? 0 : mu_scan_index_region_of(&ix, i);
-            uint64_t b = ix.span[2 * i], len = ix.span[2 * i + 1] - b;
-            const uint8_t *d = bdata[nb++] = heap[r].data + (b - heap[r].base);
-            if (len > SCAN_PREFETCH_BYTES)
-                len = SCAN_PREFETCH_BYTES;
-            for (uint64_t o = 0; o < len; o += 64)
-                __builtin_prefetch(d + o);
-            __builtin_prefetch(d + len - 1);
-        }
-        for (uint64_t k = 0; k < nb; k++) {
-            uint64_t i = batch[k];
-            uint64_t r = nheap == 1 ? 0 : mu_scan_index_region_of(&ix, i);
-            uint64_t b = ix.span[2 * i], len = ix.span[2 * i + 1] - b;
-            if (len == 1)
-                len = size[i];          /* 0 or 1: a zero-size allocation has no words */
-            uint64_t hb, he, avail = heap[r].base + heap[r].len - b;
-            if (mu_dead_object(dead, bdata[k], len, avail))
-                continue;               /* a dead object: its words are stale */
-            len = mu_live_len(dead, bdata[k], b, len, avail);
-            mu_live_head(dead, i, b, &hb, &he);
-            scan_range(m, bdata[k], b, len, avail, hb, he);
-            heap_bytes += len;
-        }
+    mark_loop(m);
+    uint64_t heap_bytes = 0, nwords_all = 0, marks = 0;
+    for (int t = 0; t < nt; t++) {
+        if (ms[t].running)
+            pthread_join(ms[t].tid, NULL);
+        heap_bytes += ms[t].heap_bytes;
+        nwords_all += ms[t].words;
+        marks += ms[t].marks;
+        free(ms[t].stack);
+    }
+    if (nt > 1) {
+        pthread_cond_destroy(&sh.cv);
+        pthread_mutex_destroy(&sh.mu);
     }
     if (stats) {
         stats->root_bytes = root_bytes;
         stats->heap_bytes = heap_bytes;
-        stats->words = m->words;
-        stats->marked = m->marks;
+        stats->words = nwords_all;
+        stats->marked = marks;
     }
-    int64_t out = (int64_t)m->marks;
-    free(m);
-    free(stack);
+    free(ms);
+    free(sh.pool);
     mu_scan_index_free(&ix);
-    return out;
+    return (int64_t)marks;
 }
 
 uint64_t mu_scanned_len(const mu_dead *dead, const uint8_t *p, uint64_t b, uint64_t len,

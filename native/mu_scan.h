@@ -59,6 +59,9 @@ typedef struct {
 int64_t mu_scan_index_init(mu_scan_index *ix, const uint64_t *begin, const uint64_t *size,
                            uint64_t n, const mu_region *heap, uint64_t nheap, uint32_t flags);
 void mu_scan_index_free(mu_scan_index *ix);
+/* Validates the inputs as mu_scan_index_init does, building nothing: 0, -EINVAL, -EOVERFLOW. */
+int64_t mu_scan_index_check(const uint64_t *begin, const uint64_t *size, uint64_t n,
+                            const mu_region *heap, uint64_t nheap);
 /* Returns the index of the allocation containing address v, or -1. */
 int64_t mu_scan_index_find(mu_scan_index *ix, uint64_t v);
 /* Stores in out[k] the index of the allocation containing vals[k], or -1 (batched lookups). */

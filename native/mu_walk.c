@@ -1,6 +1,8 @@
 /* mu_walk.c: the glibc chunk walker (our malloc_iterate): hot loops over local copies of
  * heap memory. Layout policy (where runs start, which offsets) lives in memunreachable/glibc. */
 #include "mu_core_impl.h"
+#include <pthread.h>
+#include <unistd.h>
 
 #define CHUNK_PREV_INUSE 1u
 #define CHUNK_IS_MMAPPED 2u
@@ -17,18 +19,30 @@ static inline uint64_t ld64(const uint8_t *p)
     return v;
 }
 
-int64_t mu_walk_run(const uint8_t *data, uint64_t base, uint64_t len, uint64_t first, uint64_t top,
-                    uint32_t non_main, uint64_t *user, uint64_t *usable, uint64_t cap,
-                    mu_walk_result *res)
+/* Where a walk stands: it can stop when the next step needs bytes not copied yet, and go on
+ * later from here (mu_read_walk). */
+typedef struct {
+    uint64_t c, stored, last_in_use, last_size;
+} walk_pos;
+
+/* Walks from pos while the bytes a step reads lie below avail; final (avail == the end of
+ * the copy): to the end of the run. Returns 1 when it stopped for bytes not copied yet
+ * (only when !final: the top chunk, fenceposts and the chunk after the last complete one
+ * wait for the final call), 0 when the run ended (res->status says how). */
+static int walk_steps(const uint8_t *data, uint64_t base, uint64_t len, uint64_t avail, int final,
+                      uint64_t top, uint32_t non_main, uint64_t *user, uint64_t *usable,
+                      uint64_t cap, mu_walk_result *res, walk_pos *pos)
 {
-    if (!data || !res || (cap && (!user || !usable)) || first < base || (first & 15))
-        return -EINVAL;
-    memset(res, 0, sizeof *res);
     const uint64_t lim = base + len;
-    uint64_t c = first, stored = 0;
-    uint64_t last_in_use = 0;   /* chunk address of the last chunk counted in use */
-    uint64_t last_size = 0;
+    uint64_t c = pos->c, stored = pos->stored;
+    uint64_t last_in_use = pos->last_in_use;   /* chunk address of the last chunk counted in use */
+    uint64_t last_size = pos->last_size;
+    int paused = 0;
     for (;;) {
+        if (!final && ((top && c == top) || c + 16 > avail)) {
+            paused = 1;
+            break;
+        }
         if (top && c == top) {
             if (c + 16 > lim) {
                 res->status = MU_WALK_TRUNCATED;
@@ -61,6 +75,10 @@ int64_t mu_walk_run(const uint8_t *data, uint64_t base, uint64_t len, uint64_t f
             __builtin_prefetch(h + MU_WALK_PREFETCH);
         uint64_t sz = ld64(h + 8);
         uint64_t s = sz & ~(uint64_t)CHUNK_FLAGS;
+        if (!final && (s == 0 || s == CHUNK_FENCE || s > avail - c || avail - c - s < 16)) {
+            paused = 1;         /* a fencepost, or the next header is not copied yet */
+            break;
+        }
         if (s == 0) {
             /* {0|1}: a non-main heap's end; the chunk right before is a pseudo chunk. */
             if (last_in_use && last_in_use + last_size == c) {
@@ -135,7 +153,23 @@ int64_t mu_walk_run(const uint8_t *data, uint64_t base, uint64_t len, uint64_t f
         last_size = s;
         c += s;
     }
-    return (int64_t)(stored < cap ? stored : cap);
+    pos->c = c;
+    pos->stored = stored;
+    pos->last_in_use = last_in_use;
+    pos->last_size = last_size;
+    return paused;
+}
+
+int64_t mu_walk_run(const uint8_t *data, uint64_t base, uint64_t len, uint64_t first, uint64_t top,
+                    uint32_t non_main, uint64_t *user, uint64_t *usable, uint64_t cap,
+                    mu_walk_result *res)
+{
+    if (!data || !res || (cap && (!user || !usable)) || first < base || (first & 15))
+        return -EINVAL;
+    memset(res, 0, sizeof *res);
+    walk_pos pos = {first, 0, 0, 0};
+    walk_steps(data, base, len, base + len, 1, top, non_main, user, usable, cap, res, &pos);
+    return (int64_t)(pos.stored < cap ? pos.stored : cap);
 }
 
 int64_t mu_walk_find_headers(const uint8_t *data, uint64_t base, uint64_t len, uint64_t step,
@@ -445,4 +479,163 @@ int64_t mu_walk_subtract(uint64_t *user, uint64_t *usable, uint64_t n, uint64_t 
         w++;
     }
     return (int64_t)w;
+}
+
+/* ---- mu_read_walk: copy and walk in one pass --------------------------------------------- */
+#define RW_PIECE (1ull << 20)
+#define RW_PARALLEL_MIN (4ull << 20)
+#define RW_MAX_THREADS 4
+
+typedef struct {
+    walk_pos pos;
+    uint64_t walked;        /* pieces walked over (a prefix of the job's pieces) */
+    int lock;               /* 1 while a thread walks this job */
+    int finished;           /* the run ended */
+} rw_state;
+
+typedef struct {
+    int fd;
+    mu_read_job *jobs;
+    uint64_t njobs;
+    rw_state *st;
+    uint64_t *piece0;       /* job j's pieces are [piece0[j], piece0[j+1]) */
+    uint8_t *done;          /* per piece: copied */
+    uint64_t npieces;
+    uint64_t next;          /* next piece to copy (atomic) */
+} rw_ctx;
+
+static uint64_t rw_job_of(const rw_ctx *x, uint64_t piece)
+{
+    uint64_t lo = 0, hi = x->njobs;     /* last job with piece0[j] <= piece */
+    while (hi - lo > 1) {
+        uint64_t mid = (lo + hi) >> 1;
+        if (x->piece0[mid] <= piece)
+            lo = mid;
+        else
+            hi = mid;
+    }
+    return lo;
+}
+
+/* Walks job j over the pieces copied so far, unless another thread is at it; then looks
+ * again, so that a piece finished during the walk is not left for the final pass. */
+static void rw_advance(rw_ctx *x, uint64_t j)
+{
+    mu_read_job *jb = &x->jobs[j];
+    rw_state *st = &x->st[j];
+    uint64_t np = x->piece0[j + 1] - x->piece0[j];
+    const uint8_t *done = x->done + x->piece0[j];
+    for (;;) {
+        if (__atomic_exchange_n(&st->lock, 1, __ATOMIC_ACQUIRE))
+            return;
+        uint64_t k = st->walked;
+        while (k < np && __atomic_load_n(&done[k], __ATOMIC_ACQUIRE))
+            k++;
+        if (k > st->walked && !st->finished) {
+            uint64_t got = k * RW_PIECE < jb->len ? k * RW_PIECE : jb->len;
+            int final = k == np;
+            if (!walk_steps(jb->buf, jb->addr, jb->len, jb->addr + got, final, jb->top,
+                            jb->non_main, jb->user, jb->usable, jb->cap, &jb->res, &st->pos))
+                st->finished = 1;
+        }
+        st->walked = k;
+        __atomic_store_n(&st->lock, 0, __ATOMIC_RELEASE);
+        if (k >= np || !__atomic_load_n(&done[k], __ATOMIC_ACQUIRE))
+            return;
+    }
+}
+
+static void *rw_thread(void *arg)
+{
+    rw_ctx *x = arg;
+    for (;;) {
+        uint64_t p = __atomic_fetch_add(&x->next, 1, __ATOMIC_RELAXED);
+        if (p >= x->npieces)
+            return NULL;
+        uint64_t j = rw_job_of(x, p);
+        mu_read_job *jb = &x->jobs[j];
+        uint64_t off = (p - x->piece0[j]) * RW_PIECE;
+        uint64_t n = jb->len - off < RW_PIECE ? jb->len - off : RW_PIECE;
+        uint64_t first_bad = 0;
+        int64_t rc = mu_read_serial(x->fd, jb->addr + off, jb->buf + off, n, &first_bad);
+        if (rc < 0) {
+            int64_t zero = 0;       /* the first error wins */
+            __atomic_compare_exchange_n(&jb->bad, &zero, rc, 0, __ATOMIC_RELAXED, __ATOMIC_RELAXED);
+        } else if (rc > 0) {
+            int64_t cur = __atomic_load_n(&jb->bad, __ATOMIC_RELAXED);
+            while (cur >= 0 && !__atomic_compare_exchange_n(&jb->bad, &cur, cur + rc, 0,
+                                                            __ATOMIC_RELAXED, __ATOMIC_RELAXED))
+                ;
+            uint64_t fb = __atomic_load_n(&jb->first_bad, __ATOMIC_RELAXED);
+            while ((fb == 0 || first_bad < fb) &&
+                   !__atomic_compare_exchange_n(&jb->first_bad, &fb, first_bad, 0,
+                                                __ATOMIC_RELAXED, __ATOMIC_RELAXED))
+                ;
+        }
+        __atomic_store_n(&x->done[p], 1, __ATOMIC_RELEASE);
+        if (jb->first)
+            rw_advance(x, j);
+    }
+}
+
+int64_t mu_read_walk(int memfd, mu_read_job *jobs, uint64_t njobs)
+{
+    if (njobs && !jobs)
+        return -EINVAL;
+    uint64_t total = 0;
+    for (uint64_t j = 0; j < njobs; j++) {
+        mu_read_job *jb = &jobs[j];
+        if ((jb->len && !jb->buf) || (jb->first && ((jb->cap && (!jb->user || !jb->usable)) ||
+                                                   jb->first < jb->addr || (jb->first & 15))))
+            return -EINVAL;
+        memset(&jb->res, 0, sizeof jb->res);
+        jb->stored = jb->bad = 0;
+        jb->first_bad = 0;
+        total += jb->len;
+    }
+    rw_ctx x = {.fd = memfd, .jobs = jobs, .njobs = njobs};
+    x.st = calloc(njobs ? njobs : 1, sizeof *x.st);
+    x.piece0 = malloc((njobs + 1) * sizeof *x.piece0);
+    if (!x.st || !x.piece0) {
+        free(x.st);
+        free(x.piece0);
+        return -ENOMEM;
+    }
+    for (uint64_t j = 0; j < njobs; j++) {
+        x.piece0[j] = x.npieces;
+        x.npieces += (jobs[j].len + RW_PIECE - 1) / RW_PIECE;
+        x.st[j].pos.c = jobs[j].first;
+    }
+    x.piece0[njobs] = x.npieces;
+    x.done = calloc(x.npieces ? x.npieces : 1, 1);
+    if (!x.done) {
+        free(x.st);
+        free(x.piece0);
+        return -ENOMEM;
+    }
+    long ncpu = sysconf(_SC_NPROCESSORS_ONLN);
+    int nt = total < RW_PARALLEL_MIN || ncpu < 2 ? 1 : ncpu > RW_MAX_THREADS ? RW_MAX_THREADS : (int)ncpu;
+    pthread_t tids[RW_MAX_THREADS];
+    int started[RW_MAX_THREADS] = {0};
+    for (int t = 1; t < nt; t++)
+        started[t] = pthread_create(&tids[t], NULL, rw_thread, &x) == 0;
+    rw_thread(&x);
+    for (int t = 1; t < nt; t++)
+        if (started[t])
+            pthread_join(tids[t], NULL);
+    /* every piece is copied: finish the walks a thread left (a job with no piece, or one
+     * whose last pieces were finished while another thread walked it) */
+    for (uint64_t j = 0; j < njobs; j++) {
+        mu_read_job *jb = &jobs[j];
+        if (!jb->first)
+            continue;
+        if (!x.st[j].finished)
+            walk_steps(jb->buf, jb->addr, jb->len, jb->addr + jb->len, 1, jb->top, jb->non_main,
+                       jb->user, jb->usable, jb->cap, &jb->res, &x.st[j].pos);
+        jb->stored = (int64_t)(x.st[j].pos.stored < jb->cap ? x.st[j].pos.stored : jb->cap);
+    }
+    free(x.st);
+    free(x.piece0);
+    free(x.done);
+    return 0;
 }

@@ -34,6 +34,32 @@ int64_t mu_walk_run(const uint8_t *data, uint64_t base, uint64_t len, uint64_t f
                     uint32_t non_main, uint64_t *user, uint64_t *usable, uint64_t cap,
                     mu_walk_result *res);
 
+/* One range of the target to copy and, optionally, walk (mu_read_walk). The walk is
+ * mu_walk_run(buf, addr, len, first, top, non_main, user, usable, cap, &res). */
+typedef struct {
+    uint64_t addr;          /* in: the range [addr, addr+len) of the target, copied to buf */
+    uint64_t len;
+    uint8_t *buf;
+    uint64_t first;         /* in: the first chunk header to walk from; 0: copy only */
+    uint64_t top;
+    uint32_t non_main;
+    uint32_t pad;
+    uint64_t *user;
+    uint64_t *usable;
+    uint64_t cap;
+    mu_walk_result res;     /* out: as mu_walk_run's */
+    int64_t stored;         /* out: what mu_walk_run returns (0 without a walk) */
+    int64_t bad;            /* out: unreadable bytes (zero-filled, as mu_read), or -errno */
+    uint64_t first_bad;     /* out: the lowest unreadable address, 0 when none */
+} mu_read_job;
+
+/* Copy every job's range through the /proc/<pid>/mem fd memfd and walk it, on up to one
+ * thread per CPU (4 at most): the ranges are read in 1 MiB pieces, in job order, and a
+ * job's chunks are walked while its pieces arrive (still in the CPU caches), so each byte is
+ * read once. The results equal mu_read then mu_walk_run on each job. Returns 0, or -EINVAL
+ * on bad arguments (a job's own failure is in its bad/res fields). */
+int64_t mu_read_walk(int memfd, mu_read_job *jobs, uint64_t njobs);
+
 /* Positions p in [base, base+len) with p % step == 0 (step a power of two >= 16) where the
  * words at p and p+8 satisfy: prev_size == 0, (size & 7) == flags, chunksize >= min_size and
  * chunksize % align == 0 (align a power of two). Candidate run starts (step 16 after a foreign

@@ -60,11 +60,12 @@ class HeapWalk:
 class _Copy:
     """A local copy of [base, base+len) of target memory."""
 
-    def __init__(self, mem, base: int, size: int):
+    def __init__(self, mem, base: int, size: int, read: bool = True):
         self.base = base
         self.size = size
         self.buf = local_buffer(size)
-        mem.read_into(base, self.buf)
+        if read:
+            mem.read_into(base, self.buf)
         self.ptr = ffi.cast("uint8_t *", ffi.from_buffer(self.buf))
         self.used = False
 
@@ -83,10 +84,28 @@ class _Copy:
 
 @dataclass
 class _Piece:
-    """In-use chunks of one run, heap or mapping: ascending user addresses inside [lo, hi)."""
+    """In-use chunks of one run, heap or mapping: ascending user addresses inside [lo, hi)
+    (arrays, or 'Q' memoryviews of run_jobs' scratch)."""
     lo: int
-    user: array
-    usable: array
+    user: object
+    usable: object
+
+
+@dataclass
+class _Job:
+    """A copy to read and the run to walk from `first` in it (_Walker.run_jobs)."""
+    cp: "_Copy"
+    first: int
+    top: int
+    non_main: bool
+    res: object = None
+    piece: Optional[_Piece] = None
+    cap: int = 0
+    off: int = 0
+    arena: int = 0
+    heap: int = 0
+    holds_top: bool = False
+    heap_end: int = 0
 
 
 def _alloc_q(n: int) -> array:
@@ -118,10 +137,59 @@ class _Walker(FreeListsMixin):
     def i32(self, addr: int) -> int:
         return struct.unpack("<i", self.mem.read(addr, 4))[0]
 
-    def copy(self, base: int, size: int) -> _Copy:
-        c = _Copy(self.mem, base, size)
+    def copy(self, base: int, size: int, read: bool = True) -> _Copy:
+        c = _Copy(self.mem, base, size, read)
         self.copies.append(c)
         return c
+
+    # -- heap copies read and walked in one pass --------------------------------------
+    def run_jobs(self, jobs: List["_Job"]) -> None:
+        """Copy each job's range and walk its first run: in one native pass (mu_read_walk, the
+        walk follows the reads) when every range comes from the snapshot's fd alone, else
+        with mem.read_into then walk_run. Sets job.res and job.piece."""
+        fast = getattr(self.mem, "plain", None)
+        if not jobs:
+            return
+        if fast is None or not all(fast(j.cp.base, j.cp.size) for j in jobs):
+            for j in jobs:
+                self.mem.read_into(j.cp.base, j.cp.buf)
+                j.res, j.piece = self.walk_run(j.cp, j.first, j.top, j.non_main)
+            return
+        tab = ffi.new("mu_read_job[]", len(jobs))
+        for j in jobs:
+            j.cap = max(256, (j.cp.end - j.first) // 192)
+        # the chunks found go to two scratch mappings (zeroed lazily, only the pages written
+        # cost anything), each job at its own offset; assemble() copies them once
+        total = sum(j.cap for j in jobs)
+        su, sv = local_buffer(8 * total), local_buffer(8 * total)
+        pu, pv = ffi.from_buffer("uint64_t[]", su), ffi.from_buffer("uint64_t[]", sv)
+        off = 0
+        for k, j in enumerate(jobs):
+            t = tab[k]
+            t.addr, t.len, t.buf = j.cp.base, j.cp.size, j.cp.ptr
+            t.first, t.top, t.non_main = j.first, j.top, int(j.non_main)
+            t.user, t.usable, t.cap = pu + off, pv + off, j.cap
+            j.off = off
+            off += j.cap
+        check(lib.mu_read_walk(self.mem.fd, tab, len(jobs)), "read and walk heaps",
+              pid=self.mem.pid)
+        mu, mv = memoryview(su).cast("Q"), memoryview(sv).cast("Q")
+        for k, j in enumerate(jobs):
+            t = tab[k]
+            if t.bad:
+                # unreadable pages (or an error): the reader's own path decides (tolerated
+                # ranges, MemoryUnreadable), then the walk is redone on what it read
+                check(t.bad if t.bad < 0 else 0, "read memory", pid=self.mem.pid)
+                self.mem.read_into(j.cp.base, j.cp.buf)
+                j.res, j.piece = self.walk_run(j.cp, j.first, j.top, j.non_main)
+                continue
+            res = ffi.new("mu_walk_result *")
+            res[0] = t.res
+            if res.in_use > j.cap:          # more chunks than the estimate: walk again
+                j.res, j.piece = self.walk_run(j.cp, j.first, j.top, j.non_main)
+                continue
+            j.res, j.piece = res, _Piece(j.first, mu[j.off:j.off + t.stored],
+                                         mv[j.off:j.off + t.stored])
 
     def mapping_at(self, addr: int) -> Optional[Mapping]:
         i = bisect.bisect_right(self.map_begins, addr) - 1
@@ -176,18 +244,23 @@ class _Walker(FreeListsMixin):
         return ring
 
     # -- step 6: main arena runs ------------------------------------------------------
-    def main_runs(self, arena: int, lay: L.Layout, top: int, sbrk_base: int) -> bool:
-        """Walk runs from sbrk_base (and after foreign-sbrk gaps). True once top was reached."""
+    def plan_main(self, top: int, sbrk_base: int) -> Optional["_Job"]:
+        """The main arena's copy (from its sbrk_base mapping) and first run, or None."""
         first = (sbrk_base + L.CHUNK_HDR - 1) & ~(L.CHUNK_HDR - 1)
         m = self.mapping_at(first)
         if m is None:
             self.v.fail(f"main arena: sbrk_base {sbrk_base:#x} is not mapped", sbrk_base)
-            return False
-        cp = self.copy(m.begin, self.span_end(m) - m.begin)
+            return None
+        cp = self.copy(m.begin, self.span_end(m) - m.begin, read=False)
         self.main_copy = cp
-        start = first
+        return _Job(cp, first, top, False)
+
+    def main_runs(self, arena: int, top: int, job: "_Job") -> bool:
+        """Walk runs from sbrk_base (and after foreign-sbrk gaps), the first one done by the
+        job. True once top was reached."""
+        cp, start = job.cp, job.first
+        res, piece = job.res, job.piece
         while True:
-            res, piece = self.walk_run(cp, start, top, False)
             if res.status in (V.WALK_TOP, V.WALK_FENCE2):
                 self.accept(arena, res, piece)
                 self.heap_ranges.append(Range(start, res.end))
@@ -199,6 +272,7 @@ class _Walker(FreeListsMixin):
                 if nxt is None:
                     return False
                 start = nxt
+                res, piece = self.walk_run(cp, start, top, False)
                 continue
             V.check_run(self.v, f"main arena run at {start:#x}", res.status, res.end, res.bad_at,
                         (V.WALK_TOP, V.WALK_FENCE2))
@@ -226,43 +300,57 @@ class _Walker(FreeListsMixin):
                 return 4 * hp
         return L.HEAP_MAX_DEFAULT
 
-    def thread_arena(self, arena: int, lay: L.Layout, top: int, heap_max: int) -> None:
+    def plan_thread_arena(self, arena: int, lay: L.Layout, top: int, heap_max: int) -> list:
+        """The heaps of a thread arena, top's first, as [_Job] (their copies not read yet) and
+        ("fail", message, address) steps, in the order their verdicts are given."""
         hi = lay.heap_info
         first_heap = arena - hi.sizeof
         if top == lay.state.initial_top(arena) or top == 0:
-            return
+            return []
+        steps = []
         h = top & ~(heap_max - 1)
         seen = 0
         while h:
             if seen > MAX_HEAPS_PER_ARENA or self.word(h + hi.ar_ptr) != arena:
-                self.v.fail(f"arena {arena:#x}: heap {h:#x} does not belong to it", h)
-                return
+                steps.append(("fail", f"arena {arena:#x}: heap {h:#x} does not belong to it", h))
+                return steps
             size = self.word(h + hi.size)
             prev = self.word(h + hi.prev)
             is_first = prev == 0
             if is_first and h != first_heap:
-                self.v.fail(f"arena {arena:#x}: first heap {h:#x} is not arena - {hi.sizeof}", h)
-                return
+                steps.append(("fail", f"arena {arena:#x}: first heap {h:#x} is not arena - "
+                                      f"{hi.sizeof}", h))
+                return steps
             if size < hi.sizeof or size > heap_max:
-                self.v.fail(f"arena {arena:#x}: heap {h:#x} has size {size:#x}", h)
-                return
-            cp = self.copy(h, size)
+                steps.append(("fail", f"arena {arena:#x}: heap {h:#x} has size {size:#x}", h))
+                return steps
+            cp = self.copy(h, size, read=False)
             cp.used = True
-            start = hi.first_chunk(h, lay.state, is_first)
             holds_top = h <= top < h + size
-            res, piece = self.walk_run(cp, start, top if holds_top else 0, True)
-            if holds_top:
+            job = _Job(cp, hi.first_chunk(h, lay.state, is_first), top if holds_top else 0, True)
+            job.arena, job.heap, job.holds_top, job.heap_end = arena, h, holds_top, h + heap_max
+            steps.append(job)
+            seen += 1
+            h = prev
+        return steps
+
+    def thread_arena(self, steps: list) -> None:
+        """The verdicts on a planned thread arena's heaps (plan_thread_arena), once walked."""
+        for job in steps:
+            if not isinstance(job, _Job):
+                self.v.fail(job[1], job[2])
+                continue
+            h, res = job.heap, job.res
+            if job.holds_top:
                 ok = V.check_run(self.v, f"heap {h:#x}", res.status, res.end, res.bad_at,
-                                 (V.WALK_TOP,), h + size)
+                                 (V.WALK_TOP,), h + job.cp.size)
             else:
                 ok = V.check_run(self.v, f"heap {h:#x}", res.status, res.end, res.bad_at,
                                  (V.WALK_FENCE0,))
             if ok:
-                self.accept(arena, res, piece)
-            self.heap_ranges.append(Range(h, self.readable_end(h, h + heap_max)))
+                self.accept(job.arena, res, job.piece)
+            self.heap_ranges.append(Range(h, self.readable_end(h, job.heap_end)))
             self.stats["heaps"] += 1
-            seen += 1
-            h = prev
 
     def readable_end(self, lo: int, hi: int) -> int:
         """End of the readable part of [lo, hi) that starts at lo (heap reservations are ---p)."""
@@ -377,15 +465,16 @@ class _Walker(FreeListsMixin):
     # -- step 10: emit ----------------------------------------------------------------
     def assemble(self) -> Tuple[array, array]:
         pieces = sorted(self.pieces, key=lambda p: p.lo)
-        if len(pieces) == 1:
+        if len(pieces) == 1 and isinstance(pieces[0].user, array):
             return pieces[0].user, pieces[0].usable
         user, usable = array("Q"), array("Q")
         for p in pieces:
             if len(p.user) and len(user) and p.user[0] <= user[-1]:
                 self.v.fail(f"overlapping chunk runs at {p.user[0]:#x}", p.user[0] - L.CHUNK_HDR)
                 continue
-            user.extend(p.user)
-            usable.extend(p.usable)
+            user.frombytes(memoryview(p.user).cast("B"))   # an array, or a view of the scratch
+            usable.frombytes(memoryview(p.usable).cast("B"))
+        self.pieces = []
         return user, usable
 
     # Returns (the HeapImage, [(base, buffer)] of the copies that hold no allocation).
@@ -458,12 +547,18 @@ def walk_heap(mem, maps: List[Mapping], threads: List[ThreadState], pid: int) ->
     heap_max = w.heap_max(lay, loc.mp)
     # 3. main arena: runs from sbrk_base
     top_reached = unused
+    main_job = None
     if not unused:
-        sbrk_base = w.word(loc.mp + lay.par.sbrk_base)
-        top_reached = w.main_runs(main, lay, top, sbrk_base)
+        main_job = w.plan_main(top, w.word(loc.mp + lay.par.sbrk_base))
     # 4. thread arenas and their heaps
-    for a in arenas[1:]:
-        w.thread_arena(a, lay, w.word(a + lay.state.top), heap_max)
+    plans = [w.plan_thread_arena(a, lay, w.word(a + lay.state.top), heap_max) for a in arenas[1:]]
+    # 3b-4b. copy the main arena's memory and every heap, walking each while it is read
+    w.run_jobs(([main_job] if main_job else []) +
+               [j for steps in plans for j in steps if isinstance(j, _Job)])
+    if main_job is not None:
+        top_reached = w.main_runs(main, top, main_job)
+    for steps in plans:
+        w.thread_arena(steps)
     # 5. anonymous memory: NONCONTIGUOUS main runs, mmapped chunks
     flags = w.i32(main + lay.state.flags)
     need_runs = not top_reached and bool(flags & lay.state.noncontiguous_bit)

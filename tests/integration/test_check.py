@@ -165,3 +165,35 @@ def test_repeated_checks_agree():
                [(l.address, l.size, l.referenced_count, l.referenced_size) for l in second.leaks]
         assert (first.num_leaks, first.leak_bytes) == (second.num_leaks, second.leak_bytes)
         assert_target_running(fx)
+
+
+def test_snapshot_is_killed_once_the_sweep_has_copied_what_it_reads(tmp_path, monkeypatch):
+    """For a target without a CPython runtime or tracking table the sweeper kills the snapshot
+    process right after reading the roots (before the mark), and the result is exact."""
+    from memunreachable import unreachable
+
+    seen = tmp_path / "released"
+    real = unreachable._early_release
+
+    def recording(snap):
+        release = real(snap)
+
+        def wrapped():                  # runs in the sweeper: it leaves a file behind
+            with open(seen, "w") as f:
+                f.write(f"{snap.pid} {_state(snap.pid)}")
+            release()
+        return wrapped if release is not None else None
+    monkeypatch.setattr(unreachable, "_early_release", recording)
+    with fixtures.start("leak_five") as fx:
+        info = check(fx.pid, limit=None)
+        assert_result(fx, EXPECTED["leak_five"], info)
+        assert_target_running(fx)
+        clone, state = seen.read_text().split()
+        assert int(clone) != fx.pid and state == "t"       # the stopped clone, alive until then
+        assert info.snapshot_mode == "clone"
+
+
+def _state(pid: int) -> str:
+    with open(f"/proc/{pid}/stat") as f:
+        stat = f.read()
+    return stat[stat.rindex(")") + 2:].split()[0]

@@ -325,3 +325,32 @@ def test_size_totals_counts_and_sums_the_flagged():
     from memunreachable.folding import size_totals
     assert size_totals(array("Q", [8, 24, 40, 56]), bytes([1, 0, 1, 0])) == (2, 128, 48)
     assert size_totals(array("Q"), b"") == (0, 0, 0)
+
+
+# Few leaks among many reachable blocks (fewer than a quarter unmarked): mu_fold then looks
+# words up among the leaks alone. Edges into reachable blocks must still count for nothing,
+# and the entries equal the reference over the leaks' own graph.
+@pytest.mark.parametrize("seed", range(12))
+def test_few_leaks_among_reachable_blocks_match_the_reference(seed):
+    rnd = random.Random(1000 + seed)
+    n = rnd.randrange(200, 400)
+    blocks = [(f"n{k}", rnd.choice([8, 16, 24, 40])) for k in range(n)]
+    h = Heap(blocks)
+    leaks = sorted(rnd.sample(range(n), rnd.randrange(1, n // 5)))
+    marked = bytearray(b"\x01" * n)
+    for u in leaks:
+        marked[u] = 0
+    edges = []
+    for u in range(n):
+        for _ in range(h.sizes[u] // 8):
+            if rnd.random() < 0.5:
+                v = rnd.choice(leaks) if rnd.random() < 0.5 else rnd.randrange(n)
+                h.link(f"n{u}", f"n{v}", delta=rnd.randrange(h.sizes[v]))
+                if not marked[u] and not marked[v]:
+                    edges.append((leaks.index(u), leaks.index(v)))
+                break
+    got = [(int(name[1:]), c, s) for name, c, s in h.fold(marked)]
+    sizes = [h.sizes[u] for u in leaks]
+    want = [(leaks[u], c, s) for u, c, s in _reference_fold(len(leaks), edges, sizes)]
+    assert got == want
+    assert len(leaks) * 4 < n

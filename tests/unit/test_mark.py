@@ -347,3 +347,49 @@ def test_other_interior_words_still_count_for_glibc_chunks():
     img = _image([0x1010, 0x1050], [40, 48])      # 48: an mmapped-style size (0 mod 16)
     got = mark(img, [], [0x1010 + 40 - 16, 0x1050 + 48 - 8], glibc_chunks=True)
     assert list(got.marked) == [1, 1]
+
+
+# More than 2^16 allocations: mu_mark runs on one thread per CPU (up to 4), sharing work.
+# The marked set and every statistic must be exactly those of a breadth-first search over
+# the edges the test itself stored (two regions, a random graph with long chains, few roots).
+@pytest.mark.parametrize("seed", range(3))
+def test_parallel_mark_matches_a_graph_search(seed):
+    rnd = random.Random(seed)
+    n = 150_000
+    half = n // 2
+    sizes = [rnd.choice([24, 40, 56]) for _ in range(n)]
+    bases = [0x7F10_0000_0000, 0x7F20_0000_0000]
+    begins, regions = [], []
+    for r, (lo, hi) in enumerate([(0, half), (half, n)]):
+        addr = bases[r] + 16
+        for k in range(lo, hi):
+            begins.append(addr)
+            addr += sizes[k] + 8
+        regions.append((bases[r], bytearray(addr - bases[r])))
+    edges = [[] for _ in range(n)]
+    for k in range(n):
+        for slot in range(rnd.choice([0, 1, 1, 2, 3])):
+            j = rnd.randrange(n) if rnd.random() < 0.7 else (k + 1) % n   # chains and jumps
+            off = rnd.randrange(max(sizes[j], 1))                          # interior pointers
+            r = 0 if begins[k] < bases[1] else 1
+            struct.pack_into("<Q", regions[r][1], begins[k] - bases[r] + 8 * slot, begins[j] + off)
+            edges[k].append(j)
+    root_blocks = [rnd.randrange(n) for _ in range(5)]
+    roots = [(ROOT, words_buffer(*(begins[j] for j in root_blocks[:3])))]
+    words = [begins[j] + 1 for j in root_blocks[3:]]
+    expect = bytearray(n)
+    todo = list(root_blocks)
+    for j in todo:
+        expect[j] = 1
+    while todo:
+        k = todo.pop()
+        for j in edges[k]:
+            if not expect[j]:
+                expect[j] = 1
+                todo.append(j)
+    res = mark(HeapImage(array("Q", begins), array("Q", sizes), regions), roots, words)
+    assert res.marked == expect
+    assert res.num_marked == sum(expect)
+    assert 0 < res.num_marked < n
+    assert res.heap_bytes == sum(s for s, m in zip(sizes, expect) if m)
+    assert res.words == 3 + 2 + res.heap_bytes // 8

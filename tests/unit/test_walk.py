@@ -1,4 +1,8 @@
 """Unit tests of the C chunk walker (native/mu_walk.c) on synthetic in-memory chunk runs."""
+import ctypes
+import mmap
+import os
+import random
 import struct
 import time
 from array import array
@@ -436,3 +440,110 @@ def test_heap_inconsistent_carries_first_bad_and_pickles():
     with pytest.raises(V.HeapInconsistent) as e3:
         v.raise_if_hard()
     assert e3.value.first_bad == 0
+
+
+# ---- mu_read_walk: copy through /proc/<pid>/mem and walk while the pieces arrive ------------
+def _mapped_run(size, fill):
+    """A Run at the real address of a fresh mapping of this process, built by fill(run)."""
+    m = mmap.mmap(-1, size, flags=mmap.MAP_PRIVATE | mmap.MAP_ANONYMOUS)
+    addr = int(ffi.cast("uintptr_t", ffi.from_buffer(m)))
+    r = Run(base=addr, size=size)
+    ret = fill(r)
+    m[:] = r.buf
+    return m, r, ret
+
+
+def _random_chunks(rnd, r, end, flags=0):
+    while r.cur + 0x1000 < end:
+        r.chunk(rnd.randrange(2, 130) * 16, in_use=rnd.random() < 0.8, flags=flags)
+
+
+def _fields(res):
+    return (res.chunks, res.in_use, res.in_use_bytes, res.free_chunks, res.free_bytes, res.end,
+            res.bad_at, res.status)
+
+
+@pytest.mark.parametrize("seed", range(2))
+def test_read_walk_equals_read_then_walk(seed):
+    rnd = random.Random(seed)
+
+    def main_run(r):                     # 6 MiB run to top: chunks straddle the 1 MiB pieces
+        _random_chunks(rnd, r, r.base + len(r.buf) - 0x2000)
+        return r.base, r.finish_top()
+
+    def thread_heap(r):                  # a non-main heap ending in a pseudo chunk + {0|1}
+        _random_chunks(rnd, r, r.base + len(r.buf) - 0x2000, flags=N)
+        pseudo = r.cur
+        r.finish_top(0x20)
+        r.hdr(pseudo + 0x20, 0 | P)
+        return r.base, 0
+
+    def broken(r):                       # a bad size in the second MiB
+        _random_chunks(rnd, r, r.base + len(r.buf) - 0x2000)
+        top = r.finish_top()
+        c = next(a for a, s, u in r.chunks if a > r.base + (1 << 20) + 4096)
+        r.hdr(c, 0x38 | P)
+        return r.base, top
+
+    def many(r):                         # more in-use chunks than cap
+        _random_chunks(rnd, r, r.base + len(r.buf) - 0x2000)
+        return r.base, r.finish_top()
+
+    specs = [(6 << 20, main_run, 0, None), (3 << 20, thread_heap, 1, None),
+             (2 << 20, broken, 0, None), (1 << 20, many, 0, 100),
+             (1 << 20, lambda r: (0, 0), 0, None)]          # copy only
+    keep, jobs = [], ffi.new("mu_read_job[]", len(specs))
+    expect = []
+    for k, (size, fill, non_main, cap) in enumerate(specs):
+        src, run, (first, top) = _mapped_run(size, fill)
+        dst = mmap.mmap(-1, size, flags=mmap.MAP_PRIVATE | mmap.MAP_ANONYMOUS)
+        cap = cap or 1 + size // 32
+        user, usable = array("Q", bytes(8 * cap)), array("Q", bytes(8 * cap))
+        pu, pv, pd = (ffi.from_buffer("uint64_t[]", user), ffi.from_buffer("uint64_t[]", usable),
+                      ffi.from_buffer(dst))
+        keep += [src, dst, user, usable, pu, pv, pd]
+        jobs[k].addr, jobs[k].len, jobs[k].buf = run.base, size, ffi.cast("uint8_t *", pd)
+        jobs[k].first, jobs[k].top, jobs[k].non_main = first, top, non_main
+        jobs[k].user, jobs[k].usable, jobs[k].cap = pu, pv, cap
+        if first:
+            got, res = walk(run, first, top, non_main, cap)
+            expect.append((got, _fields(res), min(res.in_use, cap)))
+        else:
+            expect.append(([], None, 0))
+    fd = os.open("/proc/self/mem", os.O_RDONLY)
+    try:
+        assert lib.mu_read_walk(fd, jobs, len(specs)) == 0
+    finally:
+        os.close(fd)
+    for k, (size, fill, non_main, cap) in enumerate(specs):
+        src, dst, user, usable = keep[7 * k:7 * k + 4]
+        assert jobs[k].bad == 0 and jobs[k].first_bad == 0
+        assert dst[:] == src[:]
+        got, fields, stored = expect[k]
+        assert jobs[k].stored == stored
+        assert list(zip(user[:stored], usable[:stored])) == got
+        if fields is not None:
+            assert _fields(jobs[k].res) == fields
+    statuses = [expect[k][1][-1] for k in range(4)]
+    assert statuses == [lib.MU_WALK_TOP, lib.MU_WALK_FENCE0, lib.MU_WALK_BAD_SIZE, lib.MU_WALK_TOP]
+    assert expect[3][1][1] > 100                      # in_use counted past the cap
+
+
+def test_read_walk_counts_unreadable_pages():
+    m = mmap.mmap(-1, 3 * 4096, flags=mmap.MAP_PRIVATE | mmap.MAP_ANONYMOUS)
+    m[:] = b"\x11" * len(m)
+    addr = int(ffi.cast("uintptr_t", ffi.from_buffer(m)))
+    dst = bytearray(b"\xff" * len(m))
+    pd = ffi.from_buffer(dst)
+    jobs = ffi.new("mu_read_job[]", 1)
+    jobs[0].addr, jobs[0].len, jobs[0].buf = addr, len(m), ffi.cast("uint8_t *", pd)
+    libc = ctypes.CDLL(None, use_errno=True)
+    libc.munmap.argtypes = [ctypes.c_void_p, ctypes.c_size_t]
+    assert libc.munmap(addr + 4096, 4096) == 0       # a hole in the middle
+    fd = os.open("/proc/self/mem", os.O_RDONLY)
+    try:
+        assert lib.mu_read_walk(fd, jobs, 1) == 0
+    finally:
+        os.close(fd)
+    assert jobs[0].bad == 4096 and jobs[0].first_bad == addr + 4096
+    assert dst == b"\x11" * 4096 + bytes(4096) + b"\x11" * 4096
