@@ -416,7 +416,15 @@ def _gc_object_ranges(image: HeapImage, head_word, call) -> List[Range]:
 # Py_TPFLAGS_TYPE_SUBCLASS: type, ABCMeta, EnumType, ...), ascending.
 def metatypes(mem, cp: CPythonMap, types) -> List[int]:
     reader = object_reader(mem, cp)
-    return sorted(t for t in types if (reader.type_info(t) or ("", 0))[1] & L.TPFLAGS_TYPE_SUBCLASS)
+    out = []
+    for t in types:             # one word each; the few candidates are then checked whole
+        try:
+            (flags,) = struct.unpack("<Q", mem.read(t + L.TP_FLAGS, 8))
+        except (MemoryUnreadable, struct.error):
+            continue
+        if flags & L.TPFLAGS_TYPE_SUBCLASS and reader.type_info(t) is not None:
+            out.append(t)
+    return sorted(out)
 
 
 # Returns [Range] of the heap types' docstring copies (mu_type_docs): text, not references.
