@@ -152,7 +152,8 @@ int64_t mu_list_slack(const uint64_t *begin, const uint64_t *size, uint64_t n,
 
 #define TPFLAGS_HEAPTYPE (1ull << 9)
 
-static int in_sorted(const uint64_t *a, uint64_t n, uint64_t v)
+/* The index of v in the ascending array a[0..n), or n. */
+static uint64_t find_sorted(const uint64_t *a, uint64_t n, uint64_t v)
 {
     uint64_t lo = 0, hi = n;
     while (lo < hi) {
@@ -162,21 +163,7 @@ static int in_sorted(const uint64_t *a, uint64_t n, uint64_t v)
         else
             hi = mid;
     }
-    return lo < n && a[lo] == v;
-}
-
-/* The allocation starting exactly at addr, or n. */
-static uint64_t block_at(const uint64_t *begin, uint64_t n, uint64_t addr)
-{
-    uint64_t lo = 0, hi = n;
-    while (lo < hi) {
-        uint64_t mid = (lo + hi) >> 1;
-        if (begin[mid] < addr)
-            lo = mid + 1;
-        else
-            hi = mid;
-    }
-    return lo < n && begin[lo] == addr ? lo : n;
+    return lo < n && a[lo] == v ? lo : n;
 }
 
 int64_t mu_type_docs(const uint64_t *begin, const uint64_t *size, uint64_t n,
@@ -201,9 +188,9 @@ int64_t mu_type_docs(const uint64_t *begin, const uint64_t *size, uint64_t n,
         memcpy(&tp, o + 8, 8);
         memcpy(&flags, o + 168, 8);
         memcpy(&doc, o + 176, 8);
-        if (!doc || !(flags & TPFLAGS_HEAPTYPE) || !in_sorted(meta, nmeta, tp))
+        if (!doc || !(flags & TPFLAGS_HEAPTYPE) || find_sorted(meta, nmeta, tp) == nmeta)
             continue;
-        uint64_t k = block_at(begin, n, doc);
+        uint64_t k = find_sorted(begin, n, doc);     /* the block starting at the doc */
         if (k == n || k == i)
             continue;
         if (found < cap) {

@@ -53,8 +53,10 @@ void mu_scan_index_free(mu_scan_index *ix)
     memset(ix, 0, sizeof *ix);
 }
 
-int64_t mu_scan_index_check(const uint64_t *begin, const uint64_t *size, uint64_t n,
-                            const mu_region *heap, uint64_t nheap)
+/* The argument checks mu_scan_index_init and mu_scan_index_check share: 0, -EINVAL (missing
+ * arrays; regions unsorted, overlapping, wrapping or without data) or -EOVERFLOW. */
+static int64_t check_args(const uint64_t *begin, const uint64_t *size, uint64_t n,
+                          const mu_region *heap, uint64_t nheap)
 {
     if ((n && (!begin || !size)) || (nheap && !heap) || (n && !nheap))
         return -EINVAL;
@@ -66,6 +68,15 @@ int64_t mu_scan_index_check(const uint64_t *begin, const uint64_t *size, uint64_
         if (r && heap[r].base < heap[r - 1].base + heap[r - 1].len)
             return -EINVAL;
     }
+    return 0;
+}
+
+int64_t mu_scan_index_check(const uint64_t *begin, const uint64_t *size, uint64_t n,
+                            const mu_region *heap, uint64_t nheap)
+{
+    int64_t rc = check_args(begin, size, n, heap, nheap);
+    if (rc)
+        return rc;
     uint64_t r = 0, prev_end = 0;
     for (uint64_t i = 0; i < n; i++) {
         uint64_t b = begin[i], e = b + alloc_len(size[i]);
@@ -86,17 +97,9 @@ int64_t mu_scan_index_init(mu_scan_index *ix, const uint64_t *begin, const uint6
 {
     memset(ix, 0, sizeof *ix);
     ix->flags = flags;
-    if ((n && (!begin || !size)) || (nheap && !heap) || (n && !nheap))
-        return -EINVAL;
-    if (n >= SCAN_NONE)
-        return -EOVERFLOW;
-    /* Regions: sorted by base, disjoint, no wrap-around, data present. */
-    for (uint64_t r = 0; r < nheap; r++) {
-        if (heap[r].base + heap[r].len < heap[r].base || (heap[r].len && !heap[r].data))
-            return -EINVAL;
-        if (r && heap[r].base < heap[r - 1].base + heap[r - 1].len)
-            return -EINVAL;
-    }
+    int64_t rc = check_args(begin, size, n, heap, nheap);
+    if (rc)
+        return rc;
     ix->n = n;
     ix->heap = heap;
     ix->nheap = nheap;
