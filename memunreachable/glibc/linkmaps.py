@@ -56,12 +56,14 @@ def r_debug_address(mem, auxv: Dict[int, int]) -> Optional[int]:
 
 def _dynamic(mem, addr: int):
     for first in range(0, MAX_DYN, 32):                  # 32 entries a read
-        block = mem.read(addr + 16 * first, 512)
-        for k in range(32):
+        block = _read_up_to(mem, addr + 16 * first, 512)  # the section may end its mapping
+        for k in range(len(block) // 16):
             tag, value = struct.unpack_from("<QQ", block, 16 * k)
             if tag == DT_NULL:
                 return
             yield tag, value
+        if len(block) < 512:
+            return
 
 
 def _read_up_to(mem, addr: int, n: int) -> bytes:
@@ -109,12 +111,15 @@ def computed_words(mem, auxv: Dict[int, int]) -> List[int]:
         seen.add(lm)
         try:
             l_addr, _name, l_ld, l_next = struct.unpack("<QQQQ", mem.read(lm, 32))
-            value = chain_zero(mem, l_addr, l_ld) if l_ld else None
-            if value is not None:
-                words = _read_up_to(mem, lm, LINK_MAP_BYTES)
-                out += [lm + k for k in range(0, len(words) - 7, 8)
-                        if struct.unpack_from("<Q", words, k)[0] == value]
         except (MemoryUnreadable, struct.error):
-            break
+            break                                       # the chain cannot be followed
+        try:
+            value = chain_zero(mem, l_addr, l_ld) if l_ld else None
+        except (MemoryUnreadable, struct.error):
+            value = None                                # this object only (the vdso, say)
+        if value is not None:
+            words = _read_up_to(mem, lm, LINK_MAP_BYTES)
+            out += [lm + k for k in range(0, len(words) - 7, 8)
+                    if struct.unpack_from("<Q", words, k)[0] == value]
         lm = l_next
     return sorted(out)

@@ -82,3 +82,28 @@ def test_a_cyclic_or_unset_chain_stops():
 def test_parse_auxv():
     data = struct.pack("<6Q", 3, PHDR, 5, 3, 0, 0) + struct.pack("<2Q", 9, 1)
     assert parse_auxv(data) == {3: PHDR, 5: 3}
+
+
+class Holey(BufferMemory):
+    """BufferMemory with one unreadable range."""
+
+    def __init__(self, blocks, hole):
+        super().__init__(blocks)
+        self.hole = hole
+
+    def read(self, addr, size):
+        lo, hi = self.hole
+        if addr < hi and lo < addr + size:
+            from memunreachable._errors import MemoryUnreadable
+            raise MemoryUnreadable("unreadable", address=max(addr, lo))
+        return super().read(addr, size)
+
+
+def test_an_unreadable_object_skips_only_itself():
+    mem, cz1, cz2 = image()
+    # object 1's GNU hash header cannot be read: object 2 is still handled
+    holey = Holey(mem.blocks, (LIB1 + 0x300, LIB1 + 0x310))
+    assert LM.computed_words(holey, auxv()) == [LM2 + 800]
+    # a dynamic section that ends its mapping 48 bytes in: read up to there
+    holey = Holey(mem.blocks, (LIB2 + 0x200 + 48, LIB2 + 0x2a0))
+    assert LM.computed_words(holey, auxv()) == [LM1 + 808, LM2 + 800]
