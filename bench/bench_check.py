@@ -35,10 +35,8 @@ ONE_CHECK = r"""
 import json, resource, sys, time
 from memunreachable.unreachable import check
 info = check(int(sys.argv[1]), limit=None)
-import threading                    # the sweeper is reaped in the background: wait for it,
-for t in threading.enumerate():     # its peak RSS counts only once it is reaped
-    if t.name.startswith("memunreachable-reap"):
-        t.join()
+from memunreachable.sweeper import join_reapers
+join_reapers()      # the sweeper is reaped in the background: its peak RSS counts only then
 self_kb = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss
 child_kb = resource.getrusage(resource.RUSAGE_CHILDREN).ru_maxrss
 s = info.stats

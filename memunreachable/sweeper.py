@@ -287,8 +287,20 @@ def _reap_soon(pid: int) -> None:
     except ChildProcessError:
         return
     import threading
-    threading.Thread(target=_reap, args=(pid,), name=f"memunreachable-reap-{pid}",
+    threading.Thread(target=_reap, args=(pid,), name=f"{REAPER_PREFIX}{pid}",
                      daemon=True).start()
+
+
+REAPER_PREFIX = "memunreachable-reap-"
+
+
+def join_reapers(timeout: Optional[float] = None) -> None:
+    """Wait for the background reaps of this process's sweepers (a sweeper's peak RSS counts
+    in RUSAGE_CHILDREN, and its thread leaves /proc/self/task, only then)."""
+    import threading
+    for t in threading.enumerate():
+        if t.name.startswith(REAPER_PREFIX):
+            t.join(timeout)
 
 
 def _kill(pid: int) -> None:

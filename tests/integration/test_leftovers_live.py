@@ -393,10 +393,7 @@ def test_sweeper_killed_mid_sweep_fails_cleanly():
     with fixtures.start("leak_chain") as fx:
         proc = spawn(fx.pid)
         head = read_until(proc, b"searching process")
-        kids = []
-        for tid in os.listdir(f"/proc/{proc.pid}/task"):
-            with open(f"/proc/{proc.pid}/task/{tid}/children") as f:
-                kids += [int(c) for c in f.read().split()]
+        kids = children(proc.pid)          # its threads may end while they are read
         for kid in kids:
             os.kill(kid, signal.SIGKILL)
         rc, out, err = finish(proc, head)

@@ -11,6 +11,8 @@ import pytest
 from inprocess_helpers import build_leaky, run_python
 from memunreachable import noleaks
 from memunreachable._errors import LeaksDetected
+from memunreachable.leftovers import children_of
+from memunreachable.sweeper import join_reapers
 
 pytestmark = pytest.mark.ptrace
 
@@ -149,14 +151,11 @@ def test_check_from_a_non_main_thread_with_busy_python_threads(ext_dir):
 
 
 def _resources():
+    join_reapers(10)        # earlier tests' sweepers are reaped in background threads
     pid = os.getpid()
     fds = len(os.listdir(f"/proc/{pid}/fd"))
     tasks = len(os.listdir(f"/proc/{pid}/task"))
-    children = set()
-    for tid in os.listdir(f"/proc/{pid}/task"):
-        with open(f"/proc/{pid}/task/{tid}/children") as f:
-            children.update(f.read().split())
-    return fds, tasks, children
+    return fds, tasks, set(children_of(pid))
 
 
 @pytest.mark.slow

@@ -5,6 +5,7 @@ import signal
 import pytest
 
 from memunreachable._errors import SweepError, UnsupportedTarget
+from memunreachable.leftovers import children_of
 from memunreachable.sweeper import (HEADER, SweepEntry, SweepResult, decode, encode_error,
                                     encode_result, run_sweeper)
 
@@ -75,12 +76,8 @@ def test_sweeper_timeout_kills_child():
     def hang():
         time.sleep(60)
 
-    def children() -> set:
-        kids = set()
-        for tid in os.listdir("/proc/self/task"):
-            with open(f"/proc/self/task/{tid}/children") as f:
-                kids.update(int(p) for p in f.read().split())
-        return kids
+    def children() -> set:      # threads (background reapers) may end while it reads
+        return set(children_of(os.getpid()))
     before = children()         # e.g. the in-process API's long-lived helper
     t0 = time.monotonic()
     with pytest.raises(SweepError, match="did not finish"):
@@ -92,7 +89,6 @@ def test_sweeper_timeout_kills_child():
 
 
 def test_sweeper_that_sent_its_result_is_reaped_in_the_background():
-    import threading
     import time
 
     from memunreachable import sweeper
@@ -102,9 +98,7 @@ def test_sweeper_that_sent_its_result_is_reaped_in_the_background():
         return sample()
     assert sweeper.retain_list() is None                      # only inside a sweeper
     assert run_sweeper(work, timeout=10) == sample()
-    reapers = [t for t in threading.enumerate() if t.name.startswith("memunreachable-reap")]
-    for t in reapers:
-        t.join(5)
+    sweeper.join_reapers(5)
     deadline = time.monotonic() + 5
     while time.monotonic() < deadline:
         zombies = [p for p in os.listdir("/proc") if p.isdigit() and _zombie_child(int(p))]
