@@ -107,6 +107,18 @@ COMMANDS = {"check": ("memunreachable.cli.check", "Check"),
             "run": ("memunreachable.cli.run", "Run")}
 
 
+def bounded_int(text: str, what: str, expected: str, lo: int, hi: Optional[int] = None) -> int:
+    """An argparse value: the decimal integer text in [lo, hi], else ArgumentTypeError
+    "invalid WHAT 'TEXT': expected EXPECTED"."""
+    try:
+        value = int(text, 10)
+    except ValueError:
+        value = None
+    if value is None or value < lo or (hi is not None and value > hi):
+        raise argparse.ArgumentTypeError(f"invalid {what} {text!r}: expected {expected}")
+    return value
+
+
 def get_command(name: str) -> Type[Command]:
     import importlib
     module, cls = COMMANDS[name]

@@ -14,7 +14,7 @@ import sys
 from typing import TYPE_CHECKING, Optional
 
 from memunreachable._errors import CommandError
-from memunreachable.cli import EXIT_LEAKS, EXIT_OK, EXIT_USAGE, Command
+from memunreachable.cli import EXIT_LEAKS, EXIT_OK, EXIT_USAGE, Command, bounded_int
 
 if TYPE_CHECKING:
     from memunreachable.report import UnreachableMemoryInfo
@@ -25,23 +25,11 @@ DEFAULT_LIMIT = 100
 
 
 def pid_type(text: str) -> int:
-    try:
-        value = int(text, 10)
-    except ValueError:
-        raise argparse.ArgumentTypeError(f"invalid pid {text!r}: expected a positive integer")
-    if value <= 0:
-        raise argparse.ArgumentTypeError(f"invalid pid {text!r}: expected a positive integer")
-    return value
+    return bounded_int(text, "pid", "a positive integer", 1)
 
 
 def limit_type(text: str) -> int:
-    try:
-        value = int(text, 10)
-    except ValueError:
-        raise argparse.ArgumentTypeError(f"invalid limit {text!r}: expected an integer >= 0")
-    if value < 0:
-        raise argparse.ArgumentTypeError(f"invalid limit {text!r}: expected an integer >= 0")
-    return value
+    return bounded_int(text, "limit", "an integer >= 0", 0)
 
 
 def timeout_type(text: str) -> float:

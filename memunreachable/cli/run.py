@@ -32,7 +32,8 @@ import sys
 from typing import List, Optional, Tuple
 
 from memunreachable._errors import CommandError, MemunreachableError
-from memunreachable.cli import EXIT_CANNOT_CHECK, EXIT_LEAKS, EXIT_USAGE, Command, print_error
+from memunreachable.cli import (EXIT_CANNOT_CHECK, EXIT_LEAKS, EXIT_USAGE, Command, bounded_int,
+                                print_error)
 
 log = logging.getLogger("memunreachable")
 
@@ -64,23 +65,11 @@ def size_type(text: str) -> int:
 
 
 def depth_type(text: str) -> int:
-    try:
-        value = int(text, 10)
-    except ValueError:
-        value = 0
-    if not 1 <= value <= 32:
-        raise argparse.ArgumentTypeError(f"invalid depth {text!r}: expected 1..32")
-    return value
+    return bounded_int(text, "depth", "1..32", 1, 32)
 
 
 def exitcode_type(text: str) -> int:
-    try:
-        value = int(text, 10)
-    except ValueError:
-        value = -1
-    if not 0 <= value <= 255:
-        raise argparse.ArgumentTypeError(f"invalid exit code {text!r}: expected 0..255")
-    return value
+    return bounded_int(text, "exit code", "0..255", 0, 255)
 
 
 class ProgramError(CommandError):
