@@ -214,6 +214,7 @@ class _Checker:
 
     def __init__(self, rules=()):
         self.error = None
+        self.baseline = None
         self.rules = list(rules)
         try:
             self.baseline = leak_baseline(self.rules)
@@ -226,7 +227,8 @@ class _Checker:
         return get_unreachable_memory(limit=None, suppressions=self.rules)
 
     def new_leaks(self):
-        return self.baseline.new_leaks(self._info())
+        info = self._info()             # raises the reason when the baseline could not be taken
+        return self.baseline.new_leaks(info)
 
     def assert_no_new_leaks(self):
         from memunreachable._errors import LeaksDetected

@@ -126,6 +126,23 @@ def test_a_check_that_cannot_run_can_be_only_a_warning(suite):
     assert res.ret == 1          # test_fails still fails
 
 
+def test_the_fixture_raises_the_reason_when_the_check_cannot_run(suite):
+    # the fixture's checks raise why the check cannot run (not an AttributeError of its own)
+    prefix = _without_ptrace(suite)
+    suite.makepyfile(test_fixture_impossible="""
+import pytest
+from memunreachable._errors import MemunreachableError
+
+def test_new_leaks(memunreachable):
+    with pytest.raises(MemunreachableError) as e:
+        memunreachable.new_leaks()
+    print("REASON", type(e.value).__name__, e.value.hint is not None)
+""")
+    res = suite.run(*prefix, *suite._getpytestargs(), "-s", "test_fixture_impossible.py")
+    res.assert_outcomes(passed=1)
+    res.stdout.fnmatch_lines(["*REASON AccessDenied True*"])
+
+
 def test_a_passing_suite_with_an_impossible_check_is_not_green(suite):
     prefix = _without_ptrace(suite)
     res = suite.run(*prefix, *suite._getpytestargs(), "--memunreachable", "-k", "clean")
