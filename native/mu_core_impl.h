@@ -145,7 +145,7 @@ static inline int mu_dead_object(const mu_dead *d, const uint8_t *p, uint64_t le
         if (!mu_type_rule(d, p, off, &rc, &code))
             continue;
         uint64_t kind = (code >> 8) & 0xff;
-        if (kind == MU_TYPE_DEAD_AT_ZERO && rc == 0)
+        if ((kind == MU_TYPE_DEAD_AT_ZERO || kind == MU_TYPE_VARSIZED) && rc == 0)
             return 1;
         if (!mu_plausible_refcnt(rc))
             continue;
@@ -162,7 +162,8 @@ static inline int mu_dead_object(const mu_dead *d, const uint8_t *p, uint64_t le
 }
 
 /* The live length of allocation [b, b+len) (bytes at p, avail readable): len, or less when it
- * holds an object whose words past some point are dead (mu_dead kinds MU_TYPE_FRAME, SIZED). */
+ * holds an object whose words past some point are dead (mu_dead kinds MU_TYPE_FRAME, SIZED,
+ * VARSIZED). */
 #define MU_FRAME_STACKTOP 64
 #define MU_FRAME_SLOTS 72
 
@@ -218,6 +219,15 @@ static inline uint64_t mu_live_len(const mu_dead *d, const uint8_t *p, uint64_t 
         uint64_t kind = (code >> 8) & 0xff;
         if (kind == MU_TYPE_SIZED) {
             uint64_t end = b + off + (((code >> 16) + 7) & ~7ull);
+            return end < b + len ? end - b : len;
+        }
+        if (kind == MU_TYPE_VARSIZED) {
+            int64_t count;
+            memcpy(&count, p + off + 16, 8);
+            uint64_t head = (code >> 16) & 0xffffffffull, item = (code >> 48) & 0xff;
+            if (count < 0 || (uint64_t)count > len)
+                continue;           /* not a count we can trust: scan it all */
+            uint64_t end = b + off + ((head + item * (uint64_t)count + 7) & ~7ull);
             return end < b + len ? end - b : len;
         }
         if (kind != MU_TYPE_FRAME)

@@ -30,7 +30,12 @@ typedef struct {
  *       64, slots from f_frame + 72) are dead: CPython copies a frame only up to its
  *       stacktop and never clears the slots above (cpython-memory.md section 5);
  *   kind MU_TYPE_SIZED: an object of a fixed-size type whose size (tp_basicsize) is in bits
- *       16-47 of code: the allocator's rounding slack after it holds only stale words.
+ *       16-47 of code: the allocator's rounding slack after it holds only stale words;
+ *   kind MU_TYPE_VARSIZED: an object whose items follow its header inline (a tuple): the
+ *       header's size in bits 16-47 of code, an item's in bits 48-55, the item count at
+ *       off + 16 (ob_size): scanned up to header + count * item (the allocator's rounding
+ *       slack after the last item holds only stale words); and, as DEAD_AT_ZERO, not scanned
+ *       at all when its ob_refcnt is 0 (a free-listed tuple).
  * dict_keys (MU_DICT_KEYS_*): an allocation whose header is a CPython dict key table
  * (PyDictKeysObject, consistent in every field) is scanned only up to the table's end as
  * new_keys_object sized it; the allocator's slack after it (under 16 bytes) holds only stale
@@ -54,3 +59,4 @@ typedef struct {
 #define MU_TYPE_STR 2
 #define MU_TYPE_FRAME 3
 #define MU_TYPE_SIZED 4
+#define MU_TYPE_VARSIZED 5

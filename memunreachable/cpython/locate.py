@@ -108,7 +108,8 @@ class ElfFacts:
 
 
 _FACTS: Dict[tuple, Optional[ElfFacts]] = {}
-FACT_SYMBOLS = ("_PyRuntime", "Py_Version", "PyList_Type", "PyFrame_Type", "PyCode_Type") \
+FACT_SYMBOLS = ("_PyRuntime", "Py_Version", "PyList_Type", "PyFrame_Type", "PyCode_Type",
+                "PyTuple_Type") \
     + tuple(L.OPAQUE_TYPES)
 
 

@@ -71,7 +71,8 @@ def prepare(mem, maps, threads, pid: Optional[int], image: HeapImage) -> CPython
     dead_ranges = list(cp.dead_ranges)
     head_word = None
     wanted = {sym: name for sym, (name, _kind) in _type_rules(cp).items()}
-    statics = static_types(mem, maps, pid, cp, dict(wanted, PyList_Type="list", PyCode_Type="code"))
+    statics = static_types(mem, maps, pid, cp, dict(wanted, PyList_Type="list", PyCode_Type="code",
+                                                    PyTuple_Type="tuple"))
     heads = gc_heads(mem, cp)
     if heads is None:
         out.warnings.append(f"CPython {cp.version[0]}.{cp.version[1]}: no GC state layout: "
@@ -107,6 +108,12 @@ def prepare(mem, maps, threads, pid: Optional[int], image: HeapImage) -> CPython
     # unit) read as a pointer into a leaked block (seen in an xdist worker)
     if "PyCode_Type" in statics and statics["PyCode_Type"] not in {t for t, _ in dead_types}:
         dead_types += sized_types(mem, maps, cp, [statics["PyCode_Type"]], header_only=True)
+    # tuples (every version): the slack after the last item (an odd item count in a 16-byte
+    # size class) held the address of a leaked block in an xdist worker's co_consts; the rule
+    # replaces 3.8-3.10's dead-at-zero rule of the type, which it includes
+    tuple_rule = varsized_type(mem, cp, statics.get("PyTuple_Type"), TUPLE_SHAPE)
+    if tuple_rule:
+        dead_types = [x for x in dead_types if x[0] != tuple_rule[0]] + [tuple_rule]
     dead_types = sorted(dead_types)
     out.stats["gc_types"] = len(dead_types)
     out.root_cuts = merge_ranges(cuts)
@@ -331,6 +338,23 @@ def dict_keys_rule(cp: CPythonMap) -> int:
 def dead_types_all_gc(cp: CPythonMap) -> bool:
     """3.8-3.10: every GC type already has the dead-at-zero rule (one rule per type)."""
     return cp.version <= L.DEAD_OBJECTS_UNTIL and L.DEAD_OBJECT_TYPES is None
+
+
+TUPLE_SHAPE = (24, 8)       # PyTupleObject: {ob_refcnt, ob_type, ob_size} then ob_size items
+
+
+# Returns the (type address, code) of a MU_TYPE_VARSIZED rule for type t (a static type of the
+# runtime, found by its symbol) when its tp_basicsize and tp_itemsize are the expected shape
+# (header bytes, item bytes); None when t is None or differs.
+def varsized_type(mem, cp: CPythonMap, t: Optional[int], shape: Tuple[int, int]):
+    if t is None:
+        return None
+    reader = object_reader(mem, cp)
+    basic, item = struct.unpack("<QQ", mem.read(t + L.TP_BASICSIZE, 16))
+    off = reader.object_offset(t)
+    if (basic, item) != shape or off is None or off > 48:
+        return None
+    return (t, off | lib.MU_TYPE_VARSIZED << 8 | basic << 16 | item << 48)
 
 
 # Returns [(type address, code)] of MU_TYPE_SIZED rules: the interpreter's own static GC

@@ -333,3 +333,36 @@ def test_dict_key_table_rule_needs_every_field_consistent():
     h2.link(0, size // 8, 1)
     res = mark(h2.image(), [], [h2.addrs[0]], dead=DeadWords(dict_keys=lib.MU_DICT_KEYS_311))
     assert list(res.marked) == [1, 1]
+
+
+VARSIZED = lib.MU_TYPE_VARSIZED << 8
+TUPLE = INT_TYPE + 0x200
+TUPLE_CODE = 16 | VARSIZED | 24 << 16 | 8 << 48
+
+
+@pytest.mark.parametrize("count, kept", [
+    (3, [1, 1, 0]),         # items at 40..64: the word at 64 is the 112-byte block's slack
+    (4, [1, 1, 1]),         # a fourth item reaches it: scanned
+    (-1, [1, 1, 1]),        # an impossible count: scanned whole
+    (99, [1, 1, 1]),
+])
+def test_tuples_scanned_up_to_their_last_item(count, kept):
+    h = Heap([80, 16, 16])              # GC head at 0, tuple at 16: refcnt, type, ob_size
+    for slot, w in enumerate([0, 0, 1, TUPLE, count & (2 ** 64 - 1)]):
+        h.point(0, slot, w)
+    h.link(0, 5, 1)                     # item 0
+    h.link(0, 8, 2)                     # block offset 64: item 3
+    dead = DeadWords(types=[(TUPLE, TUPLE_CODE)])
+    assert list(mark(h.image(), [], [h.addrs[0]], dead=dead).marked) == kept
+    folded = fold(h.image(), bytearray(3), dead=dead)
+    assert folded[0].referenced_count == sum(kept) - 1
+
+
+def test_a_tuple_at_refcount_zero_is_dead():
+    # a free-listed tuple (3.8-3.10's static free lists): nothing it holds is a reference
+    h = Heap([64, 16])
+    for slot, w in enumerate([0, 0, 0, TUPLE, 2]):
+        h.point(0, slot, w)
+    h.link(0, 5, 1)
+    dead = DeadWords(types=[(TUPLE, TUPLE_CODE)])
+    assert list(mark(h.image(), [], [h.addrs[0]], dead=dead).marked) == [1, 0]
