@@ -24,6 +24,7 @@ from __future__ import annotations
 
 import ctypes
 import faulthandler
+import gc
 from array import array
 import json
 import logging
@@ -217,6 +218,10 @@ def _sweeper_main(work: Callable[[], SweepResult], rfd: int, wfd: int, parent: i
         if os.getppid() != parent:
             os._exit(71)                        # the checker died before the prctl
         faulthandler.disable()      # a crash is reported by the checker, not dumped here
+        # no cyclic GC here: we exit right after the sweep (its cycles die with us), and a
+        # collection would traverse, and so copy-on-write, the checker's inherited objects
+        # (a pytest process's check: sweep 125 -> 95 ms)
+        gc.disable()
         signal.signal(signal.SIGINT, signal.SIG_IGN)
         signal.signal(signal.SIGHUP, signal.SIG_IGN)
         signal.signal(signal.SIGTERM, signal.SIG_DFL)
