@@ -202,3 +202,34 @@ def test_read_copies_skips_unreadable_ranges_only_when_asked(three_pages_middle_
         assert [(b, bytes(buf)[:1]) for b, buf in got] == [(base, b"\x11"), (base + 2 * PAGE, b"\x33")]
         with pytest.raises(MemoryUnreadable):
             read_copies(mem, ranges)
+
+
+def test_read_many_fills_every_buffer_and_names_each_unreadable_one(three_pages_middle_unreadable):
+    from memunreachable._types import local_buffer
+    from memunreachable.memory import read_many
+    base, _ = three_pages_middle_unreadable
+    # 5 MiB of known bytes (more than one 1 MiB piece, read on several threads), a small
+    # range, and one range over the hole
+    big = bytearray(os.urandom(5 << 20))
+    small = bytearray(b"pytest" * 50)
+    pairs = [(addr_of(big) + 8, local_buffer(len(big) - 16)),
+             (base + PAGE - 64, bytearray(128)),
+             (addr_of(small), bytearray(len(small)))]
+    with ProcessMemory(os.getpid()) as mem:
+        errors = read_many(mem, pairs)
+    assert bytes(pairs[0][1]) == bytes(big[8:-8])
+    assert bytes(pairs[2][1]) == bytes(small)
+    assert errors[0] is None and errors[2] is None
+    assert isinstance(errors[1], MemoryUnreadable) and errors[1].address == base + PAGE
+    assert bytes(pairs[1][1][:64]) == b"\x11" * 64
+
+
+def test_read_many_reads_tolerated_ranges_as_read_into_does(three_pages_middle_unreadable):
+    from memunreachable.memory import read_many
+    base, _ = three_pages_middle_unreadable
+    pairs = [(base, bytearray(3 * PAGE)), (base + 2 * PAGE, bytearray(PAGE))]
+    with ProcessMemory(os.getpid(), tolerated=[Range(base + PAGE, base + 2 * PAGE)]) as mem:
+        assert read_many(mem, pairs) == [None, None]
+        assert mem.tolerated_bytes == PAGE
+    assert bytes(pairs[0][1]) == b"\x11" * PAGE + bytes(PAGE) + b"\x33" * PAGE
+    assert bytes(pairs[1][1]) == b"\x33" * PAGE
