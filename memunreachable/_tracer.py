@@ -58,8 +58,10 @@ def _one_check(pid: int, limit, timeout: float, symbolize: bool = True,
         from memunreachable.suppressions import parse
         from memunreachable.unreachable import check
         rules = parse(bytes.fromhex(supp.decode()).decode()) if supp != b"-" else None
+        # the sweep runs here, not in a forked sweeper: this helper is disposable (the caller
+        # restarts one that died), and a fork costs an idle pytest process's check ~20 ms
         return ("ok", check(pid, limit=limit, timeout=timeout, symbolize=symbolize,
-                            suppressions=rules))
+                            suppressions=rules, sweep_here=True))
     except BaseException as exc:  # noqa: BLE001 - every failure goes back to the caller
         from memunreachable._errors import MemunreachableError, SweepError
         if not isinstance(exc, MemunreachableError):

@@ -205,6 +205,27 @@ def run_sweeper(work: Callable[[], SweepResult], timeout: float) -> SweepResult:
                      "without sending a result")
 
 
+def run_here(work: Callable[[], SweepResult]) -> SweepResult:
+    """Run work() in this process and return its result as run_sweeper would: the message
+    goes through the same encoding (a SweepResult as decoded from the wire; an error as the
+    sweeper sends it: a MemunreachableError as raised, anything else a SweepError). For a
+    long-lived helper whose process is disposable (noleaks.py restarts one that died): no
+    fork, no copy-on-write of the checker's objects, no fresh process to fault in. The cyclic
+    GC is off during the sweep (its objects are freed by reference counting). KeyboardInterrupt
+    and SystemExit propagate. sweep_timeout is not enforced here."""
+    enabled = gc.isenabled()
+    gc.disable()
+    try:
+        try:
+            msg = encode_result(work())
+        except Exception as exc:  # noqa: BLE001 - as the sweeper: everything becomes a message
+            msg = encode_error(exc)
+    finally:
+        if enabled:
+            gc.enable()
+    return decode(msg)
+
+
 def _sweeper_main(work: Callable[[], SweepResult], rfd: int, wfd: int, parent: int) -> None:
     """The sweeper process: run work(), write the message, _exit. Never returns."""
     global _RETAIN
