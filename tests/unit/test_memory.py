@@ -233,3 +233,12 @@ def test_read_many_reads_tolerated_ranges_as_read_into_does(three_pages_middle_u
         assert mem.tolerated_bytes == PAGE
     assert bytes(pairs[0][1]) == b"\x11" * PAGE + bytes(PAGE) + b"\x33" * PAGE
     assert bytes(pairs[1][1]) == b"\x33" * PAGE
+
+
+def test_heap_buffers_are_zeroed_bytearrays_once_asked(monkeypatch):
+    from memunreachable import _types
+    monkeypatch.setattr(_types, "_HEAP_BUFFERS", False)
+    assert isinstance(_types.local_buffer(1 << 20), mmap.mmap)
+    _types.use_heap_buffers()
+    buf = _types.local_buffer(1 << 20)
+    assert isinstance(buf, bytearray) and len(buf) == 1 << 20 and buf.count(0) == 1 << 20
