@@ -287,10 +287,17 @@ def gc_heads(mem, cp: CPythonMap) -> Optional[List[Tuple[int, int, int]]]:
 # refcount rule). Only the types whose dead objects hide in roots are listed: any other
 # zero word followed by a type pointer is left alone (a wrong "dead" would hide references).
 def object_reader(mem, cp: CPythonMap):
-    """An ObjectReader for cp's objects (the debug hooks' 2-word prefix when they are on)."""
+    """An ObjectReader for cp's objects (the debug hooks' 2-word prefix when they are on).
+    One per (cp, mem): its type cache serves every stage of a sweep (the same ~100 types were
+    read 4-5 times a check: sized_types, metatypes, object_types, the leaks' names)."""
     from memunreachable.cpython.objects import ObjectReader
     prefix = L.DEBUG_HOOK_PREFIX if (cp.allocator or "").endswith("debug") else 0
-    return ObjectReader(mem, cp.version, prefix)
+    cached = cp.__dict__.get("_reader")
+    if cached is not None and cached.mem is mem and cached.prefix == prefix:
+        return cached
+    reader = ObjectReader(mem, cp.version, prefix)
+    cp.__dict__["_reader"] = reader
+    return reader
 
 
 def object_types(mem, cp: CPythonMap, types: Sequence[int], names) -> List[Tuple[int, int]]:
