@@ -144,7 +144,7 @@ def local_copy(mem, addr: int, size: int):
     view = mem.view(addr, size) if isinstance(mem, CopiedMemory) else None
     if view is not None:
         return view
-    buf = local_buffer(size)
+    buf = local_buffer(size, zeroed=False)
     mem.read_into(addr, buf)
     return buf
 
@@ -271,7 +271,7 @@ def read_many(mem, pairs: Sequence[Tuple[int, object]]) -> list:
 # Returns [(base, buffer)] copies of `ranges` read from mem. An unreadable range raises
 # MemoryUnreadable, or is left out when skip_unreadable (a later read of it raises then).
 def read_copies(mem, ranges: Iterable[Range], skip_unreadable: bool = False):
-    pairs = [(r.begin, local_buffer(r.size)) for r in ranges]
+    pairs = [(r.begin, local_buffer(r.size, zeroed=False)) for r in ranges]
     out = []
     for pair, err in zip(pairs, read_many(mem, pairs)):
         if err is not None:

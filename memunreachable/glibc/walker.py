@@ -64,7 +64,7 @@ class _Copy:
     def __init__(self, mem, base: int, size: int, read: bool = True):
         self.base = base
         self.size = size
-        self.buf = local_buffer(size)
+        self.buf = local_buffer(size, zeroed=False)     # read whole, here or by run_jobs
         if read:
             mem.read_into(base, self.buf)
         self.ptr = ffi.cast("uint8_t *", ffi.from_buffer(self.buf))

@@ -242,3 +242,16 @@ def test_heap_buffers_are_zeroed_bytearrays_once_asked(monkeypatch):
     _types.use_heap_buffers()
     buf = _types.local_buffer(1 << 20)
     assert isinstance(buf, bytearray) and len(buf) == 1 << 20 and buf.count(0) == 1 << 20
+
+
+def test_uncleared_heap_buffers_are_filled_whole_by_reads(monkeypatch):
+    from memunreachable import _types
+    from memunreachable.memory import read_copies
+    monkeypatch.setattr(_types, "_HEAP_BUFFERS", True)
+    data = bytearray(os.urandom(3 << 20))
+    with ProcessMemory(os.getpid()) as mem:
+        got = read_copies(mem, [Range(addr_of(data), addr_of(data) + len(data))])
+    [(base, buf)] = got
+    assert base == addr_of(data) and len(buf) == len(data) and bytes(buf) == bytes(data)
+    assert memoryview(buf).nbytes == len(data) and not memoryview(buf).readonly
+    assert not isinstance(buf, (bytearray, mmap.mmap))      # malloc's memory, not zeroed first
