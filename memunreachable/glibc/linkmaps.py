@@ -57,8 +57,7 @@ def r_debug_address(mem, auxv: Dict[int, int]) -> Optional[int]:
 def _dynamic(mem, addr: int):
     for first in range(0, MAX_DYN, 32):                  # 32 entries a read
         block = _read_up_to(mem, addr + 16 * first, 512)  # the section may end its mapping
-        for k in range(len(block) // 16):
-            tag, value = struct.unpack_from("<QQ", block, 16 * k)
+        for tag, value in struct.iter_unpack("<QQ", block[:len(block) // 16 * 16]):
             if tag == DT_NULL:
                 return
             yield tag, value
