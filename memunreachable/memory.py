@@ -110,6 +110,7 @@ class CopiedMemory:
         self.mem = mem
         self.copies = sorted(copies, key=lambda c: c[0])
         self.bases = [b for b, _ in self.copies]
+        self._pages: dict = {}      # page address -> its bytes, or None: read() outside copies
 
     # Returns a memoryview of [addr, addr+size) inside one copy, or None.
     def view(self, addr: int, size: int):
@@ -120,9 +121,37 @@ class CopiedMemory:
                 return memoryview(buf)[addr - base:addr - base + size]
         return None
 
+    # A small read outside the copies is served from whole pages read once and kept (type
+    # names in the runtime's .rodata, ld.so's dynamic sections: ~120 reads of a few pages a
+    # pytest-process check, one pread each before). Only pages no overlay or tolerated range
+    # meets are cached (mem.plain); anything else, or a page that cannot be read, goes to
+    # mem.read as before (same bytes, same errors).
     def read(self, addr: int, size: int) -> bytes:
         view = self.view(addr, size)
-        return bytes(view) if view is not None else self.mem.read(addr, size)
+        if view is not None:
+            return bytes(view)
+        if 0 < size <= PAGE:
+            first = addr & ~(PAGE - 1)
+            pages = [self._page(p) for p in range(first, addr + size, PAGE)]
+            if all(pg is not None for pg in pages):
+                data = pages[0] if len(pages) == 1 else b"".join(pages)
+                return data[addr - first:addr - first + size]
+        return self.mem.read(addr, size)
+
+    def _page(self, page: int):
+        if page in self._pages:
+            return self._pages[page]
+        data = None
+        plain = getattr(self.mem, "plain", None)
+        if plain is not None and plain(page, PAGE):
+            buf = bytearray(PAGE)
+            try:
+                self.mem.read_into(page, buf)
+                data = bytes(buf)
+            except MemoryUnreadable:
+                pass
+        self._pages[page] = data
+        return data
 
     # Fills buf with [addr, addr+len(buf)); returns 0 or raises as mem.read_into does.
     def read_into(self, addr: int, buf) -> int:

@@ -255,3 +255,22 @@ def test_uncleared_heap_buffers_are_filled_whole_by_reads(monkeypatch):
     assert base == addr_of(data) and len(buf) == len(data) and bytes(buf) == bytes(data)
     assert memoryview(buf).nbytes == len(data) and not memoryview(buf).readonly
     assert not isinstance(buf, (bytearray, mmap.mmap))      # malloc's memory, not zeroed first
+
+
+def test_copied_memory_small_reads_outside_copies_come_from_cached_pages(
+        three_pages_middle_unreadable):
+    from memunreachable.memory import CopiedMemory
+    base, _ = three_pages_middle_unreadable
+    with ProcessMemory(os.getpid()) as pm:
+        mem = CopiedMemory(pm, [])
+        assert mem.read(base + 100, 16) == b"\x11" * 16
+        ctypes.memset(base + 100, 0x22, 16)         # a cached page: the sweep's memory is frozen
+        assert mem.read(base + 100, 16) == b"\x11" * 16
+        assert list(mem._pages) == [base]
+        with pytest.raises(MemoryUnreadable) as ei:    # into the hole: as mem.read says
+            mem.read(base + PAGE - 8, 16)
+        assert ei.value.address == base + PAGE and mem._pages[base + PAGE] is None
+    with ProcessMemory(os.getpid(), tolerated=[Range(base + PAGE, base + 2 * PAGE)]) as pm:
+        mem = CopiedMemory(pm, [])
+        assert mem.read(base + PAGE - 8, 16) == b"\x11" * 8 + bytes(8)   # not cached: counted
+        assert pm.tolerated_bytes == 8 and mem._pages[base + PAGE] is None
