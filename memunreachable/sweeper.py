@@ -1,4 +1,5 @@
-"""sweeper.py: Stages 4-8 run in a process forked from the checker.
+"""sweeper.py: Stages 4-8 run in a process forked from the checker (run_sweeper), or in the
+checker itself when that is a disposable helper (run_here: same message, no fork).
 
 The sweeper reads the snapshot through a /proc/<pid>/mem fd the checker opened, walks the
 heap, classifies roots, marks, folds, and streams the result back over a pipe it alone

@@ -3,7 +3,8 @@
     1. preflight   the pid is a user process we may trace
     2. collect     freeze every thread, capture registers and maps
     3. snapshot    inject clone(0) -> a copy-on-write child; thaw the target at once
-    4-8. sweep     in a forked sweeper: enumerate allocations, roots, mark, fold
+    4-8. sweep     in a forked sweeper (the in-process checks' helper: in itself, sweep_here):
+                   enumerate allocations, roots, mark, fold
     9. symbolize   allocation stacks -> frames; suppressions; leaks grouped by stack (issue 9)
    10. report      UnreachableMemoryInfo (sorted, limited); the CLI renders it
 
