@@ -78,6 +78,10 @@ class Stat:
 def parse_maps(text: str) -> List[Mapping]:
     out = []
     for line in text.splitlines():
+        m = _PARSED.get(line)
+        if m is not None:
+            out.append(m)
+            continue
         if not line.strip():
             continue
         parts = line.split(None, 5)
@@ -85,9 +89,19 @@ def parse_maps(text: str) -> List[Mapping]:
             raise ValueError(f"malformed maps line: {line!r}")
         begin_s, _, end_s = parts[0].partition("-")
         path = parts[5].strip() if len(parts) > 5 else ""
-        out.append(Mapping(begin=int(begin_s, 16), end=int(end_s, 16), perms=parts[1],
-                           offset=int(parts[2], 16), dev=parts[3], inode=int(parts[4]), path=path))
+        m = Mapping(begin=int(begin_s, 16), end=int(end_s, 16), perms=parts[1],
+                    offset=int(parts[2], 16), dev=parts[3], inode=int(parts[4]), path=path)
+        if len(_PARSED) >= _PARSED_MAX:
+            _PARSED.clear()
+        _PARSED[line] = m
+        out.append(m)
     return out
+
+
+# Lines already parsed -> their (immutable) Mapping: the helper of in-process checks parses
+# the same ~200 maps lines and smaps headers twice a check (2 ms of Mapping construction)
+_PARSED: Dict[str, Mapping] = {}
+_PARSED_MAX = 8192
 
 
 def _ints(value: str, n: int) -> tuple:

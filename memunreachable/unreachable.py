@@ -3,7 +3,8 @@
     1. preflight   the pid is a user process we may trace
     2. collect     freeze every thread, capture registers and maps
     3. snapshot    inject clone(0) -> a copy-on-write child; thaw the target at once
-    4-8. sweep     in a forked sweeper: enumerate allocations, roots, mark, fold
+    4-8. sweep     in a forked sweeper (the in-process checks' helper: in itself, sweep_here):
+                   enumerate allocations, roots, mark, fold
     9. symbolize   allocation stacks -> frames; suppressions; leaks grouped by stack (issue 9)
    10. report      UnreachableMemoryInfo (sorted, limited); the CLI renders it
 
@@ -43,7 +44,7 @@ from memunreachable.memory import (CopiedMemory, ProcessMemory, SnapshotPlan, ca
                                    mapped_file_size, plan_snapshot)
 from memunreachable.report import Leak, UnreachableMemoryInfo, group_leaks, members, sort_and_limit
 from memunreachable.snapshot import prepare as prepare_snapshot, take_snapshot
-from memunreachable.sweeper import SweepEntry, SweepResult, retain_list, run_sweeper
+from memunreachable.sweeper import SweepEntry, SweepResult, retain_list, run_here, run_sweeper
 
 log = logging.getLogger("memunreachable")
 
@@ -61,14 +62,17 @@ RETAKE_WORDS = {"inflight": "a thread was inside malloc/free",
 def check(pid: int, *, limit: Optional[int] = 100, timeout: float = 2.0,
           sweep_timeout: float = 600.0, allow_direct: bool = True,
           allow_seccomp: bool = False, symbolize: bool = True,
-          suppressions=None) -> UnreachableMemoryInfo:
+          suppressions=None, sweep_here: bool = False) -> UnreachableMemoryInfo:
     """Find the unreachable allocations of process `pid`.
 
     limit: how many leak groups to keep (largest first); None keeps all.
     symbolize: name the frames of allocation stacks (False: module+offset and build-id only).
     suppressions: None, a path to an LSan suppressions file, or suppressions.parse() rules;
     suppressed leaks are in none of the counts (info.suppressions_used says what matched).
-    timeout: bound on the pause (freeze); sweep_timeout: bound on the sweep.
+    timeout: bound on the pause (freeze); sweep_timeout: bound on the sweep (a forked sweeper).
+    sweep_here: run stages 4-8 in this process instead of a forked sweeper (sweeper.run_here:
+    same result, no fork; sweep_timeout is not enforced), for a caller whose own process is
+    disposable: the in-process checks' helper (_tracer.py).
     Raises MemunreachableError subclasses when the check cannot be done.
     """
     started = time.monotonic()
@@ -78,7 +82,7 @@ def check(pid: int, *, limit: Optional[int] = 100, timeout: float = 2.0,
     info = UnreachableMemoryInfo(pid=pid, comm=target.name)
     info.warnings.extend(target.warnings)
     opts = dict(timeout=timeout, sweep_timeout=sweep_timeout, allow_direct=allow_direct,
-                allow_seccomp=allow_seccomp)
+                allow_seccomp=allow_seccomp, sweep_here=sweep_here)
     # 2-8. Collect, snapshot, sweep
     result = _snapshot_and_sweep(pid, info, confirm=None, **opts)
     if result.meta.get("suspect_tids") or result.meta.get("soft_issues"):
@@ -170,7 +174,7 @@ def _judge_inconsistency(pid: int, st: _Attempts, exc: HeapInconsistent) -> None
 
 def _one_snapshot(pid: int, info: UnreachableMemoryInfo, confirm, st: _Attempts, *,
                   timeout: float, sweep_timeout: float, allow_direct: bool,
-                  allow_seccomp: bool) -> SweepResult:
+                  allow_seccomp: bool, sweep_here: bool = False) -> SweepResult:
     """One freeze + snapshot + sweep. Raises _Retake when a fresh snapshot may succeed."""
     # 2. Collect: freeze every thread, registers, maps
     log.info("collecting thread info for process %d", pid)
@@ -200,7 +204,8 @@ def _one_snapshot(pid: int, info: UnreachableMemoryInfo, confirm, st: _Attempts,
             plan, unseen = _plan_reads(fz, snap, overlays, st, info)
             # 4-8. Sweep in a forked process
             try:
-                return _sweep_snapshot(snap, fz, st, sweep_timeout, confirm, overlays, plan, unseen)
+                return _sweep_snapshot(snap, fz, st, sweep_timeout, confirm, overlays, plan, unseen,
+                                       sweep_here)
             except HeapInconsistent as exc:
                 log.info("heap was mid-update (%s)", exc)
                 raise _Retake("inflight", str(exc), exc) from None
@@ -311,7 +316,7 @@ def threads_in_allocator(threads, maps, pid: int, arena_mutexes) -> list:
 
 
 def _sweep_snapshot(snap, fz, st: _Attempts, sweep_timeout: float, confirm, overlays,
-                    plan: SnapshotPlan, unseen: List[Range]) -> SweepResult:
+                    plan: SnapshotPlan, unseen: List[Range], here: bool = False) -> SweepResult:
     if snap.released:
         raise CollectionError(f"snapshot of process {snap.target_pid} was already released")
     try:
@@ -325,12 +330,12 @@ def _sweep_snapshot(snap, fz, st: _Attempts, sweep_timeout: float, confirm, over
     maps = fz.maps
     if unseen:          # memory the sweep cannot see is neither read nor a root
         maps = [m for m in maps if not any(m.range.overlaps(u) for u in unseen)]
+    def work():
+        return sweep(mem, maps, fz.threads, snap.pid, confirm, all_uncertain=bool(unseen),
+                     unwritten=plan.unwritten, retain=retain_list(),
+                     release_snapshot=_early_release(snap))
     try:
-        return run_sweeper(lambda: sweep(mem, maps, fz.threads, snap.pid, confirm,
-                                         all_uncertain=bool(unseen), unwritten=plan.unwritten,
-                                         retain=retain_list(),
-                                         release_snapshot=_early_release(snap)),
-                           sweep_timeout)
+        return run_here(work) if here else run_sweeper(work, sweep_timeout)
     finally:
         mem.close()
 

@@ -58,6 +58,7 @@ class _Acc:
 
     def __init__(self):
         self.pieces: List[Tuple[int, array, array]] = []
+        self.scratch = (array("Q"), array("Q"))     # the C loop's output, reused per window
         self.stats = dict(arenas=0, pools=0, empty_pools=0, used_blocks=0, used_bytes=0,
                           free_blocks=0, virgin_blocks=0, bad_pools=0)
 
@@ -67,7 +68,12 @@ class _Acc:
         cap = max(64, len(buf) // 48)      # most blocks are >= 48 bytes; retried when short
         data = ffi.from_buffer("uint8_t[]", buf)
         while True:
-            addr, size = _zeros(cap), _zeros(cap)
+            # one scratch pair, grown when short, serves every window (a zeroed pair per 1 MiB
+            # window cost 3 ms a check); only the n entries written are copied out
+            addr, size = self.scratch
+            if len(addr) < cap:
+                addr.extend(_zeros(cap - len(addr)))
+                size.extend(_zeros(cap - len(size)))
             n = check(lib.mu_pymalloc_blocks(data, base, len(buf), pool_size,
                                              ffi.from_buffer("uint64_t[]", pools), len(pools),
                                              ffi.from_buffer("uint64_t[]", addr),
@@ -76,9 +82,7 @@ class _Acc:
             if res.used <= cap:
                 break
             cap = res.used
-        del addr[n:]
-        del size[n:]
-        self.pieces.append((base, addr, size))
+        self.pieces.append((base, addr[:n], size[:n]))
         s = self.stats
         s["pools"] += res.pools
         s["empty_pools"] += res.empty_pools
@@ -90,10 +94,15 @@ class _Acc:
         return res
 
     def assemble(self) -> Tuple[array, array]:
-        blocks, sizes = array("Q"), array("Q")
+        # sized once and filled by slices (memcpy): growing by extend reallocated and copied
+        # the arrays over and over (117k blocks: 6 ms -> under 1 ms)
+        total = sum(len(a) for _, a, _ in self.pieces)
+        blocks, sizes = _zeros(total), _zeros(total)
+        off = 0
         for _, a, s in sorted(self.pieces, key=lambda p: p[0]):
-            blocks.extend(a)
-            sizes.extend(s)
+            blocks[off:off + len(a)] = a
+            sizes[off:off + len(a)] = s
+            off += len(a)
         return blocks, sizes
 
 

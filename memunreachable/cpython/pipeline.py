@@ -22,7 +22,7 @@ from dataclasses import dataclass, field
 from typing import Dict, List, Optional, Sequence, Tuple
 
 from memunreachable._errors import MemoryUnreadable
-from memunreachable._ffi import ffi, lib, region_array, u64_view
+from memunreachable._ffi import check, ffi, lib, region_array, u64_view
 from memunreachable._types import HeapImage, Range, local_buffer, merge_ranges, subtract_ranges
 from memunreachable.cpython import layout as L
 from memunreachable.cpython.walker import CPythonMap, walk_cpython
@@ -235,22 +235,23 @@ def _interleave(begins, sizes, one, two) -> None:
 
 
 # Returns (image without the allocations that begin at one of `addresses`, how many went).
+# One native pass over copies of the arrays (mu_walk_subtract), not a Python slice per dropped
+# block (300 dead blocks of a pytest process: 2 ms of array slicing). image is not modified.
 def drop_blocks(image: HeapImage, addresses: Sequence[int]) -> Tuple[HeapImage, int]:
-    idx = []
-    for addr in addresses:
-        i = bisect.bisect_left(image.begins, addr)
-        if i < len(image.begins) and image.begins[i] == addr:
-            idx.append(i)
-    if not idx:
+    drop = array("Q", addresses)
+    if not drop or not len(image.begins):
         return image, 0
-    begins, sizes, prev = array("Q"), array("Q"), 0
-    for i in sorted(set(idx)):
-        begins.extend(image.begins[prev:i])
-        sizes.extend(image.sizes[prev:i])
-        prev = i + 1
-    begins.extend(image.begins[prev:])
-    sizes.extend(image.sizes[prev:])
-    return HeapImage(begins, sizes, image.regions), len(set(idx))
+    begins, sizes = array("Q", image.begins), array("Q", image.sizes)
+    removed = ffi.new("uint64_t *")
+    n = check(lib.mu_walk_subtract(ffi.from_buffer("uint64_t[]", begins),
+                                   ffi.from_buffer("uint64_t[]", sizes), len(begins),
+                                   ffi.from_buffer("uint64_t[]", drop), len(drop), removed),
+              "drop dead blocks")
+    if not removed[0]:
+        return image, 0
+    del begins[n:]
+    del sizes[n:]
+    return HeapImage(begins, sizes, image.regions), removed[0]
 
 
 def _gc_states(cp: CPythonMap) -> Optional[List[int]]:
@@ -293,10 +294,17 @@ def gc_heads(mem, cp: CPythonMap) -> Optional[List[Tuple[int, int, int]]]:
 # refcount rule). Only the types whose dead objects hide in roots are listed: any other
 # zero word followed by a type pointer is left alone (a wrong "dead" would hide references).
 def object_reader(mem, cp: CPythonMap):
-    """An ObjectReader for cp's objects (the debug hooks' 2-word prefix when they are on)."""
+    """An ObjectReader for cp's objects (the debug hooks' 2-word prefix when they are on).
+    One per (cp, mem): its type cache serves every stage of a sweep (the same ~100 types were
+    read 4-5 times a check: sized_types, metatypes, object_types, the leaks' names)."""
     from memunreachable.cpython.objects import ObjectReader
     prefix = L.DEBUG_HOOK_PREFIX if (cp.allocator or "").endswith("debug") else 0
-    return ObjectReader(mem, cp.version, prefix)
+    cached = cp.__dict__.get("_reader")
+    if cached is not None and cached.mem is mem and cached.prefix == prefix:
+        return cached
+    reader = ObjectReader(mem, cp.version, prefix)
+    cp.__dict__["_reader"] = reader
+    return reader
 
 
 def object_types(mem, cp: CPythonMap, types: Sequence[int], names) -> List[Tuple[int, int]]:

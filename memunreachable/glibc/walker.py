@@ -30,6 +30,7 @@ from memunreachable.glibc import locate
 from memunreachable.glibc import validate as V
 from memunreachable.glibc.freelists import FreeListsMixin, tcache_context
 from memunreachable.glibc.validate import HeapInconsistent
+from memunreachable.memory import read_many
 
 __all__ = ["walk_heap", "HeapWalk", "HeapInconsistent"]
 
@@ -63,7 +64,7 @@ class _Copy:
     def __init__(self, mem, base: int, size: int, read: bool = True):
         self.base = base
         self.size = size
-        self.buf = local_buffer(size)
+        self.buf = local_buffer(size, zeroed=False)     # read whole, here or by run_jobs
         if read:
             mem.read_into(base, self.buf)
         self.ptr = ffi.cast("uint8_t *", ffi.from_buffer(self.buf))
@@ -376,8 +377,11 @@ class _Walker(FreeListsMixin):
         found = found_bytes = 0
         top_reached = False
         res_m = ffi.new("mu_mmap_result *")
-        for r in self.anonymous_ranges():
-            cp = self.copy(r.begin, r.size)
+        cps = [self.copy(r.begin, r.size, read=False) for r in self.anonymous_ranges()]
+        for err in read_many(self.mem, [(cp.base, cp.buf) for cp in cps]):
+            if err is not None:
+                raise err           # the first unreadable range, as reading one by one
+        for cp in cps:
             spans = [Range(cp.base, cp.end)]
             if need_runs:
                 spans = []

@@ -349,13 +349,13 @@ def test_other_interior_words_still_count_for_glibc_chunks():
     assert list(got.marked) == [1, 1]
 
 
-# More than 2^16 allocations: mu_mark runs on one thread per CPU (up to 4), sharing work.
+# More than 2^18 allocations: mu_mark runs on one thread per CPU (up to 4), sharing work.
 # The marked set and every statistic must be exactly those of a breadth-first search over
 # the edges the test itself stored (two regions, a random graph with long chains, few roots).
 @pytest.mark.parametrize("seed", range(3))
 def test_parallel_mark_matches_a_graph_search(seed):
     rnd = random.Random(seed)
-    n = 150_000
+    n = 280_000
     half = n // 2
     sizes = [rnd.choice([24, 40, 56]) for _ in range(n)]
     bases = [0x7F10_0000_0000, 0x7F20_0000_0000]

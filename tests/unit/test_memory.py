@@ -202,3 +202,75 @@ def test_read_copies_skips_unreadable_ranges_only_when_asked(three_pages_middle_
         assert [(b, bytes(buf)[:1]) for b, buf in got] == [(base, b"\x11"), (base + 2 * PAGE, b"\x33")]
         with pytest.raises(MemoryUnreadable):
             read_copies(mem, ranges)
+
+
+def test_read_many_fills_every_buffer_and_names_each_unreadable_one(three_pages_middle_unreadable):
+    from memunreachable._types import local_buffer
+    from memunreachable.memory import read_many
+    base, _ = three_pages_middle_unreadable
+    # 5 MiB of known bytes (more than one 1 MiB piece, read on several threads), a small
+    # range, and one range over the hole
+    big = bytearray(os.urandom(5 << 20))
+    small = bytearray(b"pytest" * 50)
+    pairs = [(addr_of(big) + 8, local_buffer(len(big) - 16)),
+             (base + PAGE - 64, bytearray(128)),
+             (addr_of(small), bytearray(len(small)))]
+    with ProcessMemory(os.getpid()) as mem:
+        errors = read_many(mem, pairs)
+    assert bytes(pairs[0][1]) == bytes(big[8:-8])
+    assert bytes(pairs[2][1]) == bytes(small)
+    assert errors[0] is None and errors[2] is None
+    assert isinstance(errors[1], MemoryUnreadable) and errors[1].address == base + PAGE
+    assert bytes(pairs[1][1][:64]) == b"\x11" * 64
+
+
+def test_read_many_reads_tolerated_ranges_as_read_into_does(three_pages_middle_unreadable):
+    from memunreachable.memory import read_many
+    base, _ = three_pages_middle_unreadable
+    pairs = [(base, bytearray(3 * PAGE)), (base + 2 * PAGE, bytearray(PAGE))]
+    with ProcessMemory(os.getpid(), tolerated=[Range(base + PAGE, base + 2 * PAGE)]) as mem:
+        assert read_many(mem, pairs) == [None, None]
+        assert mem.tolerated_bytes == PAGE
+    assert bytes(pairs[0][1]) == b"\x11" * PAGE + bytes(PAGE) + b"\x33" * PAGE
+    assert bytes(pairs[1][1]) == b"\x33" * PAGE
+
+
+def test_heap_buffers_are_zeroed_bytearrays_once_asked(monkeypatch):
+    from memunreachable import _types
+    monkeypatch.setattr(_types, "_HEAP_BUFFERS", False)
+    assert isinstance(_types.local_buffer(1 << 20), mmap.mmap)
+    _types.use_heap_buffers()
+    buf = _types.local_buffer(1 << 20)
+    assert isinstance(buf, bytearray) and len(buf) == 1 << 20 and buf.count(0) == 1 << 20
+
+
+def test_uncleared_heap_buffers_are_filled_whole_by_reads(monkeypatch):
+    from memunreachable import _types
+    from memunreachable.memory import read_copies
+    monkeypatch.setattr(_types, "_HEAP_BUFFERS", True)
+    data = bytearray(os.urandom(3 << 20))
+    with ProcessMemory(os.getpid()) as mem:
+        got = read_copies(mem, [Range(addr_of(data), addr_of(data) + len(data))])
+    [(base, buf)] = got
+    assert base == addr_of(data) and len(buf) == len(data) and bytes(buf) == bytes(data)
+    assert memoryview(buf).nbytes == len(data) and not memoryview(buf).readonly
+    assert not isinstance(buf, (bytearray, mmap.mmap))      # malloc's memory, not zeroed first
+
+
+def test_copied_memory_small_reads_outside_copies_come_from_cached_pages(
+        three_pages_middle_unreadable):
+    from memunreachable.memory import CopiedMemory
+    base, _ = three_pages_middle_unreadable
+    with ProcessMemory(os.getpid()) as pm:
+        mem = CopiedMemory(pm, [])
+        assert mem.read(base + 100, 16) == b"\x11" * 16
+        ctypes.memset(base + 100, 0x22, 16)         # a cached page: the sweep's memory is frozen
+        assert mem.read(base + 100, 16) == b"\x11" * 16
+        assert list(mem._pages) == [base]
+        with pytest.raises(MemoryUnreadable) as ei:    # into the hole: as mem.read says
+            mem.read(base + PAGE - 8, 16)
+        assert ei.value.address == base + PAGE and mem._pages[base + PAGE] is None
+    with ProcessMemory(os.getpid(), tolerated=[Range(base + PAGE, base + 2 * PAGE)]) as pm:
+        mem = CopiedMemory(pm, [])
+        assert mem.read(base + PAGE - 8, 16) == b"\x11" * 8 + bytes(8)   # not cached: counted
+        assert pm.tolerated_bytes == 8 and mem._pages[base + PAGE] is None

@@ -7,7 +7,7 @@ import pytest
 from memunreachable._errors import SweepError, UnsupportedTarget
 from memunreachable.leftovers import children_of
 from memunreachable.sweeper import (HEADER, SweepEntry, SweepResult, decode, encode_error,
-                                    encode_result, run_sweeper)
+                                    encode_result, run_here, run_sweeper)
 
 
 def sample():
@@ -115,3 +115,36 @@ def _zombie_child(pid: int) -> bool:
     except OSError:
         return False
     return fields[0] == "Z" and int(fields[1]) == os.getpid()
+
+
+def test_run_here_gives_what_the_sweeper_gives_and_restores_the_gc():
+    import gc
+    seen = []
+
+    def work():
+        seen.append((os.getpid(), gc.isenabled()))
+        return sample()
+    assert gc.isenabled()
+    assert run_here(work) == run_sweeper(sample, timeout=10) == sample()
+    assert seen == [(os.getpid(), False)] and gc.isenabled()
+
+
+def test_run_here_errors_are_the_sweepers():
+    import gc
+
+    def unsupported():
+        raise UnsupportedTarget("jemalloc", hint="nothing was checked")
+
+    def boom():
+        raise ValueError("bad")
+
+    def interrupted():
+        raise KeyboardInterrupt
+    with pytest.raises(UnsupportedTarget) as ei:
+        run_here(unsupported)
+    assert ei.value.hint == "nothing was checked"
+    with pytest.raises(SweepError, match="ValueError: bad"):
+        run_here(boom)
+    with pytest.raises(KeyboardInterrupt):
+        run_here(interrupted)
+    assert gc.isenabled()
