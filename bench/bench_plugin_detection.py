@@ -5,7 +5,9 @@ forgotten on an error path, a stray Py_INCREF of a list; 8 clean tests) RUNS tim
 PYTHONMALLOC setting and prints, per setting, in how many runs each leaky test failed and
 whether any clean test failed.
 
-    python bench/bench_plugin_detection.py [runs] [allocator ...]
+    python bench/bench_plugin_detection.py [runs] [allocator ...] [--xdist N]
+
+--xdist N runs the suite on N pytest-xdist workers (each checks itself).
 """
 import os
 import re
@@ -24,8 +26,14 @@ LEAKY = ("test_parse_error_leaks", "test_remember_leaks_a_list")
 
 
 def main() -> None:
-    runs = int(sys.argv[1]) if len(sys.argv) > 1 else 10
-    allocators = sys.argv[2:] or ["pymalloc", "malloc", "pymalloc_debug", "malloc_debug"]
+    args = sys.argv[1:]
+    xdist = []
+    if "--xdist" in args:
+        i = args.index("--xdist")
+        xdist = ["-n", args[i + 1]]
+        del args[i:i + 2]
+    runs = int(args[0]) if args else 10
+    allocators = args[1:] or ["pymalloc", "malloc", "pymalloc_debug", "malloc_debug"]
     ext = build_extension("textparse", flags=("-O2", "-g", "-fomit-frame-pointer"))
     with tempfile.TemporaryDirectory() as d:
         with open(os.path.join(d, "test_real.py"), "w") as f:
@@ -40,7 +48,7 @@ def main() -> None:
             false = 0
             for _ in range(runs):
                 out = subprocess.run([sys.executable, "-m", "pytest", "-q", "-p", "no:cacheprovider",
-                                      "--memunreachable", "-rf", "test_real.py"], cwd=d, env=env,
+                                      "--memunreachable", "-rf", *xdist, "test_real.py"], cwd=d, env=env,
                                      capture_output=True, text=True).stdout
                 failed = set(re.findall(r"^FAILED test_real.py::(\w+)", out, re.M))
                 for t in LEAKY:
