@@ -10,10 +10,9 @@ from __future__ import annotations
 import os
 import re
 import struct
-from dataclasses import dataclass, field
 from typing import List, Optional
 
-from memunreachable._types import Mapping
+from memunreachable._types import Fields, Mapping
 
 LIBC_RE = re.compile(r"/libc(?:\.so\.6|-2\.\d+\.so)$")
 # musl's dynamic loader is its libc: /lib/ld-musl-ARCH.so.1 (Alpine), which Debian's musl
@@ -27,14 +26,21 @@ FOREIGN_RE = re.compile(
     r"libmemusage\.so)$")
 
 
-@dataclass
-class AllocatorScan:
+class AllocatorScan(Fields):
     """What the mappings say about the allocator."""
-    malloc_object: Optional[str] = None        # path of libc or of the static executable
-    object_mappings: List[Mapping] = field(default_factory=list)
-    static: bool = False                       # no libc mapped: try the executable
-    foreign: List[str] = field(default_factory=list)   # basenames of other allocators
-    musl: bool = False                         # musl's libc/loader is mapped (dynamically linked)
+    __slots__ = ("malloc_object", "object_mappings", "static", "foreign", "musl")
+
+    def __init__(self,
+                 malloc_object: Optional[str] = None,   # path of libc or of the static executable
+                 object_mappings: Optional[List[Mapping]] = None,
+                 static: bool = False,                    # no libc mapped: try the executable
+                 foreign: Optional[List[str]] = None,     # basenames of other allocators
+                 musl: bool = False):     # musl's libc/loader is mapped (dynamically linked)
+        self.malloc_object = malloc_object
+        self.object_mappings = [] if object_mappings is None else object_mappings
+        self.static = static
+        self.foreign = [] if foreign is None else foreign
+        self.musl = musl
 
 
 def strip_deleted(path: str) -> str:

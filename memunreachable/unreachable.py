@@ -21,7 +21,6 @@ import struct
 import os
 import signal
 import time
-from dataclasses import dataclass, field
 from itertools import compress
 from typing import List, Optional, Sequence
 
@@ -31,7 +30,7 @@ from memunreachable import symbolize as symbolize_stage
 from memunreachable import preflight as preflight_stage
 from memunreachable._errors import (CollectionError, HeapCorrupt, HeapWalkError,
                                     MemoryUnreadable, NoSuchProcess)
-from memunreachable._types import Range, merge_ranges, subtract_ranges
+from memunreachable._types import Fields, Range, merge_ranges, subtract_ranges
 from memunreachable.classify import classify, data_ranges
 from memunreachable.cpython import probe
 from memunreachable.folding import fold, size_totals
@@ -111,16 +110,25 @@ class _Retake(Exception):
         self.kind, self.reason, self.error = kind, reason, error
 
 
-@dataclass
-class _Attempts:
+class _Attempts(Fields):
     """What one snapshot teaches the next: memory to capture during the pause, the last
     heap inconsistency (to tell a corrupt heap from one in flight), deaths seen."""
-    capture: List[Range] = field(default_factory=list)
-    capture_tried: bool = False
-    last_inconsistency: str = ""
-    last_suspect: bool = True
-    suspect_seen: bool = False
-    deaths: List[str] = field(default_factory=list)     # how each snapshot process was lost
+    __slots__ = ("capture", "capture_tried", "last_inconsistency", "last_suspect", "suspect_seen",
+                 "deaths")
+
+    def __init__(self,
+                 capture: Optional[List[Range]] = None,
+                 capture_tried: bool = False,
+                 last_inconsistency: str = "",
+                 last_suspect: bool = True,
+                 suspect_seen: bool = False,
+                 deaths: Optional[List[str]] = None):  # how each snapshot process was lost
+        self.capture = [] if capture is None else capture
+        self.capture_tried = capture_tried
+        self.last_inconsistency = last_inconsistency
+        self.last_suspect = last_suspect
+        self.suspect_seen = suspect_seen
+        self.deaths = [] if deaths is None else deaths
 
 
 def _snapshot_and_sweep(pid: int, info: UnreachableMemoryInfo, confirm, **opts) -> SweepResult:
@@ -554,27 +562,47 @@ def _see_through_cpython(mem, maps, threads, pid, image):
             f"CPython's memory could not be mapped ({exc}): it is scanned whole as roots"])
 
 
-@dataclass
-class _NoCPython:
+class _NoCPython(Fields):
     """pipeline.CPythonSweep of a process without a CPython runtime (cpython/probe.py)."""
-    image: object
-    cpython: None = None
-    root_cuts: list = field(default_factory=list)
-    dead: None = None
-    warnings: list = field(default_factory=list)
-    stats: dict = field(default_factory=dict)
-    usable: bool = False
+    __slots__ = ("image", "cpython", "root_cuts", "dead", "warnings", "stats", "usable")
+
+    def __init__(self,
+                 image: object,
+                 cpython: None = None,
+                 root_cuts: Optional[list] = None,
+                 dead: None = None,
+                 warnings: Optional[list] = None,
+                 stats: Optional[dict] = None,
+                 usable: bool = False):
+        self.image = image
+        self.cpython = cpython
+        self.root_cuts = [] if root_cuts is None else root_cuts
+        self.dead = dead
+        self.warnings = [] if warnings is None else warnings
+        self.stats = {} if stats is None else stats
+        self.usable = usable
 
 
-@dataclass
-class _PythonLeaks:
-    objects: dict                 # allocation index -> PyObjectInfo
-    garbage: set                  # indices of cyclic garbage (not leaks)
-    leak_flags: bytearray         # marked flags with the garbage marked too: fold the leaks
-    garbage_flags: bytearray      # marked flags with the leaks marked too: fold the garbage
-    warnings: list
-    dead: int = 0                 # unreachable refcount-0 (dead) objects, not reported
-    reader: object = None         # the ObjectReader (reprs of the entries' heads)
+class _PythonLeaks(Fields):
+    __slots__ = ("objects", "garbage", "leak_flags", "garbage_flags", "warnings", "dead", "reader")
+
+    def __init__(self,
+                 objects: dict,           # allocation index -> PyObjectInfo
+                 garbage: set,            # indices of cyclic garbage (not leaks)
+                 # marked flags with the garbage marked too: fold the leaks
+                 leak_flags: bytearray,
+                 # marked flags with the leaks marked too: fold the garbage
+                 garbage_flags: bytearray,
+                 warnings: list,
+                 dead: int = 0,           # unreachable refcount-0 (dead) objects, not reported
+                 reader: object = None):  # the ObjectReader (reprs of the entries' heads)
+        self.objects = objects
+        self.garbage = garbage
+        self.leak_flags = leak_flags
+        self.garbage_flags = garbage_flags
+        self.warnings = warnings
+        self.dead = dead
+        self.reader = reader
 
 
 def _python_objects(mem, cps, image, marked, contents) -> _PythonLeaks:
