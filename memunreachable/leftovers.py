@@ -33,7 +33,6 @@ import json
 import logging
 import os
 import stat as stat_mod
-import tempfile
 import time
 from contextlib import contextmanager
 from typing import Dict, Iterator, List, Optional, Tuple
@@ -170,14 +169,19 @@ def match_leftovers(target: int, stats: Dict[int, ProcStat], inherited: List[Clo
     return out
 
 
+def _run_dir_candidates(uid: int) -> Iterator[str]:
+    if uid == 0:
+        yield "/run/memunreachable"
+    if os.environ.get("XDG_RUNTIME_DIR"):
+        yield os.path.join(os.environ["XDG_RUNTIME_DIR"], "memunreachable")
+    import tempfile         # only when the others are not usable (issue 10, fast start)
+    yield os.path.join(tempfile.gettempdir(), f"memunreachable-{uid}")
+
+
 def run_dir() -> Optional[str]:
     """The directory of the lock/record files (created 0700), or None when none is usable."""
     uid = os.geteuid()
-    candidates = ["/run/memunreachable"] if uid == 0 else []
-    if os.environ.get("XDG_RUNTIME_DIR"):
-        candidates.append(os.path.join(os.environ["XDG_RUNTIME_DIR"], "memunreachable"))
-    candidates.append(os.path.join(tempfile.gettempdir(), f"memunreachable-{uid}"))
-    for d in candidates:
+    for d in _run_dir_candidates(uid):
         try:
             os.mkdir(d, 0o700)
         except FileExistsError:

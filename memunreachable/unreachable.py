@@ -25,8 +25,6 @@ from itertools import compress
 from typing import List, Optional, Sequence
 
 from memunreachable import detect, diagnose, leftovers, procfs, tracking
-from memunreachable import suppressions as suppressions_stage
-from memunreachable import symbolize as symbolize_stage
 from memunreachable import preflight as preflight_stage
 from memunreachable._errors import (CollectionError, HeapCorrupt, HeapWalkError,
                                     MemoryUnreadable, NoSuchProcess)
@@ -71,7 +69,7 @@ def check(pid: int, *, limit: Optional[int] = 100, timeout: float = 2.0,
     Raises MemunreachableError subclasses when the check cannot be done.
     """
     started = time.monotonic()
-    rules = suppressions_stage.as_rules(suppressions)      # a bad file fails before any pause
+    rules = _rules(suppressions)            # a bad file fails before any pause
     # 1. Preflight
     target = preflight_stage.preflight(pid)
     info = UnreachableMemoryInfo(pid=pid, comm=target.name)
@@ -700,6 +698,15 @@ def _leak(e: SweepEntry) -> Leak:
                 stack_status=e.stack_status)
 
 
+# suppressions.py and symbolize.py load only when a check needs them (issue 10, fast start)
+def _rules(suppressions) -> list:
+    """suppressions.as_rules(suppressions)."""
+    if suppressions is None:
+        return []
+    from memunreachable import suppressions as suppressions_stage
+    return suppressions_stage.as_rules(suppressions)
+
+
 def _symbolize_and_group(info: UnreachableMemoryInfo, leaks: List[Leak], limit: Optional[int],
                          resolve: bool, rules) -> None:
     """Step 9: backtraces for the leaks (all of them when suppressions must see them, else only
@@ -707,6 +714,7 @@ def _symbolize_and_group(info: UnreachableMemoryInfo, leaks: List[Leak], limit: 
     t0 = time.monotonic()
     opts = dict(resolve=resolve, pid=info.pid)
     if rules:
+        from memunreachable import suppressions as suppressions_stage
         _backtraces(info, leaks, opts)
         leaks, gone = suppressions_stage.apply(rules, leaks)
         info.num_suppressed = sum(1 + l.referenced_count for l in gone)
@@ -723,7 +731,11 @@ def _symbolize_and_group(info: UnreachableMemoryInfo, leaks: List[Leak], limit: 
 
 def _backtraces(info: UnreachableMemoryInfo, leaks: List[Leak], opts: dict) -> None:
     """symbolize.symbolize_leaks; a failure there costs the names (module+offset is still
-    shown, with a warning), never the report."""
+    shown, with a warning), never the report. Without any stack there is nothing to name:
+    every backtrace stays []."""
+    if not any(leak.stack or leak.python_stack for leak in leaks):
+        return
+    from memunreachable import symbolize as symbolize_stage
     try:
         symbolize_stage.symbolize_leaks(leaks, info.modules, **opts)
     except Exception as exc:  # noqa: BLE001 - a symbolizer bug must not lose the leaks
