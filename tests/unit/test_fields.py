@@ -8,7 +8,7 @@ import pytest
 
 from memunreachable._types import Fields, FrozenFields, Mapping, Range, ThreadState
 
-MODULES = ("classify", "detect", "diagnose", "folding", "freeze", "leftovers", "preflight",
+MODULES = ("classify", "detect", "diagnose", "elf", "folding", "freeze", "leftovers", "preflight",
            "procfs", "seccomp", "snapshot", "suppressions", "sweeper", "symbolize", "tracking",
            "unreachable", "glibc.freelists", "glibc.layout", "glibc.locate", "glibc.validate",
            "glibc.walker")
