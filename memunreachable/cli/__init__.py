@@ -30,7 +30,6 @@ import argparse
 import gc
 import logging
 import os
-import re
 import signal
 import sys
 import threading
@@ -115,7 +114,8 @@ class Command:
     @classmethod
     def name(cls) -> str:
         """CamelCase class name -> kebab-case command name (Check -> check, NoLeaks -> no-leaks)."""
-        return re.sub(r"(?<!^)(?=[A-Z])", "-", cls.__name__).lower()
+        return "".join(f"-{c}" if c.isupper() and i else c
+                       for i, c in enumerate(cls.__name__)).lower()
 
     @classmethod
     def help(cls) -> str:
