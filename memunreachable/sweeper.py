@@ -28,7 +28,6 @@ from array import array
 import json
 import logging
 import os
-import pickle
 import select
 import signal
 import struct
@@ -144,6 +143,7 @@ def encode_error(exc: BaseException) -> bytes:
     if not isinstance(exc, MemunreachableError):
         exc = SweepError(f"sweeper failed: {type(exc).__name__}: {exc}",
                          hint="this is a bug in memunreachable; please report it with -vv output")
+    import pickle           # errors only: a check that succeeds does not load it (issue 10)
     payload = pickle.dumps(exc)
     return HEADER.pack(MAGIC, VERSION, KIND_ERROR, len(payload)) + payload
 
@@ -159,6 +159,7 @@ def decode(message: bytes):
     if len(payload) != length:
         raise SweepError(f"the sweeper's message is {len(payload)} bytes, expected {length}")
     if kind == KIND_ERROR:
+        import pickle
         exc = pickle.loads(payload)
         raise exc
     if kind != KIND_RESULT:

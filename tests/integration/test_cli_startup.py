@@ -34,8 +34,8 @@ NOT_FOR_A_C_TARGET = (
     # issue 10, fast start: no stack to name, no suppressions file
     "memunreachable.symbolize", "memunreachable.demangle", "memunreachable.suppressions",
     "ctypes.util", "subprocess",
-    # nor argparse's shutil (cli.HelpFormatter)
-    "shutil", "bz2", "lzma")
+    # nor argparse's shutil (cli.HelpFormatter), nor pickle (the sweeper's errors only)
+    "shutil", "bz2", "lzma", "pickle")
 # The @dataclass classes a check may create at import (each costs ~1 ms: the others are
 # _types.Fields classes): report.py's public ones, and the sweep's (mark.py, memory.py).
 DATACLASSES_OF_A_CHECK = {
