@@ -31,22 +31,15 @@ class Facts(FrozenFields):
                  "apparmor", "machine", "target_elf", "access_errno", "target_label",
                  "nested_userns", "landlock_abi", "lsms", "live_threads")
 
-    def __init__(self,
-                 pid: int,
-                 exists: bool,
-                 status: Optional[procfs.Status] = None,
-                 stat: Optional[procfs.Stat] = None,
-                 tracer_name: str = "",
-                 our_pid: int = 0,
-                 our_uid: int = 0,
-                 cap_sys_ptrace: bool = False,
+    def __init__(self, pid: int, exists: bool, status: Optional[procfs.Status] = None,
+                 stat: Optional[procfs.Stat] = None, tracer_name: str = "", our_pid: int = 0,
+                 our_uid: int = 0, cap_sys_ptrace: bool = False,
                  dumpable: Optional[bool] = None,    # None: cannot tell (a root-owned target)
                  yama_scope: Optional[int] = None,   # None: Yama not built in
                  container: str = "",                # the marker that gave it away, "" when none
                  selinux_enforcing: bool = False,
                  # our confinement label, "" when unconfined/absent
-                 apparmor: str = "",
-                 machine: str = "x86_64",
+                 apparmor: str = "", machine: str = "x86_64",
                  target_elf: str = "",               # e.g. "EM_X86_64/64"; "" when unreadable
                  access_errno: int = 0,              # opening /proc/PID/mem: 0, or EACCES when the
                                                      # kernel's attach-mode ptrace check refuses us

@@ -199,8 +199,7 @@ class _IOVec(ctypes.Structure):
 class _Tracee(Fields):
     __slots__ = ("tid", "state", "kind", "signal", "extra_signals")
 
-    def __init__(self,
-                 tid: int,
+    def __init__(self, tid: int,
                  # seizing -> interrupted -> stopped | gone
                  state: str = "seizing",
                  # interrupt | group | signal | clone | event

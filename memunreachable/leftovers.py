@@ -109,11 +109,7 @@ class Record(Fields):
     """What the file of one target holds (JSON, padded with spaces to whole pages)."""
     __slots__ = ("target", "target_start", "checker", "checker_start", "clones", "windows")
 
-    def __init__(self,
-                 target: int,
-                 target_start: int,
-                 checker: int = 0,
-                 checker_start: int = 0,
+    def __init__(self, target: int, target_start: int, checker: int = 0, checker_start: int = 0,
                  clones: Optional[List[Clone]] = None,
                  # [first, last] tick of an injection
                  windows: Optional[List[Tuple[int, int]]] = None):

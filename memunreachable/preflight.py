@@ -25,11 +25,7 @@ class Target(Fields):
     """A process that passed preflight."""
     __slots__ = ("pid", "name", "seccomp", "uid", "warnings")
 
-    def __init__(self,
-                 pid: int,
-                 name: str,
-                 seccomp: int,
-                 uid: int,
+    def __init__(self, pid: int, name: str, seccomp: int, uid: int,
                  warnings: Optional[List[str]] = None):
         self.pid = pid
         self.name = name

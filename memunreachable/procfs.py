@@ -34,18 +34,13 @@ class Status(FrozenFields):
     __slots__ = ("name", "state", "tgid", "pid", "ppid", "tracer_pid", "uids", "gids", "seccomp",
                  "cap_eff", "threads", "sig_pending", "seccomp_filters", "no_new_privs")
 
-    def __init__(self,
-                 name: str,
+    def __init__(self, name: str,
                  state: str,                        # one letter: R S D T t Z X I ...
-                 tgid: int,
-                 pid: int,
-                 ppid: int,
-                 tracer_pid: int,
+                 tgid: int, pid: int, ppid: int, tracer_pid: int,
                  uids: Tuple[int, int, int, int],   # real, effective, saved, fs
                  gids: Tuple[int, int, int, int],
                  seccomp: int,                      # 0 disabled, 1 strict, 2 filter
-                 cap_eff: int,
-                 threads: int,
+                 cap_eff: int, threads: int,
                  sig_pending: int = 0,              # SigPnd | ShdPnd (bit n-1 for signal n)
                  seccomp_filters: int = 0,          # Seccomp_filters: (kernel 5.9+; 0 when absent)
                  no_new_privs: int = 0):
@@ -66,12 +61,7 @@ class Stat(FrozenFields):
     """The fields of /proc/PID/stat that the checks need."""
     __slots__ = ("pid", "comm", "state", "ppid", "flags", "start", "exit_signal")
 
-    def __init__(self,
-                 pid: int,
-                 comm: str,
-                 state: str,
-                 ppid: int,
-                 flags: int,
+    def __init__(self, pid: int, comm: str, state: str, ppid: int, flags: int,
                  start: Optional[int] = None,   # field 22: clock ticks since boot
                  # field 38: 0 for a clone(flags=0) child (kernels 2.2+)
                  exit_signal: Optional[int] = None):

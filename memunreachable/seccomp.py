@@ -84,10 +84,7 @@ class Call(FrozenFields):
     """One syscall as the filter sees it."""
     __slots__ = ("name", "nr", "args", "ip")
 
-    def __init__(self,
-                 name: str,
-                 nr: int,
-                 args: Tuple[int, int, int, int, int, int],
+    def __init__(self, name: str, nr: int, args: Tuple[int, int, int, int, int, int],
                  ip: int):  # instruction_pointer: the address after the `syscall` instruction
         set_fields(self, name, nr, args, ip)
 
@@ -324,8 +321,7 @@ class Verdict(FrozenFields):
     """Whether the calls may be injected into a thread, and why not."""
     __slots__ = ("tid", "mode", "ok", "reason", "unreadable")
 
-    def __init__(self,
-                 tid: int,
+    def __init__(self, tid: int,
                  mode: int,             # 0 disabled, 1 strict, 2 filter
                  ok: bool,
                  # "" when ok, else why not, e.g. "its seccomp filter returns KILL_THREAD for

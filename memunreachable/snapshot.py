@@ -142,26 +142,19 @@ class Snapshot(Fields):
                  "inject_tid", "timeout", "allow_seccomp", "_fz", "_inject_out", "_note_pending",
                  "_created")
 
-    def __init__(self,
-                 pid: int,
-                 target_pid: int,
+    def __init__(self, pid: int, target_pid: int,
                  mode: str,                     # "clone" | "direct"
                  reason: str = "",
                  inject_ms: float = 0.0,        # the clone injection (part of the freeze pause)
                  # the second, short pause that reaps the child's zombie
                  reap_pause_ms: float = 0.0,
                  # snapshot created -> killed (COW faults slow the target)
-                 lifetime_ms: float = 0.0,
-                 released: bool = False,
+                 lifetime_ms: float = 0.0, released: bool = False,
                  # the child's zombie could not be reaped in the target
-                 zombie_left: bool = False,
-                 warnings: Optional[List[str]] = None,
-                 syscall_insn: int = 0,
-                 inject_tid: int = 0,
-                 timeout: float = 2.0,
+                 zombie_left: bool = False, warnings: Optional[List[str]] = None,
+                 syscall_insn: int = 0, inject_tid: int = 0, timeout: float = 2.0,
                  # inject wait4 into a thread whose filters cannot be read
-                 allow_seccomp: bool = False,
-                 _fz: Optional[Frozen] = None,
+                 allow_seccomp: bool = False, _fz: Optional[Frozen] = None,
                  _inject_out: object = None,    # the mu_inject of the clone
                  _note_pending: bool = False,   # note_clone() deferred to the thaw
                  _created: Optional[float] = None):

@@ -58,15 +58,10 @@ class SweepEntry(Fields):
     __slots__ = ("address", "size", "referenced_count", "referenced_size", "contents",
                  "python_type", "refcount", "repr", "stack", "python_stack", "stack_status")
 
-    def __init__(self,
-                 address: int,
-                 size: int,
-                 referenced_count: int,
-                 referenced_size: int,
+    def __init__(self, address: int, size: int, referenced_count: int, referenced_size: int,
                  contents: bytes,
                  # the block holds a Python object (cpython/objects.py)
-                 python_type: Optional[str] = None,
-                 refcount: Optional[int] = None,
+                 python_type: Optional[str] = None, refcount: Optional[int] = None,
                  repr: Optional[str] = None,
                  # allocation stack (tracking.py), innermost first
                  stack: Tuple[int, ...] = (),
@@ -89,14 +84,9 @@ class SweepResult(Fields):
     __slots__ = ("num_allocations", "allocation_bytes", "num_leaks", "leak_bytes", "bytes_scanned",
                  "entries", "meta", "leak_addresses", "uncertain", "cyclic_garbage")
 
-    def __init__(self,
-                 num_allocations: int = 0,
-                 allocation_bytes: int = 0,
-                 num_leaks: int = 0,
-                 leak_bytes: int = 0,
-                 bytes_scanned: int = 0,
-                 entries: Optional[List[SweepEntry]] = None,
-                 meta: Optional[dict] = None,
+    def __init__(self, num_allocations: int = 0, allocation_bytes: int = 0, num_leaks: int = 0,
+                 leak_bytes: int = 0, bytes_scanned: int = 0,
+                 entries: Optional[List[SweepEntry]] = None, meta: Optional[dict] = None,
                  leak_addresses: Optional[List[int]] = None,
                  uncertain: Optional[List[SweepEntry]] = None,        # withheld, not leaks
                  cyclic_garbage: Optional[List[SweepEntry]] = None):  # the GC will free them

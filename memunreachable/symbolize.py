@@ -75,16 +75,9 @@ class Frame(FrozenFields):
     __slots__ = ("pc", "module", "build_id", "offset", "function", "file", "line", "inlined",
                  "python")
 
-    def __init__(self,
-                 pc: int,
-                 module: Optional[str] = None,
-                 build_id: Optional[str] = None,
-                 offset: int = 0,
-                 function: Optional[str] = None,
-                 file: Optional[str] = None,
-                 line: Optional[int] = None,
-                 inlined: bool = False,
-                 python: bool = False):
+    def __init__(self, pc: int, module: Optional[str] = None, build_id: Optional[str] = None,
+                 offset: int = 0, function: Optional[str] = None, file: Optional[str] = None,
+                 line: Optional[int] = None, inlined: bool = False, python: bool = False):
         set_fields(self, pc, module, build_id, offset, function, file, line, inlined, python)
 
     def to_dict(self) -> dict:
@@ -107,8 +100,7 @@ class Frame(FrozenFields):
 class ElfFacts(FrozenFields):
     __slots__ = ("build_id", "segments", "load_base", "debuglink", "has_dwarf")
 
-    def __init__(self,
-                 build_id: Optional[str],
+    def __init__(self, build_id: Optional[str],
                  # PT_LOAD (p_offset, p_filesz, p_vaddr)
                  segments: Tuple[Tuple[int, int, int], ...],
                  load_base: int,                         # lowest PT_LOAD p_vaddr (0 for PIE/DSO)

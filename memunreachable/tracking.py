@@ -75,8 +75,7 @@ def first_slot(addr: int, h: int, mask: int) -> int:
 class Annotation(Fields):
     __slots__ = ("stack", "python_stack", "status")
 
-    def __init__(self,
-                 stack: Tuple[int, ...] = (),
+    def __init__(self, stack: Tuple[int, ...] = (),
                  python_stack: Optional[List[Tuple[str, str, int]]] = None,
                  status: str = "untracked"):  # "recorded" | "untracked" | "table_full"
         self.stack = stack

@@ -114,11 +114,8 @@ class _Attempts(Fields):
     __slots__ = ("capture", "capture_tried", "last_inconsistency", "last_suspect", "suspect_seen",
                  "deaths")
 
-    def __init__(self,
-                 capture: Optional[List[Range]] = None,
-                 capture_tried: bool = False,
-                 last_inconsistency: str = "",
-                 last_suspect: bool = True,
+    def __init__(self, capture: Optional[List[Range]] = None, capture_tried: bool = False,
+                 last_inconsistency: str = "", last_suspect: bool = True,
                  suspect_seen: bool = False,
                  deaths: Optional[List[str]] = None):  # how each snapshot process was lost
         self.capture = [] if capture is None else capture
@@ -564,13 +561,8 @@ class _NoCPython(Fields):
     """pipeline.CPythonSweep of a process without a CPython runtime (cpython/probe.py)."""
     __slots__ = ("image", "cpython", "root_cuts", "dead", "warnings", "stats", "usable")
 
-    def __init__(self,
-                 image: object,
-                 cpython: None = None,
-                 root_cuts: Optional[list] = None,
-                 dead: None = None,
-                 warnings: Optional[list] = None,
-                 stats: Optional[dict] = None,
+    def __init__(self, image: object, cpython: None = None, root_cuts: Optional[list] = None,
+                 dead: None = None, warnings: Optional[list] = None, stats: Optional[dict] = None,
                  usable: bool = False):
         self.image = image
         self.cpython = cpython
@@ -590,8 +582,7 @@ class _PythonLeaks(Fields):
                  # marked flags with the garbage marked too: fold the leaks
                  leak_flags: bytearray,
                  # marked flags with the leaks marked too: fold the garbage
-                 garbage_flags: bytearray,
-                 warnings: list,
+                 garbage_flags: bytearray, warnings: list,
                  dead: int = 0,           # unreachable refcount-0 (dead) objects, not reported
                  reader: object = None):  # the ObjectReader (reprs of the entries' heads)
         self.objects = objects

@@ -41,8 +41,7 @@ class TcacheContext(Fields):
                  active_bins: int,                # mp_.tcache_bins
                  max_count: int,                  # mp_.tcache_count
                  # writable data of the malloc object (holds tcache_key)
-                 data_ranges: List[Range],
-                 threads: List[ThreadState]):
+                 data_ranges: List[Range], threads: List[ThreadState]):
         self.layouts = layouts
         self.key_kind = key_kind
         self.mangled = mangled

@@ -40,21 +40,10 @@ class MallocState(FrozenFields):
                  "system_mem", "noncontiguous_bit")
 
     def __init__(self,
-                 name: str,
-                 sizeof: int,
-                 mutex: int,
-                 flags: int,
-                 fastbins: int,
-                 nfastbins: int,
-                 top: int,
-                 last_remainder: int,
-                 bins: int,
+                 name: str, sizeof: int, mutex: int, flags: int, fastbins: int, nfastbins: int,
+                 top: int, last_remainder: int, bins: int,
                  # NBINS: bins 1..nbins-1 exist (1 unsorted, 2-63 small, 64-126 large)
-                 nbins: int,
-                 next: int,
-                 next_free: int,
-                 attached_threads: int,
-                 system_mem: int,
+                 nbins: int, next: int, next_free: int, attached_threads: int, system_mem: int,
                  noncontiguous_bit: int):  # flags & 2: NONCONTIGUOUS_BIT
         set_fields(self,
                    name, sizeof, mutex, flags, fastbins, nfastbins, top, last_remainder, bins,
@@ -83,22 +72,10 @@ class MallocPar(FrozenFields):
                  "heap_info")
 
     def __init__(self,
-                 name: str,
-                 sizeof: int,
-                 trim_threshold: int,
-                 top_pad: int,
-                 mmap_threshold: int,
-                 arena_test: int,
-                 arena_max: int,
-                 hp_pagesize: Optional[int],
-                 n_mmaps: int,
-                 n_mmaps_max: int,
-                 max_n_mmaps: int,
-                 mmapped_mem: int,
-                 sbrk_base: int,
-                 tcache_bins: int,
-                 tcache_max_bytes: int,
-                 tcache_count: int,
+                 name: str, sizeof: int, trim_threshold: int, top_pad: int, mmap_threshold: int,
+                 arena_test: int, arena_max: int, hp_pagesize: Optional[int], n_mmaps: int,
+                 n_mmaps_max: int, max_n_mmaps: int, mmapped_mem: int, sbrk_base: int,
+                 tcache_bins: int, tcache_max_bytes: int, tcache_count: int,
                  heap_info: "HeapInfo"):
         set_fields(self,
                    name, sizeof, trim_threshold, top_pad, mmap_threshold, arena_test, arena_max,
@@ -111,12 +88,7 @@ class HeapInfo(FrozenFields):
     __slots__ = ("name", "sizeof", "ar_ptr", "prev", "size", "mprotect_size")
 
     def __init__(self,
-                 name: str,
-                 sizeof: int,
-                 ar_ptr: int,
-                 prev: int,
-                 size: int,
-                 mprotect_size: int):
+                 name: str, sizeof: int, ar_ptr: int, prev: int, size: int, mprotect_size: int):
         set_fields(self, name, sizeof, ar_ptr, prev, size, mprotect_size)
 
     def first_chunk(self, heap: int, state: MallocState, first_heap: bool) -> int:
@@ -155,8 +127,7 @@ class Tcache(FrozenFields):
     """tcache_perthread_struct and tcache_entry (malloc.c)."""
     __slots__ = ("name", "count_width", "entries", "nbins", "chunk_size", "key")
 
-    def __init__(self,
-                 name: str,
+    def __init__(self, name: str,
                  count_width: int,     # bytes per counts[] element
                  entries: int,         # offset of entries[]
                  nbins: int,           # TCACHE_MAX_BINS

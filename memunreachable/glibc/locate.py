@@ -26,10 +26,7 @@ R_X86_64_RELATIVE = 8
 class Located(FrozenFields):
     __slots__ = ("main_arena", "mp", "layout", "version", "method", "object_path")
 
-    def __init__(self,
-                 main_arena: int,
-                 mp: int,
-                 layout: L.Layout,
+    def __init__(self, main_arena: int, mp: int, layout: L.Layout,
                  # "2.36" when libc carries the string (static builds do not)
                  version: Optional[str],
                  method: str,   # "file" or "memory"
@@ -41,12 +38,10 @@ class _Image(FrozenFields):
     """What method A needs from the ELF file."""
     __slots__ = ("bias", "rw", "relative", "version")
 
-    def __init__(self,
-                 bias: int,
+    def __init__(self, bias: int,
                  rw: List[Tuple[int, bytes]],   # (p_vaddr, file bytes) of each writable PT_LOAD
                  # r_offset -> addend of R_X86_64_RELATIVE (RELA builds)
-                 relative: dict,
-                 version: Optional[str]):
+                 relative: dict, version: Optional[str]):
         set_fields(self, bias, rw, relative, version)
 
 
@@ -64,10 +59,7 @@ class _FileFacts(FrozenFields):
     """What method A reads from the ELF file itself: independent of where it is mapped."""
     __slots__ = ("first_load", "rw", "relative", "version")
 
-    def __init__(self,
-                 first_load: Tuple[int, int],
-                 rw: List[Tuple[int, bytes]],
-                 relative: dict,
+    def __init__(self, first_load: Tuple[int, int], rw: List[Tuple[int, bytes]], relative: dict,
                  version: Optional[str]):
         set_fields(self, first_load, rw, relative, version)
 

@@ -39,9 +39,7 @@ class HeapInconsistent(HeapWalkError):
 class Verdict(Fields):
     __slots__ = ("soft", "hard", "hard_at", "uncertain")
 
-    def __init__(self,
-                 soft: Optional[List[str]] = None,
-                 hard: Optional[List[str]] = None,
+    def __init__(self, soft: Optional[List[str]] = None, hard: Optional[List[str]] = None,
                  hard_at: Optional[List[int]] = None,
                  uncertain: Optional[Dict[int, str]] = None):  # usable size -> warning
         self.soft = [] if soft is None else soft

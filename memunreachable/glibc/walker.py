@@ -42,12 +42,8 @@ class HeapWalk(Fields):
     __slots__ = ("allocator", "image", "heap_ranges", "metadata_ranges", "soft_issues", "stats",
                  "uncertain_sizes", "spare")
 
-    def __init__(self,
-                 allocator: Allocator,
-                 image: HeapImage,
-                 heap_ranges: List[Range],
-                 metadata_ranges: List[Range],
-                 soft_issues: Optional[List[str]] = None,
+    def __init__(self, allocator: Allocator, image: HeapImage, heap_ranges: List[Range],
+                 metadata_ranges: List[Range], soft_issues: Optional[List[str]] = None,
                  stats: Optional[dict] = None,
                  # usable size -> warning: a free list (tcache bin, fastbin) of that size was
                  # broken or in transit, so an unreachable block of that size may be a free chunk:
@@ -109,19 +105,9 @@ class _Job(Fields):
     __slots__ = ("cp", "first", "top", "non_main", "res", "piece", "cap", "off", "arena", "heap",
                  "holds_top", "heap_end")
 
-    def __init__(self,
-                 cp: "_Copy",
-                 first: int,
-                 top: int,
-                 non_main: bool,
-                 res: object = None,
-                 piece: Optional[_Piece] = None,
-                 cap: int = 0,
-                 off: int = 0,
-                 arena: int = 0,
-                 heap: int = 0,
-                 holds_top: bool = False,
-                 heap_end: int = 0):
+    def __init__(self, cp: "_Copy", first: int, top: int, non_main: bool, res: object = None,
+                 piece: Optional[_Piece] = None, cap: int = 0, off: int = 0, arena: int = 0,
+                 heap: int = 0, holds_top: bool = False, heap_end: int = 0):
         self.cp = cp
         self.first = first
         self.top = top
