@@ -20,17 +20,21 @@ FS_BASE_INDEX = REG_NAMES.index("fs_base")
 
 
 class Fields:
-    """Base of the plain data classes: their fields are the __slots__, in __init__'s order.
-    Gives them what @dataclass would: a repr of the fields (those named "_..." left out), ==
-    between objects of the same class with equal fields (so they are unhashable), and
-    _replace(**changes) (dataclasses.replace). Issue 10, fast start: @dataclass builds its
-    methods with exec, about 1 ms per class, 40 ms of `memunreachable check` at import."""
+    """Base of the plain data classes: their fields are the __slots__ (a subclass's after its
+    base's), in __init__'s order. Gives them what @dataclass would: a repr of the fields (those
+    named "_..." left out), == between objects of the same class with equal fields (so they are
+    unhashable), and _replace(**changes) (dataclasses.replace). Issue 10, fast start: @dataclass
+    builds its methods with exec, about 1 ms per class, 40 ms of `memunreachable check`."""
     __slots__ = ()
+    _fields: tuple = ()
 
     def __init_subclass__(cls, **kwargs):
         super().__init_subclass__(**kwargs)
+        if "__slots__" not in cls.__dict__:
+            return          # no fields of its own (it has a __dict__): its base's serve
+        names = cls._fields + tuple(cls.__dict__["__slots__"])
+        cls._fields = names
         # _values(obj): the field values in order (attrgetter of one name gives no tuple)
-        names = cls.__slots__
         cls._values = staticmethod(attrgetter(*names) if len(names) > 1 else
                                    lambda obj: tuple([getattr(obj, name) for name in names]))
 
@@ -38,12 +42,12 @@ class Fields:
         return self._values(self)
 
     def _replace(self, **changes):
-        values = {name: getattr(self, name) for name in self.__slots__}
+        values = {name: getattr(self, name) for name in self._fields}
         values.update(changes)
         return type(self)(**values)
 
     def __repr__(self) -> str:
-        fields = ", ".join(f"{name}={getattr(self, name)!r}" for name in self.__slots__
+        fields = ", ".join(f"{name}={getattr(self, name)!r}" for name in self._fields
                            if not name.startswith("_"))
         return f"{type(self).__qualname__}({fields})"
 
@@ -75,8 +79,8 @@ _set = object.__setattr__
 
 
 def set_fields(obj: FrozenFields, *values) -> None:
-    """In a FrozenFields' __init__: its fields, in __slots__ order, get `values`."""
-    for name, value in zip(obj.__slots__, values):
+    """In a FrozenFields' __init__: its fields, in order, get `values`."""
+    for name, value in zip(obj._fields, values):
         _set(obj, name, value)
 
 

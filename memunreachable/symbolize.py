@@ -82,7 +82,7 @@ class Frame(FrozenFields):
 
     def to_dict(self) -> dict:
         """The JSON form (docs/cli.md): every field; "python" only on Python frames."""
-        d = dict(zip(self.__slots__, self._astuple()))
+        d = dict(zip(self._fields, self._astuple()))
         if not self.python:
             del d["python"]
         return d

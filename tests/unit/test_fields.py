@@ -6,7 +6,7 @@ import pickle
 
 import pytest
 
-from memunreachable._types import Fields, FrozenFields, Mapping, Range, ThreadState
+from memunreachable._types import Fields, FrozenFields, Mapping, Range, ThreadState, set_fields
 
 MODULES = ("classify", "detect", "diagnose", "elf", "folding", "freeze", "leftovers", "preflight",
            "procfs", "seccomp", "snapshot", "suppressions", "sweeper", "symbolize", "tracking",
@@ -32,7 +32,7 @@ def _all_fields_classes():
 def test_init_takes_the_fields_in_slots_order(cls):
     # set_fields and __reduce__ rely on it; a field missing from __init__ would stay unset
     params = list(inspect.signature(cls.__init__).parameters)[1:]
-    assert params == list(cls.__slots__)
+    assert params == list(cls._fields) == list(cls.__slots__)
     assert "__dict__" not in dir(cls)
 
 
@@ -81,3 +81,29 @@ def test_private_fields_are_left_out_of_the_repr():
     snap = Snapshot(pid=12, target_pid=11, mode="clone")
     assert repr(snap).startswith("Snapshot(pid=12, target_pid=11, mode='clone', reason=''")
     assert "_fz" not in repr(snap) and snap._created > 0
+
+
+def test_a_subclass_adds_its_fields_after_its_bases():
+    class Point(FrozenFields):
+        __slots__ = ("x", "y")
+
+        def __init__(self, x, y):
+            set_fields(self, x, y)
+
+    class Point3(Point):
+        __slots__ = ("z",)
+
+        def __init__(self, x, y, z=0):
+            set_fields(self, x, y, z)
+
+    class Loose(Point):         # no __slots__: a __dict__ for its own attributes
+        def __init__(self, x, y, note):
+            super().__init__(x, y)
+            self.__dict__["note"] = note
+
+    p = Point3(1, 2, 3)
+    assert (p.x, p.y, p.z) == (1, 2, 3) and p._astuple() == (1, 2, 3)
+    assert repr(p).endswith("Point3(x=1, y=2, z=3)") and p._replace(z=4).z == 4
+    assert Point(5, 6) == Point(5, 6) and Point(5, 6) != p and p.__reduce__()[1] == (1, 2, 3)
+    loose = Loose(1, 2, "n")
+    assert loose._astuple() == (1, 2) and loose.note == "n"
