@@ -6,7 +6,7 @@ from __future__ import annotations
 
 import bisect
 import mmap
-from dataclasses import dataclass, field
+from operator import attrgetter
 from typing import List, Optional, Protocol, Sequence, Tuple
 
 # user_regs_struct word order on x86_64 (ptrace-snapshot.md section 3)
@@ -19,11 +19,107 @@ RSP_INDEX = REG_NAMES.index("rsp")
 FS_BASE_INDEX = REG_NAMES.index("fs_base")
 
 
-@dataclass(frozen=True, order=True)
-class Range:
+class Fields:
+    """Base of the plain data classes: their fields are the __slots__ (a subclass's after its
+    base's), in __init__'s order. Gives them what @dataclass would: a repr of the fields (those
+    named "_..." left out), == between objects of the same class with equal fields (so they are
+    unhashable), and _replace(**changes) (dataclasses.replace). Issue 10, fast start: @dataclass
+    builds its methods with exec, about 1 ms per class, 40 ms of `memunreachable check`."""
+    __slots__ = ()
+    _fields: tuple = ()
+
+    def __init_subclass__(cls, **kwargs):
+        super().__init_subclass__(**kwargs)
+        if "__slots__" not in cls.__dict__:
+            return          # no fields of its own (it has a __dict__): its base's serve
+        names = cls._fields + tuple(cls.__dict__["__slots__"])
+        cls._fields = names
+        # _values(obj): the field values in order (attrgetter of one name gives no tuple)
+        cls._values = staticmethod(attrgetter(*names) if len(names) > 1 else
+                                   lambda obj: tuple([getattr(obj, name) for name in names]))
+
+    def _astuple(self) -> tuple:
+        return self._values(self)
+
+    def _replace(self, **changes):
+        values = {name: getattr(self, name) for name in self._fields}
+        values.update(changes)
+        return type(self)(**values)
+
+    def __repr__(self) -> str:
+        fields = ", ".join(f"{name}={getattr(self, name)!r}" for name in self._fields
+                           if not name.startswith("_"))
+        return f"{type(self).__qualname__}({fields})"
+
+    def __eq__(self, other):
+        if other.__class__ is not self.__class__:
+            return NotImplemented
+        return self._values(self) == other._values(other)
+
+
+class FrozenFields(Fields):
+    """Fields that cannot be assigned after __init__ (set_fields sets them there), hashable
+    (@dataclass(frozen=True))."""
+    __slots__ = ()
+
+    def __setattr__(self, name, value):
+        raise AttributeError(f"cannot assign to field {name!r}")
+
+    def __delattr__(self, name):
+        raise AttributeError(f"cannot delete field {name!r}")
+
+    def __hash__(self) -> int:
+        return hash(self._values(self))
+
+    def __reduce__(self):
+        return type(self), self._values(self)
+
+
+_set = object.__setattr__
+
+
+def set_fields(obj: FrozenFields, *values) -> None:
+    """In a FrozenFields' __init__: its fields, in order, get `values`."""
+    for name, value in zip(obj._fields, values):
+        _set(obj, name, value)
+
+
+class Range(FrozenFields):
     """Half-open address range [begin, end)."""
-    begin: int
-    end: int
+    __slots__ = ("begin", "end")
+
+    def __init__(self, begin: int, end: int):
+        _set(self, "begin", begin)      # not set_fields: ranges are made by the thousand
+        _set(self, "end", end)
+
+    def __eq__(self, other):
+        if other.__class__ is not self.__class__:
+            return NotImplemented
+        return (self.begin, self.end) == (other.begin, other.end)
+
+    def __hash__(self) -> int:
+        return hash((self.begin, self.end))
+
+    # ordered like (begin, end) tuples (@dataclass(order=True))
+    def __lt__(self, other):
+        if other.__class__ is not self.__class__:
+            return NotImplemented
+        return (self.begin, self.end) < (other.begin, other.end)
+
+    def __le__(self, other):
+        if other.__class__ is not self.__class__:
+            return NotImplemented
+        return (self.begin, self.end) <= (other.begin, other.end)
+
+    def __gt__(self, other):
+        if other.__class__ is not self.__class__:
+            return NotImplemented
+        return (self.begin, self.end) > (other.begin, other.end)
+
+    def __ge__(self, other):
+        if other.__class__ is not self.__class__:
+            return NotImplemented
+        return (self.begin, self.end) >= (other.begin, other.end)
 
     @property
     def size(self) -> int:
@@ -36,16 +132,15 @@ class Range:
         return self.begin < other.end and other.begin < self.end
 
 
-@dataclass(frozen=True)
-class Mapping:
+class Mapping(FrozenFields):
     """One line of /proc/PID/maps."""
-    begin: int
-    end: int
-    perms: str          # e.g. "rw-p"
-    offset: int
-    dev: str
-    inode: int
-    path: str           # "" for anonymous, "[heap]", "[stack]", a file path, ...
+    __slots__ = ("begin", "end", "perms", "offset", "dev", "inode", "path")
+
+    def __init__(self, begin: int, end: int,
+                 perms: str,        # e.g. "rw-p"
+                 offset: int, dev: str, inode: int,
+                 path: str):        # "" for anonymous, "[heap]", "[stack]", a file path, ...
+        set_fields(self, begin, end, perms, offset, dev, inode, path)
 
     @property
     def range(self) -> Range:
@@ -73,13 +168,15 @@ class Mapping:
         return self.inode == 0 or self.path.startswith("/anon_hugepage")
 
 
-@dataclass(frozen=True)
-class ThreadState:
+class ThreadState(FrozenFields):
     """What the freeze captured of one thread."""
-    tid: int
-    regs: Tuple[int, ...]            # 27 words, REG_NAMES order
-    fpregs: bytes = b""              # FP/SIMD state (fxsave/xsave area); scanned as root words
-    stop_signal: int = 0             # signal to re-deliver at detach (0: none)
+    __slots__ = ("tid", "regs", "fpregs", "stop_signal")
+
+    def __init__(self, tid: int,
+                 regs: Tuple[int, ...],     # 27 words, REG_NAMES order
+                 fpregs: bytes = b"",   # FP/SIMD state (fxsave/xsave area); scanned as root words
+                 stop_signal: int = 0):     # signal to re-deliver at detach (0: none)
+        set_fields(self, tid, regs, fpregs, stop_signal)
 
     @property
     def sp(self) -> int:
@@ -102,10 +199,12 @@ class Memory(Protocol):
         ...
 
 
-@dataclass
-class BufferMemory:
+class BufferMemory(Fields):
     """In-memory Memory for unit tests: {base: bytes} blocks; anything else reads as zeros."""
-    blocks: dict = field(default_factory=dict)
+    __slots__ = ("blocks",)
+
+    def __init__(self, blocks: Optional[dict] = None):
+        self.blocks = {} if blocks is None else blocks
 
     def read(self, addr: int, size: int) -> bytes:
         out = bytearray(size)
@@ -122,10 +221,12 @@ class BufferMemory:
         return 0
 
 
-@dataclass(frozen=True)
-class Allocator:
-    name: str                        # "glibc"
-    version: Optional[str] = None    # "2.36"; None when not found (static binaries)
+class Allocator(FrozenFields):
+    __slots__ = ("name", "version")
+
+    def __init__(self, name: str,                   # "glibc"
+                 version: Optional[str] = None):    # "2.36"; None when not found (static binaries)
+        set_fields(self, name, version)
 
 
 def _key(r: Range) -> tuple:
@@ -177,17 +278,19 @@ class RangeCutter:
         return out
 
 
-@dataclass
-class HeapImage:
+class HeapImage(Fields):
     """The snapshot's allocations plus local copies of the memory that holds them.
 
     begins: array('Q') of user addresses, strictly ascending; sizes: array('Q') of usable
     sizes (malloc_usable_size); regions: [(base, buffer)] sorted and disjoint, whose bytes
     cover every allocation (buffers are bytearray or mmap objects).
     """
-    begins: object
-    sizes: object
-    regions: list
+    __slots__ = ("begins", "sizes", "regions")
+
+    def __init__(self, begins, sizes, regions: list):
+        self.begins = begins
+        self.sizes = sizes
+        self.regions = regions
 
 
 _HEAP_BUFFERS = False

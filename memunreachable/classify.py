@@ -23,10 +23,9 @@ All general registers (fs_base included) and every word of the FP/SIMD state are
 from __future__ import annotations
 
 import struct
-from dataclasses import dataclass, field
-from typing import Dict, List, Sequence
+from typing import Dict, List, Optional, Sequence
 
-from memunreachable._types import Mapping, Range, RangeCutter, ThreadState
+from memunreachable._types import Fields, Mapping, Range, RangeCutter, ThreadState
 
 RED_ZONE = 128          # x86-64 ABI: leaf functions may keep live data below SP
 ORIG_RAX = 15           # user_regs_struct index; -1 when the thread was stopped in user code
@@ -34,11 +33,15 @@ SKIP_NAMES = ("[vvar]", "[vvar_vclock]", "[vdso]", "[vsyscall]")
 SKIP_PREFIXES = ("/dev/", "/memfd:", "/SYSV", "[anon_shmem", "/dmabuf")
 
 
-@dataclass
-class RootSet:
-    ranges: List[Range] = field(default_factory=list)       # sorted, disjoint
-    kinds: Dict[Range, str] = field(default_factory=dict)   # range -> "data" | "stack" | "anon"
-    words: List[int] = field(default_factory=list)
+class RootSet(Fields):
+    __slots__ = ("ranges", "kinds", "words")
+
+    def __init__(self, ranges: Optional[List[Range]] = None,    # sorted, disjoint
+                 kinds: Optional[Dict[Range, str]] = None,     # range -> "data" | "stack" | "anon"
+                 words: Optional[List[int]] = None):
+        self.ranges = [] if ranges is None else ranges
+        self.kinds = {} if kinds is None else kinds
+        self.words = [] if words is None else words
 
     @property
     def num_bytes(self) -> int:

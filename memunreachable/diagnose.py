@@ -15,41 +15,48 @@ import errno as errno_mod
 import os
 import pwd
 import sys
-from dataclasses import dataclass, replace
 from typing import Optional
 
 from memunreachable import procfs
 from memunreachable._errors import AccessDenied, MemunreachableError, NoSuchProcess, ZombieProcess
+from memunreachable._types import FrozenFields, set_fields
 
 CONTAINER_CGROUP_WORDS = ("docker", "kubepods", "containerd", "libpod")
 
 
-@dataclass(frozen=True)
-class Facts:
+class Facts(FrozenFields):
     """Everything the checks look at; gather_facts() fills it from the live system."""
-    pid: int
-    exists: bool
-    status: Optional[procfs.Status] = None
-    stat: Optional[procfs.Stat] = None
-    tracer_name: str = ""
-    our_pid: int = 0
-    our_uid: int = 0
-    cap_sys_ptrace: bool = False
-    dumpable: Optional[bool] = None       # None: cannot tell (a root-owned target)
-    yama_scope: Optional[int] = None      # None: Yama not built in
-    container: str = ""                   # the marker that gave it away, "" when none
-    selinux_enforcing: bool = False
-    apparmor: str = ""                    # our confinement label, "" when unconfined/absent
-    machine: str = "x86_64"
-    target_elf: str = ""                  # e.g. "EM_X86_64/64"; "" when unreadable
-    access_errno: int = 0                 # opening /proc/PID/mem: 0, or EACCES when the
-                                          # kernel's attach-mode ptrace check refuses us
-    target_label: str = ""                # the target's AppArmor/SELinux label, "" when none
-    nested_userns: bool = False           # we run in a user namespace (rootless container)
-    landlock_abi: int = 0                 # Landlock's ABI version when enabled, else 0
-    lsms: str = ""                        # /sys/kernel/security/lsm, "" when unreadable
-    live_threads: Optional[int] = None    # threads not yet exited, counted when the leader
-                                          # is a zombie (pthread_exit in main); None: not counted
+    __slots__ = ("pid", "exists", "status", "stat", "tracer_name", "our_pid", "our_uid",
+                 "cap_sys_ptrace", "dumpable", "yama_scope", "container", "selinux_enforcing",
+                 "apparmor", "machine", "target_elf", "access_errno", "target_label",
+                 "nested_userns", "landlock_abi", "lsms", "live_threads")
+
+    def __init__(self, pid: int, exists: bool, status: Optional[procfs.Status] = None,
+                 stat: Optional[procfs.Stat] = None, tracer_name: str = "", our_pid: int = 0,
+                 our_uid: int = 0, cap_sys_ptrace: bool = False,
+                 dumpable: Optional[bool] = None,    # None: cannot tell (a root-owned target)
+                 yama_scope: Optional[int] = None,   # None: Yama not built in
+                 container: str = "",                # the marker that gave it away, "" when none
+                 selinux_enforcing: bool = False,
+                 # our confinement label, "" when unconfined/absent
+                 apparmor: str = "", machine: str = "x86_64",
+                 target_elf: str = "",               # e.g. "EM_X86_64/64"; "" when unreadable
+                 access_errno: int = 0,              # opening /proc/PID/mem: 0, or EACCES when the
+                                                     # kernel's attach-mode ptrace check refuses us
+                 # the target's AppArmor/SELinux label, "" when none
+                 target_label: str = "",
+                 # we run in a user namespace (rootless container)
+                 nested_userns: bool = False,
+                 landlock_abi: int = 0,              # Landlock's ABI version when enabled, else 0
+                 lsms: str = "",                     # /sys/kernel/security/lsm, "" when unreadable
+                 # threads not yet exited, counted when the leader is a zombie (pthread_exit in
+                 # main); None: not counted
+                 live_threads: Optional[int] = None):
+        set_fields(self,
+                   pid, exists, status, stat, tracer_name, our_pid, our_uid, cap_sys_ptrace,
+                   dumpable, yama_scope, container, selinux_enforcing, apparmor, machine,
+                   target_elf, access_errno, target_label, nested_userns, landlock_abi, lsms,
+                   live_threads)
 
     @property
     def exited(self) -> bool:
@@ -146,11 +153,11 @@ def gather_facts(pid: int) -> Facts:
                        if procfs.task_state(pid, t) not in ("Z", "X", ""))
         except NoSuchProcess:
             live = 0
-    return replace(base, exists=True, status=status, stat=stat, live_threads=live,
-                   tracer_name=procfs.read_comm(status.tracer_pid) if status.tracer_pid else "",
-                   dumpable=_dumpable(pid, status), target_elf=_target_elf(pid),
-                   access_errno=procfs.attach_access_errno(pid),
-                   target_label=procfs.read_lsm_label(pid))
+    return base._replace(
+        exists=True, status=status, stat=stat, live_threads=live,
+        tracer_name=procfs.read_comm(status.tracer_pid) if status.tracer_pid else "",
+        dumpable=_dumpable(pid, status), target_elf=_target_elf(pid),
+        access_errno=procfs.attach_access_errno(pid), target_label=procfs.read_lsm_label(pid))
 
 
 def _user_name(uid: int) -> str:

@@ -21,7 +21,9 @@ from __future__ import annotations
 
 import os
 import struct
-from typing import Dict, List, NamedTuple, Optional, Sequence, Tuple
+from typing import Dict, List, Optional, Sequence, Tuple
+
+from memunreachable._types import FrozenFields, set_fields
 
 PAGE = 4096
 ELFCLASS32, ELFCLASS64 = 1, 2
@@ -45,23 +47,20 @@ class ElfError(ValueError):
     """Not an ELF file this reader understands (or a truncated one)."""
 
 
-class Segment(NamedTuple):
-    p_type: int
-    p_flags: int
-    p_offset: int
-    p_vaddr: int
-    p_filesz: int
-    p_memsz: int
+class Segment(FrozenFields):
+    __slots__ = ("p_type", "p_flags", "p_offset", "p_vaddr", "p_filesz", "p_memsz")
+
+    def __init__(self, p_type: int, p_flags: int, p_offset: int, p_vaddr: int, p_filesz: int,
+                 p_memsz: int):
+        set_fields(self, p_type, p_flags, p_offset, p_vaddr, p_filesz, p_memsz)
 
 
-class Section(NamedTuple):
-    name: str
-    sh_type: int
-    sh_addr: int
-    sh_offset: int
-    sh_size: int
-    sh_link: int
-    sh_entsize: int
+class Section(FrozenFields):
+    __slots__ = ("name", "sh_type", "sh_addr", "sh_offset", "sh_size", "sh_link", "sh_entsize")
+
+    def __init__(self, name: str, sh_type: int, sh_addr: int, sh_offset: int, sh_size: int,
+                 sh_link: int, sh_entsize: int):
+        set_fields(self, name, sh_type, sh_addr, sh_offset, sh_size, sh_link, sh_entsize)
 
 
 class ElfFile:

@@ -11,11 +11,10 @@ Pure over plain data: no pid, no ptrace.
 """
 from __future__ import annotations
 
-from dataclasses import dataclass
 from typing import List, Tuple
 
 from memunreachable._ffi import check, ffi, lib, region_array, u64_view
-from memunreachable._types import HeapImage
+from memunreachable._types import FrozenFields, HeapImage, set_fields
 from memunreachable.mark import dead_words
 
 
@@ -23,12 +22,12 @@ from memunreachable.mark import dead_words
 _new_uncleared = ffi.new_allocator(should_clear_after_alloc=False)
 
 
-@dataclass(frozen=True)
-class FoldedLeak:
+class FoldedLeak(FrozenFields):
     """A head SCC: index of its lowest-address member, and what it references beyond it."""
-    index: int
-    referenced_count: int
-    referenced_size: int
+    __slots__ = ("index", "referenced_count", "referenced_size")
+
+    def __init__(self, index: int, referenced_count: int, referenced_size: int):
+        set_fields(self, index, referenced_count, referenced_size)
 
 
 # Returns the entries ordered by index; raises OSError(EINVAL) on invalid input (as mark),

@@ -46,13 +46,12 @@ import signal
 import threading
 import time
 from contextlib import contextmanager
-from dataclasses import dataclass, field
 from typing import Callable, Dict, Iterator, List, Optional, Tuple
 
 from memunreachable import diagnose, procfs
 from memunreachable._errors import CollectionError, NoSuchProcess
 from memunreachable._ffi import ffi, lib
-from memunreachable._types import REG_NAMES, Mapping, ThreadState
+from memunreachable._types import REG_NAMES, Fields, Mapping, ThreadState
 
 log = logging.getLogger("memunreachable")
 
@@ -197,13 +196,22 @@ class _IOVec(ctypes.Structure):
     _fields_ = [("base", ctypes.c_void_p), ("len", ctypes.c_size_t)]
 
 
-@dataclass
-class _Tracee:
-    tid: int
-    state: str = "seizing"      # seizing -> interrupted -> stopped | gone
-    kind: str = ""              # interrupt | group | signal | clone | event
-    signal: int = 0             # re-delivered at detach (signal-delivery-stop)
-    extra_signals: List[int] = field(default_factory=list)   # tgkill'ed after detach
+class _Tracee(Fields):
+    __slots__ = ("tid", "state", "kind", "signal", "extra_signals")
+
+    def __init__(self, tid: int,
+                 # seizing -> interrupted -> stopped | gone
+                 state: str = "seizing",
+                 # interrupt | group | signal | clone | event
+                 kind: str = "",
+                 # re-delivered at detach (signal-delivery-stop)
+                 signal: int = 0,
+                 extra_signals: Optional[List[int]] = None):  # tgkill'ed after detach
+        self.tid = tid
+        self.state = state
+        self.kind = kind
+        self.signal = signal
+        self.extra_signals = [] if extra_signals is None else extra_signals
 
 
 def _kind_of(status: int) -> str:

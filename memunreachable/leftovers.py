@@ -33,14 +33,13 @@ import json
 import logging
 import os
 import stat as stat_mod
-import tempfile
 import time
 from contextlib import contextmanager
-from dataclasses import dataclass, field
 from typing import Dict, Iterator, List, Optional, Tuple
 
 from memunreachable import procfs
 from memunreachable._errors import CollectionError, NoSuchProcess
+from memunreachable._types import Fields, FrozenFields, set_fields
 from memunreachable.freeze import critical, interruptible
 
 log = logging.getLogger("memunreachable")
@@ -99,21 +98,27 @@ def children_of(pid: int) -> List[int]:
             and (st := read_stat(int(e))) is not None and st.ppid == pid]
 
 
-@dataclass(frozen=True)
-class Clone:
-    pid: int
-    start: int
+class Clone(FrozenFields):
+    __slots__ = ("pid", "start")
+
+    def __init__(self, pid: int, start: int):
+        set_fields(self, pid, start)
 
 
-@dataclass
-class Record:
+class Record(Fields):
     """What the file of one target holds (JSON, padded with spaces to whole pages)."""
-    target: int
-    target_start: int
-    checker: int = 0
-    checker_start: int = 0
-    clones: List[Clone] = field(default_factory=list)
-    windows: List[Tuple[int, int]] = field(default_factory=list)   # [first, last] tick of an injection
+    __slots__ = ("target", "target_start", "checker", "checker_start", "clones", "windows")
+
+    def __init__(self, target: int, target_start: int, checker: int = 0, checker_start: int = 0,
+                 clones: Optional[List[Clone]] = None,
+                 # [first, last] tick of an injection
+                 windows: Optional[List[Tuple[int, int]]] = None):
+        self.target = target
+        self.target_start = target_start
+        self.checker = checker
+        self.checker_start = checker_start
+        self.clones = [] if clones is None else clones
+        self.windows = [] if windows is None else windows
 
     @property
     def empty(self) -> bool:
@@ -160,14 +165,19 @@ def match_leftovers(target: int, stats: Dict[int, ProcStat], inherited: List[Clo
     return out
 
 
+def _run_dir_candidates(uid: int) -> Iterator[str]:
+    if uid == 0:
+        yield "/run/memunreachable"
+    if os.environ.get("XDG_RUNTIME_DIR"):
+        yield os.path.join(os.environ["XDG_RUNTIME_DIR"], "memunreachable")
+    import tempfile         # only when the others are not usable (issue 10, fast start)
+    yield os.path.join(tempfile.gettempdir(), f"memunreachable-{uid}")
+
+
 def run_dir() -> Optional[str]:
     """The directory of the lock/record files (created 0700), or None when none is usable."""
     uid = os.geteuid()
-    candidates = ["/run/memunreachable"] if uid == 0 else []
-    if os.environ.get("XDG_RUNTIME_DIR"):
-        candidates.append(os.path.join(os.environ["XDG_RUNTIME_DIR"], "memunreachable"))
-    candidates.append(os.path.join(tempfile.gettempdir(), f"memunreachable-{uid}"))
-    for d in candidates:
+    for d in _run_dir_candidates(uid):
         try:
             os.mkdir(d, 0o700)
         except FileExistsError:

@@ -12,23 +12,26 @@ Only /proc and /sys are read: a refused target is never touched.
 """
 from __future__ import annotations
 
-from dataclasses import dataclass, field
 from typing import List, Optional
 
 from memunreachable._errors import NoSuchProcess, UnsupportedTarget, ZombieProcess
+from memunreachable._types import Fields
 from memunreachable.diagnose import (Facts, _definite_denial, _name, gather_facts, hint_kernel_thread,
                                      hint_no_process, hint_self, hint_zombie,
                                      hint_zombie_leader)
 
 
-@dataclass
-class Target:
+class Target(Fields):
     """A process that passed preflight."""
-    pid: int
-    name: str
-    seccomp: int
-    uid: int
-    warnings: List[str] = field(default_factory=list)
+    __slots__ = ("pid", "name", "seccomp", "uid", "warnings")
+
+    def __init__(self, pid: int, name: str, seccomp: int, uid: int,
+                 warnings: Optional[List[str]] = None):
+        self.pid = pid
+        self.name = name
+        self.seccomp = seccomp
+        self.uid = uid
+        self.warnings = [] if warnings is None else warnings
 
 
 # Returns a Target when every check passes. Raises NoSuchProcess, ZombieProcess,

@@ -19,34 +19,34 @@ import errno
 import os
 import re
 import struct
-from dataclasses import dataclass
 from typing import Dict, List, Optional, Tuple
 
 from memunreachable._errors import NoSuchProcess
-from memunreachable._types import Mapping
+from memunreachable._types import FrozenFields, Mapping, set_fields
 
 PF_KTHREAD = 0x00200000       # include/linux/sched.h: "I am a kernel thread"
 CAP_SYS_PTRACE = 19           # include/uapi/linux/capability.h
 SIGKILL = 9
 
 
-@dataclass(frozen=True)
-class Status:
+class Status(FrozenFields):
     """The lines of /proc/PID/status that the checks need."""
-    name: str
-    state: str                      # one letter: R S D T t Z X I ...
-    tgid: int
-    pid: int
-    ppid: int
-    tracer_pid: int
-    uids: Tuple[int, int, int, int]     # real, effective, saved, fs
-    gids: Tuple[int, int, int, int]
-    seccomp: int                    # 0 disabled, 1 strict, 2 filter
-    cap_eff: int
-    threads: int
-    sig_pending: int = 0            # SigPnd | ShdPnd (bit n-1 for signal n)
-    seccomp_filters: int = 0        # Seccomp_filters: (kernel 5.9+; 0 when absent)
-    no_new_privs: int = 0
+    __slots__ = ("name", "state", "tgid", "pid", "ppid", "tracer_pid", "uids", "gids", "seccomp",
+                 "cap_eff", "threads", "sig_pending", "seccomp_filters", "no_new_privs")
+
+    def __init__(self, name: str,
+                 state: str,                        # one letter: R S D T t Z X I ...
+                 tgid: int, pid: int, ppid: int, tracer_pid: int,
+                 uids: Tuple[int, int, int, int],   # real, effective, saved, fs
+                 gids: Tuple[int, int, int, int],
+                 seccomp: int,                      # 0 disabled, 1 strict, 2 filter
+                 cap_eff: int, threads: int,
+                 sig_pending: int = 0,              # SigPnd | ShdPnd (bit n-1 for signal n)
+                 seccomp_filters: int = 0,          # Seccomp_filters: (kernel 5.9+; 0 when absent)
+                 no_new_privs: int = 0):
+        set_fields(self,
+                   name, state, tgid, pid, ppid, tracer_pid, uids, gids, seccomp, cap_eff,
+                   threads, sig_pending, seccomp_filters, no_new_privs)
 
     def has_cap(self, cap: int) -> bool:
         return bool(self.cap_eff >> cap & 1)
@@ -57,16 +57,15 @@ class Status:
         return self.state in ("Z", "X") or bool(self.sig_pending >> (SIGKILL - 1) & 1)
 
 
-@dataclass(frozen=True)
-class Stat:
+class Stat(FrozenFields):
     """The fields of /proc/PID/stat that the checks need."""
-    pid: int
-    comm: str
-    state: str
-    ppid: int
-    flags: int
-    start: Optional[int] = None          # field 22: clock ticks since boot
-    exit_signal: Optional[int] = None    # field 38: 0 for a clone(flags=0) child (kernels 2.2+)
+    __slots__ = ("pid", "comm", "state", "ppid", "flags", "start", "exit_signal")
+
+    def __init__(self, pid: int, comm: str, state: str, ppid: int, flags: int,
+                 start: Optional[int] = None,   # field 22: clock ticks since boot
+                 # field 38: 0 for a clone(flags=0) child (kernels 2.2+)
+                 exit_signal: Optional[int] = None):
+        set_fields(self, pid, comm, state, ppid, flags, start, exit_signal)
 
     @property
     def kernel_thread(self) -> bool:

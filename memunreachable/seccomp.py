@@ -24,11 +24,11 @@ from __future__ import annotations
 import ctypes
 import errno
 import struct
-from dataclasses import dataclass
 from typing import List, Optional, Sequence, Tuple
 
 from memunreachable import procfs
 from memunreachable._errors import NoSuchProcess
+from memunreachable._types import FrozenFields, set_fields
 
 # include/uapi/linux/seccomp.h
 RET_KILL_PROCESS = 0x80000000
@@ -73,21 +73,20 @@ class FiltersUnreadable(OSError):
     """PTRACE_SECCOMP_GET_FILTER failed; .errno says why (EACCES, EINVAL, EMEDIUMTYPE, EIO)."""
 
 
-@dataclass(frozen=True)
-class Insn:
-    code: int
-    jt: int
-    jf: int
-    k: int
+class Insn(FrozenFields):
+    __slots__ = ("code", "jt", "jf", "k")
+
+    def __init__(self, code: int, jt: int, jf: int, k: int):
+        set_fields(self, code, jt, jf, k)
 
 
-@dataclass(frozen=True)
-class Call:
+class Call(FrozenFields):
     """One syscall as the filter sees it."""
-    name: str
-    nr: int
-    args: Tuple[int, int, int, int, int, int]
-    ip: int             # instruction_pointer: the address after the `syscall` instruction
+    __slots__ = ("name", "nr", "args", "ip")
+
+    def __init__(self, name: str, nr: int, args: Tuple[int, int, int, int, int, int],
+                 ip: int):  # instruction_pointer: the address after the `syscall` instruction
+        set_fields(self, name, nr, args, ip)
 
     def data(self) -> bytes:
         return seccomp_data(self.nr, self.args, self.ip)
@@ -318,15 +317,18 @@ def read_filters(tid: int, count: Optional[int] = None) -> List[List[Insn]]:
     return progs
 
 
-@dataclass(frozen=True)
-class Verdict:
+class Verdict(FrozenFields):
     """Whether the calls may be injected into a thread, and why not."""
-    tid: int
-    mode: int                   # 0 disabled, 1 strict, 2 filter
-    ok: bool
-    reason: str = ""            # "" when ok, else why not, e.g. "its seccomp filter returns
-                                # KILL_THREAD for clone"
-    unreadable: int = 0         # errno when the filters could not be read (mode 2)
+    __slots__ = ("tid", "mode", "ok", "reason", "unreadable")
+
+    def __init__(self, tid: int,
+                 mode: int,             # 0 disabled, 1 strict, 2 filter
+                 ok: bool,
+                 # "" when ok, else why not, e.g. "its seccomp filter returns KILL_THREAD for
+                 # clone"
+                 reason: str = "",
+                 unreadable: int = 0):  # errno when the filters could not be read (mode 2)
+        set_fields(self, tid, mode, ok, reason, unreadable)
 
 
 # Returns the Verdict for injecting calls into thread tid of pid (tid stopped by the

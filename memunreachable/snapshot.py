@@ -29,14 +29,13 @@ import logging
 import os
 import signal
 import time
-from dataclasses import dataclass, field
 from typing import Dict, List, Optional, Tuple
 
 from memunreachable import diagnose, leftovers, procfs, seccomp
 from memunreachable._errors import (AccessDenied, CollectionError, NoSuchProcess,
                                     UnsupportedTarget)
 from memunreachable._ffi import ffi, lib
-from memunreachable._types import REG_NAMES
+from memunreachable._types import REG_NAMES, Fields
 from memunreachable.freeze import Frozen, critical, frozen
 from memunreachable.memory import ProcessMemory
 
@@ -137,26 +136,46 @@ def choose_thread(fz: Frozen, tid: Optional[int] = None,
     return 0, 0, refusals
 
 
-@dataclass
-class Snapshot:
-    pid: int
-    target_pid: int
-    mode: str                       # "clone" | "direct"
-    reason: str = ""
-    inject_ms: float = 0.0          # the clone injection (part of the freeze pause)
-    reap_pause_ms: float = 0.0      # the second, short pause that reaps the child's zombie
-    lifetime_ms: float = 0.0        # snapshot created -> killed (COW faults slow the target)
-    released: bool = False
-    zombie_left: bool = False       # the child's zombie could not be reaped in the target
-    warnings: List[str] = field(default_factory=list)
-    syscall_insn: int = 0
-    inject_tid: int = 0
-    timeout: float = 2.0
-    allow_seccomp: bool = False     # inject wait4 into a thread whose filters cannot be read
-    _fz: Optional[Frozen] = field(default=None, repr=False)
-    _inject_out: object = field(default=None, repr=False)   # the mu_inject of the clone
-    _note_pending: bool = field(default=False, repr=False)   # note_clone() deferred to the thaw
-    _created: float = field(default_factory=time.monotonic, repr=False)
+class Snapshot(Fields):
+    __slots__ = ("pid", "target_pid", "mode", "reason", "inject_ms", "reap_pause_ms",
+                 "lifetime_ms", "released", "zombie_left", "warnings", "syscall_insn",
+                 "inject_tid", "timeout", "allow_seccomp", "_fz", "_inject_out", "_note_pending",
+                 "_created")
+
+    def __init__(self, pid: int, target_pid: int,
+                 mode: str,                     # "clone" | "direct"
+                 reason: str = "",
+                 inject_ms: float = 0.0,        # the clone injection (part of the freeze pause)
+                 # the second, short pause that reaps the child's zombie
+                 reap_pause_ms: float = 0.0,
+                 # snapshot created -> killed (COW faults slow the target)
+                 lifetime_ms: float = 0.0, released: bool = False,
+                 # the child's zombie could not be reaped in the target
+                 zombie_left: bool = False, warnings: Optional[List[str]] = None,
+                 syscall_insn: int = 0, inject_tid: int = 0, timeout: float = 2.0,
+                 # inject wait4 into a thread whose filters cannot be read
+                 allow_seccomp: bool = False, _fz: Optional[Frozen] = None,
+                 _inject_out: object = None,    # the mu_inject of the clone
+                 _note_pending: bool = False,   # note_clone() deferred to the thaw
+                 _created: Optional[float] = None):
+        self.pid = pid
+        self.target_pid = target_pid
+        self.mode = mode
+        self.reason = reason
+        self.inject_ms = inject_ms
+        self.reap_pause_ms = reap_pause_ms
+        self.lifetime_ms = lifetime_ms
+        self.released = released
+        self.zombie_left = zombie_left
+        self.warnings = [] if warnings is None else warnings
+        self.syscall_insn = syscall_insn
+        self.inject_tid = inject_tid
+        self.timeout = timeout
+        self.allow_seccomp = allow_seccomp
+        self._fz = _fz
+        self._inject_out = _inject_out
+        self._note_pending = _note_pending
+        self._created = time.monotonic() if _created is None else _created
 
     @property
     def inject_steps_ms(self) -> Dict[str, float]:

@@ -24,22 +24,28 @@ sanitizer_common.cpp TemplateMatch, lsan/lsan_common.cpp GetSuppressionForAddr),
 from __future__ import annotations
 
 import os
-from dataclasses import dataclass
 from typing import Iterable, List, Optional, Sequence, Tuple
 
 from memunreachable._errors import SuppressionsError
+from memunreachable._types import Fields
 
 UNKNOWN_MODULE = "<unknown module>"
 SUPPORTED_TYPES = ("leak",)
 RULE_LINE = "-----------------------------------------------------"
 
 
-@dataclass
-class Suppression:
-    template: str          # as written after "leak:"
-    line: int              # 1-based line in its file
-    hit_count: int = 0     # allocations suppressed (LSan's hit_count)
-    weight: int = 0        # their bytes (LSan's weight)
+class Suppression(Fields):
+    __slots__ = ("template", "line", "hit_count", "weight")
+
+    def __init__(self,
+                 template: str,        # as written after "leak:"
+                 line: int,            # 1-based line in its file
+                 hit_count: int = 0,   # allocations suppressed (LSan's hit_count)
+                 weight: int = 0):     # their bytes (LSan's weight)
+        self.template = template
+        self.line = line
+        self.hit_count = hit_count
+        self.weight = weight
 
 
 # Returns the rules of a suppressions text, in file order; raises SuppressionsError naming the

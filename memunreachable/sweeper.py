@@ -30,15 +30,14 @@ from array import array
 import json
 import logging
 import os
-import pickle
 import select
 import signal
 import struct
 import time
-from dataclasses import dataclass, field
 from typing import Callable, List, Optional, Tuple
 
 from memunreachable._errors import MemunreachableError, SweepError
+from memunreachable._types import Fields
 from memunreachable.freeze import critical
 
 log = logging.getLogger("memunreachable")
@@ -57,33 +56,52 @@ _GARBAGE_KEY = "_cyclic_garbage"
 _STACKS_KEY = "_stacks"
 
 
-@dataclass
-class SweepEntry:
-    address: int
-    size: int
-    referenced_count: int
-    referenced_size: int
-    contents: bytes
-    python_type: Optional[str] = None   # the block holds a Python object (cpython/objects.py)
-    refcount: Optional[int] = None
-    repr: Optional[str] = None
-    stack: Tuple[int, ...] = ()          # allocation stack (tracking.py), innermost first
-    python_stack: List[Tuple[str, str, int]] = field(default_factory=list)
-    stack_status: str = "untracked"      # "recorded" | "untracked" | "table_full"
+class SweepEntry(Fields):
+    __slots__ = ("address", "size", "referenced_count", "referenced_size", "contents",
+                 "python_type", "refcount", "repr", "stack", "python_stack", "stack_status")
+
+    def __init__(self, address: int, size: int, referenced_count: int, referenced_size: int,
+                 contents: bytes,
+                 # the block holds a Python object (cpython/objects.py)
+                 python_type: Optional[str] = None, refcount: Optional[int] = None,
+                 repr: Optional[str] = None,
+                 # allocation stack (tracking.py), innermost first
+                 stack: Tuple[int, ...] = (),
+                 python_stack: Optional[List[Tuple[str, str, int]]] = None,
+                 stack_status: str = "untracked"):  # "recorded" | "untracked" | "table_full"
+        self.address = address
+        self.size = size
+        self.referenced_count = referenced_count
+        self.referenced_size = referenced_size
+        self.contents = contents
+        self.python_type = python_type
+        self.refcount = refcount
+        self.repr = repr
+        self.stack = stack
+        self.python_stack = [] if python_stack is None else python_stack
+        self.stack_status = stack_status
 
 
-@dataclass
-class SweepResult:
-    num_allocations: int = 0
-    allocation_bytes: int = 0
-    num_leaks: int = 0
-    leak_bytes: int = 0
-    bytes_scanned: int = 0
-    entries: List[SweepEntry] = field(default_factory=list)
-    meta: dict = field(default_factory=dict)
-    leak_addresses: List[int] = field(default_factory=list)
-    uncertain: List[SweepEntry] = field(default_factory=list)   # withheld, not leaks
-    cyclic_garbage: List[SweepEntry] = field(default_factory=list)  # the GC will free them
+class SweepResult(Fields):
+    __slots__ = ("num_allocations", "allocation_bytes", "num_leaks", "leak_bytes", "bytes_scanned",
+                 "entries", "meta", "leak_addresses", "uncertain", "cyclic_garbage")
+
+    def __init__(self, num_allocations: int = 0, allocation_bytes: int = 0, num_leaks: int = 0,
+                 leak_bytes: int = 0, bytes_scanned: int = 0,
+                 entries: Optional[List[SweepEntry]] = None, meta: Optional[dict] = None,
+                 leak_addresses: Optional[List[int]] = None,
+                 uncertain: Optional[List[SweepEntry]] = None,        # withheld, not leaks
+                 cyclic_garbage: Optional[List[SweepEntry]] = None):  # the GC will free them
+        self.num_allocations = num_allocations
+        self.allocation_bytes = allocation_bytes
+        self.num_leaks = num_leaks
+        self.leak_bytes = leak_bytes
+        self.bytes_scanned = bytes_scanned
+        self.entries = [] if entries is None else entries
+        self.meta = {} if meta is None else meta
+        self.leak_addresses = [] if leak_addresses is None else leak_addresses
+        self.uncertain = [] if uncertain is None else uncertain
+        self.cyclic_garbage = [] if cyclic_garbage is None else cyclic_garbage
 
 
 def encode_result(res: SweepResult) -> bytes:
@@ -117,6 +135,7 @@ def encode_error(exc: BaseException) -> bytes:
     if not isinstance(exc, MemunreachableError):
         exc = SweepError(f"sweeper failed: {type(exc).__name__}: {exc}",
                          hint="this is a bug in memunreachable; please report it with -vv output")
+    import pickle           # errors only: a check that succeeds does not load it (issue 10)
     payload = pickle.dumps(exc)
     return HEADER.pack(MAGIC, VERSION, KIND_ERROR, len(payload)) + payload
 
@@ -132,6 +151,7 @@ def decode(message: bytes):
     if len(payload) != length:
         raise SweepError(f"the sweeper's message is {len(payload)} bytes, expected {length}")
     if kind == KIND_ERROR:
+        import pickle
         exc = pickle.loads(payload)
         raise exc
     if kind != KIND_RESULT:

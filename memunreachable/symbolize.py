@@ -43,9 +43,9 @@ import os
 import threading
 import zlib
 from collections import OrderedDict
-from dataclasses import asdict, dataclass
 from typing import Dict, Iterable, List, Optional, Sequence, Tuple
 
+from memunreachable._types import FrozenFields, set_fields
 from memunreachable.demangle import CLONE_SUFFIX, demangle
 
 log = logging.getLogger("memunreachable")
@@ -62,8 +62,7 @@ UNKNOWN_MODULE = "<unknown module>"         # LSan's name for a pc outside every
 EVAL_FUNCTIONS = frozenset({"_PyEval_EvalFrameDefault", "PyEval_EvalFrameEx"})
 
 
-@dataclass(frozen=True)
-class Frame:
+class Frame(FrozenFields):
     """One frame of an allocation stack.
 
     pc: the return address as recorded (0 for Python frames); module: path of the mapped file
@@ -73,19 +72,17 @@ class Frame:
     file, line: None when unknown; inlined: this frame was inlined into the next frame (same
     pc); python: a Python frame from the interpreter (function, file, line only).
     """
-    pc: int
-    module: Optional[str] = None
-    build_id: Optional[str] = None
-    offset: int = 0
-    function: Optional[str] = None
-    file: Optional[str] = None
-    line: Optional[int] = None
-    inlined: bool = False
-    python: bool = False
+    __slots__ = ("pc", "module", "build_id", "offset", "function", "file", "line", "inlined",
+                 "python")
+
+    def __init__(self, pc: int, module: Optional[str] = None, build_id: Optional[str] = None,
+                 offset: int = 0, function: Optional[str] = None, file: Optional[str] = None,
+                 line: Optional[int] = None, inlined: bool = False, python: bool = False):
+        set_fields(self, pc, module, build_id, offset, function, file, line, inlined, python)
 
     def to_dict(self) -> dict:
         """The JSON form (docs/cli.md): every field; "python" only on Python frames."""
-        d = asdict(self)
+        d = dict(zip(self._fields, self._astuple()))
         if not self.python:
             del d["python"]
         return d
@@ -100,13 +97,16 @@ class Frame:
 
 # ---- ELF facts (pyelftools: headers and notes only, never DWARF) ---------------------------
 
-@dataclass(frozen=True)
-class ElfFacts:
-    build_id: Optional[str]
-    segments: Tuple[Tuple[int, int, int], ...]      # PT_LOAD (p_offset, p_filesz, p_vaddr)
-    load_base: int                                  # lowest PT_LOAD p_vaddr (0 for PIE/DSO)
-    debuglink: Optional[Tuple[str, int]]            # (.gnu_debuglink file name, CRC32)
-    has_dwarf: bool                                 # .debug_info with contents
+class ElfFacts(FrozenFields):
+    __slots__ = ("build_id", "segments", "load_base", "debuglink", "has_dwarf")
+
+    def __init__(self, build_id: Optional[str],
+                 # PT_LOAD (p_offset, p_filesz, p_vaddr)
+                 segments: Tuple[Tuple[int, int, int], ...],
+                 load_base: int,                         # lowest PT_LOAD p_vaddr (0 for PIE/DSO)
+                 debuglink: Optional[Tuple[str, int]],   # (.gnu_debuglink file name, CRC32)
+                 has_dwarf: bool):                       # .debug_info with contents
+        set_fields(self, build_id, segments, load_base, debuglink, has_dwarf)
 
     def vaddr(self, file_offset: int) -> Optional[int]:
         """ELF virtual address of a file offset (None when no PT_LOAD maps it)."""

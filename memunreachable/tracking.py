@@ -21,11 +21,10 @@ PEP 626 co_linetable on 3.10, the location table on 3.11+; the header says which
 from __future__ import annotations
 
 import struct
-from dataclasses import dataclass, field
 from typing import Dict, List, Optional, Sequence, Tuple
 
 from memunreachable._errors import MemoryUnreadable
-from memunreachable._types import Mapping, Range
+from memunreachable._types import Fields, Mapping, Range
 
 MAGIC = b"MUTRACK\0"
 VERSION = 2                             # 1 (224-byte header, 3.11+ frames) is read too
@@ -73,11 +72,15 @@ def first_slot(addr: int, h: int, mask: int) -> int:
     return (((h >> 8) << 6) | ((addr >> 4) & 63)) & mask
 
 
-@dataclass
-class Annotation:
-    stack: Tuple[int, ...] = ()
-    python_stack: List[Tuple[str, str, int]] = field(default_factory=list)
-    status: str = "untracked"          # "recorded" | "untracked" | "table_full"
+class Annotation(Fields):
+    __slots__ = ("stack", "python_stack", "status")
+
+    def __init__(self, stack: Tuple[int, ...] = (),
+                 python_stack: Optional[List[Tuple[str, str, int]]] = None,
+                 status: str = "untracked"):  # "recorded" | "untracked" | "table_full"
+        self.stack = stack
+        self.python_stack = [] if python_stack is None else python_stack
+        self.status = status
 
 
 def parse_header(data: bytes) -> Optional[dict]:

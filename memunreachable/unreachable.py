@@ -22,17 +22,14 @@ import struct
 import os
 import signal
 import time
-from dataclasses import dataclass, field
 from itertools import compress
 from typing import List, Optional, Sequence
 
 from memunreachable import detect, diagnose, leftovers, procfs, tracking
-from memunreachable import suppressions as suppressions_stage
-from memunreachable import symbolize as symbolize_stage
 from memunreachable import preflight as preflight_stage
 from memunreachable._errors import (CollectionError, HeapCorrupt, HeapWalkError,
                                     MemoryUnreadable, NoSuchProcess)
-from memunreachable._types import Range, merge_ranges, subtract_ranges
+from memunreachable._types import Fields, Range, merge_ranges, subtract_ranges
 from memunreachable.classify import classify, data_ranges
 from memunreachable.cpython import probe
 from memunreachable.folding import fold, size_totals
@@ -76,7 +73,7 @@ def check(pid: int, *, limit: Optional[int] = 100, timeout: float = 2.0,
     Raises MemunreachableError subclasses when the check cannot be done.
     """
     started = time.monotonic()
-    rules = suppressions_stage.as_rules(suppressions)      # a bad file fails before any pause
+    rules = _rules(suppressions)            # a bad file fails before any pause
     # 1. Preflight
     target = preflight_stage.preflight(pid)
     info = UnreachableMemoryInfo(pid=pid, comm=target.name)
@@ -115,16 +112,22 @@ class _Retake(Exception):
         self.kind, self.reason, self.error = kind, reason, error
 
 
-@dataclass
-class _Attempts:
+class _Attempts(Fields):
     """What one snapshot teaches the next: memory to capture during the pause, the last
     heap inconsistency (to tell a corrupt heap from one in flight), deaths seen."""
-    capture: List[Range] = field(default_factory=list)
-    capture_tried: bool = False
-    last_inconsistency: str = ""
-    last_suspect: bool = True
-    suspect_seen: bool = False
-    deaths: List[str] = field(default_factory=list)     # how each snapshot process was lost
+    __slots__ = ("capture", "capture_tried", "last_inconsistency", "last_suspect", "suspect_seen",
+                 "deaths")
+
+    def __init__(self, capture: Optional[List[Range]] = None, capture_tried: bool = False,
+                 last_inconsistency: str = "", last_suspect: bool = True,
+                 suspect_seen: bool = False,
+                 deaths: Optional[List[str]] = None):  # how each snapshot process was lost
+        self.capture = [] if capture is None else capture
+        self.capture_tried = capture_tried
+        self.last_inconsistency = last_inconsistency
+        self.last_suspect = last_suspect
+        self.suspect_seen = suspect_seen
+        self.deaths = [] if deaths is None else deaths
 
 
 def _snapshot_and_sweep(pid: int, info: UnreachableMemoryInfo, confirm, **opts) -> SweepResult:
@@ -559,27 +562,41 @@ def _see_through_cpython(mem, maps, threads, pid, image):
             f"CPython's memory could not be mapped ({exc}): it is scanned whole as roots"])
 
 
-@dataclass
-class _NoCPython:
+class _NoCPython(Fields):
     """pipeline.CPythonSweep of a process without a CPython runtime (cpython/probe.py)."""
-    image: object
-    cpython: None = None
-    root_cuts: list = field(default_factory=list)
-    dead: None = None
-    warnings: list = field(default_factory=list)
-    stats: dict = field(default_factory=dict)
-    usable: bool = False
+    __slots__ = ("image", "cpython", "root_cuts", "dead", "warnings", "stats", "usable")
+
+    def __init__(self, image: object, cpython: None = None, root_cuts: Optional[list] = None,
+                 dead: None = None, warnings: Optional[list] = None, stats: Optional[dict] = None,
+                 usable: bool = False):
+        self.image = image
+        self.cpython = cpython
+        self.root_cuts = [] if root_cuts is None else root_cuts
+        self.dead = dead
+        self.warnings = [] if warnings is None else warnings
+        self.stats = {} if stats is None else stats
+        self.usable = usable
 
 
-@dataclass
-class _PythonLeaks:
-    objects: dict                 # allocation index -> PyObjectInfo
-    garbage: set                  # indices of cyclic garbage (not leaks)
-    leak_flags: bytearray         # marked flags with the garbage marked too: fold the leaks
-    garbage_flags: bytearray      # marked flags with the leaks marked too: fold the garbage
-    warnings: list
-    dead: int = 0                 # unreachable refcount-0 (dead) objects, not reported
-    reader: object = None         # the ObjectReader (reprs of the entries' heads)
+class _PythonLeaks(Fields):
+    __slots__ = ("objects", "garbage", "leak_flags", "garbage_flags", "warnings", "dead", "reader")
+
+    def __init__(self,
+                 objects: dict,           # allocation index -> PyObjectInfo
+                 garbage: set,            # indices of cyclic garbage (not leaks)
+                 # marked flags with the garbage marked too: fold the leaks
+                 leak_flags: bytearray,
+                 # marked flags with the leaks marked too: fold the garbage
+                 garbage_flags: bytearray, warnings: list,
+                 dead: int = 0,           # unreachable refcount-0 (dead) objects, not reported
+                 reader: object = None):  # the ObjectReader (reprs of the entries' heads)
+        self.objects = objects
+        self.garbage = garbage
+        self.leak_flags = leak_flags
+        self.garbage_flags = garbage_flags
+        self.warnings = warnings
+        self.dead = dead
+        self.reader = reader
 
 
 def _python_objects(mem, cps, image, marked, contents) -> _PythonLeaks:
@@ -677,6 +694,15 @@ def _leak(e: SweepEntry) -> Leak:
                 stack_status=e.stack_status)
 
 
+# suppressions.py and symbolize.py load only when a check needs them (issue 10, fast start)
+def _rules(suppressions) -> list:
+    """suppressions.as_rules(suppressions)."""
+    if suppressions is None:
+        return []
+    from memunreachable import suppressions as suppressions_stage
+    return suppressions_stage.as_rules(suppressions)
+
+
 def _symbolize_and_group(info: UnreachableMemoryInfo, leaks: List[Leak], limit: Optional[int],
                          resolve: bool, rules) -> None:
     """Step 9: backtraces for the leaks (all of them when suppressions must see them, else only
@@ -684,6 +710,7 @@ def _symbolize_and_group(info: UnreachableMemoryInfo, leaks: List[Leak], limit: 
     t0 = time.monotonic()
     opts = dict(resolve=resolve, pid=info.pid)
     if rules:
+        from memunreachable import suppressions as suppressions_stage
         _backtraces(info, leaks, opts)
         leaks, gone = suppressions_stage.apply(rules, leaks)
         info.num_suppressed = sum(1 + l.referenced_count for l in gone)
@@ -700,7 +727,11 @@ def _symbolize_and_group(info: UnreachableMemoryInfo, leaks: List[Leak], limit: 
 
 def _backtraces(info: UnreachableMemoryInfo, leaks: List[Leak], opts: dict) -> None:
     """symbolize.symbolize_leaks; a failure there costs the names (module+offset is still
-    shown, with a warning), never the report."""
+    shown, with a warning), never the report. Without any stack there is nothing to name:
+    every backtrace stays []."""
+    if not any(leak.stack or leak.python_stack for leak in leaks):
+        return
+    from memunreachable import symbolize as symbolize_stage
     try:
         symbolize_stage.symbolize_leaks(leaks, info.modules, **opts)
     except Exception as exc:  # noqa: BLE001 - a symbolizer bug must not lose the leaks

@@ -72,12 +72,12 @@ def add_report_arguments(parser: argparse.ArgumentParser) -> None:
 def load_suppressions(args: argparse.Namespace) -> list:
     """The rules of --suppressions FILE ([] without it); a file that cannot be read or parsed
     is a usage error (exit 2), found before the target is touched."""
-    from memunreachable import suppressions
-    from memunreachable._errors import SuppressionsError
-
     path = getattr(args, "suppressions", None)
     if path is None:
         return []
+    from memunreachable import suppressions
+    from memunreachable._errors import SuppressionsError
+
     try:
         return suppressions.load(path)
     except SuppressionsError as exc:

@@ -14,12 +14,11 @@ from __future__ import annotations
 import bisect
 import struct
 from array import array
-from dataclasses import dataclass
 from typing import List, Optional, Tuple
 
 from memunreachable import detect
 from memunreachable._ffi import check, ffi, lib
-from memunreachable._types import Mapping, Range, ThreadState
+from memunreachable._types import Fields, Mapping, Range, ThreadState
 from memunreachable.glibc import layout as L
 from memunreachable.glibc import locate
 from memunreachable.glibc import validate as V
@@ -29,16 +28,27 @@ def _alloc_q(n: int) -> array:
     return array("Q", (0,)) * n
 
 
-@dataclass
-class TcacheContext:
+class TcacheContext(Fields):
     """What identifies and decodes the target's tcaches (glibc-heap.md 10)."""
-    layouts: Tuple[L.Tcache, ...]       # struct layouts to look for
-    key_kind: Optional[str]             # L.KEY_*; None: decide from the evidence (static <= 2.34)
-    mangled: Optional[bool]             # safe-linking; None: decide from the chains
-    active_bins: int                    # mp_.tcache_bins
-    max_count: int                      # mp_.tcache_count
-    data_ranges: List[Range]            # writable data of the malloc object (holds tcache_key)
-    threads: List[ThreadState]
+    __slots__ = ("layouts", "key_kind", "mangled", "active_bins", "max_count", "data_ranges",
+                 "threads")
+
+    def __init__(self,
+                 layouts: Tuple[L.Tcache, ...],   # struct layouts to look for
+                 # L.KEY_*; None: decide from the evidence (static <= 2.34)
+                 key_kind: Optional[str],
+                 mangled: Optional[bool],         # safe-linking; None: decide from the chains
+                 active_bins: int,                # mp_.tcache_bins
+                 max_count: int,                  # mp_.tcache_count
+                 # writable data of the malloc object (holds tcache_key)
+                 data_ranges: List[Range], threads: List[ThreadState]):
+        self.layouts = layouts
+        self.key_kind = key_kind
+        self.mangled = mangled
+        self.active_bins = active_bins
+        self.max_count = max_count
+        self.data_ranges = data_ranges
+        self.threads = threads
 
 
 # Returns how to find and decode this target's tcaches: from the version string when libc has

@@ -1,15 +1,15 @@
 """Stage 4 (allocations): glibc malloc struct layouts as data (x86_64, LP64).
 
-One frozen dataclass per layout family; each cites the glibc releases and the struct it
-mirrors (glibc malloc/malloc.c, malloc/arena.c; glibc-heap.md sections 3-10). Families are
-selected by structural probes in locate.py / walker.py; the "release version" string of libc
-is only a hint. No offset literal may appear outside this module (style.md rule 7).
+One frozen class (_types.FrozenFields) per layout family; each cites the glibc releases and
+the struct it mirrors (glibc malloc/malloc.c, malloc/arena.c; glibc-heap.md sections 3-10).
+Families are selected by structural probes in locate.py / walker.py; the "release version"
+string of libc is only a hint. No offset literal may appear outside this module (style.md rule 7).
 """
 from __future__ import annotations
 
-import re
-from dataclasses import dataclass
 from typing import Optional, Tuple
+
+from memunreachable._types import FrozenFields, set_fields
 
 # --- chunk format: identical in glibc 2.26-2.42 on x86_64 (malloc.c "struct malloc_chunk") ---
 SIZE_SZ = 8
@@ -32,24 +32,21 @@ def chunksize(size_word: int) -> int:
     return size_word & ~SIZE_FLAGS
 
 
-@dataclass(frozen=True)
-class MallocState:
+class MallocState(FrozenFields):
     """struct malloc_state (glibc 2.27-2.42; `have_fastchunks` added in 2.27)."""
-    name: str
-    sizeof: int
-    mutex: int
-    flags: int
-    fastbins: int
-    nfastbins: int
-    top: int
-    last_remainder: int
-    bins: int
-    nbins: int                  # NBINS: bins 1..nbins-1 exist (1 unsorted, 2-63 small, 64-126 large)
-    next: int
-    next_free: int
-    attached_threads: int
-    system_mem: int
-    noncontiguous_bit: int      # flags & 2: NONCONTIGUOUS_BIT
+    __slots__ = ("name", "sizeof", "mutex", "flags", "fastbins", "nfastbins", "top",
+                 "last_remainder", "bins", "nbins", "next", "next_free", "attached_threads",
+                 "system_mem", "noncontiguous_bit")
+
+    def __init__(self,
+                 name: str, sizeof: int, mutex: int, flags: int, fastbins: int, nfastbins: int,
+                 top: int, last_remainder: int, bins: int,
+                 # NBINS: bins 1..nbins-1 exist (1 unsorted, 2-63 small, 64-126 large)
+                 nbins: int, next: int, next_free: int, attached_threads: int, system_mem: int,
+                 noncontiguous_bit: int):  # flags & 2: NONCONTIGUOUS_BIT
+        set_fields(self,
+                   name, sizeof, mutex, flags, fastbins, nfastbins, top, last_remainder, bins,
+                   nbins, next, next_free, attached_threads, system_mem, noncontiguous_bit)
 
     def bin_chunk(self, arena: int, i: int) -> int:
         """Address of bin i's fake chunk (bin_at(av, i)): its fd is at +16, bk at +24."""
@@ -66,37 +63,32 @@ MALLOC_STATE_227 = MallocState(
     attached_threads=0x880, system_mem=0x888, noncontiguous_bit=2)
 
 
-@dataclass(frozen=True)
-class MallocPar:
+class MallocPar(FrozenFields):
     """struct malloc_par mp_ (int fields are 4 bytes, the rest 8)."""
-    name: str
-    sizeof: int
-    trim_threshold: int
-    top_pad: int
-    mmap_threshold: int
-    arena_test: int
-    arena_max: int
-    hp_pagesize: Optional[int]
-    n_mmaps: int
-    n_mmaps_max: int
-    max_n_mmaps: int
-    mmapped_mem: int
-    sbrk_base: int
-    tcache_bins: int
-    tcache_max_bytes: int
-    tcache_count: int
-    heap_info: "HeapInfo"
+    __slots__ = ("name", "sizeof", "trim_threshold", "top_pad", "mmap_threshold", "arena_test",
+                 "arena_max", "hp_pagesize", "n_mmaps", "n_mmaps_max", "max_n_mmaps",
+                 "mmapped_mem", "sbrk_base", "tcache_bins", "tcache_max_bytes", "tcache_count",
+                 "heap_info")
+
+    def __init__(self,
+                 name: str, sizeof: int, trim_threshold: int, top_pad: int, mmap_threshold: int,
+                 arena_test: int, arena_max: int, hp_pagesize: Optional[int], n_mmaps: int,
+                 n_mmaps_max: int, max_n_mmaps: int, mmapped_mem: int, sbrk_base: int,
+                 tcache_bins: int, tcache_max_bytes: int, tcache_count: int,
+                 heap_info: "HeapInfo"):
+        set_fields(self,
+                   name, sizeof, trim_threshold, top_pad, mmap_threshold, arena_test, arena_max,
+                   hp_pagesize, n_mmaps, n_mmaps_max, max_n_mmaps, mmapped_mem, sbrk_base,
+                   tcache_bins, tcache_max_bytes, tcache_count, heap_info)
 
 
-@dataclass(frozen=True)
-class HeapInfo:
+class HeapInfo(FrozenFields):
     """arena.c `heap_info`: 32 bytes up to 2.34, 48 from 2.35 (`pagesize` + padding)."""
-    name: str
-    sizeof: int
-    ar_ptr: int
-    prev: int
-    size: int
-    mprotect_size: int
+    __slots__ = ("name", "sizeof", "ar_ptr", "prev", "size", "mprotect_size")
+
+    def __init__(self,
+                 name: str, sizeof: int, ar_ptr: int, prev: int, size: int, mprotect_size: int):
+        set_fields(self, name, sizeof, ar_ptr, prev, size, mprotect_size)
 
     def first_chunk(self, heap: int, state: MallocState, first_heap: bool) -> int:
         """First chunk header of a heap: after heap_info (+ malloc_state in the first heap),
@@ -130,15 +122,17 @@ MP_INIT_TCACHE_COUNT = 7
 MP_MAX_MMAP_THRESHOLD = 32 * 1024 * 1024
 
 
-@dataclass(frozen=True)
-class Tcache:
+class Tcache(FrozenFields):
     """tcache_perthread_struct and tcache_entry (malloc.c)."""
-    name: str
-    count_width: int            # bytes per counts[] element
-    entries: int                # offset of entries[]
-    nbins: int                  # TCACHE_MAX_BINS
-    chunk_size: int             # chunk size of the struct's allocation
-    key: Optional[int]          # offset of tcache_entry.key (2.29+), None before
+    __slots__ = ("name", "count_width", "entries", "nbins", "chunk_size", "key")
+
+    def __init__(self, name: str,
+                 count_width: int,     # bytes per counts[] element
+                 entries: int,         # offset of entries[]
+                 nbins: int,           # TCACHE_MAX_BINS
+                 chunk_size: int,      # chunk size of the struct's allocation
+                 key: Optional[int]):  # offset of tcache_entry.key (2.29+), None before
+        set_fields(self, name, count_width, entries, nbins, chunk_size, key)
 
     def bin_chunk_size(self, i: int) -> int:
         return MINSIZE + 2 * SIZE_SZ * i
@@ -168,16 +162,17 @@ MAIN_ARENA_IMAGE_ATTACHED = 1
 # Method B (memory scan): this many consecutive plausible bin slots identify malloc_state.bins.
 BIN_RUN_MIN = 120
 
-VERSION_RE = re.compile(rb"release version 2\.(\d+)")
+VERSION_KEY = b"release version 2."
 MIN_MINOR = 27
 MAX_MINOR = 41
 
 
-@dataclass(frozen=True)
-class Layout:
+class Layout(FrozenFields):
     """The families that describe one target."""
-    state: MallocState
-    par: MallocPar
+    __slots__ = ("state", "par")
+
+    def __init__(self, state: MallocState, par: MallocPar):
+        set_fields(self, state, par)
 
     @property
     def heap_info(self) -> HeapInfo:
@@ -193,8 +188,16 @@ def version_tuple(version: Optional[str]) -> Optional[Tuple[int, int]]:
 
 def find_version(data: bytes) -> Optional[str]:
     """The "release version 2.NN" string of a libc image, as "2.NN" (a hint only)."""
-    m = VERSION_RE.search(data)
-    return f"2.{int(m.group(1))}" if m else None
+    # bytes.find, not a regex: 0.3 ms instead of 1.1 ms over libc's 2 MB, no compile (issue 10)
+    pos = data.find(VERSION_KEY)
+    while pos >= 0:
+        start = end = pos + len(VERSION_KEY)
+        while end < len(data) and 0x30 <= data[end] <= 0x39:       # ASCII digits
+            end += 1
+        if end > start:
+            return f"2.{int(data[start:end])}"
+        pos = data.find(VERSION_KEY, pos + 1)
+    return None
 
 
 def par_hint(version: Optional[str]) -> Optional[MallocPar]:

@@ -12,35 +12,37 @@ from __future__ import annotations
 import mmap
 import os
 import struct
-from dataclasses import dataclass
 from typing import Iterator, List, Optional, Tuple
 
 from memunreachable import elf as E
 from memunreachable._errors import MemoryUnreadable
 from memunreachable import procfs
-from memunreachable._types import Mapping
+from memunreachable._types import FrozenFields, Mapping, set_fields
 from memunreachable.glibc import layout as L
 
 R_X86_64_RELATIVE = 8
 
 
-@dataclass(frozen=True)
-class Located:
-    main_arena: int
-    mp: int
-    layout: L.Layout
-    version: Optional[str]        # "2.36" when libc carries the string (static builds do not)
-    method: str                   # "file" or "memory"
-    object_path: str
+class Located(FrozenFields):
+    __slots__ = ("main_arena", "mp", "layout", "version", "method", "object_path")
+
+    def __init__(self, main_arena: int, mp: int, layout: L.Layout,
+                 # "2.36" when libc carries the string (static builds do not)
+                 version: Optional[str],
+                 method: str,   # "file" or "memory"
+                 object_path: str):
+        set_fields(self, main_arena, mp, layout, version, method, object_path)
 
 
-@dataclass(frozen=True)
-class _Image:
+class _Image(FrozenFields):
     """What method A needs from the ELF file."""
-    bias: int
-    rw: List[Tuple[int, bytes]]       # (p_vaddr, file bytes) of each writable PT_LOAD
-    relative: dict                    # r_offset -> addend of R_X86_64_RELATIVE (RELA builds)
-    version: Optional[str]
+    __slots__ = ("bias", "rw", "relative", "version")
+
+    def __init__(self, bias: int,
+                 rw: List[Tuple[int, bytes]],   # (p_vaddr, file bytes) of each writable PT_LOAD
+                 # r_offset -> addend of R_X86_64_RELATIVE (RELA builds)
+                 relative: dict, version: Optional[str]):
+        set_fields(self, bias, rw, relative, version)
 
 
 def _load_bias(first_load: Tuple[int, int], mappings: List[Mapping]) -> Optional[int]:
@@ -53,13 +55,13 @@ def _load_bias(first_load: Tuple[int, int], mappings: List[Mapping]) -> Optional
     return None
 
 
-@dataclass(frozen=True)
-class _FileFacts:
+class _FileFacts(FrozenFields):
     """What method A reads from the ELF file itself: independent of where it is mapped."""
-    first_load: Tuple[int, int]
-    rw: List[Tuple[int, bytes]]
-    relative: dict
-    version: Optional[str]
+    __slots__ = ("first_load", "rw", "relative", "version")
+
+    def __init__(self, first_load: Tuple[int, int], rw: List[Tuple[int, bytes]], relative: dict,
+                 version: Optional[str]):
+        set_fields(self, first_load, rw, relative, version)
 
 
 # file identity (st_dev, st_ino, st_size, st_mtime_ns) -> _FileFacts or None (not usable).

@@ -8,10 +8,10 @@ a hard issue (the orchestrator retakes the snapshot). Pure policy: no memory acc
 """
 from __future__ import annotations
 
-from dataclasses import dataclass, field
 from typing import Dict, List, Optional, Tuple
 
 from memunreachable._errors import HeapWalkError
+from memunreachable._types import Fields
 
 # mu_walk_run statuses (native/mu_walk.h)
 WALK_TOP, WALK_FENCE2, WALK_FENCE0 = 0, 1, 2
@@ -36,12 +36,16 @@ class HeapInconsistent(HeapWalkError):
         self.first_bad = first_bad
 
 
-@dataclass
-class Verdict:
-    soft: List[str] = field(default_factory=list)
-    hard: List[str] = field(default_factory=list)
-    hard_at: List[int] = field(default_factory=list)
-    uncertain: Dict[int, str] = field(default_factory=dict)   # usable size -> warning
+class Verdict(Fields):
+    __slots__ = ("soft", "hard", "hard_at", "uncertain")
+
+    def __init__(self, soft: Optional[List[str]] = None, hard: Optional[List[str]] = None,
+                 hard_at: Optional[List[int]] = None,
+                 uncertain: Optional[Dict[int, str]] = None):  # usable size -> warning
+        self.soft = [] if soft is None else soft
+        self.hard = [] if hard is None else hard
+        self.hard_at = [] if hard_at is None else hard_at
+        self.uncertain = {} if uncertain is None else uncertain
 
     def fail(self, msg: str, at: int = 0) -> None:
         """A hard issue; at: the bad chunk/node/heap address (0: none)."""

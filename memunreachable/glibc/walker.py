@@ -17,14 +17,13 @@ import bisect
 import mmap
 import struct
 from array import array
-from dataclasses import dataclass, field
 from typing import Dict, List, Optional, Tuple
 
 from memunreachable import detect
 from memunreachable._errors import UnsupportedTarget
 from memunreachable._ffi import check, ffi, lib
-from memunreachable._types import (Allocator, HeapImage, Mapping, Range, ThreadState, local_buffer,
-                                   subtract_ranges)
+from memunreachable._types import (Allocator, Fields, HeapImage, Mapping, Range, ThreadState,
+                                   local_buffer, subtract_ranges)
 from memunreachable.glibc import layout as L
 from memunreachable.glibc import locate
 from memunreachable.glibc import validate as V
@@ -40,22 +39,30 @@ RUN_START_TRIES = 64        # candidate run starts tried after a main-arena doub
 WORD = struct.Struct("<Q")
 
 
-@dataclass
-class HeapWalk:
-    allocator: Allocator
-    image: HeapImage
-    heap_ranges: List[Range]
-    metadata_ranges: List[Range]
-    soft_issues: List[str] = field(default_factory=list)
-    stats: dict = field(default_factory=dict)
-    # usable size -> warning: a free list (tcache bin, fastbin) of that size was broken or
-    # in transit, so an unreachable block of that size may be a free chunk: report it as
-    # "uncertain", never as a leak (usable = chunk size - 8)
-    uncertain_sizes: Dict[int, str] = field(default_factory=dict)
-    # [(base, buffer)]: copies the walk made that hold no allocation (anonymous memory without
-    # mmapped chunks: pymalloc arenas, thread stacks, user mmaps). Later stages read them from
-    # here instead of the snapshot again (memory.CopiedMemory); the caller closes them.
-    spare: list = field(default_factory=list)
+class HeapWalk(Fields):
+    __slots__ = ("allocator", "image", "heap_ranges", "metadata_ranges", "soft_issues", "stats",
+                 "uncertain_sizes", "spare")
+
+    def __init__(self, allocator: Allocator, image: HeapImage, heap_ranges: List[Range],
+                 metadata_ranges: List[Range], soft_issues: Optional[List[str]] = None,
+                 stats: Optional[dict] = None,
+                 # usable size -> warning: a free list (tcache bin, fastbin) of that size was
+                 # broken or in transit, so an unreachable block of that size may be a free chunk:
+                 # report it as "uncertain", never as a leak (usable = chunk size - 8)
+                 uncertain_sizes: Optional[Dict[int, str]] = None,
+                 # [(base, buffer)]: copies the walk made that hold no allocation (anonymous memory
+                 # without mmapped chunks: pymalloc arenas, thread stacks, user mmaps). Later
+                 # stages read them from here instead of the snapshot again (memory.CopiedMemory);
+                 # the caller closes them.
+                 spare: Optional[list] = None):
+        self.allocator = allocator
+        self.image = image
+        self.heap_ranges = heap_ranges
+        self.metadata_ranges = metadata_ranges
+        self.soft_issues = [] if soft_issues is None else soft_issues
+        self.stats = {} if stats is None else stats
+        self.uncertain_sizes = {} if uncertain_sizes is None else uncertain_sizes
+        self.spare = [] if spare is None else spare
 
 
 class _Copy:
@@ -83,30 +90,37 @@ class _Copy:
             self.buf.close()
 
 
-@dataclass
-class _Piece:
+class _Piece(Fields):
     """In-use chunks of one run, heap or mapping: ascending user addresses inside [lo, hi)
     (arrays, or 'Q' memoryviews of run_jobs' scratch)."""
-    lo: int
-    user: object
-    usable: object
+    __slots__ = ("lo", "user", "usable")
+
+    def __init__(self, lo: int, user: object, usable: object):
+        self.lo = lo
+        self.user = user
+        self.usable = usable
 
 
-@dataclass
-class _Job:
+class _Job(Fields):
     """A copy to read and the run to walk from `first` in it (_Walker.run_jobs)."""
-    cp: "_Copy"
-    first: int
-    top: int
-    non_main: bool
-    res: object = None
-    piece: Optional[_Piece] = None
-    cap: int = 0
-    off: int = 0
-    arena: int = 0
-    heap: int = 0
-    holds_top: bool = False
-    heap_end: int = 0
+    __slots__ = ("cp", "first", "top", "non_main", "res", "piece", "cap", "off", "arena", "heap",
+                 "holds_top", "heap_end")
+
+    def __init__(self, cp: "_Copy", first: int, top: int, non_main: bool, res: object = None,
+                 piece: Optional[_Piece] = None, cap: int = 0, off: int = 0, arena: int = 0,
+                 heap: int = 0, holds_top: bool = False, heap_end: int = 0):
+        self.cp = cp
+        self.first = first
+        self.top = top
+        self.non_main = non_main
+        self.res = res
+        self.piece = piece
+        self.cap = cap
+        self.off = off
+        self.arena = arena
+        self.heap = heap
+        self.holds_top = holds_top
+        self.heap_end = heap_end
 
 
 def _alloc_q(n: int) -> array:

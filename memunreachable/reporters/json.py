@@ -34,7 +34,6 @@ import json
 from typing import IO, Any, Dict, Optional
 
 from memunreachable.report import SCHEMA_VERSION, Leak, LeakGroup, UnreachableMemoryInfo, group_leaks
-from memunreachable.symbolize import Frame
 
 CONTENTS_BYTES = 32
 
@@ -146,6 +145,7 @@ def _groups_to_json(info: UnreachableMemoryInfo) -> list:
 
 
 def _frame(d):
+    from memunreachable.symbolize import Frame      # only to read a report back (issue 10)
     return d if isinstance(d, str) else Frame.from_dict(d)
 
 

@@ -46,8 +46,6 @@ import os
 from typing import IO, List, Optional, Tuple
 
 from memunreachable.report import Leak, LeakGroup, UnreachableMemoryInfo, group_leaks
-from memunreachable.suppressions import format_used
-from memunreachable.symbolize import format_frame
 
 BYTES_PER_LINE = 16
 CONTENTS_BYTES = 32               # at most this many bytes are shown (libmemunreachable)
@@ -169,6 +167,8 @@ def _entry(leak: Leak, contents: bool, group: Optional[LeakGroup] = None,
         else:
             lines.append([(f"   first {len(data)} bytes of contents:", "")])
         lines.extend(_hexdump(leak.address, data))
+    if leak.backtrace:      # symbolize.py loads only for a report with stacks (issue 10)
+        from memunreachable.symbolize import format_frame
     for n, frame in enumerate(leak.backtrace):
         if isinstance(frame, str):          # a frame already formatted
             lines.append([(f"   {frame}", "")])
@@ -203,9 +203,9 @@ def iter_lines(info: UnreachableMemoryInfo, contents: bool = False) -> List[Line
         lines.append([])
     lines.extend(_uncertain(info, contents))
     lines.extend(_cyclic_garbage(info))
-    block = format_used(info.suppressions_used)
-    if block:
-        lines.extend([[(text, "")] for text in block] + [[]])
+    if info.suppressions_used:
+        from memunreachable.suppressions import format_used
+        lines.extend([[(text, "")] for text in format_used(info.suppressions_used)] + [[]])
     lines.append([(summary_line(info), "bold")])
     return lines
 

@@ -11,27 +11,44 @@ import fixtures
 
 pytestmark = pytest.mark.ptrace
 
-# Runs cli.main(argv) in a fresh interpreter; prints the module names afterwards on stderr's
-# last line (JSON), exits with main's code.
+# Runs cli.main(argv) in a fresh interpreter; prints on stderr's last line (JSON) the module
+# names afterwards and the @dataclass classes those of memunreachable define; exits with
+# main's code.
 RUN = ("import json, sys\n"
        "from memunreachable.cli import main\n"
        "rc = main(sys.argv[1:])\n"
        "sys.stdout.flush()\n"
-       "print(json.dumps(sorted(sys.modules)), file=sys.stderr)\n"
+       "dcs = sorted(f'{m}.{k}' for m, mod in list(sys.modules.items())\n"
+       "             if m.startswith('memunreachable') and mod is not None\n"
+       "             for k, v in vars(mod).items() if isinstance(v, type)\n"
+       "             and v.__module__ == m and '__dataclass_fields__' in vars(v))\n"
+       "print(json.dumps([sorted(sys.modules), dcs]), file=sys.stderr)\n"
        "sys.exit(rc)\n")
 NOT_FOR_A_C_TARGET = (
-    "rich", "elftools", "ptrace", "pytest", "_pytest",
+    "rich", "elftools", "ptrace", "pytest", "_pytest", "symbolic",
     "memunreachable.noleaks", "memunreachable.signal_dump", "memunreachable.cli.demo",
-    "memunreachable.reporters.json", "memunreachable.cpython.layout",
+    "memunreachable.cli.run", "memunreachable.reporters.json", "memunreachable.cpython.layout",
     "memunreachable.cpython.locate", "memunreachable.cpython.pipeline",
     "memunreachable.cpython.walker", "memunreachable.cpython.objects",
-    "memunreachable.cpython.obmalloc")
+    "memunreachable.cpython.obmalloc", "memunreachable.explain",
+    # issue 10, fast start: no stack to name, no suppressions file
+    "memunreachable.symbolize", "memunreachable.demangle", "memunreachable.suppressions",
+    "ctypes.util", "subprocess",
+    # nor argparse's shutil (cli.HelpFormatter), nor pickle (the sweeper's errors only)
+    "shutil", "bz2", "lzma", "pickle")
+# The @dataclass classes a check may create at import (each costs ~1 ms: the others are
+# _types.Fields classes): report.py's public ones, and the sweep's (mark.py, memory.py).
+DATACLASSES_OF_A_CHECK = {
+    "memunreachable.report.Leak", "memunreachable.report.LeakGroup",
+    "memunreachable.report.UnreachableMemoryInfo", "memunreachable.mark.DeadWords",
+    "memunreachable.mark.MarkResult", "memunreachable.memory.SnapshotPlan"}
 
 
 def _check(*argv):
     proc = subprocess.run([sys.executable, "-c", RUN, *argv], capture_output=True, text=True,
                           timeout=120)
-    modules = json.loads(proc.stderr.strip().splitlines()[-1])
+    modules, dataclasses = json.loads(proc.stderr.strip().splitlines()[-1])
+    proc.dataclasses = set(dataclasses)
     return proc, set(modules)
 
 
@@ -42,11 +59,24 @@ def test_check_of_a_c_process_imports_only_the_check():
         leak = fx.block_list("leak")[0]
         assert f"{leak.size} bytes unreachable at {leak.address:x}" in proc.stdout
         loaded = sorted(m for m in modules if m.split(".")[0] in ("rich", "elftools", "ptrace",
-                                                                   "pytest", "_pytest")
+                                                                   "pytest", "_pytest", "symbolic")
                         or m in NOT_FOR_A_C_TARGET)
         assert loaded == []
         assert {"memunreachable.unreachable", "memunreachable.reporters.text",
                 "memunreachable.cpython.probe", "memunreachable.elf"} <= modules
+        assert proc.dataclasses <= DATACLASSES_OF_A_CHECK
+        assert "memunreachable.report.UnreachableMemoryInfo" in proc.dataclasses
+
+
+def test_suppressions_load_only_with_a_file(tmp_path):
+    rules = tmp_path / "lsan.supp"
+    rules.write_text("leak:no_such_function\n")
+    with fixtures.start("leak_one") as fx:
+        proc, modules = _check("check", "--suppressions", str(rules), str(fx.pid))
+        assert proc.returncode == 23, proc.stderr
+        leak = fx.block_list("leak")[0]
+        assert f"{leak.size} bytes unreachable at {leak.address:x}" in proc.stdout
+        assert "memunreachable.suppressions" in modules
 
 
 def test_json_report_loads_only_the_json_reporter():

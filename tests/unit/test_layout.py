@@ -28,6 +28,9 @@ def test_bins_and_initial_top():
 def test_version_hint():
     assert L.find_version(b"xx GNU C Library (Debian GLIBC 2.36-9) release version 2.36.\n") == "2.36"
     assert L.find_version(b"nothing") is None
+    # the first "release version 2." followed by digits counts; a number ends at a non-digit
+    assert L.find_version(b"release version 2.x; release version 2.41") == "2.41"
+    assert L.find_version(b"release version 2.") is None
     assert L.par_hint("2.36") is L.MP_235 and L.par_hint("2.31") is L.MP_227 and L.par_hint(None) is None
 
 
