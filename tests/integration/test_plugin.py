@@ -67,9 +67,11 @@ def test_option_fails_the_leaking_test_with_the_report(suite):
 def test_each_xdist_worker_checks_itself(suite):
     # Every worker runs its own checks (its own helper): the clean test passes, the explicit
     # fixture check in a worker sees its one new leak and the plugin fails it with the report.
-    # (Whether a worker's check also catches test_leaks/test_marked_leak is not asserted: in
-    # about 1 run in 5 a stale copy of the block's address in an xdist worker hides it, a
-    # missed leak that the issue-8 work on Python processes has not removed yet.)
+    # Whether a worker's check also catches test_leaks/test_marked_leak is not asserted here:
+    # when xdist sends test_clean first to the same worker, its freed 34 MB block and the
+    # next leak of that size get the same address, and a stale interior pointer into the old
+    # block (ncurses' terminfo table's last word, in one explained run) hides the new one.
+    # test_a_real_extension_s_suite_on_xdist_workers asserts every verdict of the real suite.
     res = suite.runpytest_subprocess("--memunreachable", "-n", "2", "-rf")
     outcomes = res.parseoutcomes()
     assert outcomes.get("errors", 0) == 0 and outcomes["passed"] + outcomes["failed"] == 4
@@ -212,8 +214,8 @@ def real_suite(request, pytester, monkeypatch):
     return pytester
 
 
-def _run_real(suite) -> str:
-    res = suite.runpytest_subprocess("--memunreachable", "-p", "no:cacheprovider", "-rf")
+def _run_real(suite, *args) -> str:
+    res = suite.runpytest_subprocess("--memunreachable", "-p", "no:cacheprovider", "-rf", *args)
     res.assert_outcomes(passed=8, failed=2)
     out = res.stdout.str()
     failed = sorted(re.findall(r"^FAILED test_real.py::(\w+)", out, re.M))
@@ -235,10 +237,17 @@ def test_a_real_extension_s_leaky_tests_fail_and_clean_ones_pass(real_suite):
     assert f"memunreachable: {usable} bytes leaked in 1 allocation" in section
 
 
+def test_a_real_extension_s_suite_on_xdist_workers(real_suite):
+    # each worker checks itself: the same two tests fail, wherever xdist sends them
+    out = _run_real(real_suite, "-n", "2")
+    assert re.search(r"\[gw[01]\]", out)
+
+
 @pytest.mark.slow
-def test_a_real_extension_s_leaky_tests_fail_in_10_of_10_runs(real_suite):
+@pytest.mark.parametrize("workers", [[], ["-n", "2"]], ids=["one process", "xdist"])
+def test_a_real_extension_s_leaky_tests_fail_in_10_of_10_runs(real_suite, workers):
     for _ in range(10):
-        _run_real(real_suite)
+        _run_real(real_suite, *workers)
 
 
 def test_bad_suppressions_ini_stops_the_run_with_the_line(suite):
