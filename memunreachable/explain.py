@@ -33,7 +33,8 @@ def _referrers(lo: int, hi: int, buffers: Sequence[Tuple[int, object]], dead) ->
 
 # Returns log lines: the chain of referrers of the allocation holding addr (or why none).
 # blocks: [(begin, bytes)] of the marked allocations as mark scans them (mark.scanned_blocks).
-def explain(addr: int, image, root_buffers, marked, dead_ranges, blocks) -> List[str]:
+# threads: the frozen threads (tid, sp), to say which stack a root word lies in.
+def explain(addr: int, image, root_buffers, marked, dead_ranges, blocks, threads=()) -> List[str]:
     begins, sizes = image.begins, image.sizes
     i = bisect.bisect_right(begins, addr) - 1
     if i < 0 or addr >= begins[i] + max(sizes[i], 1):
@@ -48,7 +49,7 @@ def explain(addr: int, image, root_buffers, marked, dead_ranges, blocks) -> List
         roots = _referrers(lo, hi, root_buffers, dead)
         if roots:
             lines.append(f"  {lo:#x} ({sizes[i]} bytes) <- root words at "
-                         + ", ".join(f"{a:#x}" for a in roots[:8]))
+                         + ", ".join(f"{a:#x}{_on_stack(a, threads)}" for a in roots[:8]))
             return [f"explain {addr:#x}:"] + lines
         refs = _referrers(lo, hi, blocks, dead)
         nxt: Optional[int] = None
@@ -66,6 +67,15 @@ def explain(addr: int, image, root_buffers, marked, dead_ranges, blocks) -> List
         seen.add(nxt)
         i = nxt
     return [f"explain {addr:#x}:"] + lines
+
+
+def _on_stack(a: int, threads) -> str:
+    """' (thread T's stack, SP+N)' when a lies at most 8 MiB above a thread's stack pointer."""
+    above = [(a - t.sp, t.tid) for t in threads if t.sp and 0 <= a - t.sp < 8 << 20]
+    if not above:
+        return ""
+    off, tid = min(above)
+    return f" (thread {tid}'s stack, SP+{off:#x})"
 
 
 def _view(image, addr: int, size: int):

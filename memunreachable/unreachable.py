@@ -471,7 +471,7 @@ def sweep(mem, maps, threads, pid: int, confirm: Optional[set] = None,
         from memunreachable.mark import scanned_blocks
         for line in explain(_explain_address(), image, root_buffers, marked.marked,
                             dead.ranges if dead else (),
-                            scanned_blocks(image, marked.marked, dead)):
+                            scanned_blocks(image, marked.marked, dead), threads):
             log.warning("%s", line)
     del root_buffers
     # 6b. CPython: unreachable Python objects, and which of them are cyclic garbage

@@ -38,3 +38,18 @@ def test_scanned_blocks_follow_the_type_rules():
     assert [(b, len(v)) for b, v in blocks] == [(h.addrs[0], 56), (h.addrs[1], 16)]
     opaque = DeadWords(types=[(INT_TYPE, 16 | lib.MU_TYPE_OPAQUE << 8)])
     assert [b for b, _ in scanned_blocks(h.image(), bytes([1, 1]), opaque)] == [h.addrs[1]]
+
+
+def test_a_root_word_on_a_stack_names_the_thread_and_its_distance_from_sp():
+    from memunreachable._types import RSP_INDEX, ThreadState
+    h = Heap([32])
+    roots = [(ROOT, words_buffer(0, 0, h.addrs[0]))]
+    res = mark(h.image(), roots)
+    def thread(tid, sp):
+        regs = [0] * 27
+        regs[RSP_INDEX] = sp
+        return ThreadState(tid, tuple(regs))
+    threads = [thread(7, ROOT - 0x100),          # the word lies 0x110 above its SP
+               thread(9, ROOT + 0x100)]          # above the word: not its stack
+    lines = explain(h.addrs[0], h.image(), roots, res.marked, (), [], threads)
+    assert lines[1].endswith(f"root words at {ROOT + 16:#x} (thread 7's stack, SP+0x110)")
