@@ -14,6 +14,8 @@ import bisect
 import struct
 from typing import List, Optional, Sequence, Tuple
 
+from memunreachable._types import Range, merge_ranges
+
 MAX_STEPS = 6
 
 
@@ -26,15 +28,19 @@ def _referrers(lo: int, hi: int, buffers: Sequence[Tuple[int, object]], dead) ->
         for k, (w,) in enumerate(struct.iter_unpack("<Q", mv[skip:skip + (n - skip) // 8 * 8])):
             if lo <= w < hi:
                 a = base + skip + 8 * k
-                if not any(b <= a < e for b, e in dead):
+                j = bisect.bisect_right(dead, (a, 1 << 64)) - 1
+                if j < 0 or not dead[j][0] <= a < dead[j][1]:
                     out.append(a)
     return out
 
 
+# dead: sorted, disjoint (begin, end) pairs of words that are no references.
 # Returns log lines: the chain of referrers of the allocation holding addr (or why none).
 # blocks: [(begin, bytes)] of the marked allocations as mark scans them (mark.scanned_blocks).
-# threads: the frozen threads (tid, sp), to say which stack a root word lies in.
-def explain(addr: int, image, root_buffers, marked, dead_ranges, blocks, threads=()) -> List[str]:
+# threads: the frozen threads (tid, sp), to say which stack a root word lies in; head_word:
+# DeadWords.head_word (the PyGC_Head of each allocation), whose link words are skipped.
+def explain(addr: int, image, root_buffers, marked, dead_ranges, blocks, threads=(),
+            head_word=None) -> List[str]:
     begins, sizes = image.begins, image.sizes
     i = bisect.bisect_right(begins, addr) - 1
     if i < 0 or addr >= begins[i] + max(sizes[i], 1):
@@ -43,6 +49,10 @@ def explain(addr: int, image, root_buffers, marked, dead_ranges, blocks, threads
         return [f"explain {addr:#x}: allocation {begins[i]:#x} ({sizes[i]} bytes) is unreachable"]
     lines = []
     dead = list(dead_ranges)
+    if head_word is not None:       # GC link words are no references either
+        dead += [(begins[j] + 8 * (h - 1), begins[j] + 8 * (h + 1))
+                 for j, h in enumerate(head_word) if h]
+    dead = [(r.begin, r.end) for r in merge_ranges([Range(b, e) for b, e in dead])]
     seen = {i}
     for _ in range(MAX_STEPS):
         lo, hi = begins[i], begins[i] + max(sizes[i], 1)

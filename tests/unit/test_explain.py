@@ -53,3 +53,19 @@ def test_a_root_word_on_a_stack_names_the_thread_and_its_distance_from_sp():
                thread(9, ROOT + 0x100)]          # above the word: not its stack
     lines = explain(h.addrs[0], h.image(), roots, res.marked, (), [], threads)
     assert lines[1].endswith(f"root words at {ROOT + 16:#x} (thread 7's stack, SP+0x110)")
+
+
+def test_gc_link_words_are_not_referrers():
+    # block 1 (from a root) links to block 0 from its PyGC_Head (word 1) and refers to it
+    # from word 3: with head_word, the chain names word 3, not the link
+    h = Heap([32, 32])
+    h.link(1, 1, 0)
+    h.link(1, 3, 0)
+    roots = [(ROOT, words_buffer(h.addrs[1] + 16))]
+    res = mark(h.image(), roots)
+    blocks = scanned_blocks(h.image(), res.marked)
+    lines = explain(h.addrs[0], h.image(), roots, res.marked, (), blocks)
+    assert f"word at {h.addrs[1] + 8:#x} (offset 8)" in lines[1]
+    lines = explain(h.addrs[0], h.image(), roots, res.marked, (), blocks,
+                    head_word=bytearray([0, 1]))
+    assert f"word at {h.addrs[1] + 24:#x} (offset 24)" in lines[1]
