@@ -113,6 +113,7 @@ def _enabled(item) -> bool:
 _CANNOT = pytest.StashKey[MemunreachableError]()
 _AFTER = pytest.StashKey[tuple]()       # (item, LeakBaseline) of the last check after a test body
 _PREVIOUS = pytest.StashKey[object]()   # the item whose protocol ran last
+_SEEN = pytest.StashKey[LeakBaseline]()  # every leak any check of this session reported
 
 
 def _reason(exc: MemunreachableError) -> str:
@@ -177,6 +178,8 @@ def pytest_runtest_call(item):
             base = leak_baseline(rules)
         except MemunreachableError as exc:
             item.stash[_CANNOT] = exc       # reported at teardown; the test body runs regardless
+        else:
+            _remember(item.config, base)
     # a test that fails on its own raises here: its outcome stands, no leak report on top
     result = yield
     if base is None:
@@ -186,13 +189,26 @@ def pytest_runtest_call(item):
     except MemunreachableError as exc:
         item.stash[_CANNOT] = exc
         return result
-    item.config.stash[_AFTER] = (item, LeakBaseline(l.address for l in info.leaks))
-    new = base.new_leaks(info)
+    after = LeakBaseline(l.address for l in info.leaks)
+    item.config.stash[_AFTER] = (item, after)
+    # A leak that an earlier check reported is not this test's, even when a check in between
+    # saw it reachable: a stale copy of its address (an allocator's unwritten slack, say) that
+    # was overwritten since then made it flicker, and the clean test after it would fail
+    new = [l for l in base.new_leaks(info) if l.address not in _seen(item.config)]
+    _remember(item.config, after)
     if new:
         new_info = _only(info, new)
         pytest.fail(f"{new_info.num_leaks} native heap block(s) became unreachable during the "
                     f"test ({new_info.leak_bytes} bytes):\n{_render(new_info, True)}", pytrace=False)
     return result
+
+
+def _seen(config) -> LeakBaseline:
+    return config.stash.get(_SEEN, LeakBaseline(()))
+
+
+def _remember(config, leaks: LeakBaseline) -> None:
+    config.stash[_SEEN] = _seen(config) | leaks
 
 
 @pytest.hookimpl(wrapper=True)
