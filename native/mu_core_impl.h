@@ -134,6 +134,20 @@ static inline int mu_plausible_refcnt(uint64_t rc)
     return (rc >= 1 && rc < MU_REFCNT_SMALL) || rc == 0xFFFFFFFFull;
 }
 
+/* 1 when the two words before the object at offset off of the block at p are the PyGC_Head of
+ * an untracked object: gc_next 0, gc_prev 0 or its finalized bit (_PyObject_GC_UNTRACK; a
+ * fresh object's head is zeroed). A dead GC object (free-listed, a zombie frame) always has
+ * one; an item array whose stale slack happens to hold 0 then a type's address (a live list's
+ * items, seen on 3.9 and 3.10) does not, and must not be taken for a dead object. */
+static inline int mu_untracked_head(const uint8_t *p, uint64_t off)
+{
+    uint64_t head[2];
+    if (off < 16)
+        return 0;
+    memcpy(head, p + off - 16, 16);
+    return head[0] == 0 && (head[1] & ~1ull) == 0;
+}
+
 /* 1 when allocation [b, b+len) (bytes at p, avail readable) holds a dead object or an object
  * that holds no references (mu_dead types). */
 static inline int mu_dead_object(const mu_dead *d, const uint8_t *p, uint64_t len, uint64_t avail)
@@ -145,7 +159,8 @@ static inline int mu_dead_object(const mu_dead *d, const uint8_t *p, uint64_t le
         if (!mu_type_rule(d, p, off, &rc, &code))
             continue;
         uint64_t kind = (code >> 8) & 0xff;
-        if ((kind == MU_TYPE_DEAD_AT_ZERO || kind == MU_TYPE_VARSIZED) && rc == 0)
+        if ((kind == MU_TYPE_DEAD_AT_ZERO || kind == MU_TYPE_VARSIZED) && rc == 0
+            && mu_untracked_head(p, off))
             return 1;
         if (!mu_plausible_refcnt(rc))
             continue;

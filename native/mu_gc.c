@@ -166,31 +166,33 @@ static uint64_t find_sorted(const uint64_t *a, uint64_t n, uint64_t v)
     return lo < n && a[lo] == v ? lo : n;
 }
 
-int64_t mu_type_docs(const uint64_t *begin, const uint64_t *size, uint64_t n,
-                     const mu_region *heap, uint64_t nheap, const uint8_t *head_word,
-                     const uint64_t *meta, uint64_t nmeta, uint64_t *out, uint64_t cap)
+int64_t mu_field_blocks(const uint64_t *begin, const uint64_t *size, uint64_t n,
+                        const mu_region *heap, uint64_t nheap, const uint8_t *head_word,
+                        const uint64_t *types, uint64_t ntypes, uint64_t field,
+                        uint64_t flag_off, uint64_t flag_mask, uint64_t *out, uint64_t cap)
 {
     if ((n && (!begin || !size || !head_word)) || (nheap && !heap) || (cap && !out)
-        || (nmeta && !meta))
+        || (ntypes && !types) || field < 16 || (field & 7) || (flag_off & 7) || field > 4096
+        || flag_off > 4096)
         return -EINVAL;
-    uint64_t found = 0;
-    for (uint64_t i = 0; i < n && nmeta; i++) {
+    uint64_t found = 0, last = (field > flag_off ? field : flag_off) + 8;
+    for (uint64_t i = 0; i < n && ntypes; i++) {
         if (!head_word[i])
             continue;
         uint64_t obj = begin[i] + 8 * (uint64_t)(head_word[i] - 1) + 16;
-        if (obj + 184 > begin[i] + size[i])
+        if (obj + last > begin[i] + size[i])
             continue;
-        int64_t r = mu_region_find(heap, nheap, obj + 8, 176);
+        int64_t r = mu_region_find(heap, nheap, obj, last);
         if (r < 0)
             continue;
         const uint8_t *o = heap[r].data + (obj - heap[r].base);
-        uint64_t tp, flags, doc;
+        uint64_t tp, flags, ptr;
         memcpy(&tp, o + 8, 8);
-        memcpy(&flags, o + 168, 8);
-        memcpy(&doc, o + 176, 8);
-        if (!doc || !(flags & TPFLAGS_HEAPTYPE) || find_sorted(meta, nmeta, tp) == nmeta)
+        memcpy(&flags, o + flag_off, 8);
+        memcpy(&ptr, o + field, 8);
+        if (!ptr || (flag_mask && !(flags & flag_mask)) || find_sorted(types, ntypes, tp) == ntypes)
             continue;
-        uint64_t k = find_sorted(begin, n, doc);     /* the block starting at the doc */
+        uint64_t k = find_sorted(begin, n, ptr);     /* the block starting at the pointer */
         if (k == n || k == i)
             continue;
         if (found < cap) {

@@ -109,15 +109,17 @@ int64_t mu_list_slack(const uint64_t *begin, const uint64_t *size, uint64_t n,
                       const mu_region *heap, uint64_t nheap, const uint8_t *head_word,
                       uint64_t list_type, uint64_t *out, uint64_t cap);
 
-/* Heap types' docstrings: for every allocation i with head_word[i] != 0 whose object's ob_type
- * is one of the nmeta metatypes (ascending) and whose tp_flags (+168) has Py_TPFLAGS_HEAPTYPE,
- * the allocation that starts exactly at its tp_doc (+176: a malloc'd copy of the text, never
- * a reference) is stored as the pair (begin, begin + size) in out (2*cap words), in the order
- * of the type objects. Returns the number of pairs found (may exceed cap: then only cap were
- * stored), or -EINVAL. */
-int64_t mu_type_docs(const uint64_t *begin, const uint64_t *size, uint64_t n,
-                     const mu_region *heap, uint64_t nheap, const uint8_t *head_word,
-                     const uint64_t *meta, uint64_t nmeta, uint64_t *out, uint64_t cap);
+/* Blocks that a field of a GC object owns and that hold no references (heap types' docstrings,
+ * the buffers of io's buffered objects): for every allocation i with head_word[i] != 0 whose
+ * object's ob_type is one of the ntypes types (ascending), whose word at object offset flag_off
+ * has a bit of flag_mask set (flag_mask 0: always) and whose pointer at object offset field is
+ * exactly the start of another allocation, that allocation is stored as the pair (begin,
+ * begin + size) in out (2*cap words), in the order of the objects. Returns the number of pairs
+ * found (may exceed cap: then only cap were stored), or -EINVAL (field below 16 or unaligned). */
+int64_t mu_field_blocks(const uint64_t *begin, const uint64_t *size, uint64_t n,
+                        const mu_region *heap, uint64_t nheap, const uint8_t *head_word,
+                        const uint64_t *types, uint64_t ntypes, uint64_t field,
+                        uint64_t flag_off, uint64_t flag_mask, uint64_t *out, uint64_t cap);
 
 /* The bytes of allocation [b, b+len) (data at p, avail readable) that mu_mark scans under
  * dead: 0 for a dead or reference-free object, else its live length (mu_dead kinds FRAME and

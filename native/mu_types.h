@@ -19,8 +19,9 @@ typedef struct {
 /* Objects whose words are not scanned: types holds ntypes pairs (type address, code), sorted
  * by address; code = object offset in its block (low 8 bits) | kind << 8. An allocation whose
  * word at offset off + 8 (ob_type) is a listed type with that offset is not scanned when
- *   kind MU_TYPE_DEAD_AT_ZERO: its ob_refcnt (at off) is 0: a dead object (a zombie or
- *       free-listed frame, a free-listed tuple, cpython-memory.md section 6);
+ *   kind MU_TYPE_DEAD_AT_ZERO: its ob_refcnt (at off) is 0 and its PyGC_Head (at off - 16)
+ *       is an untracked one (next 0, prev 0 or 1): a dead object (a zombie or free-listed
+ *       frame, a free-listed tuple, cpython-memory.md section 6);
  *   kind MU_TYPE_OPAQUE: always (int, float, bytes hold no references; their slack bytes
  *       would only add stale words);
  *   kind MU_TYPE_STR: the str is compact ASCII (state bits at off + 32): text only;
@@ -35,7 +36,7 @@ typedef struct {
  *       header's size in bits 16-47 of code, an item's in bits 48-55, the item count at
  *       off + 16 (ob_size): scanned up to header + count * item (the allocator's rounding
  *       slack after the last item holds only stale words); and, as DEAD_AT_ZERO, not scanned
- *       at all when its ob_refcnt is 0 (a free-listed tuple).
+ *       at all when its ob_refcnt is 0 and its head untracked (a free-listed tuple).
  * dict_keys (MU_DICT_KEYS_*): an allocation whose header is a CPython dict key table
  * (PyDictKeysObject, consistent in every field) is scanned only up to the table's end as
  * new_keys_object sized it; the allocator's slack after it (under 16 bytes) holds only stale

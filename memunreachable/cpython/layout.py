@@ -288,6 +288,12 @@ TSTATE_FRAME = 24              # 3.8-3.10 PyThreadState.frame (PyFrameObject *, 
 TP_NAME = 24                    # PyTypeObject.tp_name (const char *)
 TP_BASICSIZE = 32               # PyTypeObject.tp_basicsize, then tp_itemsize (Py_ssize_t)
 TP_FLAGS = 168                  # PyTypeObject.tp_flags (unsigned long)
+TP_DOC = 176                    # PyTypeObject.tp_doc (const char *; a heap type's is malloc'd)
+TPFLAGS_HEAPTYPE = 1 << 9
+# Modules/_io/bufferedio.c `buffered` (3.8-3.13, measured with ctypes on each): tp_basicsize,
+# and the object offset of `char *buffer` (after raw, four ints, finalizing, abs_pos)
+BUFFERED_SIZE = 152
+BUFFERED_BUFFER = 56
 TPFLAGS_HAVE_GC = 1 << 14
 TPFLAGS_MANAGED_DICT = 1 << 4   # 3.11+
 TPFLAGS_PREHEADER = (1 << 4) | (1 << 3)   # MANAGED_DICT | MANAGED_WEAKREF, 3.12+

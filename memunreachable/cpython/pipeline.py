@@ -95,6 +95,9 @@ def prepare(mem, maps, threads, pid: Optional[int], image: HeapImage) -> CPython
             docs = type_docs(merged, head_word, metatypes(mem, cp, types))
             dead_ranges += docs
             out.stats["type_docs"] = len(docs)
+            buffers = io_buffers(merged, head_word, buffered_types(mem, cp, types))
+            dead_ranges += buffers
+            out.stats["io_buffers"] = len(buffers)
     dead_types = []
     if head_word is not None and cp.version <= L.DEAD_OBJECTS_UNTIL:
         types = sorted(set(types) | set(frame_types(mem, cp)))
@@ -421,7 +424,7 @@ def list_slack(image: HeapImage, head_word, list_type: int) -> List[Range]:
 
 
 # Returns the [Range] pairs a native pass over the GC objects of image stores (mu_list_slack,
-# mu_type_docs): call(args, out, cap) with args = (begins, sizes, n, regions, nregions,
+# mu_field_blocks): call(args, out, cap) with args = (begins, sizes, n, regions, nregions,
 # head_word); [] on an error.
 def _gc_object_ranges(image: HeapImage, head_word, call) -> List[Range]:
     n = len(image.begins)
@@ -459,15 +462,52 @@ def metatypes(mem, cp: CPythonMap, types) -> List[int]:
     return sorted(out)
 
 
-# Returns [Range] of the heap types' docstring copies (mu_type_docs): text, not references.
-# A stale pointer's high bytes in the allocator's slack after the text's NUL read as a
-# pointer into a leaked block (MEMUNREACHABLE_EXPLAIN: a pytest class's 1,112-byte docstring).
-def type_docs(image: HeapImage, head_word, metas: Sequence[int]) -> List[Range]:
-    if not metas:
+# Returns [Range] of the blocks that field `field` of the GC objects of `types` (ascending)
+# points at, when the object's word at flag_off has a bit of flag_mask (0: always).
+def field_blocks(image: HeapImage, head_word, types: Sequence[int], field: int,
+                 flag_off: int = 0, flag_mask: int = 0) -> List[Range]:
+    if not types:
         return []
-    meta = array("Q", metas)
-    return _gc_object_ranges(image, head_word, lambda args, out, cap: lib.mu_type_docs(
-        *args, ffi.from_buffer("uint64_t[]", meta), len(meta), out, cap))
+    arr = array("Q", types)
+    return _gc_object_ranges(image, head_word, lambda args, out, cap: lib.mu_field_blocks(
+        *args, ffi.from_buffer("uint64_t[]", arr), len(arr), field, flag_off, flag_mask, out,
+        cap))
+
+
+# Returns [Range] of the heap types' docstring copies: text, not references. A stale
+# pointer's high bytes in the allocator's slack after the text's NUL read as a pointer into
+# a leaked block (MEMUNREACHABLE_EXPLAIN: a pytest class's 1,112-byte docstring).
+def type_docs(image: HeapImage, head_word, metas: Sequence[int]) -> List[Range]:
+    return field_blocks(image, head_word, metas, L.TP_DOC, L.TP_FLAGS, L.TPFLAGS_HEAPTYPE)
+
+
+IO_BUFFERED = ("_io.BufferedReader", "_io.BufferedWriter", "_io.BufferedRandom")
+
+
+# Returns the types of `types` (ascending) that are io's buffered classes of this layout:
+# named as one of IO_BUFFERED and of tp_basicsize L.BUFFERED_SIZE.
+def buffered_types(mem, cp: CPythonMap, types) -> List[int]:
+    reader = object_reader(mem, cp)
+    out = []
+    for t in types:
+        ti = reader.type_info(t)
+        if ti is None or ti[0] not in IO_BUFFERED:
+            continue
+        try:
+            (basic,) = struct.unpack("<Q", mem.read(t + L.TP_BASICSIZE, 8))
+        except (MemoryUnreadable, struct.error):
+            continue
+        if basic == L.BUFFERED_SIZE:
+            out.append(t)
+    return sorted(out)
+
+
+# Returns [Range] of the buffers of io's buffered objects (a file's or pipe's bytes, never a
+# reference): a BufferedWriter's 4-8 KiB buffer keeps the stale bytes of its block's earlier
+# users past what was written (MEMUNREACHABLE_EXPLAIN: a leaked list and a forgotten 4 KiB
+# block, each hidden by an address in a pytest process's pipe and capture-file buffers).
+def io_buffers(image: HeapImage, head_word, buffered: Sequence[int]) -> List[Range]:
+    return field_blocks(image, head_word, buffered, L.BUFFERED_BUFFER)
 
 
 # Returns the ob_type of each thread's innermost frame (3.8-3.10: frames are heap objects,

@@ -227,3 +227,26 @@ def test_list_slack_is_the_item_array_above_ob_size():
     head_word = bytes([1] * len(blocks))               # each block starts with a GC head
     assert P.list_slack(img, head_word, LIST) == [Range(0x2010, 0x2028), Range(0x2300, 0x2310)]
     assert P.list_slack(img, bytes(len(blocks)), LIST) == []     # no GC objects known
+
+
+def test_io_buffers_are_the_blocks_of_buffered_objects_buffer_field():
+    WRITER, OTHER = 0x7000, 0x7100
+
+    def buffered(tp, buf):
+        body = bytearray(152)
+        struct.pack_into("<QQ", body, 0, 1, tp)
+        struct.pack_into("<Q", body, L.BUFFERED_BUFFER, buf)
+        return bytes(16) + bytes(body)                  # PyGC_Head, then the object
+    bufs = [0x3000, 0x4000, 0x5000]
+    blocks = [(0x1000, buffered(WRITER, bufs[0])),     # its buffer: data, never a reference
+              (0x1100, buffered(OTHER, bufs[1])),      # another type's field at 56: kept
+              (0x1200, buffered(WRITER, bufs[2] + 8))]  # not a block's start: kept
+    data = bytearray(0x300)
+    for b, d in blocks:
+        data[b - 0x1000:b - 0x1000 + len(d)] = d
+    begins = [b for b, _ in blocks] + bufs
+    sizes = [168] * len(blocks) + [4104] * len(bufs)
+    img = HeapImage(array("Q", begins), array("Q", sizes), [(0x1000, data)])
+    head_word = bytes([1] * len(blocks) + [0] * len(bufs))
+    assert P.io_buffers(img, head_word, [WRITER]) == [Range(0x3000, 0x3000 + 4104)]
+    assert P.io_buffers(img, head_word, []) == []

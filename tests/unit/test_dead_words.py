@@ -366,3 +366,22 @@ def test_a_tuple_at_refcount_zero_is_dead():
     h.link(0, 5, 1)
     dead = DeadWords(types=[(TUPLE, TUPLE_CODE)])
     assert list(mark(h.image(), [], [h.addrs[0]], dead=dead).marked) == [1, 0]
+
+
+@pytest.mark.parametrize("code", [TUPLE_CODE, 16 | DEAD], ids=["tuple", "dead at zero"])
+def test_an_item_array_whose_slack_looks_like_a_dead_object_is_scanned(code):
+    # a live list's item array [obj, obj, NULL, stale &Type]: words 2-3 read as ob_refcnt 0
+    # and a ruled type at offset 16, but words 0-1 are pointers, not an untracked PyGC_Head
+    # (a false leak of both items on 3.9/3.10 before the head was checked)
+    h = Heap([64, 16, 16])
+    h.link(0, 0, 1)
+    h.link(0, 1, 2)
+    h.point(0, 2, 0)
+    h.point(0, 3, TUPLE)
+    dead = DeadWords(types=[(TUPLE, code)])
+    assert list(mark(h.image(), [], [h.addrs[0]], dead=dead).marked) == [1, 1, 1]
+    # the same words after an untracked head (0, finalized bit): a dead object, not scanned
+    h.point(0, 0, 0)
+    h.point(0, 1, 1)
+    h.link(0, 4, 1)
+    assert list(mark(h.image(), [], [h.addrs[0]], dead=dead).marked) == [1, 0, 0]
