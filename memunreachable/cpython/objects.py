@@ -137,11 +137,24 @@ class ObjectReader:
             immortal = self.version >= (3, 12) and (refcnt & 0xFFFFFFFF) >= 0x80000000
             if not immortal and refcnt >= MAX_REFCNT:
                 continue
+            if refcnt == 0 and flags & L.TPFLAGS_HAVE_GC and not self._untracked_head(
+                    begin + off - 16, data[off - 16:off] if data is not None and len(data) >= off
+                    else None):
+                continue        # a live item array's stale slack, not a dead object
             obj = begin + off
             return PyObjectInfo(obj, name, refcnt & 0xFFFFFFFF if immortal else refcnt, immortal,
                                 self.short_repr(name, obj, begin + size) if with_repr else None,
                                 L.owned_fields(name, flags, self.version))
         return None
+
+    # A dead GC object's PyGC_Head is an untracked one: next 0, prev 0 or its finalized bit
+    # (native mu_untracked_head). head: its 16 bytes when already read.
+    def _untracked_head(self, at: int, head: Optional[bytes]) -> bool:
+        head = head if head is not None and len(head) == 16 else self._read(at, 16)
+        if head is None:
+            return False
+        nxt, prev = struct.unpack("<QQ", head)
+        return nxt == 0 and prev & ~1 == 0
 
     def short_repr(self, name: str, obj: int, end: int) -> Optional[str]:
         try:

@@ -64,10 +64,11 @@ def reserve():
 """
 
 TARGET = r"""
-import ctypes, json, sys
+import ctypes, io, json, os, struct, sys
 sys.path.insert(0, sys.argv[1])
 import pyleaks
 MASK = (1 << 64) - 1
+PENDING = [io.open(os.pipe()[1], "wb", buffering=8192)]
 libc = ctypes.CDLL(None)
 libc.malloc.restype = ctypes.c_void_p
 libc.malloc.argtypes = [ctypes.c_size_t]
@@ -92,6 +93,9 @@ def native():
     # addresses leave as text: a non-PIE interpreter's heap lies below 2**30, where a
     # 1-digit int holding an address is a pointer-sized copy of it
     out["ext"] = [f"{(~hidden) & MASK:#x}", size]
+    # its address as 8 bytes waiting in a file's buffer (unflushed): data, not a reference
+    PENDING.append(struct.pack("<Q", (~hidden) & MASK))
+    PENDING[0].write(PENDING[1])
     p = libc.calloc(1, (4 << 20) + 4096)   # zeroed: no stale words; mmapped (see above)
     out["ctypes"] = [f"{p:#x}", libc.malloc_usable_size(p)]
 

@@ -113,6 +113,19 @@ def test_object_reader_names_types_and_values():
     assert r.object_in(A + 0x400, 64) is None
 
 
+def test_a_dead_gc_object_needs_an_untracked_head():
+    # refcount 0 at +16 under a GC type: dead (free-listed) only after an untracked PyGC_Head;
+    # a live list's item array [item, stale, NULL, stale &list] is no object at all
+    mem = memory()
+    r = O.ObjectReader(mem, (3, 12))
+    mem.blocks[A] = struct.pack("<QQQQ", 0, 1, 0, LIST_TYPE)
+    info = r.object_in(A, 40)
+    assert (info.address, info.type_name, info.refcount) == (A + 16, "list", 0)
+    mem.blocks[A + 0x100] = struct.pack("<QQQQ", A + 0x500, A + 0x600, 0, LIST_TYPE)
+    assert r.object_in(A + 0x100, 40) is None
+    assert r.object_in(A + 0x100, 40, data=mem.blocks[A + 0x100]) is None
+
+
 def test_split_garbage_cycle_leak_and_native_block():
     # blocks: 0 list X (refcount 1) <-> 1 list Y (refcount 1): a cycle, explained;
     # 2 list L (refcount 2, one reference inside: leaked) -> 3 item array -> 4 int
