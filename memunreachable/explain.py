@@ -38,9 +38,10 @@ def _referrers(lo: int, hi: int, buffers: Sequence[Tuple[int, object]], dead) ->
 # Returns log lines: the chain of referrers of the allocation holding addr (or why none).
 # blocks: [(begin, bytes)] of the marked allocations as mark scans them (mark.scanned_blocks).
 # threads: the frozen threads (tid, sp), to say which stack a root word lies in; head_word:
-# DeadWords.head_word (the PyGC_Head of each allocation), whose link words are skipped.
+# DeadWords.head_word (the PyGC_Head of each allocation), whose link words are skipped;
+# maps: the target's mappings, to name the file a root word lies in (path+offset).
 def explain(addr: int, image, root_buffers, marked, dead_ranges, blocks, threads=(),
-            head_word=None) -> List[str]:
+            head_word=None, maps=()) -> List[str]:
     begins, sizes = image.begins, image.sizes
     i = bisect.bisect_right(begins, addr) - 1
     if i < 0 or addr >= begins[i] + max(sizes[i], 1):
@@ -59,7 +60,8 @@ def explain(addr: int, image, root_buffers, marked, dead_ranges, blocks, threads
         roots = _referrers(lo, hi, root_buffers, dead)
         if roots:
             lines.append(f"  {lo:#x} ({sizes[i]} bytes) <- root words at "
-                         + ", ".join(f"{a:#x}{_on_stack(a, threads)}" for a in roots[:8]))
+                         + ", ".join(f"{a:#x}{_on_stack(a, threads)}{_in_file(a, maps)}"
+                                     for a in roots[:8]))
             return [f"explain {addr:#x}:"] + lines
         refs = _referrers(lo, hi, blocks, dead)
         nxt: Optional[int] = None
@@ -86,6 +88,14 @@ def _on_stack(a: int, threads) -> str:
         return ""
     off, tid = min(above)
     return f" (thread {tid}'s stack, SP+{off:#x})"
+
+
+def _in_file(a: int, maps) -> str:
+    """' (FILE+0xOFFSET)' when a lies in a file mapping: the offset in the file, for nm."""
+    for m in maps:
+        if m.begin <= a < m.end and m.path and not m.path.startswith("["):
+            return f" ({m.path}+{a - m.begin + m.offset:#x})"
+    return ""
 
 
 def _view(image, addr: int, size: int):

@@ -69,3 +69,14 @@ def test_gc_link_words_are_not_referrers():
     lines = explain(h.addrs[0], h.image(), roots, res.marked, (), blocks,
                     head_word=bytearray([0, 1]))
     assert f"word at {h.addrs[1] + 24:#x} (offset 24)" in lines[1]
+
+
+def test_a_root_word_in_a_file_mapping_names_the_file_and_offset():
+    from memunreachable._types import Mapping
+    h = Heap([32])
+    roots = [(ROOT, words_buffer(0, h.addrs[0]))]
+    res = mark(h.image(), roots)
+    maps = [Mapping(begin=ROOT, end=ROOT + 0x1000, perms="rw-p", offset=0x3000, dev="08:01",
+                    inode=7, path="/usr/lib/libx.so")]
+    lines = explain(h.addrs[0], h.image(), roots, res.marked, (), [], maps=maps)
+    assert lines[1].endswith(f"root words at {ROOT + 8:#x} (/usr/lib/libx.so+0x3008)")
