@@ -2,6 +2,7 @@
  * heap memory. Layout policy (where runs start, which offsets) lives in memunreachable/glibc. */
 #include "mu_core_impl.h"
 #include <pthread.h>
+#include <sys/mman.h>
 #include <unistd.h>
 
 #define CHUNK_PREV_INUSE 1u
@@ -234,11 +235,26 @@ int64_t mu_walk_mmapped(const uint8_t *data, uint64_t base, uint64_t len, uint64
     return (int64_t)stored;
 }
 
+/* Reads n bytes at addr of an uncopied region (mu_region.uncopied) through its fd: 0, or -1
+ * when they cannot all be read. */
+static int uncopied_read(const mu_region *r, uint64_t addr, uint8_t *out, uint64_t n)
+{
+    uint64_t first_bad = 0;
+    return mu_read_serial(r->fd, addr, out, n, &first_bad) == 0 ? 0 : -1;
+}
+
 static inline int region_word(const mu_region *r, uint64_t nr, uint64_t addr, uint64_t *v)
 {
     int64_t i = mu_region_find(r, nr, addr, 8);
     if (i < 0)
         return -1;
+    if (r[i].uncopied) {
+        uint8_t w[8];
+        if (uncopied_read(&r[i], addr, w, 8))
+            return -1;
+        *v = ld64(w);
+        return 0;
+    }
     *v = ld64(r[i].data + (addr - r[i].base));
     return 0;
 }
@@ -369,6 +385,7 @@ int64_t mu_walk_tcache_scan(const mu_region *regions, uint64_t nregions, const u
         return -EINVAL;
     uint64_t found = 0;
     const uint64_t span = entries_off + 8 * nbins;
+    uint8_t *local = NULL;      /* a candidate's bytes read from an uncopied region */
     for (uint64_t i = 0; i < n; i++) {
         if (usable[i] != struct_usable)
             continue;
@@ -376,7 +393,18 @@ int64_t mu_walk_tcache_scan(const mu_region *regions, uint64_t nregions, const u
         int64_t r = mu_region_find(regions, nregions, addr, span);
         if (r < 0)
             continue;
-        const uint8_t *p = regions[r].data + (addr - regions[r].base);
+        const uint8_t *p;
+        if (regions[r].uncopied) {
+            if (!local && !(local = malloc(span))) {
+                found = (uint64_t)-ENOMEM;
+                break;
+            }
+            if (uncopied_read(&regions[r], addr, local, span))
+                continue;           /* unreadable: as outside every region */
+            p = local;
+        } else {
+            p = regions[r].data + (addr - regions[r].base);
+        }
         int ok = 1;
         for (uint64_t b = 0; b < nbins && ok; b++) {
             uint64_t c = count_width == 1 ? p[b] : (uint64_t)p[2 * b] | ((uint64_t)p[2 * b + 1] << 8);
@@ -414,6 +442,7 @@ int64_t mu_walk_tcache_scan(const mu_region *regions, uint64_t nregions, const u
             out[found] = cd;
         found++;
     }
+    free(local);
     return (int64_t)found;
 }
 
@@ -489,6 +518,7 @@ int64_t mu_walk_subtract(uint64_t *user, uint64_t *usable, uint64_t n, uint64_t 
 typedef struct {
     walk_pos pos;
     uint64_t walked;        /* pieces walked over (a prefix of the job's pieces) */
+    uint64_t dropped;       /* drop jobs: pieces released (a prefix) */
     int lock;               /* 1 while a thread walks this job */
     int finished;           /* the run ended */
 } rw_state;
@@ -517,6 +547,15 @@ static uint64_t rw_job_of(const rw_ctx *x, uint64_t piece)
     return lo;
 }
 
+/* Releases pieces [from, to) of a drop job's copy (their pages read as zeros after). */
+static void rw_release(mu_read_job *jb, uint64_t from, uint64_t to)
+{
+    uint64_t a = from * RW_PIECE, e = to * RW_PIECE < jb->len ? to * RW_PIECE : jb->len;
+    e = e == jb->len ? (e + 4095) & ~(uint64_t)4095 : e;
+    if (e > a)
+        madvise(jb->buf + a, e - a, MADV_DONTNEED);     /* advisory: errors ignored */
+}
+
 /* Walks job j over the pieces copied so far, unless another thread is at it; then looks
  * again, so that a piece finished during the walk is not left for the final pass. */
 static void rw_advance(rw_ctx *x, uint64_t j)
@@ -539,6 +578,16 @@ static void rw_advance(rw_ctx *x, uint64_t j)
                 st->finished = 1;
         }
         st->walked = k;
+        if (jb->drop) {
+            /* the walk never reads below pos.c again: release the pieces wholly below it */
+            uint64_t below = st->finished ? k : (st->pos.c - jb->addr) / RW_PIECE;
+            if (below > k)
+                below = k;
+            if (below > st->dropped) {
+                rw_release(jb, st->dropped, below);
+                st->dropped = below;
+            }
+        }
         __atomic_store_n(&st->lock, 0, __ATOMIC_RELEASE);
         if (k >= np || !__atomic_load_n(&done[k], __ATOMIC_ACQUIRE))
             return;
@@ -575,6 +624,8 @@ static void *rw_thread(void *arg)
         __atomic_store_n(&x->done[p], 1, __ATOMIC_RELEASE);
         if (jb->first)
             rw_advance(x, j);
+        if (jb->drop && __atomic_load_n(&x->st[j].finished, __ATOMIC_ACQUIRE))
+            rw_release(jb, p - x->piece0[j], p - x->piece0[j] + 1);  /* past the walk's end */
     }
 }
 
@@ -633,6 +684,8 @@ int64_t mu_read_walk(int memfd, mu_read_job *jobs, uint64_t njobs)
             walk_steps(jb->buf, jb->addr, jb->len, jb->addr + jb->len, 1, jb->top, jb->non_main,
                        jb->user, jb->usable, jb->cap, &jb->res, &x.st[j].pos);
         jb->stored = (int64_t)(x.st[j].pos.stored < jb->cap ? x.st[j].pos.stored : jb->cap);
+        if (jb->drop && jb->len)
+            rw_release(jb, 0, x.piece0[j + 1] - x.piece0[j]);
     }
     free(x.st);
     free(x.piece0);

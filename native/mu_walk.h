@@ -43,7 +43,10 @@ typedef struct {
     uint64_t first;         /* in: the first chunk header to walk from; 0: copy only */
     uint64_t top;
     uint32_t non_main;
-    uint32_t pad;
+    uint32_t drop;          /* in: 1: the copy is not kept: each 1 MiB piece is released
+                             * (MADV_DONTNEED) once the walk is past it, and every piece once
+                             * the walk ended (buf: a private anonymous mapping, page aligned,
+                             * reading zeros afterwards) */
     uint64_t *user;
     uint64_t *usable;
     uint64_t cap;

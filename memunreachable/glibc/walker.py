@@ -58,8 +58,25 @@ class HeapWalk:
     spare: list = field(default_factory=list)
 
 
+class Uncopied:
+    """The buffer of a region the walk did not keep (walk_heap(uncopied_from=...)): its bytes
+    are read on demand through fd, a /proc/<pid>/mem fd of the snapshot (mu_region.uncopied:
+    mu_mark and the free-list walks accept it; _ffi.region_array builds it)."""
+
+    def __init__(self, size: int, fd: int):
+        self.nbytes = size
+        self.uncopied_fd = fd
+
+    def __len__(self) -> int:
+        return self.nbytes
+
+
+def is_uncopied(buf) -> bool:
+    return isinstance(buf, Uncopied)
+
+
 class _Copy:
-    """A local copy of [base, base+len) of target memory."""
+    """A local copy of [base, base+len) of target memory (or, once dropped, an Uncopied)."""
 
     def __init__(self, mem, base: int, size: int, read: bool = True):
         self.base = base
@@ -69,6 +86,24 @@ class _Copy:
             mem.read_into(base, self.buf)
         self.ptr = ffi.cast("uint8_t *", ffi.from_buffer(self.buf))
         self.used = False
+
+    def private_mapping(self) -> None:
+        """Make buf a private anonymous mapping (mu_read_job.drop releases its pages)."""
+        if not isinstance(self.buf, mmap.mmap):
+            self.buf = mmap.mmap(-1, self.size, flags=mmap.MAP_PRIVATE | mmap.MAP_ANONYMOUS)
+            self.ptr = ffi.cast("uint8_t *", ffi.from_buffer(self.buf))
+
+    def drop(self, fd: int) -> None:
+        """Release the copy: the region is read through fd from now on."""
+        self.close()
+        self.ptr = None
+        self.buf = Uncopied(self.size, fd)
+
+    def restore(self, mem) -> None:
+        """Read a dropped copy again (a rare walk step needs the whole run: drop it after)."""
+        self.buf = local_buffer(self.size, zeroed=False)
+        mem.read_into(self.base, self.buf)
+        self.ptr = ffi.cast("uint8_t *", ffi.from_buffer(self.buf))
 
     @property
     def end(self) -> int:
@@ -144,18 +179,25 @@ class _Walker(FreeListsMixin):
         return c
 
     # -- heap copies read and walked in one pass --------------------------------------
-    def run_jobs(self, jobs: List["_Job"]) -> None:
+    def run_jobs(self, jobs: List["_Job"], uncopied_from: Optional[int] = None) -> bool:
         """Copy each job's range and walk its first run: in one native pass (mu_read_walk, the
         walk follows the reads) when every range comes from the snapshot's fd alone, else
-        with mem.read_into then walk_run. Sets job.res and job.piece."""
+        with mem.read_into then walk_run. Sets job.res and job.piece. uncopied_from: when the
+        ranges (fast path only) total at least this many bytes, no copy is kept: each piece
+        is released once walked and the copies become Uncopied regions (the low-memory
+        sweep). Returns True when the copies were dropped."""
         fast = getattr(self.mem, "plain", None)
         if not jobs:
-            return
+            return False
         if fast is None or not all(fast(j.cp.base, j.cp.size) for j in jobs):
             for j in jobs:
                 self.mem.read_into(j.cp.base, j.cp.buf)
                 j.res, j.piece = self.walk_run(j.cp, j.first, j.top, j.non_main)
-            return
+            return False
+        drop = uncopied_from is not None and sum(j.cp.size for j in jobs) >= uncopied_from
+        if drop:
+            for j in jobs:
+                j.cp.private_mapping()
         tab = ffi.new("mu_read_job[]", len(jobs))
         for j in jobs:
             j.cap = max(256, (j.cp.end - j.first) // 192)
@@ -168,7 +210,7 @@ class _Walker(FreeListsMixin):
         for k, j in enumerate(jobs):
             t = tab[k]
             t.addr, t.len, t.buf = j.cp.base, j.cp.size, j.cp.ptr
-            t.first, t.top, t.non_main = j.first, j.top, int(j.non_main)
+            t.first, t.top, t.non_main, t.drop = j.first, j.top, int(j.non_main), int(drop)
             t.user, t.usable, t.cap = pu + off, pv + off, j.cap
             j.off = off
             off += j.cap
@@ -187,10 +229,17 @@ class _Walker(FreeListsMixin):
             res = ffi.new("mu_walk_result *")
             res[0] = t.res
             if res.in_use > j.cap:          # more chunks than the estimate: walk again
+                if drop:                    # (its pieces were released: read them again)
+                    self.mem.read_into(j.cp.base, j.cp.buf)
                 j.res, j.piece = self.walk_run(j.cp, j.first, j.top, j.non_main)
                 continue
             j.res, j.piece = res, _Piece(j.first, mu[j.off:j.off + t.stored],
                                          mv[j.off:j.off + t.stored])
+        if drop:
+            for j in jobs:
+                j.cp.drop(self.mem.fd)
+            self.stats["uncopied_bytes"] = sum(j.cp.size for j in jobs)
+        return drop
 
     def mapping_at(self, addr: int) -> Optional[Mapping]:
         i = bisect.bisect_right(self.map_begins, addr) - 1
@@ -269,6 +318,8 @@ class _Walker(FreeListsMixin):
                 cp.used = True
                 if res.status == V.WALK_TOP:
                     return True
+                if cp.ptr is None:              # dropped (low-memory walk): read it again
+                    cp.restore(self.mem)
                 nxt = self.next_run_start(cp, res.end, top)
                 if nxt is None:
                     return False
@@ -443,10 +494,15 @@ class _Walker(FreeListsMixin):
 
     # -- step 8: tcache and fastbins ----------------------------------------------------
     def regions_table(self):
-        live = sorted((c for c in self.copies if c.ptr is not None), key=lambda c: c.base)
+        live = sorted((c for c in self.copies if c.ptr is not None or is_uncopied(c.buf)),
+                      key=lambda c: c.base)
         tab = ffi.new("mu_region[]", max(1, len(live)))
         for i, c in enumerate(live):
-            tab[i].base, tab[i].len, tab[i].data = c.base, c.size, c.ptr
+            tab[i].base, tab[i].len = c.base, c.size
+            if c.ptr is not None:
+                tab[i].data = c.ptr
+            else:                       # dropped: the list walks read it through the fd
+                tab[i].uncopied, tab[i].fd = 1, c.buf.uncopied_fd
         return tab, len(live)
 
     def check_bins(self, arenas: List[int], lay: L.Layout) -> None:
@@ -519,7 +575,12 @@ def _find_objects(mem, maps, pid) -> Tuple[detect.AllocatorScan, locate.Located]
 # is a soft issue and its usable size is in HeapWalk.uncertain_sizes. Raises UnsupportedTarget
 # (not glibc malloc, unknown layout, arenas unused), HeapInconsistent (hard inconsistency:
 # retake the snapshot; .first_bad and a deterministic message tell a corrupt heap apart).
-def walk_heap(mem, maps: List[Mapping], threads: List[ThreadState], pid: int) -> HeapWalk:
+# uncopied_from: when the heaps (main arena and thread-arena heaps) read straight from the
+# snapshot's fd total at least this many bytes, they are walked without keeping a copy: the
+# image's regions for them are Uncopied (read through mem.fd by mu_mark and the free-list
+# walks; the snapshot must stay alive until the mark ends); None keeps every copy.
+def walk_heap(mem, maps: List[Mapping], threads: List[ThreadState], pid: int,
+              uncopied_from: Optional[int] = None) -> HeapWalk:
     # 1. which allocator, and where are main_arena and mp_
     scan, loc = _find_objects(mem, maps, pid)
     lay = loc.layout
@@ -557,10 +618,13 @@ def walk_heap(mem, maps: List[Mapping], threads: List[ThreadState], pid: int) ->
     # 4. thread arenas and their heaps
     plans = [w.plan_thread_arena(a, lay, w.word(a + lay.state.top), heap_max) for a in arenas[1:]]
     # 3b-4b. copy the main arena's memory and every heap, walking each while it is read
-    w.run_jobs(([main_job] if main_job else []) +
-               [j for steps in plans for j in steps if isinstance(j, _Job)])
+    dropped = w.run_jobs(([main_job] if main_job else []) +
+                         [j for steps in plans for j in steps if isinstance(j, _Job)],
+                         uncopied_from)
     if main_job is not None:
         top_reached = w.main_runs(main, top, main_job)
+        if dropped and main_job.cp.ptr is not None:
+            main_job.cp.drop(mem.fd)        # restored for a later run: dropped again
     for steps in plans:
         w.thread_arena(steps)
     # 5. anonymous memory: NONCONTIGUOUS main runs, mmapped chunks

@@ -1,0 +1,53 @@
+"""The low-memory sweep (unreachable.UNCOPIED_MIN_BYTES): heaps walked without keeping copies,
+blocks read from the snapshot by the mark as it reaches them. The same fixtures run through
+both paths: the copying one (the fixtures' heaps are far below the threshold) and the
+low-memory one (threshold forced to 0; the sweeper is forked from this process, so it sees
+the patched constant). Both must give exactly the fixture's own leak table, entry for entry
+identical (address, size, referenced count and size, contents), with the same totals, and
+the low-memory run must really have dropped the heap copies."""
+from __future__ import annotations
+
+import pytest
+
+import fixtures
+from expected import EXPECTED
+from memunreachable import unreachable
+from memunreachable.unreachable import check
+from test_check import assert_result, assert_target_running
+
+pytestmark = pytest.mark.ptrace
+
+# chains, cycles, shared children, thread arenas, mmapped chunks, free chunks in bins and
+# tcaches, many threads, a heap cut by foreign sbrk calls, 1000+ leaks
+NAMES = ["leak_one", "leak_chain", "leak_ring_tail", "leak_head_cycle", "leak_shared_child",
+         "live_interior", "free_chunks", "thread_arena", "mmap_chunk", "calloc_zero",
+         "leak_lots", "threads_many", "churn", "clean"]
+CHANGING = {"churn"}        # its threads allocate and free all along: totals move, leaks do not
+
+
+def table(info) -> list:
+    return [(l.address, l.size, l.referenced_count, l.referenced_size, l.contents)
+            for l in info.leaks]
+
+
+def totals(info) -> tuple:
+    # heap bytes scanned, not root bytes: a stack's scanned part moves between two checks
+    return (info.num_leaks, info.leak_bytes, info.num_allocations, info.allocation_bytes,
+            info.stats["heap_bytes"])
+
+
+@pytest.mark.parametrize("name", NAMES)
+def test_lowmem_equals_copying(name, monkeypatch):
+    shape = EXPECTED[name]
+    with fixtures.start(name, timeout=120) as fx:
+        copying = check(fx.pid, limit=None)
+        assert not copying.stats["stats"].get("uncopied_bytes")
+        monkeypatch.setattr(unreachable, "UNCOPIED_MIN_BYTES", 0)
+        lowmem = check(fx.pid, limit=None)
+        assert lowmem.stats["stats"]["uncopied_bytes"] > 0
+        assert_target_running(fx)
+        for info in (copying, lowmem):
+            assert_result(fx, shape, info)
+        assert table(lowmem) == table(copying)
+        if name not in CHANGING:
+            assert totals(lowmem) == totals(copying)
