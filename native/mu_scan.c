@@ -18,8 +18,8 @@
  * WAVE_READ bytes (one buffer per mark thread), and a thread takes WAVE_BATCH bytes of the
  * wave at a time. */
 #define WAVE_GAP (4u << 10)
-#define WAVE_READ (8u << 20)
-#define WAVE_BATCH (16u << 20)
+#define WAVE_READ (1u << 20)
+#define WAVE_BATCH (4u << 20)
 
 static inline uint64_t ld64(const uint8_t *p)
 {
