@@ -60,6 +60,8 @@ def region_array(pairs: Sequence[Tuple[int, object]]):
         if fd is not None:
             regions[k].base, regions[k].len = base, buf.nbytes
             regions[k].uncopied, regions[k].fd = 1, fd
+            if getattr(buf, "cands", None) is not None:
+                regions[k].cands = buf.cands
             continue
         nbytes = memoryview(buf).nbytes
         data = ffi.from_buffer("uint8_t[]", buf) if nbytes else ffi.NULL

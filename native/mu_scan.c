@@ -362,6 +362,7 @@ typedef struct {
     uint8_t *rbuf;          /* WAVE_READ bytes: one read of a wave */
     int64_t err;            /* the first read error (-errno; -EIO: bytes unreadable) */
     struct wave_shared_s *ws;
+    int plain_rules;        /* dead has no object rules (types, dict_keys, head_word) */
 } mark_ctx;
 
 /* Moves half of m's stack to the pool when another thread waits for work. */
@@ -550,6 +551,51 @@ static inline void scan_block(mark_ctx *m, uint64_t i, const uint8_t *d, uint64_
     m->heap_bytes += len;
 }
 
+/* Scans allocation i of the uncopied region reg from its kept candidates (mu_cands): returns
+ * 1 when done, 0 when it must be read (a piece not kept, a dead word or an object rule that may
+ * apply, an unaligned or partial word). The candidates are the words a byte scan would pass to
+ * consider's [lo, hi) test, in the same order: the result and the statistics are the same. */
+static int scan_cands(mark_ctx *m, uint64_t i, const mu_region *reg)
+{
+    const mu_cands *c = reg->cands;
+    if (!c || !m->plain_rules)
+        return 0;
+    const mu_scan_index *ix = m->ix;
+    uint64_t b = ix->span[2 * i], len = ix->span[2 * i + 1] - b;
+    if (len == 1)
+        len = m->size[i];
+    if (!len)
+        return 1;                       /* a zero-size allocation has no words */
+    uint64_t e = b + len;
+    if ((b & 7) || (len & 7) || b < c->base || e > c->base + c->len)
+        return 0;
+    if (m->dead && m->dead->nranges) {  /* a dead word inside: the byte scan decides */
+        mu_live_iter it;
+        uint64_t rb, re;
+        mu_live_init(&it, m->dead, b, e, 0, 0);
+        if (!mu_live_next(&it, &rb, &re) || rb != b || re < e)
+            return 0;
+    }
+    uint64_t k0 = (b - c->base) >> MU_CAND_PIECE_SHIFT, k1 = (e - 1 - c->base) >> MU_CAND_PIECE_SHIFT;
+    for (uint64_t k = k0; k <= k1; k++)
+        if (__atomic_load_n(&c->p[k].state, __ATOMIC_ACQUIRE) != 1)
+            return 0;
+    for (uint64_t k = k0; k <= k1; k++) {
+        const mu_cand_piece *p = &c->p[k];
+        uint64_t pb = c->base + (k << MU_CAND_PIECE_SHIFT);
+        uint64_t lo = b > pb ? b - pb : 0;
+        uint64_t hi = e - pb < (1ull << MU_CAND_PIECE_SHIFT) ? e - pb : (1ull << MU_CAND_PIECE_SHIFT);
+        uint64_t j = p->sub[lo >> MU_CAND_SUB_SHIFT];
+        while (j < p->n && p->off[j] < lo)
+            j++;
+        for (; j < p->n && p->off[j] < hi; j++)
+            consider(m, p->val[j]);
+    }
+    m->words += len / 8;
+    m->heap_bytes += len;
+    return 1;
+}
+
 /* Worklist: pop up to SCAN_POP allocations, fetch their words together, scan them; look the
  * candidates up in batches. Each allocation is marked when pushed (by one thread: the atomic
  * exchange decides), so it is scanned at most once. */
@@ -578,7 +624,8 @@ static void mark_loop(mark_ctx *m)
             uint64_t i = batch[nb] = m->stack[--m->sp];
             uint64_t r = breg[nb] = nheap == 1 ? 0 : mu_scan_index_region_of(ix, i);
             if (heap[r].uncopied) {
-                m->pend[m->npend++] = (uint32_t)i;     /* read and scanned in the next wave */
+                if (!scan_cands(m, i, &heap[r]))
+                    m->pend[m->npend++] = (uint32_t)i; /* read and scanned in the next wave */
                 continue;
             }
             uint64_t b = ix->span[2 * i], len = ix->span[2 * i + 1] - b;
@@ -855,6 +902,7 @@ int64_t mu_mark(const uint64_t *begin, const uint64_t *size, uint64_t n,
         ms[t].untyped = dead && dead->ntypes ? &untyped : NULL;
         ms[t].type_bits = type_bits;
         ms[t].marked = marked;
+        ms[t].plain_rules = !dead || (!dead->ntypes && !dead->dict_keys && !dead->head_word);
         memset(ms[t].seen, 0xff, sizeof ms[t].seen);
     }
     if (nt > 1) {

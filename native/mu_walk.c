@@ -512,6 +512,7 @@ int64_t mu_walk_subtract(uint64_t *user, uint64_t *usable, uint64_t n, uint64_t 
 
 /* ---- mu_read_walk: copy and walk in one pass --------------------------------------------- */
 #define RW_PIECE (1ull << 20)
+#define CAND_PIECE_BYTES (1ull << MU_CAND_PIECE_SHIFT)     /* == RW_PIECE: one piece each */
 #define RW_PARALLEL_MIN (4ull << 20)
 #define RW_MAX_THREADS 4
 
@@ -597,10 +598,15 @@ static void rw_advance(rw_ctx *x, uint64_t j)
 static void *rw_thread(void *arg)
 {
     rw_ctx *x = arg;
+    uint32_t *toff = NULL;      /* mu_cands scratch, allocated at the first piece with cands */
+    uint64_t *tval = NULL;
     for (;;) {
         uint64_t p = __atomic_fetch_add(&x->next, 1, __ATOMIC_RELAXED);
-        if (p >= x->npieces)
+        if (p >= x->npieces) {
+            free(toff);
+            free(tval);
             return NULL;
+        }
         uint64_t j = rw_job_of(x, p);
         mu_read_job *jb = &x->jobs[j];
         uint64_t off = (p - x->piece0[j]) * RW_PIECE;
@@ -621,6 +627,18 @@ static void *rw_thread(void *arg)
                                                 __ATOMIC_RELAXED, __ATOMIC_RELAXED))
                 ;
         }
+        if (jb->cands) {        /* the piece's reference candidates, while it is in the caches */
+            mu_cands *c = jb->cands;
+            uint64_t k = p - x->piece0[j];
+            if (!toff) {
+                toff = malloc((CAND_PIECE_BYTES / 8) * sizeof *toff);
+                tval = malloc((CAND_PIECE_BYTES / 8) * sizeof *tval);
+            }
+            if (rc == 0 && toff && tval)
+                mu_cands_fill_piece(c, k, jb->buf + off, n, toff, tval);
+            else
+                __atomic_store_n(&c->p[k].state, -1, __ATOMIC_RELEASE);
+        }
         __atomic_store_n(&x->done[p], 1, __ATOMIC_RELEASE);
         if (jb->first)
             rw_advance(x, j);
@@ -637,7 +655,8 @@ int64_t mu_read_walk(int memfd, mu_read_job *jobs, uint64_t njobs)
     for (uint64_t j = 0; j < njobs; j++) {
         mu_read_job *jb = &jobs[j];
         if ((jb->len && !jb->buf) || (jb->first && ((jb->cap && (!jb->user || !jb->usable)) ||
-                                                   jb->first < jb->addr || (jb->first & 15))))
+                                                   jb->first < jb->addr || (jb->first & 15))) ||
+            (jb->cands && (jb->cands->base != jb->addr || jb->cands->len != jb->len)))
             return -EINVAL;
         memset(&jb->res, 0, sizeof jb->res);
         jb->stored = jb->bad = 0;
@@ -691,4 +710,113 @@ int64_t mu_read_walk(int memfd, mu_read_job *jobs, uint64_t njobs)
     free(x.piece0);
     free(x.done);
     return 0;
+}
+
+/* ---- mu_cands: the reference candidates of an uncopied region ---------------------------- */
+#define CAND_PIECE (1ull << MU_CAND_PIECE_SHIFT)
+
+int64_t mu_cands_new(uint64_t base, uint64_t len, uint64_t lo, uint64_t hi, uint64_t max_words,
+                     mu_cands **out)
+{
+    if (!out || (base & 4095) || base + len < base || hi < lo)
+        return -EINVAL;
+    mu_cands *c = calloc(1, sizeof *c);
+    if (!c)
+        return -ENOMEM;
+    c->base = base;
+    c->len = len;
+    c->lo = lo;
+    c->hi = hi;
+    c->max_words = max_words;
+    c->npieces = (len + CAND_PIECE - 1) / CAND_PIECE;
+    c->p = calloc(c->npieces ? c->npieces : 1, sizeof *c->p);
+    if (!c->p) {
+        free(c);
+        return -ENOMEM;
+    }
+    *out = c;
+    return 0;
+}
+
+void mu_cands_free(mu_cands *c)
+{
+    if (!c)
+        return;
+    for (uint64_t k = 0; k < c->npieces; k++) {
+        free(c->p[k].off);
+        free(c->p[k].val);
+    }
+    free(c->p);
+    free(c);
+}
+
+void mu_cands_fill_piece(mu_cands *c, uint64_t k, const uint8_t *d, uint64_t n, uint32_t *toff,
+                         uint64_t *tval)
+{
+    mu_cand_piece *p = &c->p[k];
+    const uint64_t lo = c->lo, span = c->hi - c->lo;
+    uint64_t nw = n / 8, cnt = 0;
+    for (uint64_t w = 0; w < nw; w++) {
+        if (!(w & ((1u << (MU_CAND_SUB_SHIFT - 3)) - 1)))
+            p->sub[w >> (MU_CAND_SUB_SHIFT - 3)] = (uint32_t)cnt;
+        uint64_t v = ld64(d + 8 * w);
+        toff[cnt] = (uint32_t)(8 * w);
+        tval[cnt] = v;
+        cnt += v - lo < span;
+    }
+    for (uint64_t s = (nw + (1u << (MU_CAND_SUB_SHIFT - 3)) - 1) >> (MU_CAND_SUB_SHIFT - 3);
+         s <= MU_CAND_SUBS; s++)
+        p->sub[s] = (uint32_t)cnt;
+    int32_t state = -1;
+    if (__atomic_add_fetch(&c->used, cnt, __ATOMIC_RELAXED) > c->max_words) {
+        __atomic_sub_fetch(&c->used, cnt, __ATOMIC_RELAXED);   /* over the budget: not kept */
+    } else if (cnt == 0 || ((p->off = malloc(cnt * sizeof *p->off)) &&
+                            (p->val = malloc(cnt * sizeof *p->val)))) {
+        if (cnt) {
+            memcpy(p->off, toff, cnt * sizeof *toff);
+            memcpy(p->val, tval, cnt * sizeof *tval);
+        }
+        p->n = (uint32_t)cnt;
+        state = 1;
+    } else {
+        free(p->off);
+        p->off = NULL;
+        __atomic_sub_fetch(&c->used, cnt, __ATOMIC_RELAXED);
+    }
+    __atomic_store_n(&p->state, state, __ATOMIC_RELEASE);
+}
+
+int64_t mu_cands_fill(mu_cands *c, const uint8_t *data, uint64_t addr, uint64_t len)
+{
+    if (!c || (len && !data))
+        return -EINVAL;
+    uint32_t *toff = malloc((CAND_PIECE / 8) * sizeof *toff);
+    uint64_t *tval = malloc((CAND_PIECE / 8) * sizeof *tval);
+    int64_t kept = 0;
+    if (!toff || !tval) {
+        free(toff);
+        free(tval);
+        return -ENOMEM;
+    }
+    for (uint64_t k = 0; k < c->npieces; k++) {
+        uint64_t pb = c->base + k * CAND_PIECE;
+        uint64_t pe = pb + CAND_PIECE < c->base + c->len ? pb + CAND_PIECE : c->base + c->len;
+        if (pb < addr || pe > addr + len || c->p[k].state)
+            continue;
+        mu_cands_fill_piece(c, k, data + (pb - addr), pe - pb, toff, tval);
+        kept += c->p[k].state == 1;
+    }
+    free(toff);
+    free(tval);
+    return kept;
+}
+
+uint64_t mu_cands_words(const mu_cands *c, uint64_t *pieces_kept)
+{
+    uint64_t kept = 0;
+    for (uint64_t k = 0; c && k < c->npieces; k++)
+        kept += c->p[k].state == 1;
+    if (pieces_kept)
+        *pieces_kept = kept;
+    return c ? c->used : 0;
 }

@@ -37,6 +37,9 @@ __all__ = ["walk_heap", "HeapWalk", "HeapInconsistent"]
 MAX_ARENAS = 4096           # hard bound on the arena ring (arena_max / 8*ncpu is far below)
 MAX_HEAPS_PER_ARENA = 1 << 16
 RUN_START_TRIES = 64        # candidate run starts tried after a main-arena double fencepost
+# A low-memory walk keeps the reference candidates (mu_cands: 12 bytes per word that may point
+# at an allocation) of at most 1/DIVISOR of the bytes of each heap; the mark reads the rest.
+CANDIDATE_BUDGET_DIVISOR = 8
 WORD = struct.Struct("<Q")
 
 
@@ -63,9 +66,17 @@ class Uncopied:
     are read on demand through fd, a /proc/<pid>/mem fd of the snapshot (mu_region.uncopied:
     mu_mark and the free-list walks accept it; _ffi.region_array builds it)."""
 
-    def __init__(self, size: int, fd: int):
+    def __init__(self, size: int, fd: int, cands=None):
         self.nbytes = size
         self.uncopied_fd = fd
+        self.cands = cands          # mu_cands * kept by the walk (freed with this object), or None
+
+    def kept(self) -> Tuple[int, int]:
+        """(candidate words kept, 1 MiB pieces kept) of its mu_cands."""
+        if self.cands is None:
+            return 0, 0
+        pieces = ffi.new("uint64_t *")
+        return lib.mu_cands_words(self.cands, pieces), pieces[0]
 
     def __len__(self) -> int:
         return self.nbytes
@@ -93,11 +104,13 @@ class _Copy:
             self.buf = mmap.mmap(-1, self.size, flags=mmap.MAP_PRIVATE | mmap.MAP_ANONYMOUS)
             self.ptr = ffi.cast("uint8_t *", ffi.from_buffer(self.buf))
 
-    def drop(self, fd: int) -> None:
-        """Release the copy: the region is read through fd from now on."""
+    def drop(self, fd: int, cands=None) -> None:
+        """Release the copy: the region is read through fd (or its cands) from now on."""
+        cands = cands or getattr(self, "cands", None)
+        self.cands = cands
         self.close()
         self.ptr = None
-        self.buf = Uncopied(self.size, fd)
+        self.buf = Uncopied(self.size, fd, cands)
 
     def restore(self, mem) -> None:
         """Read a dropped copy again (a rare walk step needs the whole run: drop it after)."""
@@ -195,9 +208,16 @@ class _Walker(FreeListsMixin):
                 j.res, j.piece = self.walk_run(j.cp, j.first, j.top, j.non_main)
             return False
         drop = uncopied_from is not None and sum(j.cp.size for j in jobs) >= uncopied_from
+        cands = {}
         if drop:
+            lo, hi = self.allocation_bounds()
             for j in jobs:
                 j.cp.private_mapping()
+                out = ffi.new("mu_cands **")
+                check(lib.mu_cands_new(j.cp.base, j.cp.size, lo, hi,
+                                       j.cp.size // CANDIDATE_BUDGET_DIVISOR // 12, out),
+                      "reference candidates")
+                cands[id(j)] = ffi.gc(out[0], lib.mu_cands_free)
         tab = ffi.new("mu_read_job[]", len(jobs))
         for j in jobs:
             j.cap = max(256, (j.cp.end - j.first) // 192)
@@ -212,6 +232,7 @@ class _Walker(FreeListsMixin):
             t.addr, t.len, t.buf = j.cp.base, j.cp.size, j.cp.ptr
             t.first, t.top, t.non_main, t.drop = j.first, j.top, int(j.non_main), int(drop)
             t.user, t.usable, t.cap = pu + off, pv + off, j.cap
+            t.cands = cands.get(id(j), ffi.NULL)
             j.off = off
             off += j.cap
         check(lib.mu_read_walk(self.mem.fd, tab, len(jobs)), "read and walk heaps",
@@ -237,9 +258,20 @@ class _Walker(FreeListsMixin):
                                          mv[j.off:j.off + t.stored])
         if drop:
             for j in jobs:
-                j.cp.drop(self.mem.fd)
+                j.cp.drop(self.mem.fd, cands[id(j)])
             self.stats["uncopied_bytes"] = sum(j.cp.size for j in jobs)
+            kept = [j.cp.buf.kept() for j in jobs]
+            self.stats["candidate_words"] = sum(w for w, _ in kept)
+            self.stats["candidate_pieces"] = sum(p for _, p in kept)
         return drop
+
+    def allocation_bounds(self) -> Tuple[int, int]:
+        """[lo, hi) holding every allocation the walk can find: its heaps and the private
+        anonymous memory where mmapped chunks live (mu_cands keeps the words inside)."""
+        spans = [(m.begin, m.end) for m in self.maps if m.readable and not m.shared and
+                 (m.anonymous or m.path == "[heap]")]
+        spans += [(c.base, c.end) for c in self.copies]
+        return min(b for b, _ in spans), max(e for _, e in spans)
 
     def mapping_at(self, addr: int) -> Optional[Mapping]:
         i = bisect.bisect_right(self.map_begins, addr) - 1
