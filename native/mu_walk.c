@@ -768,7 +768,9 @@ void mu_cands_fill_piece(mu_cands *c, uint64_t k, const uint8_t *d, uint64_t n, 
          s <= MU_CAND_SUBS; s++)
         p->sub[s] = (uint32_t)cnt;
     int32_t state = -1;
-    if (__atomic_add_fetch(&c->used, cnt, __ATOMIC_RELAXED) > c->max_words) {
+    if (!c->max_words) {
+        ;                                                       /* keep nothing */
+    } else if (__atomic_add_fetch(&c->used, cnt, __ATOMIC_RELAXED) > c->max_words) {
         __atomic_sub_fetch(&c->used, cnt, __ATOMIC_RELAXED);   /* over the budget: not kept */
     } else if (cnt == 0 || ((p->off = malloc(cnt * sizeof *p->off)) &&
                             (p->val = malloc(cnt * sizeof *p->val)))) {

@@ -172,7 +172,8 @@ int64_t mu_walk_subtract(uint64_t *user, uint64_t *usable, uint64_t n, uint64_t 
 /* Reference candidates of an uncopied region [base, base+len) (base 4096-aligned): for each
  * 1 MiB piece (from base) the (offset, value) of every 8-byte word whose value lies in
  * [lo, hi), in address order, kept while the region holds at most max_words of them in all
- * (a piece that would pass the budget keeps none: it is read again when needed). Filled by
+ * (a piece that would pass the budget keeps none: it is read again when needed; max_words
+ * 0 keeps no piece). Filled by
  * mu_read_walk (mu_read_job.cands) or mu_cands_fill. mu_mark scans an allocation of an
  * uncopied region from them, without reading it, when its pieces were all kept and no dead
  * word or type rule applies: the same values in the same order as a scan of its bytes gives,

@@ -2,7 +2,8 @@
 blocks read from the snapshot by the mark as it reaches them. The same fixtures run through
 both paths: the copying one (the fixtures' heaps are far below the threshold) and the
 low-memory one (threshold forced to 0; the sweeper is forked from this process, so it sees
-the patched constant). Both must give exactly the fixture's own leak table, entry for entry
+the patched constant), once with the walk's reference candidates and once without (every
+block the mark reaches read from the snapshot in waves). Both must give exactly the fixture's own leak table, entry for entry
 identical (address, size, referenced count and size, contents), with the same totals, and
 the low-memory run must really have dropped the heap copies."""
 from __future__ import annotations
@@ -12,6 +13,7 @@ import pytest
 import fixtures
 from expected import EXPECTED
 from memunreachable import unreachable
+from memunreachable.glibc import walker
 from memunreachable.unreachable import check
 from test_check import assert_result, assert_target_running
 
@@ -36,15 +38,23 @@ def totals(info) -> tuple:
             info.stats["heap_bytes"])
 
 
+@pytest.mark.parametrize("reads", ["candidates", "waves"])
 @pytest.mark.parametrize("name", NAMES)
-def test_lowmem_equals_copying(name, monkeypatch):
+def test_lowmem_equals_copying(name, reads, monkeypatch):
     shape = EXPECTED[name]
     with fixtures.start(name, timeout=120) as fx:
         copying = check(fx.pid, limit=None)
         assert not copying.stats["stats"].get("uncopied_bytes")
         monkeypatch.setattr(unreachable, "UNCOPIED_MIN_BYTES", 0)
+        if reads == "waves":        # no candidate kept: the mark reads every block it reaches
+            monkeypatch.setattr(walker, "CANDIDATE_BUDGET_DIVISOR", 1 << 62)
         lowmem = check(fx.pid, limit=None)
-        assert lowmem.stats["stats"]["uncopied_bytes"] > 0
+        walk = lowmem.stats["stats"]
+        assert walk["uncopied_bytes"] > 0
+        if reads == "waves":
+            assert walk["candidate_pieces"] == 0
+        else:
+            assert walk["candidate_pieces"] > 0
         assert_target_running(fx)
         for info in (copying, lowmem):
             assert_result(fx, shape, info)
