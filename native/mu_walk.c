@@ -548,6 +548,30 @@ static uint64_t rw_job_of(const rw_ctx *x, uint64_t piece)
     return lo;
 }
 
+/* Releases the whole pages of [p, p+n) (p page aligned) that hold only zeros: a private
+ * anonymous page reads as zeros after MADV_DONTNEED, without memory behind it. */
+static void release_zero_pages(uint8_t *p, uint64_t n)
+{
+    uint64_t run = 0, at = 0;
+    for (uint64_t o = 0; o + 4096 <= n; o += 4096) {
+        const uint64_t *w = (const uint64_t *)(p + o);
+        uint64_t any = 0;
+        for (int k = 0; k < 512 && !any; k += 8)
+            any = w[k] | w[k + 1] | w[k + 2] | w[k + 3] | w[k + 4] | w[k + 5] | w[k + 6] | w[k + 7];
+        if (!any) {
+            if (!run)
+                at = o;
+            run += 4096;
+            continue;
+        }
+        if (run)
+            madvise(p + at, run, MADV_DONTNEED);       /* advisory: errors ignored */
+        run = 0;
+    }
+    if (run)
+        madvise(p + at, run, MADV_DONTNEED);
+}
+
 /* Releases pieces [from, to) of a drop job's copy (their pages read as zeros after). */
 static void rw_release(mu_read_job *jb, uint64_t from, uint64_t to)
 {
@@ -579,7 +603,7 @@ static void rw_advance(rw_ctx *x, uint64_t j)
                 st->finished = 1;
         }
         st->walked = k;
-        if (jb->drop) {
+        if (jb->drop & MU_READ_DROP) {
             /* the walk never reads below pos.c again: release the pieces wholly below it */
             uint64_t below = st->finished ? k : (st->pos.c - jb->addr) / RW_PIECE;
             if (below > k)
@@ -639,10 +663,12 @@ static void *rw_thread(void *arg)
             else
                 __atomic_store_n(&c->p[k].state, -1, __ATOMIC_RELEASE);
         }
+        if (jb->drop & MU_READ_SPARSE)
+            release_zero_pages(jb->buf + off, n);
         __atomic_store_n(&x->done[p], 1, __ATOMIC_RELEASE);
         if (jb->first)
             rw_advance(x, j);
-        if (jb->drop && __atomic_load_n(&x->st[j].finished, __ATOMIC_ACQUIRE))
+        if ((jb->drop & MU_READ_DROP) && __atomic_load_n(&x->st[j].finished, __ATOMIC_ACQUIRE))
             rw_release(jb, p - x->piece0[j], p - x->piece0[j] + 1);  /* past the walk's end */
     }
 }
@@ -656,7 +682,8 @@ int64_t mu_read_walk(int memfd, mu_read_job *jobs, uint64_t njobs)
         mu_read_job *jb = &jobs[j];
         if ((jb->len && !jb->buf) || (jb->first && ((jb->cap && (!jb->user || !jb->usable)) ||
                                                    jb->first < jb->addr || (jb->first & 15))) ||
-            (jb->cands && (jb->cands->base != jb->addr || jb->cands->len != jb->len)))
+            (jb->cands && (jb->cands->base != jb->addr || jb->cands->len != jb->len)) ||
+            (jb->drop && ((uintptr_t)jb->buf & 4095)))
             return -EINVAL;
         memset(&jb->res, 0, sizeof jb->res);
         jb->stored = jb->bad = 0;
@@ -703,7 +730,7 @@ int64_t mu_read_walk(int memfd, mu_read_job *jobs, uint64_t njobs)
             walk_steps(jb->buf, jb->addr, jb->len, jb->addr + jb->len, 1, jb->top, jb->non_main,
                        jb->user, jb->usable, jb->cap, &jb->res, &x.st[j].pos);
         jb->stored = (int64_t)(x.st[j].pos.stored < jb->cap ? x.st[j].pos.stored : jb->cap);
-        if (jb->drop && jb->len)
+        if ((jb->drop & MU_READ_DROP) && jb->len)
             rw_release(jb, 0, x.piece0[j + 1] - x.piece0[j]);
     }
     free(x.st);

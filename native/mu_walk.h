@@ -43,10 +43,12 @@ typedef struct {
     uint64_t first;         /* in: the first chunk header to walk from; 0: copy only */
     uint64_t top;
     uint32_t non_main;
-    uint32_t drop;          /* in: 1: the copy is not kept: each 1 MiB piece is released
-                             * (MADV_DONTNEED) once the walk is past it, and every piece once
-                             * the walk ended (buf: a private anonymous mapping, page aligned,
-                             * reading zeros afterwards) */
+    uint32_t drop;          /* in: MU_READ_DROP: the copy is not kept: each 1 MiB piece is
+                             * released (MADV_DONTNEED) once the walk is past it, and every
+                             * piece once the walk ended; MU_READ_SPARSE: every page read as
+                             * all zeros is released (it still reads as zeros, and costs no
+                             * memory: untouched thread stacks). Either needs buf to be a private
+                             * anonymous mapping, page aligned. */
     uint64_t *user;
     uint64_t *usable;
     uint64_t cap;
@@ -57,6 +59,9 @@ typedef struct {
     int64_t bad;            /* out: unreadable bytes (zero-filled, as mu_read), or -errno */
     uint64_t first_bad;     /* out: the lowest unreadable address, 0 when none */
 } mu_read_job;
+
+#define MU_READ_DROP 1
+#define MU_READ_SPARSE 2
 
 /* Copy every job's range through the /proc/<pid>/mem fd memfd and walk it, on up to one
  * thread per CPU (4 at most): the ranges are read in 1 MiB pieces, in job order, and a

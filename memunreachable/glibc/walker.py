@@ -230,7 +230,8 @@ class _Walker(FreeListsMixin):
         for k, j in enumerate(jobs):
             t = tab[k]
             t.addr, t.len, t.buf = j.cp.base, j.cp.size, j.cp.ptr
-            t.first, t.top, t.non_main, t.drop = j.first, j.top, int(j.non_main), int(drop)
+            t.first, t.top, t.non_main = j.first, j.top, int(j.non_main)
+            t.drop = lib.MU_READ_DROP if drop else 0
             t.user, t.usable, t.cap = pu + off, pv + off, j.cap
             t.cands = cands.get(id(j), ffi.NULL)
             j.off = off
@@ -461,7 +462,7 @@ class _Walker(FreeListsMixin):
         top_reached = False
         res_m = ffi.new("mu_mmap_result *")
         cps = [self.copy(r.begin, r.size, read=False) for r in self.anonymous_ranges()]
-        for err in read_many(self.mem, [(cp.base, cp.buf) for cp in cps]):
+        for err in read_many(self.mem, [(cp.base, cp.buf) for cp in cps], sparse=True):
             if err is not None:
                 raise err           # the first unreadable range, as reading one by one
         for cp in cps:
