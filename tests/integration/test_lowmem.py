@@ -14,6 +14,7 @@ import fixtures
 from expected import EXPECTED
 from memunreachable import unreachable
 from memunreachable.glibc import walker
+from memunreachable.glibc.walker import is_uncopied
 from memunreachable.unreachable import check
 from test_check import assert_result, assert_target_running
 
@@ -61,3 +62,43 @@ def test_lowmem_equals_copying(name, reads, monkeypatch):
         assert table(lowmem) == table(copying)
         if name not in CHANGING:
             assert totals(lowmem) == totals(copying)
+
+
+def walk_both(fx):
+    """The fixture (SIGSTOPped) walked keeping copies and without: (copying, low-memory)."""
+    import os
+    import signal
+    import time
+    from memunreachable.glibc.walker import walk_heap
+    from memunreachable.memory import ProcessMemory
+    from test_walker import read_maps
+    os.kill(fx.pid, signal.SIGSTOP)
+    deadline = time.monotonic() + 10
+    while open(f"/proc/{fx.pid}/stat").read().rsplit(")", 1)[1].split()[0] != "T":
+        assert time.monotonic() < deadline
+        time.sleep(0.001)
+    try:
+        with ProcessMemory(fx.pid) as mem:
+            return [walk_heap(mem, read_maps(fx.pid), [], fx.pid, uncopied_from=u)
+                    for u in (None, 0)]
+    finally:
+        os.kill(fx.pid, signal.SIGCONT)
+
+
+# foreign sbrk calls cut the main arena into runs (the dropped copy is read again to find the
+# next run), thread arenas with two heaps each, free chunks in bins and tcaches
+@pytest.mark.parametrize("name, args", [("walk_sbrk", ("foreign",)), ("walk_sbrk", ("blocked",)),
+                                        ("walk_threads", ()), ("free_chunks", ())])
+def test_lowmem_walk_finds_the_same_chunks(name, args):
+    with fixtures.start(name, *args) as fx:
+        copying, lowmem = walk_both(fx)
+    assert list(lowmem.image.begins) == list(copying.image.begins)
+    assert list(lowmem.image.sizes) == list(copying.image.sizes)
+    same = ("chunks", "in_use", "free_chunks", "tcache_free", "fastbin_free", "mmapped",
+            "main_runs", "heaps", "arenas", "tcaches")
+    assert {k: lowmem.stats[k] for k in same} == {k: copying.stats[k] for k in same}
+    assert (lowmem.soft_issues, lowmem.uncertain_sizes) == (copying.soft_issues,
+                                                            copying.uncertain_sizes)
+    assert lowmem.stats["uncopied_bytes"] > 0
+    assert sum(len(buf) for _, buf in lowmem.image.regions if is_uncopied(buf)) == \
+        lowmem.stats["uncopied_bytes"]
