@@ -102,3 +102,41 @@ def test_lowmem_walk_finds_the_same_chunks(name, args):
     assert lowmem.stats["uncopied_bytes"] > 0
     assert sum(len(buf) for _, buf in lowmem.image.regions if is_uncopied(buf)) == \
         lowmem.stats["uncopied_bytes"]
+
+
+@pytest.mark.parametrize("reads", ["candidates", "waves"])
+def test_snapshot_dying_after_a_lowmem_walk_is_retaken_and_exact(reads, tmp_path, monkeypatch):
+    """The low-memory mark and fold read the snapshot after the walk: its death then is a
+    retake (MemoryUnreadable, never zeros), and the retaken check is exact."""
+    import os
+    import signal
+    import time
+    from memunreachable import leftovers
+    from test_check import assert_result
+    monkeypatch.setattr(unreachable, "UNCOPIED_MIN_BYTES", 0)
+    if reads == "waves":
+        monkeypatch.setattr(walker, "CANDIDATE_BUDGET_DIVISOR", 1 << 62)
+    marker = tmp_path / "kills"
+    real = unreachable.walk_heap
+
+    def walk_then_kill(mem, maps, threads, pid, **kw):
+        hw = real(mem, maps, threads, pid, **kw)
+        with open(marker, "a+") as f:      # each sweep is its own forked process
+            f.seek(0)
+            if not f.read():
+                f.write("k")
+                os.kill(pid, signal.SIGKILL)
+                for _ in range(5000):           # until the kernel tore it down
+                    st = leftovers.read_stat(pid)
+                    if st is None or st.state in "ZX":
+                        break
+                    time.sleep(0.001)
+        return hw
+
+    monkeypatch.setattr(unreachable, "walk_heap", walk_then_kill)
+    with fixtures.start("leak_chain") as fx:
+        info = check(fx.pid, limit=None)
+        assert marker.read_text() == "k"
+        assert info.retake_counts == {"died": 1}
+        assert_result(fx, EXPECTED["leak_chain"], info)
+        assert_target_running(fx)
