@@ -2,7 +2,8 @@
 
 Input: a Memory reader of the snapshot, its mappings, its threads, its pid (for map_files).
 Output: HeapWalk: every in-use chunk as (user address, usable size) equal to
-malloc_usable_size(), local copies of the memory holding them, the heap ranges (never roots),
+malloc_usable_size(), local copies of the memory holding them (or, for a low-memory walk,
+Uncopied regions read on demand: walk_heap(uncopied_from=...)), the heap ranges (never roots),
 glibc's metadata ranges (main_arena, mp_), soft issues, the block sizes a broken free list
 makes uncertain, and counters.
 Steps (glibc-heap.md section 1): detect the allocator, locate main_arena/mp_, follow the arena
