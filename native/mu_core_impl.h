@@ -30,6 +30,8 @@ typedef struct {
 
 struct mu_cands {
     uint64_t base, len, lo, hi, max_words;
+    uint64_t *ranges;           /* (begin, end) pairs inside [lo, hi) */
+    uint64_t nranges;
     uint64_t used;              /* candidates kept (atomic) */
     uint64_t npieces;
     mu_cand_piece *p;

@@ -553,8 +553,9 @@ static inline void scan_block(mark_ctx *m, uint64_t i, const uint8_t *d, uint64_
 
 /* Scans allocation i of the uncopied region reg from its kept candidates (mu_cands): returns
  * 1 when done, 0 when it must be read (a piece not kept, a dead word or an object rule that may
- * apply, an unaligned or partial word). The candidates are the words a byte scan would pass to
- * consider's [lo, hi) test, in the same order: the result and the statistics are the same. */
+ * apply, an unaligned or partial word). The candidates are the words of a byte scan that can
+ * hit an allocation, in the same order; the others would hit nothing (and consider's cache of
+ * values only skips repeats): the result and the statistics are the same. */
 static int scan_cands(mark_ctx *m, uint64_t i, const mu_region *reg)
 {
     const mu_cands *c = reg->cands;

@@ -742,27 +742,49 @@ int64_t mu_read_walk(int memfd, mu_read_job *jobs, uint64_t njobs)
 /* ---- mu_cands: the reference candidates of an uncopied region ---------------------------- */
 #define CAND_PIECE (1ull << MU_CAND_PIECE_SHIFT)
 
-int64_t mu_cands_new(uint64_t base, uint64_t len, uint64_t lo, uint64_t hi, uint64_t max_words,
-                     mu_cands **out)
+int64_t mu_cands_new(uint64_t base, uint64_t len, const uint64_t *ranges, uint64_t nranges,
+                     uint64_t max_words, mu_cands **out)
 {
-    if (!out || (base & 4095) || base + len < base || hi < lo)
+    if (!out || (base & 4095) || base + len < base || !nranges || !ranges)
         return -EINVAL;
+    for (uint64_t k = 0; k < nranges; k++)
+        if (ranges[2 * k] >= ranges[2 * k + 1] || (k && ranges[2 * k] < ranges[2 * k - 1]))
+            return -EINVAL;
     mu_cands *c = calloc(1, sizeof *c);
     if (!c)
         return -ENOMEM;
     c->base = base;
     c->len = len;
-    c->lo = lo;
-    c->hi = hi;
+    c->lo = ranges[0];
+    c->hi = ranges[2 * nranges - 1];
     c->max_words = max_words;
+    c->nranges = nranges;
+    c->ranges = malloc(2 * nranges * sizeof *c->ranges);
     c->npieces = (len + CAND_PIECE - 1) / CAND_PIECE;
     c->p = calloc(c->npieces ? c->npieces : 1, sizeof *c->p);
-    if (!c->p) {
+    if (!c->p || !c->ranges) {
+        free(c->p);
+        free(c->ranges);
         free(c);
         return -ENOMEM;
     }
+    memcpy(c->ranges, ranges, 2 * nranges * sizeof *c->ranges);
     *out = c;
     return 0;
+}
+
+/* 1 when v (inside [lo, hi)) lies in one of c's ranges. */
+static inline int cands_in_ranges(const mu_cands *c, uint64_t v)
+{
+    uint64_t lo = 0, hi = c->nranges;       /* first range ending after v */
+    while (lo < hi) {
+        uint64_t mid = (lo + hi) >> 1;
+        if (c->ranges[2 * mid + 1] <= v)
+            lo = mid + 1;
+        else
+            hi = mid;
+    }
+    return lo < c->nranges && c->ranges[2 * lo] <= v;
 }
 
 void mu_cands_free(mu_cands *c)
@@ -774,6 +796,7 @@ void mu_cands_free(mu_cands *c)
         free(c->p[k].val);
     }
     free(c->p);
+    free(c->ranges);
     free(c);
 }
 
@@ -789,7 +812,7 @@ void mu_cands_fill_piece(mu_cands *c, uint64_t k, const uint8_t *d, uint64_t n, 
         uint64_t v = ld64(d + 8 * w);
         toff[cnt] = (uint32_t)(8 * w);
         tval[cnt] = v;
-        cnt += v - lo < span;
+        cnt += v - lo < span && (c->nranges == 1 || cands_in_ranges(c, v));
     }
     for (uint64_t s = (nw + (1u << (MU_CAND_SUB_SHIFT - 3)) - 1) >> (MU_CAND_SUB_SHIFT - 3);
          s <= MU_CAND_SUBS; s++)

@@ -175,17 +175,19 @@ int64_t mu_walk_subtract(uint64_t *user, uint64_t *usable, uint64_t n, uint64_t 
                          uint64_t ndrop, uint64_t *removed);
 
 /* Reference candidates of an uncopied region [base, base+len) (base 4096-aligned): for each
- * 1 MiB piece (from base) the (offset, value) of every 8-byte word whose value lies in
- * [lo, hi), in address order, kept while the region holds at most max_words of them in all
+ * 1 MiB piece (from base) the (offset, value) of every 8-byte word whose value lies in one of
+ * the nranges (begin, end) pairs of ranges (sorted, disjoint: the memory that may hold
+ * allocations), in address order, kept while the region holds at most max_words of them in all
  * (a piece that would pass the budget keeps none: it is read again when needed; max_words
  * 0 keeps no piece). Filled by
  * mu_read_walk (mu_read_job.cands) or mu_cands_fill. mu_mark scans an allocation of an
  * uncopied region from them, without reading it, when its pieces were all kept and no dead
- * word or type rule applies: the same values in the same order as a scan of its bytes gives,
- * when [lo, hi) holds every allocation. Returns 0, -EINVAL or -ENOMEM; *out gets the object
- * (release with mu_cands_free). */
-int64_t mu_cands_new(uint64_t base, uint64_t len, uint64_t lo, uint64_t hi, uint64_t max_words,
-                     mu_cands **out);
+ * word or type rule applies: every value a scan of its bytes gives that can hit an allocation,
+ * in the same order, when the ranges hold every allocation (the others hit nothing). Returns 0,
+ * -EINVAL (unaligned base, no or unsorted ranges) or -ENOMEM; *out gets the object (release
+ * with mu_cands_free). */
+int64_t mu_cands_new(uint64_t base, uint64_t len, const uint64_t *ranges, uint64_t nranges,
+                     uint64_t max_words, mu_cands **out);
 void mu_cands_free(mu_cands *c);
 /* Fills every piece of c that lies wholly inside [addr, addr+len), whose bytes are at data
  * (a piece at the region's end may be shorter). Returns the number of pieces kept. */

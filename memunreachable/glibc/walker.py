@@ -25,7 +25,7 @@ from memunreachable import detect
 from memunreachable._errors import UnsupportedTarget
 from memunreachable._ffi import check, ffi, lib
 from memunreachable._types import (Allocator, HeapImage, Mapping, Range, ThreadState, local_buffer,
-                                   subtract_ranges)
+                                   merge_ranges, subtract_ranges)
 from memunreachable.glibc import layout as L
 from memunreachable.glibc import locate
 from memunreachable.glibc import validate as V
@@ -211,11 +211,12 @@ class _Walker(FreeListsMixin):
         drop = uncopied_from is not None and sum(j.cp.size for j in jobs) >= uncopied_from
         cands = {}
         if drop:
-            lo, hi = self.allocation_bounds()
+            spans = array("Q", [a for r in self.allocation_ranges(jobs) for a in (r.begin, r.end)])
             for j in jobs:
                 j.cp.private_mapping()
                 out = ffi.new("mu_cands **")
-                check(lib.mu_cands_new(j.cp.base, j.cp.size, lo, hi,
+                check(lib.mu_cands_new(j.cp.base, j.cp.size, ffi.from_buffer("uint64_t[]", spans),
+                                       len(spans) // 2,
                                        j.cp.size // CANDIDATE_BUDGET_DIVISOR // 12, out),
                       "reference candidates")
                 cands[id(j)] = ffi.gc(out[0], lib.mu_cands_free)
@@ -267,13 +268,12 @@ class _Walker(FreeListsMixin):
             self.stats["candidate_pieces"] = sum(p for _, p in kept)
         return drop
 
-    def allocation_bounds(self) -> Tuple[int, int]:
-        """[lo, hi) holding every allocation the walk can find: its heaps and the private
-        anonymous memory where mmapped chunks live (mu_cands keeps the words inside)."""
-        spans = [(m.begin, m.end) for m in self.maps if m.readable and not m.shared and
-                 (m.anonymous or m.path == "[heap]")]
-        spans += [(c.base, c.end) for c in self.copies]
-        return min(b for b, _ in spans), max(e for _, e in spans)
+    def allocation_ranges(self, jobs: List["_Job"]) -> List[Range]:
+        """Sorted, merged ranges holding every allocation the walk can find: the private
+        anonymous memory ([heap], thread heaps, mmapped chunks) and the jobs' heaps (mu_cands
+        keeps the words whose values lie inside: the others hit no allocation)."""
+        return merge_ranges([m.range for m in self.maps if m.readable and not m.shared and
+                             m.anonymous] + [Range(j.cp.base, j.cp.end) for j in jobs])
 
     def mapping_at(self, addr: int) -> Optional[Mapping]:
         i = bisect.bisect_right(self.map_begins, addr) - 1

@@ -416,7 +416,7 @@ def memfd_of(base, buf):
 
 def cands_of(base, buf, lo, hi, max_words):
     out = ffi.new("mu_cands **")
-    assert lib.mu_cands_new(base, len(buf), lo, hi, max_words, out) == 0
+    assert lib.mu_cands_new(base, len(buf), ffi.new("uint64_t[]", [lo, hi]), 1, max_words, out) == 0
     c = ffi.gc(out[0], lib.mu_cands_free)
     assert lib.mu_cands_fill(c, ffi.from_buffer(buf), base, len(buf)) >= 0
     return c
@@ -536,5 +536,17 @@ def test_candidates_keep_the_words_in_range_within_the_budget():
     c = cands_of(1 << 32, buf, lo, hi, 3)       # pieces hold 2, 1, 2: the third is over
     pieces = ffi.new("uint64_t *")
     assert lib.mu_cands_words(c, pieces) == 3 and pieces[0] == 2
+    # two ranges: a value between them (0x1800) or at an end (0x2000) is no candidate
+    two = ffi.new("uint64_t[]", [0x1000, 0x1240, 0x1ff8, 0x2008])
     out = ffi.new("mu_cands **")
-    assert lib.mu_cands_new((1 << 32) + 8, 16, 0, 1, 0, out) == -errno.EINVAL   # unaligned
+    assert lib.mu_cands_new(1 << 32, len(buf), two, 2, 100, out) == 0
+    c2 = ffi.gc(out[0], lib.mu_cands_free)
+    assert lib.mu_cands_fill(c2, ffi.from_buffer(buf), 1 << 32, len(buf)) == 3
+    assert lib.mu_cands_words(c2, pieces) == 5 and pieces[0] == 3   # 0x1000 0x2000 0x1ff8 0x1234 0x1235
+    out = ffi.new("mu_cands **")
+    ranges = ffi.new("uint64_t[]", [0, 1, 8, 16])
+    assert lib.mu_cands_new((1 << 32) + 8, 16, ranges, 1, 0, out) == -errno.EINVAL   # unaligned
+    assert lib.mu_cands_new(1 << 32, 16, ranges + 2, 1, 0, out) == 0
+    lib.mu_cands_free(out[0])
+    ranges[2] = 0
+    assert lib.mu_cands_new(1 << 32, 16, ranges, 2, 0, out) == -errno.EINVAL     # unsorted

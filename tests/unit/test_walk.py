@@ -616,7 +616,7 @@ def test_read_walk_drop_releases_the_copy_and_keeps_the_candidates():
     cap = size // 32
     user, usable = array("Q", bytes(8 * cap)), array("Q", bytes(8 * cap))
     out = ffi.new("mu_cands **")
-    assert lib.mu_cands_new(run.base, size, lo, hi, size, out) == 0
+    assert lib.mu_cands_new(run.base, size, ffi.new("uint64_t[]", [lo, hi]), 1, size, out) == 0
     cands = ffi.gc(out[0], lib.mu_cands_free)
     jobs = ffi.new("mu_read_job[]", 1)
     pd = ffi.from_buffer(dst)
