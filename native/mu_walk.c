@@ -812,11 +812,26 @@ void mu_cands_fill_piece(mu_cands *c, uint64_t k, const uint8_t *d, uint64_t n, 
         uint64_t v = ld64(d + 8 * w);
         toff[cnt] = (uint32_t)(8 * w);
         tval[cnt] = v;
-        cnt += v - lo < span && (c->nranges == 1 || cands_in_ranges(c, v));
+        cnt += v - lo < span;          /* branch-free: the range list is checked below */
     }
     for (uint64_t s = (nw + (1u << (MU_CAND_SUB_SHIFT - 3)) - 1) >> (MU_CAND_SUB_SHIFT - 3);
          s <= MU_CAND_SUBS; s++)
         p->sub[s] = (uint32_t)cnt;
+    if (c->nranges > 1) {               /* keep those inside a range; renumber the sub-pages */
+        uint64_t kept = 0, s = 0;
+        for (uint64_t j = 0; j < cnt; j++) {
+            while (s <= MU_CAND_SUBS && p->sub[s] <= j)
+                p->sub[s++] = (uint32_t)kept;
+            if (cands_in_ranges(c, tval[j])) {
+                toff[kept] = toff[j];
+                tval[kept] = tval[j];
+                kept++;
+            }
+        }
+        while (s <= MU_CAND_SUBS)
+            p->sub[s++] = (uint32_t)kept;
+        cnt = kept;
+    }
     int32_t state = -1;
     if (!c->max_words) {
         ;                                                       /* keep nothing */

@@ -414,9 +414,14 @@ def memfd_of(base, buf):
     return fd
 
 
-def cands_of(base, buf, lo, hi, max_words):
+def cands_of(base, buf, lo, hi, max_words, split=False):
+    """mu_cands of buf keeping values in [lo, hi); split: as three ranges (the range list
+    path: [lo, mid), [mid, hi) and one beyond)."""
     out = ffi.new("mu_cands **")
-    assert lib.mu_cands_new(base, len(buf), ffi.new("uint64_t[]", [lo, hi]), 1, max_words, out) == 0
+    mid = (lo + hi) // 2 & ~7
+    ranges = [lo, mid, mid, hi, hi + 4096, hi + 8192] if split else [lo, hi]
+    assert lib.mu_cands_new(base, len(buf), ffi.new("uint64_t[]", ranges), len(ranges) // 2,
+                            max_words, out) == 0
     c = ffi.gc(out[0], lib.mu_cands_free)
     assert lib.mu_cands_fill(c, ffi.from_buffer(buf), base, len(buf)) >= 0
     return c
@@ -442,7 +447,7 @@ def random_heap(n, seed, big=()):
     return h, [(ROOT, roots)]
 
 
-def all_ways(h, roots, dead=None, budget=None):
+def all_ways(h, roots, dead=None, budget=None, split=False):
     """(copied result, uncopied-with-waves result, uncopied-with-candidates result)."""
     fd = memfd_of(h.base, h.buf)
     try:
@@ -451,7 +456,7 @@ def all_ways(h, roots, dead=None, budget=None):
         waves = mark(HeapImage(img.begins, img.sizes, [(h.base, Uncopied(len(h.buf), fd))]),
                      roots, glibc_chunks=True, dead=dead)
         lo, hi = h.base, h.base + len(h.buf)
-        c = cands_of(h.base, h.buf, lo, hi, len(h.buf) if budget is None else budget)
+        c = cands_of(h.base, h.buf, lo, hi, len(h.buf) if budget is None else budget, split)
         kept = mark(HeapImage(img.begins, img.sizes, [(h.base, Uncopied(len(h.buf), fd, c))]),
                     roots, glibc_chunks=True, dead=dead)
     finally:
@@ -459,10 +464,11 @@ def all_ways(h, roots, dead=None, budget=None):
     return copied, waves, kept
 
 
-@pytest.mark.parametrize("n,seed", [(3000, 1), (3000, 2), (300_000, 3)])   # 300,000: parallel
-def test_uncopied_mark_equals_the_mark_over_a_copy(n, seed):
+@pytest.mark.parametrize("n,seed,split", [(3000, 1, False), (3000, 2, True),
+                                          (300_000, 3, True)])   # 300,000: parallel
+def test_uncopied_mark_equals_the_mark_over_a_copy(n, seed, split):
     h, roots = random_heap(n, seed)
-    copied, waves, kept = all_ways(h, roots)
+    copied, waves, kept = all_ways(h, roots, split=split)
     assert 0 < copied.num_marked < n
     assert stats(waves) == stats(copied)
     assert stats(kept) == stats(copied)
