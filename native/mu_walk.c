@@ -806,13 +806,32 @@ void mu_cands_fill_piece(mu_cands *c, uint64_t k, const uint8_t *d, uint64_t n, 
     mu_cand_piece *p = &c->p[k];
     const uint64_t lo = c->lo, span = c->hi - c->lo;
     uint64_t nw = n / 8, cnt = 0;
-    for (uint64_t w = 0; w < nw; w++) {
-        if (!(w & ((1u << (MU_CAND_SUB_SHIFT - 3)) - 1)))
-            p->sub[w >> (MU_CAND_SUB_SHIFT - 3)] = (uint32_t)cnt;
-        uint64_t v = ld64(d + 8 * w);
-        toff[cnt] = (uint32_t)(8 * w);
-        tval[cnt] = v;
-        cnt += v - lo < span;          /* branch-free: the range list is checked below */
+    const uint64_t per_sub = 1u << (MU_CAND_SUB_SHIFT - 3);
+    for (uint64_t s0 = 0; s0 < nw; s0 += per_sub) {
+        p->sub[s0 / per_sub] = (uint32_t)cnt;
+        uint64_t end = s0 + per_sub < nw ? s0 + per_sub : nw, w = s0;
+        /* groups of 8 words: one predictable test for a group with no candidate (most words
+         * of most heaps), branch-free stores inside a group with some (pointer-dense ones) */
+        for (; w + 8 <= end; w += 8) {
+            const uint8_t *g = d + 8 * w;
+            uint64_t any = 0;
+            for (int k = 0; k < 8; k++)
+                any |= ld64(g + 8 * k) - lo < span;
+            if (!any)
+                continue;
+            for (int k = 0; k < 8; k++) {
+                uint64_t v = ld64(g + 8 * k);
+                toff[cnt] = (uint32_t)(8 * (w + k));
+                tval[cnt] = v;
+                cnt += v - lo < span;  /* the range list is checked below */
+            }
+        }
+        for (; w < end; w++) {
+            uint64_t v = ld64(d + 8 * w);
+            toff[cnt] = (uint32_t)(8 * w);
+            tval[cnt] = v;
+            cnt += v - lo < span;
+        }
     }
     for (uint64_t s = (nw + (1u << (MU_CAND_SUB_SHIFT - 3)) - 1) >> (MU_CAND_SUB_SHIFT - 3);
          s <= MU_CAND_SUBS; s++)
