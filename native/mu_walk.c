@@ -515,6 +515,7 @@ int64_t mu_walk_subtract(uint64_t *user, uint64_t *usable, uint64_t n, uint64_t 
 #define CAND_PIECE_BYTES (1ull << MU_CAND_PIECE_SHIFT)     /* == RW_PIECE: one piece each */
 #define RW_PARALLEL_MIN (4ull << 20)
 #define RW_MAX_THREADS 4
+#define RW_POOL 8               /* walked pieces kept for reuse, at most (8 MiB) */
 
 typedef struct {
     walk_pos pos;
@@ -533,6 +534,11 @@ typedef struct {
     uint8_t *done;          /* per piece: copied */
     uint64_t npieces;
     uint64_t next;          /* next piece to copy (atomic) */
+    /* drop jobs: walked pieces whose pages are moved (mremap) under a piece about to be
+     * read, instead of being freed there and faulted in and zeroed here */
+    pthread_mutex_t pool_mu;
+    uint8_t *pool[RW_POOL];
+    int npool;
 } rw_ctx;
 
 static uint64_t rw_job_of(const rw_ctx *x, uint64_t piece)
@@ -572,13 +578,41 @@ static void release_zero_pages(uint8_t *p, uint64_t n)
         madvise(p + at, run, MADV_DONTNEED);
 }
 
-/* Releases pieces [from, to) of a drop job's copy (their pages read as zeros after). */
-static void rw_release(mu_read_job *jb, uint64_t from, uint64_t to)
+/* Releases pieces [from, to) of a drop job's copy: a whole piece goes to the pool while it
+ * has room (recycle), else its pages are freed. Either way the job never reads it again (a
+ * pooled piece's address becomes a hole once its pages move). */
+static void rw_release(rw_ctx *x, mu_read_job *jb, uint64_t from, uint64_t to, int recycle)
 {
-    uint64_t a = from * RW_PIECE, e = to * RW_PIECE < jb->len ? to * RW_PIECE : jb->len;
-    e = e == jb->len ? (e + 4095) & ~(uint64_t)4095 : e;
-    if (e > a)
+    for (uint64_t k = from; k < to; k++) {
+        uint64_t a = k * RW_PIECE;
+        if (a >= jb->len)
+            break;
+        uint64_t e = a + RW_PIECE;
+        if (recycle && e <= jb->len) {
+            int kept = 0;
+            pthread_mutex_lock(&x->pool_mu);
+            if (x->npool < RW_POOL) {
+                x->pool[x->npool++] = jb->buf + a;
+                kept = 1;
+            }
+            pthread_mutex_unlock(&x->pool_mu);
+            if (kept)
+                continue;
+        }
+        e = e < jb->len ? e : (jb->len + 4095) & ~(uint64_t)4095;
         madvise(jb->buf + a, e - a, MADV_DONTNEED);     /* advisory: errors ignored */
+    }
+}
+
+/* Moves a pooled piece's pages under [dst, dst + RW_PIECE) (a drop job's piece about to be
+ * read): no fault and no zeroing there. Nothing happens when the pool is empty. */
+static void rw_reuse(rw_ctx *x, uint8_t *dst)
+{
+    pthread_mutex_lock(&x->pool_mu);
+    uint8_t *src = x->npool ? x->pool[--x->npool] : NULL;
+    pthread_mutex_unlock(&x->pool_mu);
+    if (src && mremap(src, RW_PIECE, RW_PIECE, MREMAP_MAYMOVE | MREMAP_FIXED, dst) == MAP_FAILED)
+        madvise(src, RW_PIECE, MADV_DONTNEED);
 }
 
 /* Walks job j over the pieces copied so far, unless another thread is at it; then looks
@@ -609,7 +643,7 @@ static void rw_advance(rw_ctx *x, uint64_t j)
             if (below > k)
                 below = k;
             if (below > st->dropped) {
-                rw_release(jb, st->dropped, below);
+                rw_release(x, jb, st->dropped, below, 1);
                 st->dropped = below;
             }
         }
@@ -636,6 +670,8 @@ static void *rw_thread(void *arg)
         uint64_t off = (p - x->piece0[j]) * RW_PIECE;
         uint64_t n = jb->len - off < RW_PIECE ? jb->len - off : RW_PIECE;
         uint64_t first_bad = 0;
+        if ((jb->drop & MU_READ_DROP) && n == RW_PIECE)
+            rw_reuse(x, jb->buf + off);
         int64_t rc = mu_read_serial(x->fd, jb->addr + off, jb->buf + off, n, &first_bad);
         if (rc < 0) {
             int64_t zero = 0;       /* the first error wins */
@@ -669,7 +705,7 @@ static void *rw_thread(void *arg)
         if (jb->first)
             rw_advance(x, j);
         if ((jb->drop & MU_READ_DROP) && __atomic_load_n(&x->st[j].finished, __ATOMIC_ACQUIRE))
-            rw_release(jb, p - x->piece0[j], p - x->piece0[j] + 1);  /* past the walk's end */
+            rw_release(x, jb, p - x->piece0[j], p - x->piece0[j] + 1, 1);   /* past the walk's end */
     }
 }
 
@@ -691,6 +727,7 @@ int64_t mu_read_walk(int memfd, mu_read_job *jobs, uint64_t njobs)
         total += jb->len;
     }
     rw_ctx x = {.fd = memfd, .jobs = jobs, .njobs = njobs};
+    pthread_mutex_init(&x.pool_mu, NULL);
     x.st = calloc(njobs ? njobs : 1, sizeof *x.st);
     x.piece0 = malloc((njobs + 1) * sizeof *x.piece0);
     if (!x.st || !x.piece0) {
@@ -731,8 +768,11 @@ int64_t mu_read_walk(int memfd, mu_read_job *jobs, uint64_t njobs)
                        jb->user, jb->usable, jb->cap, &jb->res, &x.st[j].pos);
         jb->stored = (int64_t)(x.st[j].pos.stored < jb->cap ? x.st[j].pos.stored : jb->cap);
         if ((jb->drop & MU_READ_DROP) && jb->len)
-            rw_release(jb, 0, x.piece0[j + 1] - x.piece0[j]);
+            rw_release(&x, jb, 0, x.piece0[j + 1] - x.piece0[j], 0);
     }
+    for (int k = 0; k < x.npool; k++)   /* pooled pieces left: freed now */
+        madvise(x.pool[k], RW_PIECE, MADV_DONTNEED);
+    pthread_mutex_destroy(&x.pool_mu);
     free(x.st);
     free(x.piece0);
     free(x.done);

@@ -99,9 +99,11 @@ class _Copy:
         self.ptr = ffi.cast("uint8_t *", ffi.from_buffer(self.buf))
         self.used = False
 
-    def private_mapping(self) -> None:
-        """Make buf a private anonymous mapping (mu_read_job.drop releases its pages)."""
-        if not isinstance(self.buf, mmap.mmap):
+    def private_mapping(self, fresh: bool = False) -> None:
+        """Make buf a private anonymous mapping (mu_read_job.drop releases its pages); fresh:
+        a new one (after a drop read, the old one has holes where pages moved away)."""
+        if fresh or not isinstance(self.buf, mmap.mmap):
+            self.close()
             self.buf = mmap.mmap(-1, self.size, flags=mmap.MAP_PRIVATE | mmap.MAP_ANONYMOUS)
             self.ptr = ffi.cast("uint8_t *", ffi.from_buffer(self.buf))
 
@@ -247,6 +249,8 @@ class _Walker(FreeListsMixin):
                 # unreadable pages (or an error): the reader's own path decides (tolerated
                 # ranges, MemoryUnreadable), then the walk is redone on what it read
                 check(t.bad if t.bad < 0 else 0, "read memory", pid=self.mem.pid)
+                if drop:
+                    j.cp.private_mapping(fresh=True)
                 self.mem.read_into(j.cp.base, j.cp.buf)
                 j.res, j.piece = self.walk_run(j.cp, j.first, j.top, j.non_main)
                 continue
@@ -254,6 +258,7 @@ class _Walker(FreeListsMixin):
             res[0] = t.res
             if res.in_use > j.cap:          # more chunks than the estimate: walk again
                 if drop:                    # (its pieces were released: read them again)
+                    j.cp.private_mapping(fresh=True)
                     self.mem.read_into(j.cp.base, j.cp.buf)
                 j.res, j.piece = self.walk_run(j.cp, j.first, j.top, j.non_main)
                 continue
