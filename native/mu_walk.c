@@ -579,8 +579,7 @@ static void release_zero_pages(uint8_t *p, uint64_t n)
 }
 
 /* Releases pieces [from, to) of a drop job's copy: a whole piece goes to the pool while it
- * has room (recycle), else its pages are freed. Either way the job never reads it again (a
- * pooled piece's address becomes a hole once its pages move). */
+ * has room (recycle), else its pages are freed. Either way the job never reads it again. */
 static void rw_release(rw_ctx *x, mu_read_job *jb, uint64_t from, uint64_t to, int recycle)
 {
     for (uint64_t k = from; k < to; k++) {
@@ -605,13 +604,19 @@ static void rw_release(rw_ctx *x, mu_read_job *jb, uint64_t from, uint64_t to, i
 }
 
 /* Moves a pooled piece's pages under [dst, dst + RW_PIECE) (a drop job's piece about to be
- * read): no fault and no zeroing there. Nothing happens when the pool is empty. */
+ * read): no fault and no zeroing there. The source stays mapped, empty (MREMAP_DONTUNMAP,
+ * Linux 5.7): a hole there could be taken by another mapping, which unmapping the copy would
+ * then destroy. Without it (or when the pool is empty) the pages are freed as before. */
+#ifndef MREMAP_DONTUNMAP
+#define MREMAP_DONTUNMAP 4
+#endif
 static void rw_reuse(rw_ctx *x, uint8_t *dst)
 {
     pthread_mutex_lock(&x->pool_mu);
     uint8_t *src = x->npool ? x->pool[--x->npool] : NULL;
     pthread_mutex_unlock(&x->pool_mu);
-    if (src && mremap(src, RW_PIECE, RW_PIECE, MREMAP_MAYMOVE | MREMAP_FIXED, dst) == MAP_FAILED)
+    if (src && mremap(src, RW_PIECE, RW_PIECE, MREMAP_MAYMOVE | MREMAP_FIXED | MREMAP_DONTUNMAP,
+                      dst) == MAP_FAILED)
         madvise(src, RW_PIECE, MADV_DONTNEED);
 }
 

@@ -46,8 +46,7 @@ typedef struct {
     uint32_t drop;          /* in: MU_READ_DROP: the copy is not kept: each 1 MiB piece is
                              * released once the walk is past it (its pages moved under a
                              * piece still to read, or freed), and every piece once the walk
-                             * ended: afterwards buf holds no memory and may have holes (only
-                             * unmapping it is allowed); MU_READ_SPARSE: every page read as
+                             * ended: afterwards buf holds no memory (it reads as zeros); MU_READ_SPARSE: every page read as
                              * all zeros is released (it still reads as zeros, and costs no
                              * memory: untouched thread stacks). Either needs buf to be a private
                              * anonymous mapping, page aligned. */

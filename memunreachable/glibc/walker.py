@@ -101,7 +101,7 @@ class _Copy:
 
     def private_mapping(self, fresh: bool = False) -> None:
         """Make buf a private anonymous mapping (mu_read_job.drop releases its pages); fresh:
-        a new one (after a drop read, the old one has holes where pages moved away)."""
+        a new one (after a drop read, a fallback reads the whole copy again)."""
         if fresh or not isinstance(self.buf, mmap.mmap):
             self.close()
             self.buf = mmap.mmap(-1, self.size, flags=mmap.MAP_PRIVATE | mmap.MAP_ANONYMOUS)

@@ -598,8 +598,8 @@ def test_list_walks_read_uncopied_regions_as_copies():
 
 
 def resident_kib(p, size) -> int:
-    """Rss of this process's mappings inside [p, p+size) (/proc/self/smaps; a dropped copy
-    may have holes, so it is not read)."""
+    """Rss of this process's mappings inside [p, p+size) (/proc/self/smaps), without
+    touching them."""
     lo = int(ffi.cast("uintptr_t", p))
     total, inside = 0, False
     with open("/proc/self/smaps") as f:
@@ -649,6 +649,7 @@ def test_read_walk_drop_releases_the_copy_and_keeps_the_candidates():
     assert list(zip(user[:jobs[0].stored], usable[:jobs[0].stored])) == expect_got
     assert _fields(jobs[0].res) == _fields(expect_res)
     assert resident_kib(pd, size) == 0          # released: nothing of the copy is kept
+    assert dst[:] == bytes(size)                # and no hole (pages moved out stay mapped)
     pieces = ffi.new("uint64_t *")
     assert lib.mu_cands_words(cands, pieces) == in_range and pieces[0] == 3
     del pd
