@@ -50,11 +50,19 @@ def u64_view(values):
     return ffi.from_buffer("uint64_t[]", arr), arr
 
 
-# Returns a mu_region[] over (base, buffer) pairs and the objects to keep alive with it.
+# Returns a mu_region[] over (base, buffer) pairs and the objects to keep alive with it. A
+# buffer with an uncopied_fd (glibc/walker.Uncopied) gives an uncopied region (mu_types.h).
 def region_array(pairs: Sequence[Tuple[int, object]]):
     regions = ffi.new("mu_region[]", max(len(pairs), 1))
     keep = [regions]
     for k, (base, buf) in enumerate(pairs):
+        fd = getattr(buf, "uncopied_fd", None)      # glibc/walker.Uncopied: read on demand
+        if fd is not None:
+            regions[k].base, regions[k].len = base, buf.nbytes
+            regions[k].uncopied, regions[k].fd = 1, fd
+            if getattr(buf, "cands", None) is not None:
+                regions[k].cands = buf.cands
+            continue
         nbytes = memoryview(buf).nbytes
         data = ffi.from_buffer("uint8_t[]", buf) if nbytes else ffi.NULL
         keep.append(data)

@@ -13,11 +13,13 @@ from __future__ import annotations
 
 import bisect
 import dataclasses
+import errno
 import time
 from array import array
 from dataclasses import dataclass
 from typing import Optional, Sequence, Tuple
 
+from memunreachable._errors import MemoryUnreadable
 from memunreachable._ffi import check, ffi, lib, region_array, u64_view
 from memunreachable._types import HeapImage
 
@@ -90,6 +92,9 @@ def dead_words(dead: "DeadWords", n: int):
 # Returns MarkResult; raises OSError(EINVAL) for unsorted/overlapping allocations, an
 # allocation outside every heap region or overlapping regions, or bad dead words; OSError(ENOMEM)
 # when out of memory. dead: DeadWords (GC links, dead slots) ignored by the scan, or None.
+# A region of image whose buffer is a glibc/walker.Uncopied is read on demand through its fd
+# (the low-memory mark: the blocks reached there are read wave by wave, then dropped); the
+# result equals the mark over a copy; MemoryUnreadable when those bytes cannot be read.
 def mark(image: HeapImage, roots: Sequence[Tuple[int, object]], words: Sequence[int] = (),
          glibc_chunks: bool = False, dead=None) -> MarkResult:
     begins, keep_b = u64_view(image.begins)
@@ -109,6 +114,9 @@ def mark(image: HeapImage, roots: Sequence[Tuple[int, object]], words: Sequence[
                      word_arr, len(word_arr), marked_c, stats,
                      lib.MU_GLIBC_CHUNKS if glibc_chunks else 0, dead_c)
     seconds = time.perf_counter() - t0
+    if rc == -errno.EIO:
+        raise MemoryUnreadable("the snapshot's heap could not be read during the mark (the "
+                               "snapshot process died?)")
     check(rc, "mark")
     del keep_b, keep_s, keep_h, keep_r, keep_w, keep_d
     return MarkResult(marked=marked, root_bytes=stats.root_bytes, heap_bytes=stats.heap_bytes,

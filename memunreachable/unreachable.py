@@ -18,6 +18,7 @@ from __future__ import annotations
 
 import bisect
 import logging
+from array import array
 import struct
 import os
 import signal
@@ -29,13 +30,13 @@ from memunreachable import detect, diagnose, leftovers, procfs, tracking
 from memunreachable import preflight as preflight_stage
 from memunreachable._errors import (CollectionError, HeapCorrupt, HeapWalkError,
                                     MemoryUnreadable, NoSuchProcess)
-from memunreachable._types import Fields, Range, merge_ranges, subtract_ranges
+from memunreachable._types import Fields, HeapImage, Range, merge_ranges, subtract_ranges
 from memunreachable.classify import classify, data_ranges
 from memunreachable.cpython import probe
-from memunreachable.folding import fold, size_totals
+from memunreachable.folding import FoldedLeak, fold, size_totals
 from memunreachable.freeze import frozen
 from memunreachable.glibc import linkmaps, locate
-from memunreachable.glibc.walker import HeapInconsistent, walk_heap
+from memunreachable.glibc.walker import HeapInconsistent, is_uncopied, walk_heap
 from memunreachable.mark import mark, with_dead_words
 from memunreachable.memory import (CopiedMemory, ProcessMemory, SnapshotPlan, capture, read_copies,
                                    mapped_file_size, plan_snapshot)
@@ -49,6 +50,11 @@ MAX_RETRIES = 20
 SNAPSHOT_DEATH_RETRIES = 1       # a snapshot process killed during the sweep: retake once
 MAX_CAPTURE_BYTES = 512 << 20    # MADV_DONTFORK memory copied during a pause, at most
 CONTENTS_BYTES = 32
+# The low-memory sweep (docs/performance.md, issue 10): heaps of at least this many bytes are
+# walked without keeping copies, and the mark reads the blocks it reaches from the snapshot
+# (mark.py, glibc/walker.py walk_heap(uncopied_from=...)). Not for a process with a CPython
+# runtime (its stages read object headers from the copies) nor under MEMUNREACHABLE_EXPLAIN.
+UNCOPIED_MIN_BYTES = 256 << 20
 RETAKE_WORDS = {"inflight": "a thread was inside malloc/free",
                 "capture": "memory not in the snapshot (MADV_DONTFORK/WIPEONFORK) had to be "
                            "copied during the pause",
@@ -407,8 +413,12 @@ def sweep(mem, maps, threads, pid: int, confirm: Optional[set] = None,
     t0 = time.monotonic()
     # 4. Enumerate allocations
     log.info("searching process %d for allocations", pid)
+    uncopied_from = None
+    if not probe.may_hold_runtime(maps, pid) and not os.environ.get("MEMUNREACHABLE_EXPLAIN"):
+        uncopied_from = UNCOPIED_MIN_BYTES
+    snapshot_mem = mem
     try:
-        hw = walk_heap(mem, maps, threads, pid)
+        hw = walk_heap(mem, maps, threads, pid, uncopied_from=uncopied_from)
     except HeapInconsistent as exc:
         exc.suspect_tids = threads_in_allocator(threads, maps, pid, ())
         raise
@@ -416,7 +426,8 @@ def sweep(mem, maps, threads, pid: int, confirm: Optional[set] = None,
     # 4b. CPython: pymalloc blocks are allocations, its arenas and dead memory are not roots,
     # GC links are not references (cpython/pipeline.py)
     # what the walk copied is not read again; the data mappings are read once, here
-    mem = CopiedMemory(mem, list(hw.image.regions) + hw.spare
+    uncopied = bool(hw.stats.get("uncopied_bytes"))     # the low-memory sweep
+    mem = CopiedMemory(mem, [r for r in hw.image.regions if not is_uncopied(r[1])] + hw.spare
                        + read_copies(mem, data_ranges(maps, unwritten), skip_unreadable=True))
     cps = _see_through_cpython(mem, maps, threads, pid, hw.image)
     image, dead = cps.image, cps.dead
@@ -441,14 +452,20 @@ def sweep(mem, maps, threads, pid: int, confirm: Optional[set] = None,
             buf = bytearray(r.size)
             mem.read_into(r.begin, buf)
         root_buffers.append((r.begin, buf))
-    if release_snapshot is not None and not cps.usable and table is None:
+    if release_snapshot is not None and not cps.usable and table is None and not uncopied:
         release_snapshot()          # every byte the sweep needs is copied now
     t_roots = time.monotonic()
     # 6. Mark
     log.info("sweeping process %d for unreachable memory", pid)
     marked = mark(image, root_buffers, roots.words, glibc_chunks=glibc_chunks, dead=dead)
-    contents = _ContentsReader(image)
     begins, sizes = image.begins, image.sizes
+    leaks = None
+    if uncopied:
+        # the unreachable blocks' bytes, read now (the fold, the contents, uncertain roots)
+        leaks = _LeakImage(snapshot_mem, image, marked.marked)
+        contents = _ContentsReader(leaks.image)
+    else:
+        contents = _ContentsReader(image)
     unsure_sizes = hw.uncertain_sizes
     unmarked = _unmarked(marked.marked) if (confirm is not None or unsure_sizes or
                                             all_uncertain) else []
@@ -465,6 +482,8 @@ def sweep(mem, maps, threads, pid: int, confirm: Optional[set] = None,
         root_buffers += [(begins[i], contents.view(begins[i], sizes[i])) for i in more]
         marked = mark(image, root_buffers, list(roots.words) + [begins[i] for i in more],
                       glibc_chunks=glibc_chunks, dead=dead)
+    if uncopied and release_snapshot is not None and table is None:
+        release_snapshot()          # the mark has read all it needs; the leaks are copied
     t_mark = time.monotonic()
     if os.environ.get("MEMUNREACHABLE_EXPLAIN"):       # diagnostic: explain.py
         from memunreachable.explain import explain
@@ -480,7 +499,10 @@ def sweep(mem, maps, threads, pid: int, confirm: Optional[set] = None,
     leak_flags = marked.marked if py is None else py.leak_flags
     # 7. Fold
     log.info("folding related leaks")
-    folded = fold(image, leak_flags, glibc_chunks=glibc_chunks, dead=dead)
+    if leaks is not None:
+        folded = leaks.fold(leak_flags, glibc_chunks=glibc_chunks, dead=dead)
+    else:
+        folded = fold(image, leak_flags, glibc_chunks=glibc_chunks, dead=dead)
     garbage = (fold(image, py.garbage_flags, glibc_chunks=glibc_chunks, dead=dead)
                if py is not None and py.garbage else [])
     t_fold = time.monotonic()
@@ -652,6 +674,36 @@ def _tolerated_warning(mem) -> list:
     n = getattr(mem, "tolerated_bytes", 0)
     return [f"{n} bytes of file pages past the end of their file (or device memory) could "
             "not be read; they cannot hold pointers"] if n else []
+
+
+# Unreachable blocks closer than this share one read (_LeakImage).
+LEAK_READ_GAP = 4096
+
+
+class _LeakImage:
+    """The unreachable blocks of a low-memory sweep's image, copied from the snapshot once
+    the mark is done: image (a HeapImage of them alone, each inside a copy of its run of
+    neighbours closer than LEAK_READ_GAP) serves the fold and the reported contents."""
+
+    def __init__(self, mem, image, marked):
+        self.index = _unmarked(marked)
+        begins, sizes = image.begins, image.sizes
+        lb, ls = array("Q", (begins[i] for i in self.index)), array("Q", (sizes[i] for i in self.index))
+        runs: List[Range] = []
+        for b, n in zip(lb, ls):
+            e = b + max(n, 1)
+            if runs and b <= runs[-1].end + LEAK_READ_GAP:
+                runs[-1] = Range(runs[-1].begin, max(runs[-1].end, e))
+            else:
+                runs.append(Range(b, e))
+        self.image = HeapImage(lb, ls, read_copies(mem, runs))
+
+    # fold() over the whole image with these flags, computed over the unreachable blocks
+    # alone (the fold follows edges between unreachable blocks only): indices are the image's.
+    def fold(self, flags, glibc_chunks: bool, dead) -> list:
+        sub = bytearray(flags[i] for i in self.index)
+        return [FoldedLeak(self.index[f.index], f.referenced_count, f.referenced_size)
+                for f in fold(self.image, sub, glibc_chunks=glibc_chunks, dead=dead)]
 
 
 class _ContentsReader:

@@ -15,6 +15,33 @@
  * mu_read, without its threads). */
 int64_t mu_read_serial(int memfd, uint64_t addr, uint8_t *buf, uint64_t len, uint64_t *first_bad);
 
+/* mu_cands (mu_walk.h): per 1 MiB piece, the candidates' offsets (from the piece start) and
+ * values, ascending, and for each 4 KiB sub-page the index of its first candidate. */
+#define MU_CAND_PIECE_SHIFT 20
+#define MU_CAND_SUB_SHIFT 12
+#define MU_CAND_SUBS (1u << (MU_CAND_PIECE_SHIFT - MU_CAND_SUB_SHIFT))
+typedef struct {
+    uint32_t *off;
+    uint64_t *val;
+    uint32_t n;
+    int32_t state;              /* 0 not filled, 1 kept, -1 not kept (atomic) */
+    uint32_t sub[MU_CAND_SUBS + 1];
+} mu_cand_piece;
+
+struct mu_cands {
+    uint64_t base, len, lo, hi, max_words;
+    uint64_t *ranges;           /* (begin, end) pairs inside [lo, hi) */
+    uint64_t nranges;
+    uint64_t used;              /* candidates kept (atomic) */
+    uint64_t npieces;
+    mu_cand_piece *p;
+};
+
+/* mu_walk.c: fills piece k of c from its bytes d (n of them); toff/tval: scratch of
+ * (1 << MU_CAND_PIECE_SHIFT) / 8 entries. */
+void mu_cands_fill_piece(mu_cands *c, uint64_t k, const uint8_t *d, uint64_t n, uint32_t *toff,
+                         uint64_t *tval);
+
 /* Live words of a scanned range (mu_dead): yields runs of word start addresses, skipping the
  * dead ones. Shared by mu_mark (mu_scan.c) and mu_fold (mu_fold.c). */
 typedef struct {

@@ -12,6 +12,14 @@
 #define SCAN_POP 16u             /* allocations popped and fetched together */
 #define SCAN_BATCH 32u           /* lookups in flight together (memory-level parallelism) */
 #define SCAN_SEEN_BITS 10u       /* values remembered per mark thread (8 KiB: stays in L1) */
+#define SCAN_UNCOPIED_OK (1u << 31) /* index flag (mu_mark only): uncopied regions allowed */
+/* The low-memory mark (uncopied regions): the marked allocations of a wave, sorted by address,
+ * are read in runs: neighbours closer than WAVE_GAP bytes share one read, a read is at most
+ * WAVE_READ bytes (one buffer per mark thread), and a thread takes WAVE_BATCH bytes of the
+ * wave at a time. */
+#define WAVE_GAP (4u << 10)
+#define WAVE_READ (1u << 20)
+#define WAVE_BATCH (4u << 20)
 
 static inline uint64_t ld64(const uint8_t *p)
 {
@@ -57,14 +65,16 @@ void mu_scan_index_free(mu_scan_index *ix)
 /* The argument checks mu_scan_index_init and mu_scan_index_check share: 0, -EINVAL (missing
  * arrays; regions unsorted, overlapping, wrapping or without data) or -EOVERFLOW. */
 static int64_t check_args(const uint64_t *begin, const uint64_t *size, uint64_t n,
-                          const mu_region *heap, uint64_t nheap)
+                          const mu_region *heap, uint64_t nheap, uint32_t flags)
 {
     if ((n && (!begin || !size)) || (nheap && !heap) || (n && !nheap))
         return -EINVAL;
     if (n >= SCAN_NONE)
         return -EOVERFLOW;
     for (uint64_t r = 0; r < nheap; r++) {
-        if (heap[r].base + heap[r].len < heap[r].base || (heap[r].len && !heap[r].data))
+        int uncopied = (flags & SCAN_UNCOPIED_OK) && heap[r].uncopied && heap[r].fd >= 0;
+        if (heap[r].base + heap[r].len < heap[r].base || (heap[r].len && !heap[r].data && !uncopied)
+            || (heap[r].uncopied && !uncopied))
             return -EINVAL;
         if (r && heap[r].base < heap[r - 1].base + heap[r - 1].len)
             return -EINVAL;
@@ -75,7 +85,7 @@ static int64_t check_args(const uint64_t *begin, const uint64_t *size, uint64_t 
 int64_t mu_scan_index_check(const uint64_t *begin, const uint64_t *size, uint64_t n,
                             const mu_region *heap, uint64_t nheap)
 {
-    int64_t rc = check_args(begin, size, n, heap, nheap);
+    int64_t rc = check_args(begin, size, n, heap, nheap, 0);
     if (rc)
         return rc;
     uint64_t r = 0, prev_end = 0;
@@ -98,7 +108,7 @@ int64_t mu_scan_index_init(mu_scan_index *ix, const uint64_t *begin, const uint6
 {
     memset(ix, 0, sizeof *ix);
     ix->flags = flags;
-    int64_t rc = check_args(begin, size, n, heap, nheap);
+    int64_t rc = check_args(begin, size, n, heap, nheap, flags);
     if (rc)
         return rc;
     ix->n = n;
@@ -346,6 +356,13 @@ typedef struct {
     uint64_t nc;
     pthread_t tid;
     int running;            /* tid was started and must be joined */
+    /* low-memory mark: allocations of uncopied regions marked, scanned in the next wave */
+    uint32_t *pend;
+    uint64_t npend;
+    uint8_t *rbuf;          /* WAVE_READ bytes: one read of a wave */
+    int64_t err;            /* the first read error (-errno; -EIO: bytes unreadable) */
+    struct wave_shared_s *ws;
+    int plain_rules;        /* dead has no object rules (types, dict_keys, head_word) */
 } mark_ctx;
 
 /* Moves half of m's stack to the pool when another thread waits for work. */
@@ -514,6 +531,72 @@ static inline int may_be_typed(const uint64_t *bits, const uint8_t *p, uint64_t 
     return 0;
 }
 
+/* Scans allocation i, whose bytes are at d (avail readable there). */
+static inline void scan_block(mark_ctx *m, uint64_t i, const uint8_t *d, uint64_t avail)
+{
+    const mu_scan_index *ix = m->ix;
+    const mu_dead *dead = m->dead;
+    uint64_t b = ix->span[2 * i], len = ix->span[2 * i + 1] - b;
+    if (len == 1)
+        len = m->size[i];       /* 0 or 1: a zero-size allocation has no words */
+    uint64_t hb, he;
+    const mu_dead *rules = dead;
+    if (m->untyped && !may_be_typed(m->type_bits, d, len < avail ? len : avail))
+        rules = m->untyped;     /* no type rule applies: the same answers, sooner */
+    if (mu_dead_object(rules, d, len, avail))
+        return;                 /* a dead object: its words are stale */
+    len = mu_live_len(rules, d, b, len, avail);
+    mu_live_head(dead, i, b, &hb, &he);
+    scan_range(m, d, b, len, avail, hb, he);
+    m->heap_bytes += len;
+}
+
+/* Scans allocation i of the uncopied region reg from its kept candidates (mu_cands): returns
+ * 1 when done, 0 when it must be read (a piece not kept, a dead word or an object rule that may
+ * apply, an unaligned or partial word). The candidates are the words of a byte scan that can
+ * hit an allocation, in the same order; the others would hit nothing (and consider's cache of
+ * values only skips repeats): the result and the statistics are the same. */
+static int scan_cands(mark_ctx *m, uint64_t i, const mu_region *reg)
+{
+    const mu_cands *c = reg->cands;
+    if (!c || !m->plain_rules)
+        return 0;
+    const mu_scan_index *ix = m->ix;
+    uint64_t b = ix->span[2 * i], len = ix->span[2 * i + 1] - b;
+    if (len == 1)
+        len = m->size[i];
+    if (!len)
+        return 1;                       /* a zero-size allocation has no words */
+    uint64_t e = b + len;
+    if ((b & 7) || (len & 7) || b < c->base || e > c->base + c->len)
+        return 0;
+    if (m->dead && m->dead->nranges) {  /* a dead word inside: the byte scan decides */
+        mu_live_iter it;
+        uint64_t rb, re;
+        mu_live_init(&it, m->dead, b, e, 0, 0);
+        if (!mu_live_next(&it, &rb, &re) || rb != b || re < e)
+            return 0;
+    }
+    uint64_t k0 = (b - c->base) >> MU_CAND_PIECE_SHIFT, k1 = (e - 1 - c->base) >> MU_CAND_PIECE_SHIFT;
+    for (uint64_t k = k0; k <= k1; k++)
+        if (__atomic_load_n(&c->p[k].state, __ATOMIC_ACQUIRE) != 1)
+            return 0;
+    for (uint64_t k = k0; k <= k1; k++) {
+        const mu_cand_piece *p = &c->p[k];
+        uint64_t pb = c->base + (k << MU_CAND_PIECE_SHIFT);
+        uint64_t lo = b > pb ? b - pb : 0;
+        uint64_t hi = e - pb < (1ull << MU_CAND_PIECE_SHIFT) ? e - pb : (1ull << MU_CAND_PIECE_SHIFT);
+        uint64_t j = p->sub[lo >> MU_CAND_SUB_SHIFT];
+        while (j < p->n && p->off[j] < lo)
+            j++;
+        for (; j < p->n && p->off[j] < hi; j++)
+            consider(m, p->val[j]);
+    }
+    m->words += len / 8;
+    m->heap_bytes += len;
+    return 1;
+}
+
 /* Worklist: pop up to SCAN_POP allocations, fetch their words together, scan them; look the
  * candidates up in batches. Each allocation is marked when pushed (by one thread: the atomic
  * exchange decides), so it is scanned at most once. */
@@ -522,7 +605,6 @@ static void mark_loop(mark_ctx *m)
     mu_scan_index *ix = m->ix;
     const mu_region *heap = ix->heap;
     uint64_t nheap = ix->nheap;
-    const mu_dead *dead = m->dead;
     for (;;) {
         if (m->sp == 0) {
             if (m->nc) {
@@ -542,6 +624,11 @@ static void mark_loop(mark_ctx *m)
         while (nb < SCAN_POP && m->sp) {
             uint64_t i = batch[nb] = m->stack[--m->sp];
             uint64_t r = breg[nb] = nheap == 1 ? 0 : mu_scan_index_region_of(ix, i);
+            if (heap[r].uncopied) {
+                if (!scan_cands(m, i, &heap[r]))
+                    m->pend[m->npend++] = (uint32_t)i; /* read and scanned in the next wave */
+                continue;
+            }
             uint64_t b = ix->span[2 * i], len = ix->span[2 * i + 1] - b;
             const uint8_t *d = bdata[nb++] = heap[r].data + (b - heap[r].base);
             if (len > SCAN_PREFETCH_BYTES)
@@ -553,19 +640,7 @@ static void mark_loop(mark_ctx *m)
         for (uint64_t k = 0; k < nb; k++) {
             uint64_t i = batch[k];
             uint64_t r = breg[k];
-            uint64_t b = ix->span[2 * i], len = ix->span[2 * i + 1] - b;
-            if (len == 1)
-                len = m->size[i];       /* 0 or 1: a zero-size allocation has no words */
-            uint64_t hb, he, avail = heap[r].base + heap[r].len - b;
-            const mu_dead *rules = dead;
-            if (m->untyped && !may_be_typed(m->type_bits, bdata[k], len < avail ? len : avail))
-                rules = m->untyped;     /* no type rule applies: the same answers, sooner */
-            if (mu_dead_object(rules, bdata[k], len, avail))
-                continue;               /* a dead object: its words are stale */
-            len = mu_live_len(rules, bdata[k], b, len, avail);
-            mu_live_head(dead, i, b, &hb, &he);
-            scan_range(m, bdata[k], b, len, avail, hb, he);
-            m->heap_bytes += len;
+            scan_block(m, i, bdata[k], heap[r].base + heap[r].len - ix->span[2 * i]);
         }
     }
 }
@@ -574,6 +649,180 @@ static void *mark_thread(void *arg)
 {
     mark_loop(arg);
     return NULL;
+}
+
+/* ---- the low-memory mark: waves over uncopied regions ------------------------------------
+ * Allocations of uncopied regions are not scanned when popped: they pend. When the worklist
+ * is empty, the pending allocations of every thread form a wave: sorted by address, cut into
+ * batches, read in runs through the region's fd and scanned; what they reach is scanned at
+ * once (copied regions) or pends for the next wave. Each allocation is still marked once and
+ * scanned once, with the same bytes: the marked set and the statistics equal mu_mark's over
+ * copies. */
+typedef struct wave_shared_s {
+    const uint32_t *wave;
+    const uint64_t *bstart;     /* batch b is wave[bstart[b] .. bstart[b + 1]) */
+    uint64_t nbatch;
+    uint64_t next;              /* next batch to take (atomic) */
+} wave_shared;
+
+/* Where a wave's read of allocation i (in region r) ends: its span and the next word (a last
+ * partial word is read whole, as from a copy), within the region. */
+static inline uint64_t wave_end(const mu_scan_index *ix, uint64_t r, uint64_t i)
+{
+    uint64_t e = ix->span[2 * i + 1] + 8, re = ix->heap[r].base + ix->heap[r].len;
+    return e < re ? e : re;
+}
+
+/* Reads and scans wave[j0 .. j1) (ascending), then what it reaches; m->err on a failed read. */
+static void wave_batch(mark_ctx *m, const uint32_t *wave, uint64_t j0, uint64_t j1)
+{
+    mu_scan_index *ix = m->ix;
+    uint64_t j = j0;
+    while (j < j1 && !m->err) {
+        uint64_t i = wave[j], r = mu_scan_index_region_of(ix, i);
+        const mu_region *reg = &ix->heap[r];
+        uint64_t rb = ix->span[2 * i], re = wave_end(ix, r, i), jj = j + 1;
+        while (jj < j1) {       /* one read for neighbours closer than WAVE_GAP */
+            uint64_t i2 = wave[jj], b2 = ix->span[2 * i2];
+            if (b2 >= reg->base + reg->len || b2 > re + WAVE_GAP)
+                break;
+            uint64_t e2 = wave_end(ix, r, i2);
+            if (e2 - rb > WAVE_READ)
+                break;
+            re = e2 > re ? e2 : re;
+            jj++;
+        }
+        uint8_t *buf = m->rbuf, *own = NULL;
+        if (re - rb > WAVE_READ) {      /* one allocation larger than the buffer */
+            if (!(buf = own = malloc(re - rb))) {
+                m->err = -ENOMEM;
+                return;
+            }
+        }
+        uint64_t first_bad = 0;
+        int64_t rc = mu_read_serial(reg->fd, rb, buf, re - rb, &first_bad);
+        if (rc != 0) {
+            m->err = rc < 0 ? rc : -EIO;
+            free(own);
+            return;
+        }
+        for (uint64_t k = j; k < jj; k++) {
+            uint64_t b2 = ix->span[2 * (uint64_t)wave[k]];
+            scan_block(m, wave[k], buf + (b2 - rb), re - b2);
+        }
+        free(own);
+        mark_loop(m);           /* what they reach: copied ones now, uncopied ones pend */
+        j = jj;
+    }
+}
+
+static void *wave_thread(void *arg)
+{
+    mark_ctx *m = arg;
+    wave_shared *ws = m->ws;
+    for (;;) {
+        uint64_t b = __atomic_fetch_add(&ws->next, 1, __ATOMIC_RELAXED);
+        if (b >= ws->nbatch)
+            return NULL;
+        wave_batch(m, ws->wave, ws->bstart[b], ws->bstart[b + 1]);
+    }
+}
+
+static int cmp_u32(const void *a, const void *b)
+{
+    uint32_t x = *(const uint32_t *)a, y = *(const uint32_t *)b;
+    return x < y ? -1 : x > y;
+}
+
+/* Sorts a[0 .. k) ascending (tmp: k entries of scratch). Returns 0 or -ENOMEM. */
+static int64_t sort_u32(uint32_t *a, uint32_t *tmp, uint64_t k)
+{
+    if (k < 65536) {
+        qsort(a, k, sizeof *a, cmp_u32);
+        return 0;
+    }
+    uint64_t *cnt = malloc(65536 * sizeof *cnt);
+    if (!cnt)
+        return -ENOMEM;
+    for (int pass = 0; pass < 2; pass++) {     /* LSD radix, 16 bits a pass */
+        uint32_t *src = pass ? tmp : a, *dst = pass ? a : tmp;
+        int sh = 16 * pass;
+        memset(cnt, 0, 65536 * sizeof *cnt);
+        for (uint64_t j = 0; j < k; j++)
+            cnt[(src[j] >> sh) & 0xffff]++;
+        uint64_t sum = 0;
+        for (uint64_t d = 0; d < 65536; d++) {
+            uint64_t c = cnt[d];
+            cnt[d] = sum;
+            sum += c;
+        }
+        for (uint64_t j = 0; j < k; j++)
+            dst[cnt[(src[j] >> sh) & 0xffff]++] = src[j];
+    }
+    free(cnt);
+    return 0;
+}
+
+/* Runs the waves until nothing pends. Returns 0 or the first error (-errno). */
+static int64_t mark_waves(mark_ctx *ms, int nt, uint64_t n)
+{
+    uint32_t *wave = big_alloc(n * sizeof(uint32_t));
+    uint32_t *tmp = big_alloc(n * sizeof(uint32_t));
+    uint64_t *bstart = big_alloc((n + 1) * sizeof(uint64_t));
+    int64_t err = 0;
+    if (!wave || !tmp || !bstart)
+        err = -ENOMEM;
+    for (int t = 0; !err && t < nt; t++) {
+        ms[t].sh = NULL;
+        if (!(ms[t].rbuf = malloc(WAVE_READ)))
+            err = -ENOMEM;
+    }
+    while (!err) {
+        uint64_t k = 0;
+        for (int t = 0; t < nt; t++) {
+            memcpy(wave + k, ms[t].pend, ms[t].npend * sizeof(uint32_t));
+            k += ms[t].npend;
+            ms[t].npend = 0;
+        }
+        if (!k)
+            break;
+        if ((err = sort_u32(wave, tmp, k)))
+            break;
+        /* batches of about WAVE_BATCH bytes of address space */
+        const mu_scan_index *ix = ms[0].ix;
+        uint64_t nb = 0, a0 = 0;
+        for (uint64_t j = 0; j < k; j++) {
+            uint64_t b = ix->span[2 * (uint64_t)wave[j]];
+            if (j == 0 || b - a0 > WAVE_BATCH) {
+                bstart[nb++] = j;
+                a0 = b;
+            }
+        }
+        bstart[nb] = k;
+        wave_shared ws = {wave, bstart, nb, 0};
+        int run = nb > 1 ? nt : 1;
+        for (int t = 0; t < run; t++)
+            ms[t].ws = &ws;
+        for (int t = 1; t < run; t++)
+            ms[t].running = pthread_create(&ms[t].tid, NULL, wave_thread, &ms[t]) == 0;
+        wave_thread(&ms[0]);
+        for (int t = 1; t < run; t++)
+            if (ms[t].running) {
+                pthread_join(ms[t].tid, NULL);
+                ms[t].running = 0;
+            }
+        for (int t = 0; t < nt; t++)
+            if (ms[t].err && !err)
+                err = ms[t].err;
+    }
+    for (int t = 0; t < nt; t++) {
+        free(ms[t].rbuf);
+        ms[t].rbuf = NULL;
+    }
+    free(wave);
+    free(tmp);
+    free(bstart);
+    return err;
 }
 
 /* Marks of more allocations than this run on up to MARK_MAX_THREADS threads (one per CPU):
@@ -596,10 +845,14 @@ int64_t mu_mark(const uint64_t *begin, const uint64_t *size, uint64_t n,
     for (uint64_t r = 0; r < nroots; r++)
         if (roots[r].len && !roots[r].data)
             return -EINVAL;
+    int lazy = 0;               /* some region is uncopied: the low-memory mark */
+    for (uint64_t r = 0; r < nheap && heap; r++)
+        lazy |= heap[r].uncopied != 0;
     mu_scan_index ix;
-    int64_t rc = mu_scan_index_init(&ix, begin, size, n, heap, nheap, flags);
+    int64_t rc = mu_scan_index_init(&ix, begin, size, n, heap, nheap, flags | SCAN_UNCOPIED_OK);
     if (rc < 0)
         return rc;
+    ix.flags = flags;
     rc = mu_scan_index_set_dead(&ix, dead);
     if (rc < 0) {
         mu_scan_index_free(&ix);
@@ -617,12 +870,15 @@ int64_t mu_mark(const uint64_t *begin, const uint64_t *size, uint64_t n,
     /* a thread's stack and the pool each hold at most n entries (each allocation is pushed
      * once); pages never touched cost nothing */
     for (int t = 0; ok && t < nt; t++)
-        ok = (ms[t].stack = big_alloc(n * sizeof(uint32_t))) != NULL;
+        ok = (ms[t].stack = big_alloc(n * sizeof(uint32_t))) != NULL &&
+             (!lazy || (ms[t].pend = big_alloc(n * sizeof(uint32_t))) != NULL);
     if (ok && nt > 1)
         ok = (sh.pool = big_alloc(n * sizeof(uint32_t))) != NULL;
     if (!ok) {
-        for (int t = 0; ms && t < nt; t++)
+        for (int t = 0; ms && t < nt; t++) {
             free(ms[t].stack);
+            free(ms[t].pend);
+        }
         free(ms);
         free(sh.pool);
         mu_scan_index_free(&ix);
@@ -647,6 +903,7 @@ int64_t mu_mark(const uint64_t *begin, const uint64_t *size, uint64_t n,
         ms[t].untyped = dead && dead->ntypes ? &untyped : NULL;
         ms[t].type_bits = type_bits;
         ms[t].marked = marked;
+        ms[t].plain_rules = !dead || (!dead->ntypes && !dead->dict_keys && !dead->head_word);
         memset(ms[t].seen, 0xff, sizeof ms[t].seen);
     }
     if (nt > 1) {
@@ -674,14 +931,19 @@ int64_t mu_mark(const uint64_t *begin, const uint64_t *size, uint64_t n,
         consider(m, words[w]);
     m->words += nwords;
     mark_loop(m);
+    for (int t = 0; t < nt; t++)
+        if (ms[t].running) {
+            pthread_join(ms[t].tid, NULL);
+            ms[t].running = 0;
+        }
+    int64_t err = lazy ? mark_waves(ms, nt, n) : 0;
     uint64_t heap_bytes = 0, nwords_all = 0, marks = 0;
     for (int t = 0; t < nt; t++) {
-        if (ms[t].running)
-            pthread_join(ms[t].tid, NULL);
         heap_bytes += ms[t].heap_bytes;
         nwords_all += ms[t].words;
         marks += ms[t].marks;
         free(ms[t].stack);
+        free(ms[t].pend);
     }
     if (nt > 1) {
         pthread_cond_destroy(&sh.cv);
@@ -696,7 +958,7 @@ int64_t mu_mark(const uint64_t *begin, const uint64_t *size, uint64_t n,
     free(ms);
     free(sh.pool);
     mu_scan_index_free(&ix);
-    return (int64_t)marks;
+    return err ? err : (int64_t)marks;
 }
 
 uint64_t mu_scanned_len(const mu_dead *dead, const uint8_t *p, uint64_t b, uint64_t len,

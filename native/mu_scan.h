@@ -19,7 +19,12 @@ typedef struct {
  * Returns the number of marked allocations, or -EINVAL (unsorted/overlapping input, or an
  * allocation not inside any heap region, or unsorted/overlapping heap regions), -EOVERFLOW
  * (n >= 2^32 - 1) or -ENOMEM. dead: words to ignore (mu_dead), or NULL; -EINVAL when its ranges
- * are unsorted, overlapping or unaligned. */
+ * are unsorted, overlapping or unaligned.
+ * Uncopied heap regions (mu_region.uncopied, the low-memory mark): their allocations are read
+ * when marked, wave by wave (sorted by address, in reads of up to 8 MiB through the region's
+ * fd, on one thread per CPU), and the read bytes are dropped once scanned; the result equals
+ * that over copies. -EIO when some of their bytes cannot be read (the snapshot died), or the
+ * read's -errno. */
 int64_t mu_mark(const uint64_t *begin, const uint64_t *size, uint64_t n,
                 const mu_region *heap, uint64_t nheap,
                 const mu_region *roots, uint64_t nroots,

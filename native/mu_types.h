@@ -1,10 +1,19 @@
 /* mu_types.h: plain structs shared by the stages of the C core (cdef-clean). */
 
-/* A copy of target memory held by the sweeper: bytes [base, base+len) live at data. */
+/* A copy of target memory held by the sweeper: bytes [base, base+len) live at data.
+ * uncopied = 1 (data NULL): no copy is held; the bytes are read on demand through fd, a
+ * /proc/<pid>/mem fd of the snapshot (and the words of its cands' complete pieces are kept:
+ * mu_mark scans a block from them without a read). Only mu_mark and mu_walk's list walks (mu_walk_chain,
+ * mu_walk_tcache_scan, mu_walk_bin) accept such regions; every other function needs data. */
+typedef struct mu_cands mu_cands;  /* reference candidates of an uncopied region (mu_walk.h) */
+
 typedef struct {
     uint64_t base;
     uint64_t len;
     uint8_t *data;
+    int32_t fd;
+    uint32_t uncopied;
+    const mu_cands *cands;  /* uncopied: its candidates kept by the walk, or NULL */
 } mu_region;
 
 /* Words that are not references (GC links, dead free-list slots): mark and fold ignore every

@@ -2,6 +2,7 @@
  * heap memory. Layout policy (where runs start, which offsets) lives in memunreachable/glibc. */
 #include "mu_core_impl.h"
 #include <pthread.h>
+#include <sys/mman.h>
 #include <unistd.h>
 
 #define CHUNK_PREV_INUSE 1u
@@ -234,11 +235,26 @@ int64_t mu_walk_mmapped(const uint8_t *data, uint64_t base, uint64_t len, uint64
     return (int64_t)stored;
 }
 
+/* Reads n bytes at addr of an uncopied region (mu_region.uncopied) through its fd: 0, or -1
+ * when they cannot all be read. */
+static int uncopied_read(const mu_region *r, uint64_t addr, uint8_t *out, uint64_t n)
+{
+    uint64_t first_bad = 0;
+    return mu_read_serial(r->fd, addr, out, n, &first_bad) == 0 ? 0 : -1;
+}
+
 static inline int region_word(const mu_region *r, uint64_t nr, uint64_t addr, uint64_t *v)
 {
     int64_t i = mu_region_find(r, nr, addr, 8);
     if (i < 0)
         return -1;
+    if (r[i].uncopied) {
+        uint8_t w[8];
+        if (uncopied_read(&r[i], addr, w, 8))
+            return -1;
+        *v = ld64(w);
+        return 0;
+    }
     *v = ld64(r[i].data + (addr - r[i].base));
     return 0;
 }
@@ -369,6 +385,7 @@ int64_t mu_walk_tcache_scan(const mu_region *regions, uint64_t nregions, const u
         return -EINVAL;
     uint64_t found = 0;
     const uint64_t span = entries_off + 8 * nbins;
+    uint8_t *local = NULL;      /* a candidate's bytes read from an uncopied region */
     for (uint64_t i = 0; i < n; i++) {
         if (usable[i] != struct_usable)
             continue;
@@ -376,7 +393,18 @@ int64_t mu_walk_tcache_scan(const mu_region *regions, uint64_t nregions, const u
         int64_t r = mu_region_find(regions, nregions, addr, span);
         if (r < 0)
             continue;
-        const uint8_t *p = regions[r].data + (addr - regions[r].base);
+        const uint8_t *p;
+        if (regions[r].uncopied) {
+            if (!local && !(local = malloc(span))) {
+                found = (uint64_t)-ENOMEM;
+                break;
+            }
+            if (uncopied_read(&regions[r], addr, local, span))
+                continue;           /* unreadable: as outside every region */
+            p = local;
+        } else {
+            p = regions[r].data + (addr - regions[r].base);
+        }
         int ok = 1;
         for (uint64_t b = 0; b < nbins && ok; b++) {
             uint64_t c = count_width == 1 ? p[b] : (uint64_t)p[2 * b] | ((uint64_t)p[2 * b + 1] << 8);
@@ -414,6 +442,7 @@ int64_t mu_walk_tcache_scan(const mu_region *regions, uint64_t nregions, const u
             out[found] = cd;
         found++;
     }
+    free(local);
     return (int64_t)found;
 }
 
@@ -483,12 +512,15 @@ int64_t mu_walk_subtract(uint64_t *user, uint64_t *usable, uint64_t n, uint64_t 
 
 /* ---- mu_read_walk: copy and walk in one pass --------------------------------------------- */
 #define RW_PIECE (1ull << 20)
+#define CAND_PIECE_BYTES (1ull << MU_CAND_PIECE_SHIFT)     /* == RW_PIECE: one piece each */
 #define RW_PARALLEL_MIN (4ull << 20)
 #define RW_MAX_THREADS 4
+#define RW_POOL 8               /* walked pieces kept for reuse, at most (8 MiB) */
 
 typedef struct {
     walk_pos pos;
     uint64_t walked;        /* pieces walked over (a prefix of the job's pieces) */
+    uint64_t dropped;       /* drop jobs: pieces released (a prefix) */
     int lock;               /* 1 while a thread walks this job */
     int finished;           /* the run ended */
 } rw_state;
@@ -502,6 +534,11 @@ typedef struct {
     uint8_t *done;          /* per piece: copied */
     uint64_t npieces;
     uint64_t next;          /* next piece to copy (atomic) */
+    /* drop jobs: walked pieces whose pages are moved (mremap) under a piece about to be
+     * read, instead of being freed there and faulted in and zeroed here */
+    pthread_mutex_t pool_mu;
+    uint8_t *pool[RW_POOL];
+    int npool;
 } rw_ctx;
 
 static uint64_t rw_job_of(const rw_ctx *x, uint64_t piece)
@@ -515,6 +552,72 @@ static uint64_t rw_job_of(const rw_ctx *x, uint64_t piece)
             hi = mid;
     }
     return lo;
+}
+
+/* Releases the whole pages of [p, p+n) (p page aligned) that hold only zeros: a private
+ * anonymous page reads as zeros after MADV_DONTNEED, without memory behind it. */
+static void release_zero_pages(uint8_t *p, uint64_t n)
+{
+    uint64_t run = 0, at = 0;
+    for (uint64_t o = 0; o + 4096 <= n; o += 4096) {
+        const uint64_t *w = (const uint64_t *)(p + o);
+        uint64_t any = 0;
+        for (int k = 0; k < 512 && !any; k += 8)
+            any = w[k] | w[k + 1] | w[k + 2] | w[k + 3] | w[k + 4] | w[k + 5] | w[k + 6] | w[k + 7];
+        if (!any) {
+            if (!run)
+                at = o;
+            run += 4096;
+            continue;
+        }
+        if (run)
+            madvise(p + at, run, MADV_DONTNEED);       /* advisory: errors ignored */
+        run = 0;
+    }
+    if (run)
+        madvise(p + at, run, MADV_DONTNEED);
+}
+
+/* Releases pieces [from, to) of a drop job's copy: a whole piece goes to the pool while it
+ * has room (recycle), else its pages are freed. Either way the job never reads it again. */
+static void rw_release(rw_ctx *x, mu_read_job *jb, uint64_t from, uint64_t to, int recycle)
+{
+    for (uint64_t k = from; k < to; k++) {
+        uint64_t a = k * RW_PIECE;
+        if (a >= jb->len)
+            break;
+        uint64_t e = a + RW_PIECE;
+        if (recycle && e <= jb->len) {
+            int kept = 0;
+            pthread_mutex_lock(&x->pool_mu);
+            if (x->npool < RW_POOL) {
+                x->pool[x->npool++] = jb->buf + a;
+                kept = 1;
+            }
+            pthread_mutex_unlock(&x->pool_mu);
+            if (kept)
+                continue;
+        }
+        e = e < jb->len ? e : (jb->len + 4095) & ~(uint64_t)4095;
+        madvise(jb->buf + a, e - a, MADV_DONTNEED);     /* advisory: errors ignored */
+    }
+}
+
+/* Moves a pooled piece's pages under [dst, dst + RW_PIECE) (a drop job's piece about to be
+ * read): no fault and no zeroing there. The source stays mapped, empty (MREMAP_DONTUNMAP,
+ * Linux 5.7): a hole there could be taken by another mapping, which unmapping the copy would
+ * then destroy. Without it (or when the pool is empty) the pages are freed as before. */
+#ifndef MREMAP_DONTUNMAP
+#define MREMAP_DONTUNMAP 4
+#endif
+static void rw_reuse(rw_ctx *x, uint8_t *dst)
+{
+    pthread_mutex_lock(&x->pool_mu);
+    uint8_t *src = x->npool ? x->pool[--x->npool] : NULL;
+    pthread_mutex_unlock(&x->pool_mu);
+    if (src && mremap(src, RW_PIECE, RW_PIECE, MREMAP_MAYMOVE | MREMAP_FIXED | MREMAP_DONTUNMAP,
+                      dst) == MAP_FAILED)
+        madvise(src, RW_PIECE, MADV_DONTNEED);
 }
 
 /* Walks job j over the pieces copied so far, unless another thread is at it; then looks
@@ -539,6 +642,16 @@ static void rw_advance(rw_ctx *x, uint64_t j)
                 st->finished = 1;
         }
         st->walked = k;
+        if (jb->drop & MU_READ_DROP) {
+            /* the walk never reads below pos.c again: release the pieces wholly below it */
+            uint64_t below = st->finished ? k : (st->pos.c - jb->addr) / RW_PIECE;
+            if (below > k)
+                below = k;
+            if (below > st->dropped) {
+                rw_release(x, jb, st->dropped, below, 1);
+                st->dropped = below;
+            }
+        }
         __atomic_store_n(&st->lock, 0, __ATOMIC_RELEASE);
         if (k >= np || !__atomic_load_n(&done[k], __ATOMIC_ACQUIRE))
             return;
@@ -548,15 +661,22 @@ static void rw_advance(rw_ctx *x, uint64_t j)
 static void *rw_thread(void *arg)
 {
     rw_ctx *x = arg;
+    uint32_t *toff = NULL;      /* mu_cands scratch, allocated at the first piece with cands */
+    uint64_t *tval = NULL;
     for (;;) {
         uint64_t p = __atomic_fetch_add(&x->next, 1, __ATOMIC_RELAXED);
-        if (p >= x->npieces)
+        if (p >= x->npieces) {
+            free(toff);
+            free(tval);
             return NULL;
+        }
         uint64_t j = rw_job_of(x, p);
         mu_read_job *jb = &x->jobs[j];
         uint64_t off = (p - x->piece0[j]) * RW_PIECE;
         uint64_t n = jb->len - off < RW_PIECE ? jb->len - off : RW_PIECE;
         uint64_t first_bad = 0;
+        if ((jb->drop & MU_READ_DROP) && n == RW_PIECE)
+            rw_reuse(x, jb->buf + off);
         int64_t rc = mu_read_serial(x->fd, jb->addr + off, jb->buf + off, n, &first_bad);
         if (rc < 0) {
             int64_t zero = 0;       /* the first error wins */
@@ -572,9 +692,25 @@ static void *rw_thread(void *arg)
                                                 __ATOMIC_RELAXED, __ATOMIC_RELAXED))
                 ;
         }
+        if (jb->cands) {        /* the piece's reference candidates, while it is in the caches */
+            mu_cands *c = jb->cands;
+            uint64_t k = p - x->piece0[j];
+            if (!toff) {
+                toff = malloc((CAND_PIECE_BYTES / 8) * sizeof *toff);
+                tval = malloc((CAND_PIECE_BYTES / 8) * sizeof *tval);
+            }
+            if (rc == 0 && toff && tval)
+                mu_cands_fill_piece(c, k, jb->buf + off, n, toff, tval);
+            else
+                __atomic_store_n(&c->p[k].state, -1, __ATOMIC_RELEASE);
+        }
+        if (jb->drop & MU_READ_SPARSE)
+            release_zero_pages(jb->buf + off, n);
         __atomic_store_n(&x->done[p], 1, __ATOMIC_RELEASE);
         if (jb->first)
             rw_advance(x, j);
+        if ((jb->drop & MU_READ_DROP) && __atomic_load_n(&x->st[j].finished, __ATOMIC_ACQUIRE))
+            rw_release(x, jb, p - x->piece0[j], p - x->piece0[j] + 1, 1);   /* past the walk's end */
     }
 }
 
@@ -586,7 +722,9 @@ int64_t mu_read_walk(int memfd, mu_read_job *jobs, uint64_t njobs)
     for (uint64_t j = 0; j < njobs; j++) {
         mu_read_job *jb = &jobs[j];
         if ((jb->len && !jb->buf) || (jb->first && ((jb->cap && (!jb->user || !jb->usable)) ||
-                                                   jb->first < jb->addr || (jb->first & 15))))
+                                                   jb->first < jb->addr || (jb->first & 15))) ||
+            (jb->cands && (jb->cands->base != jb->addr || jb->cands->len != jb->len)) ||
+            (jb->drop && ((uintptr_t)jb->buf & 4095)))
             return -EINVAL;
         memset(&jb->res, 0, sizeof jb->res);
         jb->stored = jb->bad = 0;
@@ -594,6 +732,7 @@ int64_t mu_read_walk(int memfd, mu_read_job *jobs, uint64_t njobs)
         total += jb->len;
     }
     rw_ctx x = {.fd = memfd, .jobs = jobs, .njobs = njobs};
+    pthread_mutex_init(&x.pool_mu, NULL);
     x.st = calloc(njobs ? njobs : 1, sizeof *x.st);
     x.piece0 = malloc((njobs + 1) * sizeof *x.piece0);
     if (!x.st || !x.piece0) {
@@ -633,9 +772,182 @@ int64_t mu_read_walk(int memfd, mu_read_job *jobs, uint64_t njobs)
             walk_steps(jb->buf, jb->addr, jb->len, jb->addr + jb->len, 1, jb->top, jb->non_main,
                        jb->user, jb->usable, jb->cap, &jb->res, &x.st[j].pos);
         jb->stored = (int64_t)(x.st[j].pos.stored < jb->cap ? x.st[j].pos.stored : jb->cap);
+        if ((jb->drop & MU_READ_DROP) && jb->len)
+            rw_release(&x, jb, 0, x.piece0[j + 1] - x.piece0[j], 0);
     }
+    for (int k = 0; k < x.npool; k++)   /* pooled pieces left: freed now */
+        madvise(x.pool[k], RW_PIECE, MADV_DONTNEED);
+    pthread_mutex_destroy(&x.pool_mu);
     free(x.st);
     free(x.piece0);
     free(x.done);
     return 0;
+}
+
+/* ---- mu_cands: the reference candidates of an uncopied region ---------------------------- */
+#define CAND_PIECE (1ull << MU_CAND_PIECE_SHIFT)
+
+int64_t mu_cands_new(uint64_t base, uint64_t len, const uint64_t *ranges, uint64_t nranges,
+                     uint64_t max_words, mu_cands **out)
+{
+    if (!out || (base & 4095) || base + len < base || !nranges || !ranges)
+        return -EINVAL;
+    for (uint64_t k = 0; k < nranges; k++)
+        if (ranges[2 * k] >= ranges[2 * k + 1] || (k && ranges[2 * k] < ranges[2 * k - 1]))
+            return -EINVAL;
+    mu_cands *c = calloc(1, sizeof *c);
+    if (!c)
+        return -ENOMEM;
+    c->base = base;
+    c->len = len;
+    c->lo = ranges[0];
+    c->hi = ranges[2 * nranges - 1];
+    c->max_words = max_words;
+    c->nranges = nranges;
+    c->ranges = malloc(2 * nranges * sizeof *c->ranges);
+    c->npieces = (len + CAND_PIECE - 1) / CAND_PIECE;
+    c->p = calloc(c->npieces ? c->npieces : 1, sizeof *c->p);
+    if (!c->p || !c->ranges) {
+        free(c->p);
+        free(c->ranges);
+        free(c);
+        return -ENOMEM;
+    }
+    memcpy(c->ranges, ranges, 2 * nranges * sizeof *c->ranges);
+    *out = c;
+    return 0;
+}
+
+/* 1 when v (inside [lo, hi)) lies in one of c's ranges. */
+static inline int cands_in_ranges(const mu_cands *c, uint64_t v)
+{
+    uint64_t lo = 0, hi = c->nranges;       /* first range ending after v */
+    while (lo < hi) {
+        uint64_t mid = (lo + hi) >> 1;
+        if (c->ranges[2 * mid + 1] <= v)
+            lo = mid + 1;
+        else
+            hi = mid;
+    }
+    return lo < c->nranges && c->ranges[2 * lo] <= v;
+}
+
+void mu_cands_free(mu_cands *c)
+{
+    if (!c)
+        return;
+    for (uint64_t k = 0; k < c->npieces; k++) {
+        free(c->p[k].off);
+        free(c->p[k].val);
+    }
+    free(c->p);
+    free(c->ranges);
+    free(c);
+}
+
+void mu_cands_fill_piece(mu_cands *c, uint64_t k, const uint8_t *d, uint64_t n, uint32_t *toff,
+                         uint64_t *tval)
+{
+    mu_cand_piece *p = &c->p[k];
+    const uint64_t lo = c->lo, span = c->hi - c->lo;
+    uint64_t nw = n / 8, cnt = 0;
+    const uint64_t per_sub = 1u << (MU_CAND_SUB_SHIFT - 3);
+    for (uint64_t s0 = 0; s0 < nw; s0 += per_sub) {
+        p->sub[s0 / per_sub] = (uint32_t)cnt;
+        uint64_t end = s0 + per_sub < nw ? s0 + per_sub : nw, w = s0;
+        /* groups of 8 words: one predictable test for a group with no candidate (most words
+         * of most heaps), branch-free stores inside a group with some (pointer-dense ones) */
+        for (; w + 8 <= end; w += 8) {
+            const uint8_t *g = d + 8 * w;
+            uint64_t any = 0;
+            for (int k = 0; k < 8; k++)
+                any |= ld64(g + 8 * k) - lo < span;
+            if (!any)
+                continue;
+            for (int k = 0; k < 8; k++) {
+                uint64_t v = ld64(g + 8 * k);
+                toff[cnt] = (uint32_t)(8 * (w + k));
+                tval[cnt] = v;
+                cnt += v - lo < span;  /* the range list is checked below */
+            }
+        }
+        for (; w < end; w++) {
+            uint64_t v = ld64(d + 8 * w);
+            toff[cnt] = (uint32_t)(8 * w);
+            tval[cnt] = v;
+            cnt += v - lo < span;
+        }
+    }
+    for (uint64_t s = (nw + (1u << (MU_CAND_SUB_SHIFT - 3)) - 1) >> (MU_CAND_SUB_SHIFT - 3);
+         s <= MU_CAND_SUBS; s++)
+        p->sub[s] = (uint32_t)cnt;
+    if (c->nranges > 1) {               /* keep those inside a range; renumber the sub-pages */
+        uint64_t kept = 0, s = 0;
+        for (uint64_t j = 0; j < cnt; j++) {
+            while (s <= MU_CAND_SUBS && p->sub[s] <= j)
+                p->sub[s++] = (uint32_t)kept;
+            if (cands_in_ranges(c, tval[j])) {
+                toff[kept] = toff[j];
+                tval[kept] = tval[j];
+                kept++;
+            }
+        }
+        while (s <= MU_CAND_SUBS)
+            p->sub[s++] = (uint32_t)kept;
+        cnt = kept;
+    }
+    int32_t state = -1;
+    if (!c->max_words) {
+        ;                                                       /* keep nothing */
+    } else if (__atomic_add_fetch(&c->used, cnt, __ATOMIC_RELAXED) > c->max_words) {
+        __atomic_sub_fetch(&c->used, cnt, __ATOMIC_RELAXED);   /* over the budget: not kept */
+    } else if (cnt == 0 || ((p->off = malloc(cnt * sizeof *p->off)) &&
+                            (p->val = malloc(cnt * sizeof *p->val)))) {
+        if (cnt) {
+            memcpy(p->off, toff, cnt * sizeof *toff);
+            memcpy(p->val, tval, cnt * sizeof *tval);
+        }
+        p->n = (uint32_t)cnt;
+        state = 1;
+    } else {
+        free(p->off);
+        p->off = NULL;
+        __atomic_sub_fetch(&c->used, cnt, __ATOMIC_RELAXED);
+    }
+    __atomic_store_n(&p->state, state, __ATOMIC_RELEASE);
+}
+
+int64_t mu_cands_fill(mu_cands *c, const uint8_t *data, uint64_t addr, uint64_t len)
+{
+    if (!c || (len && !data))
+        return -EINVAL;
+    uint32_t *toff = malloc((CAND_PIECE / 8) * sizeof *toff);
+    uint64_t *tval = malloc((CAND_PIECE / 8) * sizeof *tval);
+    int64_t kept = 0;
+    if (!toff || !tval) {
+        free(toff);
+        free(tval);
+        return -ENOMEM;
+    }
+    for (uint64_t k = 0; k < c->npieces; k++) {
+        uint64_t pb = c->base + k * CAND_PIECE;
+        uint64_t pe = pb + CAND_PIECE < c->base + c->len ? pb + CAND_PIECE : c->base + c->len;
+        if (pb < addr || pe > addr + len || c->p[k].state)
+            continue;
+        mu_cands_fill_piece(c, k, data + (pb - addr), pe - pb, toff, tval);
+        kept += c->p[k].state == 1;
+    }
+    free(toff);
+    free(tval);
+    return kept;
+}
+
+uint64_t mu_cands_words(const mu_cands *c, uint64_t *pieces_kept)
+{
+    uint64_t kept = 0;
+    for (uint64_t k = 0; c && k < c->npieces; k++)
+        kept += c->p[k].state == 1;
+    if (pieces_kept)
+        *pieces_kept = kept;
+    return c ? c->used : 0;
 }

@@ -43,15 +43,26 @@ typedef struct {
     uint64_t first;         /* in: the first chunk header to walk from; 0: copy only */
     uint64_t top;
     uint32_t non_main;
-    uint32_t pad;
+    uint32_t drop;          /* in: MU_READ_DROP: the copy is not kept: each 1 MiB piece is
+                             * released once the walk is past it (its pages moved under a
+                             * piece still to read, or freed), and every piece once the walk
+                             * ended: afterwards buf holds no memory (it reads as zeros); MU_READ_SPARSE: every page read as
+                             * all zeros is released (it still reads as zeros, and costs no
+                             * memory: untouched thread stacks). Either needs buf to be a private
+                             * anonymous mapping, page aligned. */
     uint64_t *user;
     uint64_t *usable;
     uint64_t cap;
+    mu_cands *cands;        /* in: NULL, or candidates over exactly [addr, addr+len): filled
+                             * from each piece as it is read (mu_cands_new) */
     mu_walk_result res;     /* out: as mu_walk_run's */
     int64_t stored;         /* out: what mu_walk_run returns (0 without a walk) */
     int64_t bad;            /* out: unreadable bytes (zero-filled, as mu_read), or -errno */
     uint64_t first_bad;     /* out: the lowest unreadable address, 0 when none */
 } mu_read_job;
+
+#define MU_READ_DROP 1
+#define MU_READ_SPARSE 2
 
 /* Copy every job's range through the /proc/<pid>/mem fd memfd and walk it, on up to one
  * thread per CPU (4 at most): the ranges are read in 1 MiB pieces, in job order, and a
@@ -163,3 +174,24 @@ int64_t mu_walk_bin(const mu_region *regions, uint64_t nregions, uint64_t bin, u
  * of drop[] entries that matched (duplicates in drop count once). */
 int64_t mu_walk_subtract(uint64_t *user, uint64_t *usable, uint64_t n, uint64_t *drop,
                          uint64_t ndrop, uint64_t *removed);
+
+/* Reference candidates of an uncopied region [base, base+len) (base 4096-aligned): for each
+ * 1 MiB piece (from base) the (offset, value) of every 8-byte word whose value lies in one of
+ * the nranges (begin, end) pairs of ranges (sorted, disjoint: the memory that may hold
+ * allocations), in address order, kept while the region holds at most max_words of them in all
+ * (a piece that would pass the budget keeps none: it is read again when needed; max_words
+ * 0 keeps no piece). Filled by
+ * mu_read_walk (mu_read_job.cands) or mu_cands_fill. mu_mark scans an allocation of an
+ * uncopied region from them, without reading it, when its pieces were all kept and no dead
+ * word or type rule applies: every value a scan of its bytes gives that can hit an allocation,
+ * in the same order, when the ranges hold every allocation (the others hit nothing). Returns 0,
+ * -EINVAL (unaligned base, no or unsorted ranges) or -ENOMEM; *out gets the object (release
+ * with mu_cands_free). */
+int64_t mu_cands_new(uint64_t base, uint64_t len, const uint64_t *ranges, uint64_t nranges,
+                     uint64_t max_words, mu_cands **out);
+void mu_cands_free(mu_cands *c);
+/* Fills every piece of c that lies wholly inside [addr, addr+len), whose bytes are at data
+ * (a piece at the region's end may be shorter). Returns the number of pieces kept. */
+int64_t mu_cands_fill(mu_cands *c, const uint8_t *data, uint64_t addr, uint64_t len);
+/* The candidates c keeps (*pieces_kept: its pieces kept, may be NULL). */
+uint64_t mu_cands_words(const mu_cands *c, uint64_t *pieces_kept);

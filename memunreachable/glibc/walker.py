@@ -2,7 +2,8 @@
 
 Input: a Memory reader of the snapshot, its mappings, its threads, its pid (for map_files).
 Output: HeapWalk: every in-use chunk as (user address, usable size) equal to
-malloc_usable_size(), local copies of the memory holding them, the heap ranges (never roots),
+malloc_usable_size(), local copies of the memory holding them (or, for a low-memory walk,
+Uncopied regions read on demand: walk_heap(uncopied_from=...)), the heap ranges (never roots),
 glibc's metadata ranges (main_arena, mp_), soft issues, the block sizes a broken free list
 makes uncertain, and counters.
 Steps (glibc-heap.md section 1): detect the allocator, locate main_arena/mp_, follow the arena
@@ -23,7 +24,7 @@ from memunreachable import detect
 from memunreachable._errors import UnsupportedTarget
 from memunreachable._ffi import check, ffi, lib
 from memunreachable._types import (Allocator, Fields, HeapImage, Mapping, Range, ThreadState,
-                                   local_buffer, subtract_ranges)
+                                   local_buffer, merge_ranges, subtract_ranges)
 from memunreachable.glibc import layout as L
 from memunreachable.glibc import locate
 from memunreachable.glibc import validate as V
@@ -36,6 +37,9 @@ __all__ = ["walk_heap", "HeapWalk", "HeapInconsistent"]
 MAX_ARENAS = 4096           # hard bound on the arena ring (arena_max / 8*ncpu is far below)
 MAX_HEAPS_PER_ARENA = 1 << 16
 RUN_START_TRIES = 64        # candidate run starts tried after a main-arena double fencepost
+# A low-memory walk keeps the reference candidates (mu_cands: 12 bytes per word that may point
+# at an allocation) of at most 1/DIVISOR of the bytes of each heap; the mark reads the rest.
+CANDIDATE_BUDGET_DIVISOR = 8
 WORD = struct.Struct("<Q")
 
 
@@ -65,8 +69,33 @@ class HeapWalk(Fields):
         self.spare = [] if spare is None else spare
 
 
+class Uncopied:
+    """The buffer of a region the walk did not keep (walk_heap(uncopied_from=...)): its bytes
+    are read on demand through fd, a /proc/<pid>/mem fd of the snapshot (mu_region.uncopied:
+    mu_mark and the free-list walks accept it; _ffi.region_array builds it)."""
+
+    def __init__(self, size: int, fd: int, cands=None):
+        self.nbytes = size
+        self.uncopied_fd = fd
+        self.cands = cands          # mu_cands * kept by the walk (freed with this object), or None
+
+    def kept(self) -> Tuple[int, int]:
+        """(candidate words kept, 1 MiB pieces kept) of its mu_cands."""
+        if self.cands is None:
+            return 0, 0
+        pieces = ffi.new("uint64_t *")
+        return lib.mu_cands_words(self.cands, pieces), pieces[0]
+
+    def __len__(self) -> int:
+        return self.nbytes
+
+
+def is_uncopied(buf) -> bool:
+    return isinstance(buf, Uncopied)
+
+
 class _Copy:
-    """A local copy of [base, base+len) of target memory."""
+    """A local copy of [base, base+len) of target memory (or, once dropped, an Uncopied)."""
 
     def __init__(self, mem, base: int, size: int, read: bool = True):
         self.base = base
@@ -76,6 +105,28 @@ class _Copy:
             mem.read_into(base, self.buf)
         self.ptr = ffi.cast("uint8_t *", ffi.from_buffer(self.buf))
         self.used = False
+
+    def private_mapping(self, fresh: bool = False) -> None:
+        """Make buf a private anonymous mapping (mu_read_job.drop releases its pages); fresh:
+        a new one (after a drop read, a fallback reads the whole copy again)."""
+        if fresh or not isinstance(self.buf, mmap.mmap):
+            self.close()
+            self.buf = mmap.mmap(-1, self.size, flags=mmap.MAP_PRIVATE | mmap.MAP_ANONYMOUS)
+            self.ptr = ffi.cast("uint8_t *", ffi.from_buffer(self.buf))
+
+    def drop(self, fd: int, cands=None) -> None:
+        """Release the copy: the region is read through fd (or its cands) from now on."""
+        cands = cands or getattr(self, "cands", None)
+        self.cands = cands
+        self.close()
+        self.ptr = None
+        self.buf = Uncopied(self.size, fd, cands)
+
+    def restore(self, mem) -> None:
+        """Read a dropped copy again (a rare walk step needs the whole run: drop it after)."""
+        self.buf = local_buffer(self.size, zeroed=False)
+        mem.read_into(self.base, self.buf)
+        self.ptr = ffi.cast("uint8_t *", ffi.from_buffer(self.buf))
 
     @property
     def end(self) -> int:
@@ -158,18 +209,33 @@ class _Walker(FreeListsMixin):
         return c
 
     # -- heap copies read and walked in one pass --------------------------------------
-    def run_jobs(self, jobs: List["_Job"]) -> None:
+    def run_jobs(self, jobs: List["_Job"], uncopied_from: Optional[int] = None) -> bool:
         """Copy each job's range and walk its first run: in one native pass (mu_read_walk, the
         walk follows the reads) when every range comes from the snapshot's fd alone, else
-        with mem.read_into then walk_run. Sets job.res and job.piece."""
+        with mem.read_into then walk_run. Sets job.res and job.piece. uncopied_from: when the
+        ranges (fast path only) total at least this many bytes, no copy is kept: each piece
+        is released once walked and the copies become Uncopied regions (the low-memory
+        sweep). Returns True when the copies were dropped."""
         fast = getattr(self.mem, "plain", None)
         if not jobs:
-            return
+            return False
         if fast is None or not all(fast(j.cp.base, j.cp.size) for j in jobs):
             for j in jobs:
                 self.mem.read_into(j.cp.base, j.cp.buf)
                 j.res, j.piece = self.walk_run(j.cp, j.first, j.top, j.non_main)
-            return
+            return False
+        drop = uncopied_from is not None and sum(j.cp.size for j in jobs) >= uncopied_from
+        cands = {}
+        if drop:
+            spans = array("Q", [a for r in self.allocation_ranges(jobs) for a in (r.begin, r.end)])
+            for j in jobs:
+                j.cp.private_mapping()
+                out = ffi.new("mu_cands **")
+                check(lib.mu_cands_new(j.cp.base, j.cp.size, ffi.from_buffer("uint64_t[]", spans),
+                                       len(spans) // 2,
+                                       j.cp.size // CANDIDATE_BUDGET_DIVISOR // 12, out),
+                      "reference candidates")
+                cands[id(j)] = ffi.gc(out[0], lib.mu_cands_free)
         tab = ffi.new("mu_read_job[]", len(jobs))
         for j in jobs:
             j.cap = max(256, (j.cp.end - j.first) // 192)
@@ -183,7 +249,9 @@ class _Walker(FreeListsMixin):
             t = tab[k]
             t.addr, t.len, t.buf = j.cp.base, j.cp.size, j.cp.ptr
             t.first, t.top, t.non_main = j.first, j.top, int(j.non_main)
+            t.drop = lib.MU_READ_DROP if drop else 0
             t.user, t.usable, t.cap = pu + off, pv + off, j.cap
+            t.cands = cands.get(id(j), ffi.NULL)
             j.off = off
             off += j.cap
         check(lib.mu_read_walk(self.mem.fd, tab, len(jobs)), "read and walk heaps",
@@ -195,16 +263,36 @@ class _Walker(FreeListsMixin):
                 # unreadable pages (or an error): the reader's own path decides (tolerated
                 # ranges, MemoryUnreadable), then the walk is redone on what it read
                 check(t.bad if t.bad < 0 else 0, "read memory", pid=self.mem.pid)
+                if drop:
+                    j.cp.private_mapping(fresh=True)
                 self.mem.read_into(j.cp.base, j.cp.buf)
                 j.res, j.piece = self.walk_run(j.cp, j.first, j.top, j.non_main)
                 continue
             res = ffi.new("mu_walk_result *")
             res[0] = t.res
             if res.in_use > j.cap:          # more chunks than the estimate: walk again
+                if drop:                    # (its pieces were released: read them again)
+                    j.cp.private_mapping(fresh=True)
+                    self.mem.read_into(j.cp.base, j.cp.buf)
                 j.res, j.piece = self.walk_run(j.cp, j.first, j.top, j.non_main)
                 continue
             j.res, j.piece = res, _Piece(j.first, mu[j.off:j.off + t.stored],
                                          mv[j.off:j.off + t.stored])
+        if drop:
+            for j in jobs:
+                j.cp.drop(self.mem.fd, cands[id(j)])
+            self.stats["uncopied_bytes"] = sum(j.cp.size for j in jobs)
+            kept = [j.cp.buf.kept() for j in jobs]
+            self.stats["candidate_words"] = sum(w for w, _ in kept)
+            self.stats["candidate_pieces"] = sum(p for _, p in kept)
+        return drop
+
+    def allocation_ranges(self, jobs: List["_Job"]) -> List[Range]:
+        """Sorted, merged ranges holding every allocation the walk can find: the private
+        anonymous memory ([heap], thread heaps, mmapped chunks) and the jobs' heaps (mu_cands
+        keeps the words whose values lie inside: the others hit no allocation)."""
+        return merge_ranges([m.range for m in self.maps if m.readable and not m.shared and
+                             m.anonymous] + [Range(j.cp.base, j.cp.end) for j in jobs])
 
     def mapping_at(self, addr: int) -> Optional[Mapping]:
         i = bisect.bisect_right(self.map_begins, addr) - 1
@@ -283,6 +371,8 @@ class _Walker(FreeListsMixin):
                 cp.used = True
                 if res.status == V.WALK_TOP:
                     return True
+                if cp.ptr is None:              # dropped (low-memory walk): read it again
+                    cp.restore(self.mem)
                 nxt = self.next_run_start(cp, res.end, top)
                 if nxt is None:
                     return False
@@ -392,7 +482,7 @@ class _Walker(FreeListsMixin):
         top_reached = False
         res_m = ffi.new("mu_mmap_result *")
         cps = [self.copy(r.begin, r.size, read=False) for r in self.anonymous_ranges()]
-        for err in read_many(self.mem, [(cp.base, cp.buf) for cp in cps]):
+        for err in read_many(self.mem, [(cp.base, cp.buf) for cp in cps], sparse=True):
             if err is not None:
                 raise err           # the first unreadable range, as reading one by one
         for cp in cps:
@@ -457,10 +547,15 @@ class _Walker(FreeListsMixin):
 
     # -- step 8: tcache and fastbins ----------------------------------------------------
     def regions_table(self):
-        live = sorted((c for c in self.copies if c.ptr is not None), key=lambda c: c.base)
+        live = sorted((c for c in self.copies if c.ptr is not None or is_uncopied(c.buf)),
+                      key=lambda c: c.base)
         tab = ffi.new("mu_region[]", max(1, len(live)))
         for i, c in enumerate(live):
-            tab[i].base, tab[i].len, tab[i].data = c.base, c.size, c.ptr
+            tab[i].base, tab[i].len = c.base, c.size
+            if c.ptr is not None:
+                tab[i].data = c.ptr
+            else:                       # dropped: the list walks read it through the fd
+                tab[i].uncopied, tab[i].fd = 1, c.buf.uncopied_fd
         return tab, len(live)
 
     def check_bins(self, arenas: List[int], lay: L.Layout) -> None:
@@ -533,7 +628,12 @@ def _find_objects(mem, maps, pid) -> Tuple[detect.AllocatorScan, locate.Located]
 # is a soft issue and its usable size is in HeapWalk.uncertain_sizes. Raises UnsupportedTarget
 # (not glibc malloc, unknown layout, arenas unused), HeapInconsistent (hard inconsistency:
 # retake the snapshot; .first_bad and a deterministic message tell a corrupt heap apart).
-def walk_heap(mem, maps: List[Mapping], threads: List[ThreadState], pid: int) -> HeapWalk:
+# uncopied_from: when the heaps (main arena and thread-arena heaps) read straight from the
+# snapshot's fd total at least this many bytes, they are walked without keeping a copy: the
+# image's regions for them are Uncopied (read through mem.fd by mu_mark and the free-list
+# walks; the snapshot must stay alive until the mark ends); None keeps every copy.
+def walk_heap(mem, maps: List[Mapping], threads: List[ThreadState], pid: int,
+              uncopied_from: Optional[int] = None) -> HeapWalk:
     # 1. which allocator, and where are main_arena and mp_
     scan, loc = _find_objects(mem, maps, pid)
     lay = loc.layout
@@ -571,10 +671,13 @@ def walk_heap(mem, maps: List[Mapping], threads: List[ThreadState], pid: int) ->
     # 4. thread arenas and their heaps
     plans = [w.plan_thread_arena(a, lay, w.word(a + lay.state.top), heap_max) for a in arenas[1:]]
     # 3b-4b. copy the main arena's memory and every heap, walking each while it is read
-    w.run_jobs(([main_job] if main_job else []) +
-               [j for steps in plans for j in steps if isinstance(j, _Job)])
+    dropped = w.run_jobs(([main_job] if main_job else []) +
+                         [j for steps in plans for j in steps if isinstance(j, _Job)],
+                         uncopied_from)
     if main_job is not None:
         top_reached = w.main_runs(main, top, main_job)
+        if dropped and main_job.cp.ptr is not None:
+            main_job.cp.drop(mem.fd)        # restored for a later run: dropped again
     for steps in plans:
         w.thread_arena(steps)
     # 5. anonymous memory: NONCONTIGUOUS main runs, mmapped chunks

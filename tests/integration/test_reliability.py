@@ -49,7 +49,7 @@ def _killing_walk(marker: str, times: int):
     (counted in a file: each sweep runs in its own forked process)."""
     real = unreachable.walk_heap
 
-    def walk(mem, maps, threads, pid):
+    def walk(mem, maps, threads, pid, **kw):
         with open(marker, "a+") as f:
             f.seek(0)
             done = len(f.read())
@@ -61,7 +61,7 @@ def _killing_walk(marker: str, times: int):
                     if st is None or st.state in "ZX":
                         break
                     time.sleep(0.001)
-        return real(mem, maps, threads, pid)
+        return real(mem, maps, threads, pid, **kw)
     return walk
 
 

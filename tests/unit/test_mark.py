@@ -393,3 +393,166 @@ def test_parallel_mark_matches_a_graph_search(seed):
     assert 0 < res.num_marked < n
     assert res.heap_bytes == sum(s for s, m in zip(sizes, expect) if m)
     assert res.words == 3 + 2 + res.heap_bytes // 8
+
+
+# ---- the low-memory mark: uncopied regions read on demand (mu_region.uncopied) ---------------
+# The heap's bytes sit in a sparse memfd at file offset == address: pread(fd, addr) is what a
+# read of /proc/<pid>/mem at that address gives. Each case marks the same heap from a copy and
+# uncopied (waves of reads, kept candidates, or both) and needs identical results.
+import os
+
+from memunreachable._ffi import ffi, lib
+from memunreachable.glibc.walker import Uncopied
+from memunreachable.mark import DeadWords
+
+UNCOPIED_BASE = 1 << 32         # page aligned (mu_cands)
+
+
+def memfd_of(base, buf):
+    fd = os.memfd_create("heap")
+    os.pwrite(fd, bytes(buf), base)
+    return fd
+
+
+def cands_of(base, buf, lo, hi, max_words, split=False):
+    """mu_cands of buf keeping values in [lo, hi); split: as three ranges (the range list
+    path: [lo, mid), [mid, hi) and one beyond)."""
+    out = ffi.new("mu_cands **")
+    mid = (lo + hi) // 2 & ~7
+    ranges = [lo, mid, mid, hi, hi + 4096, hi + 8192] if split else [lo, hi]
+    assert lib.mu_cands_new(base, len(buf), ffi.new("uint64_t[]", ranges), len(ranges) // 2,
+                            max_words, out) == 0
+    c = ffi.gc(out[0], lib.mu_cands_free)
+    assert lib.mu_cands_fill(c, ffi.from_buffer(buf), base, len(buf)) >= 0
+    return c
+
+
+def stats(res):
+    return (bytes(res.marked), res.num_marked, res.root_bytes, res.heap_bytes, res.words)
+
+
+def random_heap(n, seed, big=()):
+    """n blocks of 24-392 bytes (glibc usable sizes; `big`: indices given 3 MiB), each
+    pointing at 0-3 random blocks (interior too), some words noise; ~1/3 reachable."""
+    rnd = random.Random(seed)
+    sizes = [3 << 20 if i in big else 16 * rnd.randrange(2, 26) - 8 for i in range(n)]
+    h = Heap(sizes, base=UNCOPIED_BASE, gap=8)
+    for i in range(n):
+        for slot in range(rnd.randrange(4)):
+            j = rnd.randrange(n)
+            h.link(i, slot, j, delta=8 * rnd.randrange(max(1, h.sizes[j] // 8)))
+        if sizes[i] > 40:
+            h.point(i, 4, rnd.getrandbits(64))
+    roots = words_buffer(*(h.addrs[rnd.randrange(n)] for _ in range(max(1, n // 50))))
+    return h, [(ROOT, roots)]
+
+
+def all_ways(h, roots, dead=None, budget=None, split=False):
+    """(copied result, uncopied-with-waves result, uncopied-with-candidates result)."""
+    fd = memfd_of(h.base, h.buf)
+    try:
+        img = h.image()
+        copied = mark(img, roots, glibc_chunks=True, dead=dead)
+        waves = mark(HeapImage(img.begins, img.sizes, [(h.base, Uncopied(len(h.buf), fd))]),
+                     roots, glibc_chunks=True, dead=dead)
+        lo, hi = h.base, h.base + len(h.buf)
+        c = cands_of(h.base, h.buf, lo, hi, len(h.buf) if budget is None else budget, split)
+        kept = mark(HeapImage(img.begins, img.sizes, [(h.base, Uncopied(len(h.buf), fd, c))]),
+                    roots, glibc_chunks=True, dead=dead)
+    finally:
+        os.close(fd)
+    return copied, waves, kept
+
+
+@pytest.mark.parametrize("n,seed,split", [(3000, 1, False), (3000, 2, True),
+                                          (300_000, 3, True)])   # 300,000: parallel
+def test_uncopied_mark_equals_the_mark_over_a_copy(n, seed, split):
+    h, roots = random_heap(n, seed)
+    copied, waves, kept = all_ways(h, roots, split=split)
+    assert 0 < copied.num_marked < n
+    assert stats(waves) == stats(copied)
+    assert stats(kept) == stats(copied)
+
+
+def test_uncopied_mark_with_part_of_the_candidates_and_blocks_over_a_read():
+    # blocks of 3 MiB (more than one wave read, several candidate pieces), and a candidate
+    # budget that keeps only some pieces: the rest are read
+    h, roots = random_heap(6000, 4, big={10, 2000, 4000})
+    for i in (10, 2000, 4000):
+        h.link(i, (3 << 20) // 8 - 1, 11)           # the big blocks' last words point on
+    roots.append((ROOT + 0x10000, words_buffer(h.addrs[10], h.addrs[2000], h.addrs[4000])))
+    c = cands_of(h.base, h.buf, h.base, h.base + len(h.buf), 3000)
+    pieces = ffi.new("uint64_t *")
+    lib.mu_cands_words(c, pieces)
+    assert 0 < pieces[0] < (len(h.buf) + (1 << 20) - 1) >> 20
+    copied, waves, kept = all_ways(h, roots, budget=3000)
+    assert copied.marked[11] == 1
+    assert stats(waves) == stats(copied)
+    assert stats(kept) == stats(copied)
+
+
+def test_uncopied_mark_of_a_deep_list_and_dead_words_and_a_copied_region():
+    # a descending list of 2,000 blocks (a wave each), a dead word inside one block that would
+    # otherwise reach a leak, and a second, copied region the list runs through
+    h = Heap([40] * 2000 + [24], base=UNCOPIED_BASE)
+    for i in range(1, 2000):
+        h.link(i, 0, i - 1)
+    h.link(1000, 2, 2000)                       # dead: not a reference
+    other = Heap([40] * 10, base=UNCOPIED_BASE + (1 << 24))
+    h.point(0, 1, other.addrs[0])
+    for i in range(1, 10):
+        other.link(i - 1, 0, i)
+    roots = [(ROOT, words_buffer(h.addrs[1999]))]
+    dead = DeadWords(ranges=[(h.addrs[1000] + 16, h.addrs[1000] + 24)])
+    fd = memfd_of(h.base, h.buf)
+    try:
+        img = HeapImage(array("Q", h.addrs + other.addrs), array("Q", h.sizes + other.sizes),
+                        [(h.base, h.buf), (other.base, other.buf)])
+        copied = mark(img, roots, glibc_chunks=True, dead=dead)
+        c = cands_of(h.base, h.buf, h.base, other.base + len(other.buf), 1 << 20)
+        for cands in (None, c):
+            lazy = HeapImage(img.begins, img.sizes,
+                             [(h.base, Uncopied(len(h.buf), fd, cands)), (other.base, other.buf)])
+            assert stats(mark(lazy, roots, glibc_chunks=True, dead=dead)) == stats(copied)
+    finally:
+        os.close(fd)
+    assert copied.num_marked == 2010 and copied.marked[2000] == 0
+
+
+def test_uncopied_bytes_that_cannot_be_read_are_an_error_never_zeros():
+    from memunreachable._errors import MemoryUnreadable
+    h = Heap([40, 40], base=UNCOPIED_BASE)
+    h.link(0, 0, 1)
+    fd = memfd_of(h.base, h.buf[:16])           # the file ends inside block 0
+    try:
+        img = HeapImage(array("Q", h.addrs), array("Q", h.sizes),
+                        [(h.base, Uncopied(len(h.buf), fd))])
+        with pytest.raises(MemoryUnreadable):
+            mark(img, [(ROOT, words_buffer(h.addrs[0]))])
+    finally:
+        os.close(fd)
+
+
+def test_candidates_keep_the_words_in_range_within_the_budget():
+    buf = bytearray(3 << 20)                    # three pieces
+    lo, hi = 0x1000, 0x2000
+    for off, v in [(0, 0x1000), (8, 0x2000), (4096, 0x1ff8), ((1 << 20) + 8, 0x1800),
+                   ((2 << 20) + 16, 0x1234), ((2 << 20) + 24, 0x1235)]:
+        struct.pack_into("<Q", buf, off, v)
+    c = cands_of(1 << 32, buf, lo, hi, 3)       # pieces hold 2, 1, 2: the third is over
+    pieces = ffi.new("uint64_t *")
+    assert lib.mu_cands_words(c, pieces) == 3 and pieces[0] == 2
+    # two ranges: a value between them (0x1800) or at an end (0x2000) is no candidate
+    two = ffi.new("uint64_t[]", [0x1000, 0x1240, 0x1ff8, 0x2008])
+    out = ffi.new("mu_cands **")
+    assert lib.mu_cands_new(1 << 32, len(buf), two, 2, 100, out) == 0
+    c2 = ffi.gc(out[0], lib.mu_cands_free)
+    assert lib.mu_cands_fill(c2, ffi.from_buffer(buf), 1 << 32, len(buf)) == 3
+    assert lib.mu_cands_words(c2, pieces) == 5 and pieces[0] == 3   # 0x1000 0x2000 0x1ff8 0x1234 0x1235
+    out = ffi.new("mu_cands **")
+    ranges = ffi.new("uint64_t[]", [0, 1, 8, 16])
+    assert lib.mu_cands_new((1 << 32) + 8, 16, ranges, 1, 0, out) == -errno.EINVAL   # unaligned
+    assert lib.mu_cands_new(1 << 32, 16, ranges + 2, 1, 0, out) == 0
+    lib.mu_cands_free(out[0])
+    ranges[2] = 0
+    assert lib.mu_cands_new(1 << 32, 16, ranges, 2, 0, out) == -errno.EINVAL     # unsorted

@@ -274,3 +274,29 @@ def test_copied_memory_small_reads_outside_copies_come_from_cached_pages(
         mem = CopiedMemory(pm, [])
         assert mem.read(base + PAGE - 8, 16) == b"\x11" * 8 + bytes(8)   # not cached: counted
         assert pm.tolerated_bytes == 8 and mem._pages[base + PAGE] is None
+
+
+def resident_pages(buf) -> list:
+    """mincore(2) of an mmap object: 1 per resident page."""
+    libc = ctypes.CDLL(None, use_errno=True)
+    libc.mincore.argtypes = [ctypes.c_void_p, ctypes.c_size_t, ctypes.c_char_p]
+    vec = ctypes.create_string_buffer(len(buf) // PAGE)
+    assert libc.mincore(addr_of(buf), len(buf), vec) == 0
+    return [b & 1 for b in vec.raw]
+
+
+def test_sparse_reads_release_the_pages_read_as_zeros():
+    from memunreachable.memory import read_many
+    from memunreachable._types import local_buffer
+    src = mmap.mmap(-1, 64 * PAGE, flags=mmap.MAP_PRIVATE | mmap.MAP_ANONYMOUS)
+    for page in (0, 7, 8, 63):
+        src[page * PAGE + 100] = 0x5A
+    src2 = bytearray(b"\x01" * PAGE)
+    with ProcessMemory(os.getpid()) as mem:
+        for sparse in (False, True):
+            dst, dst2 = local_buffer(len(src), zeroed=False), local_buffer(PAGE, zeroed=False)
+            assert read_many(mem, [(addr_of(src), dst), (addr_of(src2), dst2)],
+                             sparse=sparse) == [None, None]
+            want = [int(not sparse or p in (0, 7, 8, 63)) for p in range(64)]
+            assert resident_pages(dst) == want      # (before a read maps the zero page there)
+            assert dst[:] == src[:] and dst2[:] == src2

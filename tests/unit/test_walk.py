@@ -547,3 +547,109 @@ def test_read_walk_counts_unreadable_pages():
         os.close(fd)
     assert jobs[0].bad == 4096 and jobs[0].first_bad == addr + 4096
     assert dst == b"\x11" * 4096 + bytes(4096) + b"\x11" * 4096
+
+
+# ---- the low-memory walk: uncopied regions, dropped copies, kept candidates ----------------
+def uncopied_regions(fd, *runs):
+    """regions() whose bytes are read through fd (a memfd holding each run at its address)."""
+    tab = ffi.new("mu_region[]", len(runs))
+    for i, r in enumerate(sorted(runs, key=lambda r: r.base)):
+        os.pwrite(fd, bytes(r.buf), r.base)
+        tab[i].base, tab[i].len, tab[i].uncopied, tab[i].fd = r.base, len(r.buf), 1, fd
+    return tab
+
+
+def test_list_walks_read_uncopied_regions_as_copies():
+    from memunreachable.glibc.layout import TCACHE_U16 as tc
+    r = Run(size=1 << 16)
+    nodes = [r.chunk(0x50) for _ in range(6)]
+    n0 = r.chunk(0x20)
+    key = 0x1234567890ABCDEF
+    real = tcache_struct(r, [1] + [0] * 63, [n0 + 16] + [0] * 63, tc)
+    r.set_word(n0 + 16 + 8, key)
+    a = r.chunk(0x100, in_use=False)
+    r.chunk(0x20)
+    r.finish_top()
+    u = [c + 16 for c in nodes]
+    for x, y in [(0, 1), (1, 2), (2, 3), (3, 4), (4, 2)]:        # a cycle
+        r.set_word(u[x], (u[x] >> 12) ^ u[y])
+    arena = Run(base=0x20000000, size=0x100)
+    binc = arena.base + 0x40
+    for at, v in [(binc + 16, a), (binc + 24, a)]:
+        arena.set_word(at, v)
+    r.set_word(a + 16, binc)
+    r.set_word(a + 24, binc)
+    copied, keep = regions(r, arena)
+    fd = os.memfd_create("heap")
+    try:
+        lazy = uncopied_regions(fd, r, arena)
+        for tab in (copied, lazy):
+            st, got, res = chain(tab, 2, r, u[0], 0, 1, 0x50, 1000)
+            assert (st, got, res.last, res.bad) == (lib.MU_CHAIN_CYCLE, u[:5], u[4], u[2])
+            assert scan(tab, 2, r, tc) == [(real, key, 1, 1, 0, 0, 0)]
+            nodes_, nbytes, bitfree, bad = (ffi.new("uint64_t *") for _ in range(4))
+            assert lib.mu_walk_bin(tab, 2, binc, 100, nodes_, nbytes, bitfree, bad) == 0
+            assert (nodes_[0], nbytes[0], bitfree[0]) == (1, 0x100, 1)
+        os.ftruncate(fd, r.base + 0x40)         # unreadable now: a refused link, never zeros
+        st, got, res = chain(lazy, 2, r, u[0], 0, 1, 0x50, 1000)
+        assert (st, res.reason) == (lib.MU_CHAIN_BAD, lib.MU_LINK_UNREADABLE)
+    finally:
+        os.close(fd)
+
+
+def resident_kib(p, size) -> int:
+    """Rss of this process's mappings inside [p, p+size) (/proc/self/smaps), without
+    touching them."""
+    lo = int(ffi.cast("uintptr_t", p))
+    total, inside = 0, False
+    with open("/proc/self/smaps") as f:
+        for line in f:
+            head = line.split()[0]
+            if "-" in head and not head.endswith(":"):
+                b, e = (int(x, 16) for x in head.split("-"))
+                inside = lo <= b and e <= lo + size
+            elif inside and head == "Rss:":
+                total += int(line.split()[1])
+    return total
+
+
+def test_read_walk_drop_releases_the_copy_and_keeps_the_candidates():
+    rnd = random.Random(7)
+
+    def main_run(r):
+        _random_chunks(rnd, r, r.base + len(r.buf) - 0x2000)
+        for a, s, used in r.chunks[::3]:                     # pointers into the run
+            r.set_word(a + 16, r.base + rnd.randrange(len(r.buf)))
+        return r.base, r.finish_top()
+
+    size = 3 << 20
+    src, run, (first, top) = _mapped_run(size, main_run)
+    expect_got, expect_res = walk(run, first, top, 0, size // 32)
+    lo, hi = run.base, run.base + size
+    in_range = sum(1 for o in range(0, size, 8)
+                   if lo <= struct.unpack_from("<Q", src, o)[0] < hi)
+    dst = mmap.mmap(-1, size, flags=mmap.MAP_PRIVATE | mmap.MAP_ANONYMOUS)
+    cap = size // 32
+    user, usable = array("Q", bytes(8 * cap)), array("Q", bytes(8 * cap))
+    out = ffi.new("mu_cands **")
+    assert lib.mu_cands_new(run.base, size, ffi.new("uint64_t[]", [lo, hi]), 1, size, out) == 0
+    cands = ffi.gc(out[0], lib.mu_cands_free)
+    jobs = ffi.new("mu_read_job[]", 1)
+    pd = ffi.from_buffer(dst)
+    jobs[0].addr, jobs[0].len, jobs[0].buf = run.base, size, ffi.cast("uint8_t *", pd)
+    jobs[0].first, jobs[0].top, jobs[0].drop, jobs[0].cands = first, top, 1, cands
+    jobs[0].user, jobs[0].usable, jobs[0].cap = (ffi.from_buffer("uint64_t[]", user),
+                                                 ffi.from_buffer("uint64_t[]", usable), cap)
+    fd = os.open("/proc/self/mem", os.O_RDONLY)
+    try:
+        assert lib.mu_read_walk(fd, jobs, 1) == 0
+    finally:
+        os.close(fd)
+    assert jobs[0].bad == 0
+    assert list(zip(user[:jobs[0].stored], usable[:jobs[0].stored])) == expect_got
+    assert _fields(jobs[0].res) == _fields(expect_res)
+    assert resident_kib(pd, size) == 0          # released: nothing of the copy is kept
+    assert dst[:] == bytes(size)                # and no hole (pages moved out stay mapped)
+    pieces = ffi.new("uint64_t *")
+    assert lib.mu_cands_words(cands, pieces) == in_range and pieces[0] == 3
+    del pd

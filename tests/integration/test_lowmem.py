@@ -1,0 +1,142 @@
+"""The low-memory sweep (unreachable.UNCOPIED_MIN_BYTES): heaps walked without keeping copies,
+blocks read from the snapshot by the mark as it reaches them. The same fixtures run through
+both paths: the copying one (the fixtures' heaps are far below the threshold) and the
+low-memory one (threshold forced to 0; the sweeper is forked from this process, so it sees
+the patched constant), once with the walk's reference candidates and once without (every
+block the mark reaches read from the snapshot in waves). Both must give exactly the fixture's own leak table, entry for entry
+identical (address, size, referenced count and size, contents), with the same totals, and
+the low-memory run must really have dropped the heap copies."""
+from __future__ import annotations
+
+import pytest
+
+import fixtures
+from expected import EXPECTED
+from memunreachable import unreachable
+from memunreachable.glibc import walker
+from memunreachable.glibc.walker import is_uncopied
+from memunreachable.unreachable import check
+from test_check import assert_result, assert_target_running
+
+pytestmark = pytest.mark.ptrace
+
+# chains, cycles, shared children, thread arenas, mmapped chunks, free chunks in bins and
+# tcaches, many threads, a heap cut by foreign sbrk calls, 1000+ leaks
+NAMES = ["leak_one", "leak_chain", "leak_ring_tail", "leak_head_cycle", "leak_shared_child",
+         "live_interior", "free_chunks", "thread_arena", "mmap_chunk", "calloc_zero",
+         "leak_lots", "threads_many", "churn", "clean"]
+CHANGING = {"churn"}        # its threads allocate and free all along: totals move, leaks do not
+
+
+def table(info) -> list:
+    return [(l.address, l.size, l.referenced_count, l.referenced_size, l.contents)
+            for l in info.leaks]
+
+
+def totals(info) -> tuple:
+    # heap bytes scanned, not root bytes: a stack's scanned part moves between two checks
+    return (info.num_leaks, info.leak_bytes, info.num_allocations, info.allocation_bytes,
+            info.stats["heap_bytes"])
+
+
+@pytest.mark.parametrize("reads", ["candidates", "waves"])
+@pytest.mark.parametrize("name", NAMES)
+def test_lowmem_equals_copying(name, reads, monkeypatch):
+    shape = EXPECTED[name]
+    with fixtures.start(name, timeout=120) as fx:
+        copying = check(fx.pid, limit=None)
+        assert not copying.stats["stats"].get("uncopied_bytes")
+        monkeypatch.setattr(unreachable, "UNCOPIED_MIN_BYTES", 0)
+        if reads == "waves":        # no candidate kept: the mark reads every block it reaches
+            monkeypatch.setattr(walker, "CANDIDATE_BUDGET_DIVISOR", 1 << 62)
+        lowmem = check(fx.pid, limit=None)
+        walk = lowmem.stats["stats"]
+        assert walk["uncopied_bytes"] > 0
+        if reads == "waves":
+            assert walk["candidate_pieces"] == 0
+        else:
+            assert walk["candidate_pieces"] > 0
+        assert_target_running(fx)
+        for info in (copying, lowmem):
+            assert_result(fx, shape, info)
+        assert table(lowmem) == table(copying)
+        if name not in CHANGING:
+            assert totals(lowmem) == totals(copying)
+
+
+def walk_both(fx):
+    """The fixture (SIGSTOPped) walked keeping copies and without: (copying, low-memory)."""
+    import os
+    import signal
+    import time
+    from memunreachable.glibc.walker import walk_heap
+    from memunreachable.memory import ProcessMemory
+    from test_walker import read_maps
+    os.kill(fx.pid, signal.SIGSTOP)
+    deadline = time.monotonic() + 10
+    while open(f"/proc/{fx.pid}/stat").read().rsplit(")", 1)[1].split()[0] != "T":
+        assert time.monotonic() < deadline
+        time.sleep(0.001)
+    try:
+        with ProcessMemory(fx.pid) as mem:
+            return [walk_heap(mem, read_maps(fx.pid), [], fx.pid, uncopied_from=u)
+                    for u in (None, 0)]
+    finally:
+        os.kill(fx.pid, signal.SIGCONT)
+
+
+# foreign sbrk calls cut the main arena into runs (the dropped copy is read again to find the
+# next run), thread arenas with two heaps each, free chunks in bins and tcaches
+@pytest.mark.parametrize("name, args", [("walk_sbrk", ("foreign",)), ("walk_sbrk", ("blocked",)),
+                                        ("walk_threads", ()), ("free_chunks", ())])
+def test_lowmem_walk_finds_the_same_chunks(name, args):
+    with fixtures.start(name, *args) as fx:
+        copying, lowmem = walk_both(fx)
+    assert list(lowmem.image.begins) == list(copying.image.begins)
+    assert list(lowmem.image.sizes) == list(copying.image.sizes)
+    same = ("chunks", "in_use", "free_chunks", "tcache_free", "fastbin_free", "mmapped",
+            "main_runs", "heaps", "arenas", "tcaches")
+    assert {k: lowmem.stats[k] for k in same} == {k: copying.stats[k] for k in same}
+    assert (lowmem.soft_issues, lowmem.uncertain_sizes) == (copying.soft_issues,
+                                                            copying.uncertain_sizes)
+    assert lowmem.stats["uncopied_bytes"] > 0
+    assert sum(len(buf) for _, buf in lowmem.image.regions if is_uncopied(buf)) == \
+        lowmem.stats["uncopied_bytes"]
+
+
+@pytest.mark.parametrize("reads", ["candidates", "waves"])
+def test_snapshot_dying_after_a_lowmem_walk_is_retaken_and_exact(reads, tmp_path, monkeypatch):
+    """The low-memory mark and fold read the snapshot after the walk: its death then is a
+    retake (MemoryUnreadable, never zeros), and the retaken check is exact."""
+    import os
+    import signal
+    import time
+    from memunreachable import leftovers
+    from test_check import assert_result
+    monkeypatch.setattr(unreachable, "UNCOPIED_MIN_BYTES", 0)
+    if reads == "waves":
+        monkeypatch.setattr(walker, "CANDIDATE_BUDGET_DIVISOR", 1 << 62)
+    marker = tmp_path / "kills"
+    real = unreachable.walk_heap
+
+    def walk_then_kill(mem, maps, threads, pid, **kw):
+        hw = real(mem, maps, threads, pid, **kw)
+        with open(marker, "a+") as f:      # each sweep is its own forked process
+            f.seek(0)
+            if not f.read():
+                f.write("k")
+                os.kill(pid, signal.SIGKILL)
+                for _ in range(5000):           # until the kernel tore it down
+                    st = leftovers.read_stat(pid)
+                    if st is None or st.state in "ZX":
+                        break
+                    time.sleep(0.001)
+        return hw
+
+    monkeypatch.setattr(unreachable, "walk_heap", walk_then_kill)
+    with fixtures.start("leak_chain") as fx:
+        info = check(fx.pid, limit=None)
+        assert marker.read_text() == "k"
+        assert info.retake_counts == {"died": 1}
+        assert_result(fx, EXPECTED["leak_chain"], info)
+        assert_target_running(fx)
