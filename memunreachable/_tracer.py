@@ -2,8 +2,10 @@
 
 The caller (noleaks.py) starts us once, with a result fd and a control pipe on stdin, and
 keeps us for its lifetime (start-up and imports are paid once, not per check). For every line
-"go LIMIT TIMEOUT [SYMBOLIZE SUPPRESSIONS]" (SYMBOLIZE 0/1; SUPPRESSIONS the hex of an LSan
-suppressions text, "-" for none; sent after the caller's prctl(PR_SET_PTRACER, our pid)) we run the
+"go LIMIT TIMEOUT [SYMBOLIZE SUPPRESSIONS [DEAD]]" (SYMBOLIZE 0/1; SUPPRESSIONS the hex of an
+LSan suppressions text, "-" for none; DEAD "BEGIN-END,..." in hex: ranges of the caller that hold
+no references, its idle alternate signal stack; sent after the caller's prctl(PR_SET_PTRACER,
+our pid)) we run the
 ordinary check pipeline against the caller (freeze, clone snapshot, thaw, sweep, reap) and
 write one framed message back: u64 little-endian length, then the pickled
 ("ok", UnreachableMemoryInfo) or ("error", MemunreachableError). End of stdin (the caller
@@ -28,12 +30,13 @@ def main(argv=None) -> int:
     _warm(args.pid)
     for line in sys.stdin.buffer:
         words = line.split()
-        if len(words) not in (3, 5) or words[0] != b"go":
+        if len(words) not in (3, 5, 6) or words[0] != b"go":
             return 2
         limit, timeout = int(words[1]), float(words[2])
-        symbolize, supp = (words[3] != b"0", words[4]) if len(words) == 5 else (True, b"-")
+        symbolize, supp = (words[3] != b"0", words[4]) if len(words) >= 5 else (True, b"-")
+        dead = parse_ranges(words[5].decode()) if len(words) == 6 else []
         data = pickle.dumps(_one_check(args.pid, None if limit < 0 else limit, timeout,
-                                       symbolize, supp))
+                                       symbolize, supp, dead))
         view = memoryview(struct.pack("<Q", len(data)) + data)
         while view:
             view = view[os.write(args.fd, view):]
@@ -73,8 +76,24 @@ def _warm(pid: int) -> None:
         pass
 
 
+def format_ranges(ranges) -> str:
+    """The DEAD word of a "go" line: "BEGIN-END,..." in hex, "-" for none."""
+    return ",".join(f"{b:x}-{e:x}" for b, e in ranges) or "-"
+
+
+def parse_ranges(text: str) -> list:
+    """[(begin, end)] of a DEAD word (format_ranges), 8-aligned inwards; [] for "-"."""
+    out = []
+    for part in text.split(",") if text != "-" else ():
+        b, e = (int(x, 16) for x in part.split("-"))
+        b, e = (b + 7) & ~7, e & ~7
+        if b < e:
+            out.append((b, e))
+    return out
+
+
 def _one_check(pid: int, limit, timeout: float, symbolize: bool = True,
-               supp: bytes = b"-") -> tuple:
+               supp: bytes = b"-", dead=()) -> tuple:
     try:
         from memunreachable.suppressions import parse
         from memunreachable.unreachable import check
@@ -82,7 +101,7 @@ def _one_check(pid: int, limit, timeout: float, symbolize: bool = True,
         # the sweep runs here, not in a forked sweeper: this helper is disposable (the caller
         # restarts one that died), and a fork costs an idle pytest process's check ~20 ms
         return ("ok", check(pid, limit=limit, timeout=timeout, symbolize=symbolize,
-                            suppressions=rules, sweep_here=True))
+                            suppressions=rules, sweep_here=True, dead_ranges=dead))
     except BaseException as exc:  # noqa: BLE001 - every failure goes back to the caller
         from memunreachable._errors import MemunreachableError, SweepError
         if not isinstance(exc, MemunreachableError):

@@ -53,12 +53,18 @@ class DeadWords:
 
 def with_dead_words(dead: Optional["DeadWords"], words: Sequence[int]) -> Optional["DeadWords"]:
     """dead with the 8-byte words at `words` added to its ranges (None stays None if none)."""
-    if not words:
+    return with_dead_ranges(dead, [(w, w + 8) for w in words])
+
+
+def with_dead_ranges(dead: Optional["DeadWords"],
+                     ranges: Sequence[Tuple[int, int]]) -> Optional["DeadWords"]:
+    """dead with the 8-aligned (begin, end) `ranges` added (None stays None if none)."""
+    if not ranges:
         return dead
     from memunreachable._types import Range, merge_ranges
     base = dead if dead is not None else DeadWords()
-    ranges = merge_ranges([Range(b, e) for b, e in base.ranges] + [Range(w, w + 8) for w in words])
-    return dataclasses.replace(base, ranges=[(r.begin, r.end) for r in ranges])
+    merged = merge_ranges([Range(b, e) for b, e in base.ranges] + [Range(b, e) for b, e in ranges])
+    return dataclasses.replace(base, ranges=[(r.begin, r.end) for r in merged])
 
 
 # Returns (mu_dead * or NULL, objects to keep alive) for a DeadWords over n allocations.

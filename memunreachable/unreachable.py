@@ -24,7 +24,7 @@ import os
 import signal
 import time
 from itertools import compress
-from typing import List, Optional, Sequence
+from typing import List, Optional, Sequence, Tuple
 
 from memunreachable import detect, diagnose, leftovers, procfs, tracking
 from memunreachable import preflight as preflight_stage
@@ -37,7 +37,7 @@ from memunreachable.folding import FoldedLeak, fold, size_totals
 from memunreachable.freeze import frozen
 from memunreachable.glibc import linkmaps, locate
 from memunreachable.glibc.walker import HeapInconsistent, is_uncopied, walk_heap
-from memunreachable.mark import mark, with_dead_words
+from memunreachable.mark import mark, with_dead_ranges, with_dead_words
 from memunreachable.memory import (CopiedMemory, ProcessMemory, SnapshotPlan, capture, read_copies,
                                    mapped_file_size, plan_snapshot)
 from memunreachable.report import Leak, UnreachableMemoryInfo, group_leaks, members, sort_and_limit
@@ -65,7 +65,8 @@ RETAKE_WORDS = {"inflight": "a thread was inside malloc/free",
 def check(pid: int, *, limit: Optional[int] = 100, timeout: float = 2.0,
           sweep_timeout: float = 600.0, allow_direct: bool = True,
           allow_seccomp: bool = False, symbolize: bool = True,
-          suppressions=None, sweep_here: bool = False) -> UnreachableMemoryInfo:
+          suppressions=None, sweep_here: bool = False,
+          dead_ranges: Sequence[Tuple[int, int]] = ()) -> UnreachableMemoryInfo:
     """Find the unreachable allocations of process `pid`.
 
     limit: how many leak groups to keep (largest first); None keeps all.
@@ -76,6 +77,8 @@ def check(pid: int, *, limit: Optional[int] = 100, timeout: float = 2.0,
     sweep_here: run stages 4-8 in this process instead of a forked sweeper (sweeper.run_here:
     same result, no fork; sweep_timeout is not enforced), for a caller whose own process is
     disposable: the in-process checks' helper (_tracer.py).
+    dead_ranges: (begin, end) ranges of the target that hold no references (the in-process
+    caller's idle alternate signal stack): neither roots nor scanned inside allocations.
     Raises MemunreachableError subclasses when the check cannot be done.
     """
     started = time.monotonic()
@@ -85,7 +88,8 @@ def check(pid: int, *, limit: Optional[int] = 100, timeout: float = 2.0,
     info = UnreachableMemoryInfo(pid=pid, comm=target.name)
     info.warnings.extend(target.warnings)
     opts = dict(timeout=timeout, sweep_timeout=sweep_timeout, allow_direct=allow_direct,
-                allow_seccomp=allow_seccomp, sweep_here=sweep_here)
+                allow_seccomp=allow_seccomp, sweep_here=sweep_here,
+                dead_ranges=tuple(dead_ranges))
     # 2-8. Collect, snapshot, sweep
     result = _snapshot_and_sweep(pid, info, confirm=None, **opts)
     if result.meta.get("suspect_tids") or result.meta.get("soft_issues"):
@@ -183,7 +187,8 @@ def _judge_inconsistency(pid: int, st: _Attempts, exc: HeapInconsistent) -> None
 
 def _one_snapshot(pid: int, info: UnreachableMemoryInfo, confirm, st: _Attempts, *,
                   timeout: float, sweep_timeout: float, allow_direct: bool,
-                  allow_seccomp: bool, sweep_here: bool = False) -> SweepResult:
+                  allow_seccomp: bool, sweep_here: bool = False,
+                  dead_ranges: Sequence[Tuple[int, int]] = ()) -> SweepResult:
     """One freeze + snapshot + sweep. Raises _Retake when a fresh snapshot may succeed."""
     # 2. Collect: freeze every thread, registers, maps
     log.info("collecting thread info for process %d", pid)
@@ -214,7 +219,7 @@ def _one_snapshot(pid: int, info: UnreachableMemoryInfo, confirm, st: _Attempts,
             # 4-8. Sweep in a forked process
             try:
                 return _sweep_snapshot(snap, fz, st, sweep_timeout, confirm, overlays, plan, unseen,
-                                       sweep_here)
+                                       sweep_here, dead_ranges)
             except HeapInconsistent as exc:
                 log.info("heap was mid-update (%s)", exc)
                 raise _Retake("inflight", str(exc), exc) from None
@@ -325,7 +330,8 @@ def threads_in_allocator(threads, maps, pid: int, arena_mutexes) -> list:
 
 
 def _sweep_snapshot(snap, fz, st: _Attempts, sweep_timeout: float, confirm, overlays,
-                    plan: SnapshotPlan, unseen: List[Range], here: bool = False) -> SweepResult:
+                    plan: SnapshotPlan, unseen: List[Range], here: bool = False,
+                    dead_ranges: Sequence[Tuple[int, int]] = ()) -> SweepResult:
     if snap.released:
         raise CollectionError(f"snapshot of process {snap.target_pid} was already released")
     try:
@@ -342,7 +348,7 @@ def _sweep_snapshot(snap, fz, st: _Attempts, sweep_timeout: float, confirm, over
     def work():
         return sweep(mem, maps, fz.threads, snap.pid, confirm, all_uncertain=bool(unseen),
                      unwritten=plan.unwritten, retain=retain_list(),
-                     release_snapshot=_early_release(snap))
+                     release_snapshot=_early_release(snap), dead_ranges=dead_ranges)
     try:
         return run_here(work) if here else run_sweeper(work, sweep_timeout)
     finally:
@@ -393,7 +399,8 @@ def _warm_caches(maps, pid: int) -> None:
 
 def sweep(mem, maps, threads, pid: int, confirm: Optional[set] = None,
           all_uncertain: bool = False, unwritten: Sequence[Range] = (),
-          retain: Optional[list] = None, release_snapshot=None) -> SweepResult:
+          retain: Optional[list] = None, release_snapshot=None,
+          dead_ranges: Sequence[Tuple[int, int]] = ()) -> SweepResult:
     """Stages 4-8 over a memory image; runs inside the sweeper process.
 
     confirm: addresses found unreachable in an earlier snapshot; a block unreachable now but
@@ -409,6 +416,8 @@ def sweep(mem, maps, threads, pid: int, confirm: Optional[set] = None,
     release_snapshot: called once nothing more is read from the snapshot (after the roots,
     when no CPython stage and no tracking table read it later): the snapshot process can be
     killed then, its teardown overlapping the mark, and the target's copy-on-write costs end.
+    dead_ranges: 8-aligned (begin, end) ranges of the target that hold no references (an
+    in-process check's own alternate signal stack, idle while it waits).
     """
     t0 = time.monotonic()
     # 4. Enumerate allocations
@@ -438,6 +447,7 @@ def sweep(mem, maps, threads, pid: int, confirm: Optional[set] = None,
     glibc_chunks = cps.stats.get("allocator") != "malloc_debug"
     # 4c. ld.so's l_gnu_chain_zero words: addresses computed below an object, not references
     dead = with_dead_words(dead, linkmaps.of_process(mem, pid))
+    dead = with_dead_ranges(dead, dead_ranges)
     t_walk = time.monotonic()
     # 4d. Tracking table (memunreachable run): never a root, it points at every block
     table = tracking.find_table(mem, maps)

@@ -88,6 +88,30 @@ def test_no_new_leaks(ext_dir):
     assert proc.stdout.split("\n")[:2] == ["caught True True True", "clean-ok"]
 
 
+ALTSTACK = r"""
+import ctypes, faulthandler, struct
+import leakytools as leaky
+from memunreachable import no_new_leaks, LeaksDetected
+from memunreachable.noleaks import _idle_altstack
+faulthandler.enable()                       # as pytest does: a heap block as alternate stack
+(lo, hi), = _idle_altstack()
+try:
+    with no_new_leaks():
+        addr, size = leaky.leak(34606008)
+        # an old copy of the address in the idle signal stack: stale bytes, not a reference
+        ctypes.memmove(lo + 64, struct.pack("<Q", addr), 8)
+    print("missed")
+except LeaksDetected as e:
+    print("caught", [(l.address, l.size) for l in e.info.leaks] == [(addr, size)])
+"""
+
+
+def test_a_stale_address_in_the_idle_signal_stack_hides_nothing(ext_dir):
+    proc = run_python(ALTSTACK, ext_dir)
+    assert proc.returncode == 0, proc.stderr
+    assert proc.stdout.split() == ["caught", "True"], proc.stdout
+
+
 STRING_AND_LOG = r"""
 import logging, io
 import leakytools as leaky, memunreachable
