@@ -323,6 +323,7 @@ def _check_self(limit: Optional[int], timeout: float, symbolize: bool = True,
 
 
 SS_ONSTACK, SS_DISABLE = 1, 2
+_LIBC = None
 
 
 class _StackT(ctypes.Structure):
@@ -335,9 +336,11 @@ def _idle_altstack() -> list:
     on it, else []. It holds no live reference then, only stale bytes: faulthandler's (which
     pytest enables) is a 16 KiB heap block whose old words kept leaked blocks reachable
     (MEMUNREACHABLE_EXPLAIN); the check treats it as dead."""
+    global _LIBC
     st = _StackT()
     try:
-        if ctypes.CDLL(None, use_errno=True).sigaltstack(None, ctypes.byref(st)) != 0:
+        _LIBC = _LIBC or ctypes.CDLL(None, use_errno=True)
+        if _LIBC.sigaltstack(None, ctypes.byref(st)) != 0:
             return []
     except (OSError, AttributeError):
         return []
