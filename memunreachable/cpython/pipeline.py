@@ -489,15 +489,15 @@ IO_BUFFERED = ("_io.BufferedReader", "_io.BufferedWriter", "_io.BufferedRandom")
 def buffered_types(mem, cp: CPythonMap, types) -> List[int]:
     reader = object_reader(mem, cp)
     out = []
-    for t in types:
-        ti = reader.type_info(t)
-        if ti is None or ti[0] not in IO_BUFFERED:
-            continue
+    for t in types:             # one word each; the few of the right size are then named
         try:
             (basic,) = struct.unpack("<Q", mem.read(t + L.TP_BASICSIZE, 8))
         except (MemoryUnreadable, struct.error):
             continue
-        if basic == L.BUFFERED_SIZE:
+        if basic != L.BUFFERED_SIZE:
+            continue
+        ti = reader.type_info(t)
+        if ti is not None and ti[0] in IO_BUFFERED:
             out.append(t)
     return sorted(out)
 
