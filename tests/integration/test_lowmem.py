@@ -66,23 +66,11 @@ def test_lowmem_equals_copying(name, reads, monkeypatch):
 
 def walk_both(fx):
     """The fixture (SIGSTOPped) walked keeping copies and without: (copying, low-memory)."""
-    import os
-    import signal
-    import time
     from memunreachable.glibc.walker import walk_heap
-    from memunreachable.memory import ProcessMemory
-    from test_walker import read_maps
-    os.kill(fx.pid, signal.SIGSTOP)
-    deadline = time.monotonic() + 10
-    while open(f"/proc/{fx.pid}/stat").read().rsplit(")", 1)[1].split()[0] != "T":
-        assert time.monotonic() < deadline
-        time.sleep(0.001)
-    try:
-        with ProcessMemory(fx.pid) as mem:
-            return [walk_heap(mem, read_maps(fx.pid), [], fx.pid, uncopied_from=u)
-                    for u in (None, 0)]
-    finally:
-        os.kill(fx.pid, signal.SIGCONT)
+    from test_walker import read_maps, stopped_memory
+    with stopped_memory(fx.pid) as mem:
+        return [walk_heap(mem, read_maps(fx.pid), [], fx.pid, uncopied_from=u)
+                for u in (None, 0)]
 
 
 # foreign sbrk calls cut the main arena into runs (the dropped copy is read again to find the
@@ -108,32 +96,13 @@ def test_lowmem_walk_finds_the_same_chunks(name, args):
 def test_snapshot_dying_after_a_lowmem_walk_is_retaken_and_exact(reads, tmp_path, monkeypatch):
     """The low-memory mark and fold read the snapshot after the walk: its death then is a
     retake (MemoryUnreadable, never zeros), and the retaken check is exact."""
-    import os
-    import signal
-    import time
-    from memunreachable import leftovers
     from test_check import assert_result
+    from test_reliability import _killing_walk
     monkeypatch.setattr(unreachable, "UNCOPIED_MIN_BYTES", 0)
     if reads == "waves":
         monkeypatch.setattr(walker, "CANDIDATE_BUDGET_DIVISOR", 1 << 62)
     marker = tmp_path / "kills"
-    real = unreachable.walk_heap
-
-    def walk_then_kill(mem, maps, threads, pid, **kw):
-        hw = real(mem, maps, threads, pid, **kw)
-        with open(marker, "a+") as f:      # each sweep is its own forked process
-            f.seek(0)
-            if not f.read():
-                f.write("k")
-                os.kill(pid, signal.SIGKILL)
-                for _ in range(5000):           # until the kernel tore it down
-                    st = leftovers.read_stat(pid)
-                    if st is None or st.state in "ZX":
-                        break
-                    time.sleep(0.001)
-        return hw
-
-    monkeypatch.setattr(unreachable, "walk_heap", walk_then_kill)
+    monkeypatch.setattr(unreachable, "walk_heap", _killing_walk(str(marker), 1, after=True))
     with fixtures.start("leak_chain") as fx:
         info = check(fx.pid, limit=None)
         assert marker.read_text() == "k"

@@ -44,24 +44,30 @@ def snapshot_children(pid: int) -> list:
 
 # ---- the snapshot process dies during the sweep ------------------------------------------
 
-def _killing_walk(marker: str, times: int):
-    """A walk_heap that SIGKILLs the snapshot process first, for the first `times` sweeps
-    (counted in a file: each sweep runs in its own forked process)."""
+def _killing_walk(marker: str, times: int, after: bool = False):
+    """A walk_heap that SIGKILLs the snapshot process first (after=True: once it has walked),
+    for the first `times` sweeps (counted in a file: each sweep runs in its own forked process)."""
     real = unreachable.walk_heap
 
-    def walk(mem, maps, threads, pid, **kw):
+    def kill(pid):
         with open(marker, "a+") as f:
             f.seek(0)
-            done = len(f.read())
-            if done < times:
+            if len(f.read()) < times:
                 f.write("k")
                 os.kill(pid, signal.SIGKILL)
-                for _ in range(1000):           # until the kernel tore it down
+                for _ in range(5000):           # until the kernel tore it down
                     st = leftovers.read_stat(pid)
                     if st is None or st.state in "ZX":
                         break
                     time.sleep(0.001)
-        return real(mem, maps, threads, pid, **kw)
+
+    def walk(mem, maps, threads, pid, **kw):
+        if not after:
+            kill(pid)
+        hw = real(mem, maps, threads, pid, **kw)
+        if after:
+            kill(pid)
+        return hw
     return walk
 
 

@@ -1,5 +1,6 @@
 """Stage 4 on live fixtures: the walker's allocations equal the fixture's own live list plus
 glibc's internal blocks (tcache structs, thread DTVs, stdout's buffer, static startup blocks)."""
+import contextlib
 import os
 import signal
 import time
@@ -29,18 +30,25 @@ def read_maps(pid):
     return out
 
 
-def stopped_walk(fx):
-    """SIGSTOP the fixture, walk it, SIGCONT; returns (HeapWalk, set of (address, size))."""
-    os.kill(fx.pid, signal.SIGSTOP)
+@contextlib.contextmanager
+def stopped_memory(pid: int):
+    """The memory of process pid while it is SIGSTOPped (SIGCONT on exit)."""
+    os.kill(pid, signal.SIGSTOP)
     deadline = time.monotonic() + 10
-    while open(f"/proc/{fx.pid}/stat").read().rsplit(")", 1)[1].split()[0] != "T":
+    while open(f"/proc/{pid}/stat").read().rsplit(")", 1)[1].split()[0] != "T":
         assert time.monotonic() < deadline
         time.sleep(0.001)
     try:
-        with ProcessMemory(fx.pid) as mem:
-            hw = walk_heap(mem, read_maps(fx.pid), [], fx.pid)
+        with ProcessMemory(pid) as mem:
+            yield mem
     finally:
-        os.kill(fx.pid, signal.SIGCONT)
+        os.kill(pid, signal.SIGCONT)
+
+
+def stopped_walk(fx):
+    """SIGSTOP the fixture, walk it, SIGCONT; returns (HeapWalk, set of (address, size))."""
+    with stopped_memory(fx.pid) as mem:
+        hw = walk_heap(mem, read_maps(fx.pid), [], fx.pid)
     begins, sizes = list(hw.image.begins), list(hw.image.sizes)
     assert begins == sorted(set(begins))
     return hw, set(zip(begins, sizes))
