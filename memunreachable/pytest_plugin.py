@@ -191,10 +191,10 @@ def pytest_runtest_call(item):
         return result
     after = LeakBaseline(l.address for l in info.leaks)
     item.config.stash[_AFTER] = (item, after)
-    # A leak that an earlier check reported is not this test's, even when a check in between
-    # saw it reachable: a stale copy of its address (an allocator's unwritten slack, say) that
-    # was overwritten since then made it flicker, and the clean test after it would fail
-    new = [l for l in base.new_leaks(info) if l.address not in _seen(item.config)]
+    # New leaks are those no earlier check of the session reported (the baseline is one of
+    # them): a leak a check in between saw reachable, through a stale copy of its address
+    # overwritten since, is not this test's, and the clean test after it would fail
+    new = _seen(item.config).new_leaks(info)
     _remember(item.config, after)
     if new:
         new_info = _only(info, new)
