@@ -731,6 +731,15 @@ class Frozen:
         except OSError:
             return -1
 
+    def regs_at_freeze(self, tid: int):
+        """tid's 27 registers as the freeze captured them, for native/mu_ptrace.c's
+        injections (a cdata uint64_t array), or ffi.NULL when it has none."""
+        if self._fast:
+            r = self._rec(tid)
+            return r.regs if r is not None and r.state == lib.MU_T_STOPPED else ffi.NULL
+        t = next((t for t in self.threads if t.tid == tid), None)
+        return ffi.new("uint64_t[]", list(t.regs)) if t is not None else ffi.NULL
+
     def _rec(self, tid: int):
         recs = self._prep.recs
         for i in range(self._prep.args.n):

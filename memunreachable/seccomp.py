@@ -47,6 +47,7 @@ ACTION_NAMES = {RET_KILL_PROCESS: "KILL_PROCESS", RET_KILL_THREAD: "KILL_THREAD"
 
 AUDIT_ARCH_X86_64 = 0xC000003E
 SYS_CLONE, SYS_WAIT4 = 56, 61
+SYS_RT_SIGRETURN, SYS_EXIT_GROUP = 15, 231
 WALL, WNOHANG = 0x40000000, 1
 SECCOMP_DATA_SIZE = 64          # int nr; u32 arch; u64 instruction_pointer; u64 args[6]
 PTRACE_SECCOMP_GET_FILTER = 0x420C
@@ -109,10 +110,21 @@ def wait4_call(syscall_insn: int, child: int) -> Call:
 WAIT4_PROBE_PIDS = (1, 4194304)
 
 
-def injected_calls(syscall_insn: int, child: Optional[int] = None) -> List[Call]:
-    """Every syscall a snapshot (clone, then the reaping wait4) makes the thread run."""
+def guard_calls(syscall_insn: int, restore_rt: int) -> List[Call]:
+    """What the guard (native/mu_ptrace.c) makes a thread run if the checker dies during an
+    injection: rt_sigreturn at the stub restore_rt, and, in the clone's child, exit_group(0)
+    at syscall_insn."""
+    return [Call("rt_sigreturn", SYS_RT_SIGRETURN, (0, 0, 0, 0, 0, 0), restore_rt + 9),
+            Call("exit_group", SYS_EXIT_GROUP, (0, 0, 0, 0, 0, 0), syscall_insn + 2)]
+
+
+def injected_calls(syscall_insn: int, child: Optional[int] = None,
+                   restore_rt: int = 0) -> List[Call]:
+    """Every syscall a snapshot (clone, then the reaping wait4) makes the thread run, and
+    with a guard (restore_rt) those its frames run."""
     pids = WAIT4_PROBE_PIDS if child is None else (child,)
-    return [clone_call(syscall_insn)] + [wait4_call(syscall_insn, p) for p in pids]
+    return ([clone_call(syscall_insn)] + [wait4_call(syscall_insn, p) for p in pids]
+            + (guard_calls(syscall_insn, restore_rt) if restore_rt else []))
 
 
 def seccomp_data(nr: int, args: Sequence[int], ip: int, arch: int = AUDIT_ARCH_X86_64) -> bytes:

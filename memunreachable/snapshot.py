@@ -16,9 +16,11 @@ milliseconds); in direct mode it keeps the target frozen for the whole sweep.
 seccomp (issue 7, seccomp.py): a syscall is injected only into a thread whose seccomp rules
 ALLOW/LOG both injected syscalls (clone, wait4); a strict-mode thread never gets one.
 Mechanics (ptrace-snapshot.md sections 4-7, 10, 12): clone(flags=0) injected by
-native/mu_ptrace.c at a `syscall` instruction (rip-2 of a thread stopped in a syscall,
-else one found in [vdso] or another executable mapping); never a code write. exit_signal 0:
-no SIGCHLD reaches the target and only waitpid(__WALL) sees the child.
+native/mu_ptrace.c, guarded (find_guard: a `syscall; ret` pair and an rt_sigreturn stub of
+ld.so or libc; the sigreturn frames on the thread's stack make a checker's death at any
+step harmless), else at a `syscall` instruction (rip-2 of a thread stopped in a syscall, else
+one found in [vdso] or another executable mapping); never a code write. exit_signal 0: no
+SIGCHLD reaches the target and only waitpid(__WALL) sees the child.
 References: clone(2), wait4(2), ptrace(2); kernel kernel/exit.c (wait_task_zombie hands a
 traced child back to its real parent after the tracer collected it).
 """
@@ -42,6 +44,8 @@ from memunreachable.memory import ProcessMemory
 log = logging.getLogger("memunreachable")
 
 SYSCALL_INSN = b"\x0f\x05"
+SYSCALL_RET = b"\x0f\x05\xc3"                          # syscall; ret
+RESTORE_RT = b"\x48\xc7\xc0\x0f\x00\x00\x00\x0f\x05"    # mov $15, %rax; syscall
 RIP, ORIG_RAX = REG_NAMES.index("rip"), REG_NAMES.index("orig_rax")
 REFUSALS = (errno.EPERM, errno.EAGAIN, errno.ENOMEM, errno.ENOSYS, errno.EACCES)
 STEP_NAMES = {lib.MU_STEP_START: "start", lib.MU_STEP_OPTIONS: "set options",
@@ -91,55 +95,119 @@ def find_syscall_insn(pid: int, maps) -> int:
     return 0
 
 
-# Returns (tid, syscall instruction address, refusals) for the injection: the first thread
-# at an interrupt stop whose seccomp state allows every injected syscall (seccomp.py:
-# clone, and the wait4 that reaps the child) at that address, preferring a thread stopped
-# right after a `syscall` instruction (rip-2), else one found in [vdso] or another
-# executable mapping. (0, 0, refusals) when no thread qualifies: refusals holds the
-# seccomp.Verdict of each thread that was considered and refused ([] when no thread sits
-# at an interrupt stop: all in group-stop or signal-delivery-stop, leave them as found). A thread in seccomp strict mode,
-# or whose filters would not ALLOW/LOG a call, is never chosen; one whose filters cannot be
-# read only with allow_unreadable (--allow-seccomp-target).
+# Returns (gadget, restore_rt) for the guard of native/mu_ptrace.c: the address of a
+# `syscall; ret` pair and of an rt_sigreturn stub (`mov $15, %rax; syscall`, glibc's
+# __restore_rt) in ld.so's, else libc's (or a static executable's) code, read from the
+# target; (0, 0) when one is missing, or when the target runs with a shadow stack
+# (x86_Thread_features: shstk: a `ret` into the stub would fault). Cached per pid and
+# mapping: a later check of the same process reads nothing but its status.
+def find_guard(pid: int, maps) -> Tuple[int, int]:
+    code = [m for m in maps if m.executable and m.readable and m.path.startswith("/")]
+    ranked = sorted(code, key=lambda m: (not os.path.basename(m.path).startswith("ld-"),
+                                         not os.path.basename(m.path).startswith("libc."),
+                                         m.begin))[:3]
+    key = (pid, tuple((m.begin, m.end, m.path) for m in ranked))
+    found = _GUARDS.get(key)
+    if found is None:
+        found = (0, 0) if _shadow_stack(pid) else _search_guard(pid, ranked)
+        _GUARDS.clear()             # one target at a time (the plugin: the same one)
+        _GUARDS[key] = found
+    return found
+
+
+_GUARDS: Dict[tuple, Tuple[int, int]] = {}
+
+
+def _shadow_stack(pid: int) -> bool:
+    try:
+        with open(f"/proc/{pid}/status", "rb") as f:
+            text = f.read()
+    except OSError:
+        return True                 # unknown: no guard rather than a fault
+    for line in text.splitlines():
+        if line.startswith(b"x86_Thread_features:"):
+            return b"shstk" in line.split()
+    return False
+
+
+def _search_guard(pid: int, mappings) -> Tuple[int, int]:
+    gadget = restore_rt = 0
+    for m in mappings:
+        data = _read_target(pid, m.begin, min(m.end - m.begin, 8 << 20))
+        if not gadget and (at := data.find(SYSCALL_RET)) >= 0:
+            gadget = m.begin + at
+        if not restore_rt and (at := data.find(RESTORE_RT)) >= 0:
+            restore_rt = m.begin + at
+        if gadget and restore_rt:
+            return gadget, restore_rt
+    return 0, 0
+
+
+# Returns (tid, syscall instruction address, restore_rt, refusals) for the injection: the
+# first thread at an interrupt stop whose seccomp state allows every injected syscall
+# (seccomp.py: clone, and the wait4 that reaps the child) at that address. Guarded first
+# (restore_rt non-zero: find_guard's pair, with the guard's own syscalls allowed too), else
+# preferring a thread stopped right after a `syscall` instruction (rip-2), else one found in
+# [vdso] or another executable mapping. (0, 0, 0, refusals) when no thread qualifies:
+# refusals holds the seccomp.Verdict of each thread that was considered and refused ([]
+# when no thread sits at an interrupt stop: all in group-stop or signal-delivery-stop, leave
+# them as found). A thread in seccomp strict mode, or whose filters would not ALLOW/LOG a
+# call, is never chosen; one whose filters cannot be read only with allow_unreadable
+# (--allow-seccomp-target).
 # tid: only consider that thread (tests inject into each kind of waiting thread).
-def choose_thread(fz: Frozen, tid: Optional[int] = None,
-                  allow_unreadable: bool = False) -> Tuple[int, int, List[seccomp.Verdict]]:
+# guarded: False to take the legacy sequence (tests).
+def choose_thread(fz: Frozen, tid: Optional[int] = None, allow_unreadable: bool = False,
+                  guarded: bool = True) -> Tuple[int, int, int, List[seccomp.Verdict]]:
+    gadget, restore_rt = find_guard(fz.pid, fz.maps) if guarded else (0, 0)
+    refusals: List[seccomp.Verdict] = []
+
+    def allowed(t: int, own: int) -> Tuple[int, int]:
+        """(insn, restore_rt) that thread t may run, guarded first; (0, 0) and the refusal
+        recorded when none."""
+        verdict = None
+        for insn, rt in ((gadget, restore_rt), (own, 0)):
+            if insn:
+                verdict = seccomp.thread_verdict(fz.pid, t, seccomp.injected_calls(
+                    insn, restore_rt=rt), allow_unreadable)
+                if verdict.ok:
+                    return insn, rt
+        if verdict is not None:
+            refusals.append(verdict)
+        return 0, 0
+
     first = fz.syscall_candidate() if tid is None else None
     if first is not None:
-        # the first pass's first candidate, found by mu_freeze: most often the answer
-        t, insn = first
-        # seccomp mode 0 (the leader's status is open since before the freeze: one pread) is
-        # the verdict "ok" without building the calls; anything else gets the full verdict
-        if (t == fz.pid and fz.leader_seccomp_mode() == 0) or seccomp.thread_verdict(
-                fz.pid, t, seccomp.injected_calls(insn), allow_unreadable).ok:
-            return t, insn, []
+        # the first pass's first candidate, found by mu_freeze: most often the answer;
+        # seccomp mode 0 (the leader's status is open since before the freeze: one pread)
+        # is the verdict "ok" without building the calls
+        t, own = first
+        if t == fz.pid and fz.leader_seccomp_mode() == 0:
+            return (t, gadget, restore_rt, []) if restore_rt else (t, own, 0, [])
+        insn, rt = allowed(t, own)
+        if insn:
+            return t, insn, rt, refusals
+        refusals.clear()
     candidates = (c for c in fz.interrupt_stops() if tid is None or c[0] == tid)
-    refusals: List[seccomp.Verdict] = []
     others = []
-
-    def acceptable(t: int, insn: int) -> bool:
-        verdict = seccomp.thread_verdict(fz.pid, t, seccomp.injected_calls(insn),
-                                         allow_unreadable)
-        if not verdict.ok:
-            refusals.append(verdict)
-        return verdict.ok
-
     for t, orig_rax, rip in candidates:     # first pass: threads right after a `syscall`
         if _signed(orig_rax) >= 0 and _after_syscall_insn(fz.pid, t, rip):
-            if acceptable(t, rip - 2):
-                return t, rip - 2, refusals
+            insn, rt = allowed(t, rip - 2)
+            if insn:
+                return t, insn, rt, refusals
         else:
             others.append(t)
-    insn = find_syscall_insn(fz.pid, fz.maps) if others else 0
-    for t in others if insn else ():
-        if acceptable(t, insn):
-            return t, insn, refusals
-    return 0, 0, refusals
+    own = find_syscall_insn(fz.pid, fz.maps) if others and not restore_rt else gadget
+    for t in others if own else ():
+        insn, rt = allowed(t, own)
+        if insn:
+            return t, insn, rt, refusals
+    return 0, 0, 0, refusals
 
 
 class Snapshot(Fields):
     __slots__ = ("pid", "target_pid", "mode", "reason", "inject_ms", "reap_pause_ms",
                  "lifetime_ms", "released", "zombie_left", "warnings", "syscall_insn",
-                 "inject_tid", "timeout", "allow_seccomp", "_fz", "_inject_out", "_note_pending",
+                 "restore_rt", "inject_tid", "timeout", "allow_seccomp", "_fz", "_inject_out", "_note_pending",
                  "_created")
 
     def __init__(self, pid: int, target_pid: int,
@@ -152,7 +220,9 @@ class Snapshot(Fields):
                  lifetime_ms: float = 0.0, released: bool = False,
                  # the child's zombie could not be reaped in the target
                  zombie_left: bool = False, warnings: Optional[List[str]] = None,
-                 syscall_insn: int = 0, inject_tid: int = 0, timeout: float = 2.0,
+                 syscall_insn: int = 0,
+                 restore_rt: int = 0,           # the guard's rt_sigreturn stub, 0: unguarded
+                 inject_tid: int = 0, timeout: float = 2.0,
                  # inject wait4 into a thread whose filters cannot be read
                  allow_seccomp: bool = False, _fz: Optional[Frozen] = None,
                  _inject_out: object = None,    # the mu_inject of the clone
@@ -169,6 +239,7 @@ class Snapshot(Fields):
         self.zombie_left = zombie_left
         self.warnings = [] if warnings is None else warnings
         self.syscall_insn = syscall_insn
+        self.restore_rt = restore_rt
         self.inject_tid = inject_tid
         self.timeout = timeout
         self.allow_seccomp = allow_seccomp
@@ -230,18 +301,18 @@ class Snapshot(Fields):
         try:
             if fz is not None and not fz.thawed:
                 # still frozen (an error path before the thaw): the injected thread first
-                tid, insn, why = self._reap_thread(fz, prefer=self.inject_tid)
+                tid, insn, rt, why = self._reap_thread(fz, prefer=self.inject_tid)
                 if not tid:
                     raise CollectionError(why)
-                self._inject_wait4(fz, tid, insn)
+                self._inject_wait4(fz, tid, insn, rt)
                 return
             # the first live thread; when its seccomp rules forbid wait4, every thread
             for one_thread in (True, False):
                 with frozen(self.target_pid, timeout=self.timeout,
                             one_thread=one_thread) as fz1, fz1.critical():
-                    tid, insn, why = self._reap_thread(fz1)
+                    tid, insn, rt, why = self._reap_thread(fz1)
                     if tid:
-                        self._inject_wait4(fz1, tid, insn)
+                        self._inject_wait4(fz1, tid, insn, rt)
                 self.reap_pause_ms += fz1.pause_ms
                 if tid:
                     return
@@ -253,29 +324,35 @@ class Snapshot(Fields):
             self.warnings.append(f"snapshot process {self.pid} is left as a zombie of process "
                                  f"{self.target_pid}: {exc}")
 
-    # Returns (tid, syscall instruction, "") of a thread of fz (prefer first) whose seccomp
-    # rules let it run wait4(child, NULL, __WALL|WNOHANG, NULL) (seccomp.py), at rip-2 when
-    # it sits after a `syscall` instruction, else at the snapshot's instruction; (0, 0, why)
-    # when no thread may (a strict-mode thread, or a filter added since the snapshot).
-    def _reap_thread(self, fz: Frozen, prefer: int = 0) -> Tuple[int, int, str]:
+    # Returns (tid, syscall instruction, restore_rt, "") of a thread of fz (prefer first)
+    # whose seccomp rules let it run wait4(child, NULL, __WALL|WNOHANG, NULL) (seccomp.py):
+    # guarded at the snapshot's pair when the clone was (with the guard's syscalls allowed),
+    # else at rip-2 when it sits after a `syscall` instruction, else at the snapshot's
+    # instruction; (0, 0, 0, why) when no thread may (a strict-mode thread, or a filter added
+    # since the snapshot).
+    def _reap_thread(self, fz: Frozen, prefer: int = 0) -> Tuple[int, int, int, str]:
         refusals: List[seccomp.Verdict] = []
         for t in sorted(fz.threads, key=lambda t: t.tid != prefer):
-            insn = self.syscall_insn
+            own = self.syscall_insn
             if _signed(t.regs[ORIG_RAX]) >= 0 and \
                     _after_syscall_insn(fz.pid, t.tid, t.regs[RIP]):
-                insn = t.regs[RIP] - 2
-            verdict = seccomp.thread_verdict(fz.pid, t.tid, [seccomp.wait4_call(insn, self.pid)],
-                                             self.allow_seccomp)
-            if verdict.ok:
-                return t.tid, insn, ""
+                own = t.regs[RIP] - 2
+            tries = [(self.syscall_insn, self.restore_rt)] if self.restore_rt else []
+            for insn, rt in tries + [(own, 0)]:
+                calls = [seccomp.wait4_call(insn, self.pid)] + (
+                    seccomp.guard_calls(insn, rt) if rt else [])
+                verdict = seccomp.thread_verdict(fz.pid, t.tid, calls, self.allow_seccomp)
+                if verdict.ok:
+                    return t.tid, insn, rt, ""
             refusals.append(verdict)
-        return 0, 0, ("no thread may run the reaping wait4 under its seccomp rules ("
-                      f"{_why(refusals)})")
+        return 0, 0, 0, ("no thread may run the reaping wait4 under its seccomp rules ("
+                         f"{_why(refusals)})")
 
-    def _inject_wait4(self, fz: Frozen, tid: int, insn: int) -> None:
+    def _inject_wait4(self, fz: Frozen, tid: int, insn: int, restore_rt: int) -> None:
         out = ffi.new("mu_inject *")
         with fz.critical():
-            rc = lib.mu_inject_wait4(tid, insn, self.pid, int(self.timeout * 1000), out)
+            rc = lib.mu_inject_wait4(tid, insn, restore_rt, fz.regs_at_freeze(tid), self.pid,
+                                     int(self.timeout * 1000), out)
             fz.record_signals(tid, list(out.signals)[:out.nsignals])
         if rc < 0:
             _raise_inject(fz, tid, rc, out, "wait4")
@@ -363,7 +440,7 @@ def reap_leftovers(fz: Frozen, allow_seccomp: bool = False) -> List[str]:
     pids = [p for p, _ in found]
     left = [leftovers.Clone(p, st.start) for p, st in found]
     why = ""
-    tid, insn, refusals = choose_thread(fz, allow_unreadable=allow_seccomp)
+    tid, insn, restore_rt, refusals = choose_thread(fz, allow_unreadable=allow_seccomp)
     if not tid or not insn:
         why = ("; ".join(f"thread {r.tid}: {r.reason}"
                          for r in refusals) if refusals else
@@ -384,7 +461,8 @@ def reap_leftovers(fz: Frozen, allow_seccomp: bool = False) -> List[str]:
                         continue
                     _kill_leftover(pid)
                 out = ffi.new("mu_inject *")
-                rc = lib.mu_inject_wait4(tid, insn, pid, int(fz.timeout * 1000), out)
+                rc = lib.mu_inject_wait4(tid, insn, restore_rt, fz.regs_at_freeze(tid), pid,
+                                         int(fz.timeout * 1000), out)
                 fz.record_signals(tid, list(out.signals)[:out.nsignals])
                 if rc < 0:
                     _raise_inject(fz, tid, rc, out, "wait4")
@@ -446,10 +524,10 @@ def _injection_noted(pid: int, timeout: float) -> bool:
 # Returns a Snapshot of the frozen process, after reaping what an earlier killed check left
 # (reap_leftovers; its warnings come first in .warnings). See _take_snapshot().
 def take_snapshot(fz: Frozen, allow_direct: bool = True, allow_seccomp: bool = False,
-                  tid: Optional[int] = None) -> Snapshot:
+                  tid: Optional[int] = None, guarded: bool = True) -> Snapshot:
     fz.check_owner()
     notes = reap_leftovers(fz, allow_seccomp) if not fz.thawed else []
-    snap = _take_snapshot(fz, allow_direct, allow_seccomp, tid)
+    snap = _take_snapshot(fz, allow_direct, allow_seccomp, tid, guarded)
     snap.warnings[:0] = notes
     return snap
 
@@ -463,12 +541,13 @@ def take_snapshot(fz: Frozen, allow_direct: bool = True, allow_seccomp: bool = F
 # child was killed and reaped). The target stays frozen: thaw it next.
 # tid: inject into that thread (tests); default: the best candidate.
 def _take_snapshot(fz: Frozen, allow_direct: bool = True, allow_seccomp: bool = False,
-                   tid: Optional[int] = None) -> Snapshot:
+                   tid: Optional[int] = None, guarded: bool = True) -> Snapshot:
     fz.check_owner()
     if fz.thawed:
         raise CollectionError(f"process {fz.pid} must be frozen to take a snapshot")
     # (a target killed meanwhile fails the injection with ESRCH: _raise_inject names it)
-    tid, insn, refusals = choose_thread(fz, tid, allow_unreadable=allow_seccomp)
+    tid, insn, restore_rt, refusals = choose_thread(fz, tid, allow_unreadable=allow_seccomp,
+                                                    guarded=guarded)
     if refusals and not tid:
         return _direct(fz, "no thread can run the injected clone and wait4 under its seccomp "
                            "rules (" + _why(refusals) + ")", allow_direct, seccomp=True,
@@ -485,12 +564,14 @@ def _take_snapshot(fz: Frozen, allow_direct: bool = True, allow_seccomp: bool = 
             if not _injection_noted(fz.pid, fz.timeout):
                 leftovers.note_injection(fz.pid, fz.timeout)    # before the clone can exist
             t0 = time.monotonic()
-            rc = lib.mu_inject_clone(tid, insn, int(fz.timeout * 1000), out)
+            rc = lib.mu_inject_clone(tid, insn, restore_rt, fz.regs_at_freeze(tid),
+                                     int(fz.timeout * 1000), out)
             inject_ms = (time.monotonic() - t0) * 1000.0
             fz.record_signals(tid, list(out.signals)[:out.nsignals])
             if out.child > 0:
                 snap = Snapshot(pid=out.child, target_pid=fz.pid, mode="clone",
-                                inject_ms=inject_ms, syscall_insn=insn, inject_tid=tid,
+                                inject_ms=inject_ms, syscall_insn=insn,
+                                restore_rt=restore_rt if out.guarded else 0, inject_tid=tid,
                                 timeout=fz.timeout, allow_seccomp=allow_seccomp, _fz=fz,
                                 _inject_out=out)
             if snap is not None and rc == 0 and out.ret > 0:

@@ -1,15 +1,25 @@
 /* mu_ptrace.c: ptrace sequences that must not be interrupted (ptrace-snapshot.md sections 5-8).
  *
- * One C call per injection keeps the windows of section 8 short: between SETREGS(injected)
- * and the syscall-enter-stop, and while the target thread carries EXITKILL.
+ * The guard (docs/how-it-works.md, "Tracer death"): before an injection, two sigreturn
+ * frames are written below the thread's red zone, and the syscall runs at a `syscall; ret`
+ * instruction pair with rsp at the first frame. If the tracer dies at any moment, the thread
+ * finishes the syscall, returns into rt_sigreturn and resumes exactly where it was frozen;
+ * a clone child (its rsp is clone's stack argument: the second frame) returns into a
+ * sigreturn that runs exit_group(0). Nothing else is left in the target than the frames'
+ * bytes in its dead stack (as a signal leaves), and, at worst, a zombie that the next check
+ * reaps. Without the gadgets (or with a shadow stack) the legacy windows of section 8 stay.
  * References: ptrace(2); kernel kernel/ptrace.c, kernel/fork.c (kernel_clone: exit_signal
- * != SIGCHLD -> PTRACE_EVENT_CLONE), arch/x86/kernel/signal.c (syscall restart codes). */
+ * != SIGCHLD -> PTRACE_EVENT_CLONE), arch/x86/kernel/signal.c (syscall restart codes,
+ * rt_sigreturn), arch/x86/kernel/fpu/signal.c (the xstate frame), kernel/signal.c
+ * (restore_altstack ignores every error but EFAULT). */
 #include "mu_core_impl.h"
 
 #include <signal.h>
 #include <sched.h>
 #include <sys/ptrace.h>
+#include <stddef.h>
 #include <sys/syscall.h>
+#include <sys/uio.h>
 #include <sys/user.h>
 #include <sys/wait.h>
 #include <time.h>
@@ -25,6 +35,33 @@
 #define ERESTART_RESTARTBLOCK 516
 #define MU_WALL 0x40000000          /* __WALL */
 #define CLONE_RETRIES 3
+#ifndef PTRACE_GETSIGMASK
+#define PTRACE_GETSIGMASK 0x420a
+#endif
+#ifndef NT_X86_XSTATE
+#define NT_X86_XSTATE 0x202
+#endif
+
+/* fault injection for the tests: the tracer SIGKILLs itself when an injection of syscall
+ * g_die_nr reaches step g_die_step (mu_test_die_at) */
+static int64_t g_die_nr = -1;
+static int g_die_step = -1;
+
+void mu_test_die_at(int64_t nr, int step)
+{
+    g_die_nr = nr;
+    g_die_step = step;
+}
+
+static int64_t now_ns(void);
+
+static void reached(mu_inject *out, uint64_t nr, int step)
+{
+    out->step = step;
+    out->t_ns[step] = now_ns();
+    if ((int64_t)nr == g_die_nr && step == g_die_step)
+        kill(getpid(), SIGKILL);
+}
 
 static int64_t now_ns(void)
 {
@@ -118,8 +155,12 @@ static int resume_until_syscall(int tid, int64_t deadline, mu_inject *out)
     }
 }
 
-/* The registers that resume the thread as if nothing was injected (section 6). */
-static struct user_regs_struct restored_regs(const struct user_regs_struct *saved)
+/* The registers that resume the thread as if nothing was injected (section 6). A frame for
+ * rt_sigreturn (via_sigreturn) issues a syscall that would go through restart_syscall again
+ * whole instead: sigreturn makes restart_syscall answer -EINTR, and a sleep that starts over
+ * is allowed to last longer where an EINTR would be an error the program sees. */
+static struct user_regs_struct restored_regs(const struct user_regs_struct *saved,
+                                             int via_sigreturn)
 {
     struct user_regs_struct r = *saved;
     if ((int64_t)saved->orig_rax >= 0) {
@@ -132,7 +173,7 @@ static struct user_regs_struct restored_regs(const struct user_regs_struct *save
             break;
         case -ERESTART_RESTARTBLOCK:
             r.rip = saved->rip - 2;
-            r.rax = NR_RESTART_SYSCALL;
+            r.rax = via_sigreturn ? saved->orig_rax : NR_RESTART_SYSCALL;
             break;
         default:
             break;
@@ -140,6 +181,148 @@ static struct user_regs_struct restored_regs(const struct user_regs_struct *save
     }
     r.orig_rax = (uint64_t)-1;
     return r;
+}
+
+/* ---- the guard: sigreturn frames (see the top of this file) ---- */
+
+#define UC_FP_XSTATE 0x1
+#define UC_SIGCONTEXT_SS 0x2
+#define UC_STRICT_RESTORE_SS 0x4
+#define FP_XSTATE_MAGIC1 0x46505853U
+#define FP_XSTATE_MAGIC2 0x46505845U
+#define FX_SIZE 512
+#define FX_SW_BYTES 464           /* fxregs_state.sw_reserved: struct _fpx_sw_bytes */
+#define RED_ZONE 128
+#define SS_KEEP 3                 /* not 0, SS_ONSTACK or SS_DISABLE: -EINVAL, which
+                                   * restore_altstack ignores: the alternate stack stays */
+
+typedef struct {                  /* the kernel's struct rt_sigframe, x86_64 */
+    uint64_t pretcode;            /* where the gadget's `ret` goes: rt_sigreturn */
+    uint64_t uc_flags, uc_link;
+    uint64_t ss_sp;
+    int32_t ss_flags, ss_pad;
+    uint64_t ss_size;
+    uint64_t gregs[18];           /* struct sigcontext: r8-r15 rdi rsi rbp rbx rdx rax rcx rsp
+                                   * rip eflags */
+    uint16_t cs, gs, fs, ss;
+    uint64_t err, trapno, oldmask, cr2, fpstate, reserved[8];
+    uint64_t sigmask;             /* uc_sigmask */
+    uint8_t siginfo[128];
+} mu_sigframe;
+
+_Static_assert(offsetof(mu_sigframe, gregs) == 48, "sigcontext at 8 + 40");
+_Static_assert(offsetof(mu_sigframe, fpstate) == 232, "sigcontext.fpstate");
+_Static_assert(offsetof(mu_sigframe, sigmask) == 304, "uc_sigmask");
+_Static_assert(sizeof(mu_sigframe) == 440, "rt_sigframe");
+
+static void frame_regs(mu_sigframe *f, const struct user_regs_struct *r)
+{
+    const uint64_t g[18] = {r->r8, r->r9, r->r10, r->r11, r->r12, r->r13, r->r14, r->r15,
+                            r->rdi, r->rsi, r->rbp, r->rbx, r->rdx, r->rax, r->rcx, r->rsp,
+                            r->rip, r->eflags};
+    memcpy(f->gregs, g, sizeof g);
+    f->cs = (uint16_t)r->cs;
+    f->ss = (uint16_t)r->ss;
+    f->uc_flags |= UC_SIGCONTEXT_SS | UC_STRICT_RESTORE_SS;
+    f->ss_flags = SS_KEEP;
+}
+
+/* Write the guard below tid's red zone: at *psp the frame that resumes tid as frozen (its
+ * registers, signal mask and FP/SIMD state), and for a clone at *csp the child's frame,
+ * which runs exit_group(0) at insn with every signal blocked. Returns 0, or -errno (no
+ * room in the stack's mapping: -EFAULT); nothing is written then. */
+static int write_guard(int tid, const struct user_regs_struct *saved, uint64_t insn,
+                       uint64_t restore_rt, int is_clone, uint64_t *psp, uint64_t *csp)
+{
+    static int xcap;
+    uint64_t sigmask = 0, top, fp_at, pf, cf;
+    uint32_t xsize = FX_SIZE;
+    uint8_t *xs, *buf;
+    mu_sigframe *f;
+    struct iovec iov, local, remote;
+    struct user_regs_struct child;
+    ssize_t done;
+    int rc = 0;
+
+    if (!xcap)
+        xcap = mu_xstate_size();
+    if (ptrace(PTRACE_GETSIGMASK, tid, sizeof sigmask, &sigmask) < 0)
+        return -errno;
+    xs = calloc(1, (size_t)xcap + FX_SIZE);
+    if (!xs)
+        return -ENOMEM;
+    iov.iov_base = xs;
+    iov.iov_len = (size_t)xcap;
+    if (ptrace(PTRACE_GETREGSET, tid, NT_X86_XSTATE, &iov) < 0) {
+        if (ptrace(PTRACE_GETFPREGS, tid, 0, xs) < 0) {
+            free(xs);
+            return -errno;
+        }
+        iov.iov_len = FX_SIZE;
+    }
+    if (iov.iov_len > FX_SIZE + 64) {
+        /* an XSAVE image: ptrace puts XCR0 in the first 8 bytes of sw_reserved; a signal
+         * frame carries struct _fpx_sw_bytes there instead, and MAGIC2 after the image */
+        uint64_t xcr0;
+        memcpy(&xcr0, xs + FX_SW_BYTES, 8);
+        if (xcr0 & 0x3) {
+            const uint32_t magic1 = FP_XSTATE_MAGIC1, size = (uint32_t)iov.iov_len,
+                           extended = size + 4;
+            memset(xs + FX_SW_BYTES, 0, FX_SIZE - FX_SW_BYTES);
+            memcpy(xs + FX_SW_BYTES, &magic1, 4);
+            memcpy(xs + FX_SW_BYTES + 4, &extended, 4);
+            memcpy(xs + FX_SW_BYTES + 8, &xcr0, 8);
+            memcpy(xs + FX_SW_BYTES + 16, &size, 4);
+            xsize = size;
+        }
+    }
+    top = saved->rsp - RED_ZONE;
+    fp_at = (top - xsize - 4) & ~(uint64_t)63;
+    pf = ((fp_at - sizeof(mu_sigframe)) & ~(uint64_t)15) - 8;   /* as at a function entry */
+    cf = is_clone ? ((pf - sizeof(mu_sigframe)) & ~(uint64_t)15) - 8 : pf;
+    buf = calloc(1, top - cf);
+    if (!buf) {
+        free(xs);
+        return -ENOMEM;
+    }
+    memcpy(buf + (fp_at - cf), xs, xsize);
+    if (xsize > FX_SIZE) {
+        const uint32_t magic2 = FP_XSTATE_MAGIC2;
+        memcpy(buf + (fp_at - cf) + xsize, &magic2, 4);
+    }
+    f = (mu_sigframe *)(buf + (pf - cf));
+    f->pretcode = restore_rt;
+    f->uc_flags = xsize > FX_SIZE ? UC_FP_XSTATE : 0;
+    {
+        struct user_regs_struct resume = restored_regs(saved, 1);
+        frame_regs(f, &resume);
+    }
+    f->fpstate = fp_at;
+    f->sigmask = sigmask;
+    if (is_clone) {
+        f = (mu_sigframe *)buf;
+        child = *saved;
+        child.rip = insn;
+        child.rax = NR_EXIT_GROUP;
+        child.rdi = 0;
+        child.rsp = cf;
+        f->pretcode = restore_rt;
+        frame_regs(f, &child);
+        f->fpstate = 0;                 /* the kernel resets the FP state: it only exits */
+        f->sigmask = ~(uint64_t)0;
+    }
+    local.iov_base = buf;
+    local.iov_len = top - cf;
+    remote.iov_base = (void *)cf;
+    remote.iov_len = top - cf;
+    done = process_vm_writev(tid, &local, 1, &remote, 1, 0);
+    if (done != (ssize_t)(top - cf))
+        rc = done < 0 ? -errno : -EFAULT;
+    free(buf);
+    free(xs);
+    *psp = pf;
+    *csp = cf;
+    return rc;
 }
 
 /* After a failure while tid may be running: stop it again (interrupt), best effort. */
@@ -158,32 +341,54 @@ static int restop(int tid, int64_t deadline)
     }
 }
 
-static int inject(int tid, uint64_t insn, uint64_t nr, const uint64_t args[6], int is_clone,
-                  int64_t timeout_ms, mu_inject *out)
+static int inject(int tid, uint64_t insn, uint64_t restore_rt, const uint64_t *frozen,
+                  uint64_t nr, const uint64_t args_in[6], int is_clone, int64_t timeout_ms,
+                  mu_inject *out)
 {
     struct user_regs_struct saved, regs;
     int64_t deadline = now_ns() + timeout_ms * 1000000;
     long opts = PTRACE_O_TRACECLONE | PTRACE_O_TRACESYSGOOD;
+    uint64_t args[6], psp, csp = 0;
     int rc = 0, kind, attempt, running = 0;
 
     memset(out, 0, sizeof *out);
+    memcpy(args, args_in, sizeof args);
     out->t_ns[MU_STEP_START] = now_ns();
     if (ptrace(PTRACE_GETREGS, tid, 0, &saved) < 0)
         return -errno;
-    /* EXITKILL from before the injected registers are set until the clone event: the child
-     * inherits it at birth, so it can never run untraced as a duplicate of the target; if
-     * the tracer dies between SETREGS and the syscall entry, the target is killed rather
-     * than left running the clone untraced from corrupted registers (section 8) */
+    if (frozen) {
+        /* an earlier injection of this freeze restored tid (it has not run since: its
+         * registers are exactly those restored): start again from the frozen state, which
+         * still knows the interrupted syscall (a frame must issue it again, section 6) */
+        struct user_regs_struct f, again;
+        memcpy(&f, frozen, sizeof f);
+        again = restored_regs(&f, 0);
+        if (memcmp(&again, &saved, sizeof saved) == 0)
+            saved = f;
+    }
+    psp = saved.rsp;
+    if (restore_rt && write_guard(tid, &saved, insn, restore_rt, is_clone, &psp, &csp) == 0) {
+        out->guarded = 1;
+        if (is_clone)
+            args[1] = csp;              /* clone's stack argument: the child's rsp */
+    } else {
+        psp = saved.rsp;
+    }
+    /* Unguarded: EXITKILL from before the injected registers are set until the clone
+     * event: the child inherits it at birth, so it can never run untraced as a duplicate of
+     * the target; if the tracer dies between SETREGS and the syscall entry, the target is
+     * killed rather than left running the clone untraced from corrupted registers
+     * (section 8). Guarded, the child's own frame ends it, and the target never carries it. */
     if (is_clone)
-        opts |= PTRACE_O_TRACEFORK | PTRACE_O_EXITKILL;
+        opts |= PTRACE_O_TRACEFORK | (out->guarded ? 0 : PTRACE_O_EXITKILL);
     if (ptrace(PTRACE_SETOPTIONS, tid, 0, opts) < 0)
         return -errno;
-    out->step = MU_STEP_OPTIONS;
-    out->t_ns[MU_STEP_OPTIONS] = now_ns();
+    reached(out, nr, MU_STEP_OPTIONS);
 
     for (attempt = 0; attempt < CLONE_RETRIES; attempt++) {
         regs = saved;
         regs.rip = insn;
+        regs.rsp = psp;
         regs.rax = nr;
         regs.rdi = args[0];
         regs.rsi = args[1];
@@ -196,9 +401,8 @@ static int inject(int tid, uint64_t insn, uint64_t nr, const uint64_t args[6], i
             rc = -errno;
             goto restore;
         }
-        out->step = MU_STEP_SETREGS;
-        out->t_ns[MU_STEP_SETREGS] = now_ns();
         running = 1;
+        reached(out, nr, MU_STEP_SETREGS);
         kind = resume_until_syscall(tid, deadline, out);
         if (kind < 0) {
             rc = kind;
@@ -209,8 +413,7 @@ static int inject(int tid, uint64_t insn, uint64_t nr, const uint64_t args[6], i
             rc = -EPROTO;                   /* a clone event before the syscall entry */
             goto restore;
         }
-        out->step = MU_STEP_ENTER;
-        out->t_ns[MU_STEP_ENTER] = now_ns();
+        reached(out, nr, MU_STEP_ENTER);
         for (;;) {
             running = 1;
             kind = resume_until_syscall(tid, deadline, out);
@@ -225,10 +428,10 @@ static int inject(int tid, uint64_t insn, uint64_t nr, const uint64_t args[6], i
             if (is_clone && out->child == 0) {
                 unsigned long msg = 0;
                 int status = 0, w;
-                /* EXITKILL stays on in the child only: drop it from the target thread
-                 * at once, before waiting for the child's birth stop */
-                if (ptrace(PTRACE_SETOPTIONS, tid, 0,
-                           PTRACE_O_TRACECLONE | PTRACE_O_TRACESYSGOOD) < 0) {
+                /* unguarded, EXITKILL stays on in the child only: drop it from the target
+                 * thread at once, before waiting for the child's birth stop */
+                if (!out->guarded && ptrace(PTRACE_SETOPTIONS, tid, 0,
+                                            PTRACE_O_TRACECLONE | PTRACE_O_TRACESYSGOOD) < 0) {
                     rc = -errno;
                     goto restore;
                 }
@@ -237,17 +440,21 @@ static int inject(int tid, uint64_t insn, uint64_t nr, const uint64_t args[6], i
                     goto restore;
                 }
                 out->child = (int32_t)msg;
-                out->step = MU_STEP_EVENT;
-                out->t_ns[MU_STEP_EVENT] = now_ns();
+                reached(out, nr, MU_STEP_EVENT);
                 w = wait_until(out->child, deadline, &status);
                 if (w <= 0) {
                     rc = w < 0 ? w : -ETIMEDOUT;
                     goto restore;
                 }
+                /* guarded, the child gets EXITKILL now (its frame would end it anyway) */
+                if (out->guarded && ptrace(PTRACE_SETOPTIONS, out->child, 0,
+                                           PTRACE_O_TRACECLONE | PTRACE_O_EXITKILL) < 0) {
+                    rc = -errno;
+                    goto restore;
+                }
             }
         }
-        out->step = MU_STEP_EXIT;
-        out->t_ns[MU_STEP_EXIT] = now_ns();
+        reached(out, nr, MU_STEP_EXIT);
         if (ptrace(PTRACE_GETREGS, tid, 0, &regs) < 0) {
             rc = -errno;
             goto restore;
@@ -265,7 +472,7 @@ restore:
     }
     if (rc == -ESRCH)
         return rc;
-    regs = restored_regs(&saved);
+    regs = restored_regs(&saved, 0);
     if (ptrace(PTRACE_SETREGS, tid, 0, &regs) < 0)
         return rc ? rc : -errno;
     if (ptrace(PTRACE_SETOPTIONS, tid, 0, PTRACE_O_TRACECLONE) < 0)
@@ -273,7 +480,7 @@ restore:
     out->restored = 1;
     out->t_ns[MU_STEP_RESTORED] = now_ns();
     if (rc == 0)
-        out->step = MU_STEP_RESTORED;
+        reached(out, nr, MU_STEP_RESTORED);     /* else step names where it failed */
     if (rc == 0 && out->child > 0) {
         struct user_regs_struct c;
         if (ptrace(PTRACE_GETREGS, out->child, 0, &c) < 0)
@@ -284,22 +491,25 @@ restore:
         c.orig_rax = (uint64_t)-1;
         if (ptrace(PTRACE_SETREGS, out->child, 0, &c) < 0)
             return -errno;
-        out->step = MU_STEP_PARKED;
-        out->t_ns[MU_STEP_PARKED] = now_ns();
+        reached(out, nr, MU_STEP_PARKED);
     }
     return rc;
 }
 
-int mu_inject_clone(int tid, uint64_t syscall_insn, int64_t timeout_ms, mu_inject *out)
+int mu_inject_clone(int tid, uint64_t syscall_insn, uint64_t restore_rt,
+                    const uint64_t *frozen_regs, int64_t timeout_ms, mu_inject *out)
 {
     const uint64_t args[6] = {0, 0, 0, 0, 0, 0};   /* flags 0: no sharing, exit_signal 0 */
-    return inject(tid, syscall_insn, NR_CLONE, args, 1, timeout_ms, out);
+    return inject(tid, syscall_insn, restore_rt, frozen_regs, NR_CLONE, args, 1, timeout_ms,
+                  out);
 }
 
-int mu_inject_wait4(int tid, uint64_t syscall_insn, int child, int64_t timeout_ms, mu_inject *out)
+int mu_inject_wait4(int tid, uint64_t syscall_insn, uint64_t restore_rt,
+                    const uint64_t *frozen_regs, int child, int64_t timeout_ms, mu_inject *out)
 {
     const uint64_t args[6] = {(uint64_t)(int64_t)child, 0, MU_WALL | WNOHANG, 0, 0, 0};
-    return inject(tid, syscall_insn, NR_WAIT4, args, 0, timeout_ms, out);
+    return inject(tid, syscall_insn, restore_rt, frozen_regs, NR_WAIT4, args, 0, timeout_ms,
+                  out);
 }
 
 /* ---- freeze / thaw (ptrace-snapshot.md sections 2, 3, 9) ---- */
@@ -307,11 +517,6 @@ int mu_inject_wait4(int tid, uint64_t syscall_insn, int child, int64_t timeout_m
 #include <cpuid.h>
 #include <dirent.h>
 #include <elf.h>
-#include <sys/uio.h>
-
-#ifndef NT_X86_XSTATE
-#define NT_X86_XSTATE 0x202
-#endif
 
 int mu_xstate_size(void)
 {

@@ -25,22 +25,38 @@ typedef struct {
     int32_t nsignals;     /* signals met at signal-delivery-stops while driving tid; they were */
     int32_t signals[8];   /* suppressed, and the caller must re-deliver them after the detach */
     int64_t t_ns[8];      /* CLOCK_MONOTONIC when each MU_STEP_* was reached (0: not reached) */
+    int32_t guarded;      /* 1 when the sigreturn guard was written (restore_rt given, room on
+                           * tid's stack): a tracer death cannot harm the target */
+    int32_t pad;
 } mu_inject;
 
 /* Make stopped thread tid run clone(flags=0) at the `syscall` instruction syscall_insn.
- * Options TRACECLONE|TRACEFORK|TRACESYSGOOD|EXITKILL while the clone runs (the child
- * inherits EXITKILL), TRACECLONE again once the child reported its birth stop.
+ * restore_rt: 0, or the address of an rt_sigreturn stub (`mov $15, %rax; syscall`) in the
+ * target, with syscall_insn the start of a `syscall; ret` pair (0f 05 c3): then the guard
+ * (mu_ptrace.c) is written on tid's stack first and a tracer that dies at any step leaves
+ * the target running as frozen (out->guarded; the legacy sequence when it does not fit).
+ * Options TRACECLONE|TRACEFORK|TRACESYSGOOD while the clone runs, plus EXITKILL unguarded
+ * (the child inherits it) or on the child alone once born (guarded); TRACECLONE again after.
+ * frozen_regs: NULL, or tid's 27 registers as the freeze captured them (user_regs_struct):
+ * when an earlier injection of the same freeze restored tid, the new one starts again from
+ * them (the guard's frame issues an interrupted sleep again rather than restart_syscall).
  * The child is left stopped at birth, parked on exit_group(0) (rip = syscall_insn).
  * Returns 0 when the sequence ran (the clone itself may have failed: out->ret < 0, e.g.
  * -EPERM from a seccomp filter, -EAGAIN, -ENOMEM), or -errno when a ptrace step failed
  * (-ESRCH: tid died, -ETIMEDOUT: a stop did not come before the deadline); out->child
  * then names a child that the caller must kill and reap. */
-int mu_inject_clone(int tid, uint64_t syscall_insn, int64_t timeout_ms, mu_inject *out);
+int mu_inject_clone(int tid, uint64_t syscall_insn, uint64_t restore_rt,
+                    const uint64_t *frozen_regs, int64_t timeout_ms, mu_inject *out);
 
 /* Make stopped thread tid run wait4(child, NULL, __WALL|WNOHANG, NULL) at syscall_insn:
- * reaps a zombie child of tid's process. Same contract as mu_inject_clone; out->ret is
- * the reaped pid, 0 (child not a zombie yet) or -errno (-ECHILD: not our child). */
-int mu_inject_wait4(int tid, uint64_t syscall_insn, int child, int64_t timeout_ms, mu_inject *out);
+ * reaps a zombie child of tid's process. Same contract (and guard) as mu_inject_clone;
+ * out->ret is the reaped pid, 0 (child not a zombie yet) or -errno (-ECHILD: not our child). */
+int mu_inject_wait4(int tid, uint64_t syscall_insn, uint64_t restore_rt,
+                    const uint64_t *frozen_regs, int child, int64_t timeout_ms, mu_inject *out);
+
+/* Tests only (fault injection): the calling process SIGKILLs itself when an injection of
+ * syscall number nr (56 clone, 61 wait4) reaches MU_STEP_* step; nr -1 turns it off. */
+void mu_test_die_at(int64_t nr, int step);
 
 /* Wait up to timeout_ms for a status change of tid (waitpid(tid, __WALL)); never reaps
  * anything else. Returns 1 and sets *status, 0 on timeout, or -errno (-ECHILD). */

@@ -84,7 +84,8 @@ def test_syscall_instruction_check_by_peek_matches_proc_mem():
 
 
 def test_the_candidate_mu_freeze_found_is_the_first_the_search_would_take():
-    from memunreachable.snapshot import SYSCALL_INSN, _read_target, _signed, choose_thread
+    from memunreachable.snapshot import (RESTORE_RT, SYSCALL_INSN, SYSCALL_RET, _read_target,
+                                         _signed, choose_thread)
     with fixtures.start("ptr_busy", "4") as fx:
         for _ in range(5):
             with frozen(fx.pid) as fz:
@@ -92,7 +93,13 @@ def test_the_candidate_mu_freeze_found_is_the_first_the_search_would_take():
                             if _signed(orig_rax) >= 0
                             and _read_target(fx.pid, rip - 2, 2) == SYSCALL_INSN)
                 assert fz.syscall_candidate() == want
-                assert choose_thread(fz) == (want[0], want[1], [])
+                assert choose_thread(fz, guarded=False) == (want[0], want[1], 0, [])
+                # guarded: the same thread, at ld.so's `syscall; ret` with its rt_sigreturn
+                tid, gadget, restore_rt, refusals = choose_thread(fz)
+                assert (tid, refusals) == (want[0], [])
+                assert _read_target(fx.pid, gadget, 3) == SYSCALL_RET
+                assert _read_target(fx.pid, restore_rt, 9) == RESTORE_RT
+                assert any(m.begin <= gadget < m.end and "/ld-linux" in m.path for m in fz.maps)
             assert_running(fx.pid)
 
 
@@ -107,8 +114,8 @@ def test_candidate_under_seccomp_filters(clone_action, scope, want_tid):
         other = fx.expect["other_tid"]
         with frozen(fx.pid) as fz:
             assert fz.leader_seccomp_mode() == procfs.read_seccomp(fx.pid, fx.pid)[0] == 2
-            tid, insn, refusals = choose_thread(fz)
-            assert tid == (fx.pid if want_tid == "main" else other)
+            tid, insn, restore_rt, refusals = choose_thread(fz)
+            assert tid == (fx.pid if want_tid == "main" else other) and restore_rt
             assert [v.tid for v in refusals] == ([] if want_tid == "main" else [fx.pid])
         assert fz.leader_seccomp_mode() == -1           # thawed: unknown
         assert_running(fx.pid)

@@ -1,0 +1,159 @@
+"""The checker SIGKILLed at every step of an injection, into every kind of thread.
+
+native/mu_ptrace.c's fault injection (mu_test_die_at) makes a forked checker kill itself when
+the injected clone, or the wait4 that reaps it, reaches a step: registers set, syscall entry,
+clone event (the child exists), syscall exit, child parked. With the guard (sigreturn frames on
+the thread's stack, docs/how-it-works.md "Tracer death") the target must run on exactly as it was
+frozen: ptr_regs' threads compare every general register, xmm/ymm and MXCSR after each syscall
+(and without any syscall), ptr_busy's threads fail on an EINTR or a wrong wake-up. No copy of
+the target may run: at most one zombie clone (exit_signal 0) is left, and the next check reaps
+it and finds the exact leaks.
+"""
+from __future__ import annotations
+
+import os
+import signal
+
+import pytest
+
+import fixtures
+from ptr_helpers import assert_running, children, moves, wait_until
+from test_leftovers_live import assert_clean, assert_exact
+from memunreachable import leftovers
+from memunreachable._ffi import lib
+from memunreachable.freeze import frozen
+from memunreachable.snapshot import find_guard, prepare, take_snapshot
+from memunreachable.unreachable import check
+
+pytestmark = pytest.mark.ptrace
+
+CLONE, WAIT4 = 56, 61
+CLONE_STEPS = {"set registers": lib.MU_STEP_SETREGS, "syscall entry": lib.MU_STEP_ENTER,
+               "clone event": lib.MU_STEP_EVENT, "syscall exit": lib.MU_STEP_EXIT,
+               "child parked": lib.MU_STEP_PARKED}
+WAIT4_STEPS = {"set registers": lib.MU_STEP_SETREGS, "syscall entry": lib.MU_STEP_ENTER,
+               "syscall exit": lib.MU_STEP_EXIT}
+
+
+def die_in_check(pid: int, nr: int, step: int, tid: int, guarded: bool = True) -> tuple:
+    """Fork a checker that runs the check's snapshot sequence on pid (record and lock,
+    freeze, clone into tid, thaw, release) and SIGKILLs itself when the injection of syscall
+    nr reaches step; the reaping wait4 runs into tid too (released before the thaw). Returns
+    (its wait status, 1 when the guard's gadgets were there to use, else 0)."""
+    r, w = os.pipe()
+    child = os.fork()
+    if child == 0:
+        code = 3
+        try:
+            os.close(r)
+            lib.mu_test_die_at(nr, step)
+            with leftovers.guard(pid):
+                prepare(pid, 2.0)
+                with frozen(pid) as fz:
+                    os.write(w, b"1" if guarded and find_guard(pid, fz.maps)[1] else b"0")
+                    snap = take_snapshot(fz, tid=tid, guarded=guarded)
+                    if nr == WAIT4:
+                        snap.release()
+                    fz.thaw()
+                snap.release()
+        except BaseException:
+            code = 4
+        os._exit(code)
+    os.close(w)
+    _, status = os.waitpid(child, 0)
+    said = os.read(r, 1)
+    os.close(r)
+    return status, int(said)
+
+
+def assert_survived(fx, status: int, counters=()) -> None:
+    """The checker died by its own SIGKILL; the target runs on, with no copy of itself running;
+    the next check reaps a zombie clone if one is left and is exact."""
+    assert os.WIFSIGNALED(status) and os.WTERMSIG(status) == signal.SIGKILL, \
+        f"the checker did not die at that step: status {status:#x}"
+    assert fx.alive(), f"{fx.name} died: exit {fx.proc.returncode}"
+    assert_running(fx.pid)
+    # a clone that exists is a zombie at once (killed by EXITKILL, or its frame's exit_group)
+    assert wait_until(lambda: all((leftovers.read_stat(c) is None
+                                   or leftovers.read_stat(c).state == "Z") for c in children(fx.pid)), 2.0), \
+        [leftovers.read_stat(c) for c in children(fx.pid)]
+    left = children(fx.pid)
+    assert len(left) <= 1 and all(leftovers.read_stat(c).exit_signal == 0 for c in left), left
+    for addr in counters:
+        assert moves(fx.pid, addr)
+    info = check(fx.pid, limit=None)
+    assert_exact(fx, info)
+    if left:
+        assert any(w.startswith(f"reaped 1 snapshot process(es) (pid {left[0]})")
+                   for w in info.warnings), info.warnings
+    assert_clean(fx)
+
+
+def regs_round(nr: int, step: int, who: str) -> None:
+    with fixtures.start("ptr_regs") as fx:
+        status, guarded = die_in_check(fx.pid, nr, step, fx.expect[f"{who}_tid"])
+        assert guarded == 1, "no guard in ptr_regs"
+        assert_survived(fx, status, (fx.expect["spins_addr"], fx.expect["sys_addr"]))
+    # leaving the block: every register of both threads was intact to the end, read(0) resumed
+
+
+@pytest.mark.parametrize("step", sorted(CLONE_STEPS), ids=str)
+@pytest.mark.parametrize("who", ["spin", "sys"])
+def test_checker_killed_during_the_clone(who, step):
+    regs_round(CLONE, CLONE_STEPS[step], who)
+
+
+@pytest.mark.parametrize("step", sorted(WAIT4_STEPS), ids=str)
+@pytest.mark.parametrize("who", ["spin", "sys"])
+def test_checker_killed_during_the_reap(who, step):
+    regs_round(WAIT4, WAIT4_STEPS[step], who)
+
+
+# read (ERESTARTSYS), nanosleep (ERESTART_RESTARTBLOCK: issued again whole, never EINTR),
+# futex, poll (ERESTARTNOHAND), pause
+BUSY_THREADS = ["main", "sleeper", "waiter", "poller", "sigthread"]
+
+
+@pytest.mark.parametrize("who", BUSY_THREADS)
+def test_checker_killed_in_the_syscall_of_each_kind_of_waiting_thread(who):
+    with fixtures.start("ptr_busy") as fx:
+        tid = fx.pid if who == "main" else fx.expect[f"{who}_tid"]
+        status, _ = die_in_check(fx.pid, CLONE, lib.MU_STEP_ENTER, tid)
+        assert os.WIFSIGNALED(status) and os.WTERMSIG(status) == signal.SIGKILL
+        assert fx.alive()
+        assert_running(fx.pid)
+        assert moves(fx.pid, fx.expect["sleeps_addr"]) and moves(fx.pid, fx.expect["busy_addr"])
+        os.kill(fx.pid, signal.SIGUSR1)
+        assert wait_until(lambda: children(fx.pid) == [] or all(
+            leftovers.read_stat(c) is None or leftovers.read_stat(c).state == "Z"
+            for c in children(fx.pid)), 2.0)
+    # leaving the block: read(0) resumed, poll/cond woke normally, no EINTR anywhere
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("step", sorted(CLONE_STEPS), ids=str)
+@pytest.mark.parametrize("who", BUSY_THREADS)
+def test_checker_killed_at_each_step_in_each_kind_of_waiting_thread_slow(who, step):
+    with fixtures.start("ptr_busy") as fx:
+        tid = fx.pid if who == "main" else fx.expect[f"{who}_tid"]
+        status, _ = die_in_check(fx.pid, CLONE, CLONE_STEPS[step], tid)
+        assert os.WIFSIGNALED(status) and os.WTERMSIG(status) == signal.SIGKILL
+        assert fx.alive()
+        assert_running(fx.pid)
+        assert moves(fx.pid, fx.expect["sleeps_addr"])
+
+
+def test_unguarded_twin_shows_what_the_guard_prevents():
+    """The legacy sequence (no sigreturn frames): a checker killed between the injected
+    registers and the syscall entry kills the target (EXITKILL) rather than let the clone run
+    from corrupted registers. The guard above is what makes the same moment harmless."""
+    fx = fixtures.start("ptr_regs")
+    try:
+        status, guarded = die_in_check(fx.pid, CLONE, lib.MU_STEP_ENTER, fx.expect["spin_tid"],
+                                       guarded=False)
+        assert os.WIFSIGNALED(status) and os.WTERMSIG(status) == signal.SIGKILL
+        assert guarded == 0
+        assert wait_until(lambda: not fx.alive(), 2.0)
+        assert fx.proc.returncode == -signal.SIGKILL
+    finally:
+        fx.kill()
