@@ -121,12 +121,17 @@ _GUARDS: Dict[tuple, Tuple[int, int]] = {}
 def _shadow_stack(pid: int) -> bool:
     try:
         with open(f"/proc/{pid}/status", "rb") as f:
-            text = f.read()
+            return shadow_stack_in(f.read())
     except OSError:
         return True                 # unknown: no guard rather than a fault
-    for line in text.splitlines():
+
+
+def shadow_stack_in(status: bytes) -> bool:
+    """A /proc/PID/status text says the process runs with a user shadow stack (x86 CET:
+    `x86_Thread_features: shstk ...`, Linux 6.6+)."""
+    for line in status.splitlines():
         if line.startswith(b"x86_Thread_features:"):
-            return b"shstk" in line.split()
+            return b"shstk" in line.split()[1:]
     return False
 
 

@@ -225,3 +225,25 @@ def test_unreadable_filters_keep_the_old_rule(opt_in):
             why = "its seccomp filters cannot be read (EACCES)"
             assert warnings == [direct_warning(f"thread {fx.pid}: {why}; thread {other}: {why}")]
         assert_unharmed(fx, 2)
+
+
+@pytest.mark.parametrize("sigreturn", ["allow", "errno", "kill_process"])
+def test_a_filter_on_rt_sigreturn_decides_the_guard(sigreturn):
+    # the guard (docs/how-it-works.md) makes the thread run rt_sigreturn (and the child
+    # exit_group) only if the checker dies; a filter that would refuse it gets the legacy
+    # sequence, never a guard that would kill the target when it is needed
+    from memunreachable.snapshot import choose_thread
+    with fixtures.start("sec_filter", "allow", "allow", "all", sigreturn) as fx:
+        with frozen(fx.pid) as fz:
+            tid, insn, restore_rt, refusals = choose_thread(fz)
+            assert tid == fx.pid and refusals == []
+            assert bool(restore_rt) == (sigreturn == "allow")
+            snap = take_snapshot(fz)
+            assert snap.mode == "clone" and bool(snap.restore_rt) == (sigreturn == "allow")
+            fz.thaw()
+        snap.release()
+        assert not snap.zombie_left and snap.warnings == []
+        info = check(fx.pid)
+        assert info.snapshot_mode == "clone"
+        assert_exact(info, fx)
+        assert_unharmed(fx, 2)

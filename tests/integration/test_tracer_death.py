@@ -157,3 +157,25 @@ def test_unguarded_twin_shows_what_the_guard_prevents():
         assert fx.proc.returncode == -signal.SIGKILL
     finally:
         fx.kill()
+
+
+@pytest.mark.parametrize("who,guarded", [("spin", True), ("sys", True), ("tight", False)])
+def test_the_guard_is_used_where_its_frames_fit(who, guarded):
+    """ptr_regs' tight thread sleeps on 512 bytes of stack above a PROT_NONE page: no room
+    for the frames, so it gets the legacy sequence (the snapshot still works); the others
+    get the guard."""
+    with fixtures.start("ptr_regs") as fx:
+        tid = fx.expect[f"{who}_tid"]
+        with frozen(fx.pid) as fz:
+            snap = take_snapshot(fz, tid=tid)
+            assert snap.mode == "clone" and snap.inject_tid == tid
+            assert bool(snap._inject_out.guarded) == guarded and bool(snap.restore_rt) == guarded
+            fz.thaw()
+        with snap:
+            leak_b = fx.blocks["leak_b"].address
+            assert int.from_bytes(snap.open_memory().read(fx.blocks["leak_a"].address, 8),
+                                  "little") == leak_b
+        assert children(fx.pid) == []
+        for key in ("spins_addr", "sys_addr", "tight_addr"):
+            assert moves(fx.pid, fx.expect[key])
+    # leaving the block: every register intact, no sleep ended early, read(0) resumed
