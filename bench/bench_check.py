@@ -7,7 +7,11 @@ bytes scanned per second of mark), and peak RSS of checker + sweeper against byt
 It also verifies every run found exactly the leaks the target reports.
 
     python bench/bench_check.py [--blocks 5000000] [--threads 8] [--leaks 1000] [--runs 5]
-                                [--compare OTHER_CHECKOUT] [--lsan] [--lsan-cc CC]
+                                [--dense] [--compare OTHER_CHECKOUT] [--lsan] [--lsan-cc CC]
+
+--dense fills every word of every block with a pointer into an earlier block (the start or
+8/16 bytes inside it): about 26 references per block instead of 1, the worst case of the
+low-memory sweep's reference candidates and of the mark.
 
 --compare runs as many checks with a second checkout (its C core built in place, see
 bench_pause.py), alternating with this one, against the same target: before/after from one
@@ -57,6 +61,7 @@ def main():
     ap.add_argument("--threads", type=int, default=8)
     ap.add_argument("--leaks", type=int, default=1000)
     ap.add_argument("--runs", type=int, default=5)
+    ap.add_argument("--dense", action="store_true", help="every word of every block a pointer")
     ap.add_argument("--compare", help="another checkout of memunreachable (built in place)")
     ap.add_argument("--lsan", action="store_true", help="time LeakSanitizer's check too")
     ap.add_argument("--lsan-cc", default="cc", help="compiler of the LeakSanitizer build "
@@ -71,7 +76,7 @@ def main():
     fixtures.CFLAGS[-1] = os.path.join(ROOT, "fixtures")
     t0 = time.monotonic()
     fx = fixtures.start("bench_target", str(args.blocks), str(args.threads), str(args.leaks),
-                        timeout=600)
+                        str(int(args.dense)), timeout=600)
     print(f"target pid {fx.pid}: {args.blocks} blocks in {args.threads} threads, "
           f"built in {time.monotonic() - t0:.1f} s; expects {fx.expect}")
     runs = {k: [] for k in checkouts}
@@ -127,7 +132,8 @@ def _lsan(args):
                         "-I", os.path.join(ROOT, "fixtures"), "-o", exe,
                         os.path.join(HERE, "bench_target.c"), "-lpthread"], check=True)
         env = dict(os.environ, LSAN_RUNS=str(args.runs))
-        out = subprocess.run([exe, str(args.blocks), str(args.threads), str(args.leaks)], env=env,
+        out = subprocess.run([exe, str(args.blocks), str(args.threads), str(args.leaks),
+                              str(int(args.dense))], env=env,
                              capture_output=True, text=True).stdout
     secs = [float(line.split()[1]) for line in out.splitlines() if line.startswith("lsan_seconds")]
     print(f"\nLeakSanitizer's check of the same heap ({args.lsan_cc}): "

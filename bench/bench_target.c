@@ -16,7 +16,7 @@
 #include <time.h>
 #endif
 
-static long g_nblocks = 5000000, g_nthreads = 8, g_nleaks = 1000;
+static long g_nblocks = 5000000, g_nthreads = 8, g_nleaks = 1000, g_dense;
 void **g_tables[64];          /* extern linkage: -O2 must keep these stores */
 uintptr_t *g_hidden;
 static pthread_barrier_t g_built, g_done;
@@ -37,6 +37,9 @@ static __attribute__((noinline)) void build(long id)
         memset(b, 0, sz);
         b[0] = i ? table[rnd(&seed) % i] : NULL;     /* a pointer into the heap */
         b[1] = (void *)(uintptr_t)rnd(&seed);          /* noise */
+        /* dense: every word points into an earlier block (at its start or inside it) */
+        for (size_t w = 1; g_dense && i && w < sz / sizeof(void *); w++)
+            b[w] = (char *)table[rnd(&seed) % i] + (rnd(&seed) % 3) * 8;
         table[i] = b;
     }
     /* leak the last nleaks/nthreads blocks: nothing else points at them (links only go back) */
@@ -63,6 +66,7 @@ int main(int argc, char **argv)
     if (argc > 1) g_nblocks = atol(argv[1]);
     if (argc > 2) g_nthreads = atol(argv[2]);
     if (argc > 3) g_nleaks = atol(argv[3]);
+    if (argc > 4) g_dense = atol(argv[4]);
     g_hidden = calloc(g_nleaks + 1, sizeof *g_hidden);
     pthread_barrier_init(&g_built, NULL, g_nthreads + 1);
     pthread_barrier_init(&g_done, NULL, g_nthreads + 1);
