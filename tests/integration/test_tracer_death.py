@@ -131,10 +131,9 @@ def test_checker_killed_in_the_syscall_of_each_kind_of_waiting_thread(who):
     # leaving the block: read(0) resumed, poll/cond woke normally, no EINTR anywhere
 
 
-@pytest.mark.slow
 @pytest.mark.parametrize("step", sorted(CLONE_STEPS), ids=str)
 @pytest.mark.parametrize("who", BUSY_THREADS)
-def test_checker_killed_at_each_step_in_each_kind_of_waiting_thread_slow(who, step):
+def test_checker_killed_at_each_step_in_each_kind_of_waiting_thread(who, step):
     with fixtures.start("ptr_busy") as fx:
         tid = fx.pid if who == "main" else fx.expect[f"{who}_tid"]
         status, _ = die_in_check(fx.pid, CLONE, CLONE_STEPS[step], tid)
