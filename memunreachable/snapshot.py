@@ -37,7 +37,7 @@ from memunreachable import diagnose, leftovers, procfs, seccomp
 from memunreachable._errors import (AccessDenied, CollectionError, NoSuchProcess,
                                     UnsupportedTarget)
 from memunreachable._ffi import ffi, lib
-from memunreachable._types import REG_NAMES, Fields
+from memunreachable._types import FS_BASE_INDEX, REG_NAMES, RSP_INDEX, Fields
 from memunreachable.freeze import Frozen, critical, frozen
 from memunreachable.memory import ProcessMemory
 
@@ -148,6 +148,23 @@ def _search_guard(pid: int, mappings) -> Tuple[int, int]:
     return 0, 0
 
 
+# True when tid's stack pointer lies in a stack that glibc or the kernel made: the main
+# thread's [stack], or the mapping that holds the thread's own TCB (fs_base: glibc puts it at
+# the top of each pthread stack, a user-supplied one included). Only there may the guard
+# write below the red zone, as a signal would: a stack that a runtime carves out of its heap
+# (Go's goroutines, coroutine libraries) may have another one right below it, and such
+# runtimes take their signals on an alternate stack for that reason.
+def stack_takes_frames(fz: Frozen, tid: int) -> bool:
+    regs = fz.regs_at_freeze(tid)
+    if regs == ffi.NULL:
+        return False
+    sp, fs_base = regs[RSP_INDEX], regs[FS_BASE_INDEX]
+    for m in fz.maps:
+        if m.begin <= sp < m.end:
+            return m.path == "[stack]" or m.begin <= fs_base < m.end
+    return False
+
+
 # Returns (tid, syscall instruction address, restore_rt, refusals) for the injection: the
 # first thread at an interrupt stop whose seccomp state allows every injected syscall
 # (seccomp.py: clone, and the wait4 that reaps the child) at that address. Guarded first
@@ -170,7 +187,8 @@ def choose_thread(fz: Frozen, tid: Optional[int] = None, allow_unreadable: bool 
         """(insn, restore_rt) that thread t may run, guarded first; (0, 0) and the refusal
         recorded when none."""
         verdict = None
-        for insn, rt in ((gadget, restore_rt), (own, 0)):
+        guard = (gadget, restore_rt) if restore_rt and stack_takes_frames(fz, t) else (0, 0)
+        for insn, rt in (guard, (own, 0)):
             if insn:
                 verdict = seccomp.thread_verdict(fz.pid, t, seccomp.injected_calls(
                     insn, restore_rt=rt), allow_unreadable)
@@ -187,7 +205,9 @@ def choose_thread(fz: Frozen, tid: Optional[int] = None, allow_unreadable: bool 
         # is the verdict "ok" without building the calls
         t, own = first
         if t == fz.pid and fz.leader_seccomp_mode() == 0:
-            return (t, gadget, restore_rt, []) if restore_rt else (t, own, 0, [])
+            if restore_rt and stack_takes_frames(fz, t):
+                return t, gadget, restore_rt, []
+            return t, own, 0, []
         insn, rt = allowed(t, own)
         if insn:
             return t, insn, rt, refusals
@@ -342,7 +362,8 @@ class Snapshot(Fields):
             if _signed(t.regs[ORIG_RAX]) >= 0 and \
                     _after_syscall_insn(fz.pid, t.tid, t.regs[RIP]):
                 own = t.regs[RIP] - 2
-            tries = [(self.syscall_insn, self.restore_rt)] if self.restore_rt else []
+            tries = [(self.syscall_insn, self.restore_rt)] \
+                if self.restore_rt and stack_takes_frames(fz, t.tid) else []
             for insn, rt in tries + [(own, 0)]:
                 calls = [seccomp.wait4_call(insn, self.pid)] + (
                     seccomp.guard_calls(insn, rt) if rt else [])

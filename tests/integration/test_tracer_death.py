@@ -22,7 +22,7 @@ from test_leftovers_live import assert_clean, assert_exact
 from memunreachable import leftovers
 from memunreachable._ffi import lib
 from memunreachable.freeze import frozen
-from memunreachable.snapshot import find_guard, prepare, take_snapshot
+from memunreachable.snapshot import find_guard, prepare, stack_takes_frames, take_snapshot
 from memunreachable.unreachable import check
 
 pytestmark = pytest.mark.ptrace
@@ -159,14 +159,18 @@ def test_unguarded_twin_shows_what_the_guard_prevents():
         fx.kill()
 
 
-@pytest.mark.parametrize("who,guarded", [("spin", True), ("sys", True), ("tight", False)])
-def test_the_guard_is_used_where_its_frames_fit(who, guarded):
-    """ptr_regs' tight thread sleeps on 512 bytes of stack above a PROT_NONE page: no room
-    for the frames, so it gets the legacy sequence (the snapshot still works); the others
-    get the guard."""
+@pytest.mark.parametrize("who,own_stack,guarded", [
+    ("spin", True, True), ("sys", True, True),
+    ("carved", False, False),       # a stack carved out of an mmap: not glibc's, no guard
+    ("edge", True, False),          # glibc's, but no room for the frames: the write fails
+])
+def test_the_guard_is_used_where_its_frames_fit(who, own_stack, guarded):
+    """The guard writes only below the SP of a stack glibc or the kernel made, and only
+    where its frames fit; elsewhere the legacy sequence serves, and the snapshot works."""
     with fixtures.start("ptr_regs") as fx:
         tid = fx.expect[f"{who}_tid"]
         with frozen(fx.pid) as fz:
+            assert stack_takes_frames(fz, tid) == own_stack
             snap = take_snapshot(fz, tid=tid)
             assert snap.mode == "clone" and snap.inject_tid == tid
             assert bool(snap._inject_out.guarded) == guarded and bool(snap.restore_rt) == guarded
@@ -176,6 +180,6 @@ def test_the_guard_is_used_where_its_frames_fit(who, guarded):
             assert int.from_bytes(snap.open_memory().read(fx.blocks["leak_a"].address, 8),
                                   "little") == leak_b
         assert children(fx.pid) == []
-        for key in ("spins_addr", "sys_addr", "tight_addr"):
+        for key in ("spins_addr", "sys_addr", "carved_addr", "edge_addr"):
             assert moves(fx.pid, fx.expect[key])
     # leaving the block: every register intact, no sleep ended early, read(0) resumed
