@@ -108,6 +108,9 @@ class FreezeInterrupted(KeyboardInterrupt):
 
 CheckInterrupted = FreezeInterrupted    # the name used outside the freeze stage
 INTERRUPT_SIGNALS = (signal.SIGINT, signal.SIGTERM, signal.SIGHUP)
+# job control (Ctrl-Z, a background job's terminal I/O): stopping the checker while the target
+# is frozen would keep the target stopped as long as the checker is; deferred until the thaw
+STOP_SIGNALS = (signal.SIGTSTP, signal.SIGTTIN, signal.SIGTTOU)
 
 
 class _Signals:
@@ -117,6 +120,8 @@ class _Signals:
     pending = 0         # the first signal caught, 0 when none
     raised = False      # FreezeInterrupted was raised for it: never raise again
     old: Dict[int, object] = {}
+    frozen = 0          # targets frozen by this process now (Frozen, until its thaw)
+    stop_pending = 0    # a STOP_SIGNALS signal that arrived while one was frozen
 
 
 def _on_signal(signum, frame):
@@ -126,6 +131,21 @@ def _on_signal(signum, frame):
         return
     _Signals.raised = True
     raise FreezeInterrupted(_Signals.pending)
+
+
+def _on_stop_signal(signum, frame):
+    if _Signals.frozen:
+        _Signals.stop_pending = signum      # the thaw stops us (_stop_if_pending)
+    else:
+        os.kill(os.getpid(), signal.SIGSTOP)
+
+
+def _stop_if_pending() -> None:
+    """Stop this process now (what the deferred job-control signal would have done), once no
+    target is frozen by it any more."""
+    if _Signals.stop_pending and not _Signals.frozen:
+        _Signals.stop_pending = 0
+        os.kill(os.getpid(), signal.SIGSTOP)
 
 
 def raise_pending() -> None:
@@ -160,6 +180,10 @@ def interruptible() -> Iterator[None]:
                 continue
             _Signals.old[signum] = old
             signal.signal(signum, _on_signal)
+        for signum in STOP_SIGNALS:         # only where they would stop us (SIG_DFL)
+            if signal.getsignal(signum) is signal.SIG_DFL:
+                _Signals.old[signum] = signal.SIG_DFL
+                signal.signal(signum, _on_stop_signal)
     _Signals.depth += 1
     ok = False
     try:
@@ -386,6 +410,7 @@ class Frozen:
         self.tracer_tid = threading.get_native_id()
         self._tracees: Dict[int, _Tracee] = {}
         self._started: Optional[float] = None
+        self._counted = False           # counted in _Signals.frozen until the thaw
 
     # ---- signals: see interruptible()/critical() above
 
@@ -815,8 +840,12 @@ class Frozen:
             if self._started is not None and (not self._fast or self._tracees):
                 self.pause_ms = (time.monotonic() - self._started) * 1000.0
             self.thawed = True
+            if self._counted:
+                self._counted = False
+                _Signals.frozen -= 1
         finally:
             _Signals.critical -= 1
+        _stop_if_pending()
         raise_pending()
         return self.pause_ms
 
@@ -863,6 +892,8 @@ def frozen(pid: int, timeout: float = 2.0, *, one_thread: bool = False,
            on_attach: Optional[Callable[[int], None]] = None) -> Iterator[Frozen]:
     with interruptible():
         fz = Frozen(pid, timeout, on_attach)
+        fz._counted = True
+        _Signals.frozen += 1
         try:
             fz._freeze(one_thread)
             yield fz

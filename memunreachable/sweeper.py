@@ -254,8 +254,8 @@ def _sweeper_main(work: Callable[[], SweepResult], rfd: int, wfd: int, parent: i
     _RETAIN = []
     try:
         os.close(rfd)
-        # dies with the checker, even by SIGKILL (PR_SET_PDEATHSIG); a terminal's SIGINT or
-        # SIGHUP reaches the whole process group: the checker alone decides, and kills us
+        # dies with the checker, even by SIGKILL (PR_SET_PDEATHSIG); a terminal's SIGINT,
+        # SIGHUP or SIGTSTP reaches the whole process group: the checker alone decides
         _set_pdeathsig(signal.SIGKILL)
         if os.getppid() != parent:
             os._exit(71)                        # the checker died before the prctl
@@ -266,6 +266,8 @@ def _sweeper_main(work: Callable[[], SweepResult], rfd: int, wfd: int, parent: i
         gc.disable()
         signal.signal(signal.SIGINT, signal.SIG_IGN)
         signal.signal(signal.SIGHUP, signal.SIG_IGN)
+        for signum in (signal.SIGTSTP, signal.SIGTTIN, signal.SIGTTOU):
+            signal.signal(signum, signal.SIG_IGN)   # Ctrl-Z: the checker decides (freeze.py)
         signal.signal(signal.SIGTERM, signal.SIG_DFL)
         try:
             msg = encode_result(work())

@@ -201,7 +201,7 @@ class Check(Command):
     Pauses the target for a few milliseconds (all threads frozen, a copy-on-write snapshot
     taken, threads released), then walks the glibc heap of the snapshot, marks everything
     reachable from the roots (globals, stacks, registers, TLS) and reports the rest, largest
-    first. The target keeps running and is never modified.
+    first. The target keeps running, and nothing it uses is modified.
     """
 
     def add_arguments(self, parser: argparse.ArgumentParser) -> None:

@@ -298,6 +298,45 @@ def test_signals_at_many_moments_leave_nothing():
     assert counts["interrupted"] >= 6       # most delays fall inside the check
 
 
+JOB_STOPS = [signal.SIGTSTP, signal.SIGTTIN, signal.SIGTTOU]
+
+
+@pytest.mark.parametrize("mode", ["clone", "direct"])
+def test_job_control_stops_the_checker_never_the_target(mode):
+    """Ctrl-Z (SIGTSTP), or a background job's terminal I/O (SIGTTIN, SIGTTOU), stops the
+    checker; while it has the target frozen the stop waits for the thaw, and the sweeper
+    ignores it, so a suspended check never keeps the target stopped. In direct mode
+    (sec_filter's errno filter refuses the clone) the target is frozen for the whole sweep:
+    the checker stops after it. After SIGCONT the check ends with the exact leaks."""
+    args = ("leak_chain",) if mode == "clone" else ("sec_filter", "errno", "allow", "all")
+    stopped = 0
+    with fixtures.start(*args) as fx:
+        for i, delay in enumerate((0.0, 0.005, 0.01, 0.02, 0.04, 0.08)):
+            proc = spawn(fx.pid)
+            head = read_until(proc, ANCHOR)
+            time.sleep(delay)
+            proc.send_signal(JOB_STOPS[i % 3])
+            assert wait_until(lambda: proc.poll() is not None or
+                              leftovers.read_stat(proc.pid).state == "T", 10.0)
+            if proc.poll() is None:
+                stopped += 1
+                assert_running(fx.pid)          # the checker is stopped, the target is not
+                time.sleep(0.05)
+                assert_running(fx.pid)
+                proc.send_signal(signal.SIGCONT)
+            rc, out, err = finish(proc, head)
+            assert rc == 23, err[-800:]
+            info = load_json(json.loads(out))
+            if mode == "clone":
+                assert_exact(fx, info)
+            else:
+                assert info.snapshot_mode == "direct"
+                assert sorted(l.address for l in info.leaks) == \
+                    sorted(fx.blocks[k].address for k in ("leak_1", "leak_2"))
+            assert_clean(fx)
+    assert stopped >= 4
+
+
 def test_sigkill_of_the_checker_next_check_reaps_the_clone():
     counts = kill_rounds("leak_chain", rounds=6)
     assert counts["rounds"] == 6 and counts["target_died"] == 0   # the guard: see test_tracer_death
