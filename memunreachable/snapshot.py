@@ -100,7 +100,8 @@ def find_syscall_insn(pid: int, maps) -> int:
 # __restore_rt) in ld.so's, else libc's (or a static executable's) code, read from the
 # target; (0, 0) when one is missing, or when the target runs with a shadow stack
 # (x86_Thread_features: shstk: a `ret` into the stub would fault). Cached per pid and
-# mapping: a later check of the same process reads nothing but its status.
+# mapping: a later check of the same process reads nothing (prepare() fills the cache before
+# the freeze).
 def find_guard(pid: int, maps) -> Tuple[int, int]:
     code = [m for m in maps if m.executable and m.readable and m.path.startswith("/")]
     ranked = sorted(code, key=lambda m: (not os.path.basename(m.path).startswith("ld-"),
