@@ -245,6 +245,8 @@ def _plan_reads(fz, snap, overlays, st: _Attempts, info) -> tuple:
         smaps = procfs.read_smaps_flags(snap.pid)
     except (NoSuchProcess, OSError, ValueError) as exc:
         _snapshot_died(fz.pid, st, f"its smaps could not be read: {exc}")
+    if not _alive(snap.pid):    # killed while (or before) its smaps were read: they are empty
+        _snapshot_died(fz.pid, st, "killed before its mappings were read")
     plan = plan_snapshot(fz.maps, smaps, mapped_file_size(fz.pid))
     have = merge_ranges([Range(b, b + len(buf)) for b, buf in overlays])
     unseen = subtract_ranges(plan.missing, have)

@@ -54,9 +54,10 @@ int mu_inject_clone(int tid, uint64_t syscall_insn, uint64_t restore_rt,
 int mu_inject_wait4(int tid, uint64_t syscall_insn, uint64_t restore_rt,
                     const uint64_t *frozen_regs, int child, int64_t timeout_ms, mu_inject *out);
 
-/* Tests only (fault injection): the calling process SIGKILLs itself when an injection of
- * syscall number nr (56 clone, 61 wait4) reaches MU_STEP_* step; nr -1 turns it off. */
-void mu_test_die_at(int64_t nr, int step);
+/* Tests only (fault injection): when an injection of syscall number nr (56 clone, 61 wait4)
+ * reaches MU_STEP_* step, SIGKILL the calling process (child 0), or the clone's new child
+ * (child 1, once: the hook then turns itself off); nr -1 turns it off. */
+void mu_test_die_at(int64_t nr, int step, int child);
 
 /* Wait up to timeout_ms for a status change of tid (waitpid(tid, __WALL)); never reaps
  * anything else. Returns 1 and sets *status, 0 on timeout, or -errno (-ECHILD). */

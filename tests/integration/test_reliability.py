@@ -149,6 +149,31 @@ def _random_snapshot_kills(rounds: int, seed: int, max_kills: int, name: str = "
     return tally
 
 
+@pytest.mark.parametrize("step", ["clone event", "syscall exit", "restore", "child parked"])
+def test_snapshot_killed_at_each_step_of_its_birth_is_retaken(step):
+    """The snapshot process SIGKILLed (native fault injection, mu_test_die_at) at each step of
+    the clone injection from the moment it exists: the injected thread is restored all the
+    same, the snapshot is taken again, and the check is exact; the target runs on."""
+    from memunreachable._ffi import lib
+    steps = {"clone event": lib.MU_STEP_EVENT, "syscall exit": lib.MU_STEP_EXIT,
+             "restore": lib.MU_STEP_RESTORED, "child parked": lib.MU_STEP_PARKED}
+    with fixtures.start("leak_lots") as fx:
+        try:
+            lib.mu_test_die_at(56, steps[step], 1)
+            info = check(fx.pid, limit=None)
+        finally:
+            lib.mu_test_die_at(-1, -1, 0)
+        assert (info.num_leaks, info.leak_bytes) == (fx.expect["num_leaks"], fx.expect["leak_bytes"])
+        assert info.retake_counts == {"died": 1}, (info.retake_counts, info.warnings)
+        assert info.warnings == ["snapshot retaken 1 time(s): the snapshot process died during "
+                                 "the sweep"]
+        deadline = time.monotonic() + 2
+        while children_of(fx.pid) and time.monotonic() < deadline:
+            time.sleep(0.01)
+        assert children_of(fx.pid) == []
+        assert_target_running(fx)
+
+
 def test_snapshot_killed_at_random_moments_never_gives_a_wrong_answer():
     tally = _random_snapshot_kills(rounds=6, seed=7, max_kills=1)
     assert tally["exact"] == 6

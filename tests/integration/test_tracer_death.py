@@ -46,7 +46,7 @@ def die_in_check(pid: int, nr: int, step: int, tid: int, guarded: bool = True) -
         code = 3
         try:
             os.close(r)
-            lib.mu_test_die_at(nr, step)
+            lib.mu_test_die_at(nr, step, 0)
             with leftovers.guard(pid):
                 prepare(pid, 2.0)
                 with frozen(pid) as fz:
