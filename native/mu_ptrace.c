@@ -283,21 +283,24 @@ static int write_guard(int tid, const struct user_regs_struct *saved, uint64_t i
             xsize = size;
         }
     }
+    /* from the top: the FP image, the child's frame, the thread's frame at the new rsp. A
+     * signal handled at the gadget (the tracer gone, before the syscall) puts its own frame
+     * below that rsp: it can touch neither the child's frame nor the FP image */
     top = saved->rsp - RED_ZONE;
     fp_at = (top - xsize - 4) & ~(uint64_t)63;
-    pf = ((fp_at - sizeof(mu_sigframe)) & ~(uint64_t)15) - 8;   /* as at a function entry */
-    cf = is_clone ? ((pf - sizeof(mu_sigframe)) & ~(uint64_t)15) - 8 : pf;
-    buf = calloc(1, top - cf);
+    cf = is_clone ? ((fp_at - sizeof(mu_sigframe)) & ~(uint64_t)15) - 8 : fp_at;
+    pf = ((cf - sizeof(mu_sigframe)) & ~(uint64_t)15) - 8;      /* as at a function entry */
+    buf = calloc(1, top - pf);
     if (!buf) {
         free(xs);
         return -ENOMEM;
     }
-    memcpy(buf + (fp_at - cf), xs, xsize);
+    memcpy(buf + (fp_at - pf), xs, xsize);
     if (xsize > FX_SIZE) {
         const uint32_t magic2 = FP_XSTATE_MAGIC2;
-        memcpy(buf + (fp_at - cf) + xsize, &magic2, 4);
+        memcpy(buf + (fp_at - pf) + xsize, &magic2, 4);
     }
-    f = (mu_sigframe *)(buf + (pf - cf));
+    f = (mu_sigframe *)buf;
     f->pretcode = restore_rt;
     f->uc_flags = xsize > FX_SIZE ? UC_FP_XSTATE : 0;
     {
@@ -307,7 +310,7 @@ static int write_guard(int tid, const struct user_regs_struct *saved, uint64_t i
     f->fpstate = fp_at;
     f->sigmask = sigmask;
     if (is_clone) {
-        f = (mu_sigframe *)buf;
+        f = (mu_sigframe *)(buf + (cf - pf));
         child = *saved;
         child.rip = insn;
         child.rax = NR_EXIT_GROUP;
@@ -319,11 +322,11 @@ static int write_guard(int tid, const struct user_regs_struct *saved, uint64_t i
         f->sigmask = ~(uint64_t)0;
     }
     local.iov_base = buf;
-    local.iov_len = top - cf;
-    remote.iov_base = (void *)cf;
-    remote.iov_len = top - cf;
+    local.iov_len = top - pf;
+    remote.iov_base = (void *)pf;
+    remote.iov_len = top - pf;
     done = process_vm_writev(tid, &local, 1, &remote, 1, 0);
-    if (done != (ssize_t)(top - cf))
+    if (done != (ssize_t)(top - pf))
         rc = done < 0 ? -errno : -EFAULT;
     free(buf);
     free(xs);

@@ -17,7 +17,7 @@ import signal
 import pytest
 
 import fixtures
-from ptr_helpers import assert_running, children, moves, wait_until
+from ptr_helpers import assert_running, children, moves, peek, wait_until
 from test_leftovers_live import assert_clean, assert_exact
 from memunreachable import leftovers
 from memunreachable._ffi import lib
@@ -35,10 +35,12 @@ WAIT4_STEPS = {"set registers": lib.MU_STEP_SETREGS, "syscall entry": lib.MU_STE
                "syscall exit": lib.MU_STEP_EXIT}
 
 
-def die_in_check(pid: int, nr: int, step: int, tid: int, guarded: bool = True) -> tuple:
+def die_in_check(pid: int, nr: int, step: int, tid: int, guarded: bool = True,
+                 pending: int = 0) -> tuple:
     """Fork a checker that runs the check's snapshot sequence on pid (record and lock,
     freeze, clone into tid, thaw, release) and SIGKILLs itself when the injection of syscall
-    nr reaches step; the reaping wait4 runs into tid too (released before the thaw). Returns
+    nr reaches step; the reaping wait4 runs into tid too (released before the thaw); pending:
+    a signal sent to tid while it is frozen, so that it is delivered when tid resumes. Returns
     (its wait status, 1 when the guard's gadgets were there to use, else 0)."""
     r, w = os.pipe()
     child = os.fork()
@@ -51,6 +53,8 @@ def die_in_check(pid: int, nr: int, step: int, tid: int, guarded: bool = True) -
                 prepare(pid, 2.0)
                 with frozen(pid) as fz:
                     os.write(w, b"1" if guarded and find_guard(pid, fz.maps)[1] else b"0")
+                    if pending:
+                        lib.mu_tgkill(pid, tid, pending)
                     snap = take_snapshot(fz, tid=tid, guarded=guarded)
                     if nr == WAIT4:
                         snap.release()
@@ -141,6 +145,30 @@ def test_checker_killed_at_each_step_in_each_kind_of_waiting_thread(who, step):
         assert fx.alive()
         assert_running(fx.pid)
         assert moves(fx.pid, fx.expect["sleeps_addr"])
+
+
+def exit_code(pid: int) -> int:
+    """The wait status a zombie will give (field 52 of /proc/PID/stat)."""
+    with open(f"/proc/{pid}/stat") as f:
+        return int(f.read().rsplit(")", 1)[1].split()[49])
+
+
+def test_a_signal_handled_before_the_injected_clone_leaves_the_childs_frame_whole():
+    """The checker dies with the injected registers set and a signal pending for the thread:
+    the thread first runs its handler (ptr_regs' fills 6 KiB of its stack) below the new rsp,
+    then the clone. The child's frame sits above that rsp, so the child still exits cleanly
+    (exit status 0, not a crash of a copy of the target), and the thread runs on intact."""
+    with fixtures.start("ptr_regs") as fx:
+        status, guarded = die_in_check(fx.pid, CLONE, lib.MU_STEP_SETREGS, fx.expect["spin_tid"],
+                                       pending=signal.SIGUSR1)
+        assert os.WIFSIGNALED(status) and os.WTERMSIG(status) == signal.SIGKILL and guarded
+        assert wait_until(lambda: peek(fx.pid, fx.expect["usr1_addr"]) == 1)
+        assert wait_until(lambda: len(children(fx.pid)) == 1 and
+                          leftovers.read_stat(children(fx.pid)[0]).state == "Z")
+        child = children(fx.pid)[0]
+        assert exit_code(child) == 0 and leftovers.read_stat(child).exit_signal == 0
+        assert_survived(fx, status, (fx.expect["spins_addr"], fx.expect["sys_addr"]))
+    # leaving the block: every register of the spinning thread intact after its handler
 
 
 def test_unguarded_twin_shows_what_the_guard_prevents():
