@@ -73,19 +73,24 @@ def _rules(config) -> list:
     return config.stash.get(_RULES, [])
 
 
-def _start_helper_early(config, option) -> None:
-    """Start this process's helper when every test is checked here (not on an xdist
-    controller, nor for --collect-only): its start-up (an interpreter, the pipeline's
-    imports, libc's and libpython's ELF files: 0.2-0.3 s) then overlaps with pytest's own
-    conftest loading and collection instead of delaying the first check. A failure here is
-    reported by the checks."""
+def _checks_every_test_here(config, option) -> bool:
+    """--memunreachable (or the ini) in a process that runs the tests: not an xdist
+    controller, not --collect-only."""
     xdist_controller = getattr(option, "numprocesses", None) and \
         not hasattr(config, "workerinput")
     try:
         enabled = getattr(option, "memunreachable", False) or config.getini("memunreachable")
     except (ValueError, KeyError):
-        return
-    if enabled and not xdist_controller and not getattr(option, "collectonly", False):
+        return False
+    return bool(enabled) and not xdist_controller and not getattr(option, "collectonly", False)
+
+
+def _start_helper_early(config, option) -> None:
+    """Start this process's helper when every test is checked here: its start-up (an
+    interpreter, the pipeline's imports, libc's and libpython's ELF files: 0.2-0.3 s) then
+    overlaps with pytest's own conftest loading and collection instead of delaying the first
+    check. A failure here is reported by the checks."""
+    if _checks_every_test_here(config, option):
         with contextlib.suppress(MemunreachableError, OSError):
             start_helper()
 
