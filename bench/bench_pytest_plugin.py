@@ -1,9 +1,14 @@
 """Cost of the pytest plugin: 10 small tests, plain pytest vs `pytest --memunreachable`.
 
 Prints the median wall time of N runs of each, and their ratio (issue 8: at most 3x).
-Usage: python bench/bench_pytest_plugin.py [runs]
+--compare PYTHON also runs `PYTHON -m pytest --memunreachable` (another install of
+memunreachable: a venv of an older commit) in the same rounds, alternating with this one, so
+both see the same load; its plain pytest is timed too.
+Usage: python bench/bench_pytest_plugin.py [runs] [--compare PYTHON]
 """
+import argparse
 import os
+import resource
 import statistics
 import subprocess
 import sys
@@ -13,26 +18,48 @@ import time
 TESTS = "\n".join(f"def test_{i}():\n    assert sum(range({i} * 1000)) >= 0\n" for i in range(10))
 
 
-def run(cwd: str, *args: str) -> float:
+CPU = {}     # (python, args) -> [CPU seconds of the run: pytest and its helper, user + system]
+
+
+def run(python: str, cwd: str, *args: str) -> float:
+    r0 = resource.getrusage(resource.RUSAGE_CHILDREN)
     t0 = time.monotonic()
-    subprocess.run([sys.executable, "-m", "pytest", "-q", "-p", "no:cacheprovider", *args],
+    subprocess.run([python, "-m", "pytest", "-q", "-p", "no:cacheprovider", *args],
                    cwd=cwd, check=True, stdout=subprocess.DEVNULL)
-    return time.monotonic() - t0
+    t = time.monotonic() - t0
+    r1 = resource.getrusage(resource.RUSAGE_CHILDREN)
+    CPU.setdefault((python, args), []).append(r1.ru_utime + r1.ru_stime - r0.ru_utime - r0.ru_stime)
+    return t
+
+
+def line(name: str, python: str, runs: int, plain: list, checked: list) -> str:
+    p, c = statistics.median(plain), statistics.median(checked)
+    pc = statistics.median(CPU[(python, ())])
+    cc = statistics.median(CPU[(python, ("--memunreachable",))])
+    return (f"{name}: 10 tests, median of {runs}: plain pytest {p:.2f} s, --memunreachable "
+            f"{c:.2f} s ({c / p:.1f}x; {1000 * (c - p) / 10:.0f} ms per test: 11 checks, one per "
+            f"fixture-free test plus the first baseline); best {min(plain):.2f} s and "
+            f"{min(checked):.2f} s ({min(checked) / min(plain):.1f}x); CPU time (pytest and "
+            f"its helper) {pc:.2f} s and {cc:.2f} s ({cc / pc:.1f}x)")
 
 
 def main() -> None:
-    runs = int(sys.argv[1]) if len(sys.argv) > 1 else 5
+    ap = argparse.ArgumentParser()
+    ap.add_argument("runs", nargs="?", type=int, default=5)
+    ap.add_argument("--compare", metavar="PYTHON", help="another install's interpreter")
+    args = ap.parse_args()
+    pythons = [("this", sys.executable)] + ([("compare", args.compare)] if args.compare else [])
+    times = {name: ([], []) for name, _ in pythons}
     with tempfile.TemporaryDirectory() as d:
         with open(os.path.join(d, "test_small.py"), "w") as f:
             f.write(TESTS)
-        plain, checked = [], []
-        for _ in range(runs):
-            plain.append(run(d))
-            checked.append(run(d, "--memunreachable"))
-    p, c = statistics.median(plain), statistics.median(checked)
-    print(f"10 tests, median of {runs}: plain pytest {p:.2f} s, --memunreachable {c:.2f} s "
-          f"({c / p:.1f}x; {1000 * (c - p) / 10:.0f} ms per test: 11 checks, one per fixture-free "
-          f"test plus the first baseline)")
+        for k in range(args.runs):
+            order = pythons if k % 2 == 0 else pythons[::-1]
+            for name, python in order:
+                times[name][0].append(run(python, d))
+                times[name][1].append(run(python, d, "--memunreachable"))
+    for name, python in pythons:
+        print(line(name, python, args.runs, *times[name]))
 
 
 if __name__ == "__main__":

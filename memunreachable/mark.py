@@ -61,10 +61,24 @@ def with_dead_ranges(dead: Optional["DeadWords"],
     """dead with the 8-aligned (begin, end) `ranges` added (None stays None if none)."""
     if not ranges:
         return dead
-    from memunreachable._types import Range, merge_ranges
     base = dead if dead is not None else DeadWords()
-    merged = merge_ranges([Range(b, e) for b, e in base.ranges] + [Range(b, e) for b, e in ranges])
-    return dataclasses.replace(base, ranges=[(r.begin, r.end) for r in merged])
+    return dataclasses.replace(base, ranges=merge_pairs(list(base.ranges) + list(ranges)))
+
+
+def merge_pairs(pairs: Sequence[Tuple[int, int]]) -> list:
+    """_types.merge_ranges over (begin, end) tuples: sorted, coalesced, empty ones dropped.
+    Plain tuples sort in C: a pytest process's ~3,000 dead ranges merge in a fraction of the
+    time Range objects take."""
+    out: list = []
+    for b, e in sorted(pairs):
+        if b >= e:
+            continue
+        if out and b <= out[-1][1]:
+            if e > out[-1][1]:
+                out[-1] = (out[-1][0], e)
+        else:
+            out.append((b, e))
+    return out
 
 
 # Returns (mu_dead * or NULL, objects to keep alive) for a DeadWords over n allocations.

@@ -73,17 +73,39 @@ def _rules(config) -> list:
     return config.stash.get(_RULES, [])
 
 
+def _checks_every_test_here(config, option) -> bool:
+    """--memunreachable (or the ini) in a process that runs the tests: not an xdist
+    controller, not --collect-only."""
+    xdist_controller = getattr(option, "numprocesses", None) and \
+        not hasattr(config, "workerinput")
+    try:
+        enabled = getattr(option, "memunreachable", False) or config.getini("memunreachable")
+    except (ValueError, KeyError):
+        return False
+    return bool(enabled) and not xdist_controller and not getattr(option, "collectonly", False)
+
+
+def _start_helper_early(config, option) -> None:
+    """Start this process's helper when every test is checked here: its start-up (an
+    interpreter, the pipeline's imports, libc's and libpython's ELF files: 0.2-0.3 s) then
+    overlaps with pytest's own conftest loading and collection instead of delaying the first
+    check. A failure here is reported by the checks."""
+    if _checks_every_test_here(config, option):
+        with contextlib.suppress(MemunreachableError, OSError):
+            start_helper()
+
+
+@pytest.hookimpl(tryfirst=True)
+def pytest_load_initial_conftests(early_config, parser, args):
+    # the earliest hook with the options parsed: before conftests are imported
+    _start_helper_early(early_config, early_config.known_args_namespace)
+
+
 def pytest_configure(config):
     config.stash[_RULES] = _load_rules(config)
     config.addinivalue_line("markers", "no_leaks: fail the test if native heap blocks become "
                                        "unreachable during it (memunreachable)")
-    xdist_controller = getattr(config.option, "numprocesses", None) and \
-        not hasattr(config, "workerinput")
-    if (config.getoption("--memunreachable") or config.getini("memunreachable")) and \
-            not xdist_controller and not config.option.collectonly:
-        # the helper starts while pytest collects; a failure here is reported by the checks
-        with contextlib.suppress(MemunreachableError, OSError):
-            start_helper()
+    _start_helper_early(config, config.option)      # a no-op when it runs already
 
 
 def pytest_report_header(config):

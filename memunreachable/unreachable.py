@@ -389,14 +389,23 @@ def _explain_address() -> int:
 def _warm_caches(maps, pid: int) -> None:
     """Parse the malloc object's and the Python runtime's ELF files and import the CPython
     stages here, in the long-lived checker, so that every forked sweeper inherits them
-    (elf.py: a few ms per file; the CPython imports ~60 ms, only for a Python target)."""
+    (elf.py: a few ms per file; the CPython imports ~60 ms, only for a Python target).
+    Once per set of mapped files of a pid: the caches it fills stay (the in-process checks'
+    helper checks one process again and again)."""
+    global _WARMED
+    key = (pid, tuple([(m.path, m.dev, m.inode, m.begin) for m in maps if m.inode]))
+    if key == _WARMED:
+        return
     scan = detect.scan_maps(maps, pid)
     if scan.object_mappings:
         locate.read_image(scan.object_mappings, pid)
-    if not probe.may_hold_runtime(maps, pid):
-        return              # not a Python process: the CPython stages are never loaded
-    from memunreachable.cpython import locate as cpython_locate, pipeline, objects  # noqa: F401
-    cpython_locate.warm(maps, pid)
+    if probe.may_hold_runtime(maps, pid):   # else the CPython stages are never loaded
+        from memunreachable.cpython import locate as cpython_locate, pipeline, objects  # noqa: F401
+        cpython_locate.warm(maps, pid)
+    _WARMED = key
+
+
+_WARMED: Optional[tuple] = None
 
 
 def sweep(mem, maps, threads, pid: int, confirm: Optional[set] = None,

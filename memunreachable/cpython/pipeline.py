@@ -26,7 +26,7 @@ from memunreachable._ffi import check, ffi, lib, region_array, u64_view
 from memunreachable._types import HeapImage, Range, local_buffer, merge_ranges, subtract_ranges
 from memunreachable.cpython import layout as L
 from memunreachable.cpython.walker import CPythonMap, walk_cpython
-from memunreachable.mark import DeadWords
+from memunreachable.mark import DeadWords, merge_pairs
 
 MAX_GC_NODES = 1 << 28
 MAX_TYPES = 1 << 16
@@ -120,7 +120,7 @@ def prepare(mem, maps, threads, pid: Optional[int], image: HeapImage) -> CPython
     dead_types = sorted(dead_types)
     out.stats["gc_types"] = len(dead_types)
     out.root_cuts = merge_ranges(cuts)
-    out.dead = DeadWords(ranges=[(r.begin, r.end) for r in merge_ranges(dead_ranges)],
+    out.dead = DeadWords(ranges=merge_pairs([(r.begin, r.end) for r in dead_ranges]),
                          head_word=head_word, types=dead_types, dict_keys=dict_keys_rule(cp))
     out.stats.update(cp.stats, pymalloc_blocks=len(blocks), dead_blocks_dropped=ndead,
                      version="%d.%d" % cp.version, allocator=cp.allocator)
@@ -376,10 +376,10 @@ def varsized_type(mem, cp: CPythonMap, t: Optional[int], shape: Tuple[int, int])
 # objects: their bytecode and inline caches follow tp_basicsize, 3.11+).
 def sized_types(mem, maps, cp: CPythonMap, types, header_only: bool = False) -> List[Tuple[int, int]]:
     reader = object_reader(mem, cp)
-    own = [m.range for m in maps if m.path == cp.runtime.object_path]
+    own = [(m.begin, m.end) for m in maps if m.path == cp.runtime.object_path]
     out = []
     for t in types:
-        if not any(r.contains(t) for r in own) or reader.type_info(t) is None:
+        if not any(b <= t < e for b, e in own) or reader.type_info(t) is None:
             continue
         basic, item = struct.unpack("<QQ", mem.read(t + L.TP_BASICSIZE, 16))
         off = reader.object_offset(t)
@@ -395,7 +395,6 @@ def sized_types(mem, maps, cp: CPythonMap, types, header_only: bool = False) -> 
 # ELF file cannot be read. One ELF lookup for them all.
 def static_types(mem, maps, pid, cp: CPythonMap, wanted: Dict[str, str]) -> Dict[str, int]:
     from memunreachable.cpython import locate
-    from memunreachable.cpython.objects import ObjectReader
     mappings = [m for m in maps if m.path == cp.runtime.object_path]
     try:
         with locate._open(cp.runtime.object_path, mappings, pid) as f:
@@ -405,7 +404,7 @@ def static_types(mem, maps, pid, cp: CPythonMap, wanted: Dict[str, str]) -> Dict
     bias = locate.facts_bias(facts, mappings) if facts is not None else None
     if bias is None:
         return {}
-    reader = ObjectReader(mem, cp.version, 0)
+    reader = object_reader(mem, cp)     # type_info does not depend on the reader's prefix
     out = {}
     for sym, name in wanted.items():
         if sym in facts.symbols:

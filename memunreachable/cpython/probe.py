@@ -68,8 +68,31 @@ def _holds_runtime(f) -> bool:
     return _HOLDS[key]
 
 
+# may_hold_runtime's last answer: ((executable, the file mappings' (path, dev, inode)),
+# answer). A check asks 4-5 times over the same maps (with the target's pid and its
+# snapshot's), each time opening the candidates' files; the pid matters only through its
+# executable (candidates' ranking).
+_LAST: Optional[tuple] = None
+
+
 def may_hold_runtime(maps: Sequence[Mapping], pid: Optional[int]) -> bool:
     """True when an object of candidates() exports _PyRuntime or has a .PyRuntime section."""
+    global _LAST
+    exe = None
+    if pid is not None:
+        try:
+            exe = os.readlink(f"/proc/{pid}/exe")
+        except OSError:
+            exe = None
+    key = (exe, tuple([(m.path, m.dev, m.inode) for m in maps if m.inode]))
+    if _LAST is not None and _LAST[0] == key:
+        return _LAST[1]
+    answer = _may_hold_runtime(maps, pid)
+    _LAST = (key, answer)
+    return answer
+
+
+def _may_hold_runtime(maps: Sequence[Mapping], pid: Optional[int]) -> bool:
     for path, mappings in candidates(maps, pid):
         try:
             with procfs.open_mapped_file(mappings, pid, path) as f:

@@ -291,3 +291,39 @@ def test_suppressions_option_with_an_untracked_process_changes_nothing(suite):
                                      "allof.supp", "-k", "test_leaks or test_clean")
     # no allocation stacks in an untracked process: no rule can match, the leak still fails
     res.assert_outcomes(passed=1, failed=1)
+
+
+HELPERS_AT_CONFTEST = r"""
+import os
+
+def _helpers():
+    # children of this pytest process running the in-process checks' helper
+    out = []
+    for pid in os.listdir("/proc"):
+        if not pid.isdigit():
+            continue
+        try:
+            with open(f"/proc/{pid}/stat") as f:
+                ppid = int(f.read().rsplit(")", 1)[1].split()[1])
+            with open(f"/proc/{pid}/cmdline", "rb") as f:
+                cmd = f.read().split(b"\0")
+        except OSError:
+            continue
+        if ppid == os.getpid() and b"memunreachable._tracer" in cmd:
+            out.append(int(pid))
+    return out
+
+print(f"helpers at conftest import: {len(_helpers())}")
+"""
+
+
+@pytest.mark.parametrize("option, helpers", [(("--memunreachable",), 1), ((), 0),
+                                             (("--memunreachable", "--collect-only"), 0)])
+def test_the_helper_starts_before_conftests_are_imported(pytester, option, helpers):
+    # pytest_load_initial_conftests starts it: its start-up overlaps with the conftests'
+    # imports and the collection; only when every test is checked in this process
+    pytester.makeconftest(HELPERS_AT_CONFTEST)
+    pytester.makepyfile(test_one="def test_one():\n    assert True\n")
+    res = pytester.runpytest_subprocess("-s", "-p", "no:cacheprovider", *option)
+    assert res.ret == 0
+    res.stdout.fnmatch_lines([f"helpers at conftest import: {helpers}"])

@@ -40,3 +40,22 @@ def test_interposer_found_in_dynsym(tmp_path):
     maps = [m(str(lib)), m(str(plain)), m("/usr/lib/x86_64-linux-gnu/libc.so.6")]
     scan = detect.scan_maps(maps)
     assert detect.malloc_interposers(maps, scan, None) == [str(lib)]
+
+
+def test_a_repeated_scan_names_the_current_maps_objects():
+    # scan_maps remembers its last answer per mapped paths: a repeat over new Mapping objects
+    # (the next check's maps) gives those objects, and other paths are scanned anew
+    libc = "/usr/lib/x86_64-linux-gnu/libc.so.6"
+    first = [m("/usr/bin/prog"), m(libc), m(libc + " (deleted)", perms="rw-p", offset=4096)]
+    scan1 = detect.scan_maps(first)
+    again = [Mapping(x.begin + 0x10000, x.end + 0x10000, x.perms, x.offset, x.dev, x.inode,
+                     x.path) for x in first]
+    scan2 = detect.scan_maps(again)
+    assert scan2 == detect.AllocatorScan(libc, again[1:], False, [], False)
+    assert scan1.object_mappings == first[1:]
+    scan2.foreign.append("changed by a caller")        # never shared with the memo
+    assert detect.scan_maps(again).foreign == []
+    other = detect.scan_maps([m("/usr/bin/prog"), m("/usr/lib/libjemalloc.so.2")])
+    assert other.static and other.malloc_object == "/usr/bin/prog"
+    assert other.foreign == ["libjemalloc.so.2"]
+    assert detect.scan_maps(again).malloc_object == libc

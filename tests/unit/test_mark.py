@@ -556,3 +556,17 @@ def test_candidates_keep_the_words_in_range_within_the_budget():
     lib.mu_cands_free(out[0])
     ranges[2] = 0
     assert lib.mu_cands_new(1 << 32, 16, ranges, 2, 0, out) == -errno.EINVAL     # unsorted
+
+
+def test_merge_pairs_is_merge_ranges_over_tuples():
+    from memunreachable._types import Range, merge_ranges
+    from memunreachable.mark import merge_pairs
+    rng = random.Random(7)
+    for _ in range(200):
+        pairs = []
+        for _ in range(rng.randrange(0, 30)):
+            b = rng.randrange(0, 400) * 8
+            pairs.append((b, b + rng.randrange(-2, 12) * 8))     # empty and reversed ones too
+        want = [(r.begin, r.end) for r in merge_ranges([Range(b, e) for b, e in pairs])]
+        assert merge_pairs(pairs) == want
+    assert merge_pairs([(16, 32), (0, 8), (8, 16), (40, 48), (44, 46)]) == [(0, 32), (40, 48)]

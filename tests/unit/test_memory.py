@@ -176,6 +176,23 @@ def test_copied_memory_serves_reads_inside_one_copy_and_delegates_the_rest():
     assert bytes(buf) == bytes(range(8))
 
 
+def test_copied_memory_serves_each_address_from_the_last_copy_at_or_below_it():
+    # view() tries the copy of its last hit first; the copy it uses must stay the one a
+    # search gives (the last one beginning at or below the address), whatever came before
+    from memunreachable._types import BufferMemory
+    from memunreachable.memory import CopiedMemory
+    backing = BufferMemory({0x1000: bytes(0x1000)})
+    a, b, c = bytearray(b"a" * 0x200), bytearray(b"b" * 0x40), bytearray(b"c" * 0x40)
+    mem = CopiedMemory(backing, [(0x1100, b), (0x1000, a), (0x1100, c)])    # c after b
+    for addr, want in [(0x1000, b"a"), (0x1100, b"c"), (0x1010, b"a"), (0x1130, b"c"),
+                       (0x1140, None), (0x10f8, b"a"), (0x1108, b"c"), (0x1000, b"a")]:
+        v = mem.view(addr, 8)
+        assert (v.tobytes() == want * 8) if want else v is None, hex(addr)
+    assert mem.view(0x10f8, 16).tobytes() == b"a" * 16      # a holds all of it
+    assert mem.view(0x1108, 0x40) is None                   # past c's end: no copy at all
+    assert mem.read(0x1108, 8) == b"c" * 8
+
+
 def test_local_copy_views_a_held_copy_and_reads_the_rest():
     from memunreachable._types import BufferMemory
     from memunreachable.memory import CopiedMemory, local_copy
