@@ -32,12 +32,7 @@ def candidates(maps: Sequence[Mapping], pid: Optional[int]) -> List[Tuple[str, L
     for m in maps:
         if m.path.startswith("/") and m.inode:
             by_path.setdefault(m.path, []).append(m)
-    exe = None
-    if pid is not None:
-        try:
-            exe = os.readlink(f"/proc/{pid}/exe")
-        except OSError:
-            exe = None
+    exe = _exe(pid)
 
     def rank(path: str) -> int:
         base = os.path.basename(path)
@@ -51,6 +46,14 @@ def candidates(maps: Sequence[Mapping], pid: Optional[int]) -> List[Tuple[str, L
     out = [(p, ms) for p, ms in by_path.items() if rank(p) < 9]
     out.sort(key=lambda pm: rank(pm[0]))
     return out
+
+
+def _exe(pid: Optional[int]) -> Optional[str]:
+    """The path of pid's executable, None when unknown."""
+    try:
+        return os.readlink(f"/proc/{pid}/exe") if pid is not None else None
+    except OSError:
+        return None
 
 
 def _holds_runtime(f) -> bool:
@@ -78,13 +81,7 @@ _LAST: Optional[tuple] = None
 def may_hold_runtime(maps: Sequence[Mapping], pid: Optional[int]) -> bool:
     """True when an object of candidates() exports _PyRuntime or has a .PyRuntime section."""
     global _LAST
-    exe = None
-    if pid is not None:
-        try:
-            exe = os.readlink(f"/proc/{pid}/exe")
-        except OSError:
-            exe = None
-    key = (exe, tuple([(m.path, m.dev, m.inode) for m in maps if m.inode]))
+    key = (_exe(pid), tuple([(m.path, m.dev, m.inode) for m in maps if m.inode]))
     if _LAST is not None and _LAST[0] == key:
         return _LAST[1]
     answer = _may_hold_runtime(maps, pid)
