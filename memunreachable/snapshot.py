@@ -155,12 +155,13 @@ def _search_guard(pid: int, mappings) -> Tuple[int, int]:
 # write below the red zone, as a signal would: a stack that a runtime carves out of its heap
 # (Go's goroutines, coroutine libraries) may have another one right below it, and such
 # runtimes take their signals on an alternate stack for that reason.
-def stack_takes_frames(fz: Frozen, tid: int) -> bool:
+# maps: those to judge by (default fz.maps; a one-thread freeze reads none: the snapshot's).
+def stack_takes_frames(fz: Frozen, tid: int, maps=None) -> bool:
     regs = fz.regs_at_freeze(tid)
     if regs == ffi.NULL:
         return False
     sp, fs_base = regs[RSP_INDEX], regs[FS_BASE_INDEX]
-    for m in fz.maps:
+    for m in fz.maps if maps is None else maps:
         if m.begin <= sp < m.end:
             return m.path == "[stack]" or m.begin <= fs_base < m.end
     return False
@@ -358,13 +359,16 @@ class Snapshot(Fields):
     # since the snapshot).
     def _reap_thread(self, fz: Frozen, prefer: int = 0) -> Tuple[int, int, int, str]:
         refusals: List[seccomp.Verdict] = []
+        # the reap's own one-thread freeze reads no maps: a stack is judged by the snapshot's
+        # (a thread whose stack pointer left the mapping it had then gets no guard)
+        maps = fz.maps or (self._fz.maps if self._fz is not None else [])
         for t in sorted(fz.threads, key=lambda t: t.tid != prefer):
             own = self.syscall_insn
             if _signed(t.regs[ORIG_RAX]) >= 0 and \
                     _after_syscall_insn(fz.pid, t.tid, t.regs[RIP]):
                 own = t.regs[RIP] - 2
             tries = [(self.syscall_insn, self.restore_rt)] \
-                if self.restore_rt and stack_takes_frames(fz, t.tid) else []
+                if self.restore_rt and stack_takes_frames(fz, t.tid, maps) else []
             for insn, rt in tries + [(own, 0)]:
                 calls = [seccomp.wait4_call(insn, self.pid)] + (
                     seccomp.guard_calls(insn, rt) if rt else [])

@@ -36,10 +36,11 @@ WAIT4_STEPS = {"set registers": lib.MU_STEP_SETREGS, "syscall entry": lib.MU_STE
 
 
 def die_in_check(pid: int, nr: int, step: int, tid: int, guarded: bool = True,
-                 pending: int = 0) -> tuple:
+                 pending: int = 0, reap_after_thaw: bool = False) -> tuple:
     """Fork a checker that runs the check's snapshot sequence on pid (record and lock,
     freeze, clone into tid, thaw, release) and SIGKILLs itself when the injection of syscall
-    nr reaches step; the reaping wait4 runs into tid too (released before the thaw); pending:
+    nr reaches step; the reaping wait4 runs into tid too (released before the thaw), or, with
+    reap_after_thaw, as a check does it (its own one-thread freeze, the leader); pending:
     a signal sent to tid while it is frozen, so that it is delivered when tid resumes. Returns
     (its wait status, 1 when the guard's gadgets were there to use, else 0)."""
     r, w = os.pipe()
@@ -56,7 +57,7 @@ def die_in_check(pid: int, nr: int, step: int, tid: int, guarded: bool = True,
                     if pending:
                         lib.mu_tgkill(pid, tid, pending)
                     snap = take_snapshot(fz, tid=tid, guarded=guarded)
-                    if nr == WAIT4:
+                    if nr == WAIT4 and not reap_after_thaw:
                         snap.release()
                     fz.thaw()
                 snap.release()
@@ -112,6 +113,18 @@ def test_checker_killed_during_the_clone(who, step):
 @pytest.mark.parametrize("who", ["spin", "sys"])
 def test_checker_killed_during_the_reap(who, step):
     regs_round(WAIT4, WAIT4_STEPS[step], who)
+
+
+@pytest.mark.parametrize("step", sorted(WAIT4_STEPS), ids=str)
+def test_checker_killed_during_the_reap_after_the_thaw(step):
+    # the check's own order: thaw, then a one-thread freeze of the leader (read(0)) for the
+    # wait4; that freeze reads no maps, and the guard once went missing there (a SIGKILL in
+    # the wait4 crashed the target with SIGSEGV in a soak)
+    with fixtures.start("ptr_regs") as fx:
+        status, guarded = die_in_check(fx.pid, WAIT4, WAIT4_STEPS[step], fx.expect["spin_tid"],
+                                       reap_after_thaw=True)
+        assert guarded == 1
+        assert_survived(fx, status, (fx.expect["spins_addr"], fx.expect["sys_addr"]))
 
 
 # read (ERESTARTSYS), nanosleep (ERESTART_RESTARTBLOCK: issued again whole, never EINTR),
