@@ -118,6 +118,12 @@ def guard_calls(syscall_insn: int, restore_rt: int) -> List[Call]:
             Call("exit_group", SYS_EXIT_GROUP, (0, 0, 0, 0, 0, 0), syscall_insn + 2)]
 
 
+def reap_calls(syscall_insn: int, child: int, restore_rt: int = 0) -> List[Call]:
+    """What the reap of child makes a thread run: its wait4, and with a guard its frames'."""
+    return [wait4_call(syscall_insn, child)] + (
+        guard_calls(syscall_insn, restore_rt) if restore_rt else [])
+
+
 def injected_calls(syscall_insn: int, child: Optional[int] = None,
                    restore_rt: int = 0) -> List[Call]:
     """Every syscall a snapshot (clone, then the reaping wait4) makes the thread run, and

@@ -81,18 +81,27 @@ def _after_syscall_insn(pid: int, tid: int, rip: int) -> bool:
     return _read_target(pid, rip - 2, 2) == SYSCALL_INSN   # rip-2 near the end of a mapping
 
 
+# Returns, for each needle, the address of its first occurrence in the code of mappings
+# (searched in that order, at most limit bytes each), 0 where none is readable.
+def _find_in_code(pid: int, mappings, needles: Tuple[bytes, ...], limit: int) -> List[int]:
+    found = [0] * len(needles)
+    for m in mappings:
+        data = _read_target(pid, m.begin, min(m.end - m.begin, limit))
+        for i, needle in enumerate(needles):
+            if not found[i] and (at := data.find(needle)) >= 0:
+                found[i] = m.begin + at
+        if all(found):
+            break
+    return found
+
+
 # Returns the address of a `syscall` instruction in an executable mapping of pid ([vdso]
 # first), or 0 when none is readable. Any 0f 05 pair works: execution starts at it, and the
 # thread is stopped at the syscall exit before it could run the bytes that follow.
 def find_syscall_insn(pid: int, maps) -> int:
     ranked = sorted((m for m in maps if m.executable and m.readable),
                     key=lambda m: (m.path != "[vdso]", m.begin))
-    for m in ranked[:8]:
-        data = _read_target(pid, m.begin, min(m.end - m.begin, 1 << 20))
-        at = data.find(SYSCALL_INSN)
-        if at >= 0:
-            return m.begin + at
-    return 0
+    return _find_in_code(pid, ranked[:8], (SYSCALL_INSN,), 1 << 20)[0]
 
 
 # Returns (gadget, restore_rt) for the guard of native/mu_ptrace.c: the address of a
@@ -137,16 +146,8 @@ def shadow_stack_in(status: bytes) -> bool:
 
 
 def _search_guard(pid: int, mappings) -> Tuple[int, int]:
-    gadget = restore_rt = 0
-    for m in mappings:
-        data = _read_target(pid, m.begin, min(m.end - m.begin, 8 << 20))
-        if not gadget and (at := data.find(SYSCALL_RET)) >= 0:
-            gadget = m.begin + at
-        if not restore_rt and (at := data.find(RESTORE_RT)) >= 0:
-            restore_rt = m.begin + at
-        if gadget and restore_rt:
-            return gadget, restore_rt
-    return 0, 0
+    gadget, restore_rt = _find_in_code(pid, mappings, (SYSCALL_RET, RESTORE_RT), 8 << 20)
+    return (gadget, restore_rt) if gadget and restore_rt else (0, 0)
 
 
 # True when tid's stack pointer lies in a stack that glibc or the kernel made: the main
@@ -165,6 +166,27 @@ def stack_takes_frames(fz: Frozen, tid: int, maps=None) -> bool:
         if m.begin <= sp < m.end:
             return m.path == "[stack]" or m.begin <= fs_base < m.end
     return False
+
+
+# Returns the guard (gadget, restore_rt) that thread tid of fz may take: the pair given,
+# when there is one and tid's stack takes its frames (stack_takes_frames, judged by maps);
+# else (0, 0).
+def _guard_for(fz: Frozen, tid: int, gadget: int, restore_rt: int,
+               maps=None) -> Tuple[int, int]:
+    return (gadget, restore_rt) if restore_rt and stack_takes_frames(fz, tid, maps) else (0, 0)
+
+
+# Returns (insn, restore_rt, None) of the first of tries, [(insn, restore_rt)] (insn 0:
+# skipped), whose calls(insn, restore_rt) thread tid's seccomp rules allow, else (0, 0, the
+# last refusal: a seccomp.Verdict, None when nothing was tried).
+def _first_allowed(pid: int, tid: int, tries, calls, allow_unreadable: bool) -> tuple:
+    verdict = None
+    for insn, rt in tries:
+        if insn:
+            verdict = seccomp.thread_verdict(pid, tid, calls(insn, rt), allow_unreadable)
+            if verdict.ok:
+                return insn, rt, None
+    return 0, 0, verdict
 
 
 # Returns (tid, syscall instruction address, restore_rt, refusals) for the injection: the
@@ -188,17 +210,12 @@ def choose_thread(fz: Frozen, tid: Optional[int] = None, allow_unreadable: bool 
     def allowed(t: int, own: int) -> Tuple[int, int]:
         """(insn, restore_rt) that thread t may run, guarded first; (0, 0) and the refusal
         recorded when none."""
-        verdict = None
-        guard = (gadget, restore_rt) if restore_rt and stack_takes_frames(fz, t) else (0, 0)
-        for insn, rt in (guard, (own, 0)):
-            if insn:
-                verdict = seccomp.thread_verdict(fz.pid, t, seccomp.injected_calls(
-                    insn, restore_rt=rt), allow_unreadable)
-                if verdict.ok:
-                    return insn, rt
-        if verdict is not None:
-            refusals.append(verdict)
-        return 0, 0
+        insn, rt, refusal = _first_allowed(
+            fz.pid, t, (_guard_for(fz, t, gadget, restore_rt), (own, 0)),
+            lambda i, r: seccomp.injected_calls(i, restore_rt=r), allow_unreadable)
+        if refusal is not None:
+            refusals.append(refusal)
+        return insn, rt
 
     first = fz.syscall_candidate() if tid is None else None
     if first is not None:
@@ -207,9 +224,8 @@ def choose_thread(fz: Frozen, tid: Optional[int] = None, allow_unreadable: bool 
         # is the verdict "ok" without building the calls
         t, own = first
         if t == fz.pid and fz.leader_seccomp_mode() == 0:
-            if restore_rt and stack_takes_frames(fz, t):
-                return t, gadget, restore_rt, []
-            return t, own, 0, []
+            guard = _guard_for(fz, t, gadget, restore_rt)
+            return (t, *guard, []) if guard[1] else (t, own, 0, [])
         insn, rt = allowed(t, own)
         if insn:
             return t, insn, rt, refusals
@@ -367,15 +383,13 @@ class Snapshot(Fields):
             if _signed(t.regs[ORIG_RAX]) >= 0 and \
                     _after_syscall_insn(fz.pid, t.tid, t.regs[RIP]):
                 own = t.regs[RIP] - 2
-            tries = [(self.syscall_insn, self.restore_rt)] \
-                if self.restore_rt and stack_takes_frames(fz, t.tid, maps) else []
-            for insn, rt in tries + [(own, 0)]:
-                calls = [seccomp.wait4_call(insn, self.pid)] + (
-                    seccomp.guard_calls(insn, rt) if rt else [])
-                verdict = seccomp.thread_verdict(fz.pid, t.tid, calls, self.allow_seccomp)
-                if verdict.ok:
-                    return t.tid, insn, rt, ""
-            refusals.append(verdict)
+            insn, rt, refusal = _first_allowed(
+                fz.pid, t.tid,
+                (_guard_for(fz, t.tid, self.syscall_insn, self.restore_rt, maps), (own, 0)),
+                lambda i, r: seccomp.reap_calls(i, self.pid, r), self.allow_seccomp)
+            if insn:
+                return t.tid, insn, rt, ""
+            refusals.append(refusal)
         return 0, 0, 0, ("no thread may run the reaping wait4 under its seccomp rules ("
                          f"{_why(refusals)})")
 
@@ -535,7 +549,8 @@ def _kill_leftover(pid: int, timeout: float = 1.0) -> None:
 def prepare(pid: int, timeout: float) -> None:
     leftovers.note_injection(pid, 2 * timeout + 1.0)
     try:
-        find_guard(pid, procfs.read_maps(pid))      # 0.2-0.4 ms the pause no longer pays
+        if not any(key[0] == pid for key in _GUARDS):   # a repeated check: cached already
+            find_guard(pid, procfs.read_maps(pid))  # 0.2-0.4 ms the pause no longer pays
         procfs.read_seccomp(pid, pid)
         seccomp.injected_calls(0)
         _read_target(pid, 0, 0)

@@ -237,7 +237,7 @@ static void frame_regs(mu_sigframe *f, const struct user_regs_struct *r)
 /* Write the guard below tid's red zone: at *psp the frame that resumes tid as frozen (its
  * registers, signal mask and FP/SIMD state), and for a clone at *csp the child's frame,
  * which runs exit_group(0) at insn with every signal blocked. Returns 0, or -errno (no
- * room in the stack's mapping: -EFAULT); nothing is written then. */
+ * room in the stack's mapping: -EFAULT); nothing is written then, *psp and *csp untouched. */
 static int write_guard(int tid, const struct user_regs_struct *saved, uint64_t insn,
                        uint64_t restore_rt, int is_clone, uint64_t *psp, uint64_t *csp)
 {
@@ -255,7 +255,7 @@ static int write_guard(int tid, const struct user_regs_struct *saved, uint64_t i
         xcap = mu_xstate_size();
     if (ptrace(PTRACE_GETSIGMASK, tid, sizeof sigmask, &sigmask) < 0)
         return -errno;
-    xs = calloc(1, (size_t)xcap + FX_SIZE);
+    xs = calloc(1, (size_t)xcap);           /* xcap >= FX_SIZE: GETFPREGS fits too */
     if (!xs)
         return -ENOMEM;
     iov.iov_base = xs;
@@ -330,8 +330,10 @@ static int write_guard(int tid, const struct user_regs_struct *saved, uint64_t i
         rc = done < 0 ? -errno : -EFAULT;
     free(buf);
     free(xs);
-    *psp = pf;
-    *csp = cf;
+    if (rc == 0) {
+        *psp = pf;
+        *csp = cf;
+    }
     return rc;
 }
 
@@ -381,8 +383,6 @@ static int inject(int tid, uint64_t insn, uint64_t restore_rt, const uint64_t *f
         out->guarded = 1;
         if (is_clone)
             args[1] = csp;              /* clone's stack argument: the child's rsp */
-    } else {
-        psp = saved.rsp;
     }
     /* Unguarded: EXITKILL from before the injected registers are set until the clone
      * event: the child inherits it at birth, so it can never run untraced as a duplicate of

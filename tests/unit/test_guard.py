@@ -28,3 +28,9 @@ def test_guarded_calls_add_what_the_frames_run():
     assert [(c.name, c.nr, c.ip) for c in extra] == [("rt_sigreturn", 15, 0x9009),
                                                     ("exit_group", 231, 0x5002)]
     assert all(c.args == (0, 0, 0, 0, 0, 0) for c in extra)
+
+
+def test_reap_calls_are_the_wait4_and_with_a_guard_its_frames_calls():
+    assert [(c.name, c.args[0]) for c in sc.reap_calls(0x5000, 77)] == [("wait4", 77)]
+    assert [(c.name, c.ip) for c in sc.reap_calls(0x5000, 77, restore_rt=0x9000)] == \
+        [("wait4", 0x5002), ("rt_sigreturn", 0x9009), ("exit_group", 0x5002)]
