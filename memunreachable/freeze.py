@@ -134,10 +134,8 @@ def _on_signal(signum, frame):
 
 
 def _on_stop_signal(signum, frame):
-    if _Signals.frozen:
-        _Signals.stop_pending = signum      # the thaw stops us (_stop_if_pending)
-    else:
-        os.kill(os.getpid(), signal.SIGSTOP)
+    _Signals.stop_pending = signum
+    _stop_if_pending()          # now, or at the thaw while a target is frozen
 
 
 def _stop_if_pending() -> None:
@@ -410,7 +408,7 @@ class Frozen:
         self.tracer_tid = threading.get_native_id()
         self._tracees: Dict[int, _Tracee] = {}
         self._started: Optional[float] = None
-        self._counted = False           # counted in _Signals.frozen until the thaw
+        _Signals.frozen += 1            # until the thaw: job-control stops wait for it
 
     # ---- signals: see interruptible()/critical() above
 
@@ -840,9 +838,7 @@ class Frozen:
             if self._started is not None and (not self._fast or self._tracees):
                 self.pause_ms = (time.monotonic() - self._started) * 1000.0
             self.thawed = True
-            if self._counted:
-                self._counted = False
-                _Signals.frozen -= 1
+            _Signals.frozen -= 1
         finally:
             _Signals.critical -= 1
         _stop_if_pending()
@@ -892,8 +888,6 @@ def frozen(pid: int, timeout: float = 2.0, *, one_thread: bool = False,
            on_attach: Optional[Callable[[int], None]] = None) -> Iterator[Frozen]:
     with interruptible():
         fz = Frozen(pid, timeout, on_attach)
-        fz._counted = True
-        _Signals.frozen += 1
         try:
             fz._freeze(one_thread)
             yield fz
