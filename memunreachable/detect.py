@@ -11,6 +11,7 @@ import os
 import struct
 from typing import List, Optional
 
+from memunreachable import procfs
 from memunreachable._types import Fields, Mapping
 
 # Matched with str methods, not regexes: compiling these was 0.5 ms of every check (issue 10).
@@ -83,11 +84,9 @@ def strip_deleted(path: str) -> str:
 
 def executable_path(maps: List[Mapping], pid: Optional[int]) -> Optional[str]:
     """Path of the main executable: /proc/PID/exe, else the first file-backed mapping."""
-    if pid is not None:
-        try:
-            return strip_deleted(os.readlink(f"/proc/{pid}/exe"))
-        except OSError:
-            pass
+    exe = procfs.read_exe(pid)
+    if exe is not None:
+        return strip_deleted(exe)
     for m in maps:
         if m.path.startswith("/") and not m.anonymous:
             return strip_deleted(m.path)
@@ -104,7 +103,7 @@ _LAST_SCAN: Optional[tuple] = None
 def scan_maps(maps: List[Mapping], pid: Optional[int] = None) -> AllocatorScan:
     """Classify the allocator from the mapped objects (no memory is read)."""
     global _LAST_SCAN
-    key = (_exe(pid), tuple([m.path for m in maps]))
+    key = (procfs.read_exe(pid), tuple([m.path for m in maps]))
     if _LAST_SCAN is not None and _LAST_SCAN[0] == key:
         libc_path, static, foreign, musl = _LAST_SCAN[1]
         deleted = None if libc_path is None else libc_path + " (deleted)"
@@ -114,16 +113,6 @@ def scan_maps(maps: List[Mapping], pid: Optional[int] = None) -> AllocatorScan:
     scan = _scan_maps(maps, pid)
     _LAST_SCAN = (key, (scan.malloc_object, scan.static, tuple(scan.foreign), scan.musl))
     return scan
-
-
-def _exe(pid: Optional[int]) -> Optional[str]:
-    """/proc/PID/exe's target, None when there is none (or no pid)."""
-    if pid is None:
-        return None
-    try:
-        return os.readlink(f"/proc/{pid}/exe")
-    except OSError:
-        return None
 
 
 def _scan_maps(maps: List[Mapping], pid: Optional[int]) -> AllocatorScan:

@@ -183,6 +183,16 @@ def read_maps(pid: int) -> List[Mapping]:
     return parse_maps(_read(f"/proc/{pid}/maps", pid))
 
 
+def read_exe(pid: Optional[int]) -> Optional[str]:
+    """The target of /proc/PID/exe, None when there is none (no pid, gone, unreadable)."""
+    if pid is None:
+        return None
+    try:
+        return os.readlink(f"/proc/{pid}/exe")
+    except OSError:
+        return None
+
+
 def read_comm(pid: int) -> str:
     """The comm of pid, or "" when it is gone or unreadable."""
     try:

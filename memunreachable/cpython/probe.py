@@ -32,7 +32,7 @@ def candidates(maps: Sequence[Mapping], pid: Optional[int]) -> List[Tuple[str, L
     for m in maps:
         if m.path.startswith("/") and m.inode:
             by_path.setdefault(m.path, []).append(m)
-    exe = _exe(pid)
+    exe = procfs.read_exe(pid)
 
     def rank(path: str) -> int:
         base = os.path.basename(path)
@@ -46,14 +46,6 @@ def candidates(maps: Sequence[Mapping], pid: Optional[int]) -> List[Tuple[str, L
     out = [(p, ms) for p, ms in by_path.items() if rank(p) < 9]
     out.sort(key=lambda pm: rank(pm[0]))
     return out
-
-
-def _exe(pid: Optional[int]) -> Optional[str]:
-    """The path of pid's executable, None when unknown."""
-    try:
-        return os.readlink(f"/proc/{pid}/exe") if pid is not None else None
-    except OSError:
-        return None
 
 
 def _holds_runtime(f) -> bool:
@@ -81,7 +73,7 @@ _LAST: Optional[tuple] = None
 def may_hold_runtime(maps: Sequence[Mapping], pid: Optional[int]) -> bool:
     """True when an object of candidates() exports _PyRuntime or has a .PyRuntime section."""
     global _LAST
-    key = (_exe(pid), tuple([(m.path, m.dev, m.inode) for m in maps if m.inode]))
+    key = (procfs.read_exe(pid), tuple([(m.path, m.dev, m.inode) for m in maps if m.inode]))
     if _LAST is not None and _LAST[0] == key:
         return _LAST[1]
     answer = _may_hold_runtime(maps, pid)
