@@ -216,9 +216,9 @@ class _Helper:
     # Returns the pickled message of one check; raises SweepError when the helper died or
     # did not answer within HELPER_TIMEOUT (it is then closed: the next check starts anew).
     def run(self, limit: Optional[int], timeout: float, symbolize: bool = True,
-            rules=()) -> bytes:
-        # unreachable reference cycles are not leaks: let the cyclic GC free them first
-        gc.collect()
+            rules=(), collect: bool = True) -> bytes:
+        if collect:     # unreachable reference cycles are not leaks: the cyclic GC frees them
+            gc.collect()
         # Dead frames of functions that returned (a C extension's malloc'ing call, say) may
         # still hold pointers exactly where our wait's frames will live: zero them first,
         # before the helper may freeze us.
@@ -259,6 +259,7 @@ class _Helper:
 
 
 _HELPER: Optional[_Helper] = None
+_CONFIRMED = LeakBaseline(())       # the leaks of the last check that ran gc.collect() first
 _HELPER_LOCK = threading.Lock()
 
 
@@ -304,17 +305,35 @@ def start_helper() -> None:
 
 def _check_self(limit: Optional[int], timeout: float, symbolize: bool = True,
                 rules=()) -> UnreachableMemoryInfo:
-    global _HELPER
+    global _CONFIRMED
     with _HELPER_LOCK:
-        for attempt in (1, 2):
-            _ensure_helper()
-            try:
-                data = _HELPER.run(limit, timeout, symbolize, rules)
-                break
-            except SweepError:
-                _HELPER = None
-                if attempt == 2:
-                    raise
+        # A full gc.collect() costs 5-15 ms in a test process (more with more objects) and has
+        # nothing to free after most tests: check first, and collect and check again only when
+        # the check found what a collection may change (cyclic garbage, or a leak no collected
+        # check reported before). When it found nothing new, collecting first could not have
+        # changed the verdict: the cyclic GC only frees garbage.
+        info = _ask_helper(limit, timeout, symbolize, rules, collect=False)
+        if info.num_cyclic_garbage or info.truncated or _CONFIRMED.new_leaks(info):
+            info = _ask_helper(limit, timeout, symbolize, rules, collect=True)
+            if not info.truncated:
+                _CONFIRMED = LeakBaseline(l.address for l in info.leaks)
+    return info
+
+
+# Returns the helper's UnreachableMemoryInfo (a new helper is tried once when one died); raises
+# what the check raised. Caller holds _HELPER_LOCK.
+def _ask_helper(limit: Optional[int], timeout: float, symbolize: bool, rules,
+                collect: bool) -> UnreachableMemoryInfo:
+    global _HELPER
+    for attempt in (1, 2):
+        _ensure_helper()
+        try:
+            data = _HELPER.run(limit, timeout, symbolize, rules, collect)
+            break
+        except SweepError:
+            _HELPER = None
+            if attempt == 2:
+                raise
     kind, payload = pickle.loads(data)
     del data
     if kind == "error":

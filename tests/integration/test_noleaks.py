@@ -88,6 +88,48 @@ def test_no_new_leaks(ext_dir):
     assert proc.stdout.split("\n")[:2] == ["caught True True True", "clean-ok"]
 
 
+GC_POLICY = r"""
+import gc
+import leakytools as leaky
+from memunreachable import get_unreachable_memory
+runs = []
+gc.callbacks.append(lambda phase, info: phase == "start" and runs.append(info["generation"]))
+gc.disable()                                # only the checks' own collections are counted
+get_unreachable_memory(limit=None)          # warm-up
+n = len(runs)
+info = get_unreachable_memory(limit=None)
+print("clean", info.num_leaks, info.num_cyclic_garbage, runs[n:])
+class Node:
+    pass
+def make_cycles():
+    for _ in range(3):
+        a, b = Node(), Node()
+        a.other, b.other = b, a
+        c = [1, 2]
+        c.append(c)
+make_cycles()
+n = len(runs)
+info = get_unreachable_memory(limit=None)
+print("garbage", info.num_leaks, info.num_cyclic_garbage, runs[n:])
+addr, size = leaky.leak(34604008)
+n = len(runs)
+info = get_unreachable_memory(limit=None)
+print("leak", [(l.address, l.size) for l in info.leaks] == [(addr, size)], runs[n:])
+n = len(runs)
+info = get_unreachable_memory(limit=None)
+print("known", [(l.address, l.size) for l in info.leaks] == [(addr, size)], runs[n:])
+"""
+
+
+def test_gc_collect_runs_only_when_the_check_finds_what_it_may_change(ext_dir):
+    # a check that finds nothing new does not pay for a full collection; one that finds
+    # cyclic garbage or a new leak collects and checks again, so garbage never shows
+    proc = run_python(GC_POLICY, ext_dir)
+    assert proc.returncode == 0, proc.stderr
+    assert proc.stdout.splitlines() == ["clean 0 0 []", "garbage 0 0 [2]", "leak True [2]",
+                                        "known True []"]
+
+
 ALTSTACK = r"""
 import ctypes, faulthandler, struct
 import leakytools as leaky
