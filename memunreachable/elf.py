@@ -13,6 +13,7 @@ parsing libc's relocations with it ~100 ms per fresh process; these reads take a
     .data(offset, size)     bytes of the file
     .first_load()           (page-aligned p_offset, p_vaddr) of the lowest PT_LOAD, or None
     .dynsym_values(names)   {name: st_value} of the names defined in .dynsym
+    .dynsym_symbols(names)  {name: (st_value, st_size)} of the same
     .defines_function(name) a defined STT_FUNC/STT_GNU_IFUNC in .dynsym
     .rela_relative()        {r_offset: r_addend} of every R_X86_64_RELATIVE in SHT_RELA sections
 References: the System V gABI "Object Files" chapter; elf(5); glibc elf/elf.h.
@@ -148,7 +149,8 @@ class ElfFile:
         return self.section_data(sym), self.section_data(secs[sym.sh_link])
 
     def _iter_named(self, names: Sequence[str]):
-        """(name, st_info, st_shndx, st_value) of .dynsym entries whose name is in names."""
+        """(name, st_info, st_shndx, st_value, st_size) of .dynsym entries whose name is in
+        names."""
         dyn = self._dynsym()
         if dyn is None:
             return
@@ -161,21 +163,25 @@ class ElfFile:
                 wanted[pos] = name
                 pos = strtab.find(key, pos + 1)
         n = len(syms) // SYM64.size
-        for st_name, info, _other, shndx, value, _size in SYM64.iter_unpack(syms[:n * SYM64.size]):
+        for st_name, info, _other, shndx, value, size in SYM64.iter_unpack(syms[:n * SYM64.size]):
             name = wanted.get(st_name)
             if name is not None:
-                yield name, info, shndx, value
+                yield name, info, shndx, value, size
 
     def dynsym_values(self, names: Sequence[str]) -> Dict[str, int]:
-        out: Dict[str, int] = {}
-        for name, _info, shndx, value in self._iter_named(names):
+        return {name: value for name, (value, _size) in self.dynsym_symbols(names).items()}
+
+    def dynsym_symbols(self, names: Sequence[str]) -> Dict[str, Tuple[int, int]]:
+        """{name: (st_value, st_size)} of the names defined in .dynsym."""
+        out: Dict[str, Tuple[int, int]] = {}
+        for name, _info, shndx, value, size in self._iter_named(names):
             if shndx != SHN_UNDEF and value and name not in out:
-                out[name] = value
+                out[name] = (value, size)
         return out
 
     def defines_function(self, name: str) -> bool:
         return any(shndx != SHN_UNDEF and info & 0xF in (STT_FUNC, STT_GNU_IFUNC)
-                   for _n, info, shndx, _v in self._iter_named([name]))
+                   for _n, info, shndx, _v, _s in self._iter_named([name]))
 
     def rela_relative(self) -> Dict[int, int]:
         out: Dict[int, int] = {}

@@ -26,7 +26,7 @@ import time
 from itertools import compress
 from typing import List, Optional, Sequence, Tuple
 
-from memunreachable import detect, diagnose, leftovers, procfs, tracking
+from memunreachable import detect, diagnose, leftovers, libstate, procfs, tracking
 from memunreachable import preflight as preflight_stage
 from memunreachable._errors import (CollectionError, HeapCorrupt, HeapWalkError,
                                     MemoryUnreadable, NoSuchProcess)
@@ -374,6 +374,20 @@ def _early_release(snap):
     return release
 
 
+def block_tails(image: HeapImage, tails: Sequence[Tuple[int, int]]) -> List[Tuple[int, int]]:
+    """The 8-aligned (begin, end) ranges past `used` bytes of each allocation that starts at
+    `address`, for (address, used) in tails; an address that starts no allocation gives none."""
+    out = []
+    begins, sizes = image.begins, image.sizes
+    for address, used in tails:
+        i = bisect.bisect_left(begins, address)
+        if i < len(begins) and begins[i] == address:
+            b, e = (address + used + 7) & ~7, (address + sizes[i]) & ~7
+            if b < e:
+                out.append((b, e))
+    return out
+
+
 def _explain_address() -> int:
     """MEMUNREACHABLE_EXPLAIN: a hex address, or @FILE holding one (read at each sweep)."""
     v = os.environ["MEMUNREACHABLE_EXPLAIN"]
@@ -399,6 +413,7 @@ def _warm_caches(maps, pid: int) -> None:
     scan = detect.scan_maps(maps, pid)
     if scan.object_mappings:
         locate.read_image(scan.object_mappings, pid)
+    libstate.warm(maps, pid)
     if probe.may_hold_runtime(maps, pid):   # else the CPython stages are never loaded
         from memunreachable.cpython import locate as cpython_locate, pipeline, objects  # noqa: F401
         cpython_locate.warm(maps, pid)
@@ -458,6 +473,9 @@ def sweep(mem, maps, threads, pid: int, confirm: Optional[set] = None,
     glibc_chunks = cps.stats.get("allocator") != "malloc_debug"
     # 4c. ld.so's l_gnu_chain_zero words: addresses computed below an object, not references
     dead = with_dead_words(dead, linkmaps.of_process(mem, pid))
+    # 4e. readline's keymap padding, its line buffer, terminfo's tables: stale bytes, text
+    libs = libstate.of_process(mem, maps, pid)
+    dead = with_dead_ranges(dead, libs.ranges + block_tails(image, libs.tails))
     dead = with_dead_ranges(dead, dead_ranges)
     t_walk = time.monotonic()
     # 4d. Tracking table (memunreachable run): never a root, it points at every block

@@ -54,6 +54,8 @@ EXPECTED: Dict[str, Shape] = {
     "live_dlopen": Shape(single("leak_a")),
     # a big block right below a library whose link_map.l_gnu_chain_zero points into it
     "leak_below_lib": Shape(single("leak_big")),
+    # a leak pointed into only by the stale padding of readline's run-time keymaps
+    "leak_keymap_stale": Shape(single("leak_a")),
     "live_mmap": Shape(single("leak_a")),
     "live_data_readonly": Shape(single("leak_a")),
     # glibc heap shapes

@@ -12,6 +12,7 @@ For every fixture in expected.EXPECTED the test asserts, per check:
 """
 from __future__ import annotations
 
+import bisect
 import os
 
 import pytest
@@ -197,3 +198,28 @@ def _state(pid: int) -> str:
     with open(f"/proc/{pid}/stat") as f:
         stat = f.read()
     return stat[stat.rindex(")") + 2:].split()[0]
+
+
+def test_readline_and_terminfo_state_found_in_a_real_process():
+    # what libstate.py finds from the libraries' exported symbols (Debian's libreadline and
+    # libtinfo) is exactly what the fixture itself says is there
+    from memunreachable import libstate, procfs
+    from memunreachable.memory import ProcessMemory
+    with fixtures.start("leak_keymap_stale") as fx:
+        mem = ProcessMemory(fx.pid)
+        try:
+            state = libstate.of_process(mem, procfs.read_maps(fx.pid), fx.pid)
+        finally:
+            os.close(mem.fd)
+        keymaps = [a for a, used in state.tails if used == 257 * 16]
+        assert len(keymaps) == fx.expect["stale_keymaps"] > 0
+        # every type word (with its stale padding) is inside a dead range
+        starts = [b for b, _e in state.ranges]
+        for k in keymaps:
+            for i in range(257):
+                j = bisect.bisect_right(starts, k + 16 * i) - 1
+                assert j >= 0 and state.ranges[j][1] >= k + 16 * i + 8
+        assert (fx.expect["line_buffer"], 0) in state.tails
+        assert (fx.expect["terminfo_table"], 0) in state.tails and fx.expect["terminfo_table"]
+        # and nothing else but terminfo's extended table
+        assert len(state.tails) - len(keymaps) - 2 in (0, 1)

@@ -1,0 +1,251 @@
+"""Stage 4e: memory of common libraries that holds no reference, though malloc'd and only
+partly written: it keeps whatever the memory held before (stale pointers of blocks freed long
+ago, into which a later leak may fall). pytest imports readline, which loads ncurses' terminfo,
+so every test session holds both (readline keymaps.h and readline.c; ncurses term.h):
+- GNU readline's keymaps: arrays of KEYMAP_SIZE (257) entries {char type; function pointer},
+  16 bytes each; rl_make_bare_keymap() writes each type's one byte, the 7 after it stay stale
+  (a session holds a dozen run-time keymaps, about 1,800 stale bytes each), and malloc's slack
+  after the entries; readline's line buffer (rl_line_buffer), text.
+- ncurses' terminfo string tables (cur_term->type.str_table and .ext_str_table): text, whose
+  unwritten slack is stale.
+Measured (MEMUNREACHABLE_EXPLAIN): a 4 KiB buffer a C extension leaked stayed reachable in 1 of
+20 plugin runs, through a chain from vi_insertion_keymap across 5 run-time keymaps whose last
+hop was an entry's type word (its stale bytes, with the type's zero as low byte, pointed inside
+the buffer, which had reused the memory of a block freed long before); an earlier session's
+34 MB leak was hidden by the terminfo table's last word.
+
+Found without debug symbols, from the libraries' exported symbols (cached by file identity):
+- readline: the static keymaps (their .dynsym sizes give the entry count) and the current-keymap
+  pointers start a walk that follows entries of type ISKMAP to the keymaps made at run time.
+  Each run-time keymap is validated (every type byte ISFUNC, ISKMAP or ISMACR, every ISKMAP
+  function word 8-aligned and non-zero); one that fails is not followed and its words count as
+  before. Of a valid one only the non-zero function words are references (few: a run-time
+  keymap binds a handful of keys), so its dead ranges are few. The static keymaps lie in .data, whose padding the loader zero-filled. The line buffer
+  is taken when its length is sane (1 byte to 16 MiB).
+- terminfo: cur_term's first words are its TERMTYPE (term_names, str_table, ..., ext_str_table
+  at word 5); taken only when term_names equals str_table (the names open the table) and the
+  table starts with a printable name.
+The caller clips each "tail" to the allocation it starts (block_tails in unreachable.py).
+
+    of_process(mem, maps, pid)      LibState of process pid: dead ranges, dead allocation tails
+    runtime_keymaps(mem, ...)       readline's run-time keymaps and their dead ranges (pure)
+    line_buffer(mem, ptr, len_at)   readline's line buffer (pure)
+    terminfo_tables(mem, cur_term)  the terminfo string tables (pure)
+    warm(maps, pid)                 parse the libraries' files now
+"""
+from __future__ import annotations
+
+import os
+import struct
+from typing import Dict, List, Optional, Sequence, Tuple
+
+from memunreachable import procfs
+from memunreachable import elf as E
+from memunreachable._errors import MemoryUnreadable
+from memunreachable._types import Fields, Mapping, set_fields
+
+ENTRY = 16                          # sizeof(KEYMAP_ENTRY) on LP64
+ISFUNC, ISKMAP, ISMACR = 0, 1, 2
+MAX_KEYMAPS = 512
+STATIC_KEYMAPS = ("emacs_standard_keymap", "emacs_meta_keymap", "emacs_ctlx_keymap",
+                  "vi_movement_keymap", "vi_insertion_keymap")
+KEYMAP_POINTERS = ("_rl_keymap", "rl_binding_keymap", "_rl_dispatching_keymap",
+                   "rl_executing_keymap")
+LINE_BUFFER = ("rl_line_buffer", "rl_line_buffer_len")
+MAX_LINE = 16 << 20
+EXT_STR_TABLE = 40                  # TERMTYPE: term_names, str_table, Booleans, Numbers,
+                                    # Strings, ext_str_table
+# library file name prefix -> the symbols read from it
+LIBRARIES = {"libreadline.so": STATIC_KEYMAPS + KEYMAP_POINTERS + LINE_BUFFER,
+             "libtinfo.so": ("cur_term",), "libncursesw.so": ("cur_term",),
+             "libncurses.so": ("cur_term",)}
+
+_SYMBOLS: Dict[tuple, Optional[Tuple[Tuple[int, int], Dict[str, Tuple[int, int]]]]] = {}
+
+
+def _library(path: str) -> Optional[str]:
+    name = os.path.basename(path)
+    return next((k for k in LIBRARIES if name.startswith(k)), None)
+
+
+# Returns (first_load, {symbol: (value, size)}) of the library file f, cached by file identity
+# (a long-lived checker sees the same library at every check); None when unusable.
+def _symbols(f, names: Sequence[str]) -> Optional[Tuple[Tuple[int, int], Dict[str, Tuple[int, int]]]]:
+    st = os.fstat(f.fileno())
+    key = (st.st_dev, st.st_ino, st.st_size, st.st_mtime_ns)
+    if key not in _SYMBOLS:
+        facts = None
+        try:
+            elf = E.ElfFile(f)
+            first = elf.first_load()
+            if first is not None and elf.machine_name == "EM_X86_64":
+                facts = (first, elf.dynsym_symbols(names))
+        except (E.ElfError, OSError, ValueError, struct.error):
+            facts = None
+        if len(_SYMBOLS) >= 64:
+            _SYMBOLS.clear()
+        _SYMBOLS[key] = facts
+    return _SYMBOLS[key]
+
+
+def _libraries(maps: Sequence[Mapping], pid: Optional[int]):
+    """(bias, {symbol: (address, size)}) of every usable library of LIBRARIES mapped in
+    process pid: the symbols' run-time addresses."""
+    groups: Dict[str, List[Mapping]] = {}
+    for m in maps:
+        if m.path.startswith("/") and _library(m.path):
+            groups.setdefault(m.path, []).append(m)
+    for path, mappings in groups.items():
+        try:
+            with procfs.open_mapped_file(mappings, pid, path) as f:
+                facts = _symbols(f, LIBRARIES[_library(path)])
+        except OSError:
+            continue
+        if facts is None:
+            continue
+        (page_off, page_vaddr), syms = facts
+        first = next((m for m in sorted(mappings, key=lambda m: m.begin)
+                      if m.offset == page_off), None)
+        if first is not None:
+            bias = first.begin - page_vaddr
+            yield {n: (bias + v, size) for n, (v, size) in syms.items()}
+
+
+def warm(maps: Sequence[Mapping], pid: Optional[int]) -> None:
+    """Parse the libraries' files of pid now (in a long-lived checker: every sweeper finds
+    them cached)."""
+    for _ in _libraries(maps, pid):
+        pass
+
+
+class LibState(Fields):
+    """What of the libraries' memory holds no reference."""
+    __slots__ = ("ranges", "tails")
+
+    def __init__(self, ranges: List[Tuple[int, int]], tails: List[Tuple[int, int]]):
+        # ranges: 8-aligned (begin, end) ranges (readline keymaps' entries but their non-zero
+        # function words); tails: (allocation address, bytes in use): the allocation's bytes
+        # past them hold no reference (malloc's slack after a keymap; text buffers: in use 0)
+        set_fields(self, ranges, tails)
+
+
+def of_process(mem, maps: Sequence[Mapping], pid: Optional[int]) -> LibState:
+    """The LibState of the libraries mapped in process pid; empty when there is none or their
+    files cannot be read (the memory then counts as before)."""
+    ranges: List[Tuple[int, int]] = []
+    tails: List[Tuple[int, int]] = []
+    for syms in _libraries(maps, pid):
+        statics = [(syms[n][0], syms[n][1] // ENTRY) for n in STATIC_KEYMAPS if n in syms]
+        if statics:
+            keymaps, dead = runtime_keymaps(mem, statics, [syms[n][0] for n in KEYMAP_POINTERS
+                                                           if n in syms])
+            ranges += dead
+            tails += [(k, statics[0][1] * ENTRY) for k in keymaps]
+        if all(n in syms for n in LINE_BUFFER):
+            buf = line_buffer(mem, syms["rl_line_buffer"][0], syms["rl_line_buffer_len"][0])
+            if buf is not None:
+                tails.append((buf, 0))
+        if "cur_term" in syms:
+            try:
+                term = struct.unpack("<Q", mem.read(syms["cur_term"][0], 8))[0]
+            except (MemoryUnreadable, struct.error):
+                term = 0
+            if term:
+                tails += [(t, 0) for t in terminfo_tables(mem, term)]
+    return LibState(sorted(set(ranges)), sorted(set(tails)))
+
+
+# Returns the address of the line buffer stored at ptr_at whose length (an int) is at len_at,
+# or None when unset, unreadable or of an insane length.
+def line_buffer(mem, ptr_at: int, len_at: int) -> Optional[int]:
+    try:
+        ptr = struct.unpack("<Q", mem.read(ptr_at, 8))[0]
+        length = struct.unpack("<i", mem.read(len_at, 4))[0]
+    except (MemoryUnreadable, struct.error):
+        return None
+    if not ptr or ptr % 8 or not 0 < length <= MAX_LINE:
+        return None
+    return ptr
+
+
+# Returns the terminfo string tables (str_table, then ext_str_table when set) of the TERMINAL
+# at term, or [] when its TERMTYPE does not look like one: term_names must equal str_table and
+# the table must start with a printable name.
+def terminfo_tables(mem, term: int) -> List[int]:
+    try:
+        names, table = struct.unpack("<QQ", mem.read(term, 16))
+        ext = struct.unpack("<Q", mem.read(term + EXT_STR_TABLE, 8))[0]
+        head = mem.read(table, 2) if table else b""
+    except (MemoryUnreadable, struct.error):
+        return []
+    if not table or table % 8 or names != table or len(head) < 2 \
+            or not all(0x20 < c < 0x7F for c in head):
+        return []
+    return [table] + ([ext] if ext and ext % 8 == 0 else [])
+
+
+# Returns (the run-time keymaps reachable from the static keymaps `statics` ([(address,
+# entries)]) and from the keymap pointers at `pointers`, ascending; their dead ranges): each
+# keymap's entries but its non-zero function words (the type words with their stale padding,
+# and null function words), as 8-aligned (begin, end) ranges, ascending. Every keymap has the
+# entry count of the static ones (readline's KEYMAP_SIZE); statics that disagree, or none,
+# give ([], []).
+def runtime_keymaps(mem, statics: Sequence[Tuple[int, int]],
+                    pointers: Sequence[int] = ()) -> Tuple[List[int], List[Tuple[int, int]]]:
+    sizes = {n for _a, n in statics}
+    if len(sizes) != 1 or not 0 < next(iter(sizes)) <= 1024:
+        return [], []
+    entries = sizes.pop()
+    static_at = {a for a, _n in statics}
+    todo: List[int] = []
+    for a, _n in statics:
+        todo += (_read_keymap(mem, a, entries) or ([], []))[0]
+    for p in pointers:
+        try:
+            value = struct.unpack("<Q", mem.read(p, 8))[0]
+        except (MemoryUnreadable, struct.error):
+            continue
+        if value and value % 8 == 0 and value not in static_at:
+            todo.append(value)
+    seen, keymaps, ranges = set(static_at), [], []
+    while todo and len(seen) < MAX_KEYMAPS:
+        k = todo.pop()
+        if k in seen:
+            continue
+        seen.add(k)
+        got = _read_keymap(mem, k, entries)
+        if got is None:
+            continue                    # not a keymap (or unreadable): left as it is
+        subs, live = got
+        keymaps.append(k)
+        b = k
+        for off in live:
+            if k + off > b:
+                ranges.append((b, k + off))
+            b = k + off + 8
+        if b < k + entries * ENTRY:
+            ranges.append((b, k + entries * ENTRY))
+        todo += subs
+    return sorted(keymaps), sorted(ranges)
+
+
+# Returns (the sub-keymap addresses of the keymap at k: its ISKMAP entries' function words;
+# the offsets of its non-zero function words, ascending), or None when k does not hold a valid
+# keymap of `entries` entries.
+def _read_keymap(mem, k: int, entries: int) -> Optional[Tuple[List[int], List[int]]]:
+    try:
+        raw = mem.read(k, entries * ENTRY)
+    except MemoryUnreadable:
+        return None
+    types = raw[0::ENTRY]
+    if len(types) != entries or types.translate(None, bytes((ISFUNC, ISKMAP, ISMACR))):
+        return None
+    funcs = struct.unpack(f"<{2 * entries}Q", raw)[1::2]
+    subs = []
+    i = types.find(ISKMAP)
+    while i >= 0:
+        if not funcs[i] or funcs[i] % 8:
+            return None
+        subs.append(funcs[i])
+        i = types.find(ISKMAP, i + 1)
+    return subs, [ENTRY * i + 8 for i, f in enumerate(funcs) if f]

@@ -1,0 +1,148 @@
+"""libstate.py on in-memory images: readline's run-time keymaps, found from the static keymaps
+and the keymap pointers, each validated before its dead ranges (all but the function words) are
+given;
+readline's line buffer; terminfo's string tables."""
+import struct
+
+from memunreachable import libstate as K
+from memunreachable._errors import MemoryUnreadable
+from memunreachable._types import BufferMemory
+
+N = 257
+STD, META, CTLX = 0x7F0000010000, 0x7F0000011010, 0x7F0000012020    # static, in .data
+H1, H2, H3, H4 = 0x555500001000, 0x555500003000, 0x555500005000, 0x555500007000
+PTR = 0x7F0000020000                                                   # _rl_keymap
+STALE = 0x5555000A0B00      # what the 7 bytes after a type byte kept: an old pointer
+
+
+def keymap(subs=None, stale=False, kinds=None) -> bytes:
+    """A keymap of N entries: ISKMAP entries at subs {key: address}, ISFUNC elsewhere (a
+    function pointer at even keys); stale padding after each type byte when asked."""
+    out = bytearray()
+    for key in range(N):
+        kind = K.ISFUNC
+        func = 0x7F0000900000 + 16 * key if key % 2 == 0 else 0
+        if subs and key in subs:
+            kind, func = K.ISKMAP, subs[key]
+        if kinds and key in kinds:
+            kind = kinds[key]
+        word = (STALE & ~0xFF if stale else 0) | kind
+        out += struct.pack("<QQ", word, func)
+    return bytes(out)
+
+
+def image(h3_kinds=None):
+    mem = BufferMemory()
+    mem.blocks[STD] = keymap({27: META, 24: CTLX})
+    mem.blocks[META] = keymap({ord("["): H1})
+    mem.blocks[CTLX] = keymap()
+    mem.blocks[H1] = keymap({ord("1"): H2, ord("2"): H3}, stale=True)
+    mem.blocks[H2] = keymap({ord("~"): H1}, stale=True)          # a cycle back to H1
+    mem.blocks[H3] = keymap(stale=True, kinds=h3_kinds)
+    mem.blocks[H4] = keymap(stale=True)                           # only _rl_keymap points here
+    mem.blocks[PTR] = struct.pack("<Q", H4)
+    return mem
+
+
+def dead_of(mem, *keymaps):
+    """The expected dead ranges, word by word: every word of each keymap's entries but its
+    non-zero function words, merged."""
+    words = []
+    for k in keymaps:
+        raw = mem.blocks[k]
+        for i in range(N):
+            words.append(k + 16 * i)
+            if not struct.unpack_from("<Q", raw, 16 * i + 8)[0]:
+                words.append(k + 16 * i + 8)
+    out = []
+    for w in sorted(words):
+        if out and out[-1][1] == w:
+            out[-1] = (out[-1][0], w + 8)
+        else:
+            out.append((w, w + 8))
+    return out
+
+
+STATICS = [(STD, N), (META, N), (CTLX, N)]
+
+
+def test_the_run_time_keymaps_entries_but_their_function_words():
+    mem = image()
+    keymaps, dead = K.runtime_keymaps(mem, STATICS, [PTR])
+    assert keymaps == [H1, H2, H3, H4]
+    assert dead == dead_of(mem, H1, H2, H3, H4)
+    # the static keymaps' padding is the loader's zeros: none of their words
+    assert all(not (STD <= b < CTLX + 16 * N) for b, _e in dead)
+    # the non-zero function words (sub-keymaps, functions) stay references
+    assert all(not (b <= H1 + 16 * ord("1") + 8 < e) for b, e in dead)
+    assert all(not (b <= H1 + 8 < e) for b, e in dead)
+
+
+def test_a_keymap_with_a_type_readline_never_writes_is_not_one():
+    # H3's key 5 has type 7: not a keymap, its words count as before; the others still do
+    mem = image(h3_kinds={5: 7})
+    assert K.runtime_keymaps(mem, STATICS, [PTR]) == ([H1, H2, H4], dead_of(mem, H1, H2, H4))
+    # an ISKMAP entry whose keymap pointer is misaligned invalidates its keymap too
+    mem = image()
+    mem.blocks[H2] = keymap({ord("~"): H1 + 4}, stale=True)
+    assert K.runtime_keymaps(mem, STATICS, [PTR]) == ([H1, H3, H4], dead_of(mem, H1, H3, H4))
+
+
+class Holey(BufferMemory):
+    def __init__(self, blocks, hole):
+        super().__init__(blocks)
+        self.hole = hole
+
+    def read(self, addr, size):
+        if addr <= self.hole < addr + size:
+            raise MemoryUnreadable("unreadable", address=self.hole)
+        return super().read(addr, size)
+
+
+def test_an_unreadable_keymap_is_skipped_alone():
+    mem = image()
+    holey = Holey(mem.blocks, H3 + 100)
+    assert K.runtime_keymaps(holey, STATICS, [PTR]) == ([H1, H2, H4], dead_of(mem, H1, H2, H4))
+    holey = Holey(mem.blocks, PTR)
+    assert K.runtime_keymaps(holey, STATICS, [PTR]) == ([H1, H2, H3], dead_of(mem, H1, H2, H3))
+
+
+def test_statics_that_disagree_on_the_size_give_nothing():
+    mem = image()
+    assert K.runtime_keymaps(mem, [(STD, N), (META, 256)], [PTR]) == ([], [])
+    assert K.runtime_keymaps(mem, [], [PTR]) == ([], [])
+
+
+def test_the_line_buffer_whole_or_nothing():
+    mem = BufferMemory()
+    buf, ptr_at, len_at = 0x555500009000, 0x7F0000030000, 0x7F0000030008
+    mem.blocks[ptr_at] = struct.pack("<Q", buf)
+    mem.blocks[len_at] = struct.pack("<i", 256)
+    assert K.line_buffer(mem, ptr_at, len_at) == buf
+    for bad in (0, -5, (16 << 20) + 1):
+        mem.blocks[len_at] = struct.pack("<i", bad)
+        assert K.line_buffer(mem, ptr_at, len_at) is None
+    mem.blocks[len_at] = struct.pack("<i", 256)
+    for bad in (0, buf + 4):                                # not made yet; misaligned
+        mem.blocks[ptr_at] = struct.pack("<Q", bad)
+        assert K.line_buffer(mem, ptr_at, len_at) is None
+
+
+def test_terminfo_tables_only_when_the_termtype_looks_like_one():
+    term, table, ext = 0x555500020000, 0x555500021000, 0x555500022000
+    mem = BufferMemory()
+
+    def termtype(names, str_table, ext_table, text=b"xterm|xterm-debian\0"):
+        mem.blocks[term] = struct.pack("<6Q", names, str_table, 0x5555000300, 0x5555000400,
+                                       0x5555000500, ext_table)
+        mem.blocks[table] = text
+    termtype(table, table, ext)
+    assert K.terminfo_tables(mem, term) == [table, ext]
+    termtype(table, table, 0)                               # no extended table
+    assert K.terminfo_tables(mem, term) == [table]
+    termtype(table + 8, table, ext)                         # names do not open the table
+    assert K.terminfo_tables(mem, term) == []
+    termtype(table, table, ext, text=b"\x10\x20binary")      # not a name
+    assert K.terminfo_tables(mem, term) == []
+    termtype(0, 0, ext)                                     # not loaded
+    assert K.terminfo_tables(mem, term) == []
