@@ -56,6 +56,8 @@ EXPECTED: Dict[str, Shape] = {
     "leak_below_lib": Shape(single("leak_big")),
     # a leak pointed into only by the stale padding of readline's run-time keymaps
     "leak_keymap_stale": Shape(single("leak_a")),
+    # a big leak pointed into only by ld.so's dangling ld.so.cache pointer (cache_new)
+    "leak_ldcache": Shape(single("leak_a")),
     "live_mmap": Shape(single("leak_a")),
     "live_data_readonly": Shape(single("leak_a")),
     # glibc heap shapes

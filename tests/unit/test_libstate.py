@@ -146,3 +146,33 @@ def test_terminfo_tables_only_when_the_termtype_looks_like_one():
     assert K.terminfo_tables(mem, term) == []
     termtype(0, 0, ext)                                     # not loaded
     assert K.terminfo_tables(mem, term) == []
+
+
+def test_ld_cache_words_next_to_cachesize_and_page_aligned():
+    size = 35971                                          # /etc/ld.so.cache's size
+    data = 0x7F0000040000
+    words = [0] * 64
+    words[10], words[11], words[12] = 0, 0x7F0000123000, size     # cache (unloaded), cache_new
+    words[30], words[31] = size, 0x555500001234               # the size again: not page-aligned
+    words[50], words[54] = 0x7F0000200000, size               # too far from the size
+    mem = BufferMemory()
+    mem.blocks[data] = struct.pack("<64Q", *words)
+    assert K.ld_cache_words(mem, [(data, data + 512)], size) == [data + 8 * 11]
+    words[10] = 0x7F0000123000                                # loaded: both point into it
+    mem.blocks[data] = struct.pack("<64Q", *words)
+    assert K.ld_cache_words(mem, [(data, data + 512)], size) == [data + 80, data + 88]
+    # an unaligned hit of the size's bytes is no word; a small size is too likely by chance
+    mem.blocks[data] = bytes(4) + struct.pack("<Q", size) + struct.pack("<Q", 0x7F0000123000) + bytes(500)
+    assert K.ld_cache_words(mem, [(data, data + 512)], size) == []
+    assert K.ld_cache_words(mem, [(data, data + 512)], 100) == []
+
+
+def test_ld_data_is_its_writable_mappings_and_the_bss_after():
+    from memunreachable._types import Mapping
+    ld = "/usr/lib/x86_64-linux-gnu/ld-linux-x86-64.so.2"
+    maps = [Mapping(0x1000, 0x2000, "r--p", 0, "fe:00", 7, ld),
+            Mapping(0x2000, 0x3000, "rw-p", 0x1000, "fe:00", 7, ld),
+            Mapping(0x3000, 0x4000, "rw-p", 0, "00:00", 0, ""),
+            Mapping(0x5000, 0x6000, "rw-p", 0, "00:00", 0, ""),
+            Mapping(0x7000, 0x8000, "rw-p", 0, "fe:00", 8, "/usr/lib/libc.so.6")]
+    assert [m.begin for m in K.ld_data(maps)] == [0x2000, 0x3000]
