@@ -233,9 +233,26 @@ def test_cyclic_garbage():
 # in docs/pytest.md (bench/bench_plugin_detection.py).
 @pytest.fixture(params=["pymalloc_debug", "malloc_debug"])
 def real_suite(request, pytester, monkeypatch):
+    return _real(pytester, monkeypatch, request.param)
+
+
+# The same suite under CPython's default allocator (pymalloc, no debug hooks), as users run it:
+# the stale words the hooks would have filled are left, and the rules for the ones a test
+# session always holds (readline's keymaps and line buffer, terminfo's tables, ld.so's cache
+# pointer, io's buffers, the interpreter's own slack) must keep every verdict right.
+@pytest.fixture
+def default_suite(pytester, monkeypatch):
+    monkeypatch.delenv("PYTHONDEVMODE", raising=False)
+    return _real(pytester, monkeypatch, None)
+
+
+def _real(pytester, monkeypatch, allocator):
     ext = build_extension("textparse", flags=("-O2", "-g", "-fomit-frame-pointer"))
     monkeypatch.setenv("PYTHONPATH", ext)
-    monkeypatch.setenv("PYTHONMALLOC", request.param)
+    if allocator is None:
+        monkeypatch.delenv("PYTHONMALLOC", raising=False)
+    else:
+        monkeypatch.setenv("PYTHONMALLOC", allocator)
     pytester.makepyfile(test_real=REAL)
     return pytester
 
@@ -274,6 +291,18 @@ def test_a_real_extension_s_suite_on_xdist_workers(real_suite):
 def test_a_real_extension_s_leaky_tests_fail_in_10_of_10_runs(real_suite, workers):
     for _ in range(10):
         _run_real(real_suite, *workers)
+
+
+def test_a_real_extension_under_the_default_allocator(default_suite):
+    out = _run_real(default_suite)
+    assert "debug hooks are off" in out
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("workers", [[], ["-n", "2"]], ids=["one process", "xdist"])
+def test_a_real_extension_s_leaky_tests_fail_in_10_of_10_runs_by_default(default_suite, workers):
+    for _ in range(10):
+        _run_real(default_suite, *workers)
 
 
 def test_bad_suppressions_ini_stops_the_run_with_the_line(suite):
