@@ -156,7 +156,7 @@ int64_t mu_scan_index_init(mu_scan_index *ix, const uint64_t *begin, const uint6
     ix->n = n;
     ix->heap = heap;
     ix->nheap = nheap;
-    ix->span = big_alloc(n * 2 * sizeof(uint64_t));
+    ix->span = big_alloc((n + 1) * 2 * sizeof(uint64_t));
     ix->first_alloc = malloc((nheap + 1) * sizeof(uint64_t));
     ix->page_off = malloc((nheap ? nheap : 1) * sizeof(uint64_t));
     if (!ix->span || !ix->first_alloc || !ix->page_off) {
@@ -185,6 +185,7 @@ int64_t mu_scan_index_init(mu_scan_index *ix, const uint64_t *begin, const uint6
         ix->first_alloc[k] = i;
     }
     ix->first_alloc[nheap] = n;
+    ix->span[2 * n] = ix->span[2 * n + 1] = UINT64_MAX;   /* a sentinel: past every value */
     ix->lo = n ? ix->span[0] : 0;
     ix->hi = n ? ix->span[2 * n - 1] : 0;
 
@@ -249,33 +250,27 @@ static inline uint64_t region_find(mu_scan_index *ix, uint64_t v)
     return lo - 1;
 }
 
-/* Finishes a lookup of v in region r once its page entry is (about to be) cached:
- * returns the allocation containing v, or -1. */
-static inline int64_t page_search(const mu_scan_index *ix, uint64_t r, const uint32_t *pg, uint64_t v)
+/* Finishes a lookup of v (inside a heap region) once its page entry pg is (about to be) cached:
+ * returns the allocation containing v, or -1. The answer is among pg[0] .. pg[1] (allocations of
+ * the next regions or the sentinel at n begin above v, so they are never taken). */
+static inline int64_t page_search(const mu_scan_index *ix, const uint32_t *pg, uint64_t v)
 {
-    uint64_t lo = pg[0], hi = pg[1];
-    uint64_t end_r = ix->first_alloc[r + 1];
-    if (lo >= end_r)
-        return -1;
-    if (hi >= end_r)
-        hi = end_r - 1;
+    uint64_t lo = pg[0];
     const uint64_t *sp = ix->span;
-    if (sp[2 * lo] > v)
-        return -1;
-    while (lo < hi) {                   /* last k in [lo, hi] with begin[k] <= v */
-        uint64_t mid = (lo + hi + 1) >> 1;
-        if (sp[2 * mid] <= v)
-            lo = mid;
-        else
-            hi = mid - 1;
+    /* last k in [lo, pg[1]] with begin[k] <= v (lo itself when none: then begin[lo] > v), by
+     * branch-free halving: which half holds it is a coin toss */
+    for (uint64_t n = pg[1] - lo + 1; n > 1;) {
+        uint64_t half = n >> 1;
+        lo = sp[2 * (lo + half)] <= v ? lo + half : lo;
+        n -= half;
     }
-    uint64_t end = sp[2 * lo + 1];
-    if (v >= end)
+    uint64_t b = sp[2 * lo], end = sp[2 * lo + 1];
+    if (b > v || v >= end)
         return -1;
-    if ((ix->flags & MU_GLIBC_CHUNKS) && ((end - sp[2 * lo]) & 15) == 8 && v == end - 8)
+    if ((ix->flags & MU_GLIBC_CHUNKS) && ((end - b) & 15) == 8 && v == end - 8)
         return -1;                      /* the next chunk's header, not a reference */
     if (ix->dead && ix->dead->head_word && ix->dead->head_word[lo]
-        && v < sp[2 * lo] + 8 * (uint64_t)ix->dead->head_word[lo] + 8)
+        && v < b + 8 * (uint64_t)ix->dead->head_word[lo] + 8)
         return -1;                      /* into a PyGC_Head (or before it): a GC link or a stale
                                          * copy of one; references point at the object after it */
     return (int64_t)lo;
@@ -288,32 +283,26 @@ static inline const uint32_t *page_of(const mu_scan_index *ix, uint64_t r, uint6
 
 /* Looks up nv <= SCAN_BATCH values that passed the [lo, hi) filter, in stages so that their
  * cache misses overlap: page entries, then span entries, then the searches.
- * out[k] = allocation index or -1; reg[k] = region of vals[k] (when out[k] >= 0). */
-static inline void find_batch(mu_scan_index *ix, const uint64_t *vals, uint64_t nv,
-                              int64_t *out, uint64_t *reg)
+ * out[k] = allocation index or -1. */
+static inline void find_batch(mu_scan_index *ix, const uint64_t *vals, uint64_t nv, int64_t *out)
 {
     const uint32_t *pg[SCAN_BATCH];
+    uint64_t nheap = ix->nheap;
     for (uint64_t k = 0; k < nv; k++) {
         uint64_t r = region_find(ix, vals[k]);
-        reg[k] = r;
-        if (r == ix->nheap) {
-            pg[k] = NULL;
-            continue;
-        }
-        pg[k] = page_of(ix, r, vals[k]);
-        __builtin_prefetch(pg[k]);
+        pg[k] = r == nheap ? NULL : page_of(ix, r, vals[k]);
+        __builtin_prefetch(pg[k]);      /* (a prefetch of NULL is harmless) */
     }
     const uint8_t *hw = ix->dead ? ix->dead->head_word : NULL;
     for (uint64_t k = 0; k < nv; k++) {
         if (pg[k]) {
             __builtin_prefetch(&ix->span[2 * (uint64_t)pg[k][0]]);
-            __builtin_prefetch(&ix->span[2 * (uint64_t)pg[k][1]]);
             if (hw)
                 __builtin_prefetch(&hw[pg[k][0]]);
         }
     }
     for (uint64_t k = 0; k < nv; k++)
-        out[k] = pg[k] ? page_search(ix, reg[k], pg[k], vals[k]) : -1;
+        out[k] = pg[k] ? page_search(ix, pg[k], vals[k]) : -1;
 }
 
 int64_t mu_scan_index_find(mu_scan_index *ix, uint64_t v)
@@ -323,13 +312,13 @@ int64_t mu_scan_index_find(mu_scan_index *ix, uint64_t v)
     uint64_t r = region_find(ix, v);
     if (r == ix->nheap)
         return -1;
-    return page_search(ix, r, page_of(ix, r, v), v);
+    return page_search(ix, page_of(ix, r, v), v);
 }
 
 /* Stores in out[k] the allocation containing vals[k], or -1 (any nv; batched lookups). */
 void mu_scan_index_find_many(mu_scan_index *ix, const uint64_t *vals, uint64_t nv, int64_t *out)
 {
-    uint64_t cand[SCAN_BATCH], pos[SCAN_BATCH], reg[SCAN_BATCH];
+    uint64_t cand[SCAN_BATCH], pos[SCAN_BATCH];
     int64_t res[SCAN_BATCH];
     uint64_t nc = 0;
     for (uint64_t k = 0; k <= nv; k++) {
@@ -341,7 +330,7 @@ void mu_scan_index_find_many(mu_scan_index *ix, const uint64_t *vals, uint64_t n
             }
         }
         if (nc == SCAN_BATCH || (k == nv && nc)) {
-            find_batch(ix, cand, nc, res, reg);
+            find_batch(ix, cand, nc, res);
             for (uint64_t j = 0; j < nc; j++)
                 out[pos[j]] = res[j];
             nc = 0;
@@ -403,19 +392,19 @@ static int64_t type_hash_init(type_hash *th, const mu_dead *d)
 /* mu_rules_search's result for the block at p (have readable bytes), through th. */
 static inline void rules_hash(const type_hash *th, const uint8_t *p, uint64_t have, mu_rules *r)
 {
-    uint64_t mask = (1ull << th->bits) - 1;
+    uint64_t mask = (1ull << th->bits) - 1, nk = have >= 64 ? 4 : have >> 4;
     r->found = 0;
     r->have = have;
-    for (uint64_t off = 0; off + 16 <= have && off <= 48; off += 16) {
-        uint64_t tp = ld64(p + off + 8), h = type_slot(tp, th->bits);
+    for (uint64_t k = 0; k < nk; k++) {     /* the object offsets 0, 16, 32, 48 */
+        uint64_t tp = ld64(p + 16 * k + 8), h = type_slot(tp, th->bits);
         for (uint32_t s; (s = th->slot[h]) != 0; h = (h + 1) & mask) {
             if (th->types[2 * (uint64_t)(s - 1)] != tp)
                 continue;
             uint64_t code = th->types[2 * (uint64_t)(s - 1) + 1];
-            if ((code & 0xff) == off) {
-                r->found |= 1u << (off >> 4);
-                r->rc[off >> 4] = ld64(p + off);
-                r->code[off >> 4] = code;
+            if ((code & 0xff) == 16 * k) {
+                r->found |= 1u << k;
+                r->rc[k] = ld64(p + 16 * k);
+                r->code[k] = code;
             }
             break;
         }
@@ -489,8 +478,7 @@ static void share_work(mark_ctx *m)
 static void flush(mark_ctx *m)
 {
     int64_t hit[SCAN_BATCH];
-    uint64_t reg[SCAN_BATCH];
-    find_batch(m->ix, m->cand, m->nc, hit, reg);
+    find_batch(m->ix, m->cand, m->nc, hit);
     for (uint64_t k = 0; k < m->nc; k++)
         if (hit[k] >= 0)
             __builtin_prefetch(&m->marked[hit[k]]);
@@ -783,7 +771,7 @@ static void mark_loop(mark_ctx *m)
         uint64_t nb = 0;
         while (nb < SCAN_POP && m->sp) {
             uint64_t i = batch[nb] = m->stack[--m->sp];
-            uint64_t r = breg[nb] = nheap == 1 ? 0 : mu_scan_index_region_of(ix, i);
+            uint64_t r = breg[nb] = nheap == 1 ? 0 : region_find(ix, ix->span[2 * i]);
             if (heap[r].uncopied) {
                 if (!scan_cands(m, i, &heap[r]))
                     m->pend[m->npend++] = (uint32_t)i; /* read and scanned in the next wave */
@@ -1009,17 +997,18 @@ int64_t mu_mark(const uint64_t *begin, const uint64_t *size, uint64_t n,
     for (uint64_t r = 0; r < nheap && heap; r++)
         lazy |= heap[r].uncopied != 0;
     mu_scan_index ix;
-    int64_t rc = mu_scan_index_init(&ix, begin, size, n, heap, nheap, flags | SCAN_UNCOPIED_OK);
+    int64_t rc = mu_scan_index_init(&ix, begin, size, n, heap, nheap,
+                                    (flags & MU_GLIBC_CHUNKS) | SCAN_UNCOPIED_OK);
     if (rc < 0)
         return rc;
-    ix.flags = flags;
+    ix.flags = flags & MU_GLIBC_CHUNKS;
     rc = mu_scan_index_set_dead(&ix, dead);
     if (rc < 0) {
         mu_scan_index_free(&ix);
         return rc;
     }
     int nt = 1;
-    if (n >= MARK_PARALLEL_MIN) {
+    if (n >= MARK_PARALLEL_MIN || (flags & MU_MARK_PARALLEL)) {
         long ncpu = sysconf(_SC_NPROCESSORS_ONLN);
         nt = ncpu < 1 ? 1 : ncpu > MARK_MAX_THREADS ? MARK_MAX_THREADS : (int)ncpu;
     }

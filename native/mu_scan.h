@@ -37,6 +37,9 @@ int64_t mu_mark(const uint64_t *begin, const uint64_t *size, uint64_t n,
  * bookkeeping (top, remainder, bin links, stale copies in malloc's frames), not a reference
  * (glibc-heap.md section 12). */
 #define MU_GLIBC_CHUNKS 1
+/* MU_MARK_PARALLEL (mu_mark only): mark on one thread per CPU (up to 4) whatever the number of
+ * allocations (by default only from 2^18 on); the result is the same (tests compare the two). */
+#define MU_MARK_PARALLEL 2
 
 /* Internal to the C core (shared by mu_mark and mu_fold); Python does not call these.
  * An address -> allocation lookup: a [lo, hi) filter, a region map (the heap region holding each
