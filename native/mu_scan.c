@@ -165,13 +165,20 @@ int64_t mu_scan_index_init(mu_scan_index *ix, const uint64_t *begin, const uint6
     }
     /* Allocations: strictly ascending, non-overlapping, each inside one region. */
     uint64_t r = 0, prev_end = 0;
+    uint64_t rb = nheap ? heap[0].base : 0, re = nheap ? heap[0].base + heap[0].len : 0;
     for (uint64_t i = 0; i < n; i++) {
         uint64_t b = begin[i], e = b + alloc_len(size[i]);
         if (e < b || (i && b < prev_end))
             goto invalid;
-        while (r < nheap && heap[r].base + heap[r].len <= b)
-            r++;
-        if (r == nheap || b < heap[r].base || e > heap[r].base + heap[r].len)
+        if (b >= re) {              /* past region r: the region holding b, if any */
+            while (r < nheap && heap[r].base + heap[r].len <= b)
+                r++;
+            if (r == nheap)
+                goto invalid;
+            rb = heap[r].base;
+            re = rb + heap[r].len;
+        }
+        if (b < rb || e > re)
             goto invalid;
         ix->span[2 * i] = b;
         ix->span[2 * i + 1] = e;
@@ -360,6 +367,7 @@ uint64_t mu_scan_index_region_of(const mu_scan_index *ix, uint64_t i)
 typedef struct {
     uint32_t *slot;
     uint32_t bits;
+    uint32_t offsets;       /* bit k: some type's object offset is 16k (the others need no probe) */
     const uint64_t *types;  /* d->types: (type, code) pairs */
 } type_hash;
 
@@ -375,6 +383,7 @@ static int64_t type_hash_init(type_hash *th, const mu_dead *d)
     while ((1ull << bits) < 4 * d->ntypes)
         bits++;
     th->bits = bits;
+    th->offsets = 0;
     th->types = d->types;
     th->slot = calloc(1ull << bits, sizeof *th->slot);
     if (!th->slot)
@@ -385,6 +394,9 @@ static int64_t type_hash_init(type_hash *th, const mu_dead *d)
         while (th->slot[h])
             h = (h + 1) & mask;
         th->slot[h] = (uint32_t)(k + 1);
+        uint64_t off = d->types[2 * k + 1] & 0xff;
+        if (off <= 48 && !(off & 15))
+            th->offsets |= 1u << (off >> 4);
     }
     return 0;
 }
@@ -396,6 +408,8 @@ static inline void rules_hash(const type_hash *th, const uint8_t *p, uint64_t ha
     r->found = 0;
     r->have = have;
     for (uint64_t k = 0; k < nk; k++) {     /* the object offsets 0, 16, 32, 48 */
+        if (!(th->offsets >> k & 1))
+            continue;
         uint64_t tp = ld64(p + 16 * k + 8), h = type_slot(tp, th->bits);
         for (uint32_t s; (s = th->slot[h]) != 0; h = (h + 1) & mask) {
             if (th->types[2 * (uint64_t)(s - 1)] != tp)
@@ -574,6 +588,18 @@ static void scan_range(mark_ctx *m, const uint8_t *data, uint64_t addr, uint64_t
     if (skip >= len)
         return;
     uint64_t end = addr + len;
+    if (!dead && !hb) {             /* one run: the words from addr + skip to the end */
+        uint64_t nw = (len - skip) >> 3;
+        consider_words(m, data + skip, nw);
+        m->words += nw;
+        if ((len - skip) & 7) {     /* a last word starting before the end: read whole */
+            uint64_t v = 0, have = avail - skip - 8 * nw;
+            memcpy(&v, data + skip + 8 * nw, have < 8 ? have : 8);
+            consider(m, v);
+            m->words++;
+        }
+        return;
+    }
     mu_live_iter it;
     mu_live_init(&it, dead, addr + skip, end, hb, he);
     uint64_t b, e;
@@ -1015,7 +1041,7 @@ int64_t mu_mark(const uint64_t *begin, const uint64_t *size, uint64_t n,
     mark_ctx *ms = calloc((size_t)nt, sizeof *ms);
     mark_shared sh;
     memset(&sh, 0, sizeof sh);
-    type_hash th = {NULL, 0, NULL};
+    type_hash th = {NULL, 0, 0, NULL};
     int64_t dead_err;
     uint64_t *dead_in = dead_in_init(&ix, ix.dead, &dead_err);
     int ok = ms != NULL && !dead_err && (!dead || !dead->ntypes || type_hash_init(&th, dead) == 0);
