@@ -259,11 +259,12 @@ static inline uint64_t region_find(mu_scan_index *ix, uint64_t v)
 
 /* Finishes a lookup of v (inside a heap region) once its page entry pg is (about to be) cached:
  * returns the allocation containing v, or -1. The answer is among pg[0] .. pg[1] (allocations of
- * the next regions or the sentinel at n begin above v, so they are never taken). */
-static inline int64_t page_search(const mu_scan_index *ix, const uint32_t *pg, uint64_t v)
+ * the next regions or the sentinel at n begin above v, so they are never taken).
+ * sp: the index's span; glibc: MU_GLIBC_CHUNKS is set; hw: the dead words' head_word or NULL. */
+static inline int64_t page_search(const uint64_t *sp, int glibc, const uint8_t *hw,
+                                  const uint32_t *pg, uint64_t v)
 {
     uint64_t lo = pg[0];
-    const uint64_t *sp = ix->span;
     /* last k in [lo, pg[1]] with begin[k] <= v (lo itself when none: then begin[lo] > v), by
      * branch-free halving: which half holds it is a coin toss */
     for (uint64_t n = pg[1] - lo + 1; n > 1;) {
@@ -274,13 +275,17 @@ static inline int64_t page_search(const mu_scan_index *ix, const uint32_t *pg, u
     uint64_t b = sp[2 * lo], end = sp[2 * lo + 1];
     if (b > v || v >= end)
         return -1;
-    if ((ix->flags & MU_GLIBC_CHUNKS) && ((end - b) & 15) == 8 && v == end - 8)
+    if (glibc && ((end - b) & 15) == 8 && v == end - 8)
         return -1;                      /* the next chunk's header, not a reference */
-    if (ix->dead && ix->dead->head_word && ix->dead->head_word[lo]
-        && v < b + 8 * (uint64_t)ix->dead->head_word[lo] + 8)
+    if (hw && hw[lo] && v < b + 8 * (uint64_t)hw[lo] + 8)
         return -1;                      /* into a PyGC_Head (or before it): a GC link or a stale
                                          * copy of one; references point at the object after it */
     return (int64_t)lo;
+}
+
+static inline const uint8_t *head_words(const mu_scan_index *ix)
+{
+    return ix->dead ? ix->dead->head_word : NULL;
 }
 
 static inline const uint32_t *page_of(const mu_scan_index *ix, uint64_t r, uint64_t v)
@@ -294,22 +299,23 @@ static inline const uint32_t *page_of(const mu_scan_index *ix, uint64_t r, uint6
 static inline void find_batch(mu_scan_index *ix, const uint64_t *vals, uint64_t nv, int64_t *out)
 {
     const uint32_t *pg[SCAN_BATCH];
-    uint64_t nheap = ix->nheap;
+    const uint64_t nheap = ix->nheap, *sp = ix->span;
+    const uint8_t *hw = head_words(ix);
+    const int glibc = (ix->flags & MU_GLIBC_CHUNKS) != 0;
     for (uint64_t k = 0; k < nv; k++) {
         uint64_t r = region_find(ix, vals[k]);
         pg[k] = r == nheap ? NULL : page_of(ix, r, vals[k]);
         __builtin_prefetch(pg[k]);      /* (a prefetch of NULL is harmless) */
     }
-    const uint8_t *hw = ix->dead ? ix->dead->head_word : NULL;
     for (uint64_t k = 0; k < nv; k++) {
         if (pg[k]) {
-            __builtin_prefetch(&ix->span[2 * (uint64_t)pg[k][0]]);
+            __builtin_prefetch(&sp[2 * (uint64_t)pg[k][0]]);
             if (hw)
                 __builtin_prefetch(&hw[pg[k][0]]);
         }
     }
     for (uint64_t k = 0; k < nv; k++)
-        out[k] = pg[k] ? page_search(ix, pg[k], vals[k]) : -1;
+        out[k] = pg[k] ? page_search(sp, glibc, hw, pg[k], vals[k]) : -1;
 }
 
 int64_t mu_scan_index_find(mu_scan_index *ix, uint64_t v)
@@ -319,7 +325,8 @@ int64_t mu_scan_index_find(mu_scan_index *ix, uint64_t v)
     uint64_t r = region_find(ix, v);
     if (r == ix->nheap)
         return -1;
-    return page_search(ix, page_of(ix, r, v), v);
+    return page_search(ix->span, (ix->flags & MU_GLIBC_CHUNKS) != 0, head_words(ix),
+                       page_of(ix, r, v), v);
 }
 
 /* Stores in out[k] the allocation containing vals[k], or -1 (any nv; batched lookups). */
@@ -379,6 +386,8 @@ static inline uint64_t type_slot(uint64_t tp, uint32_t bits)
 /* Builds th over d's types. Returns 0 or -ENOMEM (release with free(th->slot)). */
 static int64_t type_hash_init(type_hash *th, const mu_dead *d)
 {
+    if (d->ntypes >= (1ull << 28))
+        return -ENOMEM;
     uint32_t bits = 6;
     while ((1ull << bits) < 4 * d->ntypes)
         bits++;
@@ -1002,8 +1011,9 @@ static int64_t mark_waves(mark_ctx *ms, int nt, uint64_t n)
 /* Marks of more allocations than this run on up to MARK_MAX_THREADS threads (one per CPU):
  * the mark waits on memory (a lookup and a block fetch per reference), so a second core
  * nearly halves a large one; smaller heaps stay on one thread. A pytest process's heap
- * (124,000 blocks, 13 MB scanned) marked in 23.6-29.8 ms on one thread against 26.8-38.4 ms
- * on two (best of 15, six alternating rounds, 2 vCPUs): sharing work and bouncing the marked
+ * (136,000 blocks, 14 MB scanned) marked in 15.3-16.5 ms on one thread against 18.9-19.9 ms
+ * on two (medians of 20, four alternating rounds, 2 vCPUs shared with other work; two threads
+ * reached 10.2 ms only when the second vCPU was idle): sharing work and bouncing the marked
  * bytes' cache lines cost more than the second core gives at that size, and twice the CPU. */
 #define MARK_PARALLEL_MIN (1u << 18)
 #define MARK_MAX_THREADS 4
