@@ -9,12 +9,21 @@ Roots: a buffer of pointers into the live part, plus a few register words.
 Prints the figures: blocks, bytes, seconds, GB/s, entries, peak RSS. Not a test.
 
     python bench/bench_mark.py [--blocks 5000000] [--seed 1] [--leak-fraction 0.2]
+
+--python-process instead marks the real heap of an idle Python process that imported pytest
+(the pytest plugin's per-test check, issue 8): the first check of it runs with stage 6 wrapped
+to keep its arguments (allocations, copies, roots, dead words), then mark() runs --repeat
+times on them, alternating one thread and one thread per CPU (mark(parallel=True)), and the
+median and best of each are printed, with the statistics (all runs must agree).
+
+    python bench/bench_mark.py --python-process [--repeat 20]
 """
 from __future__ import annotations
 
 import argparse
 import resource
 import time
+from array import array
 
 import numpy as np
 
@@ -70,13 +79,71 @@ def build(n: int, seed: int, leak_fraction: float, live_ptrs: int = 3):
     return image, roots, words
 
 
+PYTHON_TARGET = ("import sys, time, pytest, _pytest.python, _pytest.runner, json, decimal, "
+                 "email, http.client, unittest\n"
+                 "sys.stdout.write('ready\\n'); sys.stdout.flush(); time.sleep(600)\n")
+
+
+def python_process(repeat: int) -> int:
+    """Times mark() over the heap of an idle Python process that imported pytest."""
+    import statistics
+    import subprocess
+    import sys
+
+    from memunreachable import unreachable
+    kept = []
+    real = unreachable.mark
+
+    def keep(image, roots, words=(), glibc_chunks=False, dead=None):
+        if not kept:            # copies: the check releases its buffers when it returns
+            copy = HeapImage(array("Q", image.begins), array("Q", image.sizes),
+                             [(b, bytearray(buf)) for b, buf in image.regions])
+            kept.append((copy, [(b, bytearray(buf)) for b, buf in roots], list(words),
+                         glibc_chunks, dead))
+        return real(image, roots, words, glibc_chunks=glibc_chunks, dead=dead)
+
+    target = subprocess.Popen([sys.executable, "-c", PYTHON_TARGET], stdout=subprocess.PIPE,
+                              text=True)
+    try:
+        target.stdout.readline()
+        unreachable.mark = keep
+        unreachable.check(target.pid, sweep_here=True)
+    finally:
+        unreachable.mark = real
+        target.kill()
+        target.wait()
+    image, roots, words, glibc, dead = kept[0]
+    print(f"{len(image.begins):,} allocations in {len(image.regions)} regions, "
+          f"{sum(len(b) for _, b in roots) / 1e6:.1f} MB of roots")
+    times = {False: [], True: []}
+    stats = set()
+    for _ in range(repeat):
+        for parallel in (False, True):
+            res = mark(image, roots, words, glibc_chunks=glibc, dead=dead, parallel=parallel)
+            times[parallel].append(res.seconds)
+            stats.add((bytes(res.marked), res.root_bytes, res.heap_bytes, res.words))
+    assert len(stats) == 1, "one thread and several disagree"
+    _, root_bytes, heap_bytes, nwords = stats.pop()
+    print(f"marked {res.num_marked:,}; root_bytes {root_bytes:,}, heap_bytes {heap_bytes:,}, "
+          f"words {nwords:,}")
+    for parallel, label in ((False, "one thread"), (True, "one per CPU")):
+        t = times[parallel]
+        print(f"mark, {label}: median {statistics.median(t) * 1e3:.2f} ms, "
+              f"best {min(t) * 1e3:.2f} ms ({repeat} runs)")
+    return 0
+
+
 def main(argv=None) -> int:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("--blocks", type=int, default=5_000_000)
     ap.add_argument("--seed", type=int, default=1)
     ap.add_argument("--leak-fraction", type=float, default=0.2)
     ap.add_argument("--repeat", type=int, default=3)
+    ap.add_argument("--python-process", action="store_true",
+                    help="mark the heap of an idle Python process that imported pytest")
     args = ap.parse_args(argv)
+    if args.python_process:
+        return python_process(max(args.repeat, 1))
 
     t0 = time.perf_counter()
     image, roots, words = build(args.blocks, args.seed, args.leak_fraction)

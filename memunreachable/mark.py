@@ -115,8 +115,10 @@ def dead_words(dead: "DeadWords", n: int):
 # A region of image whose buffer is a glibc/walker.Uncopied is read on demand through its fd
 # (the low-memory mark: the blocks reached there are read wave by wave, then dropped); the
 # result equals the mark over a copy; MemoryUnreadable when those bytes cannot be read.
+# parallel: mark on one thread per CPU whatever the heap's size (by default only from 2^18
+# allocations on); the result is the same (the tests compare the two).
 def mark(image: HeapImage, roots: Sequence[Tuple[int, object]], words: Sequence[int] = (),
-         glibc_chunks: bool = False, dead=None) -> MarkResult:
+         glibc_chunks: bool = False, dead=None, parallel: bool = False) -> MarkResult:
     begins, keep_b = u64_view(image.begins)
     sizes, keep_s = u64_view(image.sizes)
     n = len(begins)
@@ -132,7 +134,8 @@ def mark(image: HeapImage, roots: Sequence[Tuple[int, object]], words: Sequence[
     t0 = time.perf_counter()
     rc = lib.mu_mark(begins, sizes, n, heap, len(image.regions), root_regions, len(roots),
                      word_arr, len(word_arr), marked_c, stats,
-                     lib.MU_GLIBC_CHUNKS if glibc_chunks else 0, dead_c)
+                     (lib.MU_GLIBC_CHUNKS if glibc_chunks else 0)
+                     | (lib.MU_MARK_PARALLEL if parallel else 0), dead_c)
     seconds = time.perf_counter() - t0
     if rc == -errno.EIO:
         raise MemoryUnreadable("the snapshot's heap could not be read during the mark (the "

@@ -175,16 +175,31 @@ static inline int mu_untracked_head(const uint8_t *p, uint64_t off)
     return head[0] == 0 && (head[1] & ~1ull) == 0;
 }
 
-/* 1 when allocation [b, b+len) (bytes at p, avail readable) holds a dead object or an object
- * that holds no references (mu_dead types). */
-static inline int mu_dead_object(const mu_dead *d, const uint8_t *p, uint64_t len, uint64_t avail)
+/* The type rules met in a block (bytes at p, have = min(len, avail) of them readable): bit k of
+ * found when the object header at offset 16k (k = 0..3, its 16 bytes within have) has a rule
+ * of d at that offset (mu_type_rule); rc[k] and code[k] are then its ob_refcnt and code. Filled
+ * by mu_rules_search (a binary search over d's types) or by a faster lookup of the same
+ * answers (mu_scan.c's hash of the types); mu_dead_object_r and mu_live_len_r decide from it. */
+typedef struct {
+    uint32_t found;
+    uint64_t have;
+    uint64_t rc[4], code[4];
+} mu_rules;
+
+static inline void mu_rules_search(const mu_dead *d, const uint8_t *p, uint64_t have, mu_rules *r)
 {
-    if (!d || !d->ntypes)
-        return 0;
-    for (uint64_t off = 0; off + 16 <= len && off + 16 <= avail && off <= 48; off += 16) {
-        uint64_t rc, code;
-        if (!mu_type_rule(d, p, off, &rc, &code))
-            continue;
+    r->found = 0;
+    r->have = have;
+    for (uint64_t off = 0; off + 16 <= have && off <= 48; off += 16)
+        if (mu_type_rule(d, p, off, &r->rc[off >> 4], &r->code[off >> 4]))
+            r->found |= 1u << (off >> 4);
+}
+
+/* mu_dead_object over the rules r of the block (d has types). */
+static inline int mu_dead_object_r(const mu_rules *r, const uint8_t *p)
+{
+    for (uint32_t f = r->found; f; f &= f - 1) {
+        uint64_t k = (uint64_t)__builtin_ctz(f), off = 16 * k, rc = r->rc[k], code = r->code[k];
         uint64_t kind = (code >> 8) & 0xff;
         if ((kind == MU_TYPE_DEAD_AT_ZERO || kind == MU_TYPE_VARSIZED) && rc == 0
             && mu_untracked_head(p, off))
@@ -193,7 +208,7 @@ static inline int mu_dead_object(const mu_dead *d, const uint8_t *p, uint64_t le
             continue;
         if (kind == MU_TYPE_OPAQUE)
             return 1;
-        if (kind == MU_TYPE_STR && off + 36 <= len && off + 36 <= avail) {
+        if (kind == MU_TYPE_STR && off + 36 <= r->have) {
             uint32_t state;
             memcpy(&state, p + off + 32, 4);
             if ((state & 0x60) == 0x60)     /* compact and ASCII: the text follows, inline */
@@ -201,6 +216,17 @@ static inline int mu_dead_object(const mu_dead *d, const uint8_t *p, uint64_t le
         }
     }
     return 0;
+}
+
+/* 1 when allocation [b, b+len) (bytes at p, avail readable) holds a dead object or an object
+ * that holds no references (mu_dead types). */
+static inline int mu_dead_object(const mu_dead *d, const uint8_t *p, uint64_t len, uint64_t avail)
+{
+    if (!d || !d->ntypes)
+        return 0;
+    mu_rules r;
+    mu_rules_search(d, p, len < avail ? len : avail, &r);
+    return mu_dead_object_r(&r, p);
 }
 
 /* The live length of allocation [b, b+len) (bytes at p, avail readable): len, or less when it
@@ -243,20 +269,23 @@ static inline uint64_t mu_dict_keys_len(uint32_t layout, const uint8_t *p, uint6
     return total + 8 <= len && len - total < 16 ? total : 0;
 }
 
-static inline uint64_t mu_live_len(const mu_dead *d, const uint8_t *p, uint64_t b, uint64_t len,
-                                   uint64_t avail)
+/* mu_live_len with the rules r of the block (NULL when d has no types). */
+static inline uint64_t mu_live_len_r(const mu_dead *d, const mu_rules *r, const uint8_t *p,
+                                     uint64_t b, uint64_t len, uint64_t avail)
 {
     if (d && d->dict_keys) {
         uint64_t keys = mu_dict_keys_len(d->dict_keys, p, len, avail);
         if (keys)
             return keys;
     }
-    if (!d || !d->ntypes)
+    if (!r)
         return len;
-    uint64_t have = len < avail ? len : avail;
-    for (uint64_t off = 0; off + 32 <= have && off <= 48; off += 16) {
-        uint64_t rc, code, fr;
-        if (!mu_type_rule(d, p, off, &rc, &code) || !mu_plausible_refcnt(rc))
+    uint64_t have = r->have;
+    for (uint32_t f = r->found; f; f &= f - 1) {
+        uint64_t k = (uint64_t)__builtin_ctz(f), off = 16 * k, rc = r->rc[k], code = r->code[k], fr;
+        if (off + 32 > have)
+            break;
+        if (!mu_plausible_refcnt(rc))
             continue;
         uint64_t kind = (code >> 8) & 0xff;
         if (kind == MU_TYPE_SIZED) {
@@ -285,6 +314,16 @@ static inline uint64_t mu_live_len(const mu_dead *d, const uint8_t *p, uint64_t 
         return end - b;
     }
     return len;
+}
+
+static inline uint64_t mu_live_len(const mu_dead *d, const uint8_t *p, uint64_t b, uint64_t len,
+                                   uint64_t avail)
+{
+    if (!d || !d->ntypes)
+        return mu_live_len_r(d, NULL, p, b, len, avail);
+    mu_rules r;
+    mu_rules_search(d, p, len < avail ? len : avail, &r);
+    return mu_live_len_r(d, &r, p, b, len, avail);
 }
 
 /* The GC-link words of allocation i (0, 0 when none). */

@@ -37,10 +37,14 @@ int64_t mu_mark(const uint64_t *begin, const uint64_t *size, uint64_t n,
  * bookkeeping (top, remainder, bin links, stale copies in malloc's frames), not a reference
  * (glibc-heap.md section 12). */
 #define MU_GLIBC_CHUNKS 1
+/* MU_MARK_PARALLEL (mu_mark only): mark on one thread per CPU (up to 4) whatever the number of
+ * allocations (by default only from 2^18 on); the result is the same (tests compare the two). */
+#define MU_MARK_PARALLEL 2
 
 /* Internal to the C core (shared by mu_mark and mu_fold); Python does not call these.
- * An address -> allocation lookup: a [lo, hi) filter, a binary search over the heap regions,
- * then per region a page table (first allocation ending after each page start; the granule
+ * An address -> allocation lookup: a [lo, hi) filter, a region map (the heap region holding each
+ * 64 KiB granule, by the granule number's low bits; a binary search over the regions when two
+ * share a slot), then per region a page table (first allocation ending after each page start; the granule
  * gives about one page per allocation) and a short binary search over span[] = {begin, end}
  * pairs. Fields are private to mu_scan.c. */
 typedef struct {
@@ -55,6 +59,8 @@ typedef struct {
     uint32_t *page;
     uint32_t shift;          /* log2 of the page-table granule (>= 4) */
     uint64_t last_region;    /* lookup cache */
+    uint16_t *rmap;          /* region map: 64 KiB granules, direct-mapped by their low bits */
+    uint64_t rmask;          /* its slots - 1 */
     uint32_t flags;          /* MU_GLIBC_CHUNKS */
     const mu_dead *dead;     /* words to ignore, or NULL (set by mu_scan_index_set_dead) */
 } mu_scan_index;
