@@ -457,7 +457,7 @@ def sweep(mem, maps, threads, pid: int, confirm: Optional[set] = None,
     # a leak, never invent one
     glibc_chunks = cps.stats.get("allocator") != "malloc_debug"
     # 4c. ld.so's l_gnu_chain_zero words: addresses computed below an object, not references
-    dead = with_dead_words(dead, linkmaps.of_process(mem, pid))
+    dead = with_dead_words(dead, linkmaps.of_process(mem, pid, maps))
     dead = with_dead_ranges(dead, dead_ranges)
     t_walk = time.monotonic()
     # 4d. Tracking table (memunreachable run): never a root, it points at every block
