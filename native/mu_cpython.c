@@ -88,3 +88,111 @@ int64_t mu_pools_overlapping(const uint64_t *blocks, uint64_t n, uint64_t pool_s
     }
     return (int64_t)found;
 }
+
+/* The index of v in the ascending array a[0..n), or n. */
+static uint64_t cp_find_sorted(const uint64_t *a, uint64_t n, uint64_t v)
+{
+    uint64_t lo = 0, hi = n;
+    while (lo < hi) {
+        uint64_t mid = (lo + hi) >> 1;
+        if (a[mid] < v)
+            lo = mid + 1;
+        else
+            hi = mid;
+    }
+    return lo < n && a[lo] == v ? lo : n;
+}
+
+/* mu_field_blocks' test for object i (its object at obj): the block its field points at. */
+static int field_block(const uint64_t *begin, const uint64_t *size, uint64_t n,
+                       const mu_region *heap, uint64_t nheap, uint64_t i, uint64_t obj,
+                       uint64_t field, uint64_t flag_off, uint64_t flag_mask, uint64_t *k_out)
+{
+    uint64_t last = (field > flag_off ? field : flag_off) + 8;
+    if (obj + last > begin[i] + size[i])
+        return 0;
+    int64_t r = mu_region_find(heap, nheap, obj, last);
+    if (r < 0)
+        return 0;
+    const uint8_t *o = heap[r].data + (obj - heap[r].base);
+    uint64_t flags, ptr;
+    memcpy(&flags, o + flag_off, 8);
+    memcpy(&ptr, o + field, 8);
+    if (!ptr || (flag_mask && !(flags & flag_mask)))
+        return 0;
+    uint64_t k = cp_find_sorted(begin, n, ptr);
+    if (k == n || k == i)
+        return 0;
+    *k_out = k;
+    return 1;
+}
+
+int64_t mu_gc_dead_ranges(const uint64_t *begin, const uint64_t *size, uint64_t n,
+                          const mu_region *heap, uint64_t nheap, const uint8_t *head_word,
+                          uint64_t list_type, const uint64_t *metas, uint64_t nmetas,
+                          uint64_t doc_field, uint64_t flag_off, uint64_t flag_mask,
+                          const uint64_t *buffered, uint64_t nbuffered, uint64_t buf_field,
+                          uint64_t *out, uint64_t cap, uint64_t *counts)
+{
+    if ((n && (!begin || !size || !head_word)) || (nheap && !heap) || (cap && !out) || !counts
+        || (nmetas && !metas) || (nbuffered && !buffered)
+        || doc_field < 16 || (doc_field & 7) || doc_field > 4096 || (flag_off & 7)
+        || flag_off > 4096 || buf_field < 16 || (buf_field & 7) || buf_field > 4096)
+        return -EINVAL;
+    uint64_t found = 0;
+    counts[0] = counts[1] = counts[2] = 0;
+    for (uint64_t i = 0; i < n; i++) {
+        if (!head_word[i])
+            continue;
+        uint64_t obj = begin[i] + 8 * (uint64_t)(head_word[i] - 1) + 16;
+        if (obj + 16 > begin[i] + size[i])
+            continue;
+        int64_t r = mu_region_find(heap, nheap, obj + 8, 8);
+        if (r < 0)
+            continue;
+        uint64_t tp, k, pair[3][2];
+        memcpy(&tp, heap[r].data + (obj + 8 - heap[r].base), 8);
+        int hit[3] = {0, 0, 0};
+        if (list_type && tp == list_type) {         /* mu_list_slack */
+            int64_t q = obj + 40 <= begin[i] + size[i] ? mu_region_find(heap, nheap, obj + 8, 32)
+                                                       : -1;
+            if (q >= 0) {
+                const uint8_t *o = heap[q].data + (obj - heap[q].base);
+                uint64_t n_size, item, alloc;
+                memcpy(&n_size, o + 16, 8);
+                memcpy(&item, o + 24, 8);
+                memcpy(&alloc, o + 32, 8);
+                if (item && !(item & 7) && (int64_t)n_size >= 0 && n_size < alloc
+                    && alloc <= (1ull << 40)) {
+                    pair[0][0] = item + 8 * n_size;
+                    pair[0][1] = item + 8 * alloc;
+                    hit[0] = 1;
+                }
+            }
+        }
+        if (nmetas && cp_find_sorted(metas, nmetas, tp) < nmetas
+            && field_block(begin, size, n, heap, nheap, i, obj, doc_field, flag_off, flag_mask,
+                           &k)) {
+            pair[1][0] = begin[k];
+            pair[1][1] = begin[k] + size[k];
+            hit[1] = 1;
+        }
+        if (nbuffered && cp_find_sorted(buffered, nbuffered, tp) < nbuffered
+            && field_block(begin, size, n, heap, nheap, i, obj, buf_field, 0, 0, &k)) {
+            pair[2][0] = begin[k];
+            pair[2][1] = begin[k] + size[k];
+            hit[2] = 1;
+        }
+        for (int rule = 0; rule < 3; rule++) {
+            if (!hit[rule])
+                continue;
+            if (found < cap) {
+                out[2 * found] = pair[rule][0];
+                out[2 * found + 1] = pair[rule][1];
+            }
+            found++;
+            counts[rule]++;
+        }
+    }
+    return (int64_t)found;
+}

@@ -95,17 +95,15 @@ def _prepare(mem, maps, threads, pid: Optional[int], image: HeapImage) -> CPytho
             cuts += [Range(b, e) for b, e in spans]
             dead_pairs += spans
             out.stats["gc_nodes"] = nodes
+            # list slack, heap types' docstrings, io buffers: one native pass
+            pairs, (nslack, ndocs, nbuffers) = gc_dead_ranges(
+                merged, head_word, statics.get("PyList_Type", 0), metatypes(mem, cp, types),
+                buffered_types(mem, cp, types))
+            dead_pairs += pairs
             if "PyList_Type" in statics:
-                slack = list_slack(merged, head_word, statics["PyList_Type"], as_pairs=True)
-                dead_pairs += slack
-                out.stats["list_slack_ranges"] = len(slack)
-            docs = type_docs(merged, head_word, metatypes(mem, cp, types), as_pairs=True)
-            dead_pairs += docs
-            out.stats["type_docs"] = len(docs)
-            buffers = io_buffers(merged, head_word, buffered_types(mem, cp, types),
-                                 as_pairs=True)
-            dead_pairs += buffers
-            out.stats["io_buffers"] = len(buffers)
+                out.stats["list_slack_ranges"] = nslack
+            out.stats["type_docs"] = ndocs
+            out.stats["io_buffers"] = nbuffers
     dead_types = []
     if head_word is not None and cp.version <= L.DEAD_OBJECTS_UNTIL:
         types = sorted(set(types) | set(frame_types(mem, cp)))
@@ -482,6 +480,32 @@ def _gc_object_ranges(image: HeapImage, head_word, call, as_pairs: bool = False)
     del out[2 * rc:]
     pairs = list(zip(out[0::2], out[1::2]))
     return pairs if as_pairs else [Range(b, e) for b, e in pairs]
+
+
+# Returns ((begin, end) pairs, (list slack, type docs, io buffers) counts) of list_slack,
+# type_docs and io_buffers over the same GC objects, found in one native pass
+# (mu_gc_dead_ranges) instead of three; list_type 0: no list rule. ([], (0, 0, 0)) on an error.
+def gc_dead_ranges(image: HeapImage, head_word, list_type: int, metas: Sequence[int],
+                   buffered: Sequence[int]):
+    if not len(image.begins):
+        return [], (0, 0, 0)
+    m, b = array("Q", metas), array("Q", buffered)
+    args = _image_args(image) + (ffi.from_buffer("uint8_t[]", head_word),)
+    counts = ffi.new("uint64_t[3]")
+    cap = 4096
+    while True:
+        out = array("Q", bytes(16 * cap))
+        rc = lib.mu_gc_dead_ranges(*args, list_type, ffi.from_buffer("uint64_t[]", m), len(m),
+                                   L.TP_DOC, L.TP_FLAGS, L.TPFLAGS_HEAPTYPE,
+                                   ffi.from_buffer("uint64_t[]", b), len(b), L.BUFFERED_BUFFER,
+                                   ffi.from_buffer("uint64_t[]", out), cap, counts)
+        if rc <= cap:
+            break
+        cap = rc
+    if rc < 0:
+        return [], (0, 0, 0)
+    del out[2 * rc:]
+    return list(zip(out[0::2], out[1::2])), (counts[0], counts[1], counts[2])
 
 
 # Returns the metatypes among `types` (type objects whose tp_flags has

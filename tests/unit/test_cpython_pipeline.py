@@ -362,3 +362,43 @@ def test_overlapping_pools_equal_the_python_loop():
     many = array("Q", [POOL + k * ps + 48 for k in range(200)])     # more than the first cap
     assert P._overlapping_pools(many, ps, array("Q", [POOL]), array("Q", [200 * ps])) == \
         [POOL + k * ps for k in range(200)]
+
+
+def test_gc_dead_ranges_equals_the_three_passes_on_random_objects():
+    import random
+    rng = random.Random(11)
+    LIST, META, OTHER_META, BUF, OTHER = 0x7000, 0x7100, 0x7200, 0x7300, 0x7400
+    base, nobj, ntarget = 0x10000, 300, 40
+    targets = [base + 0x40000 + 0x100 * k for k in range(ntarget)]
+    data = bytearray(0x40000)
+    begins, sizes, head = [], [], []
+    for k in range(nobj):
+        at = base + 0x200 * k
+        tp = rng.choice([LIST, META, OTHER_META, BUF, OTHER, META])
+        words = [rng.choice([0, 1, 2, 5, 9]) for _ in range(30)]
+        words[0], words[1] = 1, tp                       # ob_refcnt, ob_type (after the head)
+        words[2], words[4] = rng.randrange(0, 6), rng.randrange(0, 8)     # list size, allocated
+        words[3] = rng.choice(targets) + rng.choice([0, 0, 3])            # list items
+        words[(L.TP_FLAGS) // 8] = rng.choice([0, L.TPFLAGS_HEAPTYPE])
+        words[L.TP_DOC // 8] = rng.choice(targets + [0, targets[0] + 8])
+        words[L.BUFFERED_BUFFER // 8] = rng.choice(targets + [0])
+        body = bytes(16) + struct.pack("<30Q", *words)
+        data[at - base:at - base + len(body)] = body
+        begins.append(at)
+        sizes.append(rng.choice([256, 56, 190]))          # some too small for a rule's fields
+        head.append(rng.choice([1, 1, 1, 0]))
+    begins += targets
+    sizes += [0x80] * ntarget
+    head += [0] * ntarget
+    img = HeapImage(array("Q", begins), array("Q", sizes),
+                    [(base, data), (base + 0x40000, bytearray(0x100 * ntarget))])
+    hw = bytes(head)
+    for list_type, metas, buffered in [(LIST, [META], [BUF]), (0, [META, OTHER_META], []),
+                                       (LIST, [], [BUF, META]), (LIST, [META], [META])]:
+        slack = P.list_slack(img, hw, list_type) if list_type else []
+        docs = P.type_docs(img, hw, metas)
+        bufs = P.io_buffers(img, hw, buffered)
+        pairs, counts = P.gc_dead_ranges(img, hw, list_type, metas, buffered)
+        assert counts == (len(slack), len(docs), len(bufs))
+        assert sorted(pairs) == sorted((r.begin, r.end) for r in slack + docs + bufs)
+        assert sum(counts) > 5
