@@ -214,14 +214,18 @@ _FILE_PAGES_MAX = 1024
 def unwritten_file_pages(maps: Sequence[Mapping], unwritten: Sequence[Range]):
     """CopiedMemory's file_pages: the parts of `unwritten` (SnapshotPlan.unwritten) inside
     each private file mapping, with its file identity (dev, inode, offset of the part)."""
-    cut = RangeCutter([r for r in unwritten])
+    holes = sorted(unwritten, key=lambda r: r.begin)
+    ends = [r.end for r in holes]
     out = []
     for m in maps:
         if not m.inode or m.shared or not m.path.startswith("/"):
             continue
-        # the pieces of m that are NOT unwritten, cut from m: what remains is unwritten
-        for piece in RangeCutter(cut(m.range))(m.range):
-            out.append((piece, (m.dev, m.inode, m.offset + (piece.begin - m.begin))))
+        i = bisect.bisect_right(ends, m.begin)
+        while i < len(holes) and holes[i].begin < m.end:
+            lo, hi = max(m.begin, holes[i].begin), min(m.end, holes[i].end)
+            if lo < hi:
+                out.append((Range(lo, hi), (m.dev, m.inode, m.offset + (lo - m.begin))))
+            i += 1
     return out
 
 

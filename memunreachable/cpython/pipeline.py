@@ -409,20 +409,32 @@ def _object_span(maps, path: str) -> Tuple[int, int]:
     return (min(m.begin for m in own), max(m.end for m in own)) if own else (0, 0)
 
 
+# (ElfFacts, load bias) of the runtime's object by its mappings' identity and addresses: the
+# file is not opened again while the same file stays mapped at the same place
+_RUNTIME_FACTS: dict = {}
+
+
 # Returns {symbol: address} of the runtime's static type objects in `wanted` ({symbol:
 # tp_name}) that its ELF file exports and whose tp_name in the snapshot matches; {} when the
 # ELF file cannot be read. One ELF lookup for them all.
 def static_types(mem, maps, pid, cp: CPythonMap, wanted: Dict[str, str]) -> Dict[str, int]:
     from memunreachable.cpython import locate
     mappings = [m for m in maps if m.path == cp.runtime.object_path]
-    try:
-        with locate._open(cp.runtime.object_path, mappings, pid) as f:
-            facts = locate.elf_facts(f)
-    except OSError:
-        return {}
-    bias = locate.facts_bias(facts, mappings) if facts is not None else None
-    if bias is None:
-        return {}
+    key = tuple([(m.begin, m.end, m.offset, m.dev, m.inode, m.path) for m in mappings])
+    known = _RUNTIME_FACTS.get(key)
+    if known is None:
+        try:
+            with locate._open(cp.runtime.object_path, mappings, pid) as f:
+                facts = locate.elf_facts(f)
+        except OSError:
+            return {}
+        bias = locate.facts_bias(facts, mappings) if facts is not None else None
+        if bias is None:
+            return {}
+        if len(_RUNTIME_FACTS) >= 16:
+            _RUNTIME_FACTS.clear()
+        _RUNTIME_FACTS[key] = known = (facts, bias)
+    facts, bias = known
     reader = object_reader(mem, cp)     # type_info does not depend on the reader's prefix
     out = {}
     for sym, name in wanted.items():

@@ -72,8 +72,9 @@ def tcache_context(w, loc: locate.Located, scan: detect.AllocatorScan,
 def _object_data(maps: List[Mapping], scan: detect.AllocatorScan) -> List[Range]:
     """The malloc object's writable mappings and the anonymous .bss continuation after each."""
     out = []
+    objects = set(scan.object_mappings)         # hashed once: not a list search per mapping
     for k, m in enumerate(maps):
-        if m in scan.object_mappings and m.writable and m.readable:
+        if m.writable and m.readable and m in objects:
             out.append(m.range)
             if k + 1 < len(maps):
                 nxt = maps[k + 1]

@@ -303,6 +303,43 @@ def test_copied_memory_small_reads_outside_copies_come_from_cached_pages(
         assert pm.tolerated_bytes == 8 and mem._pages[base + PAGE] is None
 
 
+def test_unwritten_file_pages_are_the_unwritten_parts_of_file_mappings():
+    from memunreachable.memory import unwritten_file_pages
+    lib = Mapping(0x10000, 0x14000, "r--p", 0x2000, "08:01", 77, "/lib/x.so")
+    data = Mapping(0x14000, 0x16000, "rw-p", 0x6000, "08:01", 77, "/lib/x.so")
+    anon = m(0x16000, 0x18000)
+    shared = Mapping(0x18000, 0x19000, "rw-s", 0, "08:01", 78, "/tmp/shm")
+    unwritten = [Range(0x11000, 0x15000), Range(0x18000, 0x19000), Range(0x20000, 0x21000)]
+    assert unwritten_file_pages([lib, data, anon, shared], unwritten) == [
+        (Range(0x11000, 0x14000), ("08:01", 77, 0x3000)),
+        (Range(0x14000, 0x15000), ("08:01", 77, 0x6000))]
+
+
+def test_copied_memory_keeps_file_pages_between_sweeps_by_file_identity():
+    # the same file page at another address (another process, another sweep) is served from
+    # the first read; a page of another file, or outside file_pages, is read from memory
+    from memunreachable._types import BufferMemory
+    from memunreachable import memory as M
+
+    class Plain(BufferMemory):          # read from the fd alone, as a ProcessMemory says
+        __slots__ = ()
+
+        def plain(self, addr, size):
+            return True
+    M._FILE_PAGES.clear()
+    one = M.CopiedMemory(Plain({0x10000: b"n" * 0x2000}), [],
+                         [(Range(0x10000, 0x12000), ("08:01", 5, 0x4000))])
+    assert one.read(0x11008, 4) == b"nnnn"
+    other = Plain({0x30000: b"m" * 0x2000})            # would read "m": the memo answers
+    two = M.CopiedMemory(other, [], [(Range(0x30000, 0x32000), ("08:01", 5, 0x4000))])
+    assert two.read(0x31008, 4) == b"nnnn"
+    assert two.read(0x30008, 4) == b"mmmm"             # file offset 0x4000: not read before
+    three = M.CopiedMemory(other, [], [(Range(0x30000, 0x32000), ("08:01", 6, 0x4000))])
+    assert three.read(0x31008, 4) == b"mmmm"           # another inode
+    assert M.CopiedMemory(other, []).read(0x31008, 4) == b"mmmm"
+    M._FILE_PAGES.clear()
+
+
 def resident_pages(buf) -> list:
     """mincore(2) of an mmap object: 1 per resident page."""
     libc = ctypes.CDLL(None, use_errno=True)
