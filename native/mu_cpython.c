@@ -70,21 +70,31 @@ int64_t mu_pools_overlapping(const uint64_t *blocks, uint64_t n, uint64_t pool_s
 {
     if (!pool_size || (n && !blocks) || (gn && (!g_begin || !g_size)) || (cap && !out))
         return -EINVAL;
-    uint64_t found = 0, g = 0, last = 0;
-    int have = 0;
-    for (uint64_t i = 0; i < n; i++) {
-        uint64_t p = blocks[i] - blocks[i] % pool_size;
-        if (have && p == last)
-            continue;
-        have = 1;
-        last = p;
-        while (g < gn && g_begin[g] < p + pool_size)    /* g: first beginning at or after the end */
+    uint64_t found = 0, g = 0, i = 0;
+    while (i < n) {
+        uint64_t p = blocks[i] - blocks[i] % pool_size, end = p + pool_size;
+        while (g < gn && g_begin[g] < end)              /* g: first beginning at or after end */
             g++;
         if (g && g_begin[g - 1] + (g_size[g - 1] ? g_size[g - 1] : 1) > p) {
             if (found < cap)
                 out[found] = p;
             found++;
         }
+        /* the next pool's first block: gallop past this pool's blocks, then bisect */
+        uint64_t step = 1, lo = i + 1, hi;
+        while (i + step < n && blocks[i + step] < end) {
+            lo = i + step + 1;
+            step <<= 1;
+        }
+        hi = i + step < n ? i + step : n;
+        while (lo < hi) {
+            uint64_t mid = lo + (hi - lo) / 2;
+            if (blocks[mid] < end)
+                lo = mid + 1;
+            else
+                hi = mid;
+        }
+        i = lo;
     }
     return (int64_t)found;
 }
