@@ -364,3 +364,21 @@ def test_sparse_reads_release_the_pages_read_as_zeros():
             want = [int(not sparse or p in (0, 7, 8, 63)) for p in range(64)]
             assert resident_pages(dst) == want      # (before a read maps the zero page there)
             assert dst[:] == src[:] and dst2[:] == src2
+
+
+def test_plan_of_the_same_inputs_is_kept_and_other_inputs_plan_again():
+    from memunreachable.procfs import parse_smaps_flags
+    rows = parse_smaps_flags(SMAPS)
+    target = [mp for mp, _ in rows]
+    size = {0x7f0000000000: 0x10000}
+    files = lambda mp_: size.get(mp_.begin, 0x10000)       # noqa: E731
+    first = plan_snapshot(target, rows, files)
+    again = plan_snapshot(target, rows, files)
+    assert again == first and again.unwritten is not first.unwritten      # new lists
+    # the untouched mapping written since (an anonymous page): a root again
+    written = parse_smaps_flags(SMAPS.replace("Anonymous:             0 kB", "Anonymous: 4 kB", 1))
+    assert plan_snapshot(target, written, files).unwritten == []
+    # a file shorter now: its pages past the end are tolerated
+    size[0x7f0000000000] = 0x1000
+    assert Range(0x7f0000001000, 0x7f0000002000) in plan_snapshot(target, rows, files).tolerated
+    assert Range(0x7f0000001000, 0x7f0000002000) not in first.tolerated
