@@ -98,6 +98,10 @@ class Memo:
         self.r_debug: Optional[int] = None
         self.have_r_debug = False
         self.chain_zero: Dict[Tuple[int, int], Optional[int]] = {}
+        # the last answer's words and their values: when each word still holds its value, the
+        # chain is not walked again (a word of ld.so's link maps that comes to hold such a
+        # value later, in a map not walked, would count as a reference: as before this stage)
+        self.words: Optional[List[Tuple[int, int]]] = None
 
 
 _MEMO = Memo()
@@ -134,6 +138,8 @@ def of_process(mem, pid: int, maps=None) -> List[int]:
 # ascending; [] when the link maps cannot be found or read (the words then count as before).
 # memo: a Memo of the same mapped files (auxv is not read when it knows r_debug).
 def computed_words(mem, auxv: Dict[int, int], memo: Optional[Memo] = None) -> List[int]:
+    if memo is not None and memo.words is not None and _still_hold(mem, memo.words):
+        return [addr for addr, _ in memo.words]
     try:
         if memo is not None and memo.have_r_debug:
             start = memo.r_debug
@@ -164,9 +170,20 @@ def computed_words(mem, auxv: Dict[int, int], memo: Optional[Memo] = None) -> Li
                 value = None                            # this object only (the vdso, say)
         if value is not None:
             words = _read_up_to(mem, lm, LINK_MAP_BYTES)
-            out += _aligned_hits(words, value.to_bytes(8, "little"), lm)
+            out += [(a, value) for a in _aligned_hits(words, value.to_bytes(8, "little"), lm)]
         lm = l_next
-    return sorted(out)
+    out.sort()
+    if memo is not None:
+        memo.words = out
+    return [addr for addr, _ in out]
+
+
+def _still_hold(mem, words: List[Tuple[int, int]]) -> bool:
+    """Every (address, value) of words reads as that value in mem."""
+    try:
+        return all(_u64(mem, addr) == value for addr, value in words)
+    except (MemoryUnreadable, struct.error):
+        return False
 
 
 # Returns base + k for every 8-aligned offset k of data where the 8 bytes are needle
