@@ -213,12 +213,15 @@ _FILE_PAGES_MAX = 1024
 
 def unwritten_file_pages(maps: Sequence[Mapping], unwritten: Sequence[Range]):
     """CopiedMemory's file_pages: the parts of `unwritten` (SnapshotPlan.unwritten) inside
-    each private file mapping, with its file identity (dev, inode, offset of the part)."""
+    each private mapping of a loaded object's file (one with code mapped: a library or the
+    executable, which nothing rewrites while they run; not a data file, which another
+    process may write), with its file identity (dev, inode, offset of the part)."""
     holes = sorted(unwritten, key=lambda r: r.begin)
     ends = [r.end for r in holes]
+    objects = {m.path for m in maps if m.executable and m.inode}
     out = []
     for m in maps:
-        if not m.inode or m.shared or not m.path.startswith("/"):
+        if not m.inode or m.shared or not m.path.startswith("/") or m.path not in objects:
             continue
         i = bisect.bisect_right(ends, m.begin)
         while i < len(holes) and holes[i].begin < m.end:

@@ -305,12 +305,14 @@ def test_copied_memory_small_reads_outside_copies_come_from_cached_pages(
 
 def test_unwritten_file_pages_are_the_unwritten_parts_of_file_mappings():
     from memunreachable.memory import unwritten_file_pages
+    text = Mapping(0xf000, 0x10000, "r-xp", 0x1000, "08:01", 77, "/lib/x.so")
     lib = Mapping(0x10000, 0x14000, "r--p", 0x2000, "08:01", 77, "/lib/x.so")
     data = Mapping(0x14000, 0x16000, "rw-p", 0x6000, "08:01", 77, "/lib/x.so")
     anon = m(0x16000, 0x18000)
     shared = Mapping(0x18000, 0x19000, "rw-s", 0, "08:01", 78, "/tmp/shm")
+    locale = Mapping(0x20000, 0x21000, "r--p", 0, "08:01", 79, "/usr/lib/locale/archive")
     unwritten = [Range(0x11000, 0x15000), Range(0x18000, 0x19000), Range(0x20000, 0x21000)]
-    assert unwritten_file_pages([lib, data, anon, shared], unwritten) == [
+    assert unwritten_file_pages([text, lib, data, anon, shared, locale], unwritten) == [
         (Range(0x11000, 0x14000), ("08:01", 77, 0x3000)),
         (Range(0x14000, 0x15000), ("08:01", 77, 0x6000))]
 
