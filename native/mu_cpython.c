@@ -113,15 +113,31 @@ static uint64_t cp_find_sorted(const uint64_t *a, uint64_t n, uint64_t v)
     return lo < n && a[lo] == v ? lo : n;
 }
 
+/* mu_region_find for addresses that never go below the lowest region holding an earlier one
+ * (the objects of an ascending pass): *cur moves forward past regions that end at or below
+ * addr, so a pass costs O(objects + regions), not a bisection per object. Index of the
+ * region holding [addr, addr+n), or -1 (as mu_region_find). */
+static int64_t region_from(const mu_region *r, uint64_t nr, uint64_t *cur, uint64_t addr,
+                           uint64_t n)
+{
+    while (*cur < nr && r[*cur].base + r[*cur].len <= addr)
+        (*cur)++;
+    uint64_t k = *cur;
+    if (k < nr && r[k].base <= addr && addr + n <= r[k].base + r[k].len && addr + n >= addr)
+        return (int64_t)k;
+    return -1;
+}
+
 /* mu_field_blocks' test for object i (its object at obj): the block its field points at. */
 static int field_block(const uint64_t *begin, const uint64_t *size, uint64_t n,
-                       const mu_region *heap, uint64_t nheap, uint64_t i, uint64_t obj,
-                       uint64_t field, uint64_t flag_off, uint64_t flag_mask, uint64_t *k_out)
+                       const mu_region *heap, uint64_t nheap, uint64_t *cur, uint64_t i,
+                       uint64_t obj, uint64_t field, uint64_t flag_off, uint64_t flag_mask,
+                       uint64_t *k_out)
 {
     uint64_t last = (field > flag_off ? field : flag_off) + 8;
     if (obj + last > begin[i] + size[i])
         return 0;
-    int64_t r = mu_region_find(heap, nheap, obj, last);
+    int64_t r = region_from(heap, nheap, cur, obj, last);
     if (r < 0)
         return 0;
     const uint8_t *o = heap[r].data + (obj - heap[r].base);
@@ -149,7 +165,7 @@ int64_t mu_gc_dead_ranges(const uint64_t *begin, const uint64_t *size, uint64_t 
         || doc_field < 16 || (doc_field & 7) || doc_field > 4096 || (flag_off & 7)
         || flag_off > 4096 || buf_field < 16 || (buf_field & 7) || buf_field > 4096)
         return -EINVAL;
-    uint64_t found = 0;
+    uint64_t found = 0, cur = 0;
     counts[0] = counts[1] = counts[2] = 0;
     for (uint64_t i = 0; i < n; i++) {
         if (!head_word[i])
@@ -157,14 +173,14 @@ int64_t mu_gc_dead_ranges(const uint64_t *begin, const uint64_t *size, uint64_t 
         uint64_t obj = begin[i] + 8 * (uint64_t)(head_word[i] - 1) + 16;
         if (obj + 16 > begin[i] + size[i])
             continue;
-        int64_t r = mu_region_find(heap, nheap, obj + 8, 8);
+        int64_t r = region_from(heap, nheap, &cur, obj + 8, 8);
         if (r < 0)
             continue;
         uint64_t tp, k, pair[3][2];
         memcpy(&tp, heap[r].data + (obj + 8 - heap[r].base), 8);
         int hit[3] = {0, 0, 0};
         if (list_type && tp == list_type) {         /* mu_list_slack */
-            int64_t q = obj + 40 <= begin[i] + size[i] ? mu_region_find(heap, nheap, obj + 8, 32)
+            int64_t q = obj + 40 <= begin[i] + size[i] ? region_from(heap, nheap, &cur, obj + 8, 32)
                                                        : -1;
             if (q >= 0) {
                 const uint8_t *o = heap[q].data + (obj - heap[q].base);
@@ -181,14 +197,14 @@ int64_t mu_gc_dead_ranges(const uint64_t *begin, const uint64_t *size, uint64_t 
             }
         }
         if (nmetas && cp_find_sorted(metas, nmetas, tp) < nmetas
-            && field_block(begin, size, n, heap, nheap, i, obj, doc_field, flag_off, flag_mask,
-                           &k)) {
+            && field_block(begin, size, n, heap, nheap, &cur, i, obj, doc_field, flag_off,
+                           flag_mask, &k)) {
             pair[1][0] = begin[k];
             pair[1][1] = begin[k] + size[k];
             hit[1] = 1;
         }
         if (nbuffered && cp_find_sorted(buffered, nbuffered, tp) < nbuffered
-            && field_block(begin, size, n, heap, nheap, i, obj, buf_field, 0, 0, &k)) {
+            && field_block(begin, size, n, heap, nheap, &cur, i, obj, buf_field, 0, 0, &k)) {
             pair[2][0] = begin[k];
             pair[2][1] = begin[k] + size[k];
             hit[2] = 1;
