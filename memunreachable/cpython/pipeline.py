@@ -574,7 +574,8 @@ def buffered_types(mem, cp: CPythonMap, types) -> List[int]:
 # reference): a BufferedWriter's 4-8 KiB buffer keeps the stale bytes of its block's earlier
 # users past what was written (MEMUNREACHABLE_EXPLAIN: a leaked list and a forgotten 4 KiB
 # block, each hidden by an address in a pytest process's pipe and capture-file buffers).
-def io_buffers(image: HeapImage, head_word, buffered: Sequence[int], as_pairs: bool = False) -> list:
+def io_buffers(image: HeapImage, head_word, buffered: Sequence[int],
+               as_pairs: bool = False) -> list:
     return field_blocks(image, head_word, buffered, L.BUFFERED_BUFFER, as_pairs=as_pairs)
 
 
