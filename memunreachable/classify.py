@@ -69,9 +69,35 @@ def data_ranges(maps: Sequence[Mapping], unwritten: Sequence[Range]) -> List[Ran
     """The loaded objects' data mappings that can be roots (classify's "data" class) minus
     the pages never written: read once, early, they serve every small read of the CPython
     stage (the runtime, static types, free lists) and then the roots."""
+    global _LAST_DATA
+    key = (tuple(maps), tuple(unwritten))
+    if _LAST_DATA is None or _LAST_DATA[0] != key:
+        cut = RangeCutter(unwritten)
+        _LAST_DATA = (key, [piece for m in mapping_classes(maps)[1] for piece in cut(m.range)])
+    return list(_LAST_DATA[1])
+
+
+_LAST_DATA: Optional[tuple] = None     # data_ranges' last (inputs, answer)
+
+
+# mapping_classes' last answer: (maps as a tuple, answer). The pytest plugin's helper checks
+# one process after every test: its ~200 mappings are mostly the same Mapping objects
+# (procfs.parse_maps keeps them), compared by identity first.
+_LAST_CLASSES: Optional[tuple] = None
+
+
+def mapping_classes(maps: Sequence[Mapping]) -> tuple:
+    """([(mapping, class)] of every mapping not skipped, in order; [the "data" mappings])
+    by classify_mapping, the same list for the same maps as last time."""
+    global _LAST_CLASSES
+    key = tuple(maps)
+    if _LAST_CLASSES is not None and _LAST_CLASSES[0] == key:
+        return _LAST_CLASSES[1]
     objects = loaded_objects(maps)
-    cut = RangeCutter(unwritten)
-    return [piece for m in maps if classify_mapping(m, objects) == "data" for piece in cut(m.range)]
+    kept = [(m, cls) for m in maps for cls in (classify_mapping(m, objects),) if cls != "skip"]
+    answer = (kept, [m for m, cls in kept if cls == "data"])
+    _LAST_CLASSES = (key, answer)
+    return answer
 
 
 def loaded_objects(maps: Sequence[Mapping]) -> set:
@@ -102,13 +128,9 @@ def classify(maps: Sequence[Mapping], threads: Sequence[ThreadState],
              extra_cuts: Sequence[Range] = ()) -> RootSet:
     """Return the RootSet: root ranges (minus heap, allocator metadata and extra_cuts: other
     allocators' heaps and dead memory, e.g. CPythonSweep.root_cuts) and root words."""
-    objects = loaded_objects(maps)
     sps = sorted((t.sp, live_stack_start(t)) for t in threads if t.sp)
     candidates: List[tuple] = []
-    for m in maps:
-        cls = classify_mapping(m, objects)
-        if cls == "skip":
-            continue
+    for m, cls in mapping_classes(maps)[0]:
         rng = m.range
         kind = "data" if cls == "data" else "anon"
         inside = sorted(start for sp, start in sps if m.begin <= sp < m.end)

@@ -15,6 +15,7 @@ References: proc(5); kernel fs/proc/array.c (task_state, do_task_stat), include/
 """
 from __future__ import annotations
 
+import bisect
 import errno
 import os
 import re
@@ -225,20 +226,36 @@ def task_state(pid: int, tid: int) -> str:
 # a private file mapping those are the pages the process wrote. A mapping without a VmFlags
 # line (kernels before 3.8) gets no two-letter flags. Raises ValueError on a malformed header.
 def parse_smaps_flags(text: str) -> List[Tuple[Mapping, frozenset]]:
-    out: List[Tuple[Mapping, frozenset]] = []
-    for m in _SMAPS_LINE.finditer("\n" + text):    # the regex skips the other 20 lines in C
-        header, counter, flags = m.group(1, 3, 4)
-        if header is not None:
-            out.append((parse_maps(header)[0], frozenset()))
-        elif out and counter is not None:
-            if counter != "0":
-                out[-1] = (out[-1][0], out[-1][1] | WRITTEN)
-        elif out and flags is not None:
-            out[-1] = (out[-1][0], out[-1][1] | frozenset(flags.split()))
-    return out
+    # three scans, each with a literal prefix the regex engine searches for fast (one
+    # alternation tried at each of the ~5,000 line starts took twice as long), then each
+    # line found goes to the mapping whose header comes last before it
+    t = "\n" + text
+    heads = [(m.start(), m.group(1)) for m in _SMAPS_HEADER.finditer(t)]
+    if not heads:
+        return []
+    mappings = parse_maps("\n".join([h for _, h in heads]))
+    starts = [pos for pos, _ in heads]
+    flags = [frozenset()] * len(heads)
+    for m in _SMAPS_NONZERO.finditer(t):
+        i = bisect.bisect_right(starts, m.start()) - 1
+        if i >= 0:
+            flags[i] = WRITTEN
+    for m in _SMAPS_VMFLAGS.finditer(t):
+        i = bisect.bisect_right(starts, m.start()) - 1
+        if i >= 0:
+            fs = _FLAG_SETS.get(m.group(1))
+            if fs is None:
+                fs = _FLAG_SETS[m.group(1)] = frozenset(m.group(1).split())
+                if len(_FLAG_SETS) > 4096:
+                    _FLAG_SETS.clear()
+            flags[i] = flags[i] | fs
+    return list(zip(mappings, flags))
 
 
-_SMAPS_LINE = re.compile(r"\n(?:([0-9a-f]+-[0-9a-f]+ [^\n]*)|(Anonymous|Swap):\s*(\d+)|VmFlags:([^\n]*))")
+_SMAPS_HEADER = re.compile(r"\n([0-9a-f]+-[0-9a-f]+ [^\n]*)")
+_SMAPS_NONZERO = re.compile(r"\n(?:Anonymous|Swap):[ \t]*0*[1-9]")     # above 0 kB
+_SMAPS_VMFLAGS = re.compile(r"\nVmFlags:([^\n]*)")
+_FLAG_SETS: Dict[str, frozenset] = {}
 WRITTEN = frozenset({"written"})
 
 

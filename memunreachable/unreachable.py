@@ -31,7 +31,7 @@ from memunreachable import preflight as preflight_stage
 from memunreachable._errors import (CollectionError, HeapCorrupt, HeapWalkError,
                                     MemoryUnreadable, NoSuchProcess)
 from memunreachable._types import Fields, HeapImage, Range, merge_ranges, subtract_ranges
-from memunreachable.classify import classify, data_ranges
+from memunreachable.classify import classify, data_ranges, loaded_objects
 from memunreachable.cpython import probe
 from memunreachable.folding import FoldedLeak, fold, size_totals
 from memunreachable.freeze import frozen
@@ -39,7 +39,7 @@ from memunreachable.glibc import linkmaps, locate
 from memunreachable.glibc.walker import HeapInconsistent, is_uncopied, walk_heap
 from memunreachable.mark import mark, with_dead_ranges, with_dead_words
 from memunreachable.memory import (CopiedMemory, ProcessMemory, SnapshotPlan, capture, read_copies,
-                                   mapped_file_size, plan_snapshot)
+                                   mapped_file_size, plan_snapshot, unwritten_file_pages)
 from memunreachable.report import Leak, UnreachableMemoryInfo, group_leaks, members, sort_and_limit
 from memunreachable.snapshot import prepare as prepare_snapshot, take_snapshot
 from memunreachable.sweeper import SweepEntry, SweepResult, retain_list, run_here, run_sweeper
@@ -247,7 +247,7 @@ def _plan_reads(fz, snap, overlays, st: _Attempts, info) -> tuple:
         _snapshot_died(fz.pid, st, f"its smaps could not be read: {exc}")
     if not _alive(snap.pid):    # killed while (or before) its smaps were read: they are empty
         _snapshot_died(fz.pid, st, "killed before its mappings were read")
-    plan = plan_snapshot(fz.maps, smaps, mapped_file_size(fz.pid))
+    plan = plan_snapshot(fz.maps, smaps, mapped_file_size(fz.pid, loaded_objects(fz.maps)))
     have = merge_ranges([Range(b, b + len(buf)) for b, buf in overlays])
     unseen = subtract_ranges(plan.missing, have)
     if unseen and not st.capture_tried and plan.missing_bytes <= MAX_CAPTURE_BYTES:
@@ -463,7 +463,8 @@ def sweep(mem, maps, threads, pid: int, confirm: Optional[set] = None,
     # what the walk copied is not read again; the data mappings are read once, here
     uncopied = bool(hw.stats.get("uncopied_bytes"))     # the low-memory sweep
     mem = CopiedMemory(mem, [r for r in hw.image.regions if not is_uncopied(r[1])] + hw.spare
-                       + read_copies(mem, data_ranges(maps, unwritten), skip_unreadable=True))
+                       + read_copies(mem, data_ranges(maps, unwritten), skip_unreadable=True),
+                       unwritten_file_pages(maps, unwritten))
     cps = _see_through_cpython(mem, maps, threads, pid, hw.image)
     image, dead = cps.image, cps.dead
     # glibc's rule "a word equal to a chunk's last 8 usable bytes is the next chunk's header"
@@ -472,7 +473,7 @@ def sweep(mem, maps, threads, pid: int, confirm: Optional[set] = None,
     # a leak, never invent one
     glibc_chunks = cps.stats.get("allocator") != "malloc_debug"
     # 4c. ld.so's l_gnu_chain_zero words: addresses computed below an object, not references
-    dead = with_dead_words(dead, linkmaps.of_process(mem, pid))
+    dead = with_dead_words(dead, linkmaps.of_process(mem, pid, maps))
     # 4e. readline's keymap padding, its line buffer, terminfo's tables: stale bytes, text
     libs = libstate.of_process(mem, maps, pid)
     dead = with_dead_ranges(dead, libs.ranges + block_tails(image, libs.tails))

@@ -8,6 +8,7 @@
 #include "mu_mem.h"
 #include "mu_walk.h"
 #include "mu_pymalloc.h"
+#include "mu_cpython.h"
 #include "mu_scan.h"
 #include "mu_fold.h"
 #include "mu_ptrace.h"

@@ -34,6 +34,8 @@ MAX_GARBAGE_BYTES = 64 << 20      # unreachable bytes examined for cycles at mos
 MAX_BLOCK_WORDS = 1 << 20         # bytes of one block examined at most (bigger: no words read;
                                   # what only they reference then reads as leaked, never as garbage)
 _Q = struct.Struct("<Q")
+_TYPE_WORDS = struct.Struct("<QQQ")          # tp_name, tp_basicsize, tp_itemsize
+_TYPE_HEAD = L.TP_FLAGS + 8                 # a type object's bytes type_words reads
 
 
 @dataclass(frozen=True)
@@ -53,6 +55,24 @@ class ObjectReader:
         self.mem, self.version, self.prefix = mem, version, prefix
         self.pre = L.preheader_flags(version)
         self._types: Dict[int, Optional[Tuple[str, int]]] = {}
+        self._words: Dict[int, Optional[Tuple[int, int, int, int, int]]] = {}
+        self._names: Dict[int, Optional[str]] = {}
+        self._view = getattr(mem, "view", None)     # memory.CopiedMemory: no copy made
+
+    # Returns (ob_type, tp_name, tp_basicsize, tp_itemsize, tp_flags) of the object at t read
+    # as a type object (one read of its first TP_FLAGS + 8 bytes), or None when unreadable.
+    def type_words(self, t: int) -> Optional[Tuple[int, int, int, int, int]]:
+        if t in self._words:
+            return self._words[t]
+        out = None
+        data = self._view(t, _TYPE_HEAD) if self._view is not None else None
+        if data is None:
+            data = self._read(t, _TYPE_HEAD)
+        if data is not None:
+            out = (_Q.unpack_from(data, L.OB_TYPE)[0],) + _TYPE_WORDS.unpack_from(
+                data, L.TP_NAME) + (_Q.unpack_from(data, L.TP_FLAGS)[0],)
+        self._words[t] = out
+        return out
 
     def _read(self, addr: int, n: int) -> Optional[bytes]:
         try:
@@ -91,20 +111,26 @@ class ObjectReader:
         if t and t % 8 == 0:
             x, ok = t, False
             for _ in range(5):               # t -> its metatype -> ... -> type (its own type)
-                mt = self._u64(x + L.OB_TYPE)
+                w = self.type_words(x)
+                mt = None if w is None else w[0]
                 if mt is None or mt == 0 or mt % 8:
                     break
                 if mt == x:
-                    ok = self._cstr(self._u64(x + L.TP_NAME) or 0) == "type"
+                    ok = self._name(w[1]) == "type"
                     break
                 x = mt
             if ok:
-                name = self._cstr(self._u64(t + L.TP_NAME) or 0)
-                flags = self._u64(t + L.TP_FLAGS)
-                if name and flags is not None:
-                    out = (name, flags)
+                w = self.type_words(t)
+                name = self._name(w[1])
+                if name:
+                    out = (name, w[4])
         self._types[t] = out
         return out
+
+    def _name(self, addr: int) -> Optional[str]:
+        if addr not in self._names:
+            self._names[addr] = self._cstr(addr)
+        return self._names[addr]
 
     # Returns the offset of an object of type t in its block (GC head, pre-header, debug-hook
     # prefix), or None when t is not a type.

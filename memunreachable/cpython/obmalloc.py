@@ -51,6 +51,9 @@ def _zeros(n: int) -> array:
     return array("Q", (0,)) * n
 
 
+_SCRATCH = (array("Q"), array("Q"))     # _Acc._scratch
+
+
 
 
 class _Acc:
@@ -58,22 +61,29 @@ class _Acc:
 
     def __init__(self):
         self.pieces: List[Tuple[int, array, array]] = []
-        self.scratch = (array("Q"), array("Q"))     # the C loop's output, reused per window
         self.stats = dict(arenas=0, pools=0, empty_pools=0, used_blocks=0, used_bytes=0,
                           free_blocks=0, virgin_blocks=0, bad_pools=0)
+
+    def _scratch(self, cap: int):
+        """The pair of arrays of at least cap entries the C loop writes to: one pair per
+        process, grown when short and kept for the next sweep (the helper of the pytest
+        plugin sweeps after every test: a new zeroed pair per sweep, 350k entries for a 16
+        MiB window, cost 1.5 ms; malloc'd arrays, since fresh mappings pay a page fault per
+        4 KiB written)."""
+        addr, size = _SCRATCH
+        if len(addr) < cap:
+            addr.extend(_zeros(cap - len(addr)))
+            size.extend(_zeros(cap - len(size)))
+        return addr, size
 
     def walk(self, buf, base: int, pool_size: int, pools: array):
         """Run the C block loop over pools inside buf (a copy of [base, ...)); returns res."""
         res = ffi.new("mu_pymalloc_result *")
-        cap = max(64, len(buf) // 48)      # most blocks are >= 48 bytes; retried when short
+        cap = max(512, len(buf) // 48)     # most blocks are >= 48 bytes; retried when short
         data = ffi.from_buffer("uint8_t[]", buf)
         while True:
-            # one scratch pair, grown when short, serves every window (a zeroed pair per 1 MiB
-            # window cost 3 ms a check); only the n entries written are copied out
-            addr, size = self.scratch
-            if len(addr) < cap:
-                addr.extend(_zeros(cap - len(addr)))
-                size.extend(_zeros(cap - len(size)))
+            addr, size = self._scratch(cap)
+            cap = len(addr)
             n = check(lib.mu_pymalloc_blocks(data, base, len(buf), pool_size,
                                              ffi.from_buffer("uint64_t[]", pools), len(pools),
                                              ffi.from_buffer("uint64_t[]", addr),

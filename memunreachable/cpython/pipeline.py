@@ -55,6 +55,13 @@ def _u64(mem, addr: int) -> int:
 # Returns the CPythonSweep of the snapshot; never raises for CPython's sake (a problem leaves
 # the glibc image and a warning).
 def prepare(mem, maps, threads, pid: Optional[int], image: HeapImage) -> CPythonSweep:
+    try:
+        return _prepare(mem, maps, threads, pid, image)
+    finally:
+        _IMAGE_ARGS.clear()
+
+
+def _prepare(mem, maps, threads, pid: Optional[int], image: HeapImage) -> CPythonSweep:
     cp = walk_cpython(mem, maps, threads, pid)
     out = CPythonSweep(cp, image, warnings=list(cp.warnings))
     if not cp.usable:
@@ -64,11 +71,11 @@ def prepare(mem, maps, threads, pid: Optional[int], image: HeapImage) -> CPython
         out.warnings.append(
             f"{dropped} pymalloc pool(s) overlap glibc allocations ({cp.runtime.object_path}):"
             " their blocks are not allocations and their memory is scanned as before")
-    merged = merge_images(image, HeapImage(blocks, sizes, list(cp.regions)))
-    merged, ndead = drop_blocks(merged, cp.dead_blocks)
+    merged, ndead = merge_dropping(image, HeapImage(blocks, sizes, list(cp.regions)),
+                                   cp.dead_blocks)
     out.image = merged
     cuts = list(kept_cuts) + list(cp.dead_ranges)
-    dead_ranges = list(cp.dead_ranges)
+    dead_pairs = [(r.begin, r.end) for r in cp.dead_ranges]
     head_word = None
     wanted = {sym: name for sym, (name, _kind) in _type_rules(cp).items()}
     statics = static_types(mem, maps, pid, cp, dict(wanted, PyList_Type="list", PyCode_Type="code",
@@ -84,20 +91,19 @@ def prepare(mem, maps, threads, pid: Optional[int], image: HeapImage) -> CPython
                                 "references (leaked Python objects are missed)")
             head_word = None
         else:
-            spans = [Range(b, e) for b, e in gc_head_spans(cp)]
-            cuts += spans
-            dead_ranges += spans
+            spans = gc_head_spans(cp)
+            cuts += [Range(b, e) for b, e in spans]
+            dead_pairs += spans
             out.stats["gc_nodes"] = nodes
+            # list slack, heap types' docstrings, io buffers: one native pass
+            pairs, (nslack, ndocs, nbuffers) = gc_dead_ranges(
+                merged, head_word, statics.get("PyList_Type", 0), metatypes(mem, cp, types),
+                buffered_types(mem, cp, types))
+            dead_pairs += pairs
             if "PyList_Type" in statics:
-                slack = list_slack(merged, head_word, statics["PyList_Type"])
-                dead_ranges += slack
-                out.stats["list_slack_ranges"] = len(slack)
-            docs = type_docs(merged, head_word, metatypes(mem, cp, types))
-            dead_ranges += docs
-            out.stats["type_docs"] = len(docs)
-            buffers = io_buffers(merged, head_word, buffered_types(mem, cp, types))
-            dead_ranges += buffers
-            out.stats["io_buffers"] = len(buffers)
+                out.stats["list_slack_ranges"] = nslack
+            out.stats["type_docs"] = ndocs
+            out.stats["io_buffers"] = nbuffers
     dead_types = []
     if head_word is not None and cp.version <= L.DEAD_OBJECTS_UNTIL:
         types = sorted(set(types) | set(frame_types(mem, cp)))
@@ -120,7 +126,7 @@ def prepare(mem, maps, threads, pid: Optional[int], image: HeapImage) -> CPython
     dead_types = sorted(dead_types)
     out.stats["gc_types"] = len(dead_types)
     out.root_cuts = merge_ranges(cuts)
-    out.dead = DeadWords(ranges=merge_pairs([(r.begin, r.end) for r in dead_ranges]),
+    out.dead = DeadWords(ranges=merge_pairs(dead_pairs),
                          head_word=head_word, types=dead_types, dict_keys=dict_keys_rule(cp))
     out.stats.update(cp.stats, pymalloc_blocks=len(blocks), dead_blocks_dropped=ndead,
                      version="%d.%d" % cp.version, allocator=cp.allocator)
@@ -133,34 +139,42 @@ def _nbytes(buf) -> int:
 
 # Returns (blocks, sizes, heap ranges kept, pools dropped): cp's pymalloc blocks minus every
 # pool that overlaps a glibc allocation (a pool header look-alike inside malloc's memory).
+# The pools are tested in one native pass (mu_pools_overlapping).
 def drop_overlapping(cp: CPythonMap, image: HeapImage, pool_size: int):
-    gb, gs = image.begins, image.sizes
-    pools = sorted({b - b % pool_size for b in _pool_starts(cp.blocks, pool_size)})
-    bad = set()
-    for p in pools:
-        i = bisect.bisect_left(gb, p + pool_size)          # allocations beginning before the end
-        if i and gb[i - 1] + max(gs[i - 1], 1) > p:
-            bad.add(p)
+    bad = _overlapping_pools(cp.blocks, pool_size, image.begins, image.sizes)
     if not bad:
         return cp.blocks, cp.sizes, cp.heap_ranges, 0
     blocks, sizes = array("Q"), array("Q")
-    for p in pools:
-        if p in bad:
-            continue
-        lo, hi = _slice(cp.blocks, p, p + pool_size)
-        blocks.extend(cp.blocks[lo:hi])
-        sizes.extend(cp.sizes[lo:hi])
-    holes = [Range(p, p + pool_size) for p in sorted(bad)]
+    lo = 0
+    for p in bad:                       # keep the runs of blocks between the bad pools
+        cut, hi = _slice(cp.blocks, p, p + pool_size)
+        blocks.extend(cp.blocks[lo:cut])
+        sizes.extend(cp.sizes[lo:cut])
+        lo = hi
+    blocks.extend(cp.blocks[lo:])
+    sizes.extend(cp.sizes[lo:])
+    holes = [Range(p, p + pool_size) for p in bad]
     return blocks, sizes, subtract_ranges(cp.heap_ranges, holes), len(bad)
 
 
-def _pool_starts(blocks, pool_size: int):
-    """One block address per pool (blocks ascending): jumps pool by pool with bisect."""
-    i, n = 0, len(blocks)
-    while i < n:
-        b = blocks[i]
-        yield b
-        i = bisect.bisect_left(blocks, b - b % pool_size + pool_size, i + 1)
+def _overlapping_pools(blocks, pool_size: int, gbegins, gsizes) -> List[int]:
+    """Ascending addresses of the pools of `blocks` a glibc allocation overlaps."""
+    if not len(blocks) or not len(gbegins):
+        return []
+    b, kb = u64_view(blocks)
+    gb, kg = u64_view(gbegins)
+    gs, ks = u64_view(gsizes)
+    cap = 64
+    while True:
+        out = array("Q", bytes(8 * cap))
+        n = check(lib.mu_pools_overlapping(b, len(blocks), pool_size, gb, gs, len(gbegins),
+                                           ffi.from_buffer("uint64_t[]", out), cap),
+                  "find pools overlapping allocations")
+        if n <= cap:
+            break
+        cap = n
+    del kb, kg, ks
+    return list(out[:n])
 
 
 def _slice(begins, lo_addr: int, hi_addr: int) -> Tuple[int, int]:
@@ -171,12 +185,57 @@ def _slice(begins, lo_addr: int, hi_addr: int) -> Tuple[int, int]:
 # allocations ascending; regions sorted and disjoint. Overlapping regions (copies of the same
 # snapshot memory, e.g. glibc's copy of an anonymous mapping the kernel merged with a
 # pymalloc arena) become the one that covers them all, or one new copy of their union.
+# Only allocations inside a region are kept.
 def merge_images(a: HeapImage, b: HeapImage) -> HeapImage:
+    return merge_dropping(a, b, ())[0]
+
+
+# Returns (merge_images(a, b) without the allocations that begin at one of `drop`, how many of
+# `drop` matched one). The allocations are merged, checked and dropped in one native pass
+# (mu_merge_blocks) into arrays sized once: a pytest process's 130k blocks took 2.5 ms of
+# array slicing and copying in Python. a and b are not modified.
+def merge_dropping(a: HeapImage, b: HeapImage, drop: Sequence[int]) -> Tuple[HeapImage, int]:
+    if not len(b.begins) and not len(drop):
+        return a, 0
+    flat = None                         # every allocation kept (one image alone)
     if not len(b.begins):
-        return a
-    if not len(a.begins) and not a.regions:
-        return HeapImage(b.begins, b.sizes, sorted(b.regions, key=lambda r: r[0]))
-    spans = sorted([(base, base + _nbytes(buf), buf) for base, buf in a.regions + b.regions],
+        regions = a.regions
+    elif not len(a.begins) and not a.regions:
+        regions = sorted(b.regions, key=lambda r: r[0])
+    else:
+        regions, spans = _merge_regions(a.regions + b.regions)
+        flat = array("Q", [x for s in spans for x in s])
+    dropped = array("Q", sorted(drop))
+    total = len(a.begins) + len(b.begins)
+    begins, sizes = _zeros_q(total), _zeros_q(total)
+    ab, k1 = u64_view(a.begins)
+    asz, k2 = u64_view(a.sizes)
+    bb, k3 = u64_view(b.begins)
+    bsz, k4 = u64_view(b.sizes)
+    st = ffi.new("mu_merge_stats *")
+    n = lib.mu_merge_blocks(ab, asz, len(a.begins), bb, bsz, len(b.begins),
+                            ffi.NULL if flat is None else ffi.from_buffer("uint64_t[]", flat),
+                            0 if flat is None else len(flat) // 2,
+                            ffi.from_buffer("uint64_t[]", dropped), len(dropped),
+                            ffi.from_buffer("uint64_t[]", begins),
+                            ffi.from_buffer("uint64_t[]", sizes), total, st)
+    del k1, k2, k3, k4
+    if n == -errno.ERANGE:
+        raise ValueError(f"allocations overlap at {st.overlap_at:#x}")
+    check(n, "merge allocations")
+    del begins[n:]
+    del sizes[n:]
+    return HeapImage(begins, sizes, regions), st.removed
+
+
+def _zeros_q(n: int) -> array:
+    return array("Q", (0,)) * n
+
+
+def _merge_regions(pairs) -> Tuple[list, List[Tuple[int, int]]]:
+    """(regions sorted and disjoint, their (lo, hi) spans): overlapping copies become the one
+    that covers them all, or one new copy of their union."""
+    spans = sorted([(base, base + _nbytes(buf), buf) for base, buf in pairs],
                    key=lambda t: (t[0], -t[1]))
     groups = []
     for lo, hi, buf in spans:
@@ -197,64 +256,16 @@ def merge_images(a: HeapImage, b: HeapImage) -> HeapImage:
         for mlo, mhi, mbuf in members:
             view[mlo - lo:mhi - lo] = memoryview(mbuf).cast("B")
         regions.append((lo, buf))
-    begins, sizes = array("Q"), array("Q")
-    for lo, hi, _ in groups:
-        alo, ahi = _slice(a.begins, lo, hi)
-        blo, bhi = _slice(b.begins, lo, hi)
-        if alo == ahi or blo == bhi:
-            src, s_lo, s_hi = (a, alo, ahi) if blo == bhi else (b, blo, bhi)
-            begins.extend(src.begins[s_lo:s_hi])
-            sizes.extend(src.sizes[s_lo:s_hi])
-            continue
-        _interleave(begins, sizes, (a, alo, ahi), (b, blo, bhi))
-    return HeapImage(begins, sizes, regions)
-
-
-def _interleave(begins, sizes, one, two) -> None:
-    """Append the allocations of two ascending slices (image, lo, hi) in address order: the
-    smaller side is placed by bisection into the larger, copied by array slices. ValueError
-    when a placed allocation overlaps a neighbour."""
-    (big, blo, bhi), (small, slo, shi) = sorted((one, two), key=lambda t: -(t[2] - t[1]))
-    placed = []
-    pos = blo
-    for k in range(slo, shi):
-        x = small.begins[k]
-        cut = bisect.bisect_left(big.begins, x, pos, bhi)
-        begins.extend(big.begins[pos:cut])
-        sizes.extend(big.sizes[pos:cut])
-        placed.append(len(begins))
-        begins.append(x)
-        sizes.append(small.sizes[k])
-        pos = cut
-    begins.extend(big.begins[pos:bhi])
-    sizes.extend(big.sizes[pos:bhi])
-    n = len(begins)
-    for i in placed:
-        for j in (i - 1, i):
-            if 0 <= j < n - 1 and begins[j] + max(sizes[j], 1) > begins[j + 1]:
-                raise ValueError(f"allocations overlap at {begins[j + 1]:#x}")
-
-
+    return regions, [(lo, hi) for lo, hi, _ in groups]
 
 
 # Returns (image without the allocations that begin at one of `addresses`, how many went).
-# One native pass over copies of the arrays (mu_walk_subtract), not a Python slice per dropped
-# block (300 dead blocks of a pytest process: 2 ms of array slicing). image is not modified.
+# image is not modified.
 def drop_blocks(image: HeapImage, addresses: Sequence[int]) -> Tuple[HeapImage, int]:
-    drop = array("Q", addresses)
-    if not drop or not len(image.begins):
+    if not len(addresses) or not len(image.begins):
         return image, 0
-    begins, sizes = array("Q", image.begins), array("Q", image.sizes)
-    removed = ffi.new("uint64_t *")
-    n = check(lib.mu_walk_subtract(ffi.from_buffer("uint64_t[]", begins),
-                                   ffi.from_buffer("uint64_t[]", sizes), len(begins),
-                                   ffi.from_buffer("uint64_t[]", drop), len(drop), removed),
-              "drop dead blocks")
-    if not removed[0]:
-        return image, 0
-    del begins[n:]
-    del sizes[n:]
-    return HeapImage(begins, sizes, image.regions), removed[0]
+    out, n = merge_dropping(image, HeapImage(array("Q"), array("Q"), []), addresses)
+    return (out, n) if n else (image, 0)
 
 
 def _gc_states(cp: CPythonMap) -> Optional[List[int]]:
@@ -376,12 +387,14 @@ def varsized_type(mem, cp: CPythonMap, t: Optional[int], shape: Tuple[int, int])
 # objects: their bytecode and inline caches follow tp_basicsize, 3.11+).
 def sized_types(mem, maps, cp: CPythonMap, types, header_only: bool = False) -> List[Tuple[int, int]]:
     reader = object_reader(mem, cp)
+    lo, hi = _object_span(maps, cp.runtime.object_path)
     own = [(m.begin, m.end) for m in maps if m.path == cp.runtime.object_path]
     out = []
     for t in types:
-        if not any(b <= t < e for b, e in own) or reader.type_info(t) is None:
+        if not lo <= t < hi or not any(b <= t < e for b, e in own) \
+                or reader.type_info(t) is None:
             continue
-        basic, item = struct.unpack("<QQ", mem.read(t + L.TP_BASICSIZE, 16))
+        basic, item = reader.type_words(t)[2:4]
         off = reader.object_offset(t)
         if (item and not header_only) or basic < 16 or basic > 1 << 16 or basic % 8 \
                 or off is None or off > 48:
@@ -390,20 +403,38 @@ def sized_types(mem, maps, cp: CPythonMap, types, header_only: bool = False) -> 
     return out
 
 
+def _object_span(maps, path: str) -> Tuple[int, int]:
+    """[lowest begin, highest end) of the mappings of path ((0, 0) for none)."""
+    own = [m for m in maps if m.path == path]
+    return (min(m.begin for m in own), max(m.end for m in own)) if own else (0, 0)
+
+
+# (ElfFacts, load bias) of the runtime's object by its mappings' identity and addresses: the
+# file is not opened again while the same file stays mapped at the same place
+_RUNTIME_FACTS: dict = {}
+
+
 # Returns {symbol: address} of the runtime's static type objects in `wanted` ({symbol:
 # tp_name}) that its ELF file exports and whose tp_name in the snapshot matches; {} when the
 # ELF file cannot be read. One ELF lookup for them all.
 def static_types(mem, maps, pid, cp: CPythonMap, wanted: Dict[str, str]) -> Dict[str, int]:
     from memunreachable.cpython import locate
     mappings = [m for m in maps if m.path == cp.runtime.object_path]
-    try:
-        with locate._open(cp.runtime.object_path, mappings, pid) as f:
-            facts = locate.elf_facts(f)
-    except OSError:
-        return {}
-    bias = locate.facts_bias(facts, mappings) if facts is not None else None
-    if bias is None:
-        return {}
+    key = tuple([(m.begin, m.end, m.offset, m.dev, m.inode, m.path) for m in mappings])
+    known = _RUNTIME_FACTS.get(key)
+    if known is None:
+        try:
+            with locate._open(cp.runtime.object_path, mappings, pid) as f:
+                facts = locate.elf_facts(f)
+        except OSError:
+            return {}
+        bias = locate.facts_bias(facts, mappings) if facts is not None else None
+        if bias is None:
+            return {}
+        if len(_RUNTIME_FACTS) >= 16:
+            _RUNTIME_FACTS.clear()
+        _RUNTIME_FACTS[key] = known = (facts, bias)
+    facts, bias = known
     reader = object_reader(mem, cp)     # type_info does not depend on the reader's prefix
     out = {}
     for sym, name in wanted.items():
@@ -416,23 +447,39 @@ def static_types(mem, maps, pid, cp: CPythonMap, wanted: Dict[str, str]) -> Dict
 
 
 # Returns [Range] of the stale slots of every list on the GC lists (mu_list_slack): words
-# above ob_size in its item array, which are not references.
-def list_slack(image: HeapImage, head_word, list_type: int) -> List[Range]:
+# above ob_size in its item array, which are not references. as_pairs: (begin, end) tuples.
+def list_slack(image: HeapImage, head_word, list_type: int, as_pairs: bool = False) -> list:
     return _gc_object_ranges(image, head_word, lambda args, out, cap: lib.mu_list_slack(
-        *args, list_type, out, cap))
+        *args, list_type, out, cap), as_pairs)
+
+
+# The native arguments describing one image (begins, sizes, n, regions, nregions) and what
+# keeps them alive, for the passes over the same merged image (walk_gc_lists, list_slack,
+# field_blocks): built once a sweep, not once a pass. prepare() clears it.
+_IMAGE_ARGS: dict = {}
+
+
+def _image_args(image: HeapImage) -> tuple:
+    hit = _IMAGE_ARGS.get(id(image))
+    if hit is not None and hit[0] is image:
+        return hit[1]
+    begins, kb = u64_view(image.begins)
+    sizes, ks = u64_view(image.sizes)
+    regs, kr = region_array(image.regions)
+    args = (begins, sizes, len(image.begins), regs, len(image.regions))
+    _IMAGE_ARGS.clear()
+    _IMAGE_ARGS[id(image)] = (image, args, (kb, ks, kr))
+    return args
 
 
 # Returns the [Range] pairs a native pass over the GC objects of image stores (mu_list_slack,
 # mu_field_blocks): call(args, out, cap) with args = (begins, sizes, n, regions, nregions,
-# head_word); [] on an error.
-def _gc_object_ranges(image: HeapImage, head_word, call) -> List[Range]:
+# head_word); [] on an error. as_pairs: (begin, end) tuples instead of Ranges.
+def _gc_object_ranges(image: HeapImage, head_word, call, as_pairs: bool = False) -> list:
     n = len(image.begins)
     if not n:
         return []
-    begins, kb = u64_view(image.begins)
-    sizes, ks = u64_view(image.sizes)
-    regs, kr = region_array(image.regions)
-    args = (begins, sizes, n, regs, len(image.regions), ffi.from_buffer("uint8_t[]", head_word))
+    args = _image_args(image) + (ffi.from_buffer("uint8_t[]", head_word),)
     cap = 4096
     while True:
         out = array("Q", bytes(16 * cap))
@@ -440,10 +487,37 @@ def _gc_object_ranges(image: HeapImage, head_word, call) -> List[Range]:
         if rc <= cap:
             break
         cap = rc
-    del kb, ks, kr
     if rc < 0:
         return []
-    return [Range(out[2 * k], out[2 * k + 1]) for k in range(rc)]
+    del out[2 * rc:]
+    pairs = list(zip(out[0::2], out[1::2]))
+    return pairs if as_pairs else [Range(b, e) for b, e in pairs]
+
+
+# Returns ((begin, end) pairs, (list slack, type docs, io buffers) counts) of list_slack,
+# type_docs and io_buffers over the same GC objects, found in one native pass
+# (mu_gc_dead_ranges) instead of three; list_type 0: no list rule. ([], (0, 0, 0)) on an error.
+def gc_dead_ranges(image: HeapImage, head_word, list_type: int, metas: Sequence[int],
+                   buffered: Sequence[int]):
+    if not len(image.begins):
+        return [], (0, 0, 0)
+    m, b = array("Q", metas), array("Q", buffered)
+    args = _image_args(image) + (ffi.from_buffer("uint8_t[]", head_word),)
+    counts = ffi.new("uint64_t[3]")
+    cap = 4096
+    while True:
+        out = array("Q", bytes(16 * cap))
+        rc = lib.mu_gc_dead_ranges(*args, list_type, ffi.from_buffer("uint64_t[]", m), len(m),
+                                   L.TP_DOC, L.TP_FLAGS, L.TPFLAGS_HEAPTYPE,
+                                   ffi.from_buffer("uint64_t[]", b), len(b), L.BUFFERED_BUFFER,
+                                   ffi.from_buffer("uint64_t[]", out), cap, counts)
+        if rc <= cap:
+            break
+        cap = rc
+    if rc < 0:
+        return [], (0, 0, 0)
+    del out[2 * rc:]
+    return list(zip(out[0::2], out[1::2])), (counts[0], counts[1], counts[2])
 
 
 # Returns the metatypes among `types` (type objects whose tp_flags has
@@ -451,12 +525,9 @@ def _gc_object_ranges(image: HeapImage, head_word, call) -> List[Range]:
 def metatypes(mem, cp: CPythonMap, types) -> List[int]:
     reader = object_reader(mem, cp)
     out = []
-    for t in types:             # one word each; the few candidates are then checked whole
-        try:
-            (flags,) = struct.unpack("<Q", mem.read(t + L.TP_FLAGS, 8))
-        except (MemoryUnreadable, struct.error):
-            continue
-        if flags & L.TPFLAGS_TYPE_SUBCLASS and reader.type_info(t) is not None:
+    for t in types:             # one read each; the few candidates are then checked whole
+        w = reader.type_words(t)
+        if w is not None and w[4] & L.TPFLAGS_TYPE_SUBCLASS and reader.type_info(t) is not None:
             out.append(t)
     return sorted(out)
 
@@ -464,20 +535,21 @@ def metatypes(mem, cp: CPythonMap, types) -> List[int]:
 # Returns [Range] of the blocks that field `field` of the GC objects of `types` (ascending)
 # points at, when the object's word at flag_off has a bit of flag_mask (0: always).
 def field_blocks(image: HeapImage, head_word, types: Sequence[int], field: int,
-                 flag_off: int = 0, flag_mask: int = 0) -> List[Range]:
+                 flag_off: int = 0, flag_mask: int = 0, as_pairs: bool = False) -> list:
     if not types:
         return []
     arr = array("Q", types)
     return _gc_object_ranges(image, head_word, lambda args, out, cap: lib.mu_field_blocks(
         *args, ffi.from_buffer("uint64_t[]", arr), len(arr), field, flag_off, flag_mask, out,
-        cap))
+        cap), as_pairs)
 
 
 # Returns [Range] of the heap types' docstring copies: text, not references. A stale
 # pointer's high bytes in the allocator's slack after the text's NUL read as a pointer into
 # a leaked block (MEMUNREACHABLE_EXPLAIN: a pytest class's 1,112-byte docstring).
-def type_docs(image: HeapImage, head_word, metas: Sequence[int]) -> List[Range]:
-    return field_blocks(image, head_word, metas, L.TP_DOC, L.TP_FLAGS, L.TPFLAGS_HEAPTYPE)
+def type_docs(image: HeapImage, head_word, metas: Sequence[int], as_pairs: bool = False) -> list:
+    return field_blocks(image, head_word, metas, L.TP_DOC, L.TP_FLAGS, L.TPFLAGS_HEAPTYPE,
+                        as_pairs=as_pairs)
 
 
 IO_BUFFERED = ("_io.BufferedReader", "_io.BufferedWriter", "_io.BufferedRandom")
@@ -488,12 +560,9 @@ IO_BUFFERED = ("_io.BufferedReader", "_io.BufferedWriter", "_io.BufferedRandom")
 def buffered_types(mem, cp: CPythonMap, types) -> List[int]:
     reader = object_reader(mem, cp)
     out = []
-    for t in types:             # one word each; the few of the right size are then named
-        try:
-            (basic,) = struct.unpack("<Q", mem.read(t + L.TP_BASICSIZE, 8))
-        except (MemoryUnreadable, struct.error):
-            continue
-        if basic != L.BUFFERED_SIZE:
+    for t in types:             # one read each; the few of the right size are then named
+        w = reader.type_words(t)
+        if w is None or w[2] != L.BUFFERED_SIZE:
             continue
         ti = reader.type_info(t)
         if ti is not None and ti[0] in IO_BUFFERED:
@@ -505,8 +574,9 @@ def buffered_types(mem, cp: CPythonMap, types) -> List[int]:
 # reference): a BufferedWriter's 4-8 KiB buffer keeps the stale bytes of its block's earlier
 # users past what was written (MEMUNREACHABLE_EXPLAIN: a leaked list and a forgotten 4 KiB
 # block, each hidden by an address in a pytest process's pipe and capture-file buffers).
-def io_buffers(image: HeapImage, head_word, buffered: Sequence[int]) -> List[Range]:
-    return field_blocks(image, head_word, buffered, L.BUFFERED_BUFFER)
+def io_buffers(image: HeapImage, head_word, buffered: Sequence[int],
+               as_pairs: bool = False) -> list:
+    return field_blocks(image, head_word, buffered, L.BUFFERED_BUFFER, as_pairs=as_pairs)
 
 
 # Returns the ob_type of each thread's innermost frame (3.8-3.10: frames are heap objects,
@@ -524,6 +594,9 @@ def frame_types(mem, cp: CPythonMap) -> List[int]:
     return out
 
 
+_TYPES_OUT = array("Q", bytes(8 * MAX_TYPES))      # walk_gc_lists' output, reused
+
+
 # Returns (head_word bytearray, node count, distinct object types, problem or ""): walks the
 # generation lists in C (native/mu_gc.c) over the image's allocations.
 def walk_gc_lists(image: HeapImage, heads: Sequence[Tuple[int, int, int]]):
@@ -531,17 +604,14 @@ def walk_gc_lists(image: HeapImage, heads: Sequence[Tuple[int, int, int]]):
     head_word = bytearray(n)
     if not heads:
         return head_word, 0, [], "heads could not be read"
-    begins, kb = u64_view(image.begins)
-    sizes, ks = u64_view(image.sizes)
-    regs, kr = region_array(image.regions)
+    begins, sizes, _n, regs, nregs = _image_args(image)
     flat = array("Q", [w for t in heads for w in t])
     st = ffi.new("mu_gc_walk_stats *")
-    types = array("Q", bytes(8 * MAX_TYPES))
-    rc = lib.mu_gc_walk(begins, sizes, n, regs, len(image.regions),
+    types = _TYPES_OUT
+    rc = lib.mu_gc_walk(begins, sizes, n, regs, nregs,
                         ffi.from_buffer("uint64_t[]", flat), len(heads), MAX_GC_NODES,
                         ffi.from_buffer("uint8_t[]", head_word) if n else ffi.NULL,
                         ffi.from_buffer("uint64_t[]", types), MAX_TYPES, st)
-    del kb, ks, kr
     if rc < 0:
         why = GC_ERRORS.get(-rc, f"could not be walked (error {-rc})")
         return head_word, 0, [], (f"at {heads[st.bad_list][0]:#x} {why} "

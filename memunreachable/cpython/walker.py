@@ -28,6 +28,7 @@ from memunreachable._types import Mapping, Range, ThreadState, merge_ranges
 from memunreachable.cpython import layout as L
 from memunreachable.cpython import locate, obmalloc
 from memunreachable.cpython.locate import InterpreterInfo, LayoutMismatch, Runtime
+from memunreachable.memory import CopiedMemory
 
 MAX_CHUNKS = 1 << 16
 OPAQUE = "its memory is treated as before (scanned whole as roots)"
@@ -85,12 +86,17 @@ class CPythonMap:
         return merge_ranges(list(self.heap_ranges) + list(self.dead_ranges))
 
 
+_Q, _I = struct.Struct("<Q"), struct.Struct("<i")
+
+
 def _u64(mem, addr: int) -> int:
-    return struct.unpack("<Q", mem.read(addr, 8))[0]
+    view = mem.view(addr, 8) if isinstance(mem, CopiedMemory) else None    # no bytes copy
+    return _Q.unpack_from(view if view is not None else mem.read(addr, 8))[0]
 
 
 def _i32(mem, addr: int) -> int:
-    return struct.unpack("<i", mem.read(addr, 4))[0]
+    view = mem.view(addr, 4) if isinstance(mem, CopiedMemory) else None
+    return _I.unpack_from(view if view is not None else mem.read(addr, 4))[0]
 
 
 # Returns the data stack of thread state ts: live [data, datastack_top) of the current chunk

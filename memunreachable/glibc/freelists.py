@@ -72,8 +72,9 @@ def tcache_context(w, loc: locate.Located, scan: detect.AllocatorScan,
 def _object_data(maps: List[Mapping], scan: detect.AllocatorScan) -> List[Range]:
     """The malloc object's writable mappings and the anonymous .bss continuation after each."""
     out = []
+    objects = set(scan.object_mappings)         # hashed once: not a list search per mapping
     for k, m in enumerate(maps):
-        if m in scan.object_mappings and m.writable and m.readable:
+        if m.writable and m.readable and m in objects:
             out.append(m.range)
             if k + 1 < len(maps):
                 nxt = maps[k + 1]
@@ -219,7 +220,7 @@ class FreeListsMixin:
                     mangled: bool):
         """[(bin, count, mu_chain_result, prefix)] of every bin of the tcache at addr that has
         a count or a head."""
-        data = self.mem.read(addr, tc.entries + 8 * tc.nbins)
+        data = self.read(addr, tc.entries + 8 * tc.nbins)
         fmt = "<%d%s" % (tc.nbins, "B" if tc.count_width == 1 else "H")
         counts = struct.unpack_from(fmt, data, 0)
         entries = struct.unpack_from("<%dQ" % tc.nbins, data, tc.entries)
@@ -265,7 +266,7 @@ class FreeListsMixin:
         tab, ntab = self.regions_table()
         st_ = lay.state
         for k, arena in enumerate(arenas):
-            heads = struct.unpack("<%dQ" % st_.nfastbins, self.mem.read(arena + st_.fastbins,
+            heads = struct.unpack("<%dQ" % st_.nfastbins, self.read(arena + st_.fastbins,
                                                                          8 * st_.nfastbins))
             limit = self.arena_chunks.get(arena, 0)
             for i, head in enumerate(heads):

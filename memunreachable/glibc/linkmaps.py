@@ -18,7 +18,7 @@ returned. Static executables (no DT_DEBUG) have none.
 from __future__ import annotations
 
 import struct
-from typing import Dict, List, Optional
+from typing import Dict, List, Optional, Tuple
 
 from memunreachable import procfs
 from memunreachable._errors import MemoryUnreadable, NoSuchProcess
@@ -86,20 +86,67 @@ def chain_zero(mem, l_addr: int, l_ld: int) -> Optional[int]:
     return table + 16 + 8 * bloom_size + 4 * nbuckets - 4 * symoffset
 
 
-def of_process(mem, pid: int) -> List[int]:
-    """computed_words of process pid (its auxiliary vector read from /proc)."""
+class Memo:
+    """What computed_words learns from the mapped files alone, kept while they stay the same
+    (the pytest plugin's helper checks one process after every test): r_debug's address and
+    each object's l_gnu_chain_zero by (l_addr, l_ld). Both come from the executable's and the
+    objects' own dynamic sections and GNU hash headers, which do not change while the same
+    files are mapped at the same addresses. The link maps themselves are read every time."""
+
+    def __init__(self, key=None):
+        self.key = key
+        self.r_debug: Optional[int] = None
+        self.have_r_debug = False
+        self.chain_zero: Dict[Tuple[int, int], Optional[int]] = {}
+        # the last answer's words and their values: when each word still holds its value, the
+        # chain is not walked again (a word of ld.so's link maps that comes to hold such a
+        # value later, in a map not walked, would count as a reference: as before this stage)
+        self.words: Optional[List[Tuple[int, int]]] = None
+
+
+_MEMO = Memo()
+
+
+def files_key(maps) -> tuple:
+    """The identity of a process's mapped files (path, device, inode, address and offset of
+    each file mapping): another key after any dlopen, dlclose or exec. Not the pid: each
+    check sweeps a new snapshot process of the same target; what the Memo holds follows from
+    the files and their addresses alone."""
+    return tuple([(m.path, m.dev, m.inode, m.begin, m.offset) for m in maps if m.inode])
+
+
+def of_process(mem, pid: int, maps=None) -> List[int]:
+    """computed_words of process pid (its auxiliary vector read from /proc). With its maps,
+    what depends on the mapped files alone is kept for the next call (Memo)."""
+    global _MEMO
+    memo = None
+    if maps is not None:
+        key = files_key(maps)
+        if _MEMO.key != key:
+            _MEMO = Memo(key)
+        memo = _MEMO
+    if memo is not None and memo.have_r_debug:
+        return computed_words(mem, {}, memo)
     try:
         auxv = procfs.read_auxv(pid)
     except (OSError, NoSuchProcess):
         return []
-    return computed_words(mem, auxv)
+    return computed_words(mem, auxv, memo)
 
 
 # Returns the addresses of the link-map words that hold their object's l_gnu_chain_zero,
 # ascending; [] when the link maps cannot be found or read (the words then count as before).
-def computed_words(mem, auxv: Dict[int, int]) -> List[int]:
+# memo: a Memo of the same mapped files (auxv is not read when it knows r_debug).
+def computed_words(mem, auxv: Dict[int, int], memo: Optional[Memo] = None) -> List[int]:
+    if memo is not None and memo.words is not None and _still_hold(mem, memo.words):
+        return [addr for addr, _ in memo.words]
     try:
-        start = r_debug_address(mem, auxv)
+        if memo is not None and memo.have_r_debug:
+            start = memo.r_debug
+        else:
+            start = r_debug_address(mem, auxv)
+            if memo is not None:
+                memo.r_debug, memo.have_r_debug = start, True
         if start is None:
             return []
         lm = _u64(mem, start + 8)                       # r_debug.r_map
@@ -112,15 +159,31 @@ def computed_words(mem, auxv: Dict[int, int]) -> List[int]:
             l_addr, _name, l_ld, l_next = struct.unpack("<QQQQ", mem.read(lm, 32))
         except (MemoryUnreadable, struct.error):
             break                                       # the chain cannot be followed
-        try:
-            value = chain_zero(mem, l_addr, l_ld) if l_ld else None
-        except (MemoryUnreadable, struct.error):
-            value = None                                # this object only (the vdso, say)
+        if memo is not None and (l_addr, l_ld) in memo.chain_zero:
+            value = memo.chain_zero[(l_addr, l_ld)]
+        else:
+            try:
+                value = chain_zero(mem, l_addr, l_ld) if l_ld else None
+                if memo is not None:
+                    memo.chain_zero[(l_addr, l_ld)] = value
+            except (MemoryUnreadable, struct.error):
+                value = None                            # this object only (the vdso, say)
         if value is not None:
             words = _read_up_to(mem, lm, LINK_MAP_BYTES)
-            out += _aligned_hits(words, value.to_bytes(8, "little"), lm)
+            out += [(a, value) for a in _aligned_hits(words, value.to_bytes(8, "little"), lm)]
         lm = l_next
-    return sorted(out)
+    out.sort()
+    if memo is not None:
+        memo.words = out
+    return [addr for addr, _ in out]
+
+
+def _still_hold(mem, words: List[Tuple[int, int]]) -> bool:
+    """Every (address, value) of words reads as that value in mem."""
+    try:
+        return all(_u64(mem, addr) == value for addr, value in words)
+    except (MemoryUnreadable, struct.error):
+        return False
 
 
 # Returns base + k for every 8-aligned offset k of data where the 8 bytes are needle

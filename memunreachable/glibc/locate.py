@@ -172,7 +172,25 @@ def iter_mp_images(img: _Image) -> Iterator[Tuple[int, L.MallocPar]]:
 
 
 def locate_in_file(mappings: List[Mapping], pid: Optional[int], path: str) -> Optional[Located]:
-    """Method A. None when the image has no unique main_arena/mp_ pattern."""
+    """Method A. None when the image has no unique main_arena/mp_ pattern. A result found is
+    kept for the same file mapped at the same addresses (the pattern search over libc's
+    writable segments took ~1 ms a check of the pytest plugin's helper)."""
+    key = (path, tuple([(m.begin, m.end, m.offset, m.dev, m.inode, m.path) for m in mappings]))
+    hit = _LOCATED.get(key)
+    if hit is not None:
+        return hit
+    loc = _locate_in_file(mappings, pid, path)
+    if loc is not None:
+        if len(_LOCATED) >= 64:
+            _LOCATED.clear()
+        _LOCATED[key] = loc
+    return loc
+
+
+_LOCATED: dict = {}     # locate_in_file's results by file identity and addresses
+
+
+def _locate_in_file(mappings: List[Mapping], pid: Optional[int], path: str) -> Optional[Located]:
     img = read_image(mappings, pid)
     if img is None:
         return None

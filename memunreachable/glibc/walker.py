@@ -21,7 +21,7 @@ from array import array
 from typing import Dict, List, Optional, Tuple
 
 from memunreachable import detect
-from memunreachable._errors import UnsupportedTarget
+from memunreachable._errors import MemoryUnreadable, UnsupportedTarget
 from memunreachable._ffi import check, ffi, lib
 from memunreachable._types import (Allocator, Fields, HeapImage, Mapping, Range, ThreadState,
                                    local_buffer, merge_ranges, subtract_ranges)
@@ -41,6 +41,7 @@ RUN_START_TRIES = 64        # candidate run starts tried after a main-arena doub
 # at an allocation) of at most 1/DIVISOR of the bytes of each heap; the mark reads the rest.
 CANDIDATE_BUDGET_DIVISOR = 8
 WORD = struct.Struct("<Q")
+PAGE_SIZE = 4096
 
 
 class HeapWalk(Fields):
@@ -195,13 +196,38 @@ class _Walker(FreeListsMixin):
         self.free_nodes: List[int] = []
         self.arena_free: Dict[int, int] = {}   # arena -> bit-free chunks found by the walk
         self.arena_chunks: Dict[int, int] = {}
+        self._pages: Dict[int, Optional[bytes]] = {}   # read(): page address -> bytes or None
 
     # -- memory helpers -------------------------------------------------------------
     def word(self, addr: int) -> int:
-        return WORD.unpack(self.mem.read(addr, 8))[0]
+        return WORD.unpack(self.read(addr, 8))[0]
 
     def i32(self, addr: int) -> int:
-        return struct.unpack("<i", self.mem.read(addr, 4))[0]
+        return struct.unpack("<i", self.read(addr, 4))[0]
+
+    def read(self, addr: int, size: int) -> bytes:
+        """mem.read(addr, size); a read inside one page comes from that page, read whole once
+        (main_arena's and mp_'s fields, heap headers, tcache structs: ~15 reads of a few pages
+        a check, each a read of the snapshot that faults its page in). Only pages no overlay
+        or tolerated range meets (mem.plain); any other read, or a page that cannot be read
+        whole, goes to mem.read as before (same bytes, same errors)."""
+        page = addr & ~(PAGE_SIZE - 1)
+        if 0 < size and addr + size <= page + PAGE_SIZE:
+            if page not in self._pages:
+                data = None
+                plain = getattr(self.mem, "plain", None)
+                if plain is not None and plain(page, PAGE_SIZE):
+                    buf = bytearray(PAGE_SIZE)
+                    try:
+                        self.mem.read_into(page, buf)
+                        data = bytes(buf)
+                    except MemoryUnreadable:
+                        pass
+                self._pages[page] = data
+            data = self._pages[page]
+            if data is not None:
+                return data[addr - page:addr - page + size]
+        return self.mem.read(addr, size)
 
     def copy(self, base: int, size: int, read: bool = True) -> _Copy:
         c = _Copy(self.mem, base, size, read)

@@ -88,3 +88,19 @@ def test_register_words_include_fp_state():
     words = register_words([t])
     assert 0x777 in words and 0x42 in words and 0x100 in words
     assert words[27:] == [0x1234, 0x5678]
+
+
+def test_data_ranges_follow_new_maps_and_unwritten_ranges():
+    # the answers are kept for the same inputs (the plugin's helper): a mapping added
+    # (dlopen) or another unwritten set must give the new answer, not the kept one
+    from memunreachable.classify import data_ranges, mapping_classes
+    first = data_ranges(MAPS, [])
+    assert first == [Range(0x1000, 0x2000), Range(0x3000, 0x4000), Range(0x51000, 0x53000)]
+    assert data_ranges(MAPS, []) == first
+    assert data_ranges(MAPS, [Range(0x51000, 0x52000)]) == first[:2] + [Range(0x52000, 0x53000)]
+    more = MAPS + [m(0xd0000, 0xd1000, "r-xp", "/lib/new.so", 11),
+                   m(0xd1000, 0xd2000, "rw-p", "/lib/new.so", 11)]
+    assert data_ranges(more, []) == first + [Range(0xd1000, 0xd2000)]
+    assert classify(more, [], [], []).ranges[-1] == Range(0xd1000, 0xd2000)
+    assert [x for x, cls in mapping_classes(more)[0] if cls == "data"][-1] == more[-1]
+    assert data_ranges(MAPS, []) == first

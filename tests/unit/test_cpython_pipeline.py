@@ -263,3 +263,144 @@ def test_io_buffers_are_the_blocks_of_buffered_objects_buffer_field():
     head_word = bytes([1] * len(blocks) + [0] * len(bufs))
     assert P.io_buffers(img, head_word, [WRITER]) == [Range(0x3000, 0x3000 + 4104)]
     assert P.io_buffers(img, head_word, []) == []
+
+
+# --- the native array passes against the Python they replaced --------------------------------
+def _ref_overlapping_pools(blocks, pool_size, gb, gs):
+    """drop_overlapping's Python loop before mu_pools_overlapping."""
+    import bisect
+    pools = sorted({b - b % pool_size for b in blocks})
+    bad = []
+    for p in pools:
+        i = bisect.bisect_left(gb, p + pool_size)
+        if i and gb[i - 1] + max(gs[i - 1], 1) > p:
+            bad.append(p)
+    return bad
+
+
+def _ref_merge(a, b, drop):
+    """merge_images (region groups, then interleave) and drop_blocks before mu_merge_blocks,
+    as a plain model: allocations inside the merged regions' spans, address order, a-b
+    neighbours must not overlap, then the ones beginning at a drop address removed."""
+    spans = sorted((base, base + len(buf)) for base, buf in a.regions + b.regions)
+    groups = []
+    for lo, hi in spans:
+        if groups and lo < groups[-1][1]:
+            groups[-1][1] = max(groups[-1][1], hi)
+        else:
+            groups.append([lo, hi])
+    inside = lambda x: any(lo <= x < hi for lo, hi in groups)
+    items = sorted([(x, 0, s) for x, s in zip(a.begins, a.sizes) if inside(x)]
+                   + [(x, 1, s) for x, s in zip(b.begins, b.sizes) if inside(x)])
+    for (x, src, s), (y, src2, _) in zip(items, items[1:]):
+        if src != src2 and x + max(s, 1) > y:
+            raise ValueError(y)
+    drop = set(drop)
+    kept = [(x, s) for x, _, s in items if x not in drop]
+    return [x for x, _ in kept], [s for _, s in kept], len(drop & {x for x, _, _ in items})
+
+
+def _random_images(rng):
+    """A glibc-like image and a pymalloc-like image over a shared address space."""
+    regions = [(A + k * 0x10000, bytearray(rng.choice([0x4000, 0x8000, 0x10000])))
+               for k in range(6)]
+    ga, gs, pa, ps = [], [], [], []
+    for base, buf in regions:
+        x = base + rng.randrange(0, 64, 16)
+        while x < base + len(buf) - 512:
+            size = rng.randrange(16, 400, 8)
+            (ga if (x // 0x2000) % 2 else pa).append(x)
+            (gs if (x // 0x2000) % 2 else ps).append(size)
+            x += size + rng.choice([0, 16, 48])
+    ga.append(A + 0x90000)                   # outside every region: left out
+    gs.append(32)
+    glibc = image(ga, gs, [r for k, r in enumerate(regions) if k % 2 == 0])
+    py = image(pa, ps, [r for k, r in enumerate(regions) if k % 2 == 1 or k == 0])
+    return glibc, py
+
+
+def test_merge_dropping_equals_the_python_model_on_random_images():
+    import random
+    rng = random.Random(7)
+    for _ in range(30):
+        glibc, py = _random_images(rng)
+        every = list(glibc.begins) + list(py.begins)
+        drop = rng.sample(every, 25) + [A + 8, A + 0x7FFF8]        # two that match nothing
+        begins, sizes, removed = _ref_merge(glibc, py, drop)
+        out, n = P.merge_dropping(glibc, py, drop)
+        assert (list(out.begins), list(out.sizes), n) == (begins, sizes, removed)
+        assert list(P.merge_images(glibc, py).begins) == _ref_merge(glibc, py, [])[0]
+
+
+def test_merge_dropping_rejects_overlap_between_the_images_only():
+    glibc = image([A + 0x100, A + 0x110], [0x20, 0x20], [(A, bytearray(0x1000))])  # overlap
+    py = image([A + 0x200], [16], [(A, bytearray(0x1000))])
+    out, _ = P.merge_dropping(glibc, py, [])        # within one image: not this stage's test
+    assert list(out.begins) == [A + 0x100, A + 0x110, A + 0x200]
+    py = image([A + 0x118], [16], [(A, bytearray(0x1000))])
+    with pytest.raises(ValueError, match=hex(A + 0x118)):
+        P.merge_dropping(glibc, py, [])
+    zero = image([A + 0x300], [0], [(A, bytearray(0x1000))])     # a 0-byte block spans 1
+    with pytest.raises(ValueError):
+        P.merge_dropping(zero, image([A + 0x300], [16], [(A, bytearray(0x1000))]), [])
+
+
+def test_overlapping_pools_equal_the_python_loop():
+    import random
+    rng = random.Random(3)
+    ps = 0x4000
+    for _ in range(50):
+        blocks = sorted({POOL + rng.randrange(0, 40 * ps, 16) for _ in range(300)})
+        gb, gs, x = [], [], POOL - ps
+        while x < POOL + 41 * ps:
+            x += rng.randrange(ps // 2, 3 * ps, 16)
+            gb.append(x)
+            gs.append(rng.choice([0, 16, rng.randrange(16, 2 * ps, 8)]))
+            x += gs[-1]
+        want = _ref_overlapping_pools(blocks, ps, gb, gs)
+        assert P._overlapping_pools(array("Q", blocks), ps, array("Q", gb), array("Q", gs)) == want
+    many = array("Q", [POOL + k * ps + 48 for k in range(200)])     # more than the first cap
+    assert P._overlapping_pools(many, ps, array("Q", [POOL]), array("Q", [200 * ps])) == \
+        [POOL + k * ps for k in range(200)]
+
+
+def test_gc_dead_ranges_equals_the_three_passes_on_random_objects():
+    import random
+    rng = random.Random(11)
+    LIST, META, OTHER_META, BUF, OTHER = 0x7000, 0x7100, 0x7200, 0x7300, 0x7400
+    base, nobj, ntarget = 0x10000, 300, 40
+    targets = [base + 0x40000 + 0x100 * k for k in range(ntarget)]
+    data = bytearray(0x40000)
+    begins, sizes, head = [], [], []
+    for k in range(nobj):
+        at = base + 0x200 * k
+        tp = rng.choice([LIST, META, OTHER_META, BUF, OTHER, META])
+        words = [rng.choice([0, 1, 2, 5, 9]) for _ in range(30)]
+        words[0], words[1] = 1, tp                       # ob_refcnt, ob_type (after the head)
+        words[2], words[4] = rng.randrange(0, 6), rng.randrange(0, 8)     # list size, allocated
+        words[3] = rng.choice(targets) + rng.choice([0, 0, 3])            # list items
+        words[(L.TP_FLAGS) // 8] = rng.choice([0, L.TPFLAGS_HEAPTYPE])
+        words[L.TP_DOC // 8] = rng.choice(targets + [0, targets[0] + 8])
+        words[L.BUFFERED_BUFFER // 8] = rng.choice(targets + [0])
+        body = bytes(16) + struct.pack("<30Q", *words)
+        data[at - base:at - base + len(body)] = body
+        begins.append(at)
+        sizes.append(rng.choice([256, 56, 190]))          # some too small for a rule's fields
+        head.append(rng.choice([1, 1, 1, 0]))
+    begins += targets
+    sizes += [0x80] * ntarget
+    head += [0] * ntarget
+    pieces = [(base + k, bytearray(data[k:k + 0x10000])) for k in range(0, 0x40000, 0x10000)
+              if k != 0x20000]                  # four regions, one left out: objects unread
+    img = HeapImage(array("Q", begins), array("Q", sizes),
+                    pieces + [(base + 0x40000, bytearray(0x100 * ntarget))])
+    hw = bytes(head)
+    for list_type, metas, buffered in [(LIST, [META], [BUF]), (0, [META, OTHER_META], []),
+                                       (LIST, [], [BUF, META]), (LIST, [META], [META])]:
+        slack = P.list_slack(img, hw, list_type) if list_type else []
+        docs = P.type_docs(img, hw, metas)
+        bufs = P.io_buffers(img, hw, buffered)
+        pairs, counts = P.gc_dead_ranges(img, hw, list_type, metas, buffered)
+        assert counts == (len(slack), len(docs), len(bufs))
+        assert sorted(pairs) == sorted((r.begin, r.end) for r in slack + docs + bufs)
+        assert sum(counts) > 5

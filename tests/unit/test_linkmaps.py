@@ -107,3 +107,23 @@ def test_an_unreadable_object_skips_only_itself():
     # a dynamic section that ends its mapping 48 bytes in: read up to there
     holey = Holey(mem.blocks, (LIB2 + 0x200 + 48, LIB2 + 0x2a0))
     assert LM.computed_words(holey, auxv()) == [LM1 + 808, LM2 + 800]
+
+
+def test_a_memo_serves_the_same_words_until_one_no_longer_holds_its_value():
+    mem, cz1, cz2 = image()
+    memo = LM.Memo(("files",))
+    assert LM.computed_words(mem, auxv(), memo) == [LM1 + 808, LM2 + 800]
+    assert memo.have_r_debug and memo.r_debug == R_DEBUG
+    assert memo.chain_zero == {(LIB1, LIB1 + 0x200): cz1, (LIB2, LIB2 + 0x200): cz2,
+                               (0, LIB1 + 0x900): None}
+    # the memo answers without the auxiliary vector or the chain (r_debug emptied: unread)
+    mem.blocks[R_DEBUG] = struct.pack("<IIQ", 1, 0, 0)
+    assert LM.computed_words(mem, {}, memo) == [LM1 + 808, LM2 + 800]
+    # a word that no longer holds its value: the chain is walked again (from r_debug, known)
+    mem.blocks[R_DEBUG] = struct.pack("<IIQ", 1, 0, LM1)
+    lm2 = bytearray(mem.blocks[LM2])
+    struct.pack_into("<Q", lm2, 800, 0)
+    struct.pack_into("<Q", lm2, 816, cz2)
+    mem.blocks[LM2] = bytes(lm2)
+    assert LM.computed_words(mem, {}, memo) == [LM1 + 808, LM2 + 816]
+    assert memo.words == [(LM1 + 808, cz1), (LM2 + 816, cz2)]

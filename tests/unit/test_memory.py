@@ -64,6 +64,16 @@ def test_a_tolerated_page_reads_as_zeros_and_is_counted(three_pages_middle_unrea
     assert mem.tolerated_bytes == PAGE
 
 
+def test_a_tolerated_page_reads_as_zeros_into_a_used_buffer(three_pages_middle_unreadable):
+    # use_heap_buffers: the buffer is malloc's memory as it is, holding an earlier sweep's
+    # bytes; the tolerated page must not keep them (stale words there could hide a leak)
+    base, _ = three_pages_middle_unreadable
+    buf = bytearray(b"\xee" * 3 * PAGE)
+    with ProcessMemory(os.getpid(), tolerated=[Range(base + PAGE, base + 2 * PAGE)]) as mem:
+        mem.read_into(base, buf)
+    assert bytes(buf) == b"\x11" * PAGE + bytes(PAGE) + b"\x33" * PAGE
+
+
 def test_overlays_supply_memory_the_process_cannot_show(three_pages_middle_unreadable):
     base, _ = three_pages_middle_unreadable
     copy = bytearray(b"\x44" * PAGE)
@@ -293,6 +303,45 @@ def test_copied_memory_small_reads_outside_copies_come_from_cached_pages(
         assert pm.tolerated_bytes == 8 and mem._pages[base + PAGE] is None
 
 
+def test_unwritten_file_pages_are_the_unwritten_parts_of_file_mappings():
+    from memunreachable.memory import unwritten_file_pages
+    text = Mapping(0xf000, 0x10000, "r-xp", 0x1000, "08:01", 77, "/lib/x.so")
+    lib = Mapping(0x10000, 0x14000, "r--p", 0x2000, "08:01", 77, "/lib/x.so")
+    data = Mapping(0x14000, 0x16000, "rw-p", 0x6000, "08:01", 77, "/lib/x.so")
+    anon = m(0x16000, 0x18000)
+    shared = Mapping(0x18000, 0x19000, "rw-s", 0, "08:01", 78, "/tmp/shm")
+    locale = Mapping(0x20000, 0x21000, "r--p", 0, "08:01", 79, "/usr/lib/locale/archive")
+    unwritten = [Range(0x11000, 0x15000), Range(0x18000, 0x19000), Range(0x20000, 0x21000)]
+    assert unwritten_file_pages([text, lib, data, anon, shared, locale], unwritten) == [
+        (Range(0x11000, 0x14000), ("08:01", 77, 0x3000)),
+        (Range(0x14000, 0x15000), ("08:01", 77, 0x6000))]
+
+
+def test_copied_memory_keeps_file_pages_between_sweeps_by_file_identity():
+    # the same file page at another address (another process, another sweep) is served from
+    # the first read; a page of another file, or outside file_pages, is read from memory
+    from memunreachable._types import BufferMemory
+    from memunreachable import memory as M
+
+    class Plain(BufferMemory):          # read from the fd alone, as a ProcessMemory says
+        __slots__ = ()
+
+        def plain(self, addr, size):
+            return True
+    M._FILE_PAGES.clear()
+    one = M.CopiedMemory(Plain({0x10000: b"n" * 0x2000}), [],
+                         [(Range(0x10000, 0x12000), ("08:01", 5, 0x4000))])
+    assert one.read(0x11008, 4) == b"nnnn"
+    other = Plain({0x30000: b"m" * 0x2000})            # would read "m": the memo answers
+    two = M.CopiedMemory(other, [], [(Range(0x30000, 0x32000), ("08:01", 5, 0x4000))])
+    assert two.read(0x31008, 4) == b"nnnn"
+    assert two.read(0x30008, 4) == b"mmmm"             # file offset 0x4000: not read before
+    three = M.CopiedMemory(other, [], [(Range(0x30000, 0x32000), ("08:01", 6, 0x4000))])
+    assert three.read(0x31008, 4) == b"mmmm"           # another inode
+    assert M.CopiedMemory(other, []).read(0x31008, 4) == b"mmmm"
+    M._FILE_PAGES.clear()
+
+
 def resident_pages(buf) -> list:
     """mincore(2) of an mmap object: 1 per resident page."""
     libc = ctypes.CDLL(None, use_errno=True)
@@ -317,3 +366,21 @@ def test_sparse_reads_release_the_pages_read_as_zeros():
             want = [int(not sparse or p in (0, 7, 8, 63)) for p in range(64)]
             assert resident_pages(dst) == want      # (before a read maps the zero page there)
             assert dst[:] == src[:] and dst2[:] == src2
+
+
+def test_plan_of_the_same_inputs_is_kept_and_other_inputs_plan_again():
+    from memunreachable.procfs import parse_smaps_flags
+    rows = parse_smaps_flags(SMAPS)
+    target = [mp for mp, _ in rows]
+    size = {0x7f0000000000: 0x10000}
+    files = lambda mp_: size.get(mp_.begin, 0x10000)       # noqa: E731
+    first = plan_snapshot(target, rows, files)
+    again = plan_snapshot(target, rows, files)
+    assert again == first and again.unwritten is not first.unwritten      # new lists
+    # the untouched mapping written since (an anonymous page): a root again
+    written = parse_smaps_flags(SMAPS.replace("Anonymous:             0 kB", "Anonymous: 4 kB", 1))
+    assert plan_snapshot(target, written, files).unwritten == []
+    # a file shorter now: its pages past the end are tolerated
+    size[0x7f0000000000] = 0x1000
+    assert Range(0x7f0000001000, 0x7f0000002000) in plan_snapshot(target, rows, files).tolerated
+    assert Range(0x7f0000001000, 0x7f0000002000) not in first.tolerated

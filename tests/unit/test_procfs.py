@@ -145,3 +145,32 @@ def test_parse_seccomp():
     assert procfs.parse_seccomp(b"Name:\tx\nSeccomp:\t1\nSeccomp_filters:\t0\nSpeculation_Store_Bypass:\tx\n") == (1, 0)
     assert procfs.parse_seccomp(b"Name:\tx\nSeccomp:\t2\n") == (2, 0)
     assert procfs.parse_seccomp(b"Name:\tx\nState:\tS\n") == (0, 0)
+
+
+def _smaps_flags_model(text):
+    """parse_smaps_flags as one pass over the lines (the regex alternation it replaced)."""
+    import re
+    out = []
+    for m in re.finditer(r"\n(?:([0-9a-f]+-[0-9a-f]+ [^\n]*)|(Anonymous|Swap):\s*(\d+)|"
+                         r"VmFlags:([^\n]*))", "\n" + text):
+        header, counter, flags = m.group(1, 3, 4)
+        if header is not None:
+            out.append((procfs.parse_maps(header)[0], frozenset()))
+        elif out and counter is not None:
+            if int(counter):
+                out[-1] = (out[-1][0], out[-1][1] | {"written"})
+        elif out and flags is not None:
+            out[-1] = (out[-1][0], out[-1][1] | frozenset(flags.split()))
+    return out
+
+
+def test_parse_smaps_flags_equals_the_line_model_on_this_process():
+    with open("/proc/self/smaps") as f:
+        text = f.read()
+    got = procfs.parse_smaps_flags(text)
+    assert got == _smaps_flags_model(text)
+    assert any("written" in fl for _, fl in got) and any("rd" in fl for _, fl in got)
+    # a counter or flags line before any header belongs to no mapping; an old kernel's
+    # mapping without VmFlags gets none
+    odd = "Anonymous: 4 kB\nVmFlags: rd\n" + text.replace("VmFlags:", "Other:", 1)
+    assert procfs.parse_smaps_flags(odd) == _smaps_flags_model(odd)

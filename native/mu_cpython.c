@@ -1,0 +1,224 @@
+/* mu_cpython.c: array passes of the CPython pipeline stage (see mu_cpython.h). */
+#include "mu_core_impl.h"
+
+static int in_spans(const uint64_t *spans, uint64_t nspans, uint64_t *k, uint64_t addr)
+{
+    if (!spans)
+        return 1;
+    while (*k < nspans && spans[2 * *k + 1] <= addr)
+        (*k)++;
+    return *k < nspans && spans[2 * *k] <= addr;
+}
+
+int64_t mu_merge_blocks(const uint64_t *a_begin, const uint64_t *a_size, uint64_t na,
+                        const uint64_t *b_begin, const uint64_t *b_size, uint64_t nb,
+                        const uint64_t *spans, uint64_t nspans,
+                        const uint64_t *drop, uint64_t ndrop,
+                        uint64_t *out_begin, uint64_t *out_size, uint64_t cap,
+                        mu_merge_stats *stats)
+{
+    if ((na && (!a_begin || !a_size)) || (nb && (!b_begin || !b_size)) ||
+        (ndrop && !drop) || !stats || (cap && (!out_begin || !out_size)))
+        return -EINVAL;
+    stats->removed = 0;
+    stats->overlap_at = 0;
+    uint64_t i = 0, j = 0, ka = 0, kb = 0, d = 0, w = 0;
+    uint64_t prev_end = 0;
+    int prev_src = -1;
+    while (i < na || j < nb) {
+        int src;
+        uint64_t begin, size;
+        if (j >= nb || (i < na && a_begin[i] <= b_begin[j])) {
+            src = 0;
+            begin = a_begin[i];
+            size = a_size[i++];
+            if (!in_spans(spans, nspans, &ka, begin))
+                continue;
+        } else {
+            src = 1;
+            begin = b_begin[j];
+            size = b_size[j++];
+            if (!in_spans(spans, nspans, &kb, begin))
+                continue;
+        }
+        if (prev_src >= 0 && prev_src != src && prev_end > begin) {
+            stats->overlap_at = begin;
+            return -ERANGE;
+        }
+        prev_src = src;
+        prev_end = begin + (size ? size : 1);
+        while (d < ndrop && drop[d] < begin)
+            d++;
+        if (d < ndrop && drop[d] == begin) {
+            stats->removed++;
+            while (d < ndrop && drop[d] == begin)
+                d++;
+            continue;
+        }
+        if (w >= cap)
+            return -ENOSPC;
+        out_begin[w] = begin;
+        out_size[w] = size;
+        w++;
+    }
+    return (int64_t)w;
+}
+
+int64_t mu_pools_overlapping(const uint64_t *blocks, uint64_t n, uint64_t pool_size,
+                             const uint64_t *g_begin, const uint64_t *g_size, uint64_t gn,
+                             uint64_t *out, uint64_t cap)
+{
+    if (!pool_size || (n && !blocks) || (gn && (!g_begin || !g_size)) || (cap && !out))
+        return -EINVAL;
+    uint64_t found = 0, g = 0, i = 0;
+    while (i < n) {
+        uint64_t p = blocks[i] - blocks[i] % pool_size, end = p + pool_size;
+        while (g < gn && g_begin[g] < end)              /* g: first beginning at or after end */
+            g++;
+        if (g && g_begin[g - 1] + (g_size[g - 1] ? g_size[g - 1] : 1) > p) {
+            if (found < cap)
+                out[found] = p;
+            found++;
+        }
+        /* the next pool's first block: gallop past this pool's blocks, then bisect */
+        uint64_t step = 1, lo = i + 1, hi;
+        while (i + step < n && blocks[i + step] < end) {
+            lo = i + step + 1;
+            step <<= 1;
+        }
+        hi = i + step < n ? i + step : n;
+        while (lo < hi) {
+            uint64_t mid = lo + (hi - lo) / 2;
+            if (blocks[mid] < end)
+                lo = mid + 1;
+            else
+                hi = mid;
+        }
+        i = lo;
+    }
+    return (int64_t)found;
+}
+
+/* The index of v in the ascending array a[0..n), or n. */
+static uint64_t cp_find_sorted(const uint64_t *a, uint64_t n, uint64_t v)
+{
+    uint64_t lo = 0, hi = n;
+    while (lo < hi) {
+        uint64_t mid = (lo + hi) >> 1;
+        if (a[mid] < v)
+            lo = mid + 1;
+        else
+            hi = mid;
+    }
+    return lo < n && a[lo] == v ? lo : n;
+}
+
+/* mu_region_find for addresses that never go below the lowest region holding an earlier one
+ * (the objects of an ascending pass): *cur moves forward past regions that end at or below
+ * addr, so a pass costs O(objects + regions), not a bisection per object. Index of the
+ * region holding [addr, addr+n), or -1 (as mu_region_find). */
+static int64_t region_from(const mu_region *r, uint64_t nr, uint64_t *cur, uint64_t addr,
+                           uint64_t n)
+{
+    while (*cur < nr && r[*cur].base + r[*cur].len <= addr)
+        (*cur)++;
+    uint64_t k = *cur;
+    if (k < nr && r[k].base <= addr && addr + n <= r[k].base + r[k].len && addr + n >= addr)
+        return (int64_t)k;
+    return -1;
+}
+
+/* mu_field_blocks' test for object i (its object at obj): the block its field points at. */
+static int field_block(const uint64_t *begin, const uint64_t *size, uint64_t n,
+                       const mu_region *heap, uint64_t nheap, uint64_t *cur, uint64_t i,
+                       uint64_t obj, uint64_t field, uint64_t flag_off, uint64_t flag_mask,
+                       uint64_t *k_out)
+{
+    uint64_t last = (field > flag_off ? field : flag_off) + 8;
+    if (obj + last > begin[i] + size[i])
+        return 0;
+    int64_t r = region_from(heap, nheap, cur, obj, last);
+    if (r < 0)
+        return 0;
+    const uint8_t *o = heap[r].data + (obj - heap[r].base);
+    uint64_t flags, ptr;
+    memcpy(&flags, o + flag_off, 8);
+    memcpy(&ptr, o + field, 8);
+    if (!ptr || (flag_mask && !(flags & flag_mask)))
+        return 0;
+    uint64_t k = cp_find_sorted(begin, n, ptr);
+    if (k == n || k == i)
+        return 0;
+    *k_out = k;
+    return 1;
+}
+
+int64_t mu_gc_dead_ranges(const uint64_t *begin, const uint64_t *size, uint64_t n,
+                          const mu_region *heap, uint64_t nheap, const uint8_t *head_word,
+                          uint64_t list_type, const uint64_t *metas, uint64_t nmetas,
+                          uint64_t doc_field, uint64_t flag_off, uint64_t flag_mask,
+                          const uint64_t *buffered, uint64_t nbuffered, uint64_t buf_field,
+                          uint64_t *out, uint64_t cap, uint64_t *counts)
+{
+    if ((n && (!begin || !size || !head_word)) || (nheap && !heap) || (cap && !out) || !counts
+        || (nmetas && !metas) || (nbuffered && !buffered)
+        || doc_field < 16 || (doc_field & 7) || doc_field > 4096 || (flag_off & 7)
+        || flag_off > 4096 || buf_field < 16 || (buf_field & 7) || buf_field > 4096)
+        return -EINVAL;
+    uint64_t found = 0, cur = 0;
+    counts[0] = counts[1] = counts[2] = 0;
+    for (uint64_t i = 0; i < n; i++) {
+        if (!head_word[i])
+            continue;
+        uint64_t obj = begin[i] + 8 * (uint64_t)(head_word[i] - 1) + 16;
+        if (obj + 16 > begin[i] + size[i])
+            continue;
+        int64_t r = region_from(heap, nheap, &cur, obj + 8, 8);
+        if (r < 0)
+            continue;
+        uint64_t tp, k, pair[3][2];
+        memcpy(&tp, heap[r].data + (obj + 8 - heap[r].base), 8);
+        int hit[3] = {0, 0, 0};
+        if (list_type && tp == list_type) {         /* mu_list_slack */
+            int64_t q = obj + 40 <= begin[i] + size[i] ? region_from(heap, nheap, &cur, obj + 8, 32)
+                                                       : -1;
+            if (q >= 0) {
+                const uint8_t *o = heap[q].data + (obj - heap[q].base);
+                uint64_t n_size, item, alloc;
+                memcpy(&n_size, o + 16, 8);
+                memcpy(&item, o + 24, 8);
+                memcpy(&alloc, o + 32, 8);
+                if (item && !(item & 7) && (int64_t)n_size >= 0 && n_size < alloc
+                    && alloc <= (1ull << 40)) {
+                    pair[0][0] = item + 8 * n_size;
+                    pair[0][1] = item + 8 * alloc;
+                    hit[0] = 1;
+                }
+            }
+        }
+        if (nmetas && cp_find_sorted(metas, nmetas, tp) < nmetas
+            && field_block(begin, size, n, heap, nheap, &cur, i, obj, doc_field, flag_off,
+                           flag_mask, &k)) {
+            pair[1][0] = begin[k];
+            pair[1][1] = begin[k] + size[k];
+            hit[1] = 1;
+        }
+        if (nbuffered && cp_find_sorted(buffered, nbuffered, tp) < nbuffered
+            && field_block(begin, size, n, heap, nheap, &cur, i, obj, buf_field, 0, 0, &k)) {
+            pair[2][0] = begin[k];
+            pair[2][1] = begin[k] + size[k];
+            hit[2] = 1;
+        }
+        for (int rule = 0; rule < 3; rule++) {
+            if (!hit[rule])
+                continue;
+            if (found < cap) {
+                out[2 * found] = pair[rule][0];
+                out[2 * found + 1] = pair[rule][1];
+            }
+            found++;
+            counts[rule]++;
+        }
+    }
+    return (int64_t)found;
+}
