@@ -28,6 +28,8 @@ def main(argv=None) -> int:
     ap.add_argument("--fd", type=int, required=True)
     args = ap.parse_args(argv)
     _keep_freed_memory()
+    from memunreachable.mark import use_every_cpu
+    use_every_cpu()             # the caller waits idle while we sweep: its CPU is free
     _warm(args.pid)
     for line in sys.stdin.buffer:
         words = line.split()
