@@ -78,6 +78,26 @@ class FrozenFields(Fields):
 _set = object.__setattr__
 
 
+def record(cls):
+    """@dataclass(frozen=True) for plain records declared with annotations (and defaults): a
+    FrozenFields class of the same name with the annotated names as fields, in order, and an
+    __init__ taking them (the defaults filling in). Methods and properties stay. Only __init__
+    is compiled (one small exec); the CPython layouts' 9 classes cost 10-17 ms of every import
+    of the pipeline as dataclasses (plus the dataclasses module), 1-2 ms as records."""
+    names = tuple(cls.__dict__.get("__annotations__", {}))
+    defaults = {n: cls.__dict__[n] for n in names if n in cls.__dict__}
+    ns = {k: v for k, v in cls.__dict__.items()
+          if k not in names and k not in ("__dict__", "__weakref__")}
+    ns["__slots__"] = names
+    params = ", ".join(f"{n}=_d_{n}" if n in defaults else n for n in names)
+    code = f"def __init__(self, {params}):\n    _set_fields(self, {', '.join(names)})\n"
+    env = {"_set_fields": set_fields, **{f"_d_{n}": v for n, v in defaults.items()}}
+    exec(code, env)     # noqa: S102 - names are the class's own identifiers
+    ns["__init__"] = env["__init__"]
+    ns["__init__"].__qualname__ = f"{cls.__qualname__}.__init__"
+    return type(cls.__name__, (FrozenFields,), ns)
+
+
 def set_fields(obj: FrozenFields, *values) -> None:
     """In a FrozenFields' __init__: its fields, in order, get `values`."""
     for name, value in zip(obj._fields, values):

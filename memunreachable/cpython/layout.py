@@ -1,6 +1,6 @@
 """Stage 4 (allocations, CPython): CPython runtime and pymalloc layouts as data (x86_64, LP64).
 
-One frozen dataclass per CPython minor version, 3.8 through 3.13, default (GIL) builds. Every
+One frozen record (_types.record) per CPython minor version, 3.8 through 3.13, default (GIL) builds. Every
 offset mirrors a struct of that version's headers (Include/internal/pycore_runtime.h,
 pycore_interp.h, Include/cpython/pystate.h, pycore_frame.h, pycore_obmalloc.h, pycore_freelist.h;
 3.8-3.11 pymalloc structs are private to Objects/obmalloc.c) and was printed with offsetof()
@@ -11,8 +11,9 @@ trusted. No offset literal may appear outside this module (style.md rule 7).
 """
 from __future__ import annotations
 
-from dataclasses import dataclass
 from typing import Dict, Optional, Tuple
+
+from memunreachable._types import record
 
 WORD = 8
 
@@ -22,7 +23,7 @@ NUM_SIZE_CLASSES = 32           # SMALL_REQUEST_THRESHOLD 512 / ALIGNMENT
 POOL_OVERHEAD = 48              # sizeof(struct pool_header): first block offset
 
 
-@dataclass(frozen=True)
+@record
 class PoolHeader:
     """struct pool_header (all versions): 48 bytes."""
     count: int = 0              # ref.count (uint, union padded to 8)
@@ -36,7 +37,7 @@ class PoolHeader:
     sizeof: int = 48
 
 
-@dataclass(frozen=True)
+@record
 class ArenaObject:
     """struct arena_object (all versions): 48 bytes; address 0 = slot unused."""
     address: int = 0
@@ -53,7 +54,7 @@ POOL = PoolHeader()
 ARENA = ArenaObject()
 
 
-@dataclass(frozen=True)
+@record
 class ObmallocState:
     """struct _obmalloc_state (3.12+), reached from the interpreter: embedded at
     interp+interp_offset (3.12) or through the pointer there (3.13)."""
@@ -65,7 +66,7 @@ class ObmallocState:
     sizeof: int
 
 
-@dataclass(frozen=True)
+@record
 class Obmalloc:
     arena_size: int             # 256 KiB (3.8/3.9), 1 MiB with USE_LARGE_ARENAS (3.10+)
     pool_size: int              # 4 KiB (3.8/3.9), 16 KiB with USE_LARGE_POOLS (3.10+)
@@ -75,7 +76,7 @@ class Obmalloc:
         return ALIGNMENT * (szidx + 1)
 
 
-@dataclass(frozen=True)
+@record
 class DataStack:
     """3.11+ per-thread frame data stack: PyThreadState.datastack_* and _PyStackChunk."""
     tstate_chunk: int
@@ -87,7 +88,7 @@ class DataStack:
     chunk_data: int = 24
 
 
-@dataclass(frozen=True)
+@record
 class FreeLists:
     """Per-interpreter free lists (3.10+; 3.8/3.9 keep them in unexported statics).
 
@@ -120,7 +121,7 @@ TUPLE_ITEM0 = 24                # PyTupleObject.ob_item[0]
 DEBUG_COOKIE = b"xdebugpy"
 
 
-@dataclass(frozen=True)
+@record
 class DebugOffsets:
     """Where the fields we cross-check sit inside _Py_DebugOffsets (3.13.0)."""
     cookie: int = 0
@@ -151,7 +152,7 @@ ALLOCATORS_WITH_DEBUG_HOOKS = (2, 4, 6, 8)
 DEBUG_HOOK_PREFIX = 16
 
 
-@dataclass(frozen=True)
+@record
 class Layout:
     """Everything read about one CPython minor version."""
     version: Tuple[int, int]
@@ -249,7 +250,7 @@ def get_layout(version: Optional[Tuple[int, int]], table: Optional[Dict] = None)
 
 
 # --- GC generation lists (Include/internal/pycore_gc.h; 3.8 pycore_pymem.h) -----------------
-@dataclass(frozen=True)
+@record
 class GcState:
     """struct _gc_runtime_state (240 bytes, same fields in 3.8-3.13): in _PyRuntime (3.8) or in
     each interpreter (3.9+). Its list heads are PyGC_Heads whose links are not references."""

@@ -6,7 +6,7 @@ import pickle
 
 import pytest
 
-from memunreachable._types import Fields, FrozenFields, Mapping, Range, ThreadState, set_fields
+from memunreachable._types import Fields, FrozenFields, Mapping, Range, ThreadState, record, set_fields
 
 MODULES = ("classify", "detect", "diagnose", "elf", "folding", "freeze", "leftovers", "preflight",
            "procfs", "seccomp", "snapshot", "suppressions", "sweeper", "symbolize", "tracking",
@@ -107,3 +107,28 @@ def test_a_subclass_adds_its_fields_after_its_bases():
     assert Point(5, 6) == Point(5, 6) and Point(5, 6) != p and p.__reduce__()[1] == (1, 2, 3)
     loose = Loose(1, 2, "n")
     assert loose._astuple() == (1, 2) and loose.note == "n"
+
+
+@record
+class Rec:
+    a: int
+    b: int = 2
+    c: str = "x"
+
+    @property
+    def total(self) -> int:
+        return self.a + self.b
+
+
+def test_record_is_a_frozen_dataclass():
+    r = Rec(1, c="y")
+    assert (r.a, r.b, r.c, r.total) == (1, 2, "y", 3)
+    assert r == Rec(a=1, b=2, c="y") and r != Rec(1, 3, "y") and hash(r) == hash(Rec(1, 2, "y"))
+    assert repr(r) == "Rec(a=1, b=2, c='y')"
+    assert pickle.loads(pickle.dumps(r)) == r
+    assert list(inspect.signature(Rec.__init__).parameters) == ["self", "a", "b", "c"]
+    with pytest.raises(AttributeError):
+        r.a = 5
+    for bad in (lambda: Rec(), lambda: Rec(1, 2, "z", 4), lambda: Rec(1, a=1), lambda: Rec(1, d=0)):
+        with pytest.raises(TypeError):
+            bad()
