@@ -102,6 +102,20 @@ class ProcessMemory:
         self.close()
 
 
+def plain_page(mem, page: int) -> Optional[bytes]:
+    """The PAGE bytes at page (aligned) read whole from mem, when no overlay or tolerated range
+    meets them (mem.plain) and they can be read; else None (the caller reads as before)."""
+    plain = getattr(mem, "plain", None)
+    if plain is None or not plain(page, PAGE):
+        return None
+    buf = bytearray(PAGE)
+    try:
+        mem.read_into(page, buf)
+    except MemoryUnreadable:
+        return None
+    return bytes(buf)
+
+
 class CopiedMemory:
     """A Memory reader that serves reads from local copies of the same snapshot when one copy
     holds the whole range, and from `mem` otherwise: the sweep reads each byte once (the
@@ -164,15 +178,7 @@ class CopiedMemory:
             if data is not None:
                 self._pages[page] = data
                 return data
-        data = None
-        plain = getattr(self.mem, "plain", None)
-        if plain is not None and plain(page, PAGE):
-            buf = bytearray(PAGE)
-            try:
-                self.mem.read_into(page, buf)
-                data = bytes(buf)
-            except MemoryUnreadable:
-                pass
+        data = plain_page(self.mem, page)
         self._pages[page] = data
         if key is not None and data is not None:
             if len(_FILE_PAGES) >= _FILE_PAGES_MAX:

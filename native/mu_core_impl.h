@@ -114,6 +114,20 @@ static inline int mu_live_next(mu_live_iter *it, uint64_t *b, uint64_t *e)
     }
 }
 
+
+/* The index of v in the ascending array a[0..n), or n. */
+static inline uint64_t mu_find_sorted(const uint64_t *a, uint64_t n, uint64_t v)
+{
+    uint64_t lo = 0, hi = n;
+    while (lo < hi) {
+        uint64_t mid = (lo + hi) >> 1;
+        if (a[mid] < v)
+            lo = mid + 1;
+        else
+            hi = mid;
+    }
+    return lo < n && a[lo] == v ? lo : n;
+}
 /* Index of the region holding [addr, addr+n), or -1. */
 static inline int64_t mu_region_find(const mu_region *r, uint64_t nr, uint64_t addr, uint64_t n)
 {

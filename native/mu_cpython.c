@@ -99,20 +99,6 @@ int64_t mu_pools_overlapping(const uint64_t *blocks, uint64_t n, uint64_t pool_s
     return (int64_t)found;
 }
 
-/* The index of v in the ascending array a[0..n), or n. */
-static uint64_t cp_find_sorted(const uint64_t *a, uint64_t n, uint64_t v)
-{
-    uint64_t lo = 0, hi = n;
-    while (lo < hi) {
-        uint64_t mid = (lo + hi) >> 1;
-        if (a[mid] < v)
-            lo = mid + 1;
-        else
-            hi = mid;
-    }
-    return lo < n && a[lo] == v ? lo : n;
-}
-
 /* mu_region_find for addresses that never go below the lowest region holding an earlier one
  * (the objects of an ascending pass): *cur moves forward past regions that end at or below
  * addr, so a pass costs O(objects + regions), not a bisection per object. Index of the
@@ -146,7 +132,7 @@ static int field_block(const uint64_t *begin, const uint64_t *size, uint64_t n,
     memcpy(&ptr, o + field, 8);
     if (!ptr || (flag_mask && !(flags & flag_mask)))
         return 0;
-    uint64_t k = cp_find_sorted(begin, n, ptr);
+    uint64_t k = mu_find_sorted(begin, n, ptr);
     if (k == n || k == i)
         return 0;
     *k_out = k;
@@ -196,14 +182,14 @@ int64_t mu_gc_dead_ranges(const uint64_t *begin, const uint64_t *size, uint64_t 
                 }
             }
         }
-        if (nmetas && cp_find_sorted(metas, nmetas, tp) < nmetas
+        if (nmetas && mu_find_sorted(metas, nmetas, tp) < nmetas
             && field_block(begin, size, n, heap, nheap, &cur, i, obj, doc_field, flag_off,
                            flag_mask, &k)) {
             pair[1][0] = begin[k];
             pair[1][1] = begin[k] + size[k];
             hit[1] = 1;
         }
-        if (nbuffered && cp_find_sorted(buffered, nbuffered, tp) < nbuffered
+        if (nbuffered && mu_find_sorted(buffered, nbuffered, tp) < nbuffered
             && field_block(begin, size, n, heap, nheap, &cur, i, obj, buf_field, 0, 0, &k)) {
             pair[2][0] = begin[k];
             pair[2][1] = begin[k] + size[k];

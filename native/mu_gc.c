@@ -152,20 +152,6 @@ int64_t mu_list_slack(const uint64_t *begin, const uint64_t *size, uint64_t n,
 
 #define TPFLAGS_HEAPTYPE (1ull << 9)
 
-/* The index of v in the ascending array a[0..n), or n. */
-static uint64_t find_sorted(const uint64_t *a, uint64_t n, uint64_t v)
-{
-    uint64_t lo = 0, hi = n;
-    while (lo < hi) {
-        uint64_t mid = (lo + hi) >> 1;
-        if (a[mid] < v)
-            lo = mid + 1;
-        else
-            hi = mid;
-    }
-    return lo < n && a[lo] == v ? lo : n;
-}
-
 int64_t mu_field_blocks(const uint64_t *begin, const uint64_t *size, uint64_t n,
                         const mu_region *heap, uint64_t nheap, const uint8_t *head_word,
                         const uint64_t *types, uint64_t ntypes, uint64_t field,
@@ -190,9 +176,9 @@ int64_t mu_field_blocks(const uint64_t *begin, const uint64_t *size, uint64_t n,
         memcpy(&tp, o + 8, 8);
         memcpy(&flags, o + flag_off, 8);
         memcpy(&ptr, o + field, 8);
-        if (!ptr || (flag_mask && !(flags & flag_mask)) || find_sorted(types, ntypes, tp) == ntypes)
+        if (!ptr || (flag_mask && !(flags & flag_mask)) || mu_find_sorted(types, ntypes, tp) == ntypes)
             continue;
-        uint64_t k = find_sorted(begin, n, ptr);     /* the block starting at the pointer */
+        uint64_t k = mu_find_sorted(begin, n, ptr);     /* the block starting at the pointer */
         if (k == n || k == i)
             continue;
         if (found < cap) {

@@ -30,7 +30,7 @@ from memunreachable.glibc import locate
 from memunreachable.glibc import validate as V
 from memunreachable.glibc.freelists import FreeListsMixin, tcache_context
 from memunreachable.glibc.validate import HeapInconsistent
-from memunreachable.memory import read_many
+from memunreachable.memory import plain_page, read_many
 
 __all__ = ["walk_heap", "HeapWalk", "HeapInconsistent"]
 
@@ -214,16 +214,7 @@ class _Walker(FreeListsMixin):
         page = addr & ~(PAGE_SIZE - 1)
         if 0 < size and addr + size <= page + PAGE_SIZE:
             if page not in self._pages:
-                data = None
-                plain = getattr(self.mem, "plain", None)
-                if plain is not None and plain(page, PAGE_SIZE):
-                    buf = bytearray(PAGE_SIZE)
-                    try:
-                        self.mem.read_into(page, buf)
-                        data = bytes(buf)
-                    except MemoryUnreadable:
-                        pass
-                self._pages[page] = data
+                self._pages[page] = plain_page(self.mem, page)
             data = self._pages[page]
             if data is not None:
                 return data[addr - page:addr - page + size]
