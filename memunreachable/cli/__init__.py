@@ -268,8 +268,33 @@ class Interrupted(KeyboardInterrupt):
         self.signum = signum
 
 
+# [True] while main() puts the old handlers back: a signal then is kept here, not raised (an
+# exception raised there escaped main() as a traceback, exit 1: a SIGHUP at a check's very end
+# in CI, delivered while signal.signal() ran), and is delivered again once they are back
+_RESTORING = [False]
+_ARRIVED: List[int] = []
+
+
 def _raise_interrupted(signum, frame):
+    if _RESTORING[0]:
+        _ARRIVED.append(signum)
+        return
     raise Interrupted(signum)
+
+
+def _restore_signals(old: dict) -> None:
+    """Put back the handlers _catch_signals replaced (the caller set _RESTORING[0] first); a
+    signal that arrived meanwhile is sent again to this process, now to its old handler (the
+    default: the process ends by it, as it would have a moment later)."""
+    try:
+        for signum, handler in old.items():
+            signal.signal(signum, handler)
+    finally:
+        _RESTORING[0] = False
+    if _ARRIVED:
+        signum = _ARRIVED[0]
+        del _ARRIVED[:]
+        os.kill(os.getpid(), signum)
 
 
 def _catch_signals() -> dict:
@@ -415,7 +440,7 @@ def _main(argv: List[str]) -> int:
             print_json_error(kind, f"internal error: {kind}: {exc}", INTERNAL_HINT, pid)
         return code
     finally:
-        for signum, old in old_handlers.items():
-            signal.signal(signum, old)
+        _RESTORING[0] = True            # first: no call before it (a signal could raise there)
+        _restore_signals(old_handlers)
         logging.getLogger(LOGGER).removeHandler(handler)
         logging.getLogger(LOGGER).setLevel(old_level)

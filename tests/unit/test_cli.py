@@ -544,3 +544,23 @@ def test_stats_flattened_without_repeats():
     assert doc["stats"] == flat
     assert doc["allocator"] == {"name": "glibc", "version": "2.36"} and doc["warnings"] == ["w"]
     assert "stats" not in doc["stats"] and "allocator" not in doc["stats"]
+
+
+def test_a_signal_while_the_handlers_are_restored_ends_the_process_by_it():
+    # CI: a SIGHUP at a check's very end arrived while main() put the old handlers back; its
+    # Interrupted escaped main() as a traceback (exit 1). Now it is kept and delivered again to
+    # the old (default) handler once they are back: the process ends by the signal, silently.
+    import subprocess
+    import sys
+    code = ("import os, signal\n"
+            "from memunreachable import cli\n"
+            "old = cli._catch_signals()\n"
+            "assert set(old) == {signal.SIGTERM, signal.SIGHUP}\n"
+            "cli._RESTORING[0] = True\n"
+            "os.kill(os.getpid(), signal.SIGHUP)\n"
+            "print('kept', cli._ARRIVED, flush=True)\n"
+            "cli._restore_signals(old)\n"
+            "print('not reached', flush=True)\n")
+    proc = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=60)
+    assert proc.returncode == -1, (proc.returncode, proc.stderr)
+    assert proc.stdout == "kept [1]\n" and proc.stderr == ""
