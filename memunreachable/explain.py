@@ -73,7 +73,7 @@ def explain(addr: int, image, root_buffers, marked, dead_ranges, blocks, threads
         if nxt is None:
             lines.append(f"  {lo:#x} ({sizes[i]} bytes) <- no referrer found outside the chain")
             break
-        head = bytes(_view(image, begins[nxt], min(sizes[nxt], 32))).hex()
+        head = bytes(_view(image, begins[nxt], min(sizes[nxt], 128))).hex()
         lines.append(f"  {lo:#x} ({sizes[i]} bytes) <- word at {a:#x} (offset {a - begins[nxt]})"
                      f" of {begins[nxt]:#x} ({sizes[nxt]} bytes, starts {head})")
         seen.add(nxt)

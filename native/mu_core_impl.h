@@ -244,8 +244,8 @@ static inline int mu_dead_object(const mu_dead *d, const uint8_t *p, uint64_t le
 }
 
 /* The live length of allocation [b, b+len) (bytes at p, avail readable): len, or less when it
- * holds an object whose words past some point are dead (mu_dead kinds MU_TYPE_FRAME, SIZED,
- * VARSIZED). */
+ * holds an object whose words past some point are dead (mu_dead kinds MU_TYPE_FRAME,
+ * GEN_FRAME, SIZED, VARSIZED). */
 #define MU_FRAME_STACKTOP 64
 #define MU_FRAME_SLOTS 72
 
@@ -310,10 +310,23 @@ static inline uint64_t mu_live_len_r(const mu_dead *d, const mu_rules *r, const 
             int64_t count;
             memcpy(&count, p + off + 16, 8);
             uint64_t head = (code >> 16) & 0xffffffffull, item = (code >> 48) & 0xff;
-            if (count < 0 || (uint64_t)count > len)
+            if (item && (count < 0 || (uint64_t)count > len))
                 continue;           /* not a count we can trust: scan it all */
+            if (!item)
+                count = 0;          /* a fixed-size type that also has the dead-at-zero rule */
             uint64_t end = b + off + ((head + item * (uint64_t)count + 7) & ~7ull);
             return end < b + len ? end - b : len;
+        }
+        if (kind == MU_TYPE_GEN_FRAME) {
+            uint64_t fo = off + ((code >> 16) & 0xffff);
+            int32_t top;
+            if (fo < off + 16 || fo + MU_FRAME_SLOTS > have || (int8_t)p[fo - 5] >= 0)
+                continue;           /* unreadable, running or finished: scan it all */
+            memcpy(&top, p + fo + MU_FRAME_STACKTOP, 4);
+            uint64_t end = fo + MU_FRAME_SLOTS + 8 * (uint64_t)(top < 0 ? 0 : top);
+            if (top < 0 || end > len)
+                continue;           /* not a stacktop we can trust: scan it all */
+            return end;
         }
         if (kind != MU_TYPE_FRAME)
             continue;

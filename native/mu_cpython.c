@@ -208,3 +208,133 @@ int64_t mu_gc_dead_ranges(const uint64_t *begin, const uint64_t *size, uint64_t 
     }
     return (int64_t)found;
 }
+
+#define MU_SET_TABLE 40
+#define MU_SET_SMALLTABLE 64
+#define MU_SET_SMALLTABLE_END 192
+#define MU_DICT_VALUES 40
+#define MU_STR_STATE 32         /* PyASCIIObject.state (every version) */
+#define MU_STR_COMPACT 0x20     /* its compact bit: the text follows the object inline */
+
+/* The dead parts of the PyDictValues array at values: pairs[0..1] (prefix, then the slots past
+ * the last one in use when there are any). Returns how many pairs (0: not a consistent array). */
+static int values_parts(const uint64_t *begin, const uint64_t *size, uint64_t n,
+                        const mu_region *heap, uint64_t nheap, uint64_t values, uint64_t pairs[2][2])
+{
+    if (!values || (values & 7))
+        return 0;
+    int64_t r = mu_region_find(heap, nheap, values - 2, 2);
+    if (r < 0)
+        return 0;
+    const uint8_t *v = heap[r].data + (values - heap[r].base);
+    uint64_t prefix = v[-1], count = v[-2];
+    if (prefix < 8 || prefix > 248 || (prefix & 7) || count + 2 > prefix)
+        return 0;
+    uint64_t block = values - prefix, k = mu_find_sorted(begin, n, block);
+    if (k == n || block < heap[r].base || size[k] <= prefix)
+        return 0;
+    uint64_t slots = (size[k] - prefix) / 8, used = 0;
+    for (uint64_t j = 0; j < count; j++) {
+        uint64_t ix = v[-3 - (int64_t)j];
+        if (ix >= slots)
+            return 0;
+        if (ix + 1 > used)
+            used = ix + 1;
+    }
+    pairs[0][0] = block;
+    pairs[0][1] = values;
+    if (values + 8 * used >= block + size[k])
+        return 1;
+    pairs[1][0] = values + 8 * used;
+    pairs[1][1] = block + size[k];
+    return 2;
+}
+
+int64_t mu_gc_stale_parts(const uint64_t *begin, const uint64_t *size, uint64_t n,
+                          const mu_region *heap, uint64_t nheap, const uint8_t *head_word,
+                          const uint64_t *sets, uint64_t nsets,
+                          const uint64_t *managed, uint64_t nmanaged, int64_t values_field,
+                          uint32_t values_tag, const uint64_t *dicts, uint64_t ndicts,
+                          const uint64_t *strs, uint64_t nstrs, uint64_t str_utf8,
+                          uint64_t str_data, uint64_t *out, uint64_t cap, uint64_t *counts)
+{
+    if ((n && (!begin || !size || !head_word)) || (nheap && !heap) || (cap && !out) || !counts
+        || (nsets && !sets) || (nmanaged && !managed) || (ndicts && !dicts) || (nstrs && !strs)
+        || values_tag > MU_VALUES_PLAIN || (values_field & 7) || values_field < -64
+        || values_field > 4096 || (str_utf8 & 7) || (str_data & 7) || str_utf8 < 40
+        || str_data < 40 || str_utf8 > 256 || str_data > 256)
+        return -EINVAL;
+    uint64_t found = 0, cur = 0;
+    counts[0] = counts[1] = counts[2] = 0;
+    for (uint64_t i = 0; i < n; i++) {
+        if (!head_word[i])
+            continue;
+        uint64_t obj = begin[i] + 8 * (uint64_t)(head_word[i] - 1) + 16, end = begin[i] + size[i];
+        if (obj + 16 > end)
+            continue;
+        int64_t r = region_from(heap, nheap, &cur, obj + 8, 8);
+        if (r < 0)
+            continue;
+        uint64_t tp, word, pairs[5][2];
+        memcpy(&tp, heap[r].data + (obj + 8 - heap[r].base), 8);
+        int np = 0, hit[3] = {0, 0, 0};
+        if (nsets && obj + MU_SET_SMALLTABLE_END <= end
+            && mu_find_sorted(sets, nsets, tp) < nsets
+            && (r = region_from(heap, nheap, &cur, obj, MU_SET_SMALLTABLE_END)) >= 0) {
+            memcpy(&word, heap[r].data + (obj + MU_SET_TABLE - heap[r].base), 8);
+            if (word != obj + MU_SET_SMALLTABLE) {
+                pairs[0][0] = obj + MU_SET_SMALLTABLE;
+                pairs[0][1] = obj + MU_SET_SMALLTABLE_END;
+                np = hit[0] = 1;
+            }
+        }
+        if (values_tag) {
+            uint64_t at = 0, values = 0;
+            int tagged = 0;
+            if (nmanaged && mu_find_sorted(managed, nmanaged, tp) < nmanaged
+                && obj + values_field >= begin[i]) {
+                at = obj + values_field;
+                tagged = values_tag == MU_VALUES_TAGGED;
+            } else if (ndicts && obj + MU_DICT_VALUES + 8 <= end
+                       && mu_find_sorted(dicts, ndicts, tp) < ndicts) {
+                at = obj + MU_DICT_VALUES;
+            }
+            int64_t q = at ? mu_region_find(heap, nheap, at, 8) : -1;
+            if (q >= 0) {
+                memcpy(&word, heap[q].data + (at - heap[q].base), 8);
+                values = tagged ? ((word & 1) ? word + 1 : 0) : word;
+                int got = values_parts(begin, size, n, heap, nheap, values, pairs + np);
+                np += got;
+                hit[1] = got > 0;
+            }
+        }
+        uint64_t last = (str_utf8 > str_data ? str_utf8 : str_data) + 8;
+        if (nstrs && obj + last <= end && mu_find_sorted(strs, nstrs, tp) < nstrs
+            && (r = region_from(heap, nheap, &cur, obj, last)) >= 0) {
+            const uint8_t *o = heap[r].data + (obj - heap[r].base);
+            uint32_t state;
+            uint64_t buf[2];
+            memcpy(&state, o + MU_STR_STATE, 4);
+            memcpy(&buf[0], o + str_data, 8);
+            memcpy(&buf[1], o + str_utf8, 8);
+            for (int b = 0; b < 2 && !(state & MU_STR_COMPACT); b++) {
+                uint64_t k = buf[b] ? mu_find_sorted(begin, n, buf[b]) : n;
+                if (k == n || k == i || (b == 1 && buf[1] == buf[0]))
+                    continue;
+                pairs[np][0] = begin[k];
+                pairs[np][1] = begin[k] + size[k];
+                np++;
+                hit[2] = 1;
+            }
+        }
+        for (int p = 0; p < np; p++, found++)
+            if (found < cap) {
+                out[2 * found] = pairs[p][0];
+                out[2 * found + 1] = pairs[p][1];
+            }
+        counts[0] += hit[0];
+        counts[1] += hit[1];
+        counts[2] += hit[2];
+    }
+    return (int64_t)found;
+}

@@ -48,3 +48,37 @@ int64_t mu_gc_dead_ranges(const uint64_t *begin, const uint64_t *size, uint64_t 
                           uint64_t doc_field, uint64_t flag_off, uint64_t flag_mask,
                           const uint64_t *buffered, uint64_t nbuffered, uint64_t buf_field,
                           uint64_t *out, uint64_t cap, uint64_t *counts);
+
+/* One pass over the GC objects of the image (head_word[i] != 0) storing the (begin, end) pairs
+ * of their stale parts, words that hold no reference (cpython-memory.md section 7):
+ *   set smalltable  objects whose type is in sets[] (ascending; set, frozenset, subclasses):
+ *                   when its table (object offset 40) is no longer its smalltable (offset 64,
+ *                   8 entries of 16 bytes), the smalltable keeps the entries of before the
+ *                   resize: [obj + 64, obj + 192);
+ *   dict values     3.11/3.12 PyDictValues arrays (values_tag 0: none), reached from objects
+ *                   whose type is in managed[] (ascending; their word at values_field from the
+ *                   object, 3.12 tagged: odd, values = word + 1; 3.11: values_tag 2, the word
+ *                   itself) or in dicts[] (ascending; ma_values at object offset 40): the
+ *                   array's prefix [values - prefix, values) holds insertion-order bytes, not
+ *                   references, and the slots past the highest index of its order list hold
+ *                   NULL or the allocator's stale slack: [values + 8 * (max index + 1), end
+ *                   of the allocation). Used only when the prefix (its size in byte values[-1],
+ *                   8..248, a multiple of 8; the count in values[-2], the indices at
+ *                   values[-3 - j]) is consistent and values - prefix starts an allocation.
+ *   str buffers     objects whose type is in strs[] (ascending; str subclasses) that are not
+ *                   compact (state bit 0x20 at object offset 32 clear): their text lives in
+ *                   separate allocations, data (object offset str_data) and utf8 (str_utf8)
+ *                   when it differs: each such allocation whole (text, no references; the
+ *                   allocator's slack after its NUL keeps stale pointer bytes).
+ * Pairs go to out (up to cap pairs) in object order; counts[0..2] get how many objects each
+ * rule found (a values array gives one or two pairs, a str one or two). Returns the number of
+ * pairs (may exceed cap), or -EINVAL. */
+#define MU_VALUES_TAGGED 1      /* 3.12: the object's word is values - 1 (odd) or a dict */
+#define MU_VALUES_PLAIN 2       /* 3.11: the object's word is values or NULL */
+int64_t mu_gc_stale_parts(const uint64_t *begin, const uint64_t *size, uint64_t n,
+                          const mu_region *heap, uint64_t nheap, const uint8_t *head_word,
+                          const uint64_t *sets, uint64_t nsets,
+                          const uint64_t *managed, uint64_t nmanaged, int64_t values_field,
+                          uint32_t values_tag, const uint64_t *dicts, uint64_t ndicts,
+                          const uint64_t *strs, uint64_t nstrs, uint64_t str_utf8,
+                          uint64_t str_data, uint64_t *out, uint64_t cap, uint64_t *counts);

@@ -645,7 +645,7 @@ int64_t mu_scan_index_set_dead(mu_scan_index *ix, const mu_dead *dead)
     for (uint64_t k = 0; k < dead->ntypes; k++)
         if ((k && dead->types[2 * k] <= dead->types[2 * k - 2])
             || (dead->types[2 * k + 1] & 0xff) > 48 || (dead->types[2 * k + 1] & 7)
-            || ((dead->types[2 * k + 1] >> 8) & 0xff) > MU_TYPE_VARSIZED)
+            || ((dead->types[2 * k + 1] >> 8) & 0xff) > MU_TYPE_LAST)
             return -EINVAL;
     ix->dead = dead;
     return 0;

@@ -45,7 +45,15 @@ typedef struct {
  *       header's size in bits 16-47 of code, an item's in bits 48-55, the item count at
  *       off + 16 (ob_size): scanned up to header + count * item (the allocator's rounding
  *       slack after the last item holds only stale words); and, as DEAD_AT_ZERO, not scanned
- *       at all when its ob_refcnt is 0 and its head untracked (a free-listed tuple).
+ *       at all when its ob_refcnt is 0 and its head untracked (a free-listed tuple). An item
+ *       size of 0: a fixed-size type (as MU_TYPE_SIZED, no count read) with the dead-at-zero
+ *       rule too (3.8-3.10 give every GC type that rule, and a type has one code).
+ *   kind MU_TYPE_GEN_FRAME: a 3.11+ generator, coroutine or async generator, whose frame data
+ *       lies inline at object offset fo (bits 16-31 of code; tp_basicsize - 72): while it is
+ *       not running (its int8 frame state at fo - 5 negative: created or suspended) the slots
+ *       above the frame's stacktop (int at fo + 64, slots from fo + 72) are dead, as in a
+ *       frame object's (a suspended pluggy hook wrapper's slot 10 kept a leaked block's
+ *       address); running or finished: scanned whole.
  * dict_keys (MU_DICT_KEYS_*): an allocation whose header is a CPython dict key table
  * (PyDictKeysObject, consistent in every field) is scanned only up to the table's end as
  * new_keys_object sized it; the allocator's slack after it (under 16 bytes) holds only stale
@@ -70,3 +78,5 @@ typedef struct {
 #define MU_TYPE_FRAME 3
 #define MU_TYPE_SIZED 4
 #define MU_TYPE_VARSIZED 5
+#define MU_TYPE_GEN_FRAME 6
+#define MU_TYPE_LAST 6           /* the highest kind */

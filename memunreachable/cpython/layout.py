@@ -290,7 +290,10 @@ TP_NAME = 24                    # PyTypeObject.tp_name (const char *)
 TP_BASICSIZE = 32               # PyTypeObject.tp_basicsize, then tp_itemsize (Py_ssize_t)
 TP_FLAGS = 168                  # PyTypeObject.tp_flags (unsigned long)
 TP_DOC = 176                    # PyTypeObject.tp_doc (const char *; a heap type's is malloc'd)
+TP_BASE = 256                   # PyTypeObject.tp_base (PyTypeObject *)
+TP_ALLOC = 304                  # PyTypeObject.tp_alloc (allocfunc; checked with ctypes, 3.8-3.13)
 TPFLAGS_HEAPTYPE = 1 << 9
+TPFLAGS_INLINE_VALUES = 1 << 2  # 3.13+: a managed dict's values follow the object inline
 # Modules/_io/bufferedio.c `buffered` (3.8-3.13, measured with ctypes on each): tp_basicsize,
 # and the object offset of `char *buffer` (after raw, four ints, finalizing, abs_pos)
 BUFFERED_SIZE = 152
@@ -310,6 +313,13 @@ STR_STATE = 32                  # PyASCIIObject.state bit field (interned:2 kind
 TPFLAGS_LIST_SUBCLASS = 1 << 25
 TPFLAGS_TYPE_SUBCLASS = 1 << 31
 TPFLAGS_DICT_SUBCLASS = 1 << 29
+TPFLAGS_UNICODE_SUBCLASS = 1 << 28
+
+
+def str_buffer_fields(version: Tuple[int, int]) -> Tuple[int, int]:
+    """Object offsets of a non-compact str's utf8 and data pointers (PyCompactUnicodeObject.utf8,
+    PyUnicodeObject.data): 56 and 72 through 3.11, 48 and 56 once the wstr fields went (3.12)."""
+    return (48, 56) if version >= (3, 12) else (56, 72)
 # Fields through which an object owns a separate buffer (3.8-3.13 alike): PyDictObject
 # ma_keys, ma_values; PyListObject ob_item; PySetObject table; PyByteArrayObject ob_bytes
 DICT_KEYS, DICT_VALUES, LIST_ITEMS, SET_TABLE, BYTEARRAY_BYTES = 32, 40, 24, 40, 32

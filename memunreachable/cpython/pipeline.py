@@ -79,7 +79,9 @@ def _prepare(mem, maps, threads, pid: Optional[int], image: HeapImage) -> CPytho
     head_word = None
     wanted = {sym: name for sym, (name, _kind) in _type_rules(cp).items()}
     statics = static_types(mem, maps, pid, cp, dict(wanted, PyList_Type="list", PyCode_Type="code",
-                                                    PyTuple_Type="tuple"))
+                                                    PyTuple_Type="tuple", PySet_Type="set",
+                                                    PyFrozenSet_Type="frozenset",
+                                                    **GENERATOR_TYPES))
     heads = gc_heads(mem, cp)
     if heads is None:
         out.warnings.append(f"CPython {cp.version[0]}.{cp.version[1]}: no GC state layout: "
@@ -104,14 +106,20 @@ def _prepare(mem, maps, threads, pid: Optional[int], image: HeapImage) -> CPytho
                 out.stats["list_slack_ranges"] = nslack
             out.stats["type_docs"] = ndocs
             out.stats["io_buffers"] = nbuffers
+            # sets' smalltables after a resize, dict values arrays' prefixes and unused slots
+            pairs, (nsets, nvalues, nstrs) = gc_stale_parts(
+                merged, head_word, cp.version, *stale_part_types(mem, cp, types, statics))
+            dead_pairs += pairs
+            out.stats.update(set_smalltables=nsets, dict_values=nvalues, str_buffers=nstrs)
     dead_types = []
     if head_word is not None and cp.version <= L.DEAD_OBJECTS_UNTIL:
         types = sorted(set(types) | set(frame_types(mem, cp)))
         dead_types = object_types(mem, cp, types, L.DEAD_OBJECT_TYPES)
     dead_types += opaque_types(mem, cp, statics)
-    taken = {t for t, _ in dead_types}
-    if head_word is not None and not dead_types_all_gc(cp):
-        dead_types += [x for x in sized_types(mem, maps, cp, types) if x[0] not in taken]
+    if head_word is not None:
+        sized = sized_types(mem, maps, cp, types) + class_types(mem, maps, pid, cp, types)
+        dead_types = with_sizes(dead_types, sized)
+        out.stats["sized_types"] = len(sized)
     # code objects (every version): the bytecode after the header holds no references, and
     # a stale pointer's high bytes in the rounding slack after it (glued to the last code
     # unit) read as a pointer into a leaked block (seen in an xdist worker)
@@ -123,6 +131,9 @@ def _prepare(mem, maps, threads, pid: Optional[int], image: HeapImage) -> CPytho
     tuple_rule = varsized_type(mem, cp, statics.get("PyTuple_Type"), TUPLE_SHAPE)
     if tuple_rule:
         dead_types = [x for x in dead_types if x[0] != tuple_rule[0]] + [tuple_rule]
+    # generators, coroutines, async generators (3.11+): their inline frame's dead slots
+    gens = generator_types(mem, cp, statics)
+    dead_types = [x for x in dead_types if x[0] not in dict(gens)] + gens
     dead_types = sorted(dead_types)
     out.stats["gc_types"] = len(dead_types)
     out.root_cuts = merge_ranges(cuts)
@@ -357,12 +368,29 @@ def dict_keys_rule(cp: CPythonMap) -> int:
     return lib.MU_DICT_KEYS_38 if cp.version <= (3, 10) else lib.MU_DICT_KEYS_311
 
 
-def dead_types_all_gc(cp: CPythonMap) -> bool:
-    """3.8-3.10: every GC type already has the dead-at-zero rule (one rule per type)."""
-    return cp.version <= L.DEAD_OBJECTS_UNTIL and L.DEAD_OBJECT_TYPES is None
-
-
 TUPLE_SHAPE = (24, 8)       # PyTupleObject: {ob_refcnt, ob_type, ob_size} then ob_size items
+GENERATOR_TYPES = {"PyGen_Type": "generator", "PyCoro_Type": "coroutine",
+                   "PyAsyncGen_Type": "async_generator"}
+FRAME_SLOTS = 72            # _PyInterpreterFrame.localsplus (3.11-3.13), native MU_FRAME_SLOTS
+
+
+# Returns [(type address, code)] of MU_TYPE_GEN_FRAME rules for the generator types among
+# statics (3.11+): tp_basicsize is the inline frame's offset plus its localsplus offset, and
+# tp_itemsize one slot (genobject.c); a type of another shape gets no rule.
+def generator_types(mem, cp: CPythonMap, statics: Dict[str, int]) -> List[Tuple[int, int]]:
+    if cp.version < (3, 11):
+        return []
+    reader = object_reader(mem, cp)
+    out = []
+    for sym in GENERATOR_TYPES:
+        t = statics.get(sym)
+        w = reader.type_words(t) if t else None
+        off = reader.object_offset(t) if w else None
+        if w is None or off is None or off > 48 or w[3] != 8 \
+                or not FRAME_SLOTS + 24 <= w[2] <= FRAME_SLOTS + 256:
+            continue
+        out.append((t, off | lib.MU_TYPE_GEN_FRAME << 8 | (w[2] - FRAME_SLOTS) << 16))
+    return sorted(out)
 
 
 # Returns the (type address, code) of a MU_TYPE_VARSIZED rule for type t (a static type of the
@@ -403,14 +431,80 @@ def sized_types(mem, maps, cp: CPythonMap, types, header_only: bool = False) -> 
     return out
 
 
+# Returns [(type address, code)] of MU_TYPE_SIZED rules for the heap types among `types` whose
+# objects are exactly their pre-header and tp_basicsize bytes: tp_itemsize 0, tp_alloc the
+# interpreter's PyType_GenericAlloc (which allocates just that), no 3.13 inline values after
+# the object, and the first static type up their tp_base chain is the interpreter's own (a
+# Python class over object, dict, Exception...; an extension's static base may allocate its
+# objects its own way). The allocator's rounding slack after such an object holds stale words
+# of the block's earlier users: a 3.11 instance (32-byte pre-header, 24 bytes) fills 56 bytes
+# of a 64-byte pymalloc block, and the last word of one held the address of a leaked 34 MB block
+# in an xdist worker (MEMUNREACHABLE_EXPLAIN: a dict's value, offset 56).
+def class_types(mem, maps, pid, cp: CPythonMap, types) -> List[Tuple[int, int]]:
+    alloc = runtime_symbols(maps, pid, cp).get("PyType_GenericAlloc")
+    if not alloc:
+        return []
+    reader = object_reader(mem, cp)
+    own = [(m.begin, m.end) for m in maps if m.path == cp.runtime.object_path]
+    inline = L.TPFLAGS_INLINE_VALUES if cp.version >= (3, 13) else 0
+    solid: Dict[int, bool] = {}         # a heap type -> its static base is the runtime's
+    out = []
+    for t in types:
+        w = reader.type_words(t)
+        if w is None or not w[4] & L.TPFLAGS_HEAPTYPE or w[3] or w[4] & inline \
+                or not 16 <= w[2] <= 1 << 16 or reader._u64(t + L.TP_ALLOC) != alloc:
+            continue
+        off = reader.object_offset(t)
+        if off is None or off > 48 or not _static_base_in(reader, t, own, solid):
+            continue
+        out.append((t, off | lib.MU_TYPE_SIZED << 8 | w[2] << 16))
+    return out
+
+
+def _static_base_in(reader, t: int, own, memo: Dict[int, bool]) -> bool:
+    """Whether the first non-heap type up t's tp_base chain lies in one of the ranges own."""
+    seen = []
+    ok = False
+    for _ in range(64):
+        if t in memo:
+            ok = memo[t]
+            break
+        seen.append(t)
+        base = reader._u64(t + L.TP_BASE)
+        w = reader.type_words(base) if base else None
+        if w is None:
+            break
+        if not w[4] & L.TPFLAGS_HEAPTYPE:
+            ok = any(b <= base < e for b, e in own) and reader.type_info(base) is not None
+            break
+        t = base
+    for x in seen:
+        memo[x] = ok
+    return ok
+
+
+# Returns the rules dead_types with the MU_TYPE_SIZED rules sized: added for types without a
+# rule; a type's dead-at-zero rule at the same offset becomes a var-sized rule of no items,
+# which is both (one rule per type: 3.8-3.10 give every GC type the dead-at-zero rule).
+def with_sizes(dead_types, sized) -> List[Tuple[int, int]]:
+    rules = dict(dead_types)
+    for t, code in sized:
+        have = rules.get(t)
+        if have is None:
+            rules[t] = code
+        elif (have >> 8) & 0xff == lib.MU_TYPE_DEAD_AT_ZERO and have & 0xff == code & 0xff:
+            rules[t] = (code & 0xff) | lib.MU_TYPE_VARSIZED << 8 | (code >> 16 & 0xffffffff) << 16
+    return sorted(rules.items())
+
+
 def _object_span(maps, path: str) -> Tuple[int, int]:
     """[lowest begin, highest end) of the mappings of path ((0, 0) for none)."""
     own = [m for m in maps if m.path == path]
     return (min(m.begin for m in own), max(m.end for m in own)) if own else (0, 0)
 
 
-# (ElfFacts, load bias) of the runtime's object by its mappings' identity and addresses: the
-# file is not opened again while the same file stays mapped at the same place
+# {symbol: run-time address} of the runtime's object by its mappings' identity and addresses:
+# the file is not opened again while the same file stays mapped at the same place
 _RUNTIME_FACTS: dict = {}
 
 
@@ -418,6 +512,20 @@ _RUNTIME_FACTS: dict = {}
 # tp_name}) that its ELF file exports and whose tp_name in the snapshot matches; {} when the
 # ELF file cannot be read. One ELF lookup for them all.
 def static_types(mem, maps, pid, cp: CPythonMap, wanted: Dict[str, str]) -> Dict[str, int]:
+    symbols = runtime_symbols(maps, pid, cp)
+    reader = object_reader(mem, cp)     # type_info does not depend on the reader's prefix
+    out = {}
+    for sym, name in wanted.items():
+        if sym in symbols:
+            ti = reader.type_info(symbols[sym])
+            if ti is not None and ti[0] == name:
+                out[sym] = symbols[sym]
+    return out
+
+
+# Returns {symbol: run-time address} of locate.FACT_SYMBOLS that the runtime's ELF file
+# exports; {} when it cannot be read.
+def runtime_symbols(maps, pid, cp: CPythonMap) -> Dict[str, int]:
     from memunreachable.cpython import locate
     mappings = [m for m in maps if m.path == cp.runtime.object_path]
     key = tuple([(m.begin, m.end, m.offset, m.dev, m.inode, m.path) for m in mappings])
@@ -433,17 +541,8 @@ def static_types(mem, maps, pid, cp: CPythonMap, wanted: Dict[str, str]) -> Dict
             return {}
         if len(_RUNTIME_FACTS) >= 16:
             _RUNTIME_FACTS.clear()
-        _RUNTIME_FACTS[key] = known = (facts, bias)
-    facts, bias = known
-    reader = object_reader(mem, cp)     # type_info does not depend on the reader's prefix
-    out = {}
-    for sym, name in wanted.items():
-        if sym in facts.symbols:
-            t = bias + facts.symbols[sym]
-            ti = reader.type_info(t)
-            if ti is not None and ti[0] == name:
-                out[sym] = t
-    return out
+        _RUNTIME_FACTS[key] = known = {sym: bias + v for sym, v in facts.symbols.items()}
+    return known
 
 
 # Returns [Range] of the stale slots of every list on the GC lists (mu_list_slack): words
@@ -518,6 +617,74 @@ def gc_dead_ranges(image: HeapImage, head_word, list_type: int, metas: Sequence[
         return [], (0, 0, 0)
     del out[2 * rc:]
     return list(zip(out[0::2], out[1::2])), (counts[0], counts[1], counts[2])
+
+
+# Returns the (begin, end) pairs of mu_gc_stale_parts over the GC objects and its counts (set
+# smalltables, dict values arrays, str buffers); ([], (0, 0, 0)) on an error. Types as
+# stale_part_types.
+def gc_stale_parts(image: HeapImage, head_word, version, sets, managed, values_field: int,
+                   values_tag: int, dicts, strs):
+    if not len(image.begins) or not (sets or managed or dicts or strs):
+        return [], (0, 0, 0)
+    s, m, d, t = array("Q", sets), array("Q", managed), array("Q", dicts), array("Q", strs)
+    utf8, data = L.str_buffer_fields(version)
+    counts = ffi.new("uint64_t[3]")
+    pairs = _gc_object_ranges(image, head_word, lambda args, out, cap: lib.mu_gc_stale_parts(
+        *args, ffi.from_buffer("uint64_t[]", s), len(s), ffi.from_buffer("uint64_t[]", m), len(m),
+        values_field, values_tag, ffi.from_buffer("uint64_t[]", d), len(d),
+        ffi.from_buffer("uint64_t[]", t), len(t), utf8, data, out, cap, counts), as_pairs=True)
+    return pairs, (counts[0], counts[1], counts[2])
+
+
+# Returns (sets, managed, values_field, values_tag, dicts, strs) for gc_stale_parts, each list
+# of types ascending: set, frozenset and the heap types that derive from them; on 3.11 and 3.12
+# the types whose objects keep their dict's values before them (Py_TPFLAGS_MANAGED_DICT; the
+# word's offset from the object and how it is tagged) and the dict types (ma_values); the str
+# subclasses (Py_TPFLAGS_UNICODE_SUBCLASS: a GC str is a subclass's instance). 3.8-3.10 keep
+# values in plain arrays and 3.13 inline or behind a header: no values rule there.
+def stale_part_types(mem, cp: CPythonMap, types, statics: Dict[str, int]):
+    reader = object_reader(mem, cp)
+    roots = {statics[k] for k in ("PySet_Type", "PyFrozenSet_Type") if k in statics}
+    values = cp.version in ((3, 11), (3, 12))
+    sets, managed, dicts, strs = [], [], [], []
+    derives: Dict[int, bool] = {}
+    for t in types:
+        w = reader.type_words(t)
+        if w is None:
+            continue
+        if roots and (t in roots or w[4] & L.TPFLAGS_HEAPTYPE
+                      and _derives_from(reader, t, roots, derives)):
+            sets.append(t)
+        if values and w[4] & L.TPFLAGS_MANAGED_DICT:
+            managed.append(t)
+        if values and w[4] & L.TPFLAGS_DICT_SUBCLASS:
+            dicts.append(t)
+        if w[4] & L.TPFLAGS_UNICODE_SUBCLASS:
+            strs.append(t)
+    if not values:
+        return sorted(sets), [], 0, 0, [], sorted(strs)
+    field, tag = (-32, lib.MU_VALUES_PLAIN) if cp.version == (3, 11) else (-24, lib.MU_VALUES_TAGGED)
+    return sorted(sets), sorted(managed), field, tag, sorted(dicts), sorted(strs)
+
+
+def _derives_from(reader, t: int, roots, memo: Dict[int, bool]) -> bool:
+    """Whether one of the types roots lies up t's tp_base chain."""
+    seen = []
+    ok = False
+    for _ in range(64):
+        if t in memo:
+            ok = memo[t]
+            break
+        seen.append(t)
+        t = reader._u64(t + L.TP_BASE) or 0
+        if t in roots:
+            ok = True
+            break
+        if not t:
+            break
+    for x in seen:
+        memo[x] = ok
+    return ok
 
 
 # Returns the metatypes among `types` (type objects whose tp_flags has

@@ -6,6 +6,7 @@ from types import SimpleNamespace
 
 import pytest
 
+from memunreachable._ffi import lib
 from memunreachable._types import BufferMemory, HeapImage, Range
 from memunreachable.cpython import layout as L
 from memunreachable.cpython import objects as O
@@ -404,3 +405,15 @@ def test_gc_dead_ranges_equals_the_three_passes_on_random_objects():
         assert counts == (len(slack), len(docs), len(bufs))
         assert sorted(pairs) == sorted((r.begin, r.end) for r in slack + docs + bufs)
         assert sum(counts) > 5
+
+
+def test_with_sizes_adds_size_rules_and_merges_them_with_dead_at_zero_rules():
+    dead_at_zero = 16 | lib.MU_TYPE_DEAD_AT_ZERO << 8
+    opaque = 16 | lib.MU_TYPE_OPAQUE << 8
+    sized = [(0x3000, 16 | lib.MU_TYPE_SIZED << 8 | 40 << 16),      # no rule yet: added
+             (0x1000, 16 | lib.MU_TYPE_SIZED << 8 | 24 << 16),      # dead-at-zero: both
+             (0x2000, 16 | lib.MU_TYPE_SIZED << 8 | 24 << 16),      # opaque: left opaque
+             (0x4000, 32 | lib.MU_TYPE_SIZED << 8 | 24 << 16)]      # another offset: left
+    rules = P.with_sizes([(0x1000, dead_at_zero), (0x2000, opaque), (0x4000, dead_at_zero)], sized)
+    assert rules == [(0x1000, 16 | lib.MU_TYPE_VARSIZED << 8 | 24 << 16), (0x2000, opaque),
+                     (0x3000, sized[0][1]), (0x4000, dead_at_zero)]

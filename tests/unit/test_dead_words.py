@@ -385,3 +385,23 @@ def test_an_item_array_whose_slack_looks_like_a_dead_object_is_scanned(code):
     h.point(0, 1, 1)
     h.link(0, 4, 1)
     assert list(mark(h.image(), [], [h.addrs[0]], dead=dead).marked) == [1, 0, 0]
+
+
+CLS = INT_TYPE + 0x400
+CLS_CODE = 16 | VARSIZED | 32 << 16          # 32-byte objects, no items: sized and dead at 0
+
+
+@pytest.mark.parametrize("refcnt, head, kept", [
+    (1, (0, 0), [1, 0, 1]),         # live: scanned up to 16 + 32 bytes; the word at 48 is slack
+    (0, (0, 0), [1, 0, 0]),         # refcount 0 after an untracked head: a dead object
+    (0, (BASE, BASE), [1, 1, 1]),   # refcount 0 after a tracked head: no object to trust, whole
+])
+def test_a_var_sized_rule_of_no_items_is_a_size_and_the_dead_at_zero_rule(refcnt, head, kept):
+    # 3.8-3.10 give every GC type the dead-at-zero rule; a class's size rides along with it
+    h = Heap([64, 16, 16])
+    for slot, w in enumerate([head[0], head[1], refcnt, CLS, 2 ** 63 + 5]):   # no count
+        h.point(0, slot, w)
+    h.link(0, 6, 1)                     # block offset 48: the allocator's slack
+    h.link(0, 5, 2)                     # object offset 24: a field
+    dead = DeadWords(types=[(CLS, CLS_CODE)])
+    assert list(mark(h.image(), [], [h.addrs[0]], dead=dead).marked) == kept
