@@ -34,14 +34,31 @@ def _referrers(lo: int, hi: int, buffers: Sequence[Tuple[int, object]], dead) ->
     return out
 
 
+def _type_name(mem, raw: bytes) -> str:
+    """', a Python <tp_name> at +off' when an object header (small ob_refcnt, then a pointer to
+    a type whose tp_name reads as a name) starts at offset 0, 16, 32 or 48 of raw; else ''."""
+    for off in range(0, min(len(raw) - 15, 49), 16):
+        refcnt, tp = struct.unpack_from("<QQ", raw, off)
+        if not 0 < refcnt < 1 << 32 or tp < 4096 or mem is None:
+            continue
+        try:
+            name = mem.read(struct.unpack("<Q", mem.read(tp + 24, 8))[0], 48).split(b"\0")[0]
+        except Exception:  # noqa: BLE001 - not a type: no name
+            continue
+        if name and all(0x20 < c < 0x7F for c in name):
+            return f", a Python {name.decode()} at +{off}"
+    return ""
+
+
 # dead: sorted, disjoint (begin, end) pairs of words that are no references.
 # Returns log lines: the chain of referrers of the allocation holding addr (or why none).
 # blocks: [(begin, bytes)] of the marked allocations as mark scans them (mark.scanned_blocks).
 # threads: the frozen threads (tid, sp), to say which stack a root word lies in; head_word:
 # DeadWords.head_word (the PyGC_Head of each allocation), whose link words are skipped;
-# maps: the target's mappings, to name the file a root word lies in (path+offset).
+# maps: the target's mappings, to name the file a root word lies in (path+offset); mem: the
+# snapshot, to name the Python type of an object in the chain.
 def explain(addr: int, image, root_buffers, marked, dead_ranges, blocks, threads=(),
-            head_word=None, maps=()) -> List[str]:
+            head_word=None, maps=(), mem=None) -> List[str]:
     begins, sizes = image.begins, image.sizes
     i = bisect.bisect_right(begins, addr) - 1
     if i < 0 or addr >= begins[i] + max(sizes[i], 1):
@@ -73,9 +90,10 @@ def explain(addr: int, image, root_buffers, marked, dead_ranges, blocks, threads
         if nxt is None:
             lines.append(f"  {lo:#x} ({sizes[i]} bytes) <- no referrer found outside the chain")
             break
-        head = bytes(_view(image, begins[nxt], min(sizes[nxt], 128))).hex()
+        raw = bytes(_view(image, begins[nxt], min(sizes[nxt], 64)))
         lines.append(f"  {lo:#x} ({sizes[i]} bytes) <- word at {a:#x} (offset {a - begins[nxt]})"
-                     f" of {begins[nxt]:#x} ({sizes[nxt]} bytes, starts {head})")
+                     f" of {begins[nxt]:#x} ({sizes[nxt]} bytes{_type_name(mem, raw)},"
+                     f" starts {raw.hex()})")
         seen.add(nxt)
         i = nxt
     return [f"explain {addr:#x}:"] + lines

@@ -531,7 +531,7 @@ def sweep(mem, maps, threads, pid: int, confirm: Optional[set] = None,
         for line in explain(_explain_address(), image, root_buffers, marked.marked,
                             dead.ranges if dead else (),
                             scanned_blocks(image, marked.marked, dead), threads,
-                            dead.head_word if dead else None, maps):
+                            dead.head_word if dead else None, maps, mem):
             log.warning("%s", line)
     del root_buffers
     # 6b. CPython: unreachable Python objects, and which of them are cyclic garbage

@@ -297,23 +297,22 @@ static inline uint64_t mu_live_len_r(const mu_dead *d, const mu_rules *r, const 
     uint64_t have = r->have;
     for (uint32_t f = r->found; f; f &= f - 1) {
         uint64_t k = (uint64_t)__builtin_ctz(f), off = 16 * k, rc = r->rc[k], code = r->code[k], fr;
-        if (off + 32 > have)
-            break;
         if (!mu_plausible_refcnt(rc))
             continue;
         uint64_t kind = (code >> 8) & 0xff;
-        if (kind == MU_TYPE_SIZED) {
+        if (kind == MU_TYPE_SIZED) {        /* the header (16 bytes, read by the search) only */
             uint64_t end = b + off + (((code >> 16) + 7) & ~7ull);
             return end < b + len ? end - b : len;
         }
         if (kind == MU_TYPE_VARSIZED) {
-            int64_t count;
-            memcpy(&count, p + off + 16, 8);
+            int64_t count = 0;      /* no items: a fixed-size type with the dead-at-zero rule */
             uint64_t head = (code >> 16) & 0xffffffffull, item = (code >> 48) & 0xff;
+            if (item && off + 24 > have)
+                continue;
+            if (item)
+                memcpy(&count, p + off + 16, 8);
             if (item && (count < 0 || (uint64_t)count > len))
                 continue;           /* not a count we can trust: scan it all */
-            if (!item)
-                count = 0;          /* a fixed-size type that also has the dead-at-zero rule */
             uint64_t end = b + off + ((head + item * (uint64_t)count + 7) & ~7ull);
             return end < b + len ? end - b : len;
         }
@@ -328,7 +327,7 @@ static inline uint64_t mu_live_len_r(const mu_dead *d, const mu_rules *r, const 
                 continue;           /* not a stacktop we can trust: scan it all */
             return end;
         }
-        if (kind != MU_TYPE_FRAME)
+        if (kind != MU_TYPE_FRAME || off + 32 > have)
             continue;
         memcpy(&fr, p + off + 24, 8);
         if (fr < b + off + 32 || (fr & 7) || fr + MU_FRAME_SLOTS > b + have)

@@ -256,16 +256,18 @@ int64_t mu_gc_stale_parts(const uint64_t *begin, const uint64_t *size, uint64_t 
                           const uint64_t *managed, uint64_t nmanaged, int64_t values_field,
                           uint32_t values_tag, const uint64_t *dicts, uint64_t ndicts,
                           const uint64_t *strs, uint64_t nstrs, uint64_t str_utf8,
-                          uint64_t str_data, uint64_t *out, uint64_t cap, uint64_t *counts)
+                          uint64_t str_data, uint64_t gen_type, uint64_t gen_dead,
+                          uint64_t *out, uint64_t cap, uint64_t *counts)
 {
     if ((n && (!begin || !size || !head_word)) || (nheap && !heap) || (cap && !out) || !counts
         || (nsets && !sets) || (nmanaged && !managed) || (ndicts && !dicts) || (nstrs && !strs)
         || values_tag > MU_VALUES_PLAIN || (values_field & 7) || values_field < -64
         || values_field > 4096 || (str_utf8 & 7) || (str_data & 7) || str_utf8 < 40
-        || str_data < 40 || str_utf8 > 256 || str_data > 256)
+        || str_data < 40 || str_utf8 > 256 || str_data > 256
+        || (gen_type && (gen_dead < 16 || (gen_dead & 7) || gen_dead > 4096)))
         return -EINVAL;
     uint64_t found = 0, cur = 0;
-    counts[0] = counts[1] = counts[2] = 0;
+    counts[0] = counts[1] = counts[2] = counts[3] = 0;
     for (uint64_t i = 0; i < n; i++) {
         if (!head_word[i])
             continue;
@@ -275,17 +277,23 @@ int64_t mu_gc_stale_parts(const uint64_t *begin, const uint64_t *size, uint64_t 
         int64_t r = region_from(heap, nheap, &cur, obj + 8, 8);
         if (r < 0)
             continue;
-        uint64_t tp, word, pairs[5][2];
+        uint64_t tp, word, pairs[6][2];
         memcpy(&tp, heap[r].data + (obj + 8 - heap[r].base), 8);
-        int np = 0, hit[3] = {0, 0, 0};
+        int np = 0, hit[4] = {0, 0, 0, 0};
+        if (gen_type && tp == gen_type && obj + gen_dead + 16 <= end) {
+            pairs[0][0] = obj + gen_dead;
+            pairs[0][1] = obj + gen_dead + 16;
+            np = hit[3] = 1;
+        }
         if (nsets && obj + MU_SET_SMALLTABLE_END <= end
             && mu_find_sorted(sets, nsets, tp) < nsets
             && (r = region_from(heap, nheap, &cur, obj, MU_SET_SMALLTABLE_END)) >= 0) {
             memcpy(&word, heap[r].data + (obj + MU_SET_TABLE - heap[r].base), 8);
             if (word != obj + MU_SET_SMALLTABLE) {
-                pairs[0][0] = obj + MU_SET_SMALLTABLE;
-                pairs[0][1] = obj + MU_SET_SMALLTABLE_END;
-                np = hit[0] = 1;
+                pairs[np][0] = obj + MU_SET_SMALLTABLE;
+                pairs[np][1] = obj + MU_SET_SMALLTABLE_END;
+                np++;
+                hit[0] = 1;
             }
         }
         if (values_tag) {
@@ -335,6 +343,7 @@ int64_t mu_gc_stale_parts(const uint64_t *begin, const uint64_t *size, uint64_t 
         counts[0] += hit[0];
         counts[1] += hit[1];
         counts[2] += hit[2];
+        counts[3] += hit[3];
     }
     return (int64_t)found;
 }

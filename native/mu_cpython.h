@@ -70,7 +70,11 @@ int64_t mu_gc_dead_ranges(const uint64_t *begin, const uint64_t *size, uint64_t 
  *                   separate allocations, data (object offset str_data) and utf8 (str_utf8)
  *                   when it differs: each such allocation whole (text, no references; the
  *                   allocator's slack after its NUL keeps stale pointer bytes).
- * Pairs go to out (up to cap pairs) in object order; counts[0..2] get how many objects each
+ *   generator head  objects of type gen_type (0: none; PyGen_Type, 3.11+): the two words at
+ *                   object offset gen_dead (gi_origin_or_finalizer and the flag bytes before
+ *                   the inline frame), which make_gen never writes for a plain generator
+ *                   (only coroutines and async generators use them): [obj + gen_dead, +16).
+ * Pairs go to out (up to cap pairs) in object order; counts[0..3] get how many objects each
  * rule found (a values array gives one or two pairs, a str one or two). Returns the number of
  * pairs (may exceed cap), or -EINVAL. */
 #define MU_VALUES_TAGGED 1      /* 3.12: the object's word is values - 1 (odd) or a dict */
@@ -81,4 +85,5 @@ int64_t mu_gc_stale_parts(const uint64_t *begin, const uint64_t *size, uint64_t 
                           const uint64_t *managed, uint64_t nmanaged, int64_t values_field,
                           uint32_t values_tag, const uint64_t *dicts, uint64_t ndicts,
                           const uint64_t *strs, uint64_t nstrs, uint64_t str_utf8,
-                          uint64_t str_data, uint64_t *out, uint64_t cap, uint64_t *counts);
+                          uint64_t str_data, uint64_t gen_type, uint64_t gen_dead,
+                          uint64_t *out, uint64_t cap, uint64_t *counts);

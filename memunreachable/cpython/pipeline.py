@@ -81,6 +81,7 @@ def _prepare(mem, maps, threads, pid: Optional[int], image: HeapImage) -> CPytho
     statics = static_types(mem, maps, pid, cp, dict(wanted, PyList_Type="list", PyCode_Type="code",
                                                     PyTuple_Type="tuple", PySet_Type="set",
                                                     PyFrozenSet_Type="frozenset",
+                                                    PyMemoryView_Type="memoryview",
                                                     **GENERATOR_TYPES))
     heads = gc_heads(mem, cp)
     if heads is None:
@@ -107,10 +108,14 @@ def _prepare(mem, maps, threads, pid: Optional[int], image: HeapImage) -> CPytho
             out.stats["type_docs"] = ndocs
             out.stats["io_buffers"] = nbuffers
             # sets' smalltables after a resize, dict values arrays' prefixes and unused slots
-            pairs, (nsets, nvalues, nstrs) = gc_stale_parts(
-                merged, head_word, cp.version, *stale_part_types(mem, cp, types, statics))
+            gen = dict(generator_types(mem, cp, statics)).get(statics.get("PyGen_Type"))
+            pairs, (nsets, nvalues, nstrs, ngens) = gc_stale_parts(
+                merged, head_word, cp.version, *stale_part_types(mem, cp, types, statics),
+                gen_type=statics["PyGen_Type"] if gen else 0,
+                gen_dead=(gen >> 16 & 0xffff) - 16 if gen else 0)
             dead_pairs += pairs
-            out.stats.update(set_smalltables=nsets, dict_values=nvalues, str_buffers=nstrs)
+            out.stats.update(set_smalltables=nsets, dict_values=nvalues, str_buffers=nstrs,
+                             generator_heads=ngens)
     dead_types = []
     if head_word is not None and cp.version <= L.DEAD_OBJECTS_UNTIL:
         types = sorted(set(types) | set(frame_types(mem, cp)))
@@ -128,9 +133,12 @@ def _prepare(mem, maps, threads, pid: Optional[int], image: HeapImage) -> CPytho
     # tuples (every version): the slack after the last item (an odd item count in a 16-byte
     # size class) held the address of a leaked block in an xdist worker's co_consts; the rule
     # replaces 3.8-3.10's dead-at-zero rule of the type, which it includes
-    tuple_rule = varsized_type(mem, cp, statics.get("PyTuple_Type"), TUPLE_SHAPE)
-    if tuple_rule:
-        dead_types = [x for x in dead_types if x[0] != tuple_rule[0]] + [tuple_rule]
+    # memoryviews (every version): the slack after their shape arrays (an io read's buffer
+    # view kept a leaked block's address there, 3.12 and 3.13)
+    for sym, shape in (("PyTuple_Type", TUPLE_SHAPE), ("PyMemoryView_Type", MEMORYVIEW_SHAPE)):
+        rule = varsized_type(mem, cp, statics.get(sym), shape)
+        if rule:
+            dead_types = [x for x in dead_types if x[0] != rule[0]] + [rule]
     # generators, coroutines, async generators (3.11+): their inline frame's dead slots
     gens = generator_types(mem, cp, statics)
     dead_types = [x for x in dead_types if x[0] not in dict(gens)] + gens
@@ -369,6 +377,8 @@ def dict_keys_rule(cp: CPythonMap) -> int:
 
 
 TUPLE_SHAPE = (24, 8)       # PyTupleObject: {ob_refcnt, ob_type, ob_size} then ob_size items
+MEMORYVIEW_SHAPE = (0, 8)   # PyMemoryViewObject: ob_size = 3 * ndim Py_ssize_t (shape, strides,
+                            # suboffsets) after a header whose size changed across versions
 GENERATOR_TYPES = {"PyGen_Type": "generator", "PyCoro_Type": "coroutine",
                    "PyAsyncGen_Type": "async_generator"}
 FRAME_SLOTS = 72            # _PyInterpreterFrame.localsplus (3.11-3.13), native MU_FRAME_SLOTS
@@ -402,7 +412,8 @@ def varsized_type(mem, cp: CPythonMap, t: Optional[int], shape: Tuple[int, int])
     reader = object_reader(mem, cp)
     basic, item = struct.unpack("<QQ", mem.read(t + L.TP_BASICSIZE, 16))
     off = reader.object_offset(t)
-    if (basic, item) != shape or off is None or off > 48:
+    if (basic if shape[0] else 0, item) != shape or not 16 <= basic <= 1024 or off is None \
+            or off > 48:
         return None
     return (t, off | lib.MU_TYPE_VARSIZED << 8 | basic << 16 | item << 48)
 
@@ -620,20 +631,22 @@ def gc_dead_ranges(image: HeapImage, head_word, list_type: int, metas: Sequence[
 
 
 # Returns the (begin, end) pairs of mu_gc_stale_parts over the GC objects and its counts (set
-# smalltables, dict values arrays, str buffers); ([], (0, 0, 0)) on an error. Types as
-# stale_part_types.
+# smalltables, dict values arrays, str buffers, generator heads); ([], (0, 0, 0, 0)) on an
+# error. Types as stale_part_types; gen_type: PyGen_Type (0: none), gen_dead: the object
+# offset of its two unwritten words (its inline frame's offset - 16).
 def gc_stale_parts(image: HeapImage, head_word, version, sets, managed, values_field: int,
-                   values_tag: int, dicts, strs):
-    if not len(image.begins) or not (sets or managed or dicts or strs):
-        return [], (0, 0, 0)
+                   values_tag: int, dicts, strs, gen_type: int = 0, gen_dead: int = 0):
+    if not len(image.begins) or not (sets or managed or dicts or strs or gen_type):
+        return [], (0, 0, 0, 0)
     s, m, d, t = array("Q", sets), array("Q", managed), array("Q", dicts), array("Q", strs)
     utf8, data = L.str_buffer_fields(version)
-    counts = ffi.new("uint64_t[3]")
+    counts = ffi.new("uint64_t[4]")
     pairs = _gc_object_ranges(image, head_word, lambda args, out, cap: lib.mu_gc_stale_parts(
         *args, ffi.from_buffer("uint64_t[]", s), len(s), ffi.from_buffer("uint64_t[]", m), len(m),
         values_field, values_tag, ffi.from_buffer("uint64_t[]", d), len(d),
-        ffi.from_buffer("uint64_t[]", t), len(t), utf8, data, out, cap, counts), as_pairs=True)
-    return pairs, (counts[0], counts[1], counts[2])
+        ffi.from_buffer("uint64_t[]", t), len(t), utf8, data, gen_type, gen_dead, out, cap,
+        counts), as_pairs=True)
+    return pairs, (counts[0], counts[1], counts[2], counts[3])
 
 
 # Returns (sets, managed, values_field, values_tag, dicts, strs) for gc_stale_parts, each list

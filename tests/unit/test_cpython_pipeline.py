@@ -417,3 +417,99 @@ def test_with_sizes_adds_size_rules_and_merges_them_with_dead_at_zero_rules():
     rules = P.with_sizes([(0x1000, dead_at_zero), (0x2000, opaque), (0x4000, dead_at_zero)], sized)
     assert rules == [(0x1000, 16 | lib.MU_TYPE_VARSIZED << 8 | 24 << 16), (0x2000, opaque),
                      (0x3000, sized[0][1]), (0x4000, dead_at_zero)]
+
+
+def _image_of(blocks, extra=(), heads=None):
+    """HeapImage of blocks [(address, bytes)] in one region from 0x1000, plus extra
+    [(address, size)] allocations inside it, and its head_word: the blocks are GC objects
+    (head word 1, or heads[address]: 1 + the GC head's word index)."""
+    data = bytearray(0x3000)
+    for b, d in blocks:
+        data[b - 0x1000:b - 0x1000 + len(d)] = d
+    alloc = sorted([(b, max(len(d), 16)) for b, d in blocks] + list(extra))
+    gc = {b for b, _ in blocks}
+    img = HeapImage(array("Q", [b for b, _ in alloc]), array("Q", [s for _, s in alloc]),
+                    [(0x1000, data)])
+    return img, bytes((heads or {}).get(b, 1) if b in gc else 0 for b, _ in alloc)
+
+
+def test_stale_set_smalltables_are_dead_once_the_table_moved():
+    SET, OTHER = 0x7000, 0x7100
+
+    def setobj(tp, table_at):
+        body = bytearray(200)
+        struct.pack_into("<QQ", body, 0, 1, tp)
+        struct.pack_into("<Q", body, 40, table_at)
+        return bytes(16) + bytes(body)
+    blocks = [(0x1000, setobj(SET, 0x2000)),            # resized: its smalltable is stale
+              (0x1100, setobj(SET, 0x1100 + 16 + 64)),  # still in its smalltable: live
+              (0x1200, setobj(OTHER, 0x2000))]          # not a set
+    img, hw = _image_of(blocks, [(0x2000, 512)])
+    pairs, counts = P.gc_stale_parts(img, hw, (3, 11), [SET], [], 0, 0, [], [])
+    assert pairs == [(0x1000 + 16 + 64, 0x1000 + 16 + 192)] and counts == (1, 0, 0, 0)
+
+
+def values_block(prefix, order, nslots):
+    """A PyDictValues allocation: prefix bytes (order indices at values[-3 - j], their count
+    at values[-2], the prefix size at values[-1]; the rest stale 0xee), then nslots slots."""
+    pre = bytearray(b"\xee" * prefix)
+    pre[-1], pre[-2] = prefix, len(order)
+    for j, ix in enumerate(order):
+        pre[-3 - j] = ix
+    return bytes(pre) + b"\xee" * (8 * nslots)
+
+
+@pytest.mark.parametrize("version, field, tag", [((3, 11), -32, "MU_VALUES_PLAIN"),
+                                                  ((3, 12), -24, "MU_VALUES_TAGGED")])
+def test_dict_values_prefix_and_unused_slots_are_dead(version, field, tag):
+    CLS, DICT = 0x7000, 0x7100
+    V1, V2, V3 = 0x2000 + 8, 0x2100 + 16, 0x2200 + 8
+
+    def instance(values):                   # pre-header (values, dict), GC head, object
+        word = values if tag == "MU_VALUES_PLAIN" else values - 1
+        pre = bytearray(32)
+        struct.pack_into("<Q", pre, 32 + field, word)
+        return bytes(pre) + struct.pack("<QQ", 1, CLS) + bytes(16)
+
+    def dictobj(values):
+        return bytes(16) + struct.pack("<6Q", 1, DICT, 1, 0, 0x2800, values)
+    blocks = [(0x1000, instance(V1)), (0x1100, dictobj(V2)), (0x1200, instance(V3 + 8))]
+    img, hw = _image_of(blocks, [(0x2000, 64), (0x2100, 128), (0x2200, 64)],
+                        heads={0x1000: 3, 0x1200: 3})
+    data = img.regions[0][1]
+    for at, prefix, order, n in [(0x2000, 8, [0, 2, 1], 7), (0x2100, 16, [4], 14),
+                                 (0x2200, 8, [1], 7)]:
+        blk = values_block(prefix, order, n)
+        data[at - 0x1000:at - 0x1000 + len(blk)] = blk
+    pairs, counts = P.gc_stale_parts(img, hw, version, [], [CLS], field, getattr(lib, tag),
+                                     [DICT], [])
+    # instance: 3 slots in use of 7; dict: slot 4 the highest of 14; the third's word points
+    # 8 bytes past its array (its prefix byte then reads as a slot: 0xee, not a prefix size)
+    assert pairs == [(0x2000, V1), (V1 + 24, 0x2040), (0x2100, V2), (V2 + 40, 0x2180)]
+    assert counts == (0, 2, 0, 0)
+    # an order index beyond the slots: not an array we can read; nothing dead
+    blk = values_block(8, [0, 9], 7)
+    data[0x1000:0x1000 + len(blk)] = blk
+    assert P.gc_stale_parts(img, hw, version, [], [CLS], field, getattr(lib, tag), [], [])[0] == []
+
+
+@pytest.mark.parametrize("version", [(3, 11), (3, 12)])
+def test_non_compact_str_subclass_buffers_are_text(version):
+    STR, OTHER = 0x7000, 0x7100
+    utf8, data_field = L.str_buffer_fields(version)
+
+    def strobj(tp, state, data, u8):
+        body = bytearray(96)
+        struct.pack_into("<QQQqI", body, 0, 1, tp, 10, -1, state)
+        struct.pack_into("<Q", body, data_field, data)
+        struct.pack_into("<Q", body, utf8, u8)
+        return bytes(48) + bytes(body)      # pre-header and GC head (3.11+), then the str
+    blocks = [(0x1000, strobj(STR, 0xc4, 0x2000, 0x2000)),   # ASCII: one buffer
+              (0x1100, strobj(STR, 0x84, 0x2100, 0x2200)),   # non-ASCII with its utf8 copy
+              (0x1200, strobj(STR, 0xe4, 0x2300, 0x2300)),   # compact: text inline, no rule
+              (0x1300, strobj(OTHER, 0xc4, 0x2400, 0x2400))]
+    img, hw = _image_of(blocks, [(a, 16) for a in (0x2000, 0x2100, 0x2200, 0x2300, 0x2400)],
+                        heads={b: 5 for b, _ in blocks})    # the object after 32 + 16 bytes
+    pairs, counts = P.gc_stale_parts(img, hw, version, [], [], 0, 0, [], [STR])
+    assert pairs == [(0x2000, 0x2010), (0x2100, 0x2110), (0x2200, 0x2210)]
+    assert counts == (0, 0, 2, 0)

@@ -405,3 +405,30 @@ def test_a_var_sized_rule_of_no_items_is_a_size_and_the_dead_at_zero_rule(refcnt
     h.link(0, 5, 2)                     # object offset 24: a field
     dead = DeadWords(types=[(CLS, CLS_CODE)])
     assert list(mark(h.image(), [], [h.addrs[0]], dead=dead).marked) == kept
+
+
+GEN = INT_TYPE + 0x500
+GEN_CODE = 16 | lib.MU_TYPE_GEN_FRAME << 8 | 80 << 16     # 3.11: the frame at object offset 80
+
+
+@pytest.mark.parametrize("state, top, kept", [
+    (-1, 1, [1, 1, 0]),     # suspended, 1 slot in use: slot 1 is above the top
+    (-2, 2, [1, 1, 1]),     # created, 2 slots: both live
+    (0, 1, [1, 1, 1]),      # running: its real top is in a register, scanned whole
+    (1, 1, [1, 1, 1]),      # finished: scanned whole
+    (-1, -5, [1, 1, 1]),    # a top we cannot trust: scanned whole
+    (-1, 40, [1, 1, 1]),    # past the block: scanned whole
+])
+def test_a_generators_inline_frame_is_scanned_up_to_its_stacktop(state, top, kept):
+    h = Heap([256, 16, 16])             # GC head, then the generator at 16; frame at 96
+    for slot, w in enumerate([0, 0, 1, GEN]):
+        h.point(0, slot, w)
+    frame = 16 + 80
+    struct.pack_into("<b", h.buf, h.addrs[0] - h.base + frame - 5, state)
+    struct.pack_into("<i", h.buf, h.addrs[0] - h.base + frame + 64, top)
+    h.link(0, (frame + 72) // 8, 1)     # localsplus[0]
+    h.link(0, (frame + 80) // 8, 2)     # localsplus[1]
+    dead = DeadWords(types=[(GEN, GEN_CODE)])
+    assert list(mark(h.image(), [], [h.addrs[0]], dead=dead).marked) == kept
+    folded = fold(h.image(), bytearray(3), dead=dead)
+    assert folded[0].referenced_count == sum(kept) - 1
