@@ -214,7 +214,26 @@ int64_t mu_gc_dead_ranges(const uint64_t *begin, const uint64_t *size, uint64_t 
 #define MU_SET_SMALLTABLE_END 192
 #define MU_DICT_VALUES 40
 #define MU_STR_STATE 32         /* PyASCIIObject.state (every version) */
+#define MU_TP_NAME 24           /* PyTypeObject.tp_name */
+#define MU_TP_FLAGS 168         /* PyTypeObject.tp_flags */
+#define MU_TPFLAGS_HEAPTYPE (1ull << 9)
 #define MU_STR_COMPACT 0x20     /* its compact bit: the text follows the object inline */
+
+/* Reads the word at addr of the heap regions into *w. Returns 1, or 0 when unreadable. */
+static inline int read_word(const mu_region *heap, uint64_t nheap, uint64_t addr, uint64_t *w)
+{
+    int64_t r = mu_region_find(heap, nheap, addr, 8);
+    if (r < 0)
+        return 0;
+    memcpy(w, heap[r].data + (addr - heap[r].base), 8);
+    return 1;
+}
+
+/* A type's home slot in a table of cap (a power of two) slots. */
+static inline uint64_t type_slot(uint64_t t, uint64_t cap)
+{
+    return ((t >> 4) * 0x9E3779B97F4A7C15ull >> 32) & (cap - 1);
+}
 
 /* The dead parts of the PyDictValues array at values: pairs[0..1] (prefix, then the slots past
  * the last one in use when there are any). Returns how many pairs (0: not a consistent array). */
@@ -250,24 +269,90 @@ static int values_parts(const uint64_t *begin, const uint64_t *size, uint64_t n,
     return 2;
 }
 
+/* The dead parts of a 3.13 PyDictValues at values, inside the allocation [blk, blk + blk_size)
+ * (blk_size 0: the allocation must start at values): pairs[0] its header word (capacity,
+ * size, embedded, valid: bytes), pairs[1] from the slot past the highest index of its order
+ * bytes (after the capacity slots) to the allocation's end. Returns how many pairs (0: not a
+ * consistent array). */
+static int values_parts_313(const uint64_t *begin, const uint64_t *size, uint64_t n,
+                            const mu_region *heap, uint64_t nheap, uint64_t values, uint64_t blk,
+                            uint64_t blk_size, uint64_t pairs[2][2])
+{
+    if (!values || (values & 7))
+        return 0;
+    if (!blk_size) {
+        uint64_t k = mu_find_sorted(begin, n, values);
+        if (k == n)
+            return 0;
+        blk = begin[k];
+        blk_size = size[k];
+    }
+    int64_t r = mu_region_find(heap, nheap, values, 8);
+    if (r < 0)
+        return 0;
+    const uint8_t *v = heap[r].data + (values - heap[r].base);
+    uint64_t cap = v[0], count = v[1], order_at = values + 8 + 8 * cap, used = 0;
+    if (!cap || count > cap || values < blk || order_at + cap > blk + blk_size)
+        return 0;
+    int64_t q = mu_region_find(heap, nheap, order_at, cap);
+    if (q < 0)
+        return 0;
+    const uint8_t *order = heap[q].data + (order_at - heap[q].base);
+    for (uint64_t j = 0; j < count; j++) {
+        if (order[j] >= cap)
+            return 0;
+        if (order[j] + 1u > used)
+            used = order[j] + 1u;
+    }
+    pairs[0][0] = values;
+    pairs[0][1] = values + 8;
+    pairs[1][0] = values + 8 + 8 * used;
+    pairs[1][1] = (blk + blk_size) & ~7ull;
+    return pairs[1][0] < pairs[1][1] ? 2 : 1;
+}
+
 int64_t mu_gc_stale_parts(const uint64_t *begin, const uint64_t *size, uint64_t n,
                           const mu_region *heap, uint64_t nheap, const uint8_t *head_word,
                           const uint64_t *sets, uint64_t nsets,
                           const uint64_t *managed, uint64_t nmanaged, int64_t values_field,
-                          uint32_t values_tag, const uint64_t *dicts, uint64_t ndicts,
+                          uint32_t values_tag, const uint64_t *inline_types, uint64_t ninline,
+                          const uint64_t *dicts, uint64_t ndicts,
                           const uint64_t *strs, uint64_t nstrs, uint64_t str_utf8,
                           uint64_t str_data, uint64_t gen_type, uint64_t gen_dead,
+                          const uint64_t *metas, uint64_t nmetas,
                           uint64_t *out, uint64_t cap, uint64_t *counts)
 {
     if ((n && (!begin || !size || !head_word)) || (nheap && !heap) || (cap && !out) || !counts
         || (nsets && !sets) || (nmanaged && !managed) || (ndicts && !dicts) || (nstrs && !strs)
-        || values_tag > MU_VALUES_PLAIN || (values_field & 7) || values_field < -64
+        || (ninline && !inline_types) || (nmetas && !metas)
+        || values_tag > MU_VALUES_313 || (values_field & 7) || values_field < -64
         || values_field > 4096 || (str_utf8 & 7) || (str_data & 7) || str_utf8 < 40
         || str_data < 40 || str_utf8 > 256 || str_data > 256
         || (gen_type && (gen_dead < 16 || (gen_dead & 7) || gen_dead > 4096)))
         return -EINVAL;
+    /* every listed type once in an open-addressing table: one probe per object */
+    uint64_t ntypes = nsets + nmanaged + ndicts + nstrs + ninline + nmetas, cap2 = 16;
+    while (cap2 < 2 * ntypes)
+        cap2 <<= 1;
+    uint64_t *keys = calloc(cap2, sizeof *keys);
+    uint8_t *bits = calloc(cap2, 1);
+    if (!keys || !bits) {
+        free(keys);
+        free(bits);
+        return -ENOMEM;
+    }
+    const uint64_t *lists[6] = {sets, managed, dicts, strs, inline_types, metas};
+    uint64_t lens[6] = {nsets, nmanaged, ndicts, nstrs, ninline, nmetas};
+    for (int l = 0; l < 6; l++)
+        for (uint64_t j = 0; j < lens[l]; j++) {
+            uint64_t t = lists[l][j], h = type_slot(t, cap2);
+            while (keys[h] && keys[h] != t)
+                h = (h + 1) & (cap2 - 1);
+            keys[h] = t;
+            bits[h] |= (uint8_t)(1u << l);
+        }
     uint64_t found = 0, cur = 0;
-    counts[0] = counts[1] = counts[2] = counts[3] = 0;
+    counts[0] = counts[1] = counts[2] = counts[3] = counts[4] = 0;
     for (uint64_t i = 0; i < n; i++) {
         if (!head_word[i])
             continue;
@@ -277,16 +362,22 @@ int64_t mu_gc_stale_parts(const uint64_t *begin, const uint64_t *size, uint64_t 
         int64_t r = region_from(heap, nheap, &cur, obj + 8, 8);
         if (r < 0)
             continue;
-        uint64_t tp, word, pairs[6][2];
+        uint64_t tp, word, pairs[9][2];
         memcpy(&tp, heap[r].data + (obj + 8 - heap[r].base), 8);
-        int np = 0, hit[4] = {0, 0, 0, 0};
+        int np = 0, hit[5] = {0, 0, 0, 0, 0};
+        uint8_t tb = 0;
+        if (tp) {
+            uint64_t h = type_slot(tp, cap2);
+            while (keys[h] && keys[h] != tp)
+                h = (h + 1) & (cap2 - 1);
+            tb = keys[h] == tp ? bits[h] : 0;
+        }
         if (gen_type && tp == gen_type && obj + gen_dead + 16 <= end) {
             pairs[0][0] = obj + gen_dead;
             pairs[0][1] = obj + gen_dead + 16;
             np = hit[3] = 1;
         }
-        if (nsets && obj + MU_SET_SMALLTABLE_END <= end
-            && mu_find_sorted(sets, nsets, tp) < nsets
+        if ((tb & 1) && obj + MU_SET_SMALLTABLE_END <= end
             && (r = region_from(heap, nheap, &cur, obj, MU_SET_SMALLTABLE_END)) >= 0) {
             memcpy(&word, heap[r].data + (obj + MU_SET_TABLE - heap[r].base), 8);
             if (word != obj + MU_SET_SMALLTABLE) {
@@ -297,27 +388,41 @@ int64_t mu_gc_stale_parts(const uint64_t *begin, const uint64_t *size, uint64_t 
             }
         }
         if (values_tag) {
-            uint64_t at = 0, values = 0;
-            int tagged = 0;
-            if (nmanaged && mu_find_sorted(managed, nmanaged, tp) < nmanaged
-                && obj + values_field >= begin[i]) {
-                at = obj + values_field;
-                tagged = values_tag == MU_VALUES_TAGGED;
-            } else if (ndicts && obj + MU_DICT_VALUES + 8 <= end
-                       && mu_find_sorted(dicts, ndicts, tp) < ndicts) {
-                at = obj + MU_DICT_VALUES;
+            int got = 0;
+            uint64_t word = 0;
+            if ((tb & 2) && obj >= begin[i] + 24) {
+                /* a managed dict's own values: before the object (3.11, 3.12 tagged) or
+                 * inline after its header (3.13, types with inline values: tb & 16) */
+                if (values_tag == MU_VALUES_313) {
+                    if (tb & 16)
+                        got += values_parts_313(begin, size, n, heap, nheap, obj + values_field,
+                                                begin[i], size[i], pairs + np);
+                } else if (obj + values_field >= begin[i]
+                           && read_word(heap, nheap, obj + values_field, &word)) {
+                    uint64_t values = values_tag == MU_VALUES_TAGGED
+                        ? ((word & 1) ? word + 1 : 0) : word;
+                    got += values_parts(begin, size, n, heap, nheap, values, pairs + np);
+                }
+                /* a materialized dict (MANAGED_DICT_OFFSET, -24 in every version; 3.12: an
+                 * even word), untracked or not: its ma_values */
+                uint64_t dict = 0, values = 0;
+                if (read_word(heap, nheap, obj - 24, &dict) && dict && !(dict & 7)
+                    && read_word(heap, nheap, dict + MU_DICT_VALUES, &values) && values)
+                    got += values_tag == MU_VALUES_313
+                        ? values_parts_313(begin, size, n, heap, nheap, values, 0, 0,
+                                           pairs + np + got)
+                        : values_parts(begin, size, n, heap, nheap, values, pairs + np + got);
+            } else if ((tb & 4) && obj + MU_DICT_VALUES + 8 <= end
+                       && read_word(heap, nheap, obj + MU_DICT_VALUES, &word) && word) {
+                got += values_tag == MU_VALUES_313
+                    ? values_parts_313(begin, size, n, heap, nheap, word, 0, 0, pairs + np)
+                    : values_parts(begin, size, n, heap, nheap, word, pairs + np);
             }
-            int64_t q = at ? mu_region_find(heap, nheap, at, 8) : -1;
-            if (q >= 0) {
-                memcpy(&word, heap[q].data + (at - heap[q].base), 8);
-                values = tagged ? ((word & 1) ? word + 1 : 0) : word;
-                int got = values_parts(begin, size, n, heap, nheap, values, pairs + np);
-                np += got;
-                hit[1] = got > 0;
-            }
+            np += got;
+            hit[1] = got > 0;
         }
         uint64_t last = (str_utf8 > str_data ? str_utf8 : str_data) + 8;
-        if (nstrs && obj + last <= end && mu_find_sorted(strs, nstrs, tp) < nstrs
+        if ((tb & 8) && obj + last <= end
             && (r = region_from(heap, nheap, &cur, obj, last)) >= 0) {
             const uint8_t *o = heap[r].data + (obj - heap[r].base);
             uint32_t state;
@@ -335,15 +440,28 @@ int64_t mu_gc_stale_parts(const uint64_t *begin, const uint64_t *size, uint64_t 
                 hit[2] = 1;
             }
         }
+        uint64_t flags, name, k;
+        if ((tb & 32) && obj + MU_TP_FLAGS + 8 <= end
+            && read_word(heap, nheap, obj + MU_TP_FLAGS, &flags) && (flags & MU_TPFLAGS_HEAPTYPE)
+            && read_word(heap, nheap, obj + MU_TP_NAME, &name) && name
+            && (k = mu_find_sorted(begin, n, name)) < n && k != i) {
+            pairs[np][0] = begin[k];
+            pairs[np][1] = begin[k] + size[k];
+            np++;
+            hit[4] = 1;
+        }
         for (int p = 0; p < np; p++, found++)
             if (found < cap) {
                 out[2 * found] = pairs[p][0];
                 out[2 * found + 1] = pairs[p][1];
             }
+        counts[4] += hit[4];
         counts[0] += hit[0];
         counts[1] += hit[1];
         counts[2] += hit[2];
         counts[3] += hit[3];
     }
+    free(keys);
+    free(bits);
     return (int64_t)found;
 }

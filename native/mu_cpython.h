@@ -65,6 +65,14 @@ int64_t mu_gc_dead_ranges(const uint64_t *begin, const uint64_t *size, uint64_t 
  *                   of the allocation). Used only when the prefix (its size in byte values[-1],
  *                   8..248, a multiple of 8; the count in values[-2], the indices at
  *                   values[-3 - j]) is consistent and values - prefix starts an allocation.
+ *                   The managed[] objects' materialized dict too (its pointer at object
+ *                   offset -24; 3.12: an even word), tracked by the GC or not: its ma_values.
+ *                   3.13 (values_tag MU_VALUES_313): the values of inline_types[] (ascending;
+ *                   Py_TPFLAGS_INLINE_VALUES) lie at object offset values_field, and
+ *                   ma_values must start an allocation; the array is {capacity, size,
+ *                   embedded, valid bytes, padding} then capacity slots then size order
+ *                   bytes: the header word and everything from the slot past the highest
+ *                   ordered index to the allocation's end are dead.
  *   str buffers     objects whose type is in strs[] (ascending; str subclasses) that are not
  *                   compact (state bit 0x20 at object offset 32 clear): their text lives in
  *                   separate allocations, data (object offset str_data) and utf8 (str_utf8)
@@ -74,16 +82,22 @@ int64_t mu_gc_dead_ranges(const uint64_t *begin, const uint64_t *size, uint64_t 
  *                   object offset gen_dead (gi_origin_or_finalizer and the flag bytes before
  *                   the inline frame), which make_gen never writes for a plain generator
  *                   (only coroutines and async generators use them): [obj + gen_dead, +16).
- * Pairs go to out (up to cap pairs) in object order; counts[0..3] get how many objects each
+ *   type names      objects whose type is in metas[] (ascending; type and its subclasses)
+ *                   that are heap types (Py_TPFLAGS_HEAPTYPE): the allocation tp_name starts
+ *                   (PyType_FromSpec's copy of the spec's name; text, its slack stale).
+ * Pairs go to out (up to cap pairs) in object order; counts[0..4] get how many objects each
  * rule found (a values array gives one or two pairs, a str one or two). Returns the number of
- * pairs (may exceed cap), or -EINVAL. */
+ * pairs (may exceed cap), -EINVAL or -ENOMEM. */
 #define MU_VALUES_TAGGED 1      /* 3.12: the object's word is values - 1 (odd) or a dict */
 #define MU_VALUES_PLAIN 2       /* 3.11: the object's word is values or NULL */
+#define MU_VALUES_313 3         /* 3.13: values inline at the object's offset values_field */
 int64_t mu_gc_stale_parts(const uint64_t *begin, const uint64_t *size, uint64_t n,
                           const mu_region *heap, uint64_t nheap, const uint8_t *head_word,
                           const uint64_t *sets, uint64_t nsets,
                           const uint64_t *managed, uint64_t nmanaged, int64_t values_field,
-                          uint32_t values_tag, const uint64_t *dicts, uint64_t ndicts,
+                          uint32_t values_tag, const uint64_t *inline_types, uint64_t ninline,
+                          const uint64_t *dicts, uint64_t ndicts,
                           const uint64_t *strs, uint64_t nstrs, uint64_t str_utf8,
                           uint64_t str_data, uint64_t gen_type, uint64_t gen_dead,
+                          const uint64_t *metas, uint64_t nmetas,
                           uint64_t *out, uint64_t cap, uint64_t *counts);

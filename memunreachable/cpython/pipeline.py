@@ -99,8 +99,9 @@ def _prepare(mem, maps, threads, pid: Optional[int], image: HeapImage) -> CPytho
             dead_pairs += spans
             out.stats["gc_nodes"] = nodes
             # list slack, heap types' docstrings, io buffers: one native pass
+            metas = metatypes(mem, cp, types)
             pairs, (nslack, ndocs, nbuffers) = gc_dead_ranges(
-                merged, head_word, statics.get("PyList_Type", 0), metatypes(mem, cp, types),
+                merged, head_word, statics.get("PyList_Type", 0), metas,
                 buffered_types(mem, cp, types))
             dead_pairs += pairs
             if "PyList_Type" in statics:
@@ -109,13 +110,13 @@ def _prepare(mem, maps, threads, pid: Optional[int], image: HeapImage) -> CPytho
             out.stats["io_buffers"] = nbuffers
             # sets' smalltables after a resize, dict values arrays' prefixes and unused slots
             gen = dict(generator_types(mem, cp, statics)).get(statics.get("PyGen_Type"))
-            pairs, (nsets, nvalues, nstrs, ngens) = gc_stale_parts(
+            pairs, (nsets, nvalues, nstrs, ngens, nnames) = gc_stale_parts(
                 merged, head_word, cp.version, *stale_part_types(mem, cp, types, statics),
                 gen_type=statics["PyGen_Type"] if gen else 0,
-                gen_dead=(gen >> 16 & 0xffff) - 16 if gen else 0)
+                gen_dead=(gen >> 16 & 0xffff) - 16 if gen else 0, metas=metas)
             dead_pairs += pairs
             out.stats.update(set_smalltables=nsets, dict_values=nvalues, str_buffers=nstrs,
-                             generator_heads=ngens)
+                             generator_heads=ngens, type_names=nnames)
     dead_types = []
     if head_word is not None and cp.version <= L.DEAD_OBJECTS_UNTIL:
         types = sorted(set(types) | set(frame_types(mem, cp)))
@@ -631,35 +632,43 @@ def gc_dead_ranges(image: HeapImage, head_word, list_type: int, metas: Sequence[
 
 
 # Returns the (begin, end) pairs of mu_gc_stale_parts over the GC objects and its counts (set
-# smalltables, dict values arrays, str buffers, generator heads); ([], (0, 0, 0, 0)) on an
-# error. Types as stale_part_types; gen_type: PyGen_Type (0: none), gen_dead: the object
-# offset of its two unwritten words (its inline frame's offset - 16).
+# smalltables, dict values arrays, str buffers, generator heads, heap types' name copies);
+# ([], (0, 0, 0, 0, 0)) on an error. Types as stale_part_types; gen_type: PyGen_Type (0:
+# none), gen_dead: the object offset of its two unwritten words (its inline frame's offset -
+# 16); metas: the metatypes (type and its subclasses, ascending).
 def gc_stale_parts(image: HeapImage, head_word, version, sets, managed, values_field: int,
-                   values_tag: int, dicts, strs, gen_type: int = 0, gen_dead: int = 0):
-    if not len(image.begins) or not (sets or managed or dicts or strs or gen_type):
-        return [], (0, 0, 0, 0)
+                   values_tag: int, inline, dicts, strs, gen_type: int = 0, gen_dead: int = 0,
+                   metas=()):
+    if not len(image.begins) or not (sets or managed or dicts or strs or gen_type or metas):
+        return [], (0, 0, 0, 0, 0)
+    mt = array("Q", metas)
     s, m, d, t = array("Q", sets), array("Q", managed), array("Q", dicts), array("Q", strs)
+    i = array("Q", inline)
     utf8, data = L.str_buffer_fields(version)
-    counts = ffi.new("uint64_t[4]")
+    counts = ffi.new("uint64_t[5]")
     pairs = _gc_object_ranges(image, head_word, lambda args, out, cap: lib.mu_gc_stale_parts(
         *args, ffi.from_buffer("uint64_t[]", s), len(s), ffi.from_buffer("uint64_t[]", m), len(m),
-        values_field, values_tag, ffi.from_buffer("uint64_t[]", d), len(d),
-        ffi.from_buffer("uint64_t[]", t), len(t), utf8, data, gen_type, gen_dead, out, cap,
-        counts), as_pairs=True)
-    return pairs, (counts[0], counts[1], counts[2], counts[3])
+        values_field, values_tag, ffi.from_buffer("uint64_t[]", i), len(i),
+        ffi.from_buffer("uint64_t[]", d), len(d),
+        ffi.from_buffer("uint64_t[]", t), len(t), utf8, data, gen_type, gen_dead,
+        ffi.from_buffer("uint64_t[]", mt), len(mt), out, cap, counts), as_pairs=True)
+    return pairs, tuple(counts[k] for k in range(5))
 
 
-# Returns (sets, managed, values_field, values_tag, dicts, strs) for gc_stale_parts, each list
-# of types ascending: set, frozenset and the heap types that derive from them; on 3.11 and 3.12
-# the types whose objects keep their dict's values before them (Py_TPFLAGS_MANAGED_DICT; the
-# word's offset from the object and how it is tagged) and the dict types (ma_values); the str
-# subclasses (Py_TPFLAGS_UNICODE_SUBCLASS: a GC str is a subclass's instance). 3.8-3.10 keep
-# values in plain arrays and 3.13 inline or behind a header: no values rule there.
+# Returns (sets, managed, values_field, values_tag, inline, dicts, strs) for gc_stale_parts,
+# each list of types ascending: set, frozenset and the heap types that derive from them; on
+# 3.11-3.13 the types with a managed dict (Py_TPFLAGS_MANAGED_DICT; 3.11/3.12: their values'
+# word offset from the object and how it is tagged; 3.13: inline, the types with
+# Py_TPFLAGS_INLINE_VALUES, whose values start at object offset 16) and the dict types
+# (ma_values); the str subclasses
+# (Py_TPFLAGS_UNICODE_SUBCLASS: a GC str is a subclass's instance). 3.8-3.10 keep values in
+# plain arrays: no values rule there.
 def stale_part_types(mem, cp: CPythonMap, types, statics: Dict[str, int]):
     reader = object_reader(mem, cp)
     roots = {statics[k] for k in ("PySet_Type", "PyFrozenSet_Type") if k in statics}
-    values = cp.version in ((3, 11), (3, 12))
-    sets, managed, dicts, strs = [], [], [], []
+    values = (3, 11) <= cp.version <= (3, 13)
+    inline_flag = L.TPFLAGS_INLINE_VALUES if cp.version >= (3, 13) else 0
+    sets, managed, inline, dicts, strs = [], [], [], [], []
     derives: Dict[int, bool] = {}
     for t in types:
         w = reader.type_words(t)
@@ -670,14 +679,17 @@ def stale_part_types(mem, cp: CPythonMap, types, statics: Dict[str, int]):
             sets.append(t)
         if values and w[4] & L.TPFLAGS_MANAGED_DICT:
             managed.append(t)
+            if w[4] & inline_flag:
+                inline.append(t)
         if values and w[4] & L.TPFLAGS_DICT_SUBCLASS:
             dicts.append(t)
         if w[4] & L.TPFLAGS_UNICODE_SUBCLASS:
             strs.append(t)
     if not values:
-        return sorted(sets), [], 0, 0, [], sorted(strs)
-    field, tag = (-32, lib.MU_VALUES_PLAIN) if cp.version == (3, 11) else (-24, lib.MU_VALUES_TAGGED)
-    return sorted(sets), sorted(managed), field, tag, sorted(dicts), sorted(strs)
+        return sorted(sets), [], 0, 0, [], [], sorted(strs)
+    field, tag = {(3, 11): (-32, lib.MU_VALUES_PLAIN), (3, 12): (-24, lib.MU_VALUES_TAGGED)}.get(
+        cp.version, (16, lib.MU_VALUES_313))        # 3.13: inline after the PyObject header
+    return sorted(sets), sorted(managed), field, tag, sorted(inline), sorted(dicts), sorted(strs)
 
 
 def _derives_from(reader, t: int, roots, memo: Dict[int, bool]) -> bool:

@@ -340,14 +340,10 @@ def test_subinterpreters(python, tmp_path):
         assert head is not None, (kind, hex(lst), sorted(map(hex, leaks)))
         assert (head.python_type, head.refcount) == ("list", 1), kind
         expected.add(lst - 16)
-        if kind == "isolated":
-            # its native block is kept reachable in most runs by a stale copy of its address
-            # in the last word of a glibc chunk reused afterwards (a type's tp_doc buffer, an
-            # object's slack: MEMUNREACHABLE_EXPLAIN shows it), a miss never a false leak:
-            # docs/limitations.md
-            if native in leaks:
-                expected.add(native)
-            continue
+        # the isolated one's native block was kept reachable in 15 of 16 runs (3.12, 3.13) by
+        # stale words in live objects' dead parts (an instance's slack, a 3.13 dict values
+        # header, a spec type's name copy: MEMUNREACHABLE_EXPLAIN) until they were no
+        # references: 5 of 5 found on each since
         assert native in leaks, (kind, hex(native), sorted(map(hex, leaks)))
         assert leaks[native].size == size and leaks[native].python_type is None
         expected.add(native)

@@ -65,19 +65,19 @@ def test_option_fails_the_leaking_test_with_the_report(suite):
 
 
 def test_each_xdist_worker_checks_itself(suite):
-    # Every worker runs its own checks (its own helper): the clean test passes, the explicit
-    # fixture check in a worker sees its one new leak and the plugin fails it with the report.
-    # Whether a worker's check also catches test_leaks/test_marked_leak is not asserted here:
-    # when xdist sends test_clean first to the same worker, its freed 34 MB block and the
-    # next leak of that size get the same address, and a stale interior pointer into the old
-    # block (ncurses' terminfo table's last word, in one explained run) hides the new one.
-    # test_a_real_extension_s_suite_on_xdist_workers asserts every verdict of the real suite.
+    # Every worker runs its own checks (its own helper): the clean test passes and the three
+    # leaky ones fail with the report, wherever xdist sends them. When test_clean runs first in
+    # a worker, its freed 34 MB block and the next leak of that size get the same address, so
+    # any stale word pointing into the old block hides the new one: under the default
+    # allocator 5-6 of 8 runs caught both until the stale parts of live objects (class
+    # instances' slack, sets' old smalltables, dict values' prefixes, str subclasses' text,
+    # generators' unwritten words, MEMUNREACHABLE_EXPLAIN) were no references: 40 of 40 then.
     res = suite.runpytest_subprocess("--memunreachable", "-n", "2", "-rf")
-    outcomes = res.parseoutcomes()
-    assert outcomes.get("errors", 0) == 0 and outcomes["passed"] + outcomes["failed"] == 4
-    assert "test_suite.py::test_clean" not in "\n".join(
-        l for l in res.stdout.lines if l.startswith("FAILED"))
-    res.stdout.fnmatch_lines(["FAILED test_suite.py::test_fixture - Failed: 1 native heap block*"])
+    res.assert_outcomes(passed=1, failed=3)
+    res.stdout.fnmatch_lines_random([
+        "FAILED test_suite.py::test_leaks - Failed: 1 native heap block*",
+        "FAILED test_suite.py::test_marked_leak - Failed: 1 native heap block*",
+        "FAILED test_suite.py::test_fixture - Failed: 1 native heap block*"])
 
 
 def test_marker_alone_checks_only_marked_tests(suite):

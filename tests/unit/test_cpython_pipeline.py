@@ -445,8 +445,8 @@ def test_stale_set_smalltables_are_dead_once_the_table_moved():
               (0x1100, setobj(SET, 0x1100 + 16 + 64)),  # still in its smalltable: live
               (0x1200, setobj(OTHER, 0x2000))]          # not a set
     img, hw = _image_of(blocks, [(0x2000, 512)])
-    pairs, counts = P.gc_stale_parts(img, hw, (3, 11), [SET], [], 0, 0, [], [])
-    assert pairs == [(0x1000 + 16 + 64, 0x1000 + 16 + 192)] and counts == (1, 0, 0, 0)
+    pairs, counts = P.gc_stale_parts(img, hw, (3, 11), [SET], [], 0, 0, [], [], [])
+    assert pairs == [(0x1000 + 16 + 64, 0x1000 + 16 + 192)] and counts == (1, 0, 0, 0, 0)
 
 
 def values_block(prefix, order, nslots):
@@ -481,16 +481,17 @@ def test_dict_values_prefix_and_unused_slots_are_dead(version, field, tag):
                                  (0x2200, 8, [1], 7)]:
         blk = values_block(prefix, order, n)
         data[at - 0x1000:at - 0x1000 + len(blk)] = blk
-    pairs, counts = P.gc_stale_parts(img, hw, version, [], [CLS], field, getattr(lib, tag),
+    pairs, counts = P.gc_stale_parts(img, hw, version, [], [CLS], field, getattr(lib, tag), [],
                                      [DICT], [])
     # instance: 3 slots in use of 7; dict: slot 4 the highest of 14; the third's word points
     # 8 bytes past its array (its prefix byte then reads as a slot: 0xee, not a prefix size)
     assert pairs == [(0x2000, V1), (V1 + 24, 0x2040), (0x2100, V2), (V2 + 40, 0x2180)]
-    assert counts == (0, 2, 0, 0)
+    assert counts == (0, 2, 0, 0, 0)
     # an order index beyond the slots: not an array we can read; nothing dead
     blk = values_block(8, [0, 9], 7)
     data[0x1000:0x1000 + len(blk)] = blk
-    assert P.gc_stale_parts(img, hw, version, [], [CLS], field, getattr(lib, tag), [], [])[0] == []
+    assert P.gc_stale_parts(img, hw, version, [], [CLS], field, getattr(lib, tag), [], [],
+                            [])[0] == []
 
 
 @pytest.mark.parametrize("version", [(3, 11), (3, 12)])
@@ -510,6 +511,25 @@ def test_non_compact_str_subclass_buffers_are_text(version):
               (0x1300, strobj(OTHER, 0xc4, 0x2400, 0x2400))]
     img, hw = _image_of(blocks, [(a, 16) for a in (0x2000, 0x2100, 0x2200, 0x2300, 0x2400)],
                         heads={b: 5 for b, _ in blocks})    # the object after 32 + 16 bytes
-    pairs, counts = P.gc_stale_parts(img, hw, version, [], [], 0, 0, [], [STR])
+    pairs, counts = P.gc_stale_parts(img, hw, version, [], [], 0, 0, [], [], [STR])
     assert pairs == [(0x2000, 0x2010), (0x2100, 0x2110), (0x2200, 0x2210)]
-    assert counts == (0, 0, 2, 0)
+    assert counts == (0, 0, 2, 0, 0)
+
+
+def test_heap_types_name_copies_are_text():
+    META, OTHER = 0x7000, 0x7100
+    HEAP = 1 << 9
+
+    def typeobj(meta, flags, name):
+        body = bytearray(200)
+        struct.pack_into("<QQ", body, 0, 1, meta)
+        struct.pack_into("<Q", body, L.TP_NAME, name)
+        struct.pack_into("<Q", body, L.TP_FLAGS, flags)
+        return bytes(16) + bytes(body)
+    blocks = [(0x1000, typeobj(META, HEAP, 0x2000)),        # PyType_FromSpec's copy: text
+              (0x1100, typeobj(META, HEAP, 0x2108)),        # inside a str's data: no block
+              (0x1200, typeobj(META, 0, 0x2200)),           # a static type: .rodata
+              (0x1300, typeobj(OTHER, HEAP, 0x2300))]       # not a metatype's instance
+    img, hw = _image_of(blocks, [(0x2000, 16), (0x2100, 48), (0x2200, 16), (0x2300, 16)])
+    pairs, counts = P.gc_stale_parts(img, hw, (3, 13), [], [], 0, 0, [], [], [], metas=[META])
+    assert pairs == [(0x2000, 0x2010)] and counts == (0, 0, 0, 0, 1)
