@@ -316,6 +316,18 @@ static inline uint64_t mu_live_len_r(const mu_dead *d, const mu_rules *r, const 
             uint64_t end = b + off + ((head + item * (uint64_t)count + 7) & ~7ull);
             return end < b + len ? end - b : len;
         }
+        if (kind == MU_TYPE_MEMORYVIEW) {
+            uint64_t head = (code >> 16) & 0xffffffffull, sub;
+            int64_t count;
+            if (off + 24 > have || head < 24 || off + head > have)
+                continue;
+            memcpy(&count, p + off + 16, 8);
+            memcpy(&sub, p + off + head - 24, 8);
+            if (count < 0 || count % 3 || count > 3 * 64)
+                continue;           /* not a memoryview's count: scan it all */
+            uint64_t end = off + head + 8 * (uint64_t)(sub ? count : count / 3 * 2);
+            return end < len ? end : len;
+        }
         if (kind == MU_TYPE_GEN_FRAME) {
             uint64_t fo = off + ((code >> 16) & 0xffff);
             int32_t top;

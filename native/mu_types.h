@@ -54,6 +54,10 @@ typedef struct {
  *       above the frame's stacktop (int at fo + 64, slots from fo + 72) are dead, as in a
  *       frame object's (a suspended pluggy hook wrapper's slot 10 kept a leaked block's
  *       address); running or finished: scanned whole.
+ *   kind MU_TYPE_MEMORYVIEW: a memoryview, tp_basicsize in bits 16-47 of code: its ob_size
+ *       (3 * ndim) Py_ssize_t follow the header (shape, strides, suboffsets); when its
+ *       view.suboffsets (at off + basicsize - 24) is NULL the suboffsets third is never
+ *       written: scanned up to header + 8 * ob_size, or + 16 * ndim then.
  * dict_keys (MU_DICT_KEYS_*): an allocation whose header is a CPython dict key table
  * (PyDictKeysObject, consistent in every field) is scanned only up to the table's end as
  * new_keys_object sized it; the allocator's slack after it (under 16 bytes) holds only stale
@@ -79,4 +83,5 @@ typedef struct {
 #define MU_TYPE_SIZED 4
 #define MU_TYPE_VARSIZED 5
 #define MU_TYPE_GEN_FRAME 6
-#define MU_TYPE_LAST 6           /* the highest kind */
+#define MU_TYPE_MEMORYVIEW 7
+#define MU_TYPE_LAST 7           /* the highest kind */

@@ -134,10 +134,12 @@ def _prepare(mem, maps, threads, pid: Optional[int], image: HeapImage) -> CPytho
     # tuples (every version): the slack after the last item (an odd item count in a 16-byte
     # size class) held the address of a leaked block in an xdist worker's co_consts; the rule
     # replaces 3.8-3.10's dead-at-zero rule of the type, which it includes
-    # memoryviews (every version): the slack after their shape arrays (an io read's buffer
-    # view kept a leaked block's address there, 3.12 and 3.13)
+    # memoryviews (every version): their unwritten suboffsets and the slack after their shape
+    # arrays (an io read's buffer view kept a leaked block's address there, 3.12 and 3.13)
     for sym, shape in (("PyTuple_Type", TUPLE_SHAPE), ("PyMemoryView_Type", MEMORYVIEW_SHAPE)):
         rule = varsized_type(mem, cp, statics.get(sym), shape)
+        if rule and sym == "PyMemoryView_Type":
+            rule = (rule[0], rule[1] & ~(0xff << 8 | 0xff << 48) | lib.MU_TYPE_MEMORYVIEW << 8)
         if rule:
             dead_types = [x for x in dead_types if x[0] != rule[0]] + [rule]
     # generators, coroutines, async generators (3.11+): their inline frame's dead slots
@@ -475,6 +477,18 @@ def class_types(mem, maps, pid, cp: CPythonMap, types) -> List[Tuple[int, int]]:
 
 def _static_base_in(reader, t: int, own, memo: Dict[int, bool]) -> bool:
     """Whether the first non-heap type up t's tp_base chain lies in one of the ranges own."""
+    def judge(base):
+        w = reader.type_words(base)
+        if w is None or not w[4] & L.TPFLAGS_HEAPTYPE:
+            return w is not None and any(b <= base < e for b, e in own) \
+                and reader.type_info(base) is not None
+        return None
+    return _base_verdict(reader, t, judge, memo)
+
+
+def _base_verdict(reader, t: int, judge, memo: Dict[int, bool]) -> bool:
+    """judge(base) of the first base up t's tp_base chain that it decides (True or False;
+    None: on up); False where the chain ends or cannot be read. memo: type -> verdict."""
     seen = []
     ok = False
     for _ in range(64):
@@ -482,14 +496,11 @@ def _static_base_in(reader, t: int, own, memo: Dict[int, bool]) -> bool:
             ok = memo[t]
             break
         seen.append(t)
-        base = reader._u64(t + L.TP_BASE)
-        w = reader.type_words(base) if base else None
-        if w is None:
+        t = reader._u64(t + L.TP_BASE) or 0
+        verdict = judge(t) if t else False
+        if verdict is not None:
+            ok = verdict
             break
-        if not w[4] & L.TPFLAGS_HEAPTYPE:
-            ok = any(b <= base < e for b, e in own) and reader.type_info(base) is not None
-            break
-        t = base
     for x in seen:
         memo[x] = ok
     return ok
@@ -694,22 +705,7 @@ def stale_part_types(mem, cp: CPythonMap, types, statics: Dict[str, int]):
 
 def _derives_from(reader, t: int, roots, memo: Dict[int, bool]) -> bool:
     """Whether one of the types roots lies up t's tp_base chain."""
-    seen = []
-    ok = False
-    for _ in range(64):
-        if t in memo:
-            ok = memo[t]
-            break
-        seen.append(t)
-        t = reader._u64(t + L.TP_BASE) or 0
-        if t in roots:
-            ok = True
-            break
-        if not t:
-            break
-    for x in seen:
-        memo[x] = ok
-    return ok
+    return _base_verdict(reader, t, lambda base: True if base in roots else None, memo)
 
 
 # Returns the metatypes among `types` (type objects whose tp_flags has

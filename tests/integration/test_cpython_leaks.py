@@ -145,6 +145,34 @@ def build_ext(python: str) -> str:
     return out_dir
 
 
+def run_target(python: str, script: str, allocator: str = "pymalloc", *args: str):
+    """Runs script (prints `baseline`, waits for a line, prints JSON and `ready`) under
+    allocator; checks at the baseline and after. Returns (the JSON, the second check's
+    CheckInfo, the addresses the first check found)."""
+    env = dict(os.environ)
+    env.pop("PYTHONMALLOC", None)
+    if allocator == "malloc":
+        env["PYTHONMALLOC"] = "malloc"
+    proc = subprocess.Popen([python, "-c", script, build_ext(python), *args], stdin=subprocess.PIPE,
+                            stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True, env=env)
+    try:
+        assert proc.stdout.readline().strip() == "baseline", proc.stderr.read()
+        before = {l.address for l in check(proc.pid, limit=None).leaks}
+        proc.stdin.write("go\n")
+        proc.stdin.flush()
+        line = proc.stdout.readline()
+        assert line, proc.stderr.read()
+        made = json.loads(line)
+        assert proc.stdout.readline().strip() == "ready"
+        info = check(proc.pid, limit=None)
+    finally:
+        proc.kill()
+        proc.wait(timeout=30)
+        proc.stdout.close()
+        proc.stderr.close()
+    return made, info, before
+
+
 class Target:
     def __init__(self, python: str, env: dict):
         self.proc = subprocess.Popen([python, "-c", TARGET, build_ext(python)], stdin=subprocess.PIPE,
@@ -311,26 +339,7 @@ sys.stdin.read(1)
 
 @pytest.mark.parametrize("python", interpreters(), ids=_ident)
 def test_subinterpreters(python, tmp_path):
-    env = dict(os.environ)
-    env.pop("PYTHONMALLOC", None)
-    proc = subprocess.Popen([python, "-c", SUBINTERPRETERS, build_ext(python), str(tmp_path / "made")],
-                            stdin=subprocess.PIPE, stdout=subprocess.PIPE, stderr=subprocess.PIPE,
-                            text=True, env=env)
-    try:
-        assert proc.stdout.readline().strip() == "baseline", proc.stderr.read()
-        before = {l.address for l in check(proc.pid, limit=None).leaks}
-        proc.stdin.write("go\n")
-        proc.stdin.flush()
-        line = proc.stdout.readline()
-        assert line, proc.stderr.read()
-        made = json.loads(line)
-        assert proc.stdout.readline().strip() == "ready"
-        info = check(proc.pid, limit=None)
-    finally:
-        proc.kill()
-        proc.wait(timeout=30)
-        proc.stdout.close()
-        proc.stderr.close()
+    made, info, before = run_target(python, SUBINTERPRETERS, "pymalloc", str(tmp_path / "made"))
     assert [m[0] for m in made] == (["legacy", "isolated"] if _minor(python) >= 12 else ["legacy"])
     assert not [w for w in info.warnings if "CPython" in w or "pymalloc" in w], info.warnings
     leaks = {l.address: l for l in info.leaks if l.address not in before}
@@ -399,27 +408,7 @@ sys.stdin.read(1)
 @pytest.mark.parametrize("allocator", ["pymalloc", "malloc"])
 @pytest.mark.parametrize("python", interpreters(), ids=_ident)
 def test_stale_words_after_class_instances_are_no_references(python, allocator):
-    env = dict(os.environ)
-    env.pop("PYTHONMALLOC", None)
-    if allocator == "malloc":
-        env["PYTHONMALLOC"] = "malloc"
-    proc = subprocess.Popen([python, "-c", INSTANCE_SLACK, build_ext(python)], stdin=subprocess.PIPE,
-                            stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True, env=env)
-    try:
-        assert proc.stdout.readline().strip() == "baseline", proc.stderr.read()
-        before = {l.address for l in check(proc.pid, limit=None).leaks}
-        proc.stdin.write("go\n")
-        proc.stdin.flush()
-        line = proc.stdout.readline()
-        assert line, proc.stderr.read()
-        made = json.loads(line)
-        assert proc.stdout.readline().strip() == "ready"
-        info = check(proc.pid, limit=None)
-    finally:
-        proc.kill()
-        proc.wait(timeout=30)
-        proc.stdout.close()
-        proc.stderr.close()
+    made, info, before = run_target(python, INSTANCE_SLACK, allocator)
     assert not [w for w in info.warnings if "CPython" in w or "pymalloc" in w], info.warnings
     addr, size = int(made["leak"][0], 16), made["leak"][1]
     leaks = [(l.address, l.size, l.python_type) for l in info.leaks if l.address not in before]
@@ -513,27 +502,7 @@ sys.stdin.read(1)
 @pytest.mark.parametrize("allocator", ["pymalloc", "malloc"])
 @pytest.mark.parametrize("python", interpreters(), ids=_ident)
 def test_stale_parts_of_live_objects_are_no_references(python, allocator):
-    env = dict(os.environ)
-    env.pop("PYTHONMALLOC", None)
-    if allocator == "malloc":
-        env["PYTHONMALLOC"] = "malloc"
-    proc = subprocess.Popen([python, "-c", STALE_PARTS, build_ext(python)], stdin=subprocess.PIPE,
-                            stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True, env=env)
-    try:
-        assert proc.stdout.readline().strip() == "baseline", proc.stderr.read()
-        before = {l.address for l in check(proc.pid, limit=None).leaks}
-        proc.stdin.write("go\n")
-        proc.stdin.flush()
-        line = proc.stdout.readline()
-        assert line, proc.stderr.read()
-        made = json.loads(line)
-        assert proc.stdout.readline().strip() == "ready"
-        info = check(proc.pid, limit=None)
-    finally:
-        proc.kill()
-        proc.wait(timeout=30)
-        proc.stdout.close()
-        proc.stderr.close()
+    made, info, before = run_target(python, STALE_PARTS, allocator)
     minor = _minor(python) if "/versions/" in python else 11
     assert sorted(made) == sorted(["set", "str"] + (["values"] if minor in (11, 12) else [])
                                   + (["gen"] if minor >= 11 else []))

@@ -212,7 +212,7 @@ def test_typed_objects_scanned_or_not(words, types, kept):
 
 def test_bad_types_rejected():
     h = Heap([16])
-    for types in ([(INT_TYPE, 3 | OPAQUE)], [(INT_TYPE, 0 | (7 << 8))],
+    for types in ([(INT_TYPE, 3 | OPAQUE)], [(INT_TYPE, 0 | (lib.MU_TYPE_LAST + 1) << 8)],
                   [(STR_TYPE, 0), (INT_TYPE, 0)]):
         with pytest.raises(OSError) as e:
             mark(h.image(), [], dead=DeadWords(types=types))
@@ -432,3 +432,26 @@ def test_a_generators_inline_frame_is_scanned_up_to_its_stacktop(state, top, kep
     assert list(mark(h.image(), [], [h.addrs[0]], dead=dead).marked) == kept
     folded = fold(h.image(), bytearray(3), dead=dead)
     assert folded[0].referenced_count == sum(kept) - 1
+
+
+MV = INT_TYPE + 0x600
+MV_BASIC = 56                           # a memoryview-like header: view.suboffsets at 32
+MV_CODE = 16 | lib.MU_TYPE_MEMORYVIEW << 8 | MV_BASIC << 16
+
+
+@pytest.mark.parametrize("count, suboffsets, kept", [
+    (3, 0, [1, 1, 0, 0]),       # ndim 1, no suboffsets: shape and strides only
+    (3, 1, [1, 1, 1, 0]),       # with suboffsets: all three; the slack after them dead
+    (4, 0, [1, 1, 1, 1]),       # not 3 * ndim: scanned whole
+])
+def test_a_memoryview_is_scanned_up_to_the_arrays_it_uses(count, suboffsets, kept):
+    h = Heap([112, 16, 16, 16])         # GC head, then the object at 16; arrays from 72
+    for slot, w in enumerate([0, 0, 1, MV, count]):
+        h.point(0, slot, w)
+    h.point(0, (16 + MV_BASIC - 24) // 8, 0x1000 if suboffsets else 0)    # view.suboffsets
+    h.link(0, (16 + MV_BASIC + 8) // 8, 1)          # strides[0]
+    h.link(0, (16 + MV_BASIC + 16) // 8, 2)         # suboffsets[0]
+    h.link(0, (16 + MV_BASIC + 24) // 8, 3)         # the allocator's slack
+    dead = DeadWords(types=[(MV, MV_CODE)])
+    marked = list(mark(h.image(), [], [h.addrs[0]], dead=dead).marked)
+    assert marked == kept
