@@ -215,6 +215,11 @@ int64_t mu_gc_dead_ranges(const uint64_t *begin, const uint64_t *size, uint64_t 
 #define MU_DICT_VALUES 40
 #define MU_STR_STATE 32         /* PyASCIIObject.state (every version) */
 #define MU_TP_NAME 24           /* PyTypeObject.tp_name */
+#define MU_BLOCKSTACK 240       /* 3.8-3.10 PyFrameObject.f_blockstack: 20 PyTryBlock (3 ints) */
+#define MU_F_VALUESTACK 64      /* 3.8-3.10 PyFrameObject.f_valuestack */
+#define MU_F_STACKTOP 72        /* 3.8/3.9 f_stacktop (PyObject **, NULL while running) */
+#define MU_F_STACKDEPTH 80      /* 3.10 f_stackdepth (int) */
+#define MU_F_STATE 108          /* 3.10 f_state (int8: created -2, suspended -1) */
 #define MU_TP_FLAGS 168         /* PyTypeObject.tp_flags */
 #define MU_TPFLAGS_HEAPTYPE (1ull << 9)
 #define MU_STR_COMPACT 0x20     /* its compact bit: the text follows the object inline */
@@ -319,12 +324,14 @@ int64_t mu_gc_stale_parts(const uint64_t *begin, const uint64_t *size, uint64_t 
                           const uint64_t *dicts, uint64_t ndicts,
                           const uint64_t *strs, uint64_t nstrs, uint64_t str_utf8,
                           uint64_t str_data, uint64_t gen_type, uint64_t gen_dead,
-                          const uint64_t *metas, uint64_t nmetas,
+                          const uint64_t *metas, uint64_t nmetas, uint64_t frame_type,
+                          uint64_t frame_blocks, uint32_t frame_stack,
                           uint64_t *out, uint64_t cap, uint64_t *counts)
 {
     if ((n && (!begin || !size || !head_word)) || (nheap && !heap) || (cap && !out) || !counts
         || (nsets && !sets) || (nmanaged && !managed) || (ndicts && !dicts) || (nstrs && !strs)
-        || (ninline && !inline_types) || (nmetas && !metas)
+        || (ninline && !inline_types) || (nmetas && !metas) || frame_stack > MU_FRAME_310
+        || (frame_type && (frame_blocks < 112 || (frame_blocks & 7) || frame_blocks > 1024))
         || values_tag > MU_VALUES_313 || (values_field & 7) || values_field < -64
         || values_field > 4096 || (str_utf8 & 7) || (str_data & 7) || str_utf8 < 40
         || str_data < 40 || str_utf8 > 256 || str_data > 256
@@ -352,7 +359,7 @@ int64_t mu_gc_stale_parts(const uint64_t *begin, const uint64_t *size, uint64_t 
             bits[h] |= (uint8_t)(1u << l);
         }
     uint64_t found = 0, cur = 0;
-    counts[0] = counts[1] = counts[2] = counts[3] = counts[4] = 0;
+    counts[0] = counts[1] = counts[2] = counts[3] = counts[4] = counts[5] = 0;
     for (uint64_t i = 0; i < n; i++) {
         if (!head_word[i])
             continue;
@@ -362,9 +369,42 @@ int64_t mu_gc_stale_parts(const uint64_t *begin, const uint64_t *size, uint64_t 
         int64_t r = region_from(heap, nheap, &cur, obj + 8, 8);
         if (r < 0)
             continue;
-        uint64_t tp, word, pairs[9][2];
+        uint64_t tp, word, pairs[12][2];
         memcpy(&tp, heap[r].data + (obj + 8 - heap[r].base), 8);
-        int np = 0, hit[5] = {0, 0, 0, 0, 0};
+        int np = 0, hit[6] = {0, 0, 0, 0, 0, 0};
+        if (frame_type && tp == frame_type && obj + frame_blocks + MU_BLOCKSTACK <= end) {
+            /* 3.8-3.10 frame objects: the ints and chars before the try-block stack (the
+             * word 32 bytes before it: trace flags, padding; the 16 bytes before it: f_lasti,
+             * f_lineno, f_iblock, f_executing or f_state, padding) and the stack itself hold
+             * no pointers; the value stack above its top (f_stacktop, or f_valuestack +
+             * f_stackdepth while not running) is dead */
+            pairs[np][0] = obj + frame_blocks - 32;
+            pairs[np][1] = obj + frame_blocks - 24;
+            pairs[np + 1][0] = obj + frame_blocks - 16;
+            pairs[np + 1][1] = obj + frame_blocks + MU_BLOCKSTACK;
+            np += 2;
+            hit[5] = 1;
+            uint64_t vs = 0, top = 0, w2 = 0;
+            if (frame_stack && read_word(heap, nheap, obj + MU_F_VALUESTACK, &vs)
+                && read_word(heap, nheap, obj + (frame_stack == MU_FRAME_310 ? MU_F_STACKDEPTH
+                                                                             : MU_F_STACKTOP),
+                             &top)) {
+                if (frame_stack == MU_FRAME_310) {
+                    int32_t depth = (int32_t)top;       /* f_stackdepth, then f_state */
+                    top = 0;
+                    if (read_word(heap, nheap, obj + MU_F_STATE, &w2) && (int8_t)w2 < 0
+                        && depth >= 0)
+                        top = vs + 8 * (uint64_t)depth;
+                }
+                uint64_t stop = end & ~7ull;
+                if (top && !(top & 7) && vs >= obj + frame_blocks + MU_BLOCKSTACK
+                    && top >= vs && top < stop) {
+                    pairs[np][0] = top;
+                    pairs[np][1] = stop;
+                    np++;
+                }
+            }
+        }
         uint8_t tb = 0;
         if (tp) {
             uint64_t h = type_slot(tp, cap2);
@@ -456,6 +496,7 @@ int64_t mu_gc_stale_parts(const uint64_t *begin, const uint64_t *size, uint64_t 
                 out[2 * found + 1] = pairs[p][1];
             }
         counts[4] += hit[4];
+        counts[5] += hit[5];
         counts[0] += hit[0];
         counts[1] += hit[1];
         counts[2] += hit[2];

@@ -85,12 +85,22 @@ int64_t mu_gc_dead_ranges(const uint64_t *begin, const uint64_t *size, uint64_t 
  *   type names      objects whose type is in metas[] (ascending; type and its subclasses)
  *                   that are heap types (Py_TPFLAGS_HEAPTYPE): the allocation tp_name starts
  *                   (PyType_FromSpec's copy of the spec's name; text, its slack stale).
- * Pairs go to out (up to cap pairs) in object order; counts[0..4] get how many objects each
+ *   old frames      objects of type frame_type (0: none; 3.8-3.10 PyFrame_Type): the 240-byte
+ *                   try-block stack at object offset frame_blocks (ints), the 16 bytes before
+ *                   it (f_lasti, f_lineno, f_iblock, a state char, padding) and the word 32
+ *                   bytes before it (trace flag chars, padding): no pointers; and, frame_stack
+ *                   MU_FRAME_39 (3.8/3.9): from f_stacktop (offset 72; NULL while running) to
+ *                   the allocation's end, MU_FRAME_310: from f_valuestack (64) + 8 *
+ *                   f_stackdepth (int at 80) to the end while f_state (int8 at 108) is
+ *                   negative (created or suspended).
+ * Pairs go to out (up to cap pairs) in object order; counts[0..5] get how many objects each
  * rule found (a values array gives one or two pairs, a str one or two). Returns the number of
  * pairs (may exceed cap), -EINVAL or -ENOMEM. */
 #define MU_VALUES_TAGGED 1      /* 3.12: the object's word is values - 1 (odd) or a dict */
 #define MU_VALUES_PLAIN 2       /* 3.11: the object's word is values or NULL */
 #define MU_VALUES_313 3         /* 3.13: values inline at the object's offset values_field */
+#define MU_FRAME_39 1           /* 3.8/3.9 frames: f_stacktop */
+#define MU_FRAME_310 2          /* 3.10 frames: f_stackdepth and f_state */
 int64_t mu_gc_stale_parts(const uint64_t *begin, const uint64_t *size, uint64_t n,
                           const mu_region *heap, uint64_t nheap, const uint8_t *head_word,
                           const uint64_t *sets, uint64_t nsets,
@@ -99,5 +109,6 @@ int64_t mu_gc_stale_parts(const uint64_t *begin, const uint64_t *size, uint64_t 
                           const uint64_t *dicts, uint64_t ndicts,
                           const uint64_t *strs, uint64_t nstrs, uint64_t str_utf8,
                           uint64_t str_data, uint64_t gen_type, uint64_t gen_dead,
-                          const uint64_t *metas, uint64_t nmetas,
+                          const uint64_t *metas, uint64_t nmetas, uint64_t frame_type,
+                          uint64_t frame_blocks, uint32_t frame_stack,
                           uint64_t *out, uint64_t cap, uint64_t *counts);

@@ -82,6 +82,7 @@ def _prepare(mem, maps, threads, pid: Optional[int], image: HeapImage) -> CPytho
                                                     PyTuple_Type="tuple", PySet_Type="set",
                                                     PyFrozenSet_Type="frozenset",
                                                     PyMemoryView_Type="memoryview",
+                                                    PyFrame_Type="frame",
                                                     **GENERATOR_TYPES))
     heads = gc_heads(mem, cp)
     if heads is None:
@@ -110,13 +111,14 @@ def _prepare(mem, maps, threads, pid: Optional[int], image: HeapImage) -> CPytho
             out.stats["io_buffers"] = nbuffers
             # sets' smalltables after a resize, dict values arrays' prefixes and unused slots
             gen = dict(generator_types(mem, cp, statics)).get(statics.get("PyGen_Type"))
-            pairs, (nsets, nvalues, nstrs, ngens, nnames) = gc_stale_parts(
+            pairs, (nsets, nvalues, nstrs, ngens, nnames, nframes) = gc_stale_parts(
                 merged, head_word, cp.version, *stale_part_types(mem, cp, types, statics),
                 gen_type=statics["PyGen_Type"] if gen else 0,
-                gen_dead=(gen >> 16 & 0xffff) - 16 if gen else 0, metas=metas)
+                gen_dead=(gen >> 16 & 0xffff) - 16 if gen else 0, metas=metas,
+                frame=old_frame_rule(mem, cp, statics))
             dead_pairs += pairs
             out.stats.update(set_smalltables=nsets, dict_values=nvalues, str_buffers=nstrs,
-                             generator_heads=ngens, type_names=nnames)
+                             generator_heads=ngens, type_names=nnames, old_frames=nframes)
     dead_types = []
     if head_word is not None and cp.version <= L.DEAD_OBJECTS_UNTIL:
         types = sorted(set(types) | set(frame_types(mem, cp)))
@@ -387,6 +389,23 @@ GENERATOR_TYPES = {"PyGen_Type": "generator", "PyCoro_Type": "coroutine",
 FRAME_SLOTS = 72            # _PyInterpreterFrame.localsplus (3.11-3.13), native MU_FRAME_SLOTS
 
 
+BLOCKSTACK = 240            # 3.8-3.10 PyFrameObject.f_blockstack (native MU_BLOCKSTACK)
+
+
+# Returns (frame type, try-block stack offset, stack mode) of gc_stale_parts' old-frame rule:
+# 3.8-3.10's PyFrame_Type (tp_basicsize = offset of f_localsplus + one slot, tp_itemsize 8),
+# the block stack right before f_localsplus; (0, 0, 0) for other versions or another shape.
+def old_frame_rule(mem, cp: CPythonMap, statics: Dict[str, int]) -> Tuple[int, int, int]:
+    t = statics.get("PyFrame_Type")
+    if cp.version > (3, 10) or not t:
+        return (0, 0, 0)
+    w = object_reader(mem, cp).type_words(t)
+    if w is None or w[3] != 8 or not 112 + BLOCKSTACK + 8 <= w[2] <= 1024:
+        return (0, 0, 0)
+    blocks = w[2] - 8 - BLOCKSTACK
+    return (t, blocks, lib.MU_FRAME_310 if cp.version == (3, 10) else lib.MU_FRAME_39)
+
+
 # Returns [(type address, code)] of MU_TYPE_GEN_FRAME rules for the generator types among
 # statics (3.11+): tp_basicsize is the inline frame's offset plus its localsplus offset, and
 # tp_itemsize one slot (genobject.c); a type of another shape gets no rule.
@@ -646,24 +665,25 @@ def gc_dead_ranges(image: HeapImage, head_word, list_type: int, metas: Sequence[
 # smalltables, dict values arrays, str buffers, generator heads, heap types' name copies);
 # ([], (0, 0, 0, 0, 0)) on an error. Types as stale_part_types; gen_type: PyGen_Type (0:
 # none), gen_dead: the object offset of its two unwritten words (its inline frame's offset -
-# 16); metas: the metatypes (type and its subclasses, ascending).
+# 16); metas: the metatypes (type and its subclasses, ascending); frame: old_frame_rule's.
 def gc_stale_parts(image: HeapImage, head_word, version, sets, managed, values_field: int,
                    values_tag: int, inline, dicts, strs, gen_type: int = 0, gen_dead: int = 0,
-                   metas=()):
-    if not len(image.begins) or not (sets or managed or dicts or strs or gen_type or metas):
-        return [], (0, 0, 0, 0, 0)
+                   metas=(), frame=(0, 0, 0)):
+    if not len(image.begins) or not (sets or managed or dicts or strs or gen_type or metas
+                                     or frame[0]):
+        return [], (0, 0, 0, 0, 0, 0)
     mt = array("Q", metas)
     s, m, d, t = array("Q", sets), array("Q", managed), array("Q", dicts), array("Q", strs)
     i = array("Q", inline)
     utf8, data = L.str_buffer_fields(version)
-    counts = ffi.new("uint64_t[5]")
+    counts = ffi.new("uint64_t[6]")
     pairs = _gc_object_ranges(image, head_word, lambda args, out, cap: lib.mu_gc_stale_parts(
         *args, ffi.from_buffer("uint64_t[]", s), len(s), ffi.from_buffer("uint64_t[]", m), len(m),
         values_field, values_tag, ffi.from_buffer("uint64_t[]", i), len(i),
         ffi.from_buffer("uint64_t[]", d), len(d),
         ffi.from_buffer("uint64_t[]", t), len(t), utf8, data, gen_type, gen_dead,
-        ffi.from_buffer("uint64_t[]", mt), len(mt), out, cap, counts), as_pairs=True)
-    return pairs, tuple(counts[k] for k in range(5))
+        ffi.from_buffer("uint64_t[]", mt), len(mt), *frame, out, cap, counts), as_pairs=True)
+    return pairs, tuple(counts[k] for k in range(6))
 
 
 # Returns (sets, managed, values_field, values_tag, inline, dicts, strs) for gc_stale_parts,

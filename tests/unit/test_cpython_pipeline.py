@@ -446,7 +446,7 @@ def test_stale_set_smalltables_are_dead_once_the_table_moved():
               (0x1200, setobj(OTHER, 0x2000))]          # not a set
     img, hw = _image_of(blocks, [(0x2000, 512)])
     pairs, counts = P.gc_stale_parts(img, hw, (3, 11), [SET], [], 0, 0, [], [], [])
-    assert pairs == [(0x1000 + 16 + 64, 0x1000 + 16 + 192)] and counts == (1, 0, 0, 0, 0)
+    assert pairs == [(0x1000 + 16 + 64, 0x1000 + 16 + 192)] and counts == (1, 0, 0, 0, 0, 0)
 
 
 def values_block(prefix, order, nslots):
@@ -486,7 +486,7 @@ def test_dict_values_prefix_and_unused_slots_are_dead(version, field, tag):
     # instance: 3 slots in use of 7; dict: slot 4 the highest of 14; the third's word points
     # 8 bytes past its array (its prefix byte then reads as a slot: 0xee, not a prefix size)
     assert pairs == [(0x2000, V1), (V1 + 24, 0x2040), (0x2100, V2), (V2 + 40, 0x2180)]
-    assert counts == (0, 2, 0, 0, 0)
+    assert counts == (0, 2, 0, 0, 0, 0)
     # an order index beyond the slots: not an array we can read; nothing dead
     blk = values_block(8, [0, 9], 7)
     data[0x1000:0x1000 + len(blk)] = blk
@@ -513,7 +513,7 @@ def test_non_compact_str_subclass_buffers_are_text(version):
                         heads={b: 5 for b, _ in blocks})    # the object after 32 + 16 bytes
     pairs, counts = P.gc_stale_parts(img, hw, version, [], [], 0, 0, [], [], [STR])
     assert pairs == [(0x2000, 0x2010), (0x2100, 0x2110), (0x2200, 0x2210)]
-    assert counts == (0, 0, 2, 0, 0)
+    assert counts == (0, 0, 2, 0, 0, 0)
 
 
 def test_heap_types_name_copies_are_text():
@@ -532,4 +532,34 @@ def test_heap_types_name_copies_are_text():
               (0x1300, typeobj(OTHER, HEAP, 0x2300))]       # not a metatype's instance
     img, hw = _image_of(blocks, [(0x2000, 16), (0x2100, 48), (0x2200, 16), (0x2300, 16)])
     pairs, counts = P.gc_stale_parts(img, hw, (3, 13), [], [], 0, 0, [], [], [], metas=[META])
-    assert pairs == [(0x2000, 0x2010)] and counts == (0, 0, 0, 0, 1)
+    assert pairs == [(0x2000, 0x2010)] and counts == (0, 0, 0, 0, 1, 0)
+
+
+@pytest.mark.parametrize("mode, blocks", [("MU_FRAME_39", 120), ("MU_FRAME_310", 112)])
+def test_old_frames_scalars_block_stack_and_slots_above_the_top_are_dead(mode, blocks):
+    FRAME = 0x7000
+    local = blocks + 240                # f_localsplus: 2 locals, then the value stack
+
+    def frame(state_top):
+        body = bytearray(local + 8 * 6)
+        struct.pack_into("<QQq", body, 0, 1, FRAME, 6)
+        struct.pack_into("<Q", body, 64, 0x1000 + 16 + local + 16)     # f_valuestack
+        if mode == "MU_FRAME_39":
+            struct.pack_into("<Q", body, 72, 0x1000 + 16 + local + 16 + 8 * state_top[1])
+        else:
+            struct.pack_into("<i", body, 80, state_top[1])
+            struct.pack_into("<b", body, 108, state_top[0])
+        return bytes(16) + bytes(body)
+    img, hw = _image_of([(0x1000, frame((-1, 1)))])
+    end = 0x1000 + 16 + local + 48
+    obj = 0x1010
+    pairs, counts = P.gc_stale_parts(img, hw, (3, 9), [], [], 0, 0, [], [], [],
+                                     frame=(FRAME, blocks, getattr(lib, mode)))
+    assert pairs == [(obj + blocks - 32, obj + blocks - 24), (obj + blocks - 16, obj + local),
+                     (obj + local + 24, end)]
+    assert counts == (0, 0, 0, 0, 0, 1)
+    if mode == "MU_FRAME_310":          # running: its depth is stale, the stack is scanned
+        img, hw = _image_of([(0x1000, frame((0, 1)))])
+        pairs, _ = P.gc_stale_parts(img, hw, (3, 10), [], [], 0, 0, [], [], [],
+                                    frame=(FRAME, blocks, getattr(lib, mode)))
+        assert pairs == [(obj + blocks - 32, obj + blocks - 24), (obj + blocks - 16, obj + local)]
