@@ -363,6 +363,16 @@ def test_subinterpreters(python, tmp_path):
         if l.address in set(leaks) - expected)
 
 
+# The planted-word targets' start: the extension on the path, libc's calloc through ctypes.
+LIBC = r"""sys.path.insert(0, sys.argv[1])
+import pyleaks
+libc = ctypes.CDLL(None)
+libc.calloc.restype = ctypes.c_void_p
+libc.calloc.argtypes = [ctypes.c_size_t, ctypes.c_size_t]
+libc.malloc_usable_size.restype = ctypes.c_size_t
+libc.malloc_usable_size.argtypes = [ctypes.c_void_p]"""
+
+
 # A class instance's allocation is its pre-header and tp_basicsize bytes, rounded up by the
 # allocator; the slack after it keeps a word of the block's last user. The target writes a
 # leaked block's address into the last word of thousands of bytes objects sized to the blocks
@@ -371,13 +381,7 @@ def test_subinterpreters(python, tmp_path):
 # Without the class rule every version and allocator misses the leak (measured).
 INSTANCE_SLACK = r"""
 import ctypes, json, struct, sys
-sys.path.insert(0, sys.argv[1])
-import pyleaks
-libc = ctypes.CDLL(None)
-libc.calloc.restype = ctypes.c_void_p
-libc.calloc.argtypes = [ctypes.c_size_t, ctypes.c_size_t]
-libc.malloc_usable_size.restype = ctypes.c_size_t
-libc.malloc_usable_size.argtypes = [ctypes.c_void_p]
+@LIBC@
 
 class One:
     __slots__ = ("a",)
@@ -392,7 +396,7 @@ reserve()
 made, kept = {}, []
 def plant():
     p = libc.calloc(1, (4 << 20) + 4096)
-    made["leak"] = [f"{p:#x}", libc.malloc_usable_size(p)]
+    made["class"] = [f"{p:#x}", libc.malloc_usable_size(p)]
     low7 = struct.pack("<Q", p + 16)[:7]          # and the bytes object's NUL: the address
     stale = [b"x" * 8 + low7 for _ in range(2000)] + [b"y" * 16 + low7 for _ in range(2000)]
     del stale
@@ -402,17 +406,7 @@ plant()
 print(json.dumps(made))
 print("ready", flush=True)
 sys.stdin.read(1)
-""".replace("@RESERVE@", RESERVE)
-
-
-@pytest.mark.parametrize("allocator", ["pymalloc", "malloc"])
-@pytest.mark.parametrize("python", interpreters(), ids=_ident)
-def test_stale_words_after_class_instances_are_no_references(python, allocator):
-    made, info, before = run_target(python, INSTANCE_SLACK, allocator)
-    assert not [w for w in info.warnings if "CPython" in w or "pymalloc" in w], info.warnings
-    addr, size = int(made["leak"][0], 16), made["leak"][1]
-    leaks = [(l.address, l.size, l.python_type) for l in info.leaks if l.address not in before]
-    assert leaks == [(addr, size, None)], [(hex(a), s, t) for a, s, t in leaks]
+""".replace("@RESERVE@", RESERVE).replace("@LIBC@", LIBC)
 
 
 # Stale parts of live objects that hold no references (pipeline.gc_stale_parts and the
@@ -428,13 +422,7 @@ def test_stale_words_after_class_instances_are_no_references(python, allocator):
 # Without its rule each part's leak is missed (measured on 3.11, and 3.8 and 3.10 for the
 # frame objects, both allocators).
 STALE_PARTS = r"""import array, ctypes, json, sys
-sys.path.insert(0, sys.argv[1])
-import pyleaks
-libc = ctypes.CDLL(None)
-libc.calloc.restype = ctypes.c_void_p
-libc.calloc.argtypes = [ctypes.c_size_t, ctypes.c_size_t]
-libc.malloc_usable_size.restype = ctypes.c_size_t
-libc.malloc_usable_size.argtypes = [ctypes.c_void_p]
+@LIBC@
 V = sys.version_info[:2]
 
 class K:
@@ -499,16 +487,22 @@ stale_parts(0)
 print(json.dumps(made))
 print("ready", flush=True)
 sys.stdin.read(1)
-""".replace("@RESERVE@", RESERVE)
+""".replace("@RESERVE@", RESERVE).replace("@LIBC@", LIBC)
 
 
+def _stale_parts_made(python: str) -> list:
+    minor = _minor(python) if "/versions/" in python else 11
+    return ["set", "str", "gen"] + (["values"] if minor in (11, 12) else [])
+
+
+@pytest.mark.parametrize("script, parts", [(INSTANCE_SLACK, lambda python: ["class"]),
+                                           (STALE_PARTS, _stale_parts_made)],
+                         ids=["class instances", "stale parts"])
 @pytest.mark.parametrize("allocator", ["pymalloc", "malloc"])
 @pytest.mark.parametrize("python", interpreters(), ids=_ident)
-def test_stale_parts_of_live_objects_are_no_references(python, allocator):
-    made, info, before = run_target(python, STALE_PARTS, allocator)
-    minor = _minor(python) if "/versions/" in python else 11
-    assert sorted(made) == sorted(["set", "str"] + (["values"] if minor in (11, 12) else [])
-                                  + ["gen"])
+def test_stale_words_in_live_objects_are_no_references(python, allocator, script, parts):
+    made, info, before = run_target(python, script, allocator)
+    assert sorted(made) == sorted(parts(python))
     assert not [w for w in info.warnings if "CPython" in w or "pymalloc" in w], info.warnings
     want = {int(a, 16): (name, size) for name, (a, size) in made.items()}
     got = {l.address: l.size for l in info.leaks if l.address not in before}
