@@ -106,6 +106,7 @@ def _print_run(label, r, expect):
           f"({r['bytes_scanned'] / mark_s / 1e9:.2f} GB/s), fold {r['seconds'].get('fold', 0):.2f} s, "
           f"allocations {r['num_allocations']}, heap {r['allocation_bytes'] / 2**20:.0f} MiB, "
           f"scanned {r['bytes_scanned'] / 2**20:.0f} MiB, peak RSS {rss / 2**20:.0f} MiB "
+          f"(checker {r['checker_rss'] / 2**20:.0f} + sweeper {r['sweeper_rss'] / 2**20:.0f}) "
           f"({rss / r['bytes_scanned']:.2f}x scanned), leaks {r['num_leaks']} "
           f"{'== expected' if ok else '!= expected ' + str(expect)}, retries {r['retries']}")
 

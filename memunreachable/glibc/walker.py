@@ -39,7 +39,9 @@ MAX_HEAPS_PER_ARENA = 1 << 16
 RUN_START_TRIES = 64        # candidate run starts tried after a main-arena double fencepost
 # A low-memory walk keeps the reference candidates (mu_cands: 12 bytes per word that may point
 # at an allocation) of at most 1/DIVISOR of the bytes of each heap; the mark reads the rest.
-CANDIDATE_BUDGET_DIVISOR = 8
+# 16: a 271 MiB pointer-dense heap peaked at 0.46x the scanned bytes (0.55x with 8), no slower
+# (docs/performance.md); a sparse heap's candidates, about 12 bytes a block, fit either.
+CANDIDATE_BUDGET_DIVISOR = 16
 WORD = struct.Struct("<Q")
 PAGE_SIZE = 4096
 
