@@ -13,6 +13,7 @@
  * rt_sigreturn), arch/x86/kernel/fpu/signal.c (the xstate frame), kernel/signal.c
  * (restore_altstack ignores every error but EFAULT). */
 #include "mu_core_impl.h"
+#include <cpuid.h>
 
 #include <signal.h>
 #include <sched.h>
@@ -222,6 +223,24 @@ _Static_assert(offsetof(mu_sigframe, fpstate) == 232, "sigcontext.fpstate");
 _Static_assert(offsetof(mu_sigframe, sigmask) == 304, "uc_sigmask");
 _Static_assert(sizeof(mu_sigframe) == 440, "rt_sigframe");
 
+#define XFEATURE_XTILE_DATA (1ull << 18)
+
+/* The end of the standard-format XSAVE image holding the features of xcr0: the highest
+ * offset + size that CPUID leaf 0xd gives for them (at least the legacy area and header). */
+static uint32_t xstate_end(uint64_t xcr0)
+{
+    uint32_t end = FX_SIZE + 64;
+    for (unsigned i = 2; i < 64; i++) {
+        unsigned a, b, c, d;
+        if (!(xcr0 >> i & 1))
+            continue;
+        __cpuid_count(0xd, i, a, b, c, d);
+        if (a && b + a > end)
+            end = b + a;
+    }
+    return end;
+}
+
 static void frame_regs(mu_sigframe *f, const struct user_regs_struct *r)
 {
     const uint64_t g[18] = {r->r8, r->r9, r->r10, r->r11, r->r12, r->r13, r->r14, r->r15,
@@ -270,11 +289,21 @@ static int write_guard(int tid, const struct user_regs_struct *saved, uint64_t i
     if (iov.iov_len > FX_SIZE + 64) {
         /* an XSAVE image: ptrace puts XCR0 in the first 8 bytes of sw_reserved; a signal
          * frame carries struct _fpx_sw_bytes there instead, and MAGIC2 after the image */
-        uint64_t xcr0;
+        uint64_t xcr0, bv;
         memcpy(&xcr0, xs + FX_SW_BYTES, 8);
+        memcpy(&bv, xs + FX_SIZE, 8);           /* the XSAVE header's XSTATE_BV */
+        /* the frame holds what the kernel's own signal frame would: not AMX's tile data
+         * (a dynamic feature: a thread that never asked for it has a smaller user xstate,
+         * and rt_sigreturn restores only the legacy part of a frame that claims more) */
+        if (!(bv & XFEATURE_XTILE_DATA))
+            xcr0 &= ~XFEATURE_XTILE_DATA;
+        bv &= xcr0;
+        memcpy(xs + FX_SIZE, &bv, 8);
+        uint32_t size = xstate_end(xcr0);
+        if (size > iov.iov_len)
+            size = (uint32_t)iov.iov_len;
         if (xcr0 & 0x3) {
-            const uint32_t magic1 = FP_XSTATE_MAGIC1, size = (uint32_t)iov.iov_len,
-                           extended = size + 4;
+            const uint32_t magic1 = FP_XSTATE_MAGIC1, extended = size + 4;
             memset(xs + FX_SW_BYTES, 0, FX_SIZE - FX_SW_BYTES);
             memcpy(xs + FX_SW_BYTES, &magic1, 4);
             memcpy(xs + FX_SW_BYTES + 4, &extended, 4);
@@ -524,7 +553,6 @@ int mu_inject_wait4(int tid, uint64_t syscall_insn, uint64_t restore_rt,
 
 /* ---- freeze / thaw (ptrace-snapshot.md sections 2, 3, 9) ---- */
 
-#include <cpuid.h>
 #include <dirent.h>
 #include <elf.h>
 
