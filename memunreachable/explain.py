@@ -19,14 +19,27 @@ from memunreachable._types import Range, merge_ranges
 MAX_STEPS = 6
 
 
+def _printable(word: int) -> bool:
+    return all(0x20 <= b <= 0x7E for b in word.to_bytes(8, "little"))
+
+
+def text_tail(prev: int, word: int) -> bool:
+    """native mu_text_tail: word ends a string (1-7 printable bytes, then a NUL) after a word
+    of 8 printable bytes: text, never a reference."""
+    raw = word.to_bytes(8, "little")
+    nul = raw.find(0)
+    return 0 < nul and all(0x20 <= b <= 0x7E for b in raw[:nul]) and _printable(prev)
+
+
 def _referrers(lo: int, hi: int, buffers: Sequence[Tuple[int, object]], dead) -> List[int]:
     out = []
     for base, buf in buffers:
         mv = memoryview(buf).cast("B")
         n = len(mv) // 8 * 8
         skip = (8 - base % 8) % 8
-        for k, (w,) in enumerate(struct.iter_unpack("<Q", mv[skip:skip + (n - skip) // 8 * 8])):
-            if lo <= w < hi:
+        words = [w for (w,) in struct.iter_unpack("<Q", mv[skip:skip + (n - skip) // 8 * 8])]
+        for k, w in enumerate(words):
+            if lo <= w < hi and not (k and text_tail(words[k - 1], w)):
                 a = base + skip + 8 * k
                 j = bisect.bisect_right(dead, (a, 1 << 64)) - 1
                 if j < 0 or not dead[j][0] <= a < dead[j][1]:
@@ -91,7 +104,9 @@ def explain(addr: int, image, root_buffers, marked, dead_ranges, blocks, threads
             lines.append(f"  {lo:#x} ({sizes[i]} bytes) <- no referrer found outside the chain")
             break
         raw = bytes(_view(image, begins[nxt], min(sizes[nxt], 64)))
-        lines.append(f"  {lo:#x} ({sizes[i]} bytes) <- word at {a:#x} (offset {a - begins[nxt]})"
+        (word,) = struct.unpack("<Q", bytes(_view(image, a, 8)))
+        lines.append(f"  {lo:#x} ({sizes[i]} bytes) <- word {word:#x} at {a:#x}"
+                     f" (offset {a - begins[nxt]})"
                      f" of {begins[nxt]:#x} ({sizes[nxt]} bytes{_type_name(mem, raw)},"
                      f" starts {raw.hex()})")
         seen.add(nxt)

@@ -11,6 +11,11 @@ so every test session holds both (readline keymaps.h and readline.c; ncurses ter
 - ld.so's `cache_new` (elf/dl-cache.c): a dlopen by name maps /etc/ld.so.cache and unmaps it
   after, clearing `cache` but not `cache_new`, which then dangles where a later big block may
   be mapped; its neighbour `cachesize` (the file's size) finds it without symbols.
+- glibc's environment: the strings of `environ` that setenv() copied into blocks of their own
+  ("NAME=value", then malloc's slack; os.environ's assignments, pytest's PYTEST_CURRENT_TEST:
+  the slack after "...test_marked_leak (call)" kept a leaked 34 MB block in an xdist worker).
+  A non-PIE executable holds `environ` itself (a copy relocation, Debian's python3): its
+  symbol is then the one read.
 Measured (MEMUNREACHABLE_EXPLAIN): a 4 KiB buffer a C extension leaked stayed reachable in 1 of
 20 plugin runs, through a chain from vi_insertion_keymap across 5 run-time keymaps whose last
 hop was an entry's type word (its stale bytes, with the type's zero as low byte, pointed inside
@@ -35,6 +40,7 @@ The caller clips each "tail" to the allocation it starts (block_tails in unreach
     line_buffer(mem, ptr, len_at)   readline's line buffer (pure)
     terminfo_tables(mem, cur_term)  the terminfo string tables (pure)
     ld_cache_words(mem, data, size) ld.so's ld.so.cache pointers (pure)
+    environ_strings(mem, environ_at) the environment's strings (pure)
     warm(maps, pid)                 parse the libraries' files now
 """
 from __future__ import annotations
@@ -62,7 +68,11 @@ EXT_STR_TABLE = 40                  # TERMTYPE: term_names, str_table, Booleans,
 # library file name prefix -> the symbols read from it
 LIBRARIES = {"libreadline.so": STATIC_KEYMAPS + KEYMAP_POINTERS + LINE_BUFFER,
              "libtinfo.so": ("cur_term",), "libncursesw.so": ("cur_term",),
-             "libncurses.so": ("cur_term",)}
+             "libncurses.so": ("cur_term",), "libc.so": ("__environ",)}
+MAX_ENVIRON = 1 << 16
+# the executable's: a non-PIE executable that uses `environ` holds it (a copy relocation:
+# Debian's python3), and libc's own copy is then never written
+EXECUTABLE = ("__environ",)
 
 LD_SO = "ld-linux"
 PAGE = 4096
@@ -96,16 +106,17 @@ def _symbols(f, names: Sequence[str]) -> Optional[Tuple[Tuple[int, int], Dict[st
 
 
 def _libraries(maps: Sequence[Mapping], pid: Optional[int]):
-    """(bias, {symbol: (address, size)}) of every usable library of LIBRARIES mapped in
-    process pid: the symbols' run-time addresses."""
+    """{symbol: (address, size)} of every usable library of LIBRARIES mapped in process pid
+    (the symbols' run-time addresses), then the executable's own EXECUTABLE symbols."""
     groups: Dict[str, List[Mapping]] = {}
+    exe = procfs.read_exe(pid)
     for m in maps:
-        if m.path.startswith("/") and _library(m.path):
+        if m.path.startswith("/") and (_library(m.path) or m.path == exe):
             groups.setdefault(m.path, []).append(m)
-    for path, mappings in groups.items():
+    for path, mappings in sorted(groups.items(), key=lambda g: g[0] == exe):
         try:
             with procfs.open_mapped_file(mappings, pid, path) as f:
-                facts = _symbols(f, LIBRARIES[_library(path)])
+                facts = _symbols(f, LIBRARIES[_library(path)] if path != exe else EXECUTABLE)
         except OSError:
             continue
         if facts is None:
@@ -141,6 +152,7 @@ def of_process(mem, maps: Sequence[Mapping], pid: Optional[int]) -> LibState:
     files cannot be read (the memory then counts as before)."""
     ranges: List[Tuple[int, int]] = []
     tails: List[Tuple[int, int]] = []
+    environ_at = 0
     for syms in _libraries(maps, pid):
         statics = [(syms[n][0], syms[n][1] // ENTRY) for n in STATIC_KEYMAPS if n in syms]
         if statics:
@@ -159,6 +171,10 @@ def of_process(mem, maps: Sequence[Mapping], pid: Optional[int]) -> LibState:
                 term = 0
             if term:
                 tails += [(t, 0) for t in terminfo_tables(mem, term)]
+        if "__environ" in syms:
+            environ_at = syms["__environ"][0]       # the executable's last
+    if environ_at:
+        tails += [(e, 0) for e in environ_strings(mem, environ_at)]
     cache = ld_cache_size(pid)
     if cache:
         data = [(m.begin, m.end) for m in ld_data(maps)]
@@ -230,6 +246,22 @@ def line_buffer(mem, ptr_at: int, len_at: int) -> Optional[int]:
     if not ptr or ptr % 8 or not 0 < length <= MAX_LINE:
         return None
     return ptr
+
+
+# Returns the strings of the environment array at *environ_at (up to its NULL, at most
+# MAX_ENVIRON): "NAME=value" text, which setenv() copies into blocks of its own.
+def environ_strings(mem, environ_at: int) -> List[int]:
+    out: List[int] = []
+    try:
+        env = struct.unpack("<Q", mem.read(environ_at, 8))[0]
+        while env and not env % 8 and len(out) < MAX_ENVIRON:
+            w = struct.unpack("<Q", mem.read(env + 8 * len(out), 8))[0]
+            if not w:
+                break
+            out.append(w)
+    except (MemoryUnreadable, struct.error):
+        pass
+    return out
 
 
 # Returns the terminfo string tables (str_table, then ext_str_table when set) of the TERMINAL

@@ -21,10 +21,11 @@ int64_t mu_read_serial(int memfd, uint64_t addr, uint8_t *buf, uint64_t len, uin
 #define MU_CAND_SUB_SHIFT 12
 #define MU_CAND_SUBS (1u << (MU_CAND_PIECE_SHIFT - MU_CAND_SUB_SHIFT))
 typedef struct {
-    uint32_t *off;
+    uint32_t *off;              /* bit 0: a text tail after a word of the piece (mu_text_tail) */
     uint64_t *val;
     uint32_t n;
     int32_t state;              /* 0 not filled, 1 kept, -1 not kept (atomic) */
+    int32_t head_tail;          /* its first word may be a text tail (the word before is unknown) */
     uint32_t sub[MU_CAND_SUBS + 1];
 } mu_cand_piece;
 
@@ -115,6 +116,38 @@ static inline int mu_live_next(mu_live_iter *it, uint64_t *b, uint64_t *e)
 }
 
 
+/* Text tails. A C string's last word holds its last 1-7 characters, the NUL, and whatever the
+ * memory held before in its other bytes: the high bytes of an old pointer read with the text as
+ * an address (an OpenSSL name "AES-128-ECB", an environment string, a type's docstring, each
+ * kept a leaked block of the same process "reachable"). An 8-aligned pointer field cannot begin
+ * inside a char array, so a word that starts with 1-7 printable bytes then a NUL, right after a
+ * word of 8 printable bytes (0x20-0x7e), is text and never a reference. A pointer's two high
+ * bytes are 0: no pointer is 8 printable bytes, and a NUL in byte 0 (a 256-aligned address)
+ * does not match. mu_mark (both of its paths), mu_fold and explain.py apply it to words whose
+ * previous word lies in the same allocation or root range. */
+#define MU_ONES 0x0101010101010101ull
+#define MU_HIGHS 0x8080808080808080ull
+
+static inline int mu_printable8(uint64_t x)
+{
+    return !((((x - 0x20 * MU_ONES) & ~x) | ((x + MU_ONES) | x)) & MU_HIGHS);
+}
+
+/* 1 when v could end a string: 1-7 printable bytes, then a NUL. */
+static inline int mu_tail_shape(uint64_t v)
+{
+    uint64_t z = (v - MU_ONES) & ~v & MU_HIGHS;     /* its lowest bit: the first NUL byte */
+    if (!z || (z & 0x80))
+        return 0;
+    uint64_t keep = (1ull << (__builtin_ctzll(z) - 7)) - 1;
+    return mu_printable8((v & keep) | (0x4141414141414141ull & ~keep));
+}
+
+static inline int mu_text_tail(uint64_t prev, uint64_t v)
+{
+    return mu_printable8(prev) && mu_tail_shape(v);
+}
+
 /* The index of v in the ascending array a[0..n), or n. */
 static inline uint64_t mu_find_sorted(const uint64_t *a, uint64_t n, uint64_t v)
 {
@@ -128,6 +161,20 @@ static inline uint64_t mu_find_sorted(const uint64_t *a, uint64_t n, uint64_t v)
     }
     return lo < n && a[lo] == v ? lo : n;
 }
+/* A list's dead item slots (mu_list_slack): from item + 8 * ob_size to the end of the item
+ * array's allocation (its `allocated` slots, and the allocator's slack after them, when the
+ * image has an allocation starting at item that holds them); 0 when the fields do not agree. */
+static inline uint64_t mu_list_dead_end(const uint64_t *begin, const uint64_t *size, uint64_t n,
+                                        uint64_t n_size, uint64_t item, uint64_t alloc)
+{
+    if (!item || (item & 7) || (int64_t)n_size < 0 || n_size > alloc || alloc > (1ull << 40))
+        return 0;
+    uint64_t end = item + 8 * alloc, k = mu_find_sorted(begin, n, item);
+    if (k < n && 8 * alloc <= size[k])
+        end = begin[k] + size[k];
+    return end > item + 8 * n_size ? end : 0;
+}
+
 /* Index of the region holding [addr, addr+n), or -1. */
 static inline int64_t mu_region_find(const mu_region *r, uint64_t nr, uint64_t addr, uint64_t n)
 {
@@ -248,6 +295,7 @@ static inline int mu_dead_object(const mu_dead *d, const uint8_t *p, uint64_t le
  * GEN_FRAME, SIZED, VARSIZED). */
 #define MU_FRAME_STACKTOP 64
 #define MU_FRAME_SLOTS 72
+#define MU_GEN_CLEARED 4          /* FRAME_CLEARED, 3.11-3.13 */
 
 /* The size of the dict key table at p (len bytes, avail readable) as new_keys_object allocated
  * it, when every header field is consistent and the allocation exceeds it by 8-15 bytes (an
@@ -331,8 +379,18 @@ static inline uint64_t mu_live_len_r(const mu_dead *d, const mu_rules *r, const 
         if (kind == MU_TYPE_GEN_FRAME) {
             uint64_t fo = off + ((code >> 16) & 0xffff);
             int32_t top;
-            if (fo < off + 16 || fo + MU_FRAME_SLOTS > have || (int8_t)p[fo - 5] >= 0)
-                continue;           /* unreadable, running or finished: scan it all */
+            int64_t slots;
+            if (fo < off + 16 || fo + MU_FRAME_SLOTS > have)
+                continue;           /* unreadable: scan it all */
+            int8_t state = (int8_t)p[fo - 5];
+            if (state == MU_GEN_CLEARED)    /* finished: its slots were released, not zeroed */
+                return fo + MU_FRAME_SLOTS;
+            if (state >= 0) {       /* running or completing: its slots (ob_size), not the slack */
+                memcpy(&slots, p + off + 16, 8);
+                if (slots < 0 || fo + MU_FRAME_SLOTS + 8 * (uint64_t)slots > len)
+                    continue;
+                return fo + MU_FRAME_SLOTS + 8 * (uint64_t)slots;
+            }
             memcpy(&top, p + fo + MU_FRAME_STACKTOP, 4);
             uint64_t end = fo + MU_FRAME_SLOTS + 8 * (uint64_t)(top < 0 ? 0 : top);
             if (top < 0 || end > len)

@@ -174,10 +174,10 @@ int64_t mu_gc_dead_ranges(const uint64_t *begin, const uint64_t *size, uint64_t 
                 memcpy(&n_size, o + 16, 8);
                 memcpy(&item, o + 24, 8);
                 memcpy(&alloc, o + 32, 8);
-                if (item && !(item & 7) && (int64_t)n_size >= 0 && n_size < alloc
-                    && alloc <= (1ull << 40)) {
+                uint64_t end = mu_list_dead_end(begin, size, n, n_size, item, alloc);
+                if (end) {
                     pair[0][0] = item + 8 * n_size;
-                    pair[0][1] = item + 8 * alloc;
+                    pair[0][1] = end;
                     hit[0] = 1;
                 }
             }
@@ -205,6 +205,137 @@ int64_t mu_gc_dead_ranges(const uint64_t *begin, const uint64_t *size, uint64_t 
             found++;
             counts[rule]++;
         }
+    }
+    return (int64_t)found;
+}
+
+int64_t mu_gc_objects_of(const uint64_t *begin, const uint64_t *size, uint64_t n,
+                         const mu_region *heap, uint64_t nheap, const uint8_t *head_word,
+                         const uint64_t *types, uint64_t ntypes, uint64_t flag_off,
+                         uint64_t flag_mask, uint64_t flag_want, uint64_t *out, uint64_t cap)
+{
+    if ((n && (!begin || !size || !head_word)) || (nheap && !heap) || (cap && !out)
+        || (ntypes && !types) || (flag_off & 7) || flag_off < 16 || flag_off > 4096)
+        return -EINVAL;
+    uint64_t found = 0, cur = 0;
+    for (uint64_t i = 0; i < n && ntypes; i++) {
+        if (!head_word[i])
+            continue;
+        uint64_t obj = begin[i] + 8 * (uint64_t)(head_word[i] - 1) + 16;
+        if (obj + flag_off + 8 > begin[i] + size[i])
+            continue;
+        int64_t r = region_from(heap, nheap, &cur, obj, flag_off + 8);
+        if (r < 0)
+            continue;
+        const uint8_t *o = heap[r].data + (obj - heap[r].base);
+        uint64_t tp, flags;
+        memcpy(&tp, o + 8, 8);
+        memcpy(&flags, o + flag_off, 8);
+        if (mu_find_sorted(types, ntypes, tp) == ntypes || (flags & flag_mask) != flag_want)
+            continue;
+        if (found < cap)
+            out[found] = obj;
+        found++;
+    }
+    return (int64_t)found;
+}
+
+#define MU_DEQUE_LEN 64          /* BLOCKLEN */
+#define MU_DEQUE_BLOCK 528       /* sizeof(block) */
+#define MU_DEQUE_MAXFREE 16      /* MAXFREEBLOCKS */
+
+/* The index of the image allocation that begins at b and holds a whole deque block, or n. */
+static uint64_t deque_block(const uint64_t *begin, const uint64_t *size, uint64_t n, uint64_t b)
+{
+    uint64_t k = b ? mu_find_sorted(begin, n, b) : n;
+    return k < n && size[k] >= MU_DEQUE_BLOCK ? k : n;
+}
+
+static void put_pair(uint64_t *out, uint64_t cap, uint64_t *found, uint64_t b, uint64_t e)
+{
+    if (b >= e)
+        return;
+    if (*found < cap) {
+        out[2 * *found] = b;
+        out[2 * *found + 1] = e;
+    }
+    (*found)++;
+}
+
+int64_t mu_deque_dead_ranges(const uint64_t *begin, const uint64_t *size, uint64_t n,
+                             const mu_region *heap, uint64_t nheap, const uint8_t *head_word,
+                             const uint64_t *deques, uint64_t ndeques, uint64_t free_off,
+                             uint64_t *out, uint64_t cap, uint64_t *counts)
+{
+    if ((n && (!begin || !size || !head_word)) || (nheap && !heap) || (cap && !out) || !counts
+        || (ndeques && !deques)
+        || (free_off && (free_off < 72 || (free_off & 7) || free_off > 1024)))
+        return -EINVAL;
+    uint64_t found = 0, cur = 0, need = free_off ? free_off + 8 + 8 * MU_DEQUE_MAXFREE : 56;
+    counts[0] = 0;
+    for (uint64_t i = 0; i < n && ndeques; i++) {
+        if (!head_word[i])
+            continue;
+        uint64_t obj = begin[i] + 8 * (uint64_t)(head_word[i] - 1) + 16;
+        if (obj + need > begin[i] + size[i])
+            continue;
+        int64_t r = region_from(heap, nheap, &cur, obj, need);
+        if (r < 0)
+            continue;
+        const uint8_t *o = heap[r].data + (obj - heap[r].base);
+        uint64_t tp, lb, rb;
+        int64_t len, li, ri;
+        memcpy(&tp, o + 8, 8);
+        if (mu_find_sorted(deques, ndeques, tp) == ndeques)
+            continue;
+        memcpy(&len, o + 16, 8);
+        memcpy(&lb, o + 24, 8);
+        memcpy(&rb, o + 32, 8);
+        memcpy(&li, o + 40, 8);
+        memcpy(&ri, o + 48, 8);
+        if (len < 0 || li < 0 || li >= MU_DEQUE_LEN || ri < 0 || ri >= MU_DEQUE_LEN
+            || len > (int64_t)1 << 40 || li + len - 1 - ri < 0
+            || (li + len - 1 - ri) % MU_DEQUE_LEN)
+            continue;
+        uint64_t nblocks = (uint64_t)(li + len - 1 - ri) / MU_DEQUE_LEN + 1, b = lb, k = n, j;
+        for (j = 0; j < nblocks; j++) {         /* the chain must end at rightblock */
+            if ((k = deque_block(begin, size, n, b)) == n)
+                break;
+            if (j + 1 == nblocks)
+                break;
+            int64_t q = mu_region_find(heap, nheap, b + MU_DEQUE_BLOCK - 8, 8);
+            if (q < 0)
+                break;
+            memcpy(&b, heap[q].data + (b + MU_DEQUE_BLOCK - 8 - heap[q].base), 8);
+        }
+        if (j + 1 != nblocks || k == n || b != rb)
+            continue;
+        uint64_t nfree = 0;
+        if (free_off) {
+            memcpy(&nfree, o + free_off, 8);
+            if (nfree > MU_DEQUE_MAXFREE)
+                continue;
+        }
+        counts[0]++;
+        put_pair(out, cap, &found, lb, lb + 8 + 8 * (uint64_t)li);
+        put_pair(out, cap, &found, rb + 16 + 8 * (uint64_t)ri, rb + MU_DEQUE_BLOCK);
+        for (b = lb, j = 0; j < nblocks; j++) {
+            k = deque_block(begin, size, n, b);
+            put_pair(out, cap, &found, b + MU_DEQUE_BLOCK, b + size[k]);
+            if (j + 1 < nblocks) {
+                int64_t q = mu_region_find(heap, nheap, b + MU_DEQUE_BLOCK - 8, 8);
+                memcpy(&b, heap[q].data + (b + MU_DEQUE_BLOCK - 8 - heap[q].base), 8);
+            }
+        }
+        for (j = 0; j < nfree; j++) {           /* cached free blocks: stale whole */
+            uint64_t fb;
+            memcpy(&fb, o + free_off + 8 + 8 * j, 8);
+            if ((k = deque_block(begin, size, n, fb)) < n)
+                put_pair(out, cap, &found, fb, fb + size[k]);
+        }
+        if (free_off)
+            put_pair(out, cap, &found, obj + free_off + 8 + 8 * nfree,
+                     obj + free_off + 8 + 8 * MU_DEQUE_MAXFREE);
     }
     return (int64_t)found;
 }

@@ -35,7 +35,8 @@ int64_t mu_pools_overlapping(const uint64_t *blocks, uint64_t n, uint64_t pool_s
  * (begin, end) pairs three rules find, as mu_list_slack, mu_field_blocks(metas, doc_field,
  * flag_off, flag_mask) and mu_field_blocks(buffered, buf_field, 0, 0) would one after the
  * other (an object two rules apply to gives both pairs, list slack first):
- *   list slack   objects of type list_type (0: none): [item + 8*ob_size, item + 8*allocated)
+ *   list slack   objects of type list_type (0: none): [item + 8*ob_size, the item array's
+ *                end) (mu_list_slack)
  *   type docs    objects whose type is in metas[] (ascending) and whose word at flag_off has a
  *                bit of flag_mask: the block their word at doc_field points at
  *   io buffers   objects whose type is in buffered[] (ascending): the block their word at
@@ -48,6 +49,32 @@ int64_t mu_gc_dead_ranges(const uint64_t *begin, const uint64_t *size, uint64_t 
                           uint64_t doc_field, uint64_t flag_off, uint64_t flag_mask,
                           const uint64_t *buffered, uint64_t nbuffered, uint64_t buf_field,
                           uint64_t *out, uint64_t cap, uint64_t *counts);
+
+/* The GC objects of the image (head_word[i] != 0: mu_gc_walk) whose type is in types[]
+ * (ascending) and whose word at flag_off satisfies (word & flag_mask) == flag_want: their
+ * object addresses (block + GC-link offset + 16), ascending, up to cap of them to out.
+ * Returns how many there are (may exceed cap), or -EINVAL. */
+int64_t mu_gc_objects_of(const uint64_t *begin, const uint64_t *size, uint64_t n,
+                         const mu_region *heap, uint64_t nheap, const uint8_t *head_word,
+                         const uint64_t *types, uint64_t ntypes, uint64_t flag_off,
+                         uint64_t flag_mask, uint64_t flag_want, uint64_t *out, uint64_t cap);
+
+/* One pass over the GC objects of the image (head_word[i] != 0) whose type is in deques[]
+ * (ascending: collections.deque and its subclasses) storing the (begin, end) pairs of their
+ * blocks' words that hold no reference (_collectionsmodule.c: a chain of 528-byte blocks
+ * {leftlink, data[64], rightlink} from leftblock (object offset 24) to rightblock (32), the
+ * items from data[leftindex] (40) in the first to data[rightindex] (48) in the last, ob_size
+ * of them): the first block's leftlink and data before leftindex, the last block's data after
+ * rightindex and its rightlink, each block's allocation slack past 528 bytes; with free_off
+ * (3.11+: the object offset of numfreeblocks (72), then freeblocks[16]; 0 before) the whole of each
+ * cached free block and the unused freeblocks slots. A deque whose indexes, count and chain
+ * (every block an allocation of the image of at least 528 bytes) do not agree gives none.
+ * Pairs go to out (2 words each, up to cap pairs); counts[0] gets the deques taken. Returns
+ * the number of pairs found (may exceed cap), or -EINVAL. */
+int64_t mu_deque_dead_ranges(const uint64_t *begin, const uint64_t *size, uint64_t n,
+                             const mu_region *heap, uint64_t nheap, const uint8_t *head_word,
+                             const uint64_t *deques, uint64_t ndeques, uint64_t free_off,
+                             uint64_t *out, uint64_t cap, uint64_t *counts);
 
 /* One pass over the GC objects of the image (head_word[i] != 0) storing the (begin, end) pairs
  * of their stale parts, words that hold no reference (cpython-memory.md section 7):

@@ -12,6 +12,14 @@ typedef struct {                 /* growable uint32_t vector */
 } vec32;
 
 /* Returns 0 or -ENOMEM. */
+/* The word before p (a text tail's test, mu_text_tail). */
+static inline uint64_t prev_word(const uint8_t *p)
+{
+    uint64_t v;
+    memcpy(&v, p - 8, 8);
+    return v;
+}
+
 static int vec_push(vec32 *a, uint32_t x)
 {
     if (a->len == a->cap) {
@@ -239,7 +247,9 @@ int64_t mu_fold(const uint64_t *begin, const uint64_t *size, uint64_t n,
                     uint64_t have = avail - (s - b);
                     memcpy(&v, base + (s - b), have < 8 ? have : 8);
                 }
-                if (v - ix.lo >= ix.hi - ix.lo)
+                if (v - ix.lo >= ix.hi - ix.lo
+                    || (s >= b + 8 && s + 8 <= b + len
+                        && mu_text_tail(prev_word(base + (s - b)), v)))
                     continue;
                 eb.src[eb.n] = u;
                 eb.val[eb.n++] = v;

@@ -137,13 +137,12 @@ int64_t mu_list_slack(const uint64_t *begin, const uint64_t *size, uint64_t n,
         memcpy(&n_size, o + 16, 8);
         memcpy(&item, o + 24, 8);
         memcpy(&alloc, o + 32, 8);
-        if (tp != list_type)
-            continue;
-        if (!item || (item & 7) || (int64_t)n_size < 0 || n_size >= alloc || alloc > (1ull << 40))
+        uint64_t end = tp == list_type ? mu_list_dead_end(begin, size, n, n_size, item, alloc) : 0;
+        if (!end)
             continue;
         if (found < cap) {
             out[2 * found] = item + 8 * n_size;
-            out[2 * found + 1] = item + 8 * alloc;
+            out[2 * found + 1] = end;
         }
         found++;
     }

@@ -554,23 +554,28 @@ static inline __attribute__((always_inline)) void consider(mark_ctx *m, uint64_t
  * order. */
 #define SCAN_CHUNK 64u
 
-static inline void consider_words(mark_ctx *m, const uint8_t *p, uint64_t nw)
+static inline void consider_words(mark_ctx *m, const uint8_t *p, uint64_t nw, uint64_t prev0)
 {
     const mu_scan_index *ix = m->ix;
     const uint64_t lo = ix->lo, span = ix->hi - ix->lo, rmask = ix->rmask;
     const uint16_t *rmap = ix->rmap;
     uint64_t *seen = m->seen, *cand = m->cand;
     uint64_t buf[SCAN_CHUNK];
+    uint32_t at[SCAN_CHUNK];
     for (uint64_t w0 = 0; w0 < nw; w0 += SCAN_CHUNK) {
         uint64_t w1 = nw - w0 < SCAN_CHUNK ? nw : w0 + SCAN_CHUNK, k = 0;
         for (uint64_t w = w0; w < w1; w++) {
             uint64_t v = ld64(p + 8 * w);
             buf[k] = v;
+            at[k] = (uint32_t)(w - w0);
             k += v - lo < span;
         }
         uint64_t nc = m->nc;
         for (uint64_t j = 0; j < k; j++) {
-            uint64_t v = buf[j];
+            uint64_t v = buf[j], w = w0 + at[j];
+            if (__builtin_expect(mu_tail_shape(v), 0)
+                && mu_printable8(w ? ld64(p + 8 * (w - 1)) : prev0))
+                continue;                               /* a text tail (mu_text_tail) */
             uint64_t *slot = &seen[(v * 0x9E3779B97F4A7C15ull) >> (64 - SCAN_SEEN_BITS)];
             uint64_t old = *slot;
             uint64_t in = rmap[(v >> RMAP_SHIFT) & rmask] != 0;
@@ -599,7 +604,7 @@ static void scan_range(mark_ctx *m, const uint8_t *data, uint64_t addr, uint64_t
     uint64_t end = addr + len;
     if (!dead && !hb) {             /* one run: the words from addr + skip to the end */
         uint64_t nw = (len - skip) >> 3;
-        consider_words(m, data + skip, nw);
+        consider_words(m, data + skip, nw, 0);
         m->words += nw;
         if ((len - skip) & 7) {     /* a last word starting before the end: read whole */
             uint64_t v = 0, have = avail - skip - 8 * nw;
@@ -617,7 +622,7 @@ static void scan_range(mark_ctx *m, const uint8_t *data, uint64_t addr, uint64_t
         uint64_t nw = (e - b) >> 3;
         if (e > end)
             nw--;                       /* the last word is partial */
-        consider_words(m, p, nw);
+        consider_words(m, p, nw, b >= addr + 8 ? ld64(p - 8) : 0);
         m->words += nw;
         if (e > end) {                  /* a last word starting before the end: read whole */
             uint64_t v = 0, have = avail - (e - 8 - addr);
@@ -732,8 +737,8 @@ static int scan_cands(mark_ctx *m, uint64_t i, const mu_region *reg)
     }
     uint64_t k0 = (b - c->base) >> MU_CAND_PIECE_SHIFT, k1 = (e - 1 - c->base) >> MU_CAND_PIECE_SHIFT;
     for (uint64_t k = k0; k <= k1; k++)
-        if (__atomic_load_n(&c->p[k].state, __ATOMIC_ACQUIRE) != 1)
-            return 0;
+        if (__atomic_load_n(&c->p[k].state, __ATOMIC_ACQUIRE) != 1 || (k > k0 && c->p[k].head_tail))
+            return 0;   /* not kept, or a piece starting inside it with a text tail's shape */
     for (uint64_t k = k0; k <= k1; k++) {
         const mu_cand_piece *p = &c->p[k];
         uint64_t pb = c->base + (k << MU_CAND_PIECE_SHIFT);
@@ -743,7 +748,8 @@ static int scan_cands(mark_ctx *m, uint64_t i, const mu_region *reg)
         while (j < p->n && p->off[j] < lo)
             j++;
         for (; j < p->n && p->off[j] < hi; j++)
-            consider(m, p->val[j]);
+            if (!(p->off[j] & 1) || pb + p->off[j] - 1 == b)
+                consider(m, p->val[j]);     /* not a text tail after a word of this block */
     }
     m->words += len / 8;
     m->heap_bytes += len;

@@ -112,8 +112,11 @@ int64_t mu_gc_walk(const uint64_t *begin, const uint64_t *size, uint64_t n,
 /* The stale slots of CPython lists: list.pop() and del shrink ob_size without clearing the
  * slots above it, which keep pointers to objects that may since have leaked. For every
  * allocation i with head_word[i] != 0 (a GC object, mu_gc_walk) whose object's ob_type is
- * list_type, with 0 <= ob_size < allocated and ob_item 8-aligned, stores the pair
- * (ob_item + 8*ob_size, ob_item + 8*allocated) in out (2*cap words), in allocation order.
+ * list_type, with 0 <= ob_size <= allocated and ob_item 8-aligned, stores the pair
+ * (ob_item + 8*ob_size, end) in out (2*cap words), in allocation order: end is the end of the
+ * allocation that starts at ob_item when it holds the `allocated` slots (the allocator's slack
+ * after them is stale too: a 48-slot array's 392-byte chunk kept a leaked block's address in
+ * its last word), else ob_item + 8*allocated; no pair when that is ob_item + 8*ob_size.
  * Object layout: ob_type at +8, ob_size +16, ob_item +24, allocated +32 after the 16-byte head.
  * Returns the number of pairs found (may exceed cap: then only cap were stored), or -EINVAL. */
 int64_t mu_list_slack(const uint64_t *begin, const uint64_t *size, uint64_t n,

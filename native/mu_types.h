@@ -53,7 +53,10 @@ typedef struct {
  *       not running (its int8 frame state at fo - 5 negative: created or suspended) the slots
  *       above the frame's stacktop (int at fo + 64, slots from fo + 72) are dead, as in a
  *       frame object's (a suspended pluggy hook wrapper's slot 10 kept a leaked block's
- *       address); running or finished: scanned whole.
+ *       address); cleared (state 4, FRAME_CLEARED: finished, its slots released but not
+ *       zeroed) only its frame's head; running or completing: its ob_size slots, not the
+ *       allocator's slack after them (a finished generator's last word, offset 248 of a
+ *       256-byte block, kept a leaked 34 MB block's address).
  *   kind MU_TYPE_MEMORYVIEW: a memoryview, tp_basicsize in bits 16-47 of code: its ob_size
  *       (3 * ndim) Py_ssize_t follow the header (shape, strides, suboffsets); when its
  *       view.suboffsets (at off + basicsize - 24) is NULL the suboffsets third is never

@@ -288,6 +288,7 @@ OPAQUE_TYPES = {"PyLong_Type": ("int", "MU_TYPE_OPAQUE"), "PyFloat_Type": ("floa
 TSTATE_FRAME = 24              # 3.8-3.10 PyThreadState.frame (PyFrameObject *, innermost)
 TP_NAME = 24                    # PyTypeObject.tp_name (const char *)
 TP_BASICSIZE = 32               # PyTypeObject.tp_basicsize, then tp_itemsize (Py_ssize_t)
+TP_DEALLOC = 48                 # PyTypeObject.tp_dealloc (destructor)
 TP_FLAGS = 168                  # PyTypeObject.tp_flags (unsigned long)
 TP_DOC = 176                    # PyTypeObject.tp_doc (const char *; a heap type's is malloc'd)
 TP_BASE = 256                   # PyTypeObject.tp_base (PyTypeObject *)

@@ -101,6 +101,9 @@ def _prepare(mem, maps, threads, pid: Optional[int], image: HeapImage) -> CPytho
             out.stats["gc_nodes"] = nodes
             # list slack, heap types' docstrings, io buffers: one native pass
             metas = metatypes(mem, cp, types)
+            # the heap types whose objects are not GC objects (functools' LRU-list links...):
+            # no GC list shows them, yet class_types' rule applies to them too
+            types = types + untracked_heap_types(merged, head_word, metas)
             pairs, (nslack, ndocs, nbuffers) = gc_dead_ranges(
                 merged, head_word, statics.get("PyList_Type", 0), metas,
                 buffered_types(mem, cp, types))
@@ -117,6 +120,10 @@ def _prepare(mem, maps, threads, pid: Optional[int], image: HeapImage) -> CPytho
                 gen_dead=(gen >> 16 & 0xffff) - 16 if gen else 0, metas=metas,
                 frame=old_frame_rule(mem, cp, statics))
             dead_pairs += pairs
+            pairs, ndeques = deque_dead_ranges(merged, head_word, *deque_types(mem, maps, cp,
+                                                                                types))
+            dead_pairs += pairs
+            out.stats["deques"] = ndeques
             out.stats.update(set_smalltables=nsets, dict_values=nvalues, str_buffers=nstrs,
                              generator_heads=ngens, type_names=nnames, old_frames=nframes)
     dead_types = []
@@ -125,7 +132,12 @@ def _prepare(mem, maps, threads, pid: Optional[int], image: HeapImage) -> CPytho
         dead_types = object_types(mem, cp, types, L.DEAD_OBJECT_TYPES)
     dead_types += opaque_types(mem, cp, statics)
     if head_word is not None:
-        sized = sized_types(mem, maps, cp, types) + class_types(mem, maps, pid, cp, types)
+        # the runtime's static types, GC or not (3.8/3.9's compiled patterns are no GC
+        # objects: no GC list shows their type)
+        statics_all = runtime_static_types(mem, maps, pid, cp)
+        known = sorted(set(types) | set(statics_all))
+        sized = sized_types(mem, maps, cp, known) + class_types(mem, maps, pid, cp, types) \
+            + regex_types(mem, maps, cp, known)
         dead_types = with_sizes(dead_types, sized)
         out.stats["sized_types"] = len(sized)
     # code objects (every version): the bytecode after the header holds no references, and
@@ -440,8 +452,44 @@ def varsized_type(mem, cp: CPythonMap, t: Optional[int], shape: Tuple[int, int])
     return (t, off | lib.MU_TYPE_VARSIZED << 8 | basic << 16 | item << 48)
 
 
-# Returns [(type address, code)] of MU_TYPE_SIZED rules: the interpreter's own static GC
-# types (inside the runtime's ELF object) of fixed size (tp_itemsize 0): the pymalloc or
+# {the runtime's mappings' identity: its static type objects}: they never move
+_STATIC_TYPES: dict = {}
+
+
+# Returns the runtime's static type objects, ascending: the PyTypeObjects in the writable
+# mappings of its ELF object (.data) whose ob_type is PyType_Type (by its symbol) and which read
+# as types; [] without the symbol. One search of the mappings per process image (cached).
+def runtime_static_types(mem, maps, pid, cp: CPythonMap) -> List[int]:
+    meta = runtime_symbols(maps, pid, cp).get("PyType_Type")
+    mappings = [m for m in maps if m.path == cp.runtime.object_path]
+    key = tuple([(m.begin, m.end, m.offset, m.dev, m.inode, m.path) for m in mappings])
+    if not meta:
+        return []
+    if key not in _STATIC_TYPES:
+        reader = object_reader(mem, cp)
+        pattern = struct.pack("<Q", meta)
+        out = []
+        for m in mappings:
+            if "w" not in m.perms:
+                continue
+            try:
+                data = mem.read(m.begin, m.end - m.begin)
+            except MemoryUnreadable:
+                continue
+            i = data.find(pattern, L.OB_TYPE)
+            while i >= 0:
+                t = m.begin + i - L.OB_TYPE
+                if t % 8 == 0 and reader.type_info(t) is not None:
+                    out.append(t)
+                i = data.find(pattern, i + 1)
+        if len(_STATIC_TYPES) >= 16:
+            _STATIC_TYPES.clear()
+        _STATIC_TYPES[key] = sorted(out)
+    return _STATIC_TYPES[key]
+
+
+# Returns [(type address, code)] of MU_TYPE_SIZED rules: the interpreter's own static types
+# (inside the runtime's ELF object) of fixed size (tp_itemsize 0): the pymalloc or
 # malloc rounding slack after tp_basicsize holds stale words of the block's earlier users.
 # Types of extensions and heap types are left whole: they may allocate past tp_basicsize.
 # header_only: the types are var-sized but every reference lies in the fixed part (code
@@ -491,6 +539,35 @@ def class_types(mem, maps, pid, cp: CPythonMap, types) -> List[Tuple[int, int]]:
         if off is None or off > 48 or not _static_base_in(reader, t, own, solid):
             continue
         out.append((t, off | lib.MU_TYPE_SIZED << 8 | w[2] << 16))
+    return out
+
+
+# {tp_name: tp_itemsize} of the var-sized types of the interpreter's built-in _sre module whose
+# items hold no references (a compiled pattern's code units, a match's group marks): only the
+# header up to tp_basicsize (which includes the first item) holds references.
+REGEX_TYPES = {"re.Pattern": 4, "re.Match": 8}
+
+
+# Returns [(type address, code)] of header-only MU_TYPE_SIZED rules for the types among `types`
+# that are _sre's compiled patterns and matches (static through 3.9, heap types since): their
+# size is tp_basicsize plus the item count rounded up to 8 bytes, not the allocator's size
+# class, and the bytes between the last item and that end are never written. The word past a
+# 40-unit pattern's code (offset 264 of its 272-byte pymalloc block) held the address of a
+# leaked 34 MB block in an xdist worker (MEMUNREACHABLE_EXPLAIN, 2 of 20 runs). A type is taken
+# only with that name, that item size and its tp_dealloc in the runtime's object.
+def regex_types(mem, maps, cp: CPythonMap, types) -> List[Tuple[int, int]]:
+    reader = object_reader(mem, cp)
+    own = [(m.begin, m.end) for m in maps if m.path == cp.runtime.object_path]
+    out = []
+    for t in types:
+        w = reader.type_words(t)
+        ti = reader.type_info(t) if w is not None else None
+        if ti is None or REGEX_TYPES.get(ti[0]) != w[3] or not 64 <= w[2] <= 256 \
+                or not any(b <= (reader._u64(t + L.TP_DEALLOC) or 0) < e for b, e in own):
+            continue
+        off = reader.object_offset(t)
+        if off is not None and off <= 48:
+            out.append((t, off | lib.MU_TYPE_SIZED << 8 | w[2] << 16))
     return out
 
 
@@ -686,6 +763,46 @@ def gc_stale_parts(image: HeapImage, head_word, version, sets, managed, values_f
     return pairs, tuple(counts[k] for k in range(6))
 
 
+DEQUE_SIZES = {(3, 8): 80, (3, 9): 80, (3, 10): 80, (3, 11): 216, (3, 12): 216, (3, 13): 216}
+DEQUE_FREE = 72             # 3.11+: dequeobject.numfreeblocks, then freeblocks[16]
+
+
+# Returns (the deque types among `types`, ascending: collections.deque, its tp_basicsize the
+# version's and its tp_dealloc in the runtime's object, and the types deriving from it; the
+# object offset of its free-block cache, 0 before 3.11) for deque_dead_ranges.
+def deque_types(mem, maps, cp: CPythonMap, types) -> Tuple[List[int], int]:
+    reader = object_reader(mem, cp)
+    want = DEQUE_SIZES.get(tuple(cp.version[:2]))
+    own = [(m.begin, m.end) for m in maps if m.path == cp.runtime.object_path]
+    roots = set()
+    for t in types:
+        w = reader.type_words(t)
+        if w is None or w[2] != want or w[3]:
+            continue
+        ti = reader.type_info(t)
+        if ti is not None and ti[0] == "collections.deque" \
+                and any(b <= (reader._u64(t + L.TP_DEALLOC) or 0) < e for b, e in own):
+            roots.add(t)
+    if not roots:
+        return [], 0
+    memo: Dict[int, bool] = {}
+    out = sorted(t for t in types if t in roots or _derives_from(reader, t, roots, memo))
+    return out, DEQUE_FREE if cp.version >= (3, 11) else 0
+
+
+# Returns (the (begin, end) pairs of the deques' dead words (mu_deque_dead_ranges), how many
+# deques gave them).
+def deque_dead_ranges(image: HeapImage, head_word, deques: Sequence[int], free_off: int):
+    if not deques or not len(image.begins):
+        return [], 0
+    arr = array("Q", deques)
+    counts = ffi.new("uint64_t[1]")
+    pairs = _gc_object_ranges(image, head_word, lambda args, out, cap: lib.mu_deque_dead_ranges(
+        *args, ffi.from_buffer("uint64_t[]", arr), len(arr), free_off, out, cap, counts),
+        as_pairs=True)
+    return pairs, counts[0]
+
+
 # Returns (sets, managed, values_field, values_tag, inline, dicts, strs) for gc_stale_parts,
 # each list of types ascending: set, frozenset and the heap types that derive from them; on
 # 3.11-3.13 the types with a managed dict (Py_TPFLAGS_MANAGED_DICT; 3.11/3.12: their values'
@@ -738,6 +855,28 @@ def metatypes(mem, cp: CPythonMap, types) -> List[int]:
         if w is not None and w[4] & L.TPFLAGS_TYPE_SUBCLASS and reader.type_info(t) is not None:
             out.append(t)
     return sorted(out)
+
+
+# Returns the heap types (GC objects of the metatypes metas) without Py_TPFLAGS_HAVE_GC, whose
+# objects no GC list holds, ascending.
+def untracked_heap_types(image: HeapImage, head_word, metas: Sequence[int]) -> List[int]:
+    if not metas:
+        return []
+    arr = array("Q", metas)
+    args = _image_args(image)
+    hw = ffi.from_buffer("uint8_t[]", head_word) if args[2] else ffi.NULL
+    call = lambda out, cap: lib.mu_gc_objects_of(   # noqa: E731
+        *args, hw, ffi.from_buffer("uint64_t[]", arr), len(arr), L.TP_FLAGS,
+        L.TPFLAGS_HEAPTYPE | L.TPFLAGS_HAVE_GC, L.TPFLAGS_HEAPTYPE, out, cap)
+    cap = 256
+    while True:
+        out = array("Q", bytes(8 * cap))
+        got = call(ffi.from_buffer("uint64_t[]", out), cap)
+        if got < 0:
+            return []
+        if got <= cap:
+            return list(out[:got])
+        cap = got
 
 
 # Returns [Range] of the blocks that field `field` of the GC objects of `types` (ascending)

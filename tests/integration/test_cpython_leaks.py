@@ -418,12 +418,31 @@ sys.stdin.read(1)
 #   values    the unwritten prefix bytes of 3.11/3.12 instances' dict values arrays;
 #   gen       a created generator's unwritten head words (gi_origin_or_finalizer, flag bytes)
 #             and inline frame slots above its stacktop (3.11+); 3.8-3.10: its frame
-#             object's try-block stack, scalar fields' padding and slots above f_stacktop.
+#             object's try-block stack, scalar fields' padding and slots above f_stacktop;
+#   finished  a finished generator's released slots and the slack after them (3.11+);
+#   deque     empty deques' blocks (their items would start in the middle), malloc's slack
+#             after a block's 528 bytes;
+#   regex     the bytes after a compiled pattern's last code unit;
+#   lru       functools' LRU links (3.10+: a heap type of objects outside the GC lists): the
+#             word after their 56 bytes in a 64-byte pymalloc block;
+#   text      a strdup'd C string's last word ("E", NUL) glued to an old pointer's high bytes;
+#   environ   setenv's copies of environment strings (text, then malloc's slack).
 # Without its rule each part's leak is missed (measured on 3.11, and 3.8 and 3.10 for the
-# frame objects, both allocators).
-STALE_PARTS = r"""import array, ctypes, json, sys
+# frame objects, both allocators; for the later parts, in one run each on 3.11 unless said:
+# finished malloc; deque both; regex malloc, and both on 3.9 (where patterns are no GC
+# objects: without the runtime's static types); lru pymalloc; text both, and both on 3.13;
+# environ both). Each part's leftover planted blocks are zeroed before the next part, and the
+# C strings are made by hand: malloc may hand out a bigger chunk than asked, whose slack no
+# rule can know.
+STALE_PARTS = r"""import array, collections, ctypes, functools, json, os, re, sys
 @LIBC@
+libc.malloc.restype = ctypes.c_void_p
+libc.malloc.argtypes = [ctypes.c_size_t]
+libc.free.argtypes = [ctypes.c_void_p]
+libc.strdup.restype = ctypes.c_void_p
+libc.strdup.argtypes = [ctypes.c_char_p]
 V = sys.version_info[:2]
+PYMALLOC = os.environ.get("PYTHONMALLOC") != "malloc"
 
 class K:
     pass
@@ -446,12 +465,71 @@ def leak(name):
     made[name] = [f"{p:#x}", libc.malloc_usable_size(p)]
     return p + 16
 
+PLANTED = []
+
 def plant(addr, sizes, count=400):
     # raw 8-byte words in freed blocks of these sizes (array buffers: no object header)
     stale = [array.array("Q", [addr] * (n // 8)) for n in sizes for _ in range(count)]
     del stale
+    PLANTED[:] = [list(sizes), count]
+
+def scrub():
+    # the planted blocks that the part's objects did not take are zeroed: no later part's
+    # objects (or the test's own) meet the address
+    sizes, count = PLANTED
+    zeros = [array.array("Q", [0]) * (n // 8) for n in sizes for _ in range(count)]
+    del zeros
 
 def stale_parts(at):
+    # C strings of 17 characters and a NUL in 24 usable bytes: the last word is "E", NUL and
+    # six bytes of what the chunk held before: an address 64 KiB-rounded into a leaked block
+    # (freed chunks of libc's own, so under both allocators). A chunk that malloc hands out
+    # bigger (its slack would keep the address whole) is set aside and freed after.
+    def plant_chunks(p, size, offsets):
+        hi = ((p - 16 + 0xffff) & ~0xffff) + 0x41
+        chunks = [libc.malloc(size) for _ in range(3000)]
+        for c in chunks:
+            for off in offsets:
+                ctypes.c_uint64.from_address(c + off).value = hi
+        for c in chunks:
+            libc.free(c)
+        PLANTED[:] = [size]
+
+    def scrub_chunks():
+        chunks = [libc.calloc(1, PLANTED[0]) for _ in range(3000)]
+        for c in chunks:
+            libc.free(c)
+
+    # (their pointers go to an array made before: growing one would consolidate the freed
+    # chunks into bigger ones; 2001 words: 16,008 bytes, no malloc slack after them)
+    texts = kept[at] = array.array("Q", bytes(8 * 2001))
+    at += 1
+    aside = array.array("Q", bytes(8 * 2001))
+    plant_chunks(leak("text"), 18, [16])
+    n = k = 0
+    while n < 2001 and k < 2001:
+        c = libc.malloc(18)
+        ctypes.memmove(c, b"ABCDEFGHIJKLMNOPE", 18)
+        if libc.malloc_usable_size(c) == 24:
+            texts[n] = c
+            n += 1
+        else:
+            aside[k] = c
+            k += 1
+    for i in range(k):
+        libc.free(aside[i])
+    scrub_chunks()
+    # environment strings: setenv's copy of "NAME=value\0" (49 bytes in 56 usable: its last
+    # word a NUL then stale bytes; 64-byte chunks, which no 24-byte tsearch node of setenv's
+    # takes whole as it may a 48-byte one, keeping its slack). The names are set before, to
+    # values of 74 bytes (another size class: setenv keeps every value it made): setenv grows
+    # its array by realloc at each new name.
+    for i in range(300):
+        os.environ["MU_PLANT_%03d" % i] = "-" * 60
+    plant_chunks(leak("environ"), 49, [48])
+    for i in range(300):
+        os.environ["MU_PLANT_%03d" % i] = "abcdefghijklmnopqrstuvwxyz012345678"
+    scrub_chunks()
     # a set resized out of its smalltable: the old entry's hash (an int's hash is its value)
     # stays there; the entry in the new table is discarded (hash -1)
     a = leak("set")
@@ -466,6 +544,7 @@ def stale_parts(at):
     for i in range(1000):
         kept[at + i] = S("abcdefg")
     at += 1000
+    scrub()
     if V in ((3, 11), (3, 12)):
         # instance dict values arrays (shared keys: 30 slots, a 32-byte prefix whose first
         # bytes are never written)
@@ -475,6 +554,7 @@ def stale_parts(at):
             k.a = i
             kept[at + i] = k
         at += 1000
+        scrub()
     if True:
         # created generators: their frames' stack slots are never written before use (3.11+:
         # inline; 3.8-3.10: a frame object, its try-block stack and scalar fields' padding too)
@@ -482,7 +562,38 @@ def stale_parts(at):
         for i in range(1000):
             kept[at + i] = gen()
         at += 1000
-
+        scrub()
+    if V >= (3, 11):
+        # finished generators: their slots released, not zeroed
+        plant(leak("finished"), range(256, 512, 16), 100)
+        for i in range(1000):
+            g = gen()
+            list(g)
+            kept[at + i] = g
+        at += 1000
+        scrub()
+    # empty deques: the whole of their one block (528 bytes: malloc under both allocators)
+    plant(leak("deque"), [528], 400)
+    for i in range(300):
+        kept[at + i] = collections.deque()
+    at += 300
+    scrub()
+    # compiled patterns: 96 + 4 * units bytes, the code from offset 88 (at least 8 bytes
+    # after the last unit are never written)
+    plant(leak("regex"), range(128, 512, 8), 60)
+    for i in range(400):
+        kept[at + i] = re.compile("x" * (i % 97 + 1) + "y%d" % i)
+    at += 400
+    scrub()
+    if V >= (3, 10) and PYMALLOC:
+        # LRU links: 56 bytes in a 64-byte pymalloc block
+        plant(leak("lru"), [64], 3000)
+        cached = functools.lru_cache(maxsize=10000)(lambda x: x)
+        for i in range(2000):
+            cached(i)
+        kept[at] = cached
+        at += 1
+        scrub()
 stale_parts(0)
 print(json.dumps(made))
 print("ready", flush=True)
@@ -490,19 +601,21 @@ sys.stdin.read(1)
 """.replace("@RESERVE@", RESERVE).replace("@LIBC@", LIBC)
 
 
-def _stale_parts_made(python: str) -> list:
+def _stale_parts_made(python: str, allocator: str) -> list:
     minor = _minor(python) if "/versions/" in python else 11
-    return ["set", "str", "gen"] + (["values"] if minor in (11, 12) else [])
+    return (["set", "str", "gen", "deque", "regex", "text", "environ"]
+            + (["values"] if minor in (11, 12) else []) + (["finished"] if minor >= 11 else [])
+            + (["lru"] if minor >= 10 and allocator == "pymalloc" else []))
 
 
-@pytest.mark.parametrize("script, parts", [(INSTANCE_SLACK, lambda python: ["class"]),
+@pytest.mark.parametrize("script, parts", [(INSTANCE_SLACK, lambda python, allocator: ["class"]),
                                            (STALE_PARTS, _stale_parts_made)],
                          ids=["class instances", "stale parts"])
 @pytest.mark.parametrize("allocator", ["pymalloc", "malloc"])
 @pytest.mark.parametrize("python", interpreters(), ids=_ident)
 def test_stale_words_in_live_objects_are_no_references(python, allocator, script, parts):
     made, info, before = run_target(python, script, allocator)
-    assert sorted(made) == sorted(parts(python))
+    assert sorted(made) == sorted(parts(python, allocator))
     assert not [w for w in info.warnings if "CPython" in w or "pymalloc" in w], info.warnings
     want = {int(a, 16): (name, size) for name, (a, size) in made.items()}
     got = {l.address: l.size for l in info.leaks if l.address not in before}

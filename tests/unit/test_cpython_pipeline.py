@@ -241,6 +241,16 @@ def test_list_slack_is_the_item_array_above_ob_size():
     head_word = bytes([1] * len(blocks))               # each block starts with a GC head
     assert P.list_slack(img, head_word, LIST) == [Range(0x2010, 0x2028), Range(0x2300, 0x2310)]
     assert P.list_slack(img, bytes(len(blocks)), LIST) == []     # no GC objects known
+    # with the item arrays as allocations of the image: the allocator's slack after the
+    # `allocated` slots is stale too (a full list's as well); an array smaller than its
+    # `allocated` slots is not trusted past them
+    arrays = [(0x2000, 56), (0x2100, 40), (0x2300, 8)]
+    alloc = sorted([(b, 56) for b, _ in blocks] + arrays)
+    img = HeapImage(array("Q", [b for b, _ in alloc]), array("Q", [z for _, z in alloc]),
+                    [(0x1000, data + bytes(0x1400))])
+    head_word = bytes(1 if b < 0x2000 else 0 for b, _ in alloc)
+    assert P.list_slack(img, head_word, LIST) == [Range(0x2010, 0x2038), Range(0x2120, 0x2128),
+                                                  Range(0x2300, 0x2310)]
 
 
 def test_io_buffers_are_the_blocks_of_buffered_objects_buffer_field():
@@ -563,3 +573,54 @@ def test_old_frames_scalars_block_stack_and_slots_above_the_top_are_dead(mode, b
         pairs, _ = P.gc_stale_parts(img, hw, (3, 10), [], [], 0, 0, [], [], [],
                                     frame=(FRAME, blocks, getattr(lib, mode)))
         assert pairs == [(obj + blocks - 32, obj + blocks - 24), (obj + blocks - 16, obj + local)]
+
+
+def _deque_image(objects, blocks):
+    """HeapImage of deque objects [(address, type, len, leftblock, rightblock, leftindex,
+    rightindex, freeblocks)] (GC objects: a 16-byte head, then 216 bytes) and raw blocks
+    [(address, size, rightlink)], in one region from 0x1000; its head_word."""
+    data = bytearray(0x3000)
+    for a, tp, n, lb, rb, li, ri, free in objects:
+        struct.pack_into("<QQqQQqqQqq", data, a + 16 - 0x1000, 1, tp, n, lb, rb, li, ri, 0, -1,
+                         len(free))
+        struct.pack_into(f"<{len(free)}Q", data, a + 16 + 80 - 0x1000, *free)
+        struct.pack_into("<Q", data, a + 16 + 80 + 8 * len(free) - 0x1000, 0xdead0)  # stale
+    for a, _size, right in blocks:
+        struct.pack_into("<Q", data, a + 520 - 0x1000, right)
+    alloc = sorted([(o[0], 16 + 216) for o in objects] + [(a, s) for a, s, _ in blocks])
+    gc = {o[0] for o in objects}
+    img = HeapImage(array("Q", [b for b, _ in alloc]), array("Q", [s for _, s in alloc]),
+                    [(0x1000, data)])
+    return img, bytes(1 if b in gc else 0 for b, _ in alloc)
+
+
+@pytest.mark.parametrize("free_off", [0, P.DEQUE_FREE])
+def test_deque_blocks_words_outside_the_items_are_dead(free_off):
+    DEQ, OTHER = 0x9000, 0x9100
+    objects = [
+        # 10 items: data[60..64) of 0x1400 (560 bytes: 32 of slack), data[0..6) of 0x1800
+        (0x1000, DEQ, 10, 0x1400, 0x1800, 60, 5, [0x2400]),
+        # empty: its one block is dead whole (leftindex 32, rightindex 31), and its slack
+        (0x1100, DEQ, 0, 0x1c00, 0x1c00, 32, 31, []),
+        # a count that does not match the indexes: none
+        (0x1200, DEQ, 11, 0x2800, 0x2800, 32, 31, []),
+        # not a deque
+        (0x1300, OTHER, 0, 0x2800, 0x2800, 32, 31, []),
+    ]
+    blocks = [(0x1400, 560, 0x1800), (0x1800, 528, 0), (0x1c00, 544, 0), (0x2400, 528, 0),
+              (0x2800, 528, 0)]
+    img, hw = _deque_image(objects, blocks)
+    pairs, count = P.deque_dead_ranges(img, hw, [DEQ], free_off)
+    first = [(0x1400, 0x1400 + 8 + 8 * 60), (0x1800 + 16 + 8 * 5, 0x1800 + 528),
+             (0x1400 + 528, 0x1400 + 560)]
+    empty = [(0x1c00, 0x1c00 + 8 + 8 * 32), (0x1c00 + 16 + 8 * 31, 0x1c00 + 528),
+             (0x1c00 + 528, 0x1c00 + 544)]
+    if free_off:        # 3.11+: the cached free block, and the unused slots after it
+        first += [(0x2400, 0x2400 + 528), (0x1000 + 16 + 88, 0x1000 + 16 + 80 + 128)]
+        empty += [(0x1100 + 16 + 80, 0x1100 + 16 + 80 + 128)]
+    assert sorted(pairs) == sorted(first + empty) and count == 2
+    # a chain that does not reach rightblock: that deque gives nothing
+    blocks[0] = (0x1400, 560, 0x2400)
+    img, hw = _deque_image(objects, blocks)
+    pairs, count = P.deque_dead_ranges(img, hw, [DEQ], free_off)
+    assert sorted(pairs) == sorted(empty) and count == 1

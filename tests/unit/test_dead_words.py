@@ -411,26 +411,30 @@ GEN = INT_TYPE + 0x500
 GEN_CODE = 16 | lib.MU_TYPE_GEN_FRAME << 8 | 80 << 16     # 3.11: the frame at object offset 80
 
 
-@pytest.mark.parametrize("state, top, kept", [
-    (-1, 1, [1, 1, 0]),     # suspended, 1 slot in use: slot 1 is above the top
-    (-2, 2, [1, 1, 1]),     # created, 2 slots: both live
-    (0, 1, [1, 1, 1]),      # running: its real top is in a register, scanned whole
-    (1, 1, [1, 1, 1]),      # finished: scanned whole
-    (-1, -5, [1, 1, 1]),    # a top we cannot trust: scanned whole
-    (-1, 40, [1, 1, 1]),    # past the block: scanned whole
+@pytest.mark.parametrize("state, top, slots, kept", [
+    (-1, 1, 2, [1, 1, 0, 0]),   # suspended, 1 slot in use: slot 1 is above the top
+    (-2, 2, 2, [1, 1, 1, 0]),   # created, 2 slots: both live, the word after them is slack
+    (0, 1, 2, [1, 1, 1, 0]),    # running: its real top is in a register: all its 2 slots
+    (1, 1, 2, [1, 1, 1, 0]),    # completing: the same
+    (4, 1, 2, [1, 0, 0, 0]),    # cleared (finished): its slots were released, not zeroed
+    (0, 1, -3, [1, 1, 1, 1]),   # running with a slot count we cannot trust: scanned whole
+    (0, 1, 40, [1, 1, 1, 1]),   # a count past the block: scanned whole
+    (-1, -5, 2, [1, 1, 1, 1]),  # a top we cannot trust: scanned whole
+    (-1, 40, 2, [1, 1, 1, 1]),  # past the block: scanned whole
 ])
-def test_a_generators_inline_frame_is_scanned_up_to_its_stacktop(state, top, kept):
-    h = Heap([256, 16, 16])             # GC head, then the generator at 16; frame at 96
-    for slot, w in enumerate([0, 0, 1, GEN]):
+def test_a_generators_inline_frame_is_scanned_up_to_its_stacktop(state, top, slots, kept):
+    h = Heap([256, 16, 16, 16])         # GC head, then the generator at 16; frame at 96
+    for slot, w in enumerate([0, 0, 1, GEN, slots % 2 ** 64]):
         h.point(0, slot, w)
     frame = 16 + 80
     struct.pack_into("<b", h.buf, h.addrs[0] - h.base + frame - 5, state)
     struct.pack_into("<i", h.buf, h.addrs[0] - h.base + frame + 64, top)
     h.link(0, (frame + 72) // 8, 1)     # localsplus[0]
     h.link(0, (frame + 80) // 8, 2)     # localsplus[1]
+    h.link(0, (frame + 88) // 8, 3)     # past ob_size slots: the allocator's slack
     dead = DeadWords(types=[(GEN, GEN_CODE)])
     assert list(mark(h.image(), [], [h.addrs[0]], dead=dead).marked) == kept
-    folded = fold(h.image(), bytearray(3), dead=dead)
+    folded = fold(h.image(), bytearray(4), dead=dead)
     assert folded[0].referenced_count == sum(kept) - 1
 
 

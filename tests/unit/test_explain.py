@@ -13,8 +13,9 @@ def test_chain_from_a_root_through_two_blocks():
     lines = explain(h.addrs[2] + 4, h.image(), roots, res.marked, (),
                     scanned_blocks(h.image(), res.marked))
     assert lines[0] == f"explain {h.addrs[2] + 4:#x}:"
-    assert f"word at {h.addrs[1] + 24:#x} (offset 24) of {h.addrs[1]:#x}" in lines[1]
-    assert f"word at {h.addrs[0] + 8:#x} (offset 8) of {h.addrs[0]:#x}" in lines[2]
+    assert (f"word {h.addrs[2] + 8:#x} at {h.addrs[1] + 24:#x} (offset 24) of {h.addrs[1]:#x}"
+            in lines[1])
+    assert f"word {h.addrs[1]:#x} at {h.addrs[0] + 8:#x} (offset 8) of {h.addrs[0]:#x}" in lines[2]
     assert lines[3].endswith(f"root words at {ROOT + 8:#x}")
 
 
@@ -65,10 +66,10 @@ def test_gc_link_words_are_not_referrers():
     res = mark(h.image(), roots)
     blocks = scanned_blocks(h.image(), res.marked)
     lines = explain(h.addrs[0], h.image(), roots, res.marked, (), blocks)
-    assert f"word at {h.addrs[1] + 8:#x} (offset 8)" in lines[1]
+    assert f" at {h.addrs[1] + 8:#x} (offset 8)" in lines[1]
     lines = explain(h.addrs[0], h.image(), roots, res.marked, (), blocks,
                     head_word=bytearray([0, 1]))
-    assert f"word at {h.addrs[1] + 24:#x} (offset 24)" in lines[1]
+    assert f" at {h.addrs[1] + 24:#x} (offset 24)" in lines[1]
 
 
 def test_a_root_word_in_a_file_mapping_names_the_file_and_offset():

@@ -176,3 +176,19 @@ def test_ld_data_is_its_writable_mappings_and_the_bss_after():
             Mapping(0x5000, 0x6000, "rw-p", 0, "00:00", 0, ""),
             Mapping(0x7000, 0x8000, "rw-p", 0, "fe:00", 8, "/usr/lib/libc.so.6")]
     assert [m.begin for m in K.ld_data(maps)] == [0x2000, 0x3000]
+
+
+def test_environ_strings_up_to_the_null_entry():
+    mem = Holey({}, 0)
+    at, env = 0x7F0000040000, 0x555500050000
+    strings = [0x555500060000, 0x555500060040, 0x7FFC00001000]
+    mem.blocks[at] = struct.pack("<Q", env)
+    mem.blocks[env] = struct.pack("<4Q", *strings, 0) + struct.pack("<Q", 0x555500070000)
+    assert K.environ_strings(mem, at) == strings
+    mem.blocks[at] = struct.pack("<Q", env + 4)             # misaligned: not an array
+    assert K.environ_strings(mem, at) == []
+    mem.blocks[at] = struct.pack("<Q", 0)                   # no environment
+    assert K.environ_strings(mem, at) == []
+    mem.hole = env + 16                                     # unreadable third entry: the two
+    mem.blocks[at] = struct.pack("<Q", env)
+    assert K.environ_strings(mem, at) == strings[:2]

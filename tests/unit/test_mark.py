@@ -570,3 +570,43 @@ def test_merge_pairs_is_merge_ranges_over_tuples():
         want = [(r.begin, r.end) for r in merge_ranges([Range(b, e) for b, e in pairs])]
         assert merge_pairs(pairs) == want
     assert merge_pairs([(16, 32), (0, 8), (8, 16), (40, 48), (44, 46)]) == [(0, 32), (40, 48)]
+
+
+TEXT = int.from_bytes(b"AES-128-", "little")       # a word of 8 printable bytes
+
+
+def _tail_into(h, j):
+    """A word that ends a string ("E", then a NUL) glued to the high bytes of an address
+    inside block j (which must span an address whose low 16 bits are 0x0045)."""
+    v = ((h.addrs[j] + 0xffff) & ~0xffff) + ord("E")
+    assert h.addrs[j] <= v < h.addrs[j] + h.sizes[j] and v.to_bytes(8, "little")[1] == 0
+    return v
+
+
+def test_a_text_tail_is_no_reference_on_every_mark_path():
+    # S0 = ["AES-128-", "E\0" + an old pointer's high bytes] -> T1: text, T1 unreachable;
+    # twins that are references: after a word that is not text (S1 -> T2), a pointer whose
+    # NUL is its low byte (S2 -> T3), a tail that is the first word of its block after a block
+    # ending in text (S4 -> T5); and in block B0 the text ends at a 1 MiB piece boundary of
+    # the uncopied region's candidates (B0 -> T4: text, whichever path reads it)
+    big, t = 2 << 20, 256 << 10
+    h = Heap([big, t, 32, t, 32, t, 32, t, 32, 32, t], base=UNCOPIED_BASE, gap=8)
+    B0, T1, S0, T2, S1, T3, S2, T4, S3, S4, T5 = range(11)
+    h.point(S0, 0, TEXT)
+    h.point(S0, 1, _tail_into(h, T1))
+    h.point(S1, 0, 0x1234)
+    h.point(S1, 1, _tail_into(h, T2))
+    h.point(S2, 0, TEXT)
+    h.point(S2, 1, (h.addrs[T3] + 0xffff) & ~0xffff)
+    boundary = (1 << 20) - (h.addrs[B0] - h.base)        # B0's offset of the piece boundary
+    h.point(B0, boundary // 8 - 1, TEXT)
+    h.point(B0, boundary // 8, _tail_into(h, T4))
+    h.point(S3, 3, TEXT)
+    h.point(S4, 0, _tail_into(h, T5))
+    roots = [(ROOT, words_buffer(*(h.addrs[i] for i in (B0, S0, S1, S2, S3, S4))))]
+    for res in all_ways(h, roots):
+        assert list(res.marked) == [1, 0, 1, 1, 1, 1, 1, 0, 1, 1, 1]
+    # the fold: a leaked block's text tail is no edge either (S0 and T1 stay two leaks)
+    from memunreachable.folding import fold
+    by = {f.index: f for f in fold(h.image(), bytearray(11))}
+    assert T1 in by and by[S0].referenced_count == 0
