@@ -19,16 +19,12 @@ from memunreachable._types import Range, merge_ranges
 MAX_STEPS = 6
 
 
-def _printable(word: int) -> bool:
-    return all(0x20 <= b <= 0x7E for b in word.to_bytes(8, "little"))
-
-
 def text_tail(prev: int, word: int) -> bool:
     """native mu_text_tail: word ends a string (1-7 printable bytes, then a NUL) after a word
-    of 8 printable bytes: text, never a reference."""
+    whose 4 high bytes are printable: text, never a reference."""
     raw = word.to_bytes(8, "little")
     nul = raw.find(0)
-    return 0 < nul and all(0x20 <= b <= 0x7E for b in raw[:nul]) and _printable(prev)
+    return 0 < nul and all(0x20 <= b <= 0x7E for b in raw[:nul] + prev.to_bytes(8, "little")[4:])
 
 
 def _referrers(lo: int, hi: int, buffers: Sequence[Tuple[int, object]], dead) -> List[int]:

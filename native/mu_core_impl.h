@@ -118,13 +118,14 @@ static inline int mu_live_next(mu_live_iter *it, uint64_t *b, uint64_t *e)
 
 /* Text tails. A C string's last word holds its last 1-7 characters, the NUL, and whatever the
  * memory held before in its other bytes: the high bytes of an old pointer read with the text as
- * an address (an OpenSSL name "AES-128-ECB", an environment string, a type's docstring, each
- * kept a leaked block of the same process "reachable"). An 8-aligned pointer field cannot begin
- * inside a char array, so a word that starts with 1-7 printable bytes then a NUL, right after a
- * word of 8 printable bytes (0x20-0x7e), is text and never a reference. A pointer's two high
- * bytes are 0: no pointer is 8 printable bytes, and a NUL in byte 0 (a 256-aligned address)
- * does not match. mu_mark (both of its paths), mu_fold and explain.py apply it to words whose
- * previous word lies in the same allocation or root range. */
+ * an address (an OpenSSL name "AES-128-ECB", a name "version" after an int in a 24-byte
+ * struct, an environment string, a type's docstring: each kept a leaked block of the same
+ * process "reachable"). An 8-aligned pointer field cannot begin inside a char array, so a word
+ * that starts with 1-7 printable bytes then a NUL, right after a word whose 4 high bytes are
+ * printable (0x20-0x7e: the string's first characters), is text and never a reference. A
+ * pointer's two high bytes are 0, so the word before cannot be one; a NUL in byte 0 (a
+ * 256-aligned address) does not match. mu_mark (both of its paths), mu_fold and explain.py
+ * apply it to words whose previous word lies in the same allocation or root range. */
 #define MU_ONES 0x0101010101010101ull
 #define MU_HIGHS 0x8080808080808080ull
 
@@ -143,9 +144,15 @@ static inline int mu_tail_shape(uint64_t v)
     return mu_printable8((v & keep) | (0x4141414141414141ull & ~keep));
 }
 
+/* 1 when the 4 high bytes of prev are printable: a string runs on into the next word. */
+static inline int mu_text_runs_on(uint64_t prev)
+{
+    return mu_printable8((prev & 0xffffffff00000000ull) | 0x41414141ull);
+}
+
 static inline int mu_text_tail(uint64_t prev, uint64_t v)
 {
-    return mu_printable8(prev) && mu_tail_shape(v);
+    return mu_text_runs_on(prev) && mu_tail_shape(v);
 }
 
 /* The index of v in the ascending array a[0..n), or n. */

@@ -574,7 +574,7 @@ static inline void consider_words(mark_ctx *m, const uint8_t *p, uint64_t nw, ui
         for (uint64_t j = 0; j < k; j++) {
             uint64_t v = buf[j], w = w0 + at[j];
             if (__builtin_expect(mu_tail_shape(v), 0)
-                && mu_printable8(w ? ld64(p + 8 * (w - 1)) : prev0))
+                && mu_text_runs_on(w ? ld64(p + 8 * (w - 1)) : prev0))
                 continue;                               /* a text tail (mu_text_tail) */
             uint64_t *slot = &seen[(v * 0x9E3779B97F4A7C15ull) >> (64 - SCAN_SEEN_BITS)];
             uint64_t old = *slot;

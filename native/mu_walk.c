@@ -884,7 +884,7 @@ void mu_cands_fill_piece(mu_cands *c, uint64_t k, const uint8_t *d, uint64_t n, 
         p->sub[s] = (uint32_t)cnt;
     for (uint64_t j = 0; j < cnt; j++)      /* text tails after a word of the piece: flagged */
         if (toff[j] && __builtin_expect(mu_tail_shape(tval[j]), 0)
-            && mu_printable8(ld64(d + toff[j] - 8)))
+            && mu_text_runs_on(ld64(d + toff[j] - 8)))
             toff[j] |= 1;
     if (c->nranges > 1) {               /* keep those inside a range; renumber the sub-pages */
         uint64_t kept = 0, s = 0;
