@@ -20,11 +20,12 @@ MAX_STEPS = 6
 
 
 def text_tail(prev: int, word: int) -> bool:
-    """native mu_text_tail: word ends a string (1-7 printable bytes, then a NUL) after a word
-    whose 4 high bytes are printable: text, never a reference."""
+    """native mu_text_tail: word ends a string (1-7 printable bytes, then a NUL; not 8-aligned)
+    after a word whose 4 high bytes are printable: text, never a reference."""
     raw = word.to_bytes(8, "little")
     nul = raw.find(0)
-    return 0 < nul and all(0x20 <= b <= 0x7E for b in raw[:nul] + prev.to_bytes(8, "little")[4:])
+    return 0 < nul and word % 8 != 0 \
+        and all(0x20 <= b <= 0x7E for b in raw[:nul] + prev.to_bytes(8, "little")[4:])
 
 
 def _referrers(lo: int, hi: int, buffers: Sequence[Tuple[int, object]], dead) -> List[int]:

@@ -122,7 +122,8 @@ static inline int mu_live_next(mu_live_iter *it, uint64_t *b, uint64_t *e)
  * struct, an environment string, a type's docstring: each kept a leaked block of the same
  * process "reachable"). An 8-aligned pointer field cannot begin inside a char array, so a word
  * that starts with 1-7 printable bytes then a NUL, right after a word whose 4 high bytes are
- * printable (0x20-0x7e: the string's first characters), is text and never a reference. A
+ * printable (0x20-0x7e: the string's first characters), is text and never a reference, unless
+ * it is 8-aligned (mu_tail_shape: the text's first byte is one of 12 of the 95 printable). A
  * pointer's two high bytes are 0, so the word before cannot be one; a NUL in byte 0 (a
  * 256-aligned address) does not match. mu_mark (both of its paths), mu_fold and explain.py
  * apply it to words whose previous word lies in the same allocation or root range. */
@@ -134,11 +135,14 @@ static inline int mu_printable8(uint64_t x)
     return !((((x - 0x20 * MU_ONES) & ~x) | ((x + MU_ONES) | x)) & MU_HIGHS);
 }
 
-/* 1 when v could end a string: 1-7 printable bytes, then a NUL. */
+/* 1 when v could end a string: 1-7 printable bytes, then a NUL; and is no 8-aligned address
+ * (an object's, a field's: dict entries, list items and struct fields point at those, and a
+ * random hash before one reads as text in 2% of entries; a low non-PIE heap's addresses, 4
+ * bytes then zeros, have the shape in 1 of 7). */
 static inline int mu_tail_shape(uint64_t v)
 {
     uint64_t z = (v - MU_ONES) & ~v & MU_HIGHS;     /* its lowest bit: the first NUL byte */
-    if (!z || (z & 0x80))
+    if (!z || (z & 0x80) || !(v & 7))
         return 0;
     uint64_t keep = (1ull << (__builtin_ctzll(z) - 7)) - 1;
     return mu_printable8((v & keep) | (0x4141414141414141ull & ~keep));

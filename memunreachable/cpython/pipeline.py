@@ -452,6 +452,42 @@ def varsized_type(mem, cp: CPythonMap, t: Optional[int], shape: Tuple[int, int])
     return (t, off | lib.MU_TYPE_VARSIZED << 8 | basic << 16 | item << 48)
 
 
+# {type address: (its words but ob_refcnt, up to tp_alloc; {rule: verdict})}: the per-type
+# verdicts of earlier checks (a long-lived checker checks one process again and again). A
+# type whose words are unchanged has the same verdicts: it holds its name and its bases, so
+# its tp_base chain is the same live types; a new or changed type is judged again.
+_VERDICTS: Dict[int, Tuple[bytes, dict]] = {}
+_TYPE_KEY = L.TP_ALLOC + 8
+_UNJUDGED = object()
+
+
+def _verdicts(reader, t: int) -> dict:
+    """The remembered verdicts of type t (a dict to fill; one read of its words a check)."""
+    keys = reader.__dict__.setdefault("_verdict_keys", {})
+    k = keys.get(t)
+    if k is None:
+        try:
+            k = reader.mem.read(t + L.OB_TYPE, _TYPE_KEY - L.OB_TYPE)
+        except MemoryUnreadable:
+            k = b""
+        keys[t] = k
+    entry = _VERDICTS.get(t)
+    if entry is None or entry[0] != k:
+        if len(_VERDICTS) >= 1 << 16:
+            _VERDICTS.clear()
+        entry = _VERDICTS[t] = (k, {})
+    return entry[1]
+
+
+def _judged(reader, t: int, rule, judge):
+    """judge(t), remembered for t while its words are unchanged (_verdicts)."""
+    v = _verdicts(reader, t)
+    out = v.get(rule, _UNJUDGED)
+    if out is _UNJUDGED:
+        out = v[rule] = judge(t)
+    return out
+
+
 # {the runtime's mappings' identity: its static type objects}: they never move
 _STATIC_TYPES: dict = {}
 
@@ -498,18 +534,19 @@ def sized_types(mem, maps, cp: CPythonMap, types, header_only: bool = False) -> 
     reader = object_reader(mem, cp)
     lo, hi = _object_span(maps, cp.runtime.object_path)
     own = [(m.begin, m.end) for m in maps if m.path == cp.runtime.object_path]
-    out = []
-    for t in types:
+    def judge(t: int) -> Optional[int]:
         if not lo <= t < hi or not any(b <= t < e for b, e in own) \
                 or reader.type_info(t) is None:
-            continue
+            return None
         basic, item = reader.type_words(t)[2:4]
         off = reader.object_offset(t)
         if (item and not header_only) or basic < 16 or basic > 1 << 16 or basic % 8 \
                 or off is None or off > 48:
-            continue
-        out.append((t, off | lib.MU_TYPE_SIZED << 8 | basic << 16))
-    return out
+            return None
+        return off | lib.MU_TYPE_SIZED << 8 | basic << 16
+    rule = ("sized", header_only, reader.prefix)
+    codes = [(t, _judged(reader, t, rule, judge)) for t in types]
+    return [(t, code) for t, code in codes if code is not None]
 
 
 # Returns [(type address, code)] of MU_TYPE_SIZED rules for the heap types among `types` whose
@@ -529,17 +566,19 @@ def class_types(mem, maps, pid, cp: CPythonMap, types) -> List[Tuple[int, int]]:
     own = [(m.begin, m.end) for m in maps if m.path == cp.runtime.object_path]
     inline = L.TPFLAGS_INLINE_VALUES if cp.version >= (3, 13) else 0
     solid: Dict[int, bool] = {}         # a heap type -> its static base is the runtime's
-    out = []
-    for t in types:
+
+    def judge(t: int) -> Optional[int]:
         w = reader.type_words(t)
         if w is None or not w[4] & L.TPFLAGS_HEAPTYPE or w[3] or w[4] & inline \
                 or not 16 <= w[2] <= 1 << 16 or reader._u64(t + L.TP_ALLOC) != alloc:
-            continue
+            return None
         off = reader.object_offset(t)
         if off is None or off > 48 or not _static_base_in(reader, t, own, solid):
-            continue
-        out.append((t, off | lib.MU_TYPE_SIZED << 8 | w[2] << 16))
-    return out
+            return None
+        return off | lib.MU_TYPE_SIZED << 8 | w[2] << 16
+    rule = ("class", reader.prefix, alloc)
+    codes = [(t, _judged(reader, t, rule, judge)) for t in types]
+    return [(t, code) for t, code in codes if code is not None]
 
 
 # {tp_name: tp_itemsize} of the var-sized types of the interpreter's built-in _sre module whose
@@ -559,10 +598,12 @@ def regex_types(mem, maps, cp: CPythonMap, types) -> List[Tuple[int, int]]:
     reader = object_reader(mem, cp)
     own = [(m.begin, m.end) for m in maps if m.path == cp.runtime.object_path]
     out = []
-    for t in types:
+    for t in types:             # one read each; the few of the right shape are then named
         w = reader.type_words(t)
-        ti = reader.type_info(t) if w is not None else None
-        if ti is None or REGEX_TYPES.get(ti[0]) != w[3] or not 64 <= w[2] <= 256 \
+        if w is None or w[3] not in (4, 8) or not 64 <= w[2] <= 256:
+            continue
+        ti = reader.type_info(t)
+        if ti is None or REGEX_TYPES.get(ti[0]) != w[3] \
                 or not any(b <= (reader._u64(t + L.TP_DEALLOC) or 0) < e for b, e in own):
             continue
         off = reader.object_offset(t)
@@ -786,7 +827,9 @@ def deque_types(mem, maps, cp: CPythonMap, types) -> Tuple[List[int], int]:
     if not roots:
         return [], 0
     memo: Dict[int, bool] = {}
-    out = sorted(t for t in types if t in roots or _derives_from(reader, t, roots, memo))
+    rule = ("derives", tuple(sorted(roots)))
+    out = sorted(t for t in types if t in roots or _judged(
+        reader, t, rule, lambda t: _derives_from(reader, t, roots, memo)))
     return out, DEQUE_FREE if cp.version >= (3, 11) else 0
 
 
@@ -818,12 +861,13 @@ def stale_part_types(mem, cp: CPythonMap, types, statics: Dict[str, int]):
     inline_flag = L.TPFLAGS_INLINE_VALUES if cp.version >= (3, 13) else 0
     sets, managed, inline, dicts, strs = [], [], [], [], []
     derives: Dict[int, bool] = {}
+    rule = ("derives", tuple(sorted(roots)))
     for t in types:
         w = reader.type_words(t)
         if w is None:
             continue
-        if roots and (t in roots or w[4] & L.TPFLAGS_HEAPTYPE
-                      and _derives_from(reader, t, roots, derives)):
+        if roots and (t in roots or w[4] & L.TPFLAGS_HEAPTYPE and _judged(
+                reader, t, rule, lambda t: _derives_from(reader, t, roots, derives))):
             sets.append(t)
         if values and w[4] & L.TPFLAGS_MANAGED_DICT:
             managed.append(t)

@@ -485,9 +485,11 @@ def stale_parts(at):
     # six bytes of what the chunk held before: an address 64 KiB-rounded into a leaked block
     # (freed chunks of libc's own, so under both allocators). A chunk that malloc hands out
     # bigger (its slack would keep the address whole) is set aside and freed after.
-    def plant_chunks(p, size, offsets):
+    def plant_chunks(p, size, offsets, count):
+        # as many as the part makes: the fewer left over, the fewer that some later object
+        # of that size class takes (under malloc every Python object is a chunk too)
         hi = ((p - 16 + 0xffff) & ~0xffff) + 0x41
-        chunks = [libc.malloc(size) for _ in range(3000)]
+        chunks = [libc.malloc(size) for _ in range(count)]
         for c in chunks:
             for off in offsets:
                 ctypes.c_uint64.from_address(c + off).value = hi
@@ -505,7 +507,7 @@ def stale_parts(at):
     texts = kept[at] = array.array("Q", bytes(8 * 2001))
     at += 1
     aside = array.array("Q", bytes(8 * 2001))
-    plant_chunks(leak("text"), 18, [16])
+    plant_chunks(leak("text"), 18, [16], 2001)
     n = k = 0
     while n < 2001 and k < 2001:
         c = libc.malloc(18)
@@ -526,7 +528,7 @@ def stale_parts(at):
     # its array by realloc at each new name.
     for i in range(300):
         os.environ["MU_PLANT_%03d" % i] = "-" * 60
-    plant_chunks(leak("environ"), 49, [48])
+    plant_chunks(leak("environ"), 49, [48], 300)
     for i in range(300):
         os.environ["MU_PLANT_%03d" % i] = "abcdefghijklmnopqrstuvwxyz012345678"
     scrub_chunks()

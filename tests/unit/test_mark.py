@@ -590,11 +590,14 @@ def test_a_text_tail_is_no_reference_on_every_mark_path():
     # ending in text (S4 -> T5); and in block B0 the text ends at a 1 MiB piece boundary of
     # the uncopied region's candidates (B0 -> T4: text, whichever path reads it)
     # S5 = [2 and "vers", "ion\0" + high bytes] -> T6: a string starting mid-word is text too;
-    # S6 = [2 and "\0ers", the same tail] -> T7: 3 printable high bytes: a reference
+    # S6 = [2 and "\0ers", the same tail] -> T7: 3 printable high bytes: a reference;
+    # S7 = [text, "H\0" + high bytes] -> T8: 8-aligned (an object's address): a reference
     big, t = 2 << 20, 256 << 10
-    h = Heap([big, t, 32, t, 32, t, 32, t, 32, 32, t, 32, t, 32, t], base=UNCOPIED_BASE,
-             gap=8)
-    B0, T1, S0, T2, S1, T3, S2, T4, S3, S4, T5, S5, T6, S6, T7 = range(15)
+    h = Heap([big, t, 32, t, 32, t, 32, t, 32, 32, t, 32, t, 32, t, 32, t],
+             base=UNCOPIED_BASE, gap=8)
+    B0, T1, S0, T2, S1, T3, S2, T4, S3, S4, T5, S5, T6, S6, T7, S7, T8 = range(17)
+    h.point(S7, 0, TEXT)
+    h.point(S7, 1, _tail_into(h, T8) - ord("E") + ord("H"))
     h.point(S5, 0, 2 | int.from_bytes(b"vers", "little") << 32)
     h.point(S5, 1, _tail_into(h, T6))
     h.point(S6, 0, 2 | int.from_bytes(b"\0ers", "little") << 32)
@@ -610,10 +613,10 @@ def test_a_text_tail_is_no_reference_on_every_mark_path():
     h.point(B0, boundary // 8, _tail_into(h, T4))
     h.point(S3, 3, TEXT)
     h.point(S4, 0, _tail_into(h, T5))
-    roots = [(ROOT, words_buffer(*(h.addrs[i] for i in (B0, S0, S1, S2, S3, S4, S5, S6))))]
+    roots = [(ROOT, words_buffer(*(h.addrs[i] for i in (B0, S0, S1, S2, S3, S4, S5, S6, S7))))]
     for res in all_ways(h, roots):
-        assert list(res.marked) == [1, 0, 1, 1, 1, 1, 1, 0, 1, 1, 1, 1, 0, 1, 1]
+        assert list(res.marked) == [1, 0, 1, 1, 1, 1, 1, 0, 1, 1, 1, 1, 0, 1, 1, 1, 1]
     # the fold: a leaked block's text tail is no edge either (S0 and T1 stay two leaks)
     from memunreachable.folding import fold
-    by = {f.index: f for f in fold(h.image(), bytearray(15))}
+    by = {f.index: f for f in fold(h.image(), bytearray(17))}
     assert T1 in by and by[S0].referenced_count == 0
