@@ -17,6 +17,7 @@ import errno
 import time
 from array import array
 from dataclasses import dataclass
+from itertools import chain
 from typing import Optional, Sequence, Tuple
 
 from memunreachable._errors import MemoryUnreadable
@@ -51,11 +52,6 @@ class DeadWords:
                 or bool(self.dict_keys))
 
 
-def with_dead_words(dead: Optional["DeadWords"], words: Sequence[int]) -> Optional["DeadWords"]:
-    """dead with the 8-byte words at `words` added to its ranges (None stays None if none)."""
-    return with_dead_ranges(dead, [(w, w + 8) for w in words])
-
-
 def with_dead_ranges(dead: Optional["DeadWords"],
                      ranges: Sequence[Tuple[int, int]]) -> Optional["DeadWords"]:
     """dead with the 8-aligned (begin, end) `ranges` added (None stays None if none)."""
@@ -85,10 +81,7 @@ def merge_pairs(pairs: Sequence[Tuple[int, int]]) -> list:
 def dead_words(dead: "DeadWords", n: int):
     if not dead:
         return ffi.NULL, None
-    flat = array("Q")
-    for b, e in dead.ranges:
-        flat.append(b)
-        flat.append(e)
+    flat = array("Q", chain.from_iterable(dead.ranges))
     c = ffi.new("mu_dead *")
     keep = [c, flat]
     if flat:
@@ -97,7 +90,7 @@ def dead_words(dead: "DeadWords", n: int):
     c.nranges = len(dead.ranges)
     c.dict_keys = dead.dict_keys
     if dead.types:
-        tflat = array("Q", [w for pair in dead.types for w in pair])
+        tflat = array("Q", chain.from_iterable(dead.types))
         c.types = ffi.from_buffer("uint64_t[]", tflat)
         c.ntypes = len(dead.types)
         keep += [tflat, c.types]

@@ -37,7 +37,7 @@ from memunreachable.folding import FoldedLeak, fold, size_totals
 from memunreachable.freeze import frozen
 from memunreachable.glibc import linkmaps, locate
 from memunreachable.glibc.walker import HeapInconsistent, is_uncopied, walk_heap
-from memunreachable.mark import mark, with_dead_ranges, with_dead_words
+from memunreachable.mark import mark, with_dead_ranges
 from memunreachable.memory import (CopiedMemory, ProcessMemory, SnapshotPlan, capture, read_copies,
                                    mapped_file_size, plan_snapshot, unwritten_file_pages)
 from memunreachable.report import Leak, UnreachableMemoryInfo, group_leaks, members, sort_and_limit
@@ -473,11 +473,12 @@ def sweep(mem, maps, threads, pid: int, confirm: Optional[set] = None,
     # a leak, never invent one
     glibc_chunks = cps.stats.get("allocator") != "malloc_debug"
     # 4c. ld.so's l_gnu_chain_zero words: addresses computed below an object, not references
-    dead = with_dead_words(dead, linkmaps.of_process(mem, pid, maps))
-    # 4e. readline's keymap padding, its line buffer, terminfo's tables: stale bytes, text
+    chain_words = [(w, w + 8) for w in linkmaps.of_process(mem, pid, maps)]
+    # 4e. readline's keymap padding, its line buffer, terminfo's tables, the environment's
+    # strings: stale bytes, text
     libs = libstate.of_process(mem, maps, pid)
-    dead = with_dead_ranges(dead, libs.ranges + block_tails(image, libs.tails))
-    dead = with_dead_ranges(dead, dead_ranges)
+    dead = with_dead_ranges(dead, chain_words + libs.ranges + block_tails(image, libs.tails)
+                            + list(dead_ranges))
     t_walk = time.monotonic()
     # 4d. Tracking table (memunreachable run): never a root, it points at every block
     table = tracking.find_table(mem, maps)
