@@ -54,6 +54,7 @@ def get_unreachable_memory(limit: Optional[int] = 100, pid: Optional[int] = None
     if pid is not None and pid != os.getpid():
         from memunreachable.unreachable import check
         return check(pid, limit=limit, timeout=timeout, symbolize=symbolize, suppressions=rules)
+    _scrub_frames()         # the frames of the check below start clean
     return _check_self(limit, timeout, symbolize, rules)
 
 
@@ -369,6 +370,16 @@ def _idle_altstack() -> list:
 
 
 SCRUB_BYTES = 64 * 1024
+SCRUB_SLOTS = 1024
+
+
+# Calling _scrub_frames writes SCRUB_SLOTS NULLs where the next calls' frames will live
+# (CPython initializes a frame's locals; 3.11+ frames live in the thread's frame data stack):
+# a frame's stack slots are not written before use, and the check's own frames would
+# otherwise keep the stale pointers of the frames that ran there before (a test's own).
+# Its locals are only assigned in dead code: the compiler counts them, the body does nothing.
+exec("def _scrub_frames():\n    if False:\n        "
+     + " = ".join(f"v{i}" for i in range(SCRUB_SLOTS)) + " = None\n")
 READ_BYTES = 64 * 1024
 
 
