@@ -114,6 +114,25 @@ static int64_t region_from(const mu_region *r, uint64_t nr, uint64_t *cur, uint6
     return -1;
 }
 
+/* The GC object of allocation i (head_word[i] != 0: its address past the GC head) when its
+ * first `need` bytes lie inside the allocation and in one heap region (*cur: an ascending pass,
+ * region_from), its bytes at *o; 0 otherwise. */
+static uint64_t gc_object(const uint64_t *begin, const uint64_t *size, const uint8_t *head_word,
+                          const mu_region *heap, uint64_t nheap, uint64_t *cur, uint64_t i,
+                          uint64_t need, const uint8_t **o)
+{
+    if (!head_word[i])
+        return 0;
+    uint64_t obj = begin[i] + 8 * (uint64_t)(head_word[i] - 1) + 16;
+    if (obj + need > begin[i] + size[i])
+        return 0;
+    int64_t r = region_from(heap, nheap, cur, obj, need);
+    if (r < 0)
+        return 0;
+    *o = heap[r].data + (obj - heap[r].base);
+    return obj;
+}
+
 /* mu_field_blocks' test for object i (its object at obj): the block its field points at. */
 static int field_block(const uint64_t *begin, const uint64_t *size, uint64_t n,
                        const mu_region *heap, uint64_t nheap, uint64_t *cur, uint64_t i,
@@ -154,22 +173,17 @@ int64_t mu_gc_dead_ranges(const uint64_t *begin, const uint64_t *size, uint64_t 
     uint64_t found = 0, cur = 0;
     counts[0] = counts[1] = counts[2] = 0;
     for (uint64_t i = 0; i < n; i++) {
-        if (!head_word[i])
-            continue;
-        uint64_t obj = begin[i] + 8 * (uint64_t)(head_word[i] - 1) + 16;
-        if (obj + 16 > begin[i] + size[i])
-            continue;
-        int64_t r = region_from(heap, nheap, &cur, obj + 8, 8);
-        if (r < 0)
+        const uint8_t *o;
+        uint64_t obj = gc_object(begin, size, head_word, heap, nheap, &cur, i, 16, &o);
+        if (!obj)
             continue;
         uint64_t tp, k, pair[3][2];
-        memcpy(&tp, heap[r].data + (obj + 8 - heap[r].base), 8);
+        memcpy(&tp, o + 8, 8);
         int hit[3] = {0, 0, 0};
         if (list_type && tp == list_type) {         /* mu_list_slack */
-            int64_t q = obj + 40 <= begin[i] + size[i] ? region_from(heap, nheap, &cur, obj + 8, 32)
+            int64_t q = obj + 40 <= begin[i] + size[i] ? region_from(heap, nheap, &cur, obj, 40)
                                                        : -1;
             if (q >= 0) {
-                const uint8_t *o = heap[q].data + (obj - heap[q].base);
                 uint64_t n_size, item, alloc;
                 memcpy(&n_size, o + 16, 8);
                 memcpy(&item, o + 24, 8);
@@ -219,15 +233,10 @@ int64_t mu_gc_objects_of(const uint64_t *begin, const uint64_t *size, uint64_t n
         return -EINVAL;
     uint64_t found = 0, cur = 0;
     for (uint64_t i = 0; i < n && ntypes; i++) {
-        if (!head_word[i])
+        const uint8_t *o;
+        uint64_t obj = gc_object(begin, size, head_word, heap, nheap, &cur, i, flag_off + 8, &o);
+        if (!obj)
             continue;
-        uint64_t obj = begin[i] + 8 * (uint64_t)(head_word[i] - 1) + 16;
-        if (obj + flag_off + 8 > begin[i] + size[i])
-            continue;
-        int64_t r = region_from(heap, nheap, &cur, obj, flag_off + 8);
-        if (r < 0)
-            continue;
-        const uint8_t *o = heap[r].data + (obj - heap[r].base);
         uint64_t tp, flags;
         memcpy(&tp, o + 8, 8);
         memcpy(&flags, o + flag_off, 8);
@@ -274,15 +283,10 @@ int64_t mu_deque_dead_ranges(const uint64_t *begin, const uint64_t *size, uint64
     uint64_t found = 0, cur = 0, need = free_off ? free_off + 8 + 8 * MU_DEQUE_MAXFREE : 56;
     counts[0] = 0;
     for (uint64_t i = 0; i < n && ndeques; i++) {
-        if (!head_word[i])
+        const uint8_t *o;
+        uint64_t obj = gc_object(begin, size, head_word, heap, nheap, &cur, i, need, &o);
+        if (!obj)
             continue;
-        uint64_t obj = begin[i] + 8 * (uint64_t)(head_word[i] - 1) + 16;
-        if (obj + need > begin[i] + size[i])
-            continue;
-        int64_t r = region_from(heap, nheap, &cur, obj, need);
-        if (r < 0)
-            continue;
-        const uint8_t *o = heap[r].data + (obj - heap[r].base);
         uint64_t tp, lb, rb;
         int64_t len, li, ri;
         memcpy(&tp, o + 8, 8);
@@ -492,16 +496,13 @@ int64_t mu_gc_stale_parts(const uint64_t *begin, const uint64_t *size, uint64_t 
     uint64_t found = 0, cur = 0;
     counts[0] = counts[1] = counts[2] = counts[3] = counts[4] = counts[5] = 0;
     for (uint64_t i = 0; i < n; i++) {
-        if (!head_word[i])
+        const uint8_t *o;
+        uint64_t obj = gc_object(begin, size, head_word, heap, nheap, &cur, i, 16, &o);
+        if (!obj)
             continue;
-        uint64_t obj = begin[i] + 8 * (uint64_t)(head_word[i] - 1) + 16, end = begin[i] + size[i];
-        if (obj + 16 > end)
-            continue;
-        int64_t r = region_from(heap, nheap, &cur, obj + 8, 8);
-        if (r < 0)
-            continue;
-        uint64_t tp, word, pairs[12][2];
-        memcpy(&tp, heap[r].data + (obj + 8 - heap[r].base), 8);
+        uint64_t end = begin[i] + size[i], tp, word, pairs[12][2];
+        int64_t r;
+        memcpy(&tp, o + 8, 8);
         int np = 0, hit[6] = {0, 0, 0, 0, 0, 0};
         if (frame_type && tp == frame_type && obj + frame_blocks + MU_BLOCKSTACK <= end) {
             /* 3.8-3.10 frame objects: the ints and chars before the try-block stack (the
@@ -595,12 +596,12 @@ int64_t mu_gc_stale_parts(const uint64_t *begin, const uint64_t *size, uint64_t 
         uint64_t last = (str_utf8 > str_data ? str_utf8 : str_data) + 8;
         if ((tb & 8) && obj + last <= end
             && (r = region_from(heap, nheap, &cur, obj, last)) >= 0) {
-            const uint8_t *o = heap[r].data + (obj - heap[r].base);
+            const uint8_t *so = heap[r].data + (obj - heap[r].base);
             uint32_t state;
             uint64_t buf[2];
-            memcpy(&state, o + MU_STR_STATE, 4);
-            memcpy(&buf[0], o + str_data, 8);
-            memcpy(&buf[1], o + str_utf8, 8);
+            memcpy(&state, so + MU_STR_STATE, 4);
+            memcpy(&buf[0], so + str_data, 8);
+            memcpy(&buf[1], so + str_utf8, 8);
             for (int b = 0; b < 2 && !(state & MU_STR_COMPACT); b++) {
                 uint64_t k = buf[b] ? mu_find_sorted(begin, n, buf[b]) : n;
                 if (k == n || k == i || (b == 1 && buf[1] == buf[0]))
