@@ -121,10 +121,18 @@ def _on_stack(a: int, threads) -> str:
 
 
 def _in_file(a: int, maps) -> str:
-    """' (FILE+0xOFFSET)' when a lies in a file mapping: the offset in the file, for nm."""
+    """' (FILE+0xOFFSET)' when a lies in a file mapping: the offset in the file, for nm; for
+    the anonymous mapping right after a file's last mapping (its .bss), ' (FILE .bss +0xN)'."""
+    prev = None
     for m in maps:
-        if m.begin <= a < m.end and m.path and not m.path.startswith("["):
-            return f" ({m.path}+{a - m.begin + m.offset:#x})"
+        if m.begin <= a < m.end:
+            if m.path and not m.path.startswith("["):
+                return f" ({m.path}+{a - m.begin + m.offset:#x})"
+            if not m.path and prev is not None and prev.end == m.begin and prev.path \
+                    and not prev.path.startswith("["):
+                return f" ({prev.path} .bss +{a - m.begin:#x})"
+            return ""
+        prev = m
     return ""
 
 

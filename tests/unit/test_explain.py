@@ -81,3 +81,19 @@ def test_a_root_word_in_a_file_mapping_names_the_file_and_offset():
                     inode=7, path="/usr/lib/libx.so")]
     lines = explain(h.addrs[0], h.image(), roots, res.marked, (), [], maps=maps)
     assert lines[1].endswith(f"root words at {ROOT + 8:#x} (/usr/lib/libx.so+0x3008)")
+
+
+def test_a_root_word_is_named_by_its_file_or_the_bss_after_it():
+    from memunreachable._types import Mapping
+    from memunreachable.explain import _in_file
+    lib = "/usr/lib/libpython3.11.so.1.0"
+    maps = [Mapping(0x1000, 0x3000, "r--p", 0, "08:01", 7, lib),
+            Mapping(0x3000, 0x4000, "rw-p", 0x2000, "08:01", 7, lib),
+            Mapping(0x4000, 0x6000, "rw-p", 0, "00:00", 0, ""),       # its .bss
+            Mapping(0x7000, 0x8000, "rw-p", 0, "00:00", 0, ""),       # not adjacent: anonymous
+            Mapping(0x9000, 0xa000, "rw-p", 0, "00:00", 0, "[stack]")]
+    assert _in_file(0x3010, maps) == f" ({lib}+0x2010)"
+    assert _in_file(0x4ca0, maps) == f" ({lib} .bss +0xca0)"
+    assert _in_file(0x7010, maps) == ""
+    assert _in_file(0x9010, maps) == ""
+    assert _in_file(0xb000, maps) == ""
