@@ -23,7 +23,7 @@ import warnings
 import pytest
 
 from memunreachable._errors import MemunreachableError
-from memunreachable.noleaks import (LeakBaseline, _only, _render, _scrub_frames,
+from memunreachable.noleaks import (LeakBaseline, _only, _render, _scrub_frames, _scrub_stack,
                                     get_unreachable_memory, leak_baseline, start_helper)
 
 
@@ -202,6 +202,18 @@ def pytest_runtest_call(item):
     _scrub_frames()
     _after(item, base)
     return result
+
+
+# Runs right after the test's body (the last plain implementation; not after a test that
+# raised), from pluggy's own call frame, before the wrapper's generator is resumed: the C stack
+# and the frame data stack where the test's calls ran are zeroed, so the frames that resume the
+# wrapper and run the check start clean (a resumed generator's eval loop reuses the stack the
+# test's eval loop left, and leaves most of its spill slots unwritten).
+@pytest.hookimpl(trylast=True, specname="pytest_runtest_call")
+def pytest_runtest_call_scrub(item):
+    if _enabled(item):
+        _scrub_stack()
+        _scrub_frames()
 
 
 def _before(item):
