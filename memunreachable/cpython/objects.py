@@ -57,7 +57,16 @@ class ObjectReader:
         self._types: Dict[int, Optional[Tuple[str, int]]] = {}
         self._words: Dict[int, Optional[Tuple[int, int, int, int, int]]] = {}
         self._names: Dict[int, Optional[str]] = {}
+        self._keys: Dict[int, bytes] = {}
         self._view = getattr(mem, "view", None)     # memory.CopiedMemory: no copy made
+
+    # Returns the bytes of the type object at t from ob_type up to offset end (all of it but
+    # ob_refcnt: what stays the same while the type does), b"" when unreadable; one read each.
+    def type_key(self, t: int, end: int) -> bytes:
+        k = self._keys.get(t)
+        if k is None:
+            k = self._keys[t] = self._read(t + L.OB_TYPE, end - L.OB_TYPE) or b""
+        return k
 
     # Returns (ob_type, tp_name, tp_basicsize, tp_itemsize, tp_flags) of the object at t read
     # as a type object (one read of its first TP_FLAGS + 8 bytes), or None when unreadable.

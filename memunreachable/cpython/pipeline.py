@@ -463,14 +463,7 @@ _UNJUDGED = object()
 
 def _verdicts(reader, t: int) -> dict:
     """The remembered verdicts of type t (a dict to fill; one read of its words a check)."""
-    keys = reader.__dict__.setdefault("_verdict_keys", {})
-    k = keys.get(t)
-    if k is None:
-        try:
-            k = reader.mem.read(t + L.OB_TYPE, _TYPE_KEY - L.OB_TYPE)
-        except MemoryUnreadable:
-            k = b""
-        keys[t] = k
+    k = reader.type_key(t, _TYPE_KEY)
     entry = _VERDICTS.get(t)
     if entry is None or entry[0] != k:
         if len(_VERDICTS) >= 1 << 16:
@@ -581,6 +574,13 @@ def class_types(mem, maps, pid, cp: CPythonMap, types) -> List[Tuple[int, int]]:
     return [(t, code) for t, code in codes if code is not None]
 
 
+def _dealloc_in(reader, t: int, ranges) -> bool:
+    """Whether type t's tp_dealloc lies in one of ranges (the runtime's own mappings: a type of
+    the interpreter or of one of its built-in modules, not an extension's of the same name)."""
+    dealloc = reader._u64(t + L.TP_DEALLOC) or 0
+    return any(b <= dealloc < e for b, e in ranges)
+
+
 # {tp_name: tp_itemsize} of the var-sized types of the interpreter's built-in _sre module whose
 # items hold no references (a compiled pattern's code units, a match's group marks): only the
 # header up to tp_basicsize (which includes the first item) holds references.
@@ -603,8 +603,7 @@ def regex_types(mem, maps, cp: CPythonMap, types) -> List[Tuple[int, int]]:
         if w is None or w[3] not in (4, 8) or not 64 <= w[2] <= 256:
             continue
         ti = reader.type_info(t)
-        if ti is None or REGEX_TYPES.get(ti[0]) != w[3] \
-                or not any(b <= (reader._u64(t + L.TP_DEALLOC) or 0) < e for b, e in own):
+        if ti is None or REGEX_TYPES.get(ti[0]) != w[3] or not _dealloc_in(reader, t, own):
             continue
         off = reader.object_offset(t)
         if off is not None and off <= 48:
@@ -731,24 +730,31 @@ def _image_args(image: HeapImage) -> tuple:
     return args
 
 
-# Returns the [Range] pairs a native pass over the GC objects of image stores (mu_list_slack,
-# mu_field_blocks): call(args, out, cap) with args = (begins, sizes, n, regions, nregions,
-# head_word); [] on an error. as_pairs: (begin, end) tuples instead of Ranges.
-def _gc_object_ranges(image: HeapImage, head_word, call, as_pairs: bool = False) -> list:
-    n = len(image.begins)
-    if not n:
-        return []
+# Returns the words a native pass over the GC objects of image stores, `width` per item found:
+# call(args, out, cap) with args as for _gc_object_ranges returns how many items there are
+# (cap at most stored); a bigger buffer is tried when they did not fit. Empty on an error.
+def _gc_object_words(image: HeapImage, head_word, call, width: int) -> array:
+    if not len(image.begins):
+        return array("Q")
     args = _image_args(image) + (ffi.from_buffer("uint8_t[]", head_word),)
     cap = 4096
     while True:
-        out = array("Q", bytes(16 * cap))
+        out = array("Q", bytes(8 * width * cap))
         rc = call(args, ffi.from_buffer("uint64_t[]", out), cap)
         if rc <= cap:
             break
         cap = rc
     if rc < 0:
-        return []
-    del out[2 * rc:]
+        return array("Q")
+    del out[width * rc:]
+    return out
+
+
+# Returns the [Range] pairs a native pass over the GC objects of image stores (mu_list_slack,
+# mu_field_blocks): call(args, out, cap) with args = (begins, sizes, n, regions, nregions,
+# head_word); [] on an error. as_pairs: (begin, end) tuples instead of Ranges.
+def _gc_object_ranges(image: HeapImage, head_word, call, as_pairs: bool = False) -> list:
+    out = _gc_object_words(image, head_word, call, 2)
     pairs = list(zip(out[0::2], out[1::2]))
     return pairs if as_pairs else [Range(b, e) for b, e in pairs]
 
@@ -821,8 +827,7 @@ def deque_types(mem, maps, cp: CPythonMap, types) -> Tuple[List[int], int]:
         if w is None or w[2] != want or w[3]:
             continue
         ti = reader.type_info(t)
-        if ti is not None and ti[0] == "collections.deque" \
-                and any(b <= (reader._u64(t + L.TP_DEALLOC) or 0) < e for b, e in own):
+        if ti is not None and ti[0] == "collections.deque" and _dealloc_in(reader, t, own):
             roots.add(t)
     if not roots:
         return [], 0
@@ -907,20 +912,9 @@ def untracked_heap_types(image: HeapImage, head_word, metas: Sequence[int]) -> L
     if not metas:
         return []
     arr = array("Q", metas)
-    args = _image_args(image)
-    hw = ffi.from_buffer("uint8_t[]", head_word) if args[2] else ffi.NULL
-    call = lambda out, cap: lib.mu_gc_objects_of(   # noqa: E731
-        *args, hw, ffi.from_buffer("uint64_t[]", arr), len(arr), L.TP_FLAGS,
-        L.TPFLAGS_HEAPTYPE | L.TPFLAGS_HAVE_GC, L.TPFLAGS_HEAPTYPE, out, cap)
-    cap = 256
-    while True:
-        out = array("Q", bytes(8 * cap))
-        got = call(ffi.from_buffer("uint64_t[]", out), cap)
-        if got < 0:
-            return []
-        if got <= cap:
-            return list(out[:got])
-        cap = got
+    return list(_gc_object_words(image, head_word, lambda args, out, cap: lib.mu_gc_objects_of(
+        *args, ffi.from_buffer("uint64_t[]", arr), len(arr), L.TP_FLAGS,
+        L.TPFLAGS_HEAPTYPE | L.TPFLAGS_HAVE_GC, L.TPFLAGS_HEAPTYPE, out, cap), 1))
 
 
 # Returns [Range] of the blocks that field `field` of the GC objects of `types` (ascending)
