@@ -16,3 +16,21 @@ def test_with_dead_ranges_merges_into_the_mask():
     dead = with_dead_ranges(DeadWords(ranges=[(0x1000, 0x1010)]), [(0x1008, 0x1100), (0x3000, 0x3008)])
     assert list(dead.ranges) == [(0x1000, 0x1100), (0x3000, 0x3008)]
     assert with_dead_ranges(None, []) is None
+
+
+def test_helper_env_caches_bytecode_in_our_own_directory_when_writing_is_off(tmp_path):
+    from memunreachable.noleaks import helper_env
+    env = {"PYTHONDONTWRITEBYTECODE": "1", "XDG_CACHE_HOME": str(tmp_path), "PATH": "/bin"}
+    out = helper_env(env)
+    prefix = tmp_path / "memunreachable" / "pycache"
+    assert out == {"XDG_CACHE_HOME": str(tmp_path), "PATH": "/bin",
+                   "PYTHONPYCACHEPREFIX": str(prefix)}
+    assert prefix.is_dir()
+    assert env["PYTHONDONTWRITEBYTECODE"] == "1"        # the caller's environment is unchanged
+    # bytecode is written anyway, the user chose a prefix, or disk caches are off: ours
+    assert helper_env({"XDG_CACHE_HOME": str(tmp_path)}) is None
+    assert helper_env(dict(env, PYTHONPYCACHEPREFIX="/elsewhere")) is None
+    assert helper_env(dict(env, MEMUNREACHABLE_SYMCACHE_DIR="")) is None
+    # a cache directory that cannot be made: ours
+    (tmp_path / "file").write_text("")
+    assert helper_env(dict(env, XDG_CACHE_HOME=str(tmp_path / "file"))) is None
