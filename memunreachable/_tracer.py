@@ -1,16 +1,24 @@
 """_tracer.py: the helper process of in-process checks (python -m memunreachable._tracer).
 
 The caller (noleaks.py) starts us once, with a result fd and a control pipe on stdin, and
-keeps us for its lifetime (start-up and imports are paid once, not per check). For every line
-"go LIMIT TIMEOUT [SYMBOLIZE SUPPRESSIONS [DEAD]]" (SYMBOLIZE 0/1; SUPPRESSIONS the hex of an
-LSan suppressions text, "-" for none; DEAD "BEGIN-END,..." in hex: ranges of the caller that hold
-no references, its idle alternate signal stack; sent after the caller's prctl(PR_SET_PTRACER,
-our pid)) we run the
-ordinary check pipeline against the caller (freeze, clone snapshot, thaw, sweep, reap) and
-write one framed message back: u64 little-endian length, then the pickled
-("ok", UnreachableMemoryInfo) or ("error", MemunreachableError). End of stdin (the caller
-exited or closed us) ends us. The caller sits in a blocking read on the result fd meanwhile,
-so it holds no GIL and no allocator lock while its threads are frozen.
+keeps us for its lifetime (start-up and imports are paid once, not per check). Requests, one
+line each, sent after the caller's prctl(PR_SET_PTRACER, our pid); each gets one framed reply:
+u64 little-endian length, then the pickled ("ok", VALUE) or ("error", MemunreachableError).
+    go LIMIT TIMEOUT [SYMBOLIZE SUPPRESSIONS [DEAD]]
+        the ordinary check pipeline against the caller (freeze, clone snapshot, thaw, sweep,
+        reap); VALUE the UnreachableMemoryInfo. SYMBOLIZE 0/1; SUPPRESSIONS the hex of an LSan
+        suppressions text, "-" for none; DEAD "BEGIN-END,..." in hex: ranges of the caller that
+        hold no references (its idle alternate signal stack).
+    snap TIMEOUT DEAD
+        a snapshot now, its sweep left for later (unreachable.check_later): VALUE "later"; or,
+        when the snapshot could need a retake, a full check's UnreachableMemoryInfo.
+    base LIMIT SYMBOLIZE SUPPRESSIONS
+        the sweep of the waiting snapshot (unreachable.sweep_pending), then its release.
+    drop
+        release the waiting snapshot, if any (VALUE None). A "snap" drops the one before.
+The caller waits for each reply (a blocking read on the result fd: it holds no GIL and no
+allocator lock while its threads are frozen), so at most one request is ever buffered here.
+End of stdin (the caller exited or closed us) ends us, releasing a waiting snapshot.
 """
 from __future__ import annotations
 
@@ -30,21 +38,102 @@ def main(argv=None) -> int:
     _keep_freed_memory()
     from memunreachable.mark import use_every_cpu
     use_every_cpu()             # the caller waits idle while we sweep: its CPU is free
-    _warm(args.pid)
-    for line in sys.stdin.buffer:
-        words = line.split()
-        if len(words) not in (3, 5, 6) or words[0] != b"go":
-            return 2
+    warm = _Warmer(args.pid)
+    pending = _Pending()
+    try:
+        warm.when_idle()
+        for line in sys.stdin.buffer:
+            reply = _serve(args.pid, line.split(), pending)
+            if reply is None:
+                return 2
+            data = pickle.dumps(reply)
+            view = memoryview(struct.pack("<Q", len(data)) + data)
+            while view:
+                view = view[os.write(args.fd, view):]
+            warm.when_idle()
+    finally:
+        pending.drop()
+    os.close(args.fd)
+    return 0
+
+
+def _serve(pid: int, words: list, pending: "_Pending"):
+    """The reply to one request line (module docstring), or None for a malformed one."""
+    if words[:1] == [b"go"] and len(words) in (3, 5, 6):
         limit, timeout = int(words[1]), float(words[2])
         symbolize, supp = (words[3] != b"0", words[4]) if len(words) >= 5 else (True, b"-")
         dead = parse_ranges(words[5].decode()) if len(words) == 6 else []
-        data = pickle.dumps(_one_check(args.pid, None if limit < 0 else limit, timeout,
-                                       symbolize, supp, dead))
-        view = memoryview(struct.pack("<Q", len(data)) + data)
-        while view:
-            view = view[os.write(args.fd, view):]
-    os.close(args.fd)
-    return 0
+        return _one_check(pid, None if limit < 0 else limit, timeout, symbolize, supp, dead)
+    if words[:1] == [b"snap"] and len(words) == 3:
+        pending.drop()
+        return _guarded(lambda: pending.take(pid, float(words[1]), parse_ranges(words[2].decode())))
+    if words[:1] == [b"base"] and len(words) == 4:
+        limit = int(words[1])
+        return _guarded(lambda: pending.sweep(None if limit < 0 else limit, words[2] != b"0",
+                                              _rules(words[3])))
+    if words == [b"drop"]:
+        return _guarded(pending.drop)
+    return None
+
+
+class _Pending:
+    """The snapshot of a "snap" request, until its "base" or "drop" (at most one)."""
+
+    def __init__(self) -> None:
+        self.pending = None
+
+    def take(self, pid: int, timeout: float, dead) -> object:
+        """"later" when the snapshot waits for a sweep; else the result of a full check (the
+        snapshot could need a retake: unreachable.check_later)."""
+        from memunreachable.unreachable import check, check_later
+        self.pending = check_later(pid, timeout=timeout, dead_ranges=dead)
+        if self.pending is not None:
+            return "later"
+        return check(pid, limit=None, timeout=timeout, symbolize=False, sweep_here=True,
+                     dead_ranges=dead)
+
+    def sweep(self, limit, symbolize: bool, rules):
+        from memunreachable._errors import CollectionError
+        from memunreachable.unreachable import sweep_pending
+        pending, self.pending = self.pending, None
+        if pending is None:
+            raise CollectionError("no snapshot is waiting for a sweep")
+        return sweep_pending(pending, limit=limit, symbolize=symbolize, suppressions=rules)
+
+    def drop(self) -> None:
+        pending, self.pending = self.pending, None
+        if pending is not None:
+            pending.release()
+
+
+class _Warmer:
+    """Fills the caches (_warm) once, when no request waits: a first request is served at
+    once (a "snap" needs none of them), the warming then overlaps with the caller's work."""
+
+    def __init__(self, pid: int) -> None:
+        self.pid, self.done = pid, False
+
+    def when_idle(self) -> None:
+        import select
+        if not self.done and not select.select([sys.stdin.buffer], [], [], 0)[0]:
+            self.done = True
+            _warm(self.pid)
+
+
+def _rules(supp: bytes):
+    from memunreachable.suppressions import parse
+    return parse(bytes.fromhex(supp.decode()).decode()) if supp != b"-" else None
+
+
+def _guarded(fn) -> tuple:
+    """("ok", fn()) or ("error", MemunreachableError): every failure goes back to the caller."""
+    try:
+        return ("ok", fn())
+    except BaseException as exc:  # noqa: BLE001
+        from memunreachable._errors import MemunreachableError, SweepError
+        if not isinstance(exc, MemunreachableError):
+            exc = SweepError(f"in-process check failed: {type(exc).__name__}: {exc}")
+        return ("error", exc)
 
 
 def _run(argv=None) -> None:
@@ -116,19 +205,11 @@ def parse_ranges(text: str) -> list:
 
 def _one_check(pid: int, limit, timeout: float, symbolize: bool = True,
                supp: bytes = b"-", dead=()) -> tuple:
-    try:
-        from memunreachable.suppressions import parse
-        from memunreachable.unreachable import check
-        rules = parse(bytes.fromhex(supp.decode()).decode()) if supp != b"-" else None
-        # the sweep runs here, not in a forked sweeper: this helper is disposable (the caller
-        # restarts one that died), and a fork costs an idle pytest process's check ~20 ms
-        return ("ok", check(pid, limit=limit, timeout=timeout, symbolize=symbolize,
-                            suppressions=rules, sweep_here=True, dead_ranges=dead))
-    except BaseException as exc:  # noqa: BLE001 - every failure goes back to the caller
-        from memunreachable._errors import MemunreachableError, SweepError
-        if not isinstance(exc, MemunreachableError):
-            exc = SweepError(f"in-process check failed: {type(exc).__name__}: {exc}")
-        return ("error", exc)
+    from memunreachable.unreachable import check
+    # the sweep runs here, not in a forked sweeper: this helper is disposable (the caller
+    # restarts one that died), and a fork costs an idle pytest process's check ~20 ms
+    return _guarded(lambda: check(pid, limit=limit, timeout=timeout, symbolize=symbolize,
+                                  suppressions=_rules(supp), sweep_here=True, dead_ranges=dead))
 
 
 if __name__ == "__main__":

@@ -33,6 +33,7 @@ import json
 import logging
 import os
 import stat as stat_mod
+import threading
 import time
 from contextlib import contextmanager
 from typing import Dict, Iterator, List, Optional, Tuple
@@ -210,6 +211,7 @@ class Session:
         self.own: List[Clone] = []                  # clones of this check not reaped yet
         self.injecting: Optional[Tuple[int, int]] = None
         self.snapshots: list = []                   # live Snapshot objects (release() on exit)
+        self.thread = threading.get_ident()         # the thread whose guard opened it
         self.size = 0
         self.write()
 
@@ -329,13 +331,20 @@ def _open(pid: int, lock_wait: float) -> Optional[Session]:
         raise
 
 
-# Runs the body as one check of pid (lock_wait None: LOCK_WAIT): signals handled for its whole duration, the per-target
-# lock held, every snapshot registered by note_clone() released on every exit path. Yields
+# Runs the body as one check of pid (lock_wait None: LOCK_WAIT): signals handled for its whole
+# duration, the per-target lock held, every snapshot registered by note_clone() released on
+# every exit path (by the outermost guard of pid, when nested in this process). Yields
 # the Session (None: no such process, or no usable RUN_DIR). Raises CollectionError when
 # another check of pid held the lock for lock_wait seconds, FreezeInterrupted on a signal.
 @contextmanager
 def guard(pid: int, lock_wait: Optional[float] = None) -> Iterator[Optional[Session]]:
     with interruptible():
+        outer = _SESSIONS.get(pid)
+        if outer is not None and outer.thread == threading.get_ident():
+            # nested in an open guard of this thread (a check while a snapshot of
+            # unreachable.check_later waits): its lock and record serve, the outer one closes
+            yield outer
+            return
         sess = _open(pid, LOCK_WAIT if lock_wait is None else lock_wait)
         if sess is None:
             yield None

@@ -26,10 +26,12 @@ import subprocess
 import sys
 import threading
 import time
-from typing import Iterator, Optional
+from typing import TYPE_CHECKING, Iterator, Optional
 
 from memunreachable._errors import LeaksDetected, SweepError
-from memunreachable.report import UnreachableMemoryInfo
+
+if TYPE_CHECKING:       # imported when a result is unpickled: after the helper started
+    from memunreachable.report import UnreachableMemoryInfo
 
 log = logging.getLogger("memunreachable")
 
@@ -234,6 +236,9 @@ class _Helper:
         except BaseException:
             self.close()
             raise
+        # the replies' classes, imported while the helper starts (before its first check:
+        # an import's cyclic garbage is then seen by that check, not by a later one)
+        from memunreachable import report  # noqa: F401
 
     def alive(self) -> bool:
         return self.proc.poll() is None and self.owner == os.getpid()
@@ -244,18 +249,22 @@ class _Helper:
             rules=(), collect: bool = True) -> bytes:
         if collect:     # unreachable reference cycles are not leaks: the cyclic GC frees them
             gc.collect()
+        from memunreachable._tracer import format_ranges
+        supp = "\n".join(f"leak:{r.template}" for r in rules).encode().hex() or "-"
+        return self.request(lambda: f"go {-1 if limit is None else limit} {timeout} "
+                                    f"{int(symbolize)} {supp} {format_ranges(_idle_altstack())}")
+
+    # Returns the pickled reply to one request line (_tracer.py), made by line() once the stack
+    # is scrubbed; raises SweepError as run() does.
+    def request(self, line) -> bytes:
         # Dead frames of functions that returned (a C extension's malloc'ing call, say) may
         # still hold pointers exactly where our wait's frames will live: zero them first,
         # before the helper may freeze us.
         _scrub_stack()
         try:
-            supp = "\n".join(f"leak:{r.template}" for r in rules).encode().hex() or "-"
-            from memunreachable._tracer import format_ranges
-            line = memoryview(f"go {-1 if limit is None else limit} {timeout} "
-                              f"{int(symbolize)} {supp} {format_ranges(_idle_altstack())}\n"
-                              .encode())
-            while line:                         # unbuffered: a long line may go in parts
-                line = line[self.proc.stdin.write(line):]
+            data = memoryview((line() + "\n").encode())
+            while data:                         # unbuffered: a long line may go in parts
+                data = data[self.proc.stdin.write(data):]
             head = _read_exactly(self.rfd, 8, HELPER_TIMEOUT)
             data = _read_exactly(self.rfd, struct.unpack("<Q", head)[0], HELPER_TIMEOUT)
         except (OSError, EOFError, SweepError) as exc:
@@ -330,18 +339,23 @@ def start_helper() -> None:
 
 def _check_self(limit: Optional[int], timeout: float, symbolize: bool = True,
                 rules=()) -> UnreachableMemoryInfo:
-    global _CONFIRMED
     with _HELPER_LOCK:
-        # A full gc.collect() costs 5-15 ms in a test process (more with more objects) and has
-        # nothing to free after most tests: check first, and collect and check again only when
-        # the check found what a collection may change (cyclic garbage, or a leak no collected
-        # check reported before). When it found nothing new, collecting first could not have
-        # changed the verdict: the cyclic GC only frees garbage.
-        info = _ask_helper(limit, timeout, symbolize, rules, collect=False)
-        if info.num_cyclic_garbage or info.truncated or _CONFIRMED.new_leaks(info):
-            info = _ask_helper(limit, timeout, symbolize, rules, collect=True)
-            if not info.truncated:
-                _CONFIRMED = LeakBaseline(l.address for l in info.leaks)
+        return _collected(_ask_helper(limit, timeout, symbolize, rules, collect=False),
+                          limit, timeout, symbolize, rules)
+
+
+# Returns info, or the result of a check that ran gc.collect() first when info may differ from
+# it. A full gc.collect() costs 5-15 ms in a test process (more with more objects) and has
+# nothing to free after most tests: check first, and collect and check again only when the
+# check found what a collection may change (cyclic garbage, or a leak no collected check
+# reported before). When it found nothing new, collecting first could not have changed the
+# verdict: the cyclic GC only frees garbage. Caller holds _HELPER_LOCK.
+def _collected(info, limit: Optional[int], timeout: float, symbolize: bool, rules):
+    global _CONFIRMED
+    if info.num_cyclic_garbage or info.truncated or _CONFIRMED.new_leaks(info):
+        info = _ask_helper(limit, timeout, symbolize, rules, collect=True)
+        if not info.truncated:
+            _CONFIRMED = LeakBaseline(l.address for l in info.leaks)
     return info
 
 
@@ -349,21 +363,84 @@ def _check_self(limit: Optional[int], timeout: float, symbolize: bool = True,
 # what the check raised. Caller holds _HELPER_LOCK.
 def _ask_helper(limit: Optional[int], timeout: float, symbolize: bool, rules,
                 collect: bool) -> UnreachableMemoryInfo:
+    return _reply(lambda h: h.run(limit, timeout, symbolize, rules, collect))
+
+
+# Returns the VALUE of the helper's ("ok", VALUE) reply to ask(helper) (a new helper is tried
+# once when one died); raises the error of an ("error", ...) reply. Caller holds _HELPER_LOCK.
+def _reply(ask, retry: bool = True):
     global _HELPER
     for attempt in (1, 2):
-        _ensure_helper()
+        helper = _ensure_helper()
         try:
-            data = _HELPER.run(limit, timeout, symbolize, rules, collect)
+            data = ask(helper)
             break
         except SweepError:
             _HELPER = None
-            if attempt == 2:
+            if attempt == 2 or not retry:
                 raise
     kind, payload = pickle.loads(data)
     del data
     if kind == "error":
         raise payload
     return payload
+
+
+class DeferredBaseline:
+    """A leak_baseline() whose sweep waits in the helper until it is needed (deferred_baseline):
+    resolve() sweeps it (or returns the baseline a full check gave at once), drop() forgets it.
+    A check after it that finds no leak outside the session's known ones never needs it, and
+    the test costs one sweep instead of two. Only one waits at a time: a newer one, or the
+    helper's restart, makes resolve() raise."""
+
+    def __init__(self, helper, rules, resolved: Optional[LeakBaseline] = None) -> None:
+        self._helper, self._rules, self._resolved = helper, rules, resolved
+
+    @property
+    def waiting(self) -> bool:
+        return self._resolved is None and self._helper is not None
+
+    def resolve(self) -> LeakBaseline:
+        if self._resolved is None:
+            if self._helper is None:
+                raise SweepError("this baseline was dropped", hint="take a new one")
+            rules, helper, self._helper = self._rules, self._helper, None
+            supp = "\n".join(f"leak:{r.template}" for r in rules).encode().hex() or "-"
+            with _HELPER_LOCK:
+                if helper is not _HELPER or not helper.alive():
+                    raise SweepError("the helper process that held this baseline's snapshot "
+                                     "was replaced", hint="take a new baseline")
+                info = _reply(lambda h: h.request(lambda: f"base -1 {int(bool(rules))} {supp}"),
+                              retry=False)
+            self._resolved = LeakBaseline(l.address for l in info.leaks)
+        return self._resolved
+
+    def drop(self) -> None:
+        """Release the waiting snapshot (a no-op when there is none)."""
+        helper, self._helper = self._helper, None
+        if helper is None or self._resolved is not None:
+            return
+        with _HELPER_LOCK:
+            if helper is _HELPER and helper.alive():
+                _reply(lambda h: h.request(lambda: "drop"), retry=False)
+
+
+def deferred_baseline(suppressions=None, timeout: float = 2.0) -> DeferredBaseline:
+    """leak_baseline(), with its sweep deferred: the snapshot is taken now (the same pause) and
+    swept only if resolve() is called. When the snapshot could need a retake (a thread inside
+    malloc/free, memory a snapshot lacks) the helper checks at once instead. Raises
+    MemunreachableError when the snapshot cannot be taken."""
+    from memunreachable._tracer import format_ranges
+    from memunreachable.suppressions import as_rules
+    rules = as_rules(suppressions)
+    _scrub_frames()         # the frames of the check below start clean
+    with _HELPER_LOCK:
+        value = _reply(lambda h: h.request(lambda: f"snap {timeout} "
+                                                   f"{format_ranges(_idle_altstack())}"))
+        if value == "later":
+            return DeferredBaseline(_HELPER, rules)
+        info = _collected(value, None, timeout, bool(rules), rules)
+    return DeferredBaseline(None, rules, LeakBaseline(l.address for l in info.leaks))
 
 
 SS_ONSTACK, SS_DISABLE = 1, 2

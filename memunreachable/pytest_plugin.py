@@ -23,8 +23,13 @@ import warnings
 import pytest
 
 from memunreachable._errors import MemunreachableError
-from memunreachable.noleaks import (LeakBaseline, _only, _render, _scrub_frames, _scrub_stack,
-                                    get_unreachable_memory, leak_baseline, start_helper)
+
+
+def _nl():
+    """memunreachable.noleaks, imported on first use: a pytest run that checks nothing does not
+    pay its imports (14 ms here without .pyc files), and one that does starts the helper first."""
+    from memunreachable import noleaks
+    return noleaks
 
 
 def pytest_addoption(parser):
@@ -53,7 +58,6 @@ _RULES = pytest.StashKey[list]()
 def _load_rules(config) -> list:
     """The suppression rules of the option or the ini ([] for none); UsageError when bad."""
     import os
-    from memunreachable.suppressions import load
     path = config.getoption("--memunreachable-suppressions")
     if not path:
         path = config.getini("memunreachable_suppressions")
@@ -62,6 +66,7 @@ def _load_rules(config) -> list:
             path = os.path.join(str(base), path)
     if not path:
         return []
+    from memunreachable.suppressions import load
     try:
         return load(path)
     except MemunreachableError as exc:
@@ -92,7 +97,7 @@ def _start_helper_early(config, option) -> None:
     check. A failure here is reported by the checks."""
     if _checks_every_test_here(config, option):
         with contextlib.suppress(MemunreachableError, OSError):
-            start_helper()
+            _nl().start_helper()
 
 
 @pytest.hookimpl(tryfirst=True)
@@ -135,7 +140,7 @@ def _enabled(item) -> bool:
 _CANNOT = pytest.StashKey[MemunreachableError]()
 _AFTER = pytest.StashKey[tuple]()       # (item, LeakBaseline) of the last check after a test body
 _PREVIOUS = pytest.StashKey[object]()   # the item whose protocol ran last
-_SEEN = pytest.StashKey[LeakBaseline]()  # every leak any check of this session reported
+_SEEN = pytest.StashKey[object]()       # LeakBaseline: every leak a check of the session reported
 
 
 def _reason(exc: MemunreachableError) -> str:
@@ -197,9 +202,13 @@ def pytest_runtest_call(item):
     if not _enabled(item):
         return (yield)
     base = _before(item)
-    # a test that fails on its own raises here: its outcome stands, no leak report on top
-    result = yield
-    _scrub_frames()
+    try:
+        result = yield
+    except BaseException:
+        # a test that fails on its own: its outcome stands, no leak report on top
+        _drop(base)
+        raise
+    _nl()._scrub_frames()
     _after(item, base)
     return result
 
@@ -212,22 +221,33 @@ def pytest_runtest_call(item):
 @pytest.hookimpl(trylast=True, specname="pytest_runtest_call")
 def pytest_runtest_call_scrub(item):
     if _enabled(item):
-        _scrub_stack()
-        _scrub_frames()
+        nl = _nl()
+        nl._scrub_stack()
+        nl._scrub_frames()
 
 
 def _before(item):
-    """The baseline of item's test (None when it cannot be taken: the reason is kept)."""
+    """The baseline of item's test: the previous test's check (a LeakBaseline), else a
+    DeferredBaseline, swept only if the check after the test finds a leak the session has not
+    seen; None when it cannot be taken (the reason is kept)."""
     base = _chained_baseline(item)
     item.config.stash[_AFTER] = None        # this test's body runs: any older check is stale
     if base is None:
         try:
-            base = leak_baseline(_rules(item.config))
+            base = _nl().deferred_baseline(_rules(item.config))
+            if not base.waiting:            # the helper checked at once: known now
+                base = base.resolve()
+                _remember(item.config, base)
         except MemunreachableError as exc:
             item.stash[_CANNOT] = exc       # reported at teardown; the test body runs regardless
-        else:
-            _remember(item.config, base)
     return base
+
+
+def _drop(base) -> None:
+    """Release base's waiting snapshot, if any (a failure only loses a snapshot)."""
+    if base is not None and getattr(base, "waiting", False):
+        with contextlib.suppress(MemunreachableError):
+            base.drop()
 
 
 def _after(item, base) -> None:
@@ -235,28 +255,41 @@ def _after(item, base) -> None:
     if base is None:
         return
     try:
-        info = get_unreachable_memory(limit=None, suppressions=_rules(item.config))
+        info = _nl().get_unreachable_memory(limit=None, suppressions=_rules(item.config))
     except MemunreachableError as exc:
         item.stash[_CANNOT] = exc
+        _drop(base)
         return
-    after = LeakBaseline(l.address for l in info.leaks)
+    after = _nl().LeakBaseline(l.address for l in info.leaks)
     item.config.stash[_AFTER] = (item, after)
     # New leaks are those no earlier check of the session reported (the baseline is one of
     # them): a leak a check in between saw reachable, through a stale copy of its address
     # overwritten since, is not this test's, and the clean test after it would fail
     new = _seen(item.config).new_leaks(info)
+    if new and getattr(base, "waiting", False):
+        try:
+            _remember(item.config, base.resolve())
+        except MemunreachableError as exc:
+            item.stash[_CANNOT] = type(exc)(
+                f"{len(new)} block(s) unreachable after the test could not be told apart from "
+                f"those before it: its baseline could not be swept ({exc})", hint=exc.hint)
+            _remember(item.config, after)
+            return
+        new = _seen(item.config).new_leaks(info)
+    _drop(base)
     _remember(item.config, after)
     if new:
-        new_info = _only(info, new)
+        new_info = _nl()._only(info, new)
         pytest.fail(f"{new_info.num_leaks} native heap block(s) became unreachable during the "
-                    f"test ({new_info.leak_bytes} bytes):\n{_render(new_info, True)}", pytrace=False)
+                    f"test ({new_info.leak_bytes} bytes):\n{_nl()._render(new_info, True)}",
+                    pytrace=False)
 
 
-def _seen(config) -> LeakBaseline:
-    return config.stash.get(_SEEN, LeakBaseline(()))
+def _seen(config):
+    return config.stash.get(_SEEN, None) or _nl().LeakBaseline(())
 
 
-def _remember(config, leaks: LeakBaseline) -> None:
+def _remember(config, leaks) -> None:
     config.stash[_SEEN] = _seen(config) | leaks
 
 
@@ -282,14 +315,14 @@ class _Checker:
         self.baseline = None
         self.rules = list(rules)
         try:
-            self.baseline = leak_baseline(self.rules)
+            self.baseline = _nl().leak_baseline(self.rules)
         except MemunreachableError as exc:
             self.error = exc
 
     def _info(self):
         if self.error is not None:
             raise self.error
-        return get_unreachable_memory(limit=None, suppressions=self.rules)
+        return _nl().get_unreachable_memory(limit=None, suppressions=self.rules)
 
     def new_leaks(self):
         info = self._info()             # raises the reason when the baseline could not be taken
@@ -300,8 +333,8 @@ class _Checker:
         info = self._info()
         new = self.baseline.new_leaks(info)
         if new:
-            new_info = _only(info, new)
-            raise LeaksDetected(new_info, _render(new_info, True))
+            new_info = _nl()._only(info, new)
+            raise LeaksDetected(new_info, _nl()._render(new_info, True))
 
 
 @pytest.fixture

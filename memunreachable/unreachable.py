@@ -114,6 +114,121 @@ def check(pid: int, *, limit: Optional[int] = 100, timeout: float = 2.0,
     return info
 
 
+class Pending:
+    """A snapshot taken now, swept later or never (check_later, sweep_pending): the baseline
+    of an in-process check whose sweep is only needed when the check after it finds a leak.
+    The target runs meanwhile; the snapshot process (a copy-on-write clone, stopped) and the
+    per-target lock are held until release()."""
+
+    def __init__(self, info: UnreachableMemoryInfo, fz, snap, plan: SnapshotPlan,
+                 dead_ranges, guard) -> None:
+        self.info, self.fz, self.snap, self.plan = info, fz, snap, plan
+        self.dead_ranges, self._guard = tuple(dead_ranges), guard
+
+    def release(self) -> None:
+        """Kill and reap the snapshot process, drop the lock. Idempotent."""
+        guard, self._guard = self._guard, None
+        if guard is not None:
+            try:
+                self.snap.release()
+                self.info.pause_ms += self.snap.reap_pause_ms
+            finally:
+                guard.close()
+
+
+def check_later(pid: int, *, timeout: float = 2.0, allow_seccomp: bool = False,
+                dead_ranges: Sequence[Tuple[int, int]] = ()) -> Optional[Pending]:
+    """Steps 1-3 now (the pause is the same as check()'s), the sweep left to sweep_pending().
+    None when this snapshot could need a retake or a confirmation that a later sweep could not
+    take (no clone, a thread that may be inside malloc/free, memory the snapshot lacks): the
+    caller runs check() instead. Raises what check() raises for steps 1-3."""
+    import contextlib
+    target = preflight_stage.preflight(pid)
+    info = UnreachableMemoryInfo(pid=pid, comm=target.name)
+    info.warnings.extend(target.warnings)
+    guard = contextlib.ExitStack()
+    guard.enter_context(leftovers.guard(pid))
+    pending = None
+    try:
+        pending = _take_pending(pid, info, guard, timeout, allow_seccomp, dead_ranges)
+    except CollectionError as exc:
+        if not getattr(exc, "snapshot_lost", False):
+            raise
+    finally:
+        if pending is None:
+            guard.close()
+    return pending
+
+
+def _take_pending(pid: int, info: UnreachableMemoryInfo, guard, timeout: float,
+                  allow_seccomp: bool, dead_ranges) -> Optional[Pending]:
+    prepare_snapshot(pid, timeout)
+    with frozen(pid, timeout=timeout) as fz:
+        snap = take_snapshot(fz, allow_seccomp=allow_seccomp)
+        keep = False
+        try:
+            # any futex in the allocator's code counts: the arenas are not known yet
+            if snap.mode != "clone" or threads_in_allocator(fz.threads, fz.maps, pid, None):
+                return None
+            fz.thaw()
+            info.modules = tracking.modules(fz.maps)
+            try:
+                plan, unseen = _plan_reads(fz, snap, [], _Attempts(), info)
+            except _Retake:
+                return None
+            if unseen or plan.missing:
+                return None
+            keep = True
+        finally:
+            if not keep:            # reaped while still frozen when it can be
+                snap.release()
+    info.pause_ms += fz.pause_ms
+    info.snapshot_mode, info.threads = snap.mode, len(fz.threads)
+    return Pending(info, fz, snap, plan, dead_ranges, guard)
+
+
+def sweep_pending(pending: Pending, *, limit: Optional[int] = 100, symbolize: bool = True,
+                  suppressions=None) -> UnreachableMemoryInfo:
+    """Steps 4-10 of check() over a check_later() snapshot, then its release. No retake is
+    possible: a snapshot process that died or a heap caught mid-update (no thread was inside
+    the allocator when it was taken: a corrupt heap, or a writer behind malloc's back) raise
+    CollectionError or HeapWalkError. A block in flight in malloc/free cannot be confirmed
+    either: it counts as unreachable (a baseline then errs toward more leaks, never fewer)."""
+    started = time.monotonic()
+    rules = _rules(suppressions)
+    info, fz, snap = pending.info, pending.fz, pending.snap
+    try:
+        result = _sweep_pending(pending)
+    except _Retake as r:
+        raise CollectionError(f"the snapshot of process {fz.pid} could not be swept "
+                              f"({r.reason}); nothing was reported", hint="try again") from None
+    finally:
+        pending.release()
+    info.snapshot_ms += snap.lifetime_ms
+    info.warnings.extend(w for w in snap.warnings if w not in info.warnings)
+    leaks = _fill(info, result, limit)
+    _symbolize_and_group(info, leaks, limit, symbolize, rules)
+    info.duration_ms = (time.monotonic() - started) * 1000.0
+    return info
+
+
+def _sweep_pending(pending: Pending) -> SweepResult:
+    fz, snap = pending.fz, pending.snap
+    if not _alive(snap.pid):
+        raise _Retake("died", "the snapshot process died before its sweep")
+    try:
+        return _sweep_snapshot(snap, fz, _Attempts(), 600.0, None, [], pending.plan, [], True,
+                               pending.dead_ranges)
+    except HeapInconsistent as exc:
+        raise HeapWalkError(f"the heap of process {fz.pid} was inconsistent in a snapshot taken "
+                            f"with no thread inside malloc/free ({exc}); nothing was reported",
+                            hint="the heap may be corrupt; run the program under valgrind or "
+                                 "with MALLOC_CHECK_=3") from None
+    except MemoryUnreadable as exc:
+        _judge_unreadable(fz.pid, fz, snap, _Attempts(), exc)
+        raise
+
+
 class _Retake(Exception):
     """This snapshot cannot give a valid result, a fresh one may: kind says why."""
 
@@ -315,18 +430,19 @@ def threads_in_allocator(threads, maps, pid: int, arena_mutexes) -> list:
     """tids that may hold a chunk in flight: stopped inside the code of the object that holds
     malloc (libc, or a static executable) while running user code, or in a syscall malloc
     makes, or waiting on an arena's mutex (futex on the arena's first word); [] when none.
-    A thread parked in any other futex (condition variables, barriers) is not suspect."""
+    A thread parked in any other futex (condition variables, barriers) is not suspect;
+    arena_mutexes None (not known yet): any futex in that code counts."""
     scan = detect.scan_maps(maps, pid)
     text = [m.range for m in maps if m.executable and scan.malloc_object
             and detect.strip_deleted(m.path) == scan.malloc_object]
-    mutexes = set(arena_mutexes)
+    mutexes = set(arena_mutexes or ())
     out = []
     for t in threads:
         rip, orig_rax, rdi = t.regs[16], t.regs[15], t.regs[14]
         if not any(r.contains(rip) for r in text):
             continue
         if (orig_rax == 0xFFFFFFFFFFFFFFFF or orig_rax in _ALLOCATOR_SYSCALLS
-                or (orig_rax == SYS_FUTEX and rdi in mutexes)):
+                or (orig_rax == SYS_FUTEX and (arena_mutexes is None or rdi in mutexes))):
             out.append(t.tid)
     return out
 

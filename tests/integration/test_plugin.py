@@ -129,6 +129,43 @@ def test_an_old_leak_reachable_for_a_while_is_not_blamed_on_a_later_test(suite):
     res.stdout.fnmatch_lines(["FAILED test_flicker.py::test_leaks - Failed: 1 native heap block*"])
 
 
+DEFERRED = """
+import pytest
+import leakytools as leaky
+
+leaky.leak(34601000)            # at import: unreachable before any test ran
+
+@pytest.fixture
+def thing():
+    return 1
+
+def test_first_with_a_fixture(thing):
+    leaky.no_leak(34601000)
+
+def test_leaks_with_a_fixture(thing):
+    addr, size = leaky.leak(34609000)
+    print("LEAK", hex(addr), size)
+
+def test_clean_with_a_fixture(thing):
+    pass
+"""
+
+
+def test_deferred_baselines_blame_only_the_leaking_test(suite):
+    # Tests with fixtures get their own baseline, swept only when the check after the test
+    # finds a leak the session has not seen: the first test's check finds the import's leak,
+    # its baseline is swept and holds it (not this test's); the second's is swept and lacks
+    # the new leak (this test's); the third's is never swept (only released)
+    suite.makepyfile(test_deferred=DEFERRED)
+    res = suite.runpytest_subprocess("--memunreachable", "-s", "-v", "-rf", "test_deferred.py")
+    res.assert_outcomes(passed=2, failed=1)
+    out = res.stdout.str()
+    addr, size = re.search(r"LEAK 0x([0-9a-f]+) (\d+)", out).groups()
+    assert out.count(f"{size} bytes unreachable at {addr}") == 1
+    res.stdout.fnmatch_lines(
+        ["FAILED test_deferred.py::test_leaks_with_a_fixture - Failed: 1 native heap*"])
+
+
 def test_a_check_that_cannot_run_errors_the_test_after_its_body_ran(suite):
     prefix = _without_ptrace(suite)
     suite.makepyfile(test_impossible=IMPOSSIBLE)
