@@ -81,7 +81,12 @@ def merge_pairs(pairs: Sequence[Tuple[int, int]]) -> list:
 def dead_words(dead: "DeadWords", n: int):
     if not dead:
         return ffi.NULL, None
-    flat = array("Q", chain.from_iterable(dead.ranges))
+    cached = dead.__dict__.get("_flat")     # the mark and the folds of a sweep share one
+    if cached is not None and cached[0] is dead.ranges:
+        flat = cached[1]
+    else:
+        flat = array("Q", chain.from_iterable(dead.ranges))
+        dead.__dict__["_flat"] = (dead.ranges, flat)
     c = ffi.new("mu_dead *")
     keep = [c, flat]
     if flat:
