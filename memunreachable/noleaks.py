@@ -262,7 +262,7 @@ class _Helper:
         # before the helper may freeze us.
         _scrub_stack()
         try:
-            data = memoryview((line() + "\n").encode())
+            data = memoryview(f"{line()} @{threading.get_native_id()}\n".encode())
             while data:                         # unbuffered: a long line may go in parts
                 data = data[self.proc.stdin.write(data):]
             head = _read_exactly(self.rfd, 8, HELPER_TIMEOUT)
