@@ -17,7 +17,8 @@ u64 little-endian length, then the pickled ("ok", VALUE) or ("error", Memunreach
     drop
         release the waiting snapshot, if any (VALUE None). A "snap" drops the one before.
 A last word "@TID" names the caller's requesting thread: a check waits until that thread sits
-in its wait for the reply (await_wait) before freezing it. The caller waits for each reply (a
+in its wait for the reply (await_wait) before freezing it, and of its registers only those a
+call preserves are roots (classify.waiting). The caller waits for each reply (a
 blocking read on the result fd: it holds no GIL and no allocator lock while its threads are
 frozen), so at most one request is ever buffered here.
 End of stdin (the caller exited or closed us) ends us, releasing a waiting snapshot.
@@ -61,18 +62,21 @@ def main(argv=None) -> int:
 
 def _serve(pid: int, words: list, pending: "_Pending"):
     """The reply to one request line (module docstring), or None for a malformed one."""
+    waiting = []
     if words and words[-1].startswith(b"@"):        # the requesting thread
-        tid = int(words.pop()[1:])
+        waiting = [int(words.pop()[1:])]
         if words[:1] in ([b"go"], [b"snap"]):
-            await_wait(pid, tid)
+            await_wait(pid, waiting[0])
     if words[:1] == [b"go"] and len(words) in (3, 5, 6):
         limit, timeout = int(words[1]), float(words[2])
         symbolize, supp = (words[3] != b"0", words[4]) if len(words) >= 5 else (True, b"-")
         dead = parse_ranges(words[5].decode()) if len(words) == 6 else []
-        return _one_check(pid, None if limit < 0 else limit, timeout, symbolize, supp, dead)
+        return _one_check(pid, None if limit < 0 else limit, timeout, symbolize, supp, dead,
+                          waiting)
     if words[:1] == [b"snap"] and len(words) == 3:
         pending.drop()
-        return _guarded(lambda: pending.take(pid, float(words[1]), parse_ranges(words[2].decode())))
+        return _guarded(lambda: pending.take(pid, float(words[1]), parse_ranges(words[2].decode()),
+                                             waiting))
     if words[:1] == [b"base"] and len(words) == 4:
         limit = int(words[1])
         return _guarded(lambda: pending.sweep(None if limit < 0 else limit, words[2] != b"0",
@@ -82,9 +86,6 @@ def _serve(pid: int, words: list, pending: "_Pending"):
     return None
 
 
-# Syscalls of the caller's wait for our reply (noleaks._read_exactly: select, which glibc makes
-# pselect6; poll, read): read, poll, select, pselect6, ppoll.
-WAIT_SYSCALLS = frozenset((0, 7, 23, 270, 271))
 WAIT_LIMIT = 0.25
 
 
@@ -95,6 +96,7 @@ def await_wait(pid: int, tid: int, limit: float = WAIT_LIMIT) -> bool:
     it running in 63 of 112 checks, its registers and fresh stack holding whatever that code
     left. False when it did not get there in time or cannot be seen (the check goes on)."""
     import time
+    from memunreachable.classify import WAIT_SYSCALLS      # select is pselect6 in glibc
     deadline = time.monotonic() + limit
     while True:
         try:
@@ -115,15 +117,15 @@ class _Pending:
     def __init__(self) -> None:
         self.pending = None
 
-    def take(self, pid: int, timeout: float, dead) -> object:
+    def take(self, pid: int, timeout: float, dead, waiting=()) -> object:
         """"later" when the snapshot waits for a sweep; else the result of a full check (the
         snapshot could need a retake: unreachable.check_later)."""
         from memunreachable.unreachable import check, check_later
-        self.pending = check_later(pid, timeout=timeout, dead_ranges=dead)
+        self.pending = check_later(pid, timeout=timeout, dead_ranges=dead, waiting_tids=waiting)
         if self.pending is not None:
             return "later"
         return check(pid, limit=None, timeout=timeout, symbolize=False, sweep_here=True,
-                     dead_ranges=dead)
+                     dead_ranges=dead, waiting_tids=waiting)
 
     def sweep(self, limit, symbolize: bool, rules):
         from memunreachable._errors import CollectionError
@@ -237,12 +239,13 @@ def parse_ranges(text: str) -> list:
 
 
 def _one_check(pid: int, limit, timeout: float, symbolize: bool = True,
-               supp: bytes = b"-", dead=()) -> tuple:
+               supp: bytes = b"-", dead=(), waiting=()) -> tuple:
     from memunreachable.unreachable import check
     # the sweep runs here, not in a forked sweeper: this helper is disposable (the caller
     # restarts one that died), and a fork costs an idle pytest process's check ~20 ms
     return _guarded(lambda: check(pid, limit=limit, timeout=timeout, symbolize=symbolize,
-                                  suppressions=_rules(supp), sweep_here=True, dead_ranges=dead))
+                                  suppressions=_rules(supp), sweep_here=True, dead_ranges=dead,
+                                  waiting_tids=waiting))
 
 
 if __name__ == "__main__":

@@ -2,8 +2,8 @@
 
 With MEMUNREACHABLE_EXPLAIN=<hex address> in the checker's environment, the sweep logs (at
 WARNING level) a chain of referrers that kept the block holding that address alive: each step
-names the word that points into the previous block and what holds it (a root range, or a
-marked allocation with its size and first words). Allocations are searched as mark scans them
+names the word that points into the previous block and what holds it (a root range, a thread's
+register, or a marked allocation with its size and first words). Allocations are searched as mark scans them
 (dead objects skipped, typed objects up to their live end) and dead ranges are left out, but a
 GC link word may still be listed: the chain is a lead, not a proof.
 Slow (Python over every scanned byte, per step); never used in normal runs.
@@ -90,6 +90,10 @@ def explain(addr: int, image, root_buffers, marked, dead_ranges, blocks, threads
                          + ", ".join(f"{a:#x}{_on_stack(a, threads)}{_in_file(a, maps)}"
                                      for a in roots[:8]))
             return [f"explain {addr:#x}:"] + lines
+        regs = _register_referrers(lo, hi, threads)
+        if regs:
+            lines.append(f"  {lo:#x} ({sizes[i]} bytes) <- " + ", ".join(regs[:8]))
+            return [f"explain {addr:#x}:"] + lines
         refs = _referrers(lo, hi, blocks, dead)
         nxt: Optional[int] = None
         for a in refs:
@@ -109,6 +113,21 @@ def explain(addr: int, image, root_buffers, marked, dead_ranges, blocks, threads
         seen.add(nxt)
         i = nxt
     return [f"explain {addr:#x}:"] + lines
+
+
+def _register_referrers(lo: int, hi: int, threads) -> List[str]:
+    """The registers of `threads` (root words, classify.register_words) holding a value in
+    [lo, hi): 'register rbx of thread T', 'FP/SIMD state +0x2c0 of thread T'."""
+    from memunreachable._types import REG_NAMES
+    out = []
+    for t in threads:
+        out += [f"register {REG_NAMES[k]} of thread {t.tid}" for k, v in enumerate(t.regs)
+                if lo <= v < hi]
+        fp = t.fpregs or b""
+        out += [f"FP/SIMD state +{8 * k:#x} of thread {t.tid}"
+                for k, (v,) in enumerate(struct.iter_unpack("<Q", fp[:len(fp) // 8 * 8]))
+                if lo <= v < hi]
+    return out
 
 
 def _on_stack(a: int, threads) -> str:

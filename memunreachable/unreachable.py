@@ -31,7 +31,7 @@ from memunreachable import preflight as preflight_stage
 from memunreachable._errors import (CollectionError, HeapCorrupt, HeapWalkError,
                                     MemoryUnreadable, NoSuchProcess)
 from memunreachable._types import Fields, HeapImage, Range, merge_ranges, subtract_ranges
-from memunreachable.classify import classify, data_ranges, loaded_objects
+from memunreachable.classify import classify, data_ranges, loaded_objects, waiting
 from memunreachable.cpython import probe
 from memunreachable.folding import FoldedLeak, fold, size_totals
 from memunreachable.freeze import frozen
@@ -66,7 +66,8 @@ def check(pid: int, *, limit: Optional[int] = 100, timeout: float = 2.0,
           sweep_timeout: float = 600.0, allow_direct: bool = True,
           allow_seccomp: bool = False, symbolize: bool = True,
           suppressions=None, sweep_here: bool = False,
-          dead_ranges: Sequence[Tuple[int, int]] = ()) -> UnreachableMemoryInfo:
+          dead_ranges: Sequence[Tuple[int, int]] = (),
+          waiting_tids: Sequence[int] = ()) -> UnreachableMemoryInfo:
     """Find the unreachable allocations of process `pid`.
 
     limit: how many leak groups to keep (largest first); None keeps all.
@@ -79,6 +80,8 @@ def check(pid: int, *, limit: Optional[int] = 100, timeout: float = 2.0,
     disposable: the in-process checks' helper (_tracer.py).
     dead_ranges: (begin, end) ranges of the target that hold no references (the in-process
     caller's idle alternate signal stack): neither roots nor scanned inside allocations.
+    waiting_tids: threads blocked in a wait for this check (the in-process caller's requesting
+    thread): only the registers a call preserves are roots (classify.waiting).
     Raises MemunreachableError subclasses when the check cannot be done.
     """
     started = time.monotonic()
@@ -89,7 +92,7 @@ def check(pid: int, *, limit: Optional[int] = 100, timeout: float = 2.0,
     info.warnings.extend(target.warnings)
     opts = dict(timeout=timeout, sweep_timeout=sweep_timeout, allow_direct=allow_direct,
                 allow_seccomp=allow_seccomp, sweep_here=sweep_here,
-                dead_ranges=tuple(dead_ranges))
+                dead_ranges=tuple(dead_ranges), waiting_tids=tuple(waiting_tids))
     # 2-8. Collect, snapshot, sweep
     result = _snapshot_and_sweep(pid, info, confirm=None, **opts)
     if result.meta.get("suspect_tids") or result.meta.get("soft_issues"):
@@ -121,9 +124,10 @@ class Pending:
     per-target lock are held until release()."""
 
     def __init__(self, info: UnreachableMemoryInfo, fz, snap, plan: SnapshotPlan,
-                 dead_ranges, guard) -> None:
+                 dead_ranges, guard, waiting_tids=()) -> None:
         self.info, self.fz, self.snap, self.plan = info, fz, snap, plan
         self.dead_ranges, self._guard = tuple(dead_ranges), guard
+        self.waiting_tids = tuple(waiting_tids)
 
     def release(self) -> None:
         """Kill and reap the snapshot process, drop the lock. Idempotent."""
@@ -137,7 +141,8 @@ class Pending:
 
 
 def check_later(pid: int, *, timeout: float = 2.0, allow_seccomp: bool = False,
-                dead_ranges: Sequence[Tuple[int, int]] = ()) -> Optional[Pending]:
+                dead_ranges: Sequence[Tuple[int, int]] = (),
+                waiting_tids: Sequence[int] = ()) -> Optional[Pending]:
     """Steps 1-3 now (the pause is the same as check()'s), the sweep left to sweep_pending().
     None when this snapshot could need a retake or a confirmation that a later sweep could not
     take (no clone, a thread that may be inside malloc/free, memory the snapshot lacks): the
@@ -151,6 +156,8 @@ def check_later(pid: int, *, timeout: float = 2.0, allow_seccomp: bool = False,
     pending = None
     try:
         pending = _take_pending(pid, info, guard, timeout, allow_seccomp, dead_ranges)
+        if pending is not None:
+            pending.waiting_tids = tuple(waiting_tids)
     except CollectionError as exc:
         if not getattr(exc, "snapshot_lost", False):
             raise
@@ -218,7 +225,7 @@ def _sweep_pending(pending: Pending) -> SweepResult:
         raise _Retake("died", "the snapshot process died before its sweep")
     try:
         return _sweep_snapshot(snap, fz, _Attempts(), 600.0, None, [], pending.plan, [], True,
-                               pending.dead_ranges)
+                               pending.dead_ranges, pending.waiting_tids)
     except HeapInconsistent as exc:
         raise HeapWalkError(f"the heap of process {fz.pid} was inconsistent in a snapshot taken "
                             f"with no thread inside malloc/free ({exc}); nothing was reported",
@@ -303,7 +310,8 @@ def _judge_inconsistency(pid: int, st: _Attempts, exc: HeapInconsistent) -> None
 def _one_snapshot(pid: int, info: UnreachableMemoryInfo, confirm, st: _Attempts, *,
                   timeout: float, sweep_timeout: float, allow_direct: bool,
                   allow_seccomp: bool, sweep_here: bool = False,
-                  dead_ranges: Sequence[Tuple[int, int]] = ()) -> SweepResult:
+                  dead_ranges: Sequence[Tuple[int, int]] = (),
+                  waiting_tids: Sequence[int] = ()) -> SweepResult:
     """One freeze + snapshot + sweep. Raises _Retake when a fresh snapshot may succeed."""
     # 2. Collect: freeze every thread, registers, maps
     log.info("collecting thread info for process %d", pid)
@@ -334,7 +342,7 @@ def _one_snapshot(pid: int, info: UnreachableMemoryInfo, confirm, st: _Attempts,
             # 4-8. Sweep in a forked process
             try:
                 return _sweep_snapshot(snap, fz, st, sweep_timeout, confirm, overlays, plan, unseen,
-                                       sweep_here, dead_ranges)
+                                       sweep_here, dead_ranges, waiting_tids)
             except HeapInconsistent as exc:
                 log.info("heap was mid-update (%s)", exc)
                 raise _Retake("inflight", str(exc), exc) from None
@@ -449,7 +457,8 @@ def threads_in_allocator(threads, maps, pid: int, arena_mutexes) -> list:
 
 def _sweep_snapshot(snap, fz, st: _Attempts, sweep_timeout: float, confirm, overlays,
                     plan: SnapshotPlan, unseen: List[Range], here: bool = False,
-                    dead_ranges: Sequence[Tuple[int, int]] = ()) -> SweepResult:
+                    dead_ranges: Sequence[Tuple[int, int]] = (),
+                    waiting_tids: Sequence[int] = ()) -> SweepResult:
     if snap.released:
         raise CollectionError(f"snapshot of process {snap.target_pid} was already released")
     try:
@@ -464,7 +473,8 @@ def _sweep_snapshot(snap, fz, st: _Attempts, sweep_timeout: float, confirm, over
     if unseen:          # memory the sweep cannot see is neither read nor a root
         maps = [m for m in maps if not any(m.range.overlaps(u) for u in unseen)]
     def work():
-        return sweep(mem, maps, fz.threads, snap.pid, confirm, all_uncertain=bool(unseen),
+        return sweep(mem, maps, waiting(fz.threads, waiting_tids), snap.pid, confirm,
+                     all_uncertain=bool(unseen),
                      unwritten=plan.unwritten, retain=retain_list(),
                      release_snapshot=_early_release(snap), dead_ranges=dead_ranges)
     try:

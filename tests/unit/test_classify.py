@@ -104,3 +104,40 @@ def test_data_ranges_follow_new_maps_and_unwritten_ranges():
     assert classify(more, [], [], []).ranges[-1] == Range(0xd1000, 0xd2000)
     assert [x for x, cls in mapping_classes(more)[0] if cls == "data"][-1] == more[-1]
     assert data_ranges(MAPS, []) == first
+
+
+def test_a_thread_waiting_for_the_check_keeps_only_the_registers_a_call_preserves():
+    from memunreachable._types import REG_NAMES
+    from memunreachable.classify import waiting
+    names = ("rbx", "rbp", "r12", "r13", "r14", "r15", "rax", "rcx", "rdx", "rsi", "rdi",
+             "r8", "r9", "r10", "r11")
+    def thread(tid, orig_rax):
+        r = list(regs(0xb0000, fs_base=0x7000, orig_rax=orig_rax))
+        for k, name in enumerate(names):
+            r[REG_NAMES.index(name)] = 0x100000 + 0x1000 * k
+        return ThreadState(tid, tuple(r), struct.pack("<4Q", 0, 0x200000, 0, 0x201000))
+    in_wait, running, other = thread(1, 270), thread(2, 0xFFFFFFFFFFFFFFFF), thread(3, 270)
+    out = waiting([in_wait, running, other], [1, 2])
+    # the waiting thread: callee-saved, sp, fs_base, rip kept; caller-saved and FP/SIMD gone
+    kept = {REG_NAMES[k]: v for k, v in enumerate(out[0].regs) if v}
+    assert kept == {"rbx": 0x100000, "rbp": 0x101000, "r12": 0x102000, "r13": 0x103000,
+                    "r14": 0x104000, "r15": 0x105000, "rsp": 0xb0000, "fs_base": 0x7000,
+                    "orig_rax": 270}
+    assert out[0].fpregs == b"" and 0x200000 not in register_words(out[:1])
+    # stopped in user code (not in its wait), or not the requesting thread: whole
+    assert out[1] is running and out[2] is other
+    for t in (running, other):
+        assert set(t.regs) <= set(register_words([t])) | {0}
+    assert {0x200000, 0x201000} <= set(register_words(out[1:]))
+
+
+def test_a_block_only_a_stale_vector_register_holds_is_a_leak_of_a_waiting_thread():
+    from memunreachable.classify import waiting
+    from memunreachable.mark import mark
+    from tests.unit.test_mark import Heap
+    h = Heap([32, 32])
+    r = list(regs(0xb0000, orig_rax=270))
+    r[5] = h.addrs[0]                                   # rbx: live across the call
+    t = ThreadState(9, tuple(r), struct.pack("<2Q", 0, h.addrs[1]))     # zmm leftovers
+    assert list(mark(h.image(), [], register_words([t])).marked) == [1, 1]
+    assert list(mark(h.image(), [], register_words(waiting([t], [9]))).marked) == [1, 0]

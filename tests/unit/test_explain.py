@@ -97,3 +97,20 @@ def test_a_root_word_is_named_by_its_file_or_the_bss_after_it():
     assert _in_file(0x7010, maps) == ""
     assert _in_file(0x9010, maps) == ""
     assert _in_file(0xb000, maps) == ""
+
+
+def test_a_block_held_by_a_register_names_the_register_or_the_fp_state_offset():
+    import struct
+    from memunreachable._types import REG_NAMES, ThreadState
+    h = Heap([32, 32])
+    regs = [0] * 27
+    regs[REG_NAMES.index("rbx")] = h.addrs[0] + 8
+    fp = bytes(0x40) + struct.pack("<Q", h.addrs[1]) + bytes(8)
+    t = ThreadState(5, tuple(regs), fp)
+    words = [h.addrs[0] + 8, h.addrs[1]]
+    res = mark(h.image(), [], words)
+    assert list(res.marked) == [1, 1]
+    assert explain(h.addrs[0], h.image(), [], res.marked, (), [], [t])[1].endswith(
+        "<- register rbx of thread 5")
+    assert explain(h.addrs[1], h.image(), [], res.marked, (), [], [t])[1].endswith(
+        "<- FP/SIMD state +0x40 of thread 5")
