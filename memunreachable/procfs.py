@@ -175,6 +175,19 @@ def read_status(pid: int, tid: Optional[int] = None) -> Status:
     return parse_status(_read(path, pid))
 
 
+def rss_anon_bytes(status_text: str) -> int:
+    """The RssAnon line of a /proc/PID/status text, in bytes (0 when absent)."""
+    for line in status_text.splitlines():
+        if line.startswith("RssAnon:"):
+            return int(line.split()[1]) * 1024
+    return 0
+
+
+def read_rss_anon(pid: int) -> int:
+    """Resident anonymous memory of pid, in bytes (0 when the kernel does not say)."""
+    return rss_anon_bytes(_read(f"/proc/{pid}/status", pid))
+
+
 def read_stat(pid: int, tid: Optional[int] = None) -> Stat:
     path = f"/proc/{pid}/stat" if tid is None else f"/proc/{pid}/task/{tid}/stat"
     return parse_stat(_read(path, pid))

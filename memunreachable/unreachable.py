@@ -55,6 +55,7 @@ CONTENTS_BYTES = 32
 # (mark.py, glibc/walker.py walk_heap(uncopied_from=...)). Not for a process with a CPython
 # runtime (its stages read object headers from the copies) nor under MEMUNREACHABLE_EXPLAIN.
 UNCOPIED_MIN_BYTES = 256 << 20
+DEFER_MAX_RSS = 256 << 20       # check_later: larger processes are swept at once
 RETAKE_WORDS = {"inflight": "a thread was inside malloc/free",
                 "capture": "memory not in the snapshot (MADV_DONTFORK/WIPEONFORK) had to be "
                            "copied during the pause",
@@ -146,9 +147,14 @@ def check_later(pid: int, *, timeout: float = 2.0, allow_seccomp: bool = False,
     """Steps 1-3 now (the pause is the same as check()'s), the sweep left to sweep_pending().
     None when this snapshot could need a retake or a confirmation that a later sweep could not
     take (no clone, a thread that may be inside malloc/free, memory the snapshot lacks): the
-    caller runs check() instead. Raises what check() raises for steps 1-3."""
+    caller runs check() instead; None too for a process of more than DEFER_MAX_RSS resident
+    anonymous bytes: while the snapshot waits, each page the target writes is copied once
+    (a test that rewrites a large array would pay for the copy in time and memory). Raises
+    what check() raises for steps 1-3."""
     import contextlib
     target = preflight_stage.preflight(pid)
+    if procfs.read_rss_anon(pid) > DEFER_MAX_RSS:
+        return None
     info = UnreachableMemoryInfo(pid=pid, comm=target.name)
     info.warnings.extend(target.warnings)
     guard = contextlib.ExitStack()

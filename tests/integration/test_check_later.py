@@ -71,3 +71,20 @@ def test_a_snapshot_never_swept_is_released_whole():
             assert_target_running(fx)
         info = check(fx.pid, limit=None)
         assert {l.address for l in info.leaks} == fx.addresses("leak")
+
+
+def test_a_process_above_the_size_limit_is_not_deferred(monkeypatch):
+    # each page the target writes while a snapshot waits is copied: past DEFER_MAX_RSS of
+    # resident anonymous memory the caller sweeps at once (check_later says None)
+    import memunreachable.unreachable as unreachable
+    with fixtures.start("leak_five") as fx:
+        rss = procfs.read_rss_anon(fx.pid)
+        assert rss > 0
+        monkeypatch.setattr(unreachable, "DEFER_MAX_RSS", rss - 1)
+        assert check_later(fx.pid) is None
+        assert_target_running(fx)
+        monkeypatch.setattr(unreachable, "DEFER_MAX_RSS", rss + (64 << 20))
+        pending = check_later(fx.pid)
+        assert pending is not None
+        pending.release()
+        assert_target_running(fx)

@@ -174,3 +174,10 @@ def test_parse_smaps_flags_equals_the_line_model_on_this_process():
     # mapping without VmFlags gets none
     odd = "Anonymous: 4 kB\nVmFlags: rd\n" + text.replace("VmFlags:", "Other:", 1)
     assert procfs.parse_smaps_flags(odd) == _smaps_flags_model(odd)
+
+
+def test_rss_anon_bytes_of_a_status_text():
+    from memunreachable.procfs import rss_anon_bytes
+    text = "Name:\tpython\nVmRSS:\t   30892 kB\nRssAnon:\t    2002 kB\nRssFile:\t 28890 kB\n"
+    assert rss_anon_bytes(text) == 2002 * 1024
+    assert rss_anon_bytes("Name:\tkthreadd\nState:\tS (sleeping)\n") == 0
