@@ -10,12 +10,12 @@ u64 little-endian length, then the pickled ("ok", VALUE) or ("error", Memunreach
         suppressions text, "-" for none; DEAD "BEGIN-END,..." in hex: ranges of the caller that
         hold no references (its idle alternate signal stack).
     snap TIMEOUT DEAD
-        a snapshot now, its sweep left for later (unreachable.check_later): VALUE "later"; or,
-        when the snapshot could need a retake, a full check's UnreachableMemoryInfo.
-    base LIMIT SYMBOLIZE SUPPRESSIONS
-        the sweep of the waiting snapshot (unreachable.sweep_pending), then its release.
-    drop
-        release the waiting snapshot, if any (VALUE None). A "snap" drops the one before.
+        a snapshot now, its sweep left for later (unreachable.check_later): VALUE ("later",
+        TOKEN); or, when the snapshot could need a retake, a full check's UnreachableMemoryInfo.
+    base TOKEN LIMIT SYMBOLIZE SUPPRESSIONS
+        the sweep of that waiting snapshot (unreachable.sweep_pending), then its release.
+    drop TOKEN
+        release that snapshot if it still waits (VALUE None). A "snap" drops the one before.
 A last word "@TID" names the caller's requesting thread: a check waits until that thread sits
 in its wait for the reply (await_wait) before freezing it, and of its registers only those a
 call preserves are roots (classify.waiting). The caller waits for each reply (a
@@ -31,6 +31,7 @@ import os
 import pickle
 import struct
 import sys
+from typing import Optional
 
 
 def main(argv=None) -> int:
@@ -77,12 +78,12 @@ def _serve(pid: int, words: list, pending: "_Pending"):
         pending.drop()
         return _guarded(lambda: pending.take(pid, float(words[1]), parse_ranges(words[2].decode()),
                                              waiting))
-    if words[:1] == [b"base"] and len(words) == 4:
-        limit = int(words[1])
-        return _guarded(lambda: pending.sweep(None if limit < 0 else limit, words[2] != b"0",
-                                              _rules(words[3])))
-    if words == [b"drop"]:
-        return _guarded(pending.drop)
+    if words[:1] == [b"base"] and len(words) == 5:
+        token, limit = int(words[1]), int(words[2])
+        return _guarded(lambda: pending.sweep(token, None if limit < 0 else limit,
+                                              words[3] != b"0", _rules(words[4])))
+    if words[:1] == [b"drop"] and len(words) == 2:
+        return _guarded(lambda: pending.drop(int(words[1])))
     return None
 
 
@@ -112,30 +113,36 @@ def await_wait(pid: int, tid: int, limit: float = WAIT_LIMIT) -> bool:
 
 
 class _Pending:
-    """The snapshot of a "snap" request, until its "base" or "drop" (at most one)."""
+    """The snapshot of a "snap" request, until its "base" or "drop" (at most one: a newer
+    "snap" drops it). Each gets a token, which its "base" and "drop" must name."""
 
     def __init__(self) -> None:
-        self.pending = None
+        self.pending, self.token = None, 0
 
     def take(self, pid: int, timeout: float, dead, waiting=()) -> object:
-        """"later" when the snapshot waits for a sweep; else the result of a full check (the
-        snapshot could need a retake: unreachable.check_later)."""
+        """("later", token) when the snapshot waits for a sweep; else the result of a full
+        check (the snapshot could need a retake: unreachable.check_later)."""
         from memunreachable.unreachable import check, check_later
+        self.token += 1
         self.pending = check_later(pid, timeout=timeout, dead_ranges=dead, waiting_tids=waiting)
         if self.pending is not None:
-            return "later"
+            return ("later", self.token)
         return check(pid, limit=None, timeout=timeout, symbolize=False, sweep_here=True,
                      dead_ranges=dead, waiting_tids=waiting)
 
-    def sweep(self, limit, symbolize: bool, rules):
+    def sweep(self, token: int, limit, symbolize: bool, rules):
         from memunreachable._errors import CollectionError
         from memunreachable.unreachable import sweep_pending
+        if self.pending is None or token != self.token:
+            raise CollectionError("that snapshot is gone: a newer one replaced it, or it was "
+                                  "dropped", hint="take a new baseline")
         pending, self.pending = self.pending, None
-        if pending is None:
-            raise CollectionError("no snapshot is waiting for a sweep")
         return sweep_pending(pending, limit=limit, symbolize=symbolize, suppressions=rules)
 
-    def drop(self) -> None:
+    def drop(self, token: Optional[int] = None) -> None:
+        """Release the waiting snapshot (token None: whichever waits)."""
+        if token is not None and token != self.token:
+            return
         pending, self.pending = self.pending, None
         if pending is not None:
             pending.release()

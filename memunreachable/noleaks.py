@@ -391,10 +391,12 @@ class DeferredBaseline:
     resolve() sweeps it (or returns the baseline a full check gave at once), drop() forgets it.
     A check after it that finds no leak outside the session's known ones never needs it, and
     the test costs one sweep instead of two. Only one waits at a time: a newer one, or the
-    helper's restart, makes resolve() raise."""
+    helper's restart, makes resolve() raise (the helper names each snapshot by a token)."""
 
-    def __init__(self, helper, rules, resolved: Optional[LeakBaseline] = None) -> None:
+    def __init__(self, helper, rules, resolved: Optional[LeakBaseline] = None,
+                 token: int = 0) -> None:
         self._helper, self._rules, self._resolved = helper, rules, resolved
+        self._token = token
 
     @property
     def waiting(self) -> bool:
@@ -410,8 +412,8 @@ class DeferredBaseline:
                 if helper is not _HELPER or not helper.alive():
                     raise SweepError("the helper process that held this baseline's snapshot "
                                      "was replaced", hint="take a new baseline")
-                info = _reply(lambda h: h.request(lambda: f"base -1 {int(bool(rules))} {supp}"),
-                              retry=False)
+                info = _reply(lambda h: h.request(
+                    lambda: f"base {self._token} -1 {int(bool(rules))} {supp}"), retry=False)
             self._resolved = LeakBaseline(l.address for l in info.leaks)
         return self._resolved
 
@@ -422,7 +424,7 @@ class DeferredBaseline:
             return
         with _HELPER_LOCK:
             if helper is _HELPER and helper.alive():
-                _reply(lambda h: h.request(lambda: "drop"), retry=False)
+                _reply(lambda h: h.request(lambda: f"drop {self._token}"), retry=False)
 
 
 def deferred_baseline(suppressions=None, timeout: float = 2.0) -> DeferredBaseline:
@@ -437,8 +439,8 @@ def deferred_baseline(suppressions=None, timeout: float = 2.0) -> DeferredBaseli
     with _HELPER_LOCK:
         value = _reply(lambda h: h.request(lambda: f"snap {timeout} "
                                                    f"{format_ranges(_idle_altstack())}"))
-        if value == "later":
-            return DeferredBaseline(_HELPER, rules)
+        if isinstance(value, tuple) and value[:1] == ("later",):
+            return DeferredBaseline(_HELPER, rules, token=value[1])
         info = _collected(value, None, timeout, bool(rules), rules)
     return DeferredBaseline(None, rules, LeakBaseline(l.address for l in info.leaks))
 

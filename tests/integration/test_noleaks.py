@@ -246,3 +246,38 @@ def test_one_helper_serves_every_check_and_a_dead_one_is_replaced():
     info = noleaks.get_unreachable_memory(limit=None)  # transparently a new helper
     assert noleaks._HELPER.proc.pid != first and noleaks._HELPER.alive()
     assert info.pid == os.getpid()
+
+
+DEFERRED = r"""
+import os
+import leakytools as leaky
+from memunreachable import noleaks
+from memunreachable._errors import MemunreachableError
+from memunreachable.leftovers import children_of
+old, _ = leaky.leak(34604008)
+b1 = noleaks.deferred_baseline()
+print("waiting", b1.waiting, len(children_of(os.getpid())))
+b2 = noleaks.deferred_baseline()            # drops b1's snapshot
+try:
+    b1.resolve()
+    print("b1 resolved")
+except MemunreachableError as exc:
+    print("b1 gone", "newer one replaced it" in str(exc))
+new, _ = leaky.leak(34604008)               # after b2's snapshot: not in its baseline
+base = b2.resolve()
+print("base", old in base, new in base, b2.waiting, len(children_of(os.getpid())))
+b3 = noleaks.deferred_baseline()
+b3.drop()
+b1.drop()                                   # another's token: a no-op
+print("dropped", b3.waiting, len(children_of(os.getpid())))
+"""
+
+
+def test_a_deferred_baseline_is_the_moment_of_its_snapshot_and_only_its_own(ext_dir):
+    # deferred_baseline(): the snapshot now, its sweep only on resolve(); a newer one replaces
+    # it (resolve() then raises, never sweeps the other's snapshot); drop() releases it
+    proc = run_python(DEFERRED, ext_dir)
+    assert proc.returncode == 0, proc.stderr
+    # children: the helper, and the snapshot while one waits
+    assert proc.stdout.splitlines() == ["waiting True 2", "b1 gone True", "base True False False 1",
+                                        "dropped False 1"]
