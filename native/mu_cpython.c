@@ -638,3 +638,51 @@ int64_t mu_gc_stale_parts(const uint64_t *begin, const uint64_t *size, uint64_t 
     free(bits);
     return (int64_t)found;
 }
+
+/* The region of r[] (sorted by base) serving [addr, addr + 8): the last one beginning at or
+ * below addr, when it holds the whole word; NULL otherwise. */
+static const uint8_t *chain_word(const mu_region *r, uint64_t nr, uint64_t addr)
+{
+    uint64_t lo = 0, hi = nr;
+    while (lo < hi) {                   /* first region with base > addr */
+        uint64_t mid = lo + (hi - lo) / 2;
+        if (r[mid].base <= addr)
+            lo = mid + 1;
+        else
+            hi = mid;
+    }
+    if (lo == 0)
+        return NULL;
+    const mu_region *g = &r[lo - 1];
+    if (!g->data || g->uncopied || addr - g->base > g->len || g->len - (addr - g->base) < 8)
+        return NULL;
+    return g->data + (addr - g->base);
+}
+
+int64_t mu_follow_chain(const mu_region *r, uint64_t nr, uint64_t first, uint64_t n,
+                        uint64_t link_off, uint64_t check_off, uint64_t *out, uint64_t *done)
+{
+    if ((nr && !r) || (n && !out) || !done)
+        return -EINVAL;
+    uint64_t o = first;
+    for (uint64_t k = 0; k < n; k++) {
+        *done = k;
+        if (o == 0)
+            return -ENOENT;
+        if (o % 8)
+            return -EPROTO;
+        const uint8_t *c = chain_word(r, nr, o + check_off);
+        const uint8_t *l = chain_word(r, nr, o + link_off);
+        if (!c || !l)
+            return -EFAULT;
+        uint64_t refcnt, next;
+        memcpy(&refcnt, c, 8);
+        memcpy(&next, l, 8);
+        if (refcnt != 0)
+            return -EPROTO;
+        out[k] = o;
+        o = next;
+    }
+    *done = n;
+    return (int64_t)n;
+}

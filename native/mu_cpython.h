@@ -139,3 +139,14 @@ int64_t mu_gc_stale_parts(const uint64_t *begin, const uint64_t *size, uint64_t 
                           const uint64_t *metas, uint64_t nmetas, uint64_t frame_type,
                           uint64_t frame_blocks, uint32_t frame_stack,
                           uint64_t *out, uint64_t cap, uint64_t *counts);
+
+/* A chain of n objects from `first` (cpython/walker.py read_freelists: floats through ob_type,
+ * tuples through ob_item[0]): object o must be 8-aligned, with its words at o + check_off
+ * (ob_refcnt) and o + link_off in one region of r[] (sorted by base; the last region that
+ * begins at or below an address serves it, as memory.CopiedMemory.view does), and the word at
+ * o + check_off 0; out[k] = o_k, then o_k+1 is the word at o_k + link_off. Returns n;
+ * -EFAULT when an object's words are in no region (out[0..k) hold the objects before it, *done
+ * says k: the caller reads on another way), -ENOENT when the chain ends (NULL) early, -EPROTO
+ * when an object's check word is not 0 or it is misaligned (*done: its index), -EINVAL. */
+int64_t mu_follow_chain(const mu_region *r, uint64_t nr, uint64_t first, uint64_t n,
+                        uint64_t link_off, uint64_t check_off, uint64_t *out, uint64_t *done);

@@ -309,3 +309,30 @@ def test_runtime_candidates_are_python_objects_not_extension_modules():
     # the libpython first, then the executable; libc and extension modules never (a process
     # with 27 extension modules parsed each of them on every check: 400 ms)
     assert [p for p, _ in _candidates(maps, None)] == [paths[4], paths[3]]
+
+
+@pytest.mark.parametrize("copied", ["all", "first", "none"])
+def test_free_list_chains_followed_natively_in_the_copies_give_the_same_answers(copied):
+    # read_freelists follows the float and tuple chains in the sweep's copies natively
+    # (mu_follow_chain) and the rest through mem: a chain wholly, partly or not at all in the
+    # copies gives the same dead blocks and the same errors
+    from memunreachable.memory import CopiedMemory
+    lay = L.LAYOUTS[(3, 11)]
+    interp, floats = 0x100000, [0x50000, 0x50100, 0x50200, 0x50300]
+    def mem_of(blocks):
+        keep = {"all": floats, "first": floats[:2], "none": []}[copied]
+        return CopiedMemory(BufferMemory(blocks), [(a, bytearray(blocks[a])) for a in keep])
+    blocks = freelist_interp(lay, interp, floats, [0x60010])
+    dead, _ = walker.read_freelists(mem_of(blocks), lay, interp)
+    assert sorted(dead) == floats + [0x60000]
+    native = walker._follow_chain(mem_of(blocks), floats[0], 4, L.OB_TYPE)
+    assert list(native) == {"all": floats, "first": floats[:2], "none": []}[copied]
+    assert native.next == (floats + [0])[len(native)]       # where mem takes over
+    bad = dict(blocks)
+    bad[0x50200] = struct.pack("<QQ", 1, 0x50300)           # a live object on the list
+    with pytest.raises(walker._FreeListError, match="float entry 0x50200 is not a dead object"):
+        walker.read_freelists(mem_of(bad), lay, interp)
+    short = dict(blocks)
+    short[0x50200] = struct.pack("<QQ", 0, 0)               # the chain ends after 3 of 4
+    with pytest.raises(walker._FreeListError, match="float free list shorter than numfree"):
+        walker.read_freelists(mem_of(short), lay, interp)
