@@ -19,6 +19,7 @@ from array import array
 from dataclasses import dataclass
 from itertools import chain
 from typing import Optional, Sequence, Tuple
+from collections.abc import Sequence as _SequenceABC
 
 from memunreachable._errors import MemoryUnreadable
 from memunreachable._ffi import check, ffi, lib, region_array, u64_view
@@ -58,23 +59,57 @@ def with_dead_ranges(dead: Optional["DeadWords"],
     if not ranges:
         return dead
     base = dead if dead is not None else DeadWords()
-    return dataclasses.replace(base, ranges=merge_pairs(list(base.ranges) + list(ranges)))
+    return dataclasses.replace(base, ranges=merge_pairs(base.ranges, ranges))
 
 
-def merge_pairs(pairs: Sequence[Tuple[int, int]]) -> list:
-    """_types.merge_ranges over (begin, end) tuples: sorted, coalesced, empty ones dropped.
-    Plain tuples sort in C: a pytest process's ~3,000 dead ranges merge in a fraction of the
-    time Range objects take."""
-    out: list = []
-    for b, e in sorted(pairs):
-        if b >= e:
-            continue
-        if out and b <= out[-1][1]:
-            if e > out[-1][1]:
-                out[-1] = (out[-1][0], e)
-        else:
-            out.append((b, e))
-    return out
+class FlatPairs(_SequenceABC):
+    """(begin, end) pairs kept as one flat array("Q") [b0, e0, b1, e1, ...]: what merge_pairs
+    returns. A sequence of tuples to read; the native passes take .flat as it is."""
+    __slots__ = ("flat",)
+
+    def __init__(self, flat: array) -> None:
+        self.flat = flat
+
+    def __len__(self) -> int:
+        return len(self.flat) // 2
+
+    def __getitem__(self, i):
+        if isinstance(i, slice):
+            return list(self)[i]
+        n = len(self)
+        if i < 0:
+            i += n
+        if not 0 <= i < n:
+            raise IndexError("pair index out of range")
+        return (self.flat[2 * i], self.flat[2 * i + 1])
+
+    def __iter__(self):
+        return zip(self.flat[0::2], self.flat[1::2])
+
+    def __eq__(self, other) -> bool:
+        return list(self) == list(other)
+
+    def __repr__(self) -> str:
+        return f"FlatPairs({list(self)!r})"
+
+
+def _flat(pairs) -> array:
+    if isinstance(pairs, FlatPairs):
+        return pairs.flat
+    return array("Q", chain.from_iterable(pairs))
+
+
+def merge_pairs(*sources) -> FlatPairs:
+    """_types.merge_ranges over (begin, end) pairs (sequences of tuples, or FlatPairs): sorted,
+    coalesced, empty ones dropped, in one native pass (mu_merge_pairs): a test process's
+    ~12,000 dead ranges took 5 ms as sorted tuples."""
+    flat = array("Q")
+    for pairs in sources:
+        flat.extend(_flat(pairs))
+    n = check(lib.mu_merge_pairs(ffi.from_buffer("uint64_t[]", flat), len(flat) // 2)
+              if flat else 0, "merge dead ranges")
+    del flat[2 * n:]
+    return FlatPairs(flat)
 
 
 # Returns (mu_dead * or NULL, objects to keep alive) for a DeadWords over n allocations.
@@ -85,7 +120,7 @@ def dead_words(dead: "DeadWords", n: int):
     if cached is not None and cached[0] is dead.ranges:
         flat = cached[1]
     else:
-        flat = array("Q", chain.from_iterable(dead.ranges))
+        flat = _flat(dead.ranges)
         dead.__dict__["_flat"] = (dead.ranges, flat)
     c = ffi.new("mu_dead *")
     keep = [c, flat]

@@ -1159,3 +1159,33 @@ uint64_t mu_scanned_len(const mu_dead *dead, const uint8_t *p, uint64_t b, uint6
         return 0;
     return mu_live_len(dead, p, b, len, avail);
 }
+
+static int cmp_pair(const void *a, const void *b)
+{
+    const uint64_t *x = a, *y = b;
+    if (x[0] != y[0])
+        return x[0] < y[0] ? -1 : 1;
+    return x[1] < y[1] ? -1 : x[1] > y[1];
+}
+
+int64_t mu_merge_pairs(uint64_t *pairs, uint64_t n)
+{
+    if (n && !pairs)
+        return -EINVAL;
+    qsort(pairs, n, 2 * sizeof *pairs, cmp_pair);
+    uint64_t k = 0;
+    for (uint64_t i = 0; i < n; i++) {
+        uint64_t b = pairs[2 * i], e = pairs[2 * i + 1];
+        if (b >= e)
+            continue;
+        if (k && b <= pairs[2 * k - 1]) {
+            if (e > pairs[2 * k - 1])
+                pairs[2 * k - 1] = e;
+        } else {
+            pairs[2 * k] = b;
+            pairs[2 * k + 1] = e;
+            k++;
+        }
+    }
+    return (int64_t)k;
+}

@@ -140,3 +140,8 @@ int64_t mu_field_blocks(const uint64_t *begin, const uint64_t *size, uint64_t n,
  * SIZED), else len. For diagnostics (explain.py); dead may be NULL. */
 uint64_t mu_scanned_len(const mu_dead *dead, const uint8_t *p, uint64_t b, uint64_t len,
                         uint64_t avail);
+
+/* Sorts the n (begin, end) pairs of pairs[] (2n words) by begin (then end), drops the empty
+ * ones (begin >= end) and merges those that overlap or touch, in place, as mark.merge_pairs
+ * specifies. Returns the number of pairs left at the front, or -EINVAL. */
+int64_t mu_merge_pairs(uint64_t *pairs, uint64_t n);

@@ -26,7 +26,7 @@ from memunreachable._ffi import check, ffi, lib, region_array, u64_view
 from memunreachable._types import HeapImage, Range, local_buffer, merge_ranges, subtract_ranges
 from memunreachable.cpython import layout as L
 from memunreachable.cpython.walker import CPythonMap, walk_cpython
-from memunreachable.mark import DeadWords, merge_pairs
+from memunreachable.mark import DeadWords, FlatPairs, merge_pairs
 
 MAX_GC_NODES = 1 << 28
 MAX_TYPES = 1 << 16
@@ -75,7 +75,7 @@ def _prepare(mem, maps, threads, pid: Optional[int], image: HeapImage) -> CPytho
                                    cp.dead_blocks)
     out.image = merged
     cuts = list(kept_cuts) + list(cp.dead_ranges)
-    dead_pairs = [(r.begin, r.end) for r in cp.dead_ranges]
+    dead_pairs = [[(r.begin, r.end) for r in cp.dead_ranges]]     # sources for merge_pairs
     head_word = None
     wanted = {sym: name for sym, (name, _kind) in _type_rules(cp).items()}
     statics = static_types(mem, maps, pid, cp, dict(wanted, PyList_Type="list", PyCode_Type="code",
@@ -97,7 +97,7 @@ def _prepare(mem, maps, threads, pid: Optional[int], image: HeapImage) -> CPytho
         else:
             spans = gc_head_spans(cp)
             cuts += [Range(b, e) for b, e in spans]
-            dead_pairs += spans
+            dead_pairs.append(spans)
             out.stats["gc_nodes"] = nodes
             # list slack, heap types' docstrings, io buffers: one native pass
             metas = metatypes(mem, cp, types)
@@ -107,7 +107,7 @@ def _prepare(mem, maps, threads, pid: Optional[int], image: HeapImage) -> CPytho
             pairs, (nslack, ndocs, nbuffers) = gc_dead_ranges(
                 merged, head_word, statics.get("PyList_Type", 0), metas,
                 buffered_types(mem, cp, types))
-            dead_pairs += pairs
+            dead_pairs.append(pairs)
             if "PyList_Type" in statics:
                 out.stats["list_slack_ranges"] = nslack
             out.stats["type_docs"] = ndocs
@@ -119,10 +119,10 @@ def _prepare(mem, maps, threads, pid: Optional[int], image: HeapImage) -> CPytho
                 gen_type=statics["PyGen_Type"] if gen else 0,
                 gen_dead=(gen >> 16 & 0xffff) - 16 if gen else 0, metas=metas,
                 frame=old_frame_rule(mem, cp, statics))
-            dead_pairs += pairs
+            dead_pairs.append(pairs)
             pairs, ndeques = deque_dead_ranges(merged, head_word, *deque_types(mem, maps, cp,
                                                                                 types))
-            dead_pairs += pairs
+            dead_pairs.append(pairs)
             out.stats["deques"] = ndeques
             out.stats.update(set_smalltables=nsets, dict_values=nvalues, str_buffers=nstrs,
                              generator_heads=ngens, type_names=nnames, old_frames=nframes)
@@ -162,7 +162,7 @@ def _prepare(mem, maps, threads, pid: Optional[int], image: HeapImage) -> CPytho
     dead_types = sorted(dead_types)
     out.stats["gc_types"] = len(dead_types)
     out.root_cuts = merge_ranges(cuts)
-    out.dead = DeadWords(ranges=merge_pairs(dead_pairs),
+    out.dead = DeadWords(ranges=merge_pairs(*dead_pairs),
                          head_word=head_word, types=dead_types, dict_keys=dict_keys_rule(cp))
     out.stats.update(cp.stats, pymalloc_blocks=len(blocks), dead_blocks_dropped=ndead,
                      version="%d.%d" % cp.version, allocator=cp.allocator)
@@ -752,11 +752,10 @@ def _gc_object_words(image: HeapImage, head_word, call, width: int) -> array:
 
 # Returns the [Range] pairs a native pass over the GC objects of image stores (mu_list_slack,
 # mu_field_blocks): call(args, out, cap) with args = (begins, sizes, n, regions, nregions,
-# head_word); [] on an error. as_pairs: (begin, end) tuples instead of Ranges.
+# head_word); [] on an error. as_pairs: FlatPairs (of (begin, end) tuples) instead of Ranges.
 def _gc_object_ranges(image: HeapImage, head_word, call, as_pairs: bool = False) -> list:
     out = _gc_object_words(image, head_word, call, 2)
-    pairs = list(zip(out[0::2], out[1::2]))
-    return pairs if as_pairs else [Range(b, e) for b, e in pairs]
+    return FlatPairs(out) if as_pairs else [Range(b, e) for b, e in zip(out[0::2], out[1::2])]
 
 
 # Returns ((begin, end) pairs, (list slack, type docs, io buffers) counts) of list_slack,
@@ -782,7 +781,7 @@ def gc_dead_ranges(image: HeapImage, head_word, list_type: int, metas: Sequence[
     if rc < 0:
         return [], (0, 0, 0)
     del out[2 * rc:]
-    return list(zip(out[0::2], out[1::2])), (counts[0], counts[1], counts[2])
+    return FlatPairs(out), (counts[0], counts[1], counts[2])
 
 
 # Returns the (begin, end) pairs of mu_gc_stale_parts over the GC objects and its counts (set
