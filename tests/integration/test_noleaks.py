@@ -281,3 +281,25 @@ def test_a_deferred_baseline_is_the_moment_of_its_snapshot_and_only_its_own(ext_
     # children: the helper, and the snapshot while one waits
     assert proc.stdout.splitlines() == ["waiting True 2", "b1 gone True", "base True False False 1",
                                         "dropped False 1"]
+
+
+def test_the_helper_waits_until_the_requesting_thread_sits_in_its_wait():
+    # _tracer.await_wait: a thread blocked in select (pselect6) is seen at once; a thread
+    # running Python code is waited for up to the limit, then the check goes on (False)
+    import subprocess
+    from memunreachable._tracer import await_wait
+    code = {"select": "import select, os, sys\nr, w = os.pipe()\nprint('ready', flush=True)\n"
+                      "select.select([r], [], [], 60)\n",
+            "busy": "print('ready', flush=True)\nwhile True:\n    pass\n"}
+    for kind, want in (("select", True), ("busy", False)):
+        p = subprocess.Popen([sys.executable, "-c", code[kind]], stdout=subprocess.PIPE)
+        try:
+            assert p.stdout.readline() == b"ready\n"
+            time.sleep(0.1)
+            t0 = time.monotonic()
+            assert await_wait(p.pid, p.pid, limit=0.2) is want
+            took = time.monotonic() - t0
+            assert (took < 0.1) if want else (0.2 <= took < 1.0)
+        finally:
+            p.kill()
+            p.wait()
