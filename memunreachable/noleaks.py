@@ -211,6 +211,12 @@ def helper_env(env) -> Optional[dict]:
     return out
 
 
+def _supp_word(rules) -> str:
+    """The SUPPRESSIONS word of a request line (_tracer.py): the hex of the rules as an LSan
+    suppressions text, "-" for none."""
+    return "\n".join(f"leak:{r.template}" for r in rules).encode().hex() or "-"
+
+
 class _Helper:
     """The long-lived helper process of this process, and the pipes to it."""
 
@@ -250,9 +256,9 @@ class _Helper:
         if collect:     # unreachable reference cycles are not leaks: the cyclic GC frees them
             gc.collect()
         from memunreachable._tracer import format_ranges
-        supp = "\n".join(f"leak:{r.template}" for r in rules).encode().hex() or "-"
         return self.request(lambda: f"go {-1 if limit is None else limit} {timeout} "
-                                    f"{int(symbolize)} {supp} {format_ranges(_idle_altstack())}")
+                                    f"{int(symbolize)} {_supp_word(rules)} "
+                                    f"{format_ranges(_idle_altstack())}")
 
     # Returns the pickled reply to one request line (_tracer.py), made by line() once the stack
     # is scrubbed; raises SweepError as run() does.
@@ -407,7 +413,7 @@ class DeferredBaseline:
             if self._helper is None:
                 raise SweepError("this baseline was dropped", hint="take a new one")
             rules, helper, self._helper = self._rules, self._helper, None
-            supp = "\n".join(f"leak:{r.template}" for r in rules).encode().hex() or "-"
+            supp = _supp_word(rules)
             with _HELPER_LOCK:
                 if helper is not _HELPER or not helper.alive():
                     raise SweepError("the helper process that held this baseline's snapshot "
