@@ -270,7 +270,8 @@ def _after(item, base) -> None:
         try:
             _remember(item.config, base.resolve())
         except MemunreachableError as exc:
-            item.stash[_CANNOT] = type(exc)(
+            from memunreachable._errors import SweepError
+            item.stash[_CANNOT] = SweepError(
                 f"{len(new)} block(s) unreachable after the test could not be told apart from "
                 f"those before it: its baseline could not be swept ({exc})", hint=exc.hint)
             _remember(item.config, after)

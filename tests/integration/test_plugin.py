@@ -167,6 +167,37 @@ def test_deferred_baselines_blame_only_the_leaking_test(suite):
         ["FAILED test_deferred.py::test_leaks_with_a_fixture - Failed: 1 native heap*"])
 
 
+UNSWEPT = """
+import pytest
+import leakytools as leaky
+
+@pytest.fixture
+def thing():
+    return 1
+
+def test_leaks_with_a_fixture(thing):
+    leaky.leak(34609000)
+"""
+
+
+def test_a_baseline_that_cannot_be_swept_errors_the_test_with_the_reason(suite):
+    # the check after the test found a new leak, and its deferred baseline cannot be swept
+    # (any MemunreachableError, here one that takes a pid first): the test errors at teardown
+    # with why, never a plugin traceback
+    suite.makeconftest("import memunreachable.noleaks as nl\n"
+                       "from memunreachable._errors import NoSuchProcess\n"
+                       "def resolve(self):\n"
+                       "    raise NoSuchProcess(1, 'process 1 is gone', hint='start it again')\n"
+                       "nl.DeferredBaseline.resolve = resolve\n")
+    suite.makepyfile(test_unswept=UNSWEPT)
+    res = suite.runpytest_subprocess("--memunreachable", "-rE", "test_unswept.py")
+    res.assert_outcomes(passed=1, errors=1)
+    res.stdout.fnmatch_lines(["*memunreachable could not check: 1 block(s) unreachable after the "
+                              "test could not be told apart from those before it: its baseline "
+                              "could not be swept (process 1 is gone*) (hint: start it again)*"])
+    assert "Traceback" not in res.stdout.str() and "TypeError" not in res.stdout.str()
+
+
 def test_a_check_that_cannot_run_errors_the_test_after_its_body_ran(suite):
     prefix = _without_ptrace(suite)
     suite.makepyfile(test_impossible=IMPOSSIBLE)
