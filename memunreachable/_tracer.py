@@ -14,14 +14,16 @@ u64 little-endian length, then the pickled ("ok", VALUE) or ("error", Memunreach
         TOKEN); or, when the snapshot could need a retake, a full check's UnreachableMemoryInfo.
     base TOKEN LIMIT SYMBOLIZE SUPPRESSIONS
         the sweep of that waiting snapshot (unreachable.sweep_pending), then its release.
-    drop TOKEN
-        release that snapshot if it still waits (VALUE None). A "snap" drops the one before.
+    drop [TOKEN]
+        release that snapshot (no TOKEN: any) if it still waits (VALUE None). A "snap" drops
+        the one before.
 A last word "@TID" names the caller's requesting thread: a check waits until that thread sits
 in its wait for the reply (await_wait) before freezing it, and of its registers only those a
 call preserves are roots (classify.waiting). The caller waits for each reply (a
 blocking read on the result fd: it holds no GIL and no allocator lock while its threads are
 frozen), so at most one request is ever buffered here.
-End of stdin (the caller exited or closed us) ends us, releasing a waiting snapshot.
+End of stdin (the caller closed us), or the caller's death, ends us, releasing a waiting
+snapshot.
 """
 from __future__ import annotations
 
@@ -46,7 +48,7 @@ def main(argv=None) -> int:
     pending = _Pending()
     try:
         warm.when_idle()
-        for line in sys.stdin.buffer:
+        for line in _requests(os.getppid()):
             reply = _serve(args.pid, line.split(), pending)
             if reply is None:
                 return 2
@@ -59,6 +61,23 @@ def main(argv=None) -> int:
         pending.drop()
     os.close(args.fd)
     return 0
+
+
+def _requests(parent: int):
+    """The request lines of stdin until its end, or until our parent (the caller) is gone: a
+    waiting snapshot is a clone of the caller and holds the pipe's write end open, so that end
+    would never come after the caller's death (the caller's exit drops the snapshot first)."""
+    import select
+    stdin = sys.stdin.buffer
+    while True:
+        if not select.select([stdin], [], [], 0.5)[0]:
+            if os.getppid() != parent:
+                return
+            continue
+        line = stdin.readline()
+        if not line:
+            return
+        yield line
 
 
 def _serve(pid: int, words: list, pending: "_Pending"):
@@ -82,8 +101,8 @@ def _serve(pid: int, words: list, pending: "_Pending"):
         token, limit = int(words[1]), int(words[2])
         return _guarded(lambda: pending.sweep(token, None if limit < 0 else limit,
                                               words[3] != b"0", _rules(words[4])))
-    if words[:1] == [b"drop"] and len(words) == 2:
-        return _guarded(lambda: pending.drop(int(words[1])))
+    if words[:1] == [b"drop"] and len(words) <= 2:
+        return _guarded(lambda: pending.drop(int(words[1]) if len(words) == 2 else None))
     return None
 
 

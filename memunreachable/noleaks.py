@@ -306,6 +306,11 @@ _HELPER_LOCK = threading.Lock()
 def _close_helper() -> None:
     global _HELPER
     if _HELPER is not None and _HELPER.owner == os.getpid():
+        # a waiting snapshot (deferred_baseline) is a clone of us holding the helper's stdin
+        # open: the end of stdin reaches the helper only once it released that snapshot
+        if _HELPER.alive():
+            with contextlib.suppress(SweepError):
+                _HELPER.request(lambda: "drop")
         _HELPER.close()
     _HELPER = None
 

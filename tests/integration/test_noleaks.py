@@ -8,7 +8,7 @@ import time
 
 import pytest
 
-from inprocess_helpers import build_leaky, run_python
+from inprocess_helpers import build_leaky, python_env, run_python
 from memunreachable import noleaks
 from memunreachable._errors import LeaksDetected
 from memunreachable.leftovers import children_of
@@ -303,3 +303,50 @@ def test_the_helper_waits_until_the_requesting_thread_sits_in_its_wait():
         finally:
             p.kill()
             p.wait()
+
+
+WAITING = r"""
+import os, sys, time
+from memunreachable import noleaks
+b = noleaks.deferred_baseline()
+print("waiting", b.waiting, flush=True)
+if sys.argv[1] == "sleep":
+    time.sleep(60)
+"""
+
+
+def _ours(marker: str) -> list:
+    """Processes whose command line holds marker: a helper (--pid) or a snapshot clone."""
+    found = []
+    for entry in os.listdir("/proc"):
+        try:
+            with open(f"/proc/{entry}/cmdline", "rb") as f:
+                if marker.encode() in f.read():
+                    found.append(int(entry))
+        except (OSError, ValueError):
+            continue
+    return found
+
+
+@pytest.mark.parametrize("how", ["exit", "sigkill"])
+def test_a_waiting_snapshot_never_outlives_its_process(ext_dir, how):
+    # the snapshot is a clone of the caller, holding the helper's stdin open: the caller's exit
+    # drops it first, and a helper whose caller died releases it and ends (no EOF ever comes)
+    import subprocess
+    marker = f"mu-waiting-{os.getpid()}-{how}"
+    p = subprocess.Popen([sys.executable, "-c", WAITING, "sleep" if how == "sigkill" else "exit",
+                          marker], env=python_env(ext_dir), stdout=subprocess.PIPE)
+    try:
+        assert p.stdout.readline() == b"waiting True\n"
+        t0 = time.monotonic()
+        if how == "sigkill":
+            p.kill()
+        p.wait(timeout=30)
+        assert time.monotonic() - t0 < 10
+        deadline = time.monotonic() + 10
+        while _ours(marker) or _ours(f"--pid\0{p.pid}\0"):
+            assert time.monotonic() < deadline, "helper or snapshot left behind"
+            time.sleep(0.1)
+    finally:
+        p.kill()
+        p.wait()
