@@ -161,9 +161,8 @@ def check_later(pid: int, *, timeout: float = 2.0, allow_seccomp: bool = False,
     guard.enter_context(leftovers.guard(pid))
     pending = None
     try:
-        pending = _take_pending(pid, info, guard, timeout, allow_seccomp, dead_ranges)
-        if pending is not None:
-            pending.waiting_tids = tuple(waiting_tids)
+        pending = _take_pending(pid, info, guard, timeout, allow_seccomp, dead_ranges,
+                                waiting_tids)
     except CollectionError as exc:
         if not getattr(exc, "snapshot_lost", False):
             raise
@@ -174,7 +173,7 @@ def check_later(pid: int, *, timeout: float = 2.0, allow_seccomp: bool = False,
 
 
 def _take_pending(pid: int, info: UnreachableMemoryInfo, guard, timeout: float,
-                  allow_seccomp: bool, dead_ranges) -> Optional[Pending]:
+                  allow_seccomp: bool, dead_ranges, waiting_tids) -> Optional[Pending]:
     prepare_snapshot(pid, timeout)
     with frozen(pid, timeout=timeout) as fz:
         snap = take_snapshot(fz, allow_seccomp=allow_seccomp)
@@ -197,7 +196,7 @@ def _take_pending(pid: int, info: UnreachableMemoryInfo, guard, timeout: float,
                 snap.release()
     info.pause_ms += fz.pause_ms
     info.snapshot_mode, info.threads = snap.mode, len(fz.threads)
-    return Pending(info, fz, snap, plan, dead_ranges, guard)
+    return Pending(info, fz, snap, plan, dead_ranges, guard, waiting_tids)
 
 
 def sweep_pending(pending: Pending, *, limit: Optional[int] = 100, symbolize: bool = True,
@@ -238,8 +237,7 @@ def _sweep_pending(pending: Pending) -> SweepResult:
                             hint="the heap may be corrupt; run the program under valgrind or "
                                  "with MALLOC_CHECK_=3") from None
     except MemoryUnreadable as exc:
-        _judge_unreadable(fz.pid, fz, snap, _Attempts(), exc)
-        raise
+        _judge_unreadable(fz.pid, fz, snap, _Attempts(), exc)      # raises
 
 
 class _Retake(Exception):
