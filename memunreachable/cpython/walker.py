@@ -140,15 +140,9 @@ class _FreeListError(Exception):
 # prefix: bytes before the object's memory in its allocation (debug hooks: DEBUG_HOOK_PREFIX).
 def read_freelists(mem, lay: L.Layout, interp: int,
                    prefix: int = 0) -> Tuple[List[int], List[Range]]:
-    try:
-        return _read_freelists(mem, lay, interp, prefix)
-    finally:
-        _CHAIN_REGIONS.clear()          # no copy outlives its sweep
-
-
-def _read_freelists(mem, lay: L.Layout, interp: int, prefix: int) -> Tuple[List[int], List[Range]]:
     fl = lay.freelists
     dead: List[int] = []
+    regions = _copy_regions(mem)
 
     def take(obj: int, gc: bool, what: str) -> None:
         if obj % 8 or _u64(mem, obj + L.OB_REFCNT) != 0:
@@ -163,7 +157,7 @@ def _read_freelists(mem, lay: L.Layout, interp: int, prefix: int) -> Tuple[List[
 
     def chain(obj: int, n: int, link: int, gc: bool, what: str) -> None:
         # natively through the copies (thousands of tuples in a test process: 5 ms in Python)
-        objs = _follow_chain(mem, obj, n, link)
+        objs = _follow_chain(mem, regions, obj, n, link)
         for o in objs:
             dead.append(o - prefix - (L.GC_HEAD_SIZE if gc else 0))
         obj = objs.next
@@ -197,7 +191,14 @@ def _read_freelists(mem, lay: L.Layout, interp: int, prefix: int) -> Tuple[List[
     return dead, ranges
 
 
-_CHAIN_REGIONS: dict = {}     # "mem": (the copies, their mu_region array, what keeps it alive)
+# Returns (mu_region array, what keeps it alive, how many) of mem's copies
+# (memory.CopiedMemory), or None for another reader.
+def _copy_regions(mem):
+    copies = getattr(mem, "copies", None)
+    if not copies:
+        return None
+    from memunreachable._ffi import region_array
+    return region_array(copies) + (len(copies),)
 
 
 class _Chain(list):
@@ -206,22 +207,19 @@ class _Chain(list):
 
 
 # Returns the first objects of the chain of n objects from obj (link: the offset of the next
-# object's address) that mu_follow_chain could check in mem's copies (ob_refcnt 0), with .next
-# the object after them: all n of them when the chain lies in the copies and is sound; fewer
-# when it leaves them or goes wrong, and the caller checks the rest one by one (same errors).
-def _follow_chain(mem, obj: int, n: int, link: int) -> _Chain:
+# object's address) that mu_follow_chain could check in mem's copies (regions: _copy_regions;
+# ob_refcnt 0), with .next the object after them: all n of them when the chain lies in the
+# copies and is sound; fewer when it leaves them or goes wrong, and the caller checks the rest
+# one by one (same errors).
+def _follow_chain(mem, regions, obj: int, n: int, link: int) -> _Chain:
     out = _Chain()
     out.next = obj
-    copies = getattr(mem, "copies", None)
-    if not n or not copies:
+    if not n or regions is None:
         return out
-    from memunreachable._ffi import ffi, lib, region_array
-    cached = _CHAIN_REGIONS.get("mem")
-    if cached is None or cached[0] is not copies:
-        cached = _CHAIN_REGIONS["mem"] = (copies,) + region_array(copies)
+    from memunreachable._ffi import ffi, lib
     buf = array("Q", bytes(8 * n))
     done = ffi.new("uint64_t *")
-    lib.mu_follow_chain(cached[1], len(copies), obj, n, link, L.OB_REFCNT,
+    lib.mu_follow_chain(regions[0], regions[2], obj, n, link, L.OB_REFCNT,
                         ffi.from_buffer("uint64_t[]", buf), done)
     k = done[0]
     out.extend(buf[:k])

@@ -325,7 +325,8 @@ def test_free_list_chains_followed_natively_in_the_copies_give_the_same_answers(
     blocks = freelist_interp(lay, interp, floats, [0x60010])
     dead, _ = walker.read_freelists(mem_of(blocks), lay, interp)
     assert sorted(dead) == floats + [0x60000]
-    native = walker._follow_chain(mem_of(blocks), floats[0], 4, L.OB_TYPE)
+    mem = mem_of(blocks)
+    native = walker._follow_chain(mem, walker._copy_regions(mem), floats[0], 4, L.OB_TYPE)
     assert list(native) == {"all": floats, "first": floats[:2], "none": []}[copied]
     assert native.next == (floats + [0])[len(native)]       # where mem takes over
     bad = dict(blocks)
