@@ -130,3 +130,27 @@ int64_t mu_pymalloc_blocks(const uint8_t *data, uint64_t base, uint64_t len, uin
     }
     return (int64_t)stored;
 }
+
+int64_t mu_pymalloc_text_heads(const uint8_t *data, uint64_t base, uint64_t len,
+                               const uint64_t *addr, uint64_t n, uint64_t *out, uint64_t cap)
+{
+    int64_t found = 0;
+    if (!data || (n && !addr) || (cap && !out))
+        return -EINVAL;
+    for (uint64_t i = 0; i < n; i++) {
+        uint64_t b = addr[i];
+        if (b < base || b - base > len || len - (b - base) < 8)
+            continue;
+        uint64_t v = rd64(data + (b - base));
+        if (!mu_tail_shape(v))
+            continue;
+        uint64_t z = (v - MU_ONES) & ~v & MU_HIGHS;     /* its lowest bit: the first NUL byte */
+        unsigned k = (unsigned)__builtin_ctzll(z) >> 3;
+        if (k > 4 || ((v ^ b) >> (8 * (k + 1))))
+            continue;
+        if ((uint64_t)found < cap)
+            out[found] = b;
+        found++;
+    }
+    return found;
+}

@@ -42,6 +42,8 @@ class PymallocWalk:
     sizes: array = field(default_factory=lambda: array("Q"))    # their size classes (bytes)
     heap_ranges: List[Range] = field(default_factory=list)      # pymalloc's memory: never roots
     regions: List[Tuple[int, object]] = field(default_factory=list)  # copies covering the blocks
+    text_heads: array = field(default_factory=lambda: array("Q"))   # blocks whose first word
+    #                                        is a short string over a free link (no reference)
     stats: dict = field(default_factory=dict)
     problems: List[str] = field(default_factory=list)   # hard: do not trust the walk
     warnings: List[str] = field(default_factory=list)   # soft: parts left to the old treatment
@@ -61,6 +63,7 @@ class _Acc:
 
     def __init__(self):
         self.pieces: List[Tuple[int, array, array]] = []
+        self.text_heads = array("Q")
         self.stats = dict(arenas=0, pools=0, empty_pools=0, used_blocks=0, used_bytes=0,
                           free_blocks=0, virgin_blocks=0, bad_pools=0)
 
@@ -93,6 +96,7 @@ class _Acc:
                 break
             cap = res.used
         self.pieces.append((base, addr[:n], size[:n]))
+        self._text_heads(data, base, len(buf), addr, n)
         s = self.stats
         s["pools"] += res.pools
         s["empty_pools"] += res.empty_pools
@@ -102,6 +106,20 @@ class _Acc:
         s["virgin_blocks"] += res.virgin_blocks
         s["bad_pools"] += res.bad_pools
         return res
+
+    def _text_heads(self, data, base: int, size: int, addr: array, n: int) -> None:
+        """Adds the blocks among addr[:n] whose first word is a short C string written over a
+        free block's link (mu_pymalloc_text_heads): that word is no reference."""
+        cap = 64
+        while True:
+            out = array("Q", (0,)) * cap
+            k = check(lib.mu_pymalloc_text_heads(data, base, size, ffi.from_buffer("uint64_t[]", addr),
+                                                 n, ffi.from_buffer("uint64_t[]", out), cap),
+                      "find pymalloc text heads")
+            if k <= cap:
+                self.text_heads.extend(out[:k])
+                return
+            cap = k
 
     def assemble(self) -> Tuple[array, array]:
         # sized once and filled by slices (memcpy): growing by extend reallocated and copied
@@ -151,6 +169,7 @@ def walk_arena_arrays(mem, lay: L.Layout, arrays: Sequence[ArenaArray]) -> Pymal
     for arr in arrays:
         _walk_array(mem, lay, arr, out, acc)
     out.blocks, out.sizes = acc.assemble()
+    out.text_heads = array("Q", sorted(acc.text_heads))
     out.in_use = acc.stats["arenas"] > 0
     out.method = "arenas" if out.in_use else "none"
     out.stats = acc.stats
@@ -263,6 +282,7 @@ def scan_pools(mem, maps: Sequence[Mapping], lay: L.Layout) -> PymallocWalk:
             lo = hi
     out.heap_ranges = merge_ranges(out.heap_ranges)
     out.blocks, out.sizes = acc.assemble()
+    out.text_heads = array("Q", sorted(acc.text_heads))
     out.in_use = acc.stats["pools"] + acc.stats["empty_pools"] > 0
     out.stats = acc.stats
     return out

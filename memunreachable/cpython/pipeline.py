@@ -6,8 +6,9 @@ Input: the snapshot (Memory), mappings, threads, pid and glibc's HeapWalk. Outpu
     root_cuts   pymalloc's arenas/pools, the dead data stack, free-list arrays and GC list
                 heads: never roots (classify's extra_cuts)
     dead        DeadWords for mark/fold: every GC-tracked object's PyGC_Head (found by walking
-                the generation lists from their heads in C), the list heads, and dead ranges
-                lying inside an allocation (3.9/3.10: the interpreter is a glibc chunk)
+                the generation lists from their heads in C), the list heads, dead ranges
+                lying inside an allocation (3.9/3.10: the interpreter is a glibc chunk), and
+                the first words of pymalloc blocks that are short strings over a free link
     warnings    soft issues (a part left to the old treatment)
 When CPython is absent or its map is unusable, image is glibc's and nothing is cut: today's
 treatment (CPython's memory scanned whole as roots). See cpython-memory.md, style.md 2b.
@@ -76,6 +77,8 @@ def _prepare(mem, maps, threads, pid: Optional[int], image: HeapImage) -> CPytho
     out.image = merged
     cuts = list(kept_cuts) + list(cp.dead_ranges)
     dead_pairs = [[(r.begin, r.end) for r in cp.dead_ranges]]     # sources for merge_pairs
+    # a short string over a free block's link, at a block's start (mu_pymalloc_text_heads)
+    dead_pairs.append([(a, a + 8) for a in cp.pymalloc.text_heads])
     head_word = None
     wanted = {sym: name for sym, (name, _kind) in _type_rules(cp).items()}
     statics = static_types(mem, maps, pid, cp, dict(wanted, PyList_Type="list", PyCode_Type="code",
@@ -165,6 +168,7 @@ def _prepare(mem, maps, threads, pid: Optional[int], image: HeapImage) -> CPytho
     out.dead = DeadWords(ranges=merge_pairs(*dead_pairs),
                          head_word=head_word, types=dead_types, dict_keys=dict_keys_rule(cp))
     out.stats.update(cp.stats, pymalloc_blocks=len(blocks), dead_blocks_dropped=ndead,
+                     text_heads=len(cp.pymalloc.text_heads),
                      version="%d.%d" % cp.version, allocator=cp.allocator)
     return out
 

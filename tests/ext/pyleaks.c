@@ -5,6 +5,8 @@
  *   incref(obj)    -> None; takes a reference that is never released (a refcount leak)
  *   leak_list(n, first), leak_str(text) -> ~address of a list of n ints / a str leaked by
  *                     refcount, built in C so that no stale copy of the address exists
+ *   text_over_link(c) -> (~L, A): a leaked pymalloc block L and a kept one A whose first word
+ *                     is a one-character string over a link into L (see the function)
  * The block is calloc'ed: no stale words of earlier users (PYTHONMALLOC=malloc reuses freed
  * objects' chunks) can make it reference other blocks, which would fold them under it; a
  * memset over the whole block would leave its end pointer (inside the usable size) in
@@ -75,6 +77,49 @@ static PyObject *leak_str(PyObject *self, PyObject *args)
     return PyLong_FromUnsignedLong(hidden);
 }
 
+/* text_over_link(c) -> (~L, A): two 32-byte pymalloc blocks (PyMem_Calloc) of one pool that
+ * starts at a 64 KiB boundary W: L, its first block (W + 48), leaked; A, the next (W + 80),
+ * kept (in `heads`), whose first word is c, a NUL, then A's own bytes from 2 on: what a
+ * one-character string written over a free block's link leaves (the link's high bytes are
+ * the pool's). For c = '1' that word reads as W + 0x31, inside L; for '0' it is W + 0x30, L's
+ * address. None when pymalloc is not the allocator or no such pool turned up. */
+static void *heads[16];
+static int nheads;
+
+static PyObject *text_over_link(PyObject *self, PyObject *args)
+{
+    int c;
+    if (!PyArg_ParseTuple(args, "C", &c) || nheads == 16)
+        return NULL;
+    enum { N = 1 << 17 };
+    void **all = calloc(N, sizeof(void *));
+    if (!all)
+        return PyErr_NoMemory();
+    uintptr_t leak = 0, keep = 0;
+    int n = 0;
+    for (; n < N && !keep; n++) {
+        all[n] = PyMem_Calloc(1, 32);
+        uintptr_t p = (uintptr_t)all[n];
+        if (n && (p & 0xffff) == 80 && (uintptr_t)all[n - 1] == p - 32) {
+            leak = p - 32;
+            keep = p;
+        }
+    }
+    for (int k = 0; k < n; k++)
+        if ((uintptr_t)all[k] != leak && (uintptr_t)all[k] != keep)
+            PyMem_Free(all[k]);
+    memset(all, 0, N * sizeof(void *));
+    free(all);
+    if (!keep)
+        Py_RETURN_NONE;
+    volatile uint64_t *w = (volatile uint64_t *)keep;
+    w[0] = (keep & ~(uint64_t)0xffff) | (uint64_t)(unsigned char)c;
+    heads[nheads++] = (void *)keep;
+    volatile unsigned long hidden = ~(unsigned long)leak;
+    leak = 0;
+    return Py_BuildValue("(kk)", (unsigned long)hidden, (unsigned long)keep);
+}
+
 static PyObject *incref(PyObject *self, PyObject *obj)
 {
     Py_INCREF(obj);
@@ -87,6 +132,8 @@ static PyMethodDef methods[] = {
     {"incref", incref, METH_O, "take a reference that is never released"},
     {"leak_list", leak_list, METH_VARARGS, "a list of n ints leaked by refcount: ~address"},
     {"leak_str", leak_str, METH_VARARGS, "a str leaked by refcount: ~address"},
+    {"text_over_link", text_over_link, METH_VARARGS,
+     "a leaked pymalloc block and a kept one whose first word is a string over a link into it"},
     {NULL, NULL, 0, NULL},
 };
 

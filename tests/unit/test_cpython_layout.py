@@ -133,6 +133,56 @@ def test_bad_arguments_are_einval():
     assert lib.mu_pymalloc_blocks(ffi.NULL, 0, 0, PS, ffi.NULL, 0, ffi.NULL, ffi.NULL, 0, res) == -22
 
 
+def c_text_heads(data, base, blocks, cap=64):
+    out = array("Q", [0]) * max(cap, 1)
+    ba = array("Q", blocks)
+    n = lib.mu_pymalloc_text_heads(ffi.from_buffer("uint8_t[]", data), base, len(data),
+                                   ffi.from_buffer("uint64_t[]", ba), len(ba),
+                                   ffi.from_buffer("uint64_t[]", out), cap)
+    assert n >= 0
+    return list(out[:min(n, cap)]), n
+
+
+def test_a_short_string_over_a_free_link_is_found_and_nothing_else():
+    # 32-byte blocks of one pool; a free block's link is the address of another block of the
+    # pool: a string of 1-4 printable bytes and a NUL written over it keeps the link's high
+    # bytes, which are the holder's own
+    img = bytearray(pool(BASE, 1, 12))
+    blk = [BASE + 48 + 32 * i for i in range(12)]
+    link = blk[9]
+
+    def put(i, text=None, word=None):
+        v = word if word is not None else \
+            int.from_bytes(text, "little") | (link & ~((1 << 8 * len(text)) - 1))
+        struct.pack_into("<Q", img, blk[i] - BASE, v)
+        return v
+
+    assert put(0, b"<?\0") == (link & ~0xFFFFFF) | 0x3F3C               # ctypes' format of c_bool
+    put(1, b"y\0")                                                      # 1 byte and its NUL
+    put(2, b"abcd\0")                                                   # 4 bytes: the longest
+    put(3, b"abcde\0")                 # 5 bytes: only 2 of the link's bytes left, not matched
+    put(4, b"0\0")                     # 8-aligned: an object's address is never dismissed
+    put(5, word=link + 1)               # an unaligned pointer whose low byte is no text: kept
+    put(6, word=(0x7E0000000000 | 0x3F3C))      # the string's tail is not the holder's: kept
+    put(7, word=0x41)                   # a reference count of 65 ("A\0"): no address at all
+    put(8, b"\x01<\0")                 # not printable: kept
+    heads, n = c_text_heads(bytes(img), BASE, blk)
+    assert heads == [blk[0], blk[1], blk[2]] and n == 3
+    assert c_text_heads(bytes(img), BASE, blk, cap=1) == ([blk[0]], 3)   # the count past cap
+    # blocks outside the copy are left alone
+    assert c_text_heads(bytes(img), BASE + PS, blk) == ([], 0)
+    assert lib.mu_pymalloc_text_heads(ffi.NULL, 0, 0, ffi.NULL, 0, ffi.NULL, 0) == -22
+
+
+def test_the_pool_walk_lists_the_text_heads_of_used_blocks():
+    img = bytearray(pool(BASE, 1, 6, free=(5,)))
+    word = (BASE & ~0xFFFF) | 0x31                      # "1\0" over a link to the pool
+    struct.pack_into("<Q", img, 48 + 32 * 2, word)
+    mem = BufferMemory({BASE: bytes(img)})
+    w = obmalloc.scan_pools(mem, [anon(BASE, BASE + PS)], L.LAYOUTS[(3, 11)])
+    assert list(w.text_heads) == [BASE + 48 + 64]
+
+
 # --- pool scan and arenas walk over a Memory ---------------------------------------------------
 def anon(begin, end):
     return Mapping(begin, end, "rw-p", 0, "00:00", 0, "")
