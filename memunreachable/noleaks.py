@@ -20,6 +20,7 @@ import logging
 import os
 import pickle
 import atexit
+import math
 import select
 import struct
 import subprocess
@@ -503,15 +504,21 @@ def _scrub_stack() -> None:
 
 
 def _read_exactly(fd: int, n: int, timeout: float) -> bytes:
-    """n bytes from fd within timeout; EOFError when the writer went away first."""
+    """n bytes from fd within timeout; EOFError when the writer went away first.
+    The wait is poll, not select: the thread is frozen in it and its stack is scanned from its
+    SP up, and select.select keeps three fd-to-object arrays of 1,025 entries on the C stack
+    (49 KB), written only for the fds given, so the scan read 49 KB of what deeper calls had
+    left there (a stale copy of a 34 MB block leaked by the test at SP+0xb6c8 hid it in 1 of
+    ~70 runs of the xdist suite under load: MEMUNREACHABLE_EXPLAIN). poll's frame is small."""
     chunks, got = [], 0
     deadline = time.monotonic() + timeout
+    poller = select.poll()
+    poller.register(fd, select.POLLIN)
     while got < n:
         left = deadline - time.monotonic()
         if left <= 0:
             raise SweepError(f"the in-process check did not finish within {timeout:.0f} s")
-        r, _, _ = select.select([fd], [], [], left)
-        if not r:
+        if not poller.poll(math.ceil(left * 1000)):
             continue
         # 64 KiB reads stay below glibc's mmap threshold: a freed 1 MiB mmapped read buffer
         # leaves stale cursor pointers into an address range a later block may reuse
