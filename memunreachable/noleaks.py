@@ -509,7 +509,8 @@ def _read_exactly(fd: int, n: int, timeout: float) -> bytes:
     SP up, and select.select keeps three fd-to-object arrays of 1,025 entries on the C stack
     (49 KB), written only for the fds given, so the scan read 49 KB of what deeper calls had
     left there (a stale copy of a 34 MB block leaked by the test at SP+0xb6c8 hid it in 1 of
-    ~70 runs of the xdist suite under load: MEMUNREACHABLE_EXPLAIN). poll's frame is small."""
+    about 300 runs of the xdist suite under load: MEMUNREACHABLE_EXPLAIN). poll's frame is
+    small."""
     chunks, got = [], 0
     deadline = time.monotonic() + timeout
     poller = select.poll()
