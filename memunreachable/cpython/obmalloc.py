@@ -169,7 +169,7 @@ def walk_arena_arrays(mem, lay: L.Layout, arrays: Sequence[ArenaArray]) -> Pymal
     for arr in arrays:
         _walk_array(mem, lay, arr, out, acc)
     out.blocks, out.sizes = acc.assemble()
-    out.text_heads = array("Q", sorted(acc.text_heads))
+    out.text_heads = acc.text_heads
     out.in_use = acc.stats["arenas"] > 0
     out.method = "arenas" if out.in_use else "none"
     out.stats = acc.stats
@@ -282,7 +282,7 @@ def scan_pools(mem, maps: Sequence[Mapping], lay: L.Layout) -> PymallocWalk:
             lo = hi
     out.heap_ranges = merge_ranges(out.heap_ranges)
     out.blocks, out.sizes = acc.assemble()
-    out.text_heads = array("Q", sorted(acc.text_heads))
+    out.text_heads = acc.text_heads
     out.in_use = acc.stats["pools"] + acc.stats["empty_pools"] > 0
     out.stats = acc.stats
     return out
