@@ -22,7 +22,7 @@ import warnings
 
 import pytest
 
-from memunreachable._errors import MemunreachableError
+from memunreachable._errors import MemunreachableError, SweepError
 
 
 def _nl():
@@ -270,7 +270,6 @@ def _after(item, base) -> None:
         try:
             _remember(item.config, base.resolve())
         except MemunreachableError as exc:
-            from memunreachable._errors import SweepError
             item.stash[_CANNOT] = SweepError(
                 f"{len(new)} block(s) unreachable after the test could not be told apart from "
                 f"those before it: its baseline could not be swept ({exc})", hint=exc.hint)
