@@ -109,11 +109,22 @@ static void *read_job_run(void *arg)
     return NULL;
 }
 
+long mu_online_cpus(void)
+{
+    static long cached;         /* a race only reads the same value twice */
+    long n = __atomic_load_n(&cached, __ATOMIC_RELAXED);
+    if (n < 1) {
+        n = sysconf(_SC_NPROCESSORS_ONLN);
+        __atomic_store_n(&cached, n, __ATOMIC_RELAXED);
+    }
+    return n;
+}
+
 int64_t mu_read(int memfd, uint64_t addr, uint8_t *buf, uint64_t len, uint64_t *first_bad)
 {
     if (first_bad)
         *first_bad = 0;
-    long ncpu = sysconf(_SC_NPROCESSORS_ONLN);
+    long ncpu = mu_online_cpus();
     int n = ncpu > MU_MAX_THREADS ? MU_MAX_THREADS : (int)ncpu;
     if (len < MU_PARALLEL_MIN || n < 2)
         return mu_read_serial(memfd, addr, buf, len, first_bad);

@@ -1051,7 +1051,7 @@ int64_t mu_mark(const uint64_t *begin, const uint64_t *size, uint64_t n,
     }
     int nt = 1;
     if (n >= MARK_PARALLEL_MIN || (flags & MU_MARK_PARALLEL)) {
-        long ncpu = sysconf(_SC_NPROCESSORS_ONLN);
+        long ncpu = mu_online_cpus();
         nt = ncpu < 1 ? 1 : ncpu > MARK_MAX_THREADS ? MARK_MAX_THREADS : (int)ncpu;
     }
     mark_ctx *ms = calloc((size_t)nt, sizeof *ms);

@@ -752,7 +752,7 @@ int64_t mu_read_walk(int memfd, mu_read_job *jobs, uint64_t njobs)
         free(x.piece0);
         return -ENOMEM;
     }
-    long ncpu = sysconf(_SC_NPROCESSORS_ONLN);
+    long ncpu = mu_online_cpus();
     int nt = total < RW_PARALLEL_MIN || ncpu < 2 ? 1 : ncpu > RW_MAX_THREADS ? RW_MAX_THREADS : (int)ncpu;
     pthread_t tids[RW_MAX_THREADS];
     int started[RW_MAX_THREADS] = {0};
