@@ -299,6 +299,15 @@ TPFLAGS_INLINE_VALUES = 1 << 2  # 3.13+: a managed dict's values follow the obje
 # and the object offset of `char *buffer` (after raw, four ints, finalizing, abs_pos)
 BUFFERED_SIZE = 152
 BUFFERED_BUFFER = 56
+# Modules/_ctypes/ctypes.h (measured with ctypes on 3.8-3.13): the object offsets of
+# `char *format` (a PEP 3118 format string: text) and `Py_ssize_t *shape` (ndim integers), two
+# PyMem_Malloc'd blocks that never hold a reference. 3.8-3.12: in StgDict, the dict subclass
+# (tp_basicsize 192) that is each ctypes type's tp_dict; 3.13: in StgInfo, the type data of
+# ctypes' metatypes (160 bytes after PyType_Type's tp_basicsize rounded up to 16).
+STGDICT_SIZE, STGDICT_FIELDS = 192, (168, 184)
+STGINFO_SIZE, STGINFO_FIELDS = 160, (136, 152)
+CTYPES_METATYPES = ("_ctypes.PyCSimpleType", "_ctypes.PyCPointerType", "_ctypes.PyCArrayType",
+                    "_ctypes.PyCFuncPtrType", "_ctypes.PyCStructType", "_ctypes.UnionType")
 TPFLAGS_HAVE_GC = 1 << 14
 TPFLAGS_MANAGED_DICT = 1 << 4   # 3.11+
 TPFLAGS_PREHEADER = (1 << 4) | (1 << 3)   # MANAGED_DICT | MANAGED_WEAKREF, 3.12+

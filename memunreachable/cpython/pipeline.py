@@ -127,6 +127,11 @@ def _prepare(mem, maps, threads, pid: Optional[int], image: HeapImage) -> CPytho
                                                                                 types))
             dead_pairs.append(pairs)
             out.stats["deques"] = ndeques
+            # ctypes' format strings and shape arrays: text and integers
+            ctypes, fields = ctypes_types(mem, maps, cp, types)
+            strings = [field_blocks(merged, head_word, ctypes, f, as_pairs=True) for f in fields]
+            dead_pairs += strings
+            out.stats["ctypes_strings"] = sum(len(p) for p in strings)
             out.stats.update(set_smalltables=nsets, dict_values=nvalues, str_buffers=nstrs,
                              generator_heads=ngens, type_names=nnames, old_frames=nframes)
     dead_types = []
@@ -956,6 +961,44 @@ def buffered_types(mem, cp: CPythonMap, types) -> List[int]:
         if ti is not None and ti[0] in IO_BUFFERED:
             out.append(t)
     return sorted(out)
+
+
+# Returns (the types among `types`, ascending, whose GC objects hold ctypes' format and shape
+# pointers; those fields' object offsets), for field_blocks: the blocks they point at are text
+# and integers, never references. "X{}" and 4 stale bytes of a bin link (a libc address's high
+# half) read as an address inside a leaked list in an xdist worker (MEMUNREACHABLE_EXPLAIN:
+# a function pointer type's format, PYTHONMALLOC=malloc). 3.8-3.12: the type named StgDict of
+# tp_basicsize L.STGDICT_SIZE, static in _ctypes; 3.13: ctypes' metatypes (by name, of their
+# size, tp_base _ctypes.CType_Type), whose classes carry the StgInfo. ([], ()) without _ctypes.
+def ctypes_types(mem, maps, cp: CPythonMap, types) -> Tuple[List[int], Tuple[int, ...]]:
+    own = [(m.begin, m.end) for m in maps if m.path == cp.runtime.object_path
+           or (m.path or "").rpartition("/")[2].startswith("_ctypes.")]
+    if not own:
+        return [], ()
+    reader = object_reader(mem, cp)
+    if cp.version < (3, 13):
+        size, fields, names = L.STGDICT_SIZE, L.STGDICT_FIELDS, ("StgDict",)
+    else:
+        size, fields, names = None, L.STGINFO_FIELDS, L.CTYPES_METATYPES
+    out = []
+    for t in types:             # one read each; the few of the right size are then named
+        w = reader.type_words(t)
+        if w is None or (size is not None and (w[2], w[3]) != (size, 0)):
+            continue
+        ti = reader.type_info(t)
+        if ti is None or ti[0] not in names:
+            continue
+        if size is None:        # 3.13: the type data follows PyType_Type's size, rounded to 16
+            meta, base = reader.type_words(w[0]), reader.type_info(reader._u64(t + L.TP_BASE) or 0)
+            if meta is None or (w[2], w[3]) != ((meta[2] + 15) // 16 * 16 + L.STGINFO_SIZE,
+                                               meta[3]) \
+                    or base is None or base[0] != "_ctypes.CType_Type":
+                continue
+            fields = tuple((meta[2] + 15) // 16 * 16 + f for f in L.STGINFO_FIELDS)
+        elif not any(b <= t < e for b, e in own):
+            continue
+        out.append(t)
+    return sorted(out), (tuple(fields) if out else ())
 
 
 # Returns [Range] of the buffers of io's buffered objects (a file's or pipe's bytes, never a

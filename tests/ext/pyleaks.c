@@ -7,6 +7,8 @@
  *                     refcount, built in C so that no stale copy of the address exists
  *   text_over_link(c) -> (~L, A): a leaked pymalloc block L and a kept one A whose first word
  *                     is a one-character string over a link into L (see the function)
+ *   leak_into(addr)  -> (~address, usable size) of a calloc(1, 64) block whose address is
+ *                     stored at addr (8-aligned) and nowhere else: its only pointer
  * The block is calloc'ed: no stale words of earlier users (PYTHONMALLOC=malloc reuses freed
  * objects' chunks) can make it reference other blocks, which would fold them under it; a
  * memset over the whole block would leave its end pointer (inside the usable size) in
@@ -120,6 +122,22 @@ static PyObject *text_over_link(PyObject *self, PyObject *args)
     return Py_BuildValue("(kk)", (unsigned long)hidden, (unsigned long)keep);
 }
 
+static PyObject *leak_into(PyObject *self, PyObject *args)
+{
+    unsigned long addr;
+    if (!PyArg_ParseTuple(args, "k", &addr) || (addr & 7))
+        return addr & 7 ? (PyErr_SetString(PyExc_ValueError, "unaligned"), NULL) : NULL;
+    volatile char *p = calloc(1, 64);
+    if (!p)
+        return PyErr_NoMemory();
+    p[0] = 0x5a;
+    size_t usable = malloc_usable_size((void *)p);
+    *(volatile uint64_t *)addr = (uint64_t)(uintptr_t)p;
+    volatile unsigned long hidden = ~(unsigned long)p;
+    p = NULL;
+    return Py_BuildValue("(kn)", (unsigned long)hidden, (Py_ssize_t)usable);
+}
+
 static PyObject *incref(PyObject *self, PyObject *obj)
 {
     Py_INCREF(obj);
@@ -132,6 +150,7 @@ static PyMethodDef methods[] = {
     {"incref", incref, METH_O, "take a reference that is never released"},
     {"leak_list", leak_list, METH_VARARGS, "a list of n ints leaked by refcount: ~address"},
     {"leak_str", leak_str, METH_VARARGS, "a str leaked by refcount: ~address"},
+    {"leak_into", leak_into, METH_VARARGS, "calloc(1, 64), its address stored at addr only"},
     {"text_over_link", text_over_link, METH_VARARGS,
      "a leaked pymalloc block and a kept one whose first word is a string over a link into it"},
     {NULL, NULL, 0, NULL},

@@ -285,6 +285,52 @@ def test_a_short_string_over_a_pymalloc_free_link_is_no_reference(python):
     assert info.stats["cpython"]["text_heads"] >= 1
 
 
+CTYPES_FORMAT = r"""
+import ctypes, json, sys
+sys.path.insert(0, sys.argv[1])
+import pyleaks
+print("baseline", flush=True)
+sys.stdin.readline()
+F = ctypes.CFUNCTYPE(None, ctypes.c_int)     # its format: "X{}", a 4-byte PyMem_Malloc block
+A = ctypes.c_int * 3                        # "<i", and a shape array of one integer
+def field(t, off):
+    if sys.version_info < (3, 13):          # the type's tp_dict, a StgDict (mappingproxy.mapping)
+        proxy = t.__dict__
+        return ctypes.c_void_p.from_address(ctypes.c_void_p.from_address(id(proxy) + 16).value
+                                            + off).value
+    return ctypes.c_void_p.from_address(id(t) + (type.__basicsize__ + 15) // 16 * 16 + off).value
+fmt = field(F, 168 if sys.version_info < (3, 13) else 136)
+shape = field(A, 184 if sys.version_info < (3, 13) else 152)
+assert ctypes.string_at(fmt) == b"X{}" and ctypes.c_ssize_t.from_address(shape).value == 3
+# a stale word after the string's NUL (the block's slack), and after the shape's one integer
+made = {"format": [hex(fmt)] + [f"{x:#x}" for x in pyleaks.leak_into(fmt + 8)],
+        "shape": [hex(shape)] + [f"{x:#x}" for x in pyleaks.leak_into(shape + 8)]}
+print(json.dumps(made))
+print("ready", flush=True)
+sys.stdin.read(1)
+"""
+
+
+@pytest.mark.parametrize("allocator", ["pymalloc", "malloc"])
+@pytest.mark.parametrize("python", interpreters(), ids=_ident)
+def test_ctypes_format_strings_and_shapes_hold_no_references(python, allocator):
+    # ctypes keeps each type's PEP 3118 format string and shape array in blocks of their own
+    # (PyMem_Malloc): text and integers, whose slack keeps stale words of earlier users ("X{}"
+    # and a bin link's high half read as an address inside a leaked list in an xdist worker).
+    # Here each block's second word holds the only pointer to a 64-byte block: both are leaks.
+    made, info, before = run_target(python, CTYPES_FORMAT, allocator)
+    leaks = {l.address: l for l in info.leaks if l.address not in before}
+    for name in ("format", "shape"):
+        holder, hidden, size = (int(x, 16) for x in made[name])
+        addr = ~hidden & ((1 << 64) - 1)
+        assert addr in leaks, (name, hex(holder), hex(addr), [hex(a) for a in leaks], info.warnings)
+        assert (leaks[addr].size, leaks[addr].python_type) == (size, None)
+        assert not any(a <= holder < a + l.size for a, l in leaks.items())   # the holders live
+    assert set(leaks) == {~int(made[n][1], 16) & ((1 << 64) - 1) for n in ("format", "shape")}, \
+        [(hex(a), l.size, l.python_type) for a, l in leaks.items()]
+    assert info.stats["cpython"]["ctypes_strings"] >= 2
+
+
 CYCLES_ONLY = r"""
 import sys
 class Node:
