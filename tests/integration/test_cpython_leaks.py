@@ -64,7 +64,8 @@ def reserve():
 """
 
 TARGET = r"""
-import ctypes, io, json, os, struct, sys
+import ctypes, gc, io, json, os, struct, sys
+gc.disable()    # the cycles below must still be there at the check: no automatic collection
 sys.path.insert(0, sys.argv[1])
 import pyleaks
 MASK = (1 << 64) - 1
