@@ -167,6 +167,51 @@ def test_deferred_baselines_blame_only_the_leaking_test(suite):
         ["FAILED test_deferred.py::test_leaks_with_a_fixture - Failed: 1 native heap*"])
 
 
+AFTER_A_FAILURE = """
+def test_a_clean():
+    pass
+
+def test_b_fails():
+    assert [] == [1]
+
+def test_c_clean():
+    pass
+"""
+
+COUNT_REQUESTS = """
+import os
+import memunreachable.noleaks as nl
+
+_request = nl._Helper.request
+COUNTS = {}
+
+def counted(self, line):
+    test = os.environ.get("PYTEST_CURRENT_TEST", "").split(" ")[0].rpartition("::")[2]
+    COUNTS.setdefault(test, []).append(line().split()[0])
+    return _request(self, line)
+
+nl._Helper.request = counted
+
+def pytest_unconfigure(config):
+    print("REQUESTS", sorted(COUNTS.items()))
+"""
+
+
+def test_the_garbage_of_a_failure_costs_the_next_test_no_second_sweep(suite):
+    # a failed test leaves reference cycles (its traceback and frames): the next test collects
+    # them before its baseline, instead of finding them as cyclic garbage after its body and
+    # sweeping again after a gc.collect() (test_b_clean took two checks before)
+    suite.makepyfile(test_after_failure=AFTER_A_FAILURE)
+    suite.makeconftest(COUNT_REQUESTS)
+    res = suite.runpytest_subprocess("--memunreachable", "-s", "-p", "no:cacheprovider",
+                                     "test_after_failure.py")
+    res.assert_outcomes(passed=2, failed=1)
+    counts = dict(eval(re.search(r"^REQUESTS (.*)$", res.stdout.str(), re.M).group(1)))
+    print(counts)
+    assert "test_b_fails" not in counts          # its baseline is a_clean's check; no check after it
+    assert counts["test_c_clean"] == ["snap", "go", "drop"]   # one sweep
+
+
 UNSWEPT = """
 import pytest
 import leakytools as leaky
