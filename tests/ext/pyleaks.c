@@ -19,19 +19,28 @@
 #include <string.h>
 #include "reserve.h"
 
-static PyObject *leak_native(PyObject *self, PyObject *args)
+/* calloc(1, n), its address stored at *into (when into is not NULL) and nowhere else:
+ * (~address, usable size). */
+static PyObject *leaked_block(Py_ssize_t n, volatile uint64_t *into)
 {
-    Py_ssize_t n;
-    if (!PyArg_ParseTuple(args, "n", &n))
-        return NULL;
     volatile char *p = calloc(1, n);
     if (!p)
         return PyErr_NoMemory();
     p[0] = 0x5a;
     size_t usable = malloc_usable_size((void *)p);
+    if (into)
+        *into = (uint64_t)(uintptr_t)p;
     volatile unsigned long hidden = ~(unsigned long)p;
     p = NULL;
     return Py_BuildValue("(kn)", (unsigned long)hidden, (Py_ssize_t)usable);
+}
+
+static PyObject *leak_native(PyObject *self, PyObject *args)
+{
+    Py_ssize_t n;
+    if (!PyArg_ParseTuple(args, "n", &n))
+        return NULL;
+    return leaked_block(n, NULL);
 }
 
 /* leak_list(n, first) -> ~address of a list of n ints first, first+1, ... with one reference
@@ -127,15 +136,7 @@ static PyObject *leak_into(PyObject *self, PyObject *args)
     unsigned long addr;
     if (!PyArg_ParseTuple(args, "k", &addr) || (addr & 7))
         return addr & 7 ? (PyErr_SetString(PyExc_ValueError, "unaligned"), NULL) : NULL;
-    volatile char *p = calloc(1, 64);
-    if (!p)
-        return PyErr_NoMemory();
-    p[0] = 0x5a;
-    size_t usable = malloc_usable_size((void *)p);
-    *(volatile uint64_t *)addr = (uint64_t)(uintptr_t)p;
-    volatile unsigned long hidden = ~(unsigned long)p;
-    p = NULL;
-    return Py_BuildValue("(kn)", (unsigned long)hidden, (Py_ssize_t)usable);
+    return leaked_block(64, (volatile uint64_t *)addr);
 }
 
 static PyObject *incref(PyObject *self, PyObject *obj)
