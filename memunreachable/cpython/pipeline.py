@@ -981,9 +981,11 @@ def ctypes_types(mem, maps, cp: CPythonMap, types) -> Tuple[List[int], Tuple[int
     else:
         size, fields, names = None, L.STGINFO_FIELDS, L.CTYPES_METATYPES
     out = []
-    for t in types:             # one read each; the few of the right size are then named
+    # one read each; the few of the right size (3.13: the metatypes) are then named
+    for t in types:
         w = reader.type_words(t)
-        if w is None or (size is not None and (w[2], w[3]) != (size, 0)):
+        if w is None or ((w[2], w[3]) != (size, 0) if size is not None
+                         else not w[4] & L.TPFLAGS_TYPE_SUBCLASS):
             continue
         ti = reader.type_info(t)
         if ti is None or ti[0] not in names:
