@@ -495,10 +495,13 @@ class _Walker(FreeListsMixin):
         claimed = list(self.heap_ranges) + [Range(c.base, c.end) for c in self.copies]
         return [r for r in subtract_ranges(cands, claimed) if r.begin % L.PAGE == 0]
 
-    def anonymous(self, arena: int, top: int, need_runs: bool) -> Tuple[int, int, bool]:
-        """Scan anonymous memory; returns (mmapped count, mmapped bytes, top reached)."""
+    def anonymous(self, arena: int, top: int, need_runs: bool,
+                  expect: Tuple[int, int] = (-1, -1)) -> Tuple[int, int, bool]:
+        """Scan anonymous memory; returns (mmapped count, mmapped bytes, top reached).
+        expect: mp_'s n_mmaps and mmapped_mem, which lookalikes() reconciles the scan with."""
         found = found_bytes = 0
         top_reached = False
+        scanned = []                    # (span begin, user, usable) of each span's candidates
         res_m = ffi.new("mu_mmap_result *")
         cps = [self.copy(r.begin, r.size, read=False) for r in self.anonymous_ranges()]
         for err in read_many(self.mem, [(cp.base, cp.buf) for cp in cps], sparse=True):
@@ -538,17 +541,27 @@ class _Walker(FreeListsMixin):
                 if n:
                     del user[n:]
                     del usable[n:]
-                    self.pieces.append(_Piece(s.begin, user, usable))
-                    cp.used = True
-                    found += res_m.found
-                    found_bytes += res_m.bytes
+                    scanned.append((cp, s.begin, user, usable))
                     self.stats["mmapped_moved"] += res_m.moved
-                    for u, us in zip(user, usable):
-                        # the chunk and any stale memalign header before it
-                        size = us + L.MMAP_USABLE_DELTA
-                        chunk = u - L.CHUNK_HDR
-                        begin = chunk - self.moved_offset(cp, chunk)
-                        self.heap_ranges.append(Range(begin, chunk + size))
+        spans = {}                      # user address -> its span's bytes (the memalign header too)
+        for cp, _b, user, usable in scanned:
+            for u, us in zip(user, usable):
+                chunk = u - L.CHUNK_HDR
+                spans[u] = (chunk - self.moved_offset(cp, chunk), chunk + us + L.MMAP_USABLE_DELTA)
+        drop = V.lookalikes({u: e - b for u, (b, e) in spans.items()}, *expect)
+        if drop:
+            self.stats["mmapped_lookalikes"] = len(drop)
+        for cp, begin, user, usable in scanned:
+            keep = [k for k, u in enumerate(user) if u not in drop]
+            if not keep:
+                continue
+            self.pieces.append(_Piece(begin, array("Q", [user[k] for k in keep]),
+                                      array("Q", [usable[k] for k in keep])))
+            cp.used = True
+            for k in keep:
+                found += 1
+                found_bytes += spans[user[k]][1] - spans[user[k]][0]
+                self.heap_ranges.append(Range(*spans[user[k]]))   # with a stale memalign header
         return found, found_bytes, top_reached
 
     @staticmethod
@@ -702,11 +715,11 @@ def walk_heap(mem, maps: List[Mapping], threads: List[ThreadState], pid: int,
     # 5. anonymous memory: NONCONTIGUOUS main runs, mmapped chunks
     flags = w.i32(main + lay.state.flags)
     need_runs = not top_reached and bool(flags & lay.state.noncontiguous_bit)
-    found, found_bytes, reached = w.anonymous(main, top, need_runs)
-    if not top_reached and not reached:
-        w.v.fail(f"main arena: no run reaches top {top:#x}", top)
     n_mmaps = w.i32(loc.mp + lay.par.n_mmaps)
     mmapped_mem = w.word(loc.mp + lay.par.mmapped_mem)
+    found, found_bytes, reached = w.anonymous(main, top, need_runs, (n_mmaps, mmapped_mem))
+    if not top_reached and not reached:
+        w.v.fail(f"main arena: no run reaches top {top:#x}", top)
     V.check_mmapped(w.v, found, found_bytes, n_mmaps, mmapped_mem)
     w.stats["mmapped"] = found
     # 6. subtract tcache and fastbin free chunks

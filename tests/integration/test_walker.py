@@ -278,3 +278,19 @@ def test_mprotect_split_thread_heap_is_walked():
     assert heap.path == "" and heap.end < big.address + big.size     # split inside the block
     assert owned(fx) <= got
     assert hw.stats["arenas"] == 2 and hw.stats["heaps"] == 1 and hw.soft_issues == []
+
+
+@pytest.mark.parametrize("pages", ["1", "2"])
+def test_pages_that_read_as_mmapped_chunks_are_told_apart_by_mp_s_counters(pages):
+    # the program's own anonymous mapping begins (and, with 2, has at +32 KiB) 0, size|2: it
+    # reads as 1 (2) mmapped chunk(s) more than mp_ counts; the surplus' size tells them apart,
+    # so the check neither calls the heap corrupt nor reports them, and what only the mapping
+    # points at is live
+    from memunreachable.unreachable import check
+    with fixtures.start("lookalike_mmapped", pages) as fx:
+        info = check(fx.pid, limit=None)
+    assert sorted((lk.address, lk.size) for lk in info.leaks) == sorted(
+        (fx.blocks[k].address, fx.blocks[k].size) for k in ("leak_big", "leak"))
+    assert info.num_leaks == fx.expect["num_leaks"] == 2
+    assert info.stats["stats"]["mmapped"] == 2
+    assert info.stats["stats"]["mmapped_lookalikes"] == int(pages)

@@ -653,3 +653,24 @@ def test_read_walk_drop_releases_the_copy_and_keeps_the_candidates():
     pieces = ffi.new("uint64_t *")
     assert lib.mu_cands_words(cands, pieces) == in_range and pieces[0] == 3
     del pd
+
+
+def test_chunk_lookalikes_are_told_apart_by_mp_s_counters_only_when_unambiguous():
+    from memunreachable.glibc import validate as V
+    real = {0x1010: 1925120, 0x2010: 294912, 0x3010: 135168, 0x4010: 266240}
+    total = sum(real.values())
+    # a page of a pymalloc arena that began 0, 0x2002: one 8 KiB chunk too many
+    assert V.lookalikes({**real, **{0x9010: 8192}}, 4, total) == {0x9010}
+    # two too many, one set of two sums to the surplus
+    two = {**real, **{0xa010: 8192, 0xb010: 12288}}
+    assert V.lookalikes(two, 4, total) == {0xa010, 0xb010}
+    # ambiguous: a real chunk of the look-alike's size, or two sets of the surplus
+    assert V.lookalikes({**real, **{0xc010: 135168}}, 4, total) == set()
+    assert V.lookalikes({**real, **{0xa010: 4096, 0xb010: 12288, 0xc010: 8192, 0xd010: 8192}}, 6,
+                        total + 4096 + 12288) == set()
+    # nothing to reconcile: as many as mp_ counts, fewer, too many, or counters unknown
+    assert V.lookalikes(real, 4, total) == set()
+    assert V.lookalikes(real, 5, total + 4096) == set()
+    assert V.lookalikes({**real, **{0xa010: 4096, 0xb010: 4096, 0xc010: 4096}}, 4, total) == set()
+    assert V.lookalikes({**real, **{0xa010: 4096}}, -1, -1) == set()
+    assert V.lookalikes({**real, **{0xa010: 4096}}, 4, total + 4096) == set()     # no surplus bytes
