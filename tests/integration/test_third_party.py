@@ -14,7 +14,7 @@ import subprocess
 
 import pytest
 
-from memunreachable.unreachable import check
+from test_cpython_leaks import run_target
 
 pytestmark = [pytest.mark.ptrace, pytest.mark.slow]
 
@@ -23,10 +23,10 @@ LIBS = ("numpy", "scipy", "yaml", "orjson", "regex", "markupsafe", "pydantic", "
         "rpds", "networkx", "jinja2", "sympy")
 
 TARGET = r"""
-import ctypes, gc, sys
+import ctypes, gc, json, sys
 import numpy as np, scipy.linalg, yaml, orjson, regex, markupsafe, pydantic, jinja2, sympy
 import cryptography.fernet, rpds, networkx
-print("imported", flush=True)
+print("baseline", flush=True)
 sys.stdin.readline()
 
 def work():
@@ -60,8 +60,9 @@ leaked = leak_an_array()
 for _ in range(3):
     work()
 gc.collect()
-print(leaked, flush=True)
-sys.stdin.readline()
+print(json.dumps({"array": leaked}))
+print("ready", flush=True)
+sys.stdin.read(1)
 """
 
 
@@ -77,28 +78,9 @@ def _missing() -> list:
 def test_real_extensions_at_work_leave_no_false_leak(allocator):
     missing = _missing()
     assert not missing, f"this image's pyenv 3.11.7 lacks {missing}: install them with its pip"
-    env = dict(os.environ)
-    env.pop("PYTHONMALLOC", None)
-    if allocator == "malloc":
-        env["PYTHONMALLOC"] = "malloc"
-    proc = subprocess.Popen([PYTHON, "-c", TARGET], stdin=subprocess.PIPE, stdout=subprocess.PIPE,
-                            stderr=subprocess.PIPE, text=True, env=env)
-    try:
-        assert proc.stdout.readline().strip() == "imported", proc.stderr.read()
-        before = check(proc.pid, limit=None)
-        proc.stdin.write("\n")
-        proc.stdin.flush()
-        line = proc.stdout.readline()
-        assert line, proc.stderr.read()
-        array = int(line, 16)
-        after = check(proc.pid, limit=None)
-    finally:
-        proc.kill()
-        proc.wait(timeout=30)
-        proc.stdout.close()
-        proc.stderr.close()
+    made, after, known = run_target(PYTHON, TARGET, allocator)
+    array = int(made["array"], 16)
     assert not [w for w in after.warnings if "CPython" in w or "pymalloc" in w], after.warnings
-    known = {l.address for l in before.leaks}
     new = [l for l in after.leaks if l.address not in known]
     # a numpy array is no GC object: its block is the object itself; folded under it, its
     # 40,000-byte data buffer (usable 40,008) and its shape and strides' small block (24 or
