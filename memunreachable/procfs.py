@@ -389,3 +389,40 @@ def open_mapped_file(mappings: List[Mapping], pid: Optional[int], path: Optional
         except OSError:
             pass
     return open(path or first.path, "rb")
+
+
+# pagemap(5): bit 63 page present, bit 62 swapped; both live in an entry's last byte.
+_IN_USE = bytes(1 if b & 0xC0 else 0 for b in range(256))
+PAGE = 4096
+
+
+# Returns the runs of [begin, end) (page aligned) whose pages are present or swapped out, from
+# one entry per page of /proc/PID/pagemap (8 bytes each, little-endian): the rest was never
+# touched (or was discarded) and reads as zeros. Holes shorter than min_hole bytes stay inside
+# their runs.
+def runs_in_use(entries: bytes, begin: int, min_hole: int) -> List[Tuple[int, int]]:
+    mask = entries[7::8].translate(_IN_USE)
+    runs: List[Tuple[int, int]] = []
+    for m in re.finditer(b"\x01+", mask):
+        b, e = begin + m.start() * PAGE, begin + m.end() * PAGE
+        if runs and b - runs[-1][1] < min_hole:
+            runs[-1] = (runs[-1][0], e)
+        else:
+            runs.append((b, e))
+    return runs
+
+
+# Returns {(begin, end): runs_in_use of it} for each page-aligned range, read from
+# /proc/PID/pagemap; None when it cannot be read (a range's pages then all count as in use).
+def read_runs_in_use(pid: int, ranges, min_hole: int) -> Optional[dict]:
+    out = {}
+    try:
+        with open(f"/proc/{pid}/pagemap", "rb", buffering=0) as f:
+            for b, e in ranges:
+                entries = os.pread(f.fileno(), (e - b) // PAGE * 8, b // PAGE * 8)
+                if len(entries) != (e - b) // PAGE * 8:
+                    return None
+                out[(b, e)] = runs_in_use(entries, b, min_hole)
+    except OSError:
+        return None
+    return out

@@ -614,7 +614,7 @@ def sweep(mem, maps, threads, pid: int, confirm: Optional[set] = None,
     table = tracking.find_table(mem, maps)
     # 5. Roots
     roots = classify(maps, threads, hw.heap_ranges, hw.metadata_ranges,
-                     list(cps.root_cuts) + list(unwritten)
+                     list(cps.root_cuts) + list(unwritten) + list(hw.holes)
                      + (table.cuts if table is not None else []))
     root_buffers = []
     for r in roots.ranges:

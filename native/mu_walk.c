@@ -195,11 +195,12 @@ int64_t mu_walk_find_headers(const uint8_t *data, uint64_t base, uint64_t len, u
     return (int64_t)n;
 }
 
-int64_t mu_walk_mmapped(const uint8_t *data, uint64_t base, uint64_t len, uint64_t page,
-                        uint64_t *user, uint64_t *usable, uint64_t cap, mu_mmap_result *res)
+int64_t mu_walk_mmapped(const uint8_t *data, uint64_t base, uint64_t len, uint64_t limit,
+                        uint64_t page, uint64_t *user, uint64_t *usable, uint64_t cap,
+                        mu_mmap_result *res)
 {
     if (!data || !res || page < 4096 || (page & (page - 1)) || (base & (page - 1)) ||
-        (cap && (!user || !usable)))
+        (cap && (!user || !usable)) || limit < len)
         return -EINVAL;
     memset(res, 0, sizeof *res);
     uint64_t stored = 0, off = 0;
@@ -208,16 +209,16 @@ int64_t mu_walk_mmapped(const uint8_t *data, uint64_t base, uint64_t len, uint64
         uint64_t sz = ld64(h + 8);
         uint64_t s = sz & ~(uint64_t)CHUNK_FLAGS;
         if (ld64(h) != 0 || (sz & CHUNK_FLAGS) != CHUNK_IS_MMAPPED || s < 4096 || (s & 4095) ||
-            s > len - off) {
+            s > limit - off) {
             off += page;
             continue;
         }
         /* The stale memalign header: the first non-zero word after it is the moved prev_size. */
-        uint64_t chunk = off, csize = s;
+        uint64_t chunk = off, csize = s, have = s < len - off ? s : len - off;
         uint64_t o = 16;
-        while (o + 16 <= s && ld64(h + o) == 0)
+        while (o + 16 <= have && ld64(h + o) == 0)
             o += 8;
-        if (o >= 32 && !(o & 15) && o + 16 <= s && ld64(h + o) == o &&
+        if (o >= 32 && !(o & 15) && o + 16 <= have && ld64(h + o) == o &&
             ld64(h + o + 8) == ((s - o) | CHUNK_IS_MMAPPED)) {
             chunk = off + o;
             csize = s - o;

@@ -86,13 +86,16 @@ typedef struct {
 } mu_mmap_result;
 
 /* Scan data[0 .. len) (a copy of [base, base+len), base page aligned) page by page for mmapped
- * chunk headers {0, S|IS_MMAPPED} with S % 4096 == 0, S >= 4096, fitting the buffer. A stale
- * memalign header at m is followed by zeros and the real header {o, (S-o)|IS_MMAPPED} at m+o
- * (o >= 32, o % 16 == 0): the chunk is then m+o. After a hit the scan continues at m+S.
- * Stores user = chunk+16, usable = size-16 (ascending) while fewer than cap were stored.
- * Returns the number stored; -EINVAL on bad arguments. */
-int64_t mu_walk_mmapped(const uint8_t *data, uint64_t base, uint64_t len, uint64_t page,
-                        uint64_t *user, uint64_t *usable, uint64_t cap, mu_mmap_result *res);
+ * chunk headers {0, S|IS_MMAPPED} with S % 4096 == 0, S >= 4096, ending within limit bytes of
+ * base (limit >= len: the memory past the copy, up to limit, is pages never touched, all
+ * zeros, which a chunk may span). A stale memalign header at m is followed by zeros and the
+ * real header {o, (S-o)|IS_MMAPPED} at m+o (o >= 32, o % 16 == 0, inside the copy): the chunk
+ * is then m+o. After a hit the scan continues at m+S. Stores user = chunk+16, usable =
+ * size-16 (ascending) while fewer than cap were stored. Returns the number stored; -EINVAL on
+ * bad arguments. */
+int64_t mu_walk_mmapped(const uint8_t *data, uint64_t base, uint64_t len, uint64_t limit,
+                        uint64_t page, uint64_t *user, uint64_t *usable, uint64_t cap,
+                        mu_mmap_result *res);
 
 /* Why mu_walk_chain stopped (mu_chain_result.status). */
 enum {

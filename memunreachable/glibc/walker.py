@@ -20,7 +20,7 @@ import struct
 from array import array
 from typing import Dict, List, Optional, Tuple
 
-from memunreachable import detect
+from memunreachable import detect, procfs
 from memunreachable._errors import MemoryUnreadable, UnsupportedTarget
 from memunreachable._ffi import check, ffi, lib
 from memunreachable._types import (Allocator, Fields, HeapImage, Mapping, Range, ThreadState,
@@ -48,7 +48,7 @@ PAGE_SIZE = 4096
 
 class HeapWalk(Fields):
     __slots__ = ("allocator", "image", "heap_ranges", "metadata_ranges", "soft_issues", "stats",
-                 "uncertain_sizes", "spare")
+                 "uncertain_sizes", "spare", "holes")
 
     def __init__(self, allocator: Allocator, image: HeapImage, heap_ranges: List[Range],
                  metadata_ranges: List[Range], soft_issues: Optional[List[str]] = None,
@@ -61,7 +61,9 @@ class HeapWalk(Fields):
                  # without mmapped chunks: pymalloc arenas, thread stacks, user mmaps). Later
                  # stages read them from here instead of the snapshot again (memory.CopiedMemory);
                  # the caller closes them.
-                 spare: Optional[list] = None):
+                 spare: Optional[list] = None,
+                 # [Range]: anonymous pages never touched (zeros), in no allocation: no roots
+                 holes: Optional[List[Range]] = None):
         self.allocator = allocator
         self.image = image
         self.heap_ranges = heap_ranges
@@ -70,6 +72,7 @@ class HeapWalk(Fields):
         self.stats = {} if stats is None else stats
         self.uncertain_sizes = {} if uncertain_sizes is None else uncertain_sizes
         self.spare = [] if spare is None else spare
+        self.holes = [] if holes is None else holes
 
 
 class Uncopied:
@@ -144,6 +147,9 @@ class _Copy:
             self.buf.close()
 
 
+HOLE_MIN = 256 << 10     # untouched runs shorter than this are read (and scanned) as before
+
+
 class _Piece(Fields):
     """In-use chunks of one run, heap or mapping: ascending user addresses inside [lo, hi)
     (arrays, or 'Q' memoryviews of run_jobs' scratch)."""
@@ -184,6 +190,7 @@ def _alloc_q(n: int) -> array:
 
 class _Walker(FreeListsMixin):
     def __init__(self, mem, maps: List[Mapping], pid: int):
+        self.holes: List[Range] = []    # anonymous pages never touched, in no chunk (anonymous())
         self.mem = mem
         self.maps = sorted(maps, key=lambda m: m.begin)
         self.map_begins = [m.begin for m in self.maps]
@@ -498,16 +505,26 @@ class _Walker(FreeListsMixin):
     def anonymous(self, arena: int, top: int, need_runs: bool,
                   expect: Tuple[int, int] = (-1, -1)) -> Tuple[int, int, bool]:
         """Scan anonymous memory; returns (mmapped count, mmapped bytes, top reached).
-        expect: mp_'s n_mmaps and mmapped_mem, which lookalikes() reconciles the scan with."""
+        expect: mp_'s n_mmaps and mmapped_mem, which lookalikes() reconciles the scan with.
+        Runs of pages never touched (pagemap: neither present nor swapped out) are zeros:
+        they are not read, and no chunk header starts there (one may span them: a calloc'd
+        chunk's untouched pages); those outside every chunk are left in self.holes."""
         found = found_bytes = 0
         top_reached = False
-        scanned = []                    # (span begin, user, usable) of each span's candidates
+        scanned = []                    # (copy, span begin, user, usable) of each span's chunks
         res_m = ffi.new("mu_mmap_result *")
-        cps = [self.copy(r.begin, r.size, read=False) for r in self.anonymous_ranges()]
+        ranges = self.anonymous_ranges()
+        runs = None if need_runs else self.runs_in_use(ranges)
+        parts = []                      # (begin, end) to copy, the end of its range
+        for r in ranges:
+            got = runs.get((r.begin, r.end)) if runs is not None else None
+            parts += [(b, e, r.end) for b, e in got] if got is not None else [(r.begin, r.end, r.end)]
+        cps = [self.copy(b, e - b, read=False) for b, e, _ in parts]
         for err in read_many(self.mem, [(cp.base, cp.buf) for cp in cps], sparse=True):
             if err is not None:
                 raise err           # the first unreadable range, as reading one by one
-        for cp in cps:
+        skip = 0                        # the end of the last chunk found: the next scans start there
+        for cp, (_b, _e, limit) in zip(cps, parts):
             spans = [Range(cp.base, cp.end)]
             if need_runs:
                 spans = []
@@ -526,13 +543,15 @@ class _Walker(FreeListsMixin):
                         top_reached |= res.status == V.WALK_TOP
                 spans.append(Range(cursor, cp.end))
             for s in spans:
-                if s.size < L.PAGE:
+                s = Range(max(s.begin, skip), s.end) if s.end > skip else None
+                if s is None or s.size < L.PAGE:
                     continue
                 cap = max(16, s.size // (64 * L.PAGE))
                 while True:
                     user, usable = _alloc_q(cap), _alloc_q(cap)
                     n = check(lib.mu_walk_mmapped(cp.ptr + (s.begin - cp.base), s.begin, s.size,
-                                                  L.PAGE, ffi.from_buffer("uint64_t[]", user),
+                                                  limit - s.begin, L.PAGE,
+                                                  ffi.from_buffer("uint64_t[]", user),
                                                   ffi.from_buffer("uint64_t[]", usable), cap, res_m),
                               "scan mmapped")
                     if res_m.found <= cap:
@@ -543,6 +562,7 @@ class _Walker(FreeListsMixin):
                     del usable[n:]
                     scanned.append((cp, s.begin, user, usable))
                     self.stats["mmapped_moved"] += res_m.moved
+                    skip = max(skip, user[n - 1] + usable[n - 1])
         spans = {}                      # user address -> its span's bytes (the memalign header too)
         for cp, _b, user, usable in scanned:
             for u, us in zip(user, usable):
@@ -551,6 +571,7 @@ class _Walker(FreeListsMixin):
         drop = V.lookalikes({u: e - b for u, (b, e) in spans.items()}, *expect)
         if drop:
             self.stats["mmapped_lookalikes"] = len(drop)
+        kept = []
         for cp, begin, user, usable in scanned:
             keep = [k for k, u in enumerate(user) if u not in drop]
             if not keep:
@@ -561,8 +582,47 @@ class _Walker(FreeListsMixin):
             for k in keep:
                 found += 1
                 found_bytes += spans[user[k]][1] - spans[user[k]][0]
-                self.heap_ranges.append(Range(*spans[user[k]]))   # with a stale memalign header
+                kept.append((cp, Range(*spans[user[k]])))
+                self.heap_ranges.append(kept[-1][1])    # with a stale memalign header
+        if runs is not None:
+            self.join_spanned(cps, kept)
+            have = merge_ranges([Range(cp.base, cp.end) for cp in self.copies if cp.ptr is not None]
+                                + [r for _, r in kept])
+            self.holes = subtract_ranges(ranges, have)
+            self.stats["untouched_bytes"] = sum(r.size for r in self.holes)
         return found, found_bytes, top_reached
+
+    def runs_in_use(self, ranges: List[Range]) -> Optional[dict]:
+        """procfs.read_runs_in_use of the snapshot for the ranges of at least HOLE_MIN bytes
+        (None without a pid, or when pagemap cannot be read: every page is then read)."""
+        pid = getattr(self.mem, "pid", None)
+        big = [(r.begin, r.end) for r in ranges if r.size >= HOLE_MIN]
+        if pid is None or not big:
+            return None
+        return procfs.read_runs_in_use(pid, big, HOLE_MIN)
+
+    def join_spanned(self, cps: List[_Copy], kept: List[Tuple[_Copy, Range]]) -> None:
+        """Give each chunk that spans untouched pages past its copy one copy of its own
+        extent: the copies it spans are copied into a zeroed buffer of that size (the untouched
+        pages stay zeros, never written), then replaced by it (one region per allocation)."""
+        spans = sorted(r for _, r in kept)
+        for cp, span in kept:
+            if span.end <= cp.end or cp.ptr is None:
+                continue
+            end, grown = span.end, True
+            while grown:                # the copies and chunks that start before the end
+                parts = [c for c in cps if c.ptr is not None and c.base < end and c.end > cp.base]
+                new_end = max([end] + [c.end for c in parts]
+                              + [r.end for r in spans if cp.base <= r.begin < end])
+                grown, end = new_end > end, new_end
+            joined = self.copy(cp.base, end - cp.base, read=False)
+            joined.private_mapping(fresh=True)          # zeros, untouched
+            for c in parts:
+                joined.buf[c.base - joined.base:c.end - joined.base] = c.buf[:c.size]
+                c.close()
+                c.ptr = None
+                self.copies.remove(c)
+            joined.used = True
 
     @staticmethod
     def moved_offset(cp: _Copy, chunk: int) -> int:
@@ -743,4 +803,4 @@ def walk_heap(mem, maps: List[Mapping], threads: List[ThreadState], pid: int,
     w.stats["method"] = loc.method
     image, spare = w.image(user, usable)
     return HeapWalk(allocator, image, sorted(w.heap_ranges), metadata,
-                    w.v.soft, w.stats, dict(w.v.uncertain), spare)
+                    w.v.soft, w.stats, dict(w.v.uncertain), spare, w.holes)

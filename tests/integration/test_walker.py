@@ -294,3 +294,19 @@ def test_pages_that_read_as_mmapped_chunks_are_told_apart_by_mp_s_counters(pages
     assert info.num_leaks == fx.expect["num_leaks"] == 2
     assert info.stats["stats"]["mmapped"] == 2
     assert info.stats["stats"]["mmapped_lookalikes"] == int(pages)
+
+
+def test_untouched_anonymous_pages_are_neither_read_nor_roots_and_chunks_span_them():
+    # a 64 MiB mapping untouched but its last page, a 16 MiB calloc'd chunk touched at its
+    # header and at +12 MiB (its upper half advised MADV_HUGEPAGE: its VMA is split), a leaked
+    # 8 MiB one touched at +6 MiB: the chunks are found whole, what their far pages point at
+    # is live (or folded under the leak), and the untouched pages outside them are skipped
+    from memunreachable.unreachable import check
+    with fixtures.start("untouched") as fx:
+        info = check(fx.pid, limit=None)
+    b = fx.blocks
+    assert sorted((lk.address, lk.size, lk.referenced_count) for lk in info.leaks) == sorted(
+        [(b["leak_big"].address, b["leak_big"].size, 1), (b["leak"].address, b["leak"].size, 0)])
+    assert info.num_leaks == fx.expect["num_leaks"] == 3
+    assert info.stats["stats"]["mmapped"] == 2
+    assert info.stats["stats"]["untouched_bytes"] >= 63 << 20, info.stats["stats"]

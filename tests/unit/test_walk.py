@@ -141,7 +141,7 @@ def test_mmapped_scan_with_memalign_moved_header():
     struct.pack_into("<QQ", buf, 0x20000, 0, 0x1000 | M | P)       # flags wrong: not a chunk
     user, usable = array("Q", bytes(80)), array("Q", bytes(80))
     res = ffi.new("mu_mmap_result *")
-    n = lib.mu_walk_mmapped(ffi.from_buffer(buf), base, len(buf), 4096,
+    n = lib.mu_walk_mmapped(ffi.from_buffer(buf), base, len(buf), len(buf), 4096,
                             ffi.from_buffer("uint64_t[]", user), ffi.from_buffer("uint64_t[]", usable),
                             10, res)
     assert n == 2
