@@ -594,9 +594,12 @@ class _Walker(FreeListsMixin):
 
     def runs_in_use(self, ranges: List[Range]) -> Optional[dict]:
         """procfs.read_runs_in_use of the snapshot for the ranges of at least HOLE_MIN bytes
-        (None without a pid, or when pagemap cannot be read: every page is then read)."""
-        pid = getattr(self.mem, "pid", None)
-        big = [(r.begin, r.end) for r in ranges if r.size >= HOLE_MIN]
+        read from it alone (None without a pid, or when pagemap cannot be read: every page is
+        then read). Memory the snapshot lacks (MADV_DONTFORK, MADV_WIPEONFORK: copied from the
+        target during the pause, ProcessMemory.overlays) is absent from its pagemap: read."""
+        pid, plain = getattr(self.mem, "pid", None), getattr(self.mem, "plain", None)
+        big = [(r.begin, r.end) for r in ranges
+               if r.size >= HOLE_MIN and plain is not None and plain(r.begin, r.size)]
         if pid is None or not big:
             return None
         return procfs.read_runs_in_use(pid, big, HOLE_MIN)
