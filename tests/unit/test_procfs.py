@@ -1,4 +1,5 @@
 """Unit tests of procfs.py: literal /proc text in, data out."""
+import struct
 import pytest
 
 from memunreachable import procfs
@@ -181,3 +182,17 @@ def test_rss_anon_bytes_of_a_status_text():
     text = "Name:\tpython\nVmRSS:\t   30892 kB\nRssAnon:\t    2002 kB\nRssFile:\t 28890 kB\n"
     assert rss_anon_bytes(text) == 2002 * 1024
     assert rss_anon_bytes("Name:\tkthreadd\nState:\tS (sleeping)\n") == 0
+
+
+def test_runs_in_use_from_pagemap_entries():
+    from memunreachable.procfs import runs_in_use
+    present, swapped, none = (1 << 63) | 1234, 1 << 62, 0
+    base = 0x7f0000000000
+    pages = [present, present, none, none, none, swapped, none, present] + [none] * 8 + [present]
+    entries = b"".join(struct.pack("<Q", e) for e in pages)
+    # holes of 1 page joined (shorter than 2 pages), of 3 and 8 pages kept
+    assert runs_in_use(entries, base, 2 * 4096) == [
+        (base, base + 2 * 4096), (base + 5 * 4096, base + 8 * 4096), (base + 16 * 4096, base + 17 * 4096)]
+    # every hole shorter than 9 pages joined: one run
+    assert runs_in_use(entries, base, 9 * 4096) == [(base, base + 17 * 4096)]
+    assert runs_in_use(struct.pack("<QQ", none, none), base, 4096) == []     # never touched
