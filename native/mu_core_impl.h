@@ -159,11 +159,11 @@ static inline int mu_text_tail(uint64_t prev, uint64_t v)
     return mu_text_runs_on(prev) && mu_tail_shape(v);
 }
 
-/* The index of v in the ascending array a[0..n), or n. */
 /* The online CPUs (sysconf(_SC_NPROCESSORS_ONLN)), read once a process: glibc opens
  * /sys/devices/system/cpu/online at each call, 12 times in a pytest process's check. */
 long mu_online_cpus(void);
 
+/* The index of v in the ascending array a[0..n), or n. */
 static inline uint64_t mu_find_sorted(const uint64_t *a, uint64_t n, uint64_t v)
 {
     uint64_t lo = 0, hi = n;

@@ -969,12 +969,10 @@ def buffered_types(mem, cp: CPythonMap, types) -> List[int]:
 # half) read as an address inside a leaked list in an xdist worker (MEMUNREACHABLE_EXPLAIN:
 # a function pointer type's format, PYTHONMALLOC=malloc). 3.8-3.12: the type named StgDict of
 # tp_basicsize L.STGDICT_SIZE, static in _ctypes; 3.13: ctypes' metatypes (by name, of their
-# size, tp_base _ctypes.CType_Type), whose classes carry the StgInfo. ([], ()) without _ctypes.
+# size, tp_base _ctypes.CType_Type), whose classes carry the StgInfo. ([], ()) when none is.
 def ctypes_types(mem, maps, cp: CPythonMap, types) -> Tuple[List[int], Tuple[int, ...]]:
     own = [(m.begin, m.end) for m in maps if m.path == cp.runtime.object_path
            or (m.path or "").rpartition("/")[2].startswith("_ctypes.")]
-    if not own:
-        return [], ()
     reader = object_reader(mem, cp)
     if cp.version < (3, 13):
         size, fields, names = L.STGDICT_SIZE, L.STGDICT_FIELDS, ("StgDict",)

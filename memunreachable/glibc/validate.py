@@ -158,8 +158,7 @@ def lookalikes(sizes: Dict[int, int], n_mmaps: int, mmapped_mem: int) -> set:
         by_size: Dict[int, List[int]] = {}
         for n, u in fits:
             by_size.setdefault(n, []).append(u)
-        sets = [{u, w} for i, (n, u) in enumerate(fits) for w in by_size.get(surplus - n, ())
-                if w > u]
+        sets = [{u, w} for n, u in fits for w in by_size.get(surplus - n, ()) if w > u]
     return sets[0] if len(sets) == 1 else set()
 
 

@@ -103,10 +103,12 @@ def is_uncopied(buf) -> bool:
 class _Copy:
     """A local copy of [base, base+len) of target memory (or, once dropped, an Uncopied)."""
 
-    def __init__(self, mem, base: int, size: int, read: bool = True):
+    def __init__(self, mem, base: int, size: int, read: bool = True, private: bool = False):
         self.base = base
         self.size = size
-        self.buf = local_buffer(size, zeroed=False)     # read whole, here or by run_jobs
+        # read whole, here or by run_jobs; private: a private anonymous mapping (zeros)
+        self.buf = (mmap.mmap(-1, size, flags=mmap.MAP_PRIVATE | mmap.MAP_ANONYMOUS) if private
+                    else local_buffer(size, zeroed=False))
         if read:
             mem.read_into(base, self.buf)
         self.ptr = ffi.cast("uint8_t *", ffi.from_buffer(self.buf))
@@ -229,8 +231,8 @@ class _Walker(FreeListsMixin):
                 return data[addr - page:addr - page + size]
         return self.mem.read(addr, size)
 
-    def copy(self, base: int, size: int, read: bool = True) -> _Copy:
-        c = _Copy(self.mem, base, size, read)
+    def copy(self, base: int, size: int, read: bool = True, private: bool = False) -> _Copy:
+        c = _Copy(self.mem, base, size, read, private)
         self.copies.append(c)
         return c
 
@@ -618,10 +620,9 @@ class _Walker(FreeListsMixin):
                 new_end = max([end] + [c.end for c in parts]
                               + [r.end for r in spans if cp.base <= r.begin < end])
                 grown, end = new_end > end, new_end
-            joined = self.copy(cp.base, end - cp.base, read=False)
-            joined.private_mapping(fresh=True)          # zeros, untouched
+            joined = self.copy(cp.base, end - cp.base, read=False, private=True)   # zeros
             for c in parts:
-                joined.buf[c.base - joined.base:c.end - joined.base] = c.buf[:c.size]
+                joined.buf[c.base - joined.base:c.end - joined.base] = memoryview(c.buf)[:c.size]
                 c.close()
                 c.ptr = None
                 self.copies.remove(c)

@@ -1,5 +1,6 @@
 """Unit tests of procfs.py: literal /proc text in, data out."""
 import struct
+
 import pytest
 
 from memunreachable import procfs
