@@ -196,13 +196,31 @@ class CopiedMemory:
             return None
         return dev, inode, offset + (page - r.begin)
 
-    # Fills buf with [addr, addr+len(buf)); returns 0 or raises as mem.read_into does.
+    # Fills buf with [addr, addr+len(buf)); returns 0 or raises as mem.read_into does. The
+    # parts that copies hold come from them, only the rest from mem: the pool scan's windows
+    # are whole anonymous mappings, and the walk's copies of them leave out the untouched
+    # pages at their ends (an arena's alignment slack), so such a window was read again whole
+    # (11 MB, 3.2 ms of a pytest process's 40 ms check).
     def read_into(self, addr: int, buf) -> int:
         mv = memoryview(buf).cast("B")
+        end = addr + len(mv)
         view = self.view(addr, len(mv))
-        if view is None:
-            return self.mem.read_into(addr, buf)
-        mv[:] = view
+        if view is not None:
+            mv[:] = view
+            return 0
+        pos = addr
+        for base, data in self.copies[max(0, bisect.bisect_right(self.bases, addr) - 1):]:
+            if base >= end:
+                break
+            lo, hi = max(pos, base), min(end, base + len(data))
+            if lo >= hi:
+                continue
+            if lo > pos:
+                self.mem.read_into(pos, mv[pos - addr:lo - addr])
+            mv[lo - addr:hi - addr] = memoryview(data).cast("B")[lo - base:hi - base]
+            pos = hi
+        if pos < end:
+            self.mem.read_into(pos, mv[pos - addr:])
         return 0
 
     def __getattr__(self, name):            # pid, tolerated_bytes, ...: the reader's own

@@ -213,7 +213,10 @@ def test_local_copy_views_a_held_copy_and_reads_the_rest():
     assert isinstance(v, memoryview) and bytes(v) == b"\xaa" * 0x20
     copy[0x10] = 0xbb                                  # a view, not a copy
     assert v[0] == 0xbb
-    assert bytes(local_copy(mem, 0x13f0, 0x20)) == (bytes(range(256)) * 32)[0x3f0:0x410]
+    # across the copy's start: a new buffer, the copy's part from the copy
+    part = local_copy(mem, 0x13f0, 0x20)
+    assert not isinstance(part, memoryview)
+    assert bytes(part) == (bytes(range(256)) * 32)[0x3f0:0x400] + b"\xaa" * 0x10
     assert bytes(local_copy(backing, 0x1000, 4)) == bytes(range(4))
 
 
@@ -384,3 +387,33 @@ def test_plan_of_the_same_inputs_is_kept_and_other_inputs_plan_again():
     size[0x7f0000000000] = 0x1000
     assert Range(0x7f0000001000, 0x7f0000002000) in plan_snapshot(target, rows, files).tolerated
     assert Range(0x7f0000001000, 0x7f0000002000) not in first.tolerated
+
+
+def test_copied_memory_reads_only_what_no_copy_holds():
+    # a range that copies hold in part (the pool scan's window over a whole mapping whose
+    # untouched end pages the walk did not copy): the copies' parts come from them, and only
+    # the gaps are read from the snapshot
+    from memunreachable._types import BufferMemory
+    from memunreachable.memory import CopiedMemory
+    data = bytes(range(256)) * 32
+    reads = []
+
+    class Counting(BufferMemory):
+        def read_into(self, addr, buf):
+            reads.append((addr, len(memoryview(buf))))
+            return super().read_into(addr, buf)
+
+    a, b = bytearray(b"a" * 0x300), bytearray(b"b" * 0x200)    # b overlaps a's end
+    mem = CopiedMemory(Counting({0x1000: data}), [(0x1100, a), (0x1300, b), (0x1600, b"c" * 0x10)])
+    buf = bytearray(0x800)
+    assert mem.read_into(0x1000, buf) == 0
+    want = bytearray(data[:0x800])
+    want[0x100:0x400] = a
+    want[0x400:0x500] = b"b" * 0x100   # b past a's end
+    want[0x600:0x610] = b"c" * 0x10
+    assert bytes(buf) == bytes(want)
+    assert reads == [(0x1000, 0x100), (0x1500, 0x100), (0x1610, 0x1f0)]
+    reads.clear()
+    buf = bytearray(0x80)              # inside one copy: no read at all
+    mem.read_into(0x1180, buf)
+    assert bytes(buf) == b"a" * 0x80 and reads == []
