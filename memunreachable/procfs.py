@@ -399,16 +399,21 @@ PAGE = 4096
 # Returns the runs of [begin, end) (page aligned) whose pages are present or swapped out, from
 # one entry per page of /proc/PID/pagemap (8 bytes each, little-endian): the rest was never
 # touched (or was discarded) and reads as zeros. Holes shorter than min_hole bytes stay inside
-# their runs.
+# their runs, at the range's ends too: a copy of the range then holds all of it unless a long
+# hole splits it, and later stages view that one copy (an arena's untouched alignment slack at a
+# mapping's ends had made the pool scan assemble its window from the copy and a read).
 def runs_in_use(entries: bytes, begin: int, min_hole: int) -> List[Tuple[int, int]]:
     mask = entries[7::8].translate(_IN_USE)
+    end = begin + len(mask) * PAGE
     runs: List[Tuple[int, int]] = []
     for m in re.finditer(b"\x01+", mask):
         b, e = begin + m.start() * PAGE, begin + m.end() * PAGE
         if runs and b - runs[-1][1] < min_hole:
             runs[-1] = (runs[-1][0], e)
         else:
-            runs.append((b, e))
+            runs.append((b if runs or b - begin >= min_hole else begin, e))
+    if runs and end - runs[-1][1] < min_hole:
+        runs[-1] = (runs[-1][0], end)
     return runs
 
 

@@ -197,3 +197,11 @@ def test_runs_in_use_from_pagemap_entries():
     # every hole shorter than 9 pages joined: one run
     assert runs_in_use(entries, base, 9 * 4096) == [(base, base + 17 * 4096)]
     assert runs_in_use(struct.pack("<QQ", none, none), base, 4096) == []     # never touched
+    # untouched pages at the ends: kept in the first and last runs when shorter than a hole
+    edges = [none] * 3 + [present] * 2 + [none] * 4 + [present] + [none] * 2
+    entries = b"".join(struct.pack("<Q", e) for e in edges)
+    assert runs_in_use(entries, base, 4 * 4096) == [(base, base + 5 * 4096),
+                                                   (base + 9 * 4096, base + 12 * 4096)]
+    assert runs_in_use(entries, base, 3 * 4096) == [(base + 3 * 4096, base + 5 * 4096),
+                                                   (base + 9 * 4096, base + 12 * 4096)]
+    assert runs_in_use(entries, base, 5 * 4096) == [(base, base + 12 * 4096)]
