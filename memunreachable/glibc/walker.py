@@ -511,12 +511,22 @@ class _Walker(FreeListsMixin):
         Runs of pages never touched (pagemap: neither present nor swapped out) are zeros:
         they are not read, and no chunk header starts there (one may span them: a calloc'd
         chunk's untouched pages); those outside every chunk are left in self.holes."""
-        found = found_bytes = 0
-        top_reached = False
-        scanned = []                    # (copy, span begin, user, usable) of each span's chunks
-        res_m = ffi.new("mu_mmap_result *")
         ranges = self.anonymous_ranges()
         runs = None if need_runs else self.runs_in_use(ranges)
+        cps, limits = self.read_anonymous(ranges, runs)
+        scanned, top_reached = self.scan_anonymous(cps, limits, arena, top, need_runs)
+        found, found_bytes, kept = self.keep_mmapped(scanned, expect)
+        if runs is not None:
+            self.join_spanned(cps, kept)
+            have = merge_ranges([Range(cp.base, cp.end) for cp in self.copies if cp.ptr is not None]
+                                + [r for _, r in kept])
+            self.holes = subtract_ranges(ranges, have)
+            self.stats["untouched_bytes"] = sum(r.size for r in self.holes)
+        return found, found_bytes, top_reached
+
+    def read_anonymous(self, ranges: List[Range], runs: Optional[dict]) -> Tuple[List[_Copy], list]:
+        """(a copy of each part of ranges in use (runs: runs_in_use's, None: all of each range),
+        read; the end of each copy's range, where a chunk found in it must end)."""
         parts = []                      # (begin, end) to copy, the end of its range
         for r in ranges:
             got = runs.get((r.begin, r.end)) if runs is not None else None
@@ -525,8 +535,19 @@ class _Walker(FreeListsMixin):
         for err in read_many(self.mem, [(cp.base, cp.buf) for cp in cps], sparse=True):
             if err is not None:
                 raise err           # the first unreadable range, as reading one by one
+        return cps, [limit for _, _, limit in parts]
+
+    def scan_anonymous(self, cps: List[_Copy], limits: List[int], arena: int, top: int,
+                       need_runs: bool) -> Tuple[list, bool]:
+        """([(copy, span begin, user, usable)] of the mmapped-chunk look-alikes each copy's
+        spans hold, top reached). need_runs: the main arena is NONCONTIGUOUS; its runs are
+        found first (page starts that walk to the top or a fencepost) and accepted, and only
+        the memory between them is scanned for mmapped chunks."""
+        top_reached = False
+        scanned = []
+        res_m = ffi.new("mu_mmap_result *")
         skip = 0                        # the end of the last chunk found: the next scans start there
-        for cp, (_b, _e, limit) in zip(cps, parts):
+        for cp, limit in zip(cps, limits):
             spans = [Range(cp.base, cp.end)]
             if need_runs:
                 spans = []
@@ -565,6 +586,12 @@ class _Walker(FreeListsMixin):
                     scanned.append((cp, s.begin, user, usable))
                     self.stats["mmapped_moved"] += res_m.moved
                     skip = max(skip, user[n - 1] + usable[n - 1])
+        return scanned, top_reached
+
+    def keep_mmapped(self, scanned: list, expect: Tuple[int, int]):
+        """(count, bytes, [(copy, extent)]) of the mmapped chunks scan_anonymous found, less
+        the page starts lookalikes() drops; each kept chunk is an allocation of its copy."""
+        found = found_bytes = 0
         spans = {}                      # user address -> its span's bytes (the memalign header too)
         for cp, _b, user, usable in scanned:
             for u, us in zip(user, usable):
@@ -586,13 +613,7 @@ class _Walker(FreeListsMixin):
                 found_bytes += spans[user[k]][1] - spans[user[k]][0]
                 kept.append((cp, Range(*spans[user[k]])))
                 self.heap_ranges.append(kept[-1][1])    # with a stale memalign header
-        if runs is not None:
-            self.join_spanned(cps, kept)
-            have = merge_ranges([Range(cp.base, cp.end) for cp in self.copies if cp.ptr is not None]
-                                + [r for _, r in kept])
-            self.holes = subtract_ranges(ranges, have)
-            self.stats["untouched_bytes"] = sum(r.size for r in self.holes)
-        return found, found_bytes, top_reached
+        return found, found_bytes, kept
 
     def runs_in_use(self, ranges: List[Range]) -> Optional[dict]:
         """procfs.read_runs_in_use of the snapshot for the ranges of at least HOLE_MIN bytes
