@@ -333,6 +333,21 @@ def _read_keymap(mem, k: int, entries: int) -> Optional[Tuple[List[int], List[in
         raw = mem.read(k, entries * ENTRY)
     except MemoryUnreadable:
         return None
+    key = (k, raw)
+    if key not in _KEYMAPS:
+        if len(_KEYMAPS) >= 4096:
+            _KEYMAPS.clear()
+        _KEYMAPS[key] = _parse_keymap(raw, entries)
+    return _KEYMAPS[key]
+
+
+# {(address, its bytes): _parse_keymap's answer}: readline's keymaps stay the same from check
+# to check of one process (the pytest plugin's helper checks after every test: 50 keymaps of
+# 257 entries parsed again each time, 0.5-1 ms)
+_KEYMAPS: Dict[Tuple[int, bytes], Optional[Tuple[List[int], List[int]]]] = {}
+
+
+def _parse_keymap(raw: bytes, entries: int) -> Optional[Tuple[List[int], List[int]]]:
     types = raw[0::ENTRY]
     if len(types) != entries or types.translate(None, bytes((ISFUNC, ISKMAP, ISMACR))):
         return None
