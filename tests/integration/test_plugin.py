@@ -212,6 +212,32 @@ def test_the_garbage_of_a_failure_costs_the_next_test_no_second_sweep(suite):
     assert counts["test_c_clean"] == ["snap", "go", "drop"]   # one sweep
 
 
+GARBAGE_AT_COLLECTION = """
+import gc
+
+
+def pytest_collection_finish(session):
+    # garbage of the session's start-up (imports, collection), left for the first test: the
+    # automatic collection must not take it first
+    gc.disable()
+    a = []
+    a.append(a)
+    del a
+"""
+
+
+def test_the_garbage_of_the_start_up_costs_the_first_test_no_second_sweep(suite):
+    # the first checked test collects before its baseline: the start-up's cyclic garbage
+    # (pytest's own) is not found after its body, which took a gc.collect() and a second sweep
+    suite.makepyfile(test_after_failure=AFTER_A_FAILURE)
+    suite.makeconftest(COUNT_REQUESTS + GARBAGE_AT_COLLECTION)
+    res = suite.runpytest_subprocess("--memunreachable", "-s", "-p", "no:cacheprovider",
+                                     "test_after_failure.py")
+    res.assert_outcomes(passed=2, failed=1)
+    counts = dict(eval(re.search(r"^REQUESTS (.*)$", res.stdout.str(), re.M).group(1)))
+    assert counts["test_a_clean"] == ["snap", "go", "drop"]   # one sweep
+
+
 UNSWEPT = """
 import pytest
 import leakytools as leaky
