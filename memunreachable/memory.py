@@ -198,9 +198,9 @@ class CopiedMemory:
 
     # Fills buf with [addr, addr+len(buf)); returns 0 or raises as mem.read_into does. The
     # parts that copies hold come from them, only the rest from mem: the pool scan's windows
-    # are whole anonymous mappings, and the walk's copies of them leave out the untouched
-    # pages at their ends (an arena's alignment slack), so such a window was read again whole
-    # (11 MB, 3.2 ms of a pytest process's 40 ms check).
+    # are whole anonymous mappings, which the walk copies in parts when long untouched runs
+    # split them; a window no single copy held was read again whole (11 MB, 3.2 ms of a
+    # pytest process's 40 ms check, while the copies also left out short untouched ends).
     def read_into(self, addr: int, buf) -> int:
         mv = memoryview(buf).cast("B")
         end = addr + len(mv)
