@@ -109,35 +109,53 @@ _ADDRESS_MASK = (1 << 64) - 1
 
 
 class LeakBaseline:
-    """The unreachable blocks present at one moment (addresses only: no contents are kept,
-    so this object never makes an old leak look reachable).
+    """The unreachable blocks present at one moment (addresses, and sizes when built from a
+    check's leaks: no contents are kept, so this object never makes an old leak look
+    reachable).
 
     The addresses are kept complemented: a set stores each key's hash next to it, and the
     hash of an int below 2**61 - 1 is the int itself, so a set of raw addresses would hold
     an aligned pointer to every old leak, which a conservative scan rightly counts as a
     reference (the old leak would then look reachable, and "new" once the set is freed).
     The hash of a complemented address is about 2**61 - address: never a user-space pointer.
+    A leak recorded with its size (of()) matches only a leak of that size at that address: a
+    block seen unreachable once and freed later may leave its address to a new block that
+    leaks, which is new.
     """
 
     def __init__(self, addresses) -> None:
         self._keys = frozenset(a ^ _ADDRESS_MASK for a in addresses)
+        self._sized: frozenset = frozenset()        # (complemented address, size)
+
+    @classmethod
+    def of(cls, leaks) -> "LeakBaseline":
+        """The baseline of these leaks (report.Leak: address and size)."""
+        out = cls(())
+        out._sized = frozenset((l.address ^ _ADDRESS_MASK, l.size) for l in leaks)
+        return out
+
+    def _complemented(self) -> set:
+        return set(self._keys) | {k for k, _ in self._sized}
 
     @property
     def addresses(self) -> tuple:
         """The baseline's leak addresses, ascending (a tuple: no hashes are stored)."""
-        return tuple(sorted(k ^ _ADDRESS_MASK for k in self._keys))
+        return tuple(sorted(k ^ _ADDRESS_MASK for k in self._complemented()))
 
     def __contains__(self, address: int) -> bool:
-        return (address ^ _ADDRESS_MASK) in self._keys
+        k = address ^ _ADDRESS_MASK
+        return k in self._keys or any(a == k for a, _ in self._sized)
 
     def new_leaks(self, info: UnreachableMemoryInfo) -> list:
         """Leaks of `info` that were not in the baseline."""
-        return [l for l in info.leaks if (l.address ^ _ADDRESS_MASK) not in self._keys]
+        return [l for l in info.leaks if (l.address ^ _ADDRESS_MASK) not in self._keys
+                and (l.address ^ _ADDRESS_MASK, l.size) not in self._sized]
 
     def __or__(self, other: "LeakBaseline") -> "LeakBaseline":
         """The leaks of either baseline."""
         out = LeakBaseline(())
         out._keys = self._keys | other._keys
+        out._sized = self._sized | other._sized
         return out
 
 
@@ -145,7 +163,7 @@ def leak_baseline(suppressions=None) -> LeakBaseline:
     """The unreachable blocks of this process now (raises MemunreachableError if it cannot check)."""
     info = get_unreachable_memory(limit=None, suppressions=suppressions,
                                   symbolize=bool(suppressions))
-    return LeakBaseline(l.address for l in info.leaks)
+    return LeakBaseline.of(info.leaks)
 
 
 @contextlib.contextmanager
@@ -367,7 +385,7 @@ def _collected(info, limit: Optional[int], timeout: float, symbolize: bool, rule
     if info.num_cyclic_garbage or info.truncated or _CONFIRMED.new_leaks(info):
         info = _ask_helper(limit, timeout, symbolize, rules, collect=True)
         if not info.truncated:
-            _CONFIRMED = LeakBaseline(l.address for l in info.leaks)
+            _CONFIRMED = LeakBaseline.of(info.leaks)
     return info
 
 
@@ -426,7 +444,7 @@ class DeferredBaseline:
                                      "was replaced", hint="take a new baseline")
                 info = _reply(lambda h: h.request(
                     lambda: f"base {self._token} -1 {int(bool(rules))} {supp}"), retry=False)
-            self._resolved = LeakBaseline(l.address for l in info.leaks)
+            self._resolved = LeakBaseline.of(info.leaks)
         return self._resolved
 
     def drop(self) -> None:
@@ -454,7 +472,7 @@ def deferred_baseline(suppressions=None, timeout: float = 2.0) -> DeferredBaseli
         if isinstance(value, tuple) and value[:1] == ("later",):
             return DeferredBaseline(_HELPER, rules, token=value[1])
         info = _collected(value, None, timeout, bool(rules), rules)
-    return DeferredBaseline(None, rules, LeakBaseline(l.address for l in info.leaks))
+    return DeferredBaseline(None, rules, LeakBaseline.of(info.leaks))
 
 
 SS_ONSTACK, SS_DISABLE = 1, 2

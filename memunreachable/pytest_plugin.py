@@ -290,7 +290,7 @@ def _after(item, base) -> None:
         item.stash[_CANNOT] = exc
         _drop(base)
         return
-    after = _nl().LeakBaseline(l.address for l in info.leaks)
+    after = _nl().LeakBaseline.of(info.leaks)
     item.config.stash[_AFTER] = (item, after)
     # New leaks are those no earlier check of the session reported (the baseline is one of
     # them): a leak a check in between saw reachable, through a stale copy of its address

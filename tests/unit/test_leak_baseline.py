@@ -26,3 +26,21 @@ def test_no_raw_address_is_stored():
     # the keys are complemented: no set entry or stored hash equals a leak's address
     base = LeakBaseline([0x7F00_0000_1000])
     assert all(k != 0x7F00_0000_1000 and hash(k) != 0x7F00_0000_1000 for k in base._keys)
+
+
+def test_a_leak_seen_with_its_size_matches_only_that_size():
+    # a block once reported, freed later, can leave its address to another block that leaks:
+    # the new leak has another size, and is new
+    info = UnreachableMemoryInfo(pid=1, comm="x")
+    info.leaks = [Leak(address=0x1000, size=32), Leak(address=0x2000, size=4104)]
+    base = LeakBaseline.of(info.leaks)
+    assert base.addresses == (0x1000, 0x2000) and 0x2000 in base and 0x3000 not in base
+    later = UnreachableMemoryInfo(pid=1, comm="x")
+    later.leaks = [Leak(address=0x1000, size=32), Leak(address=0x2000, size=80),
+                   Leak(address=0x3000, size=32)]
+    assert [(l.address, l.size) for l in base.new_leaks(later)] == [(0x2000, 80), (0x3000, 32)]
+    # union with an address-only baseline: that one matches any size at its addresses
+    both = base | LeakBaseline([0x3000])
+    assert [(l.address, l.size) for l in both.new_leaks(later)] == [(0x2000, 80)]
+    assert both.addresses == (0x1000, 0x2000, 0x3000)
+    assert all(k != 0x1000 and hash(k) != 0x1000 and hash(k) != 0x2000 for k, _ in base._sized)
