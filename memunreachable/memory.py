@@ -51,19 +51,7 @@ class ProcessMemory:
     # Fills buf with [addr, addr+len(buf)). Returns 0. Raises MemoryUnreadable naming the
     # first byte that could not be read outside the tolerated ranges.
     def read_into(self, addr: int, buf) -> int:
-        mv = memoryview(buf).cast("B")
-        n = len(mv)
-        pos = 0
-        for base, data in self.overlays:
-            lo, hi = max(addr, base), min(addr + n, base + len(data))
-            if lo >= hi:
-                continue
-            if lo > addr + pos:
-                self._read_fd(addr + pos, mv[pos:lo - addr])
-            mv[lo - addr:hi - addr] = memoryview(data).cast("B")[lo - base:hi - base]
-            pos = hi - addr
-        if pos < n:
-            self._read_fd(addr + pos, mv[pos:])
+        fill(addr, memoryview(buf).cast("B"), self.overlays, self._read_fd)
         return 0
 
     # True when [addr, addr+size) is read from the fd alone (no overlay, nothing tolerated
@@ -100,6 +88,24 @@ class ProcessMemory:
 
     def __exit__(self, *exc):
         self.close()
+
+
+def fill(addr: int, mv: memoryview, pieces, read_gap) -> None:
+    """Fills mv, the bytes [addr, addr+len(mv)), from the (base, data) pieces (ascending by
+    base) that meet it, and the rest by read_gap(address, view of mv)."""
+    end, pos = addr + len(mv), addr
+    for base, data in pieces:
+        if base >= end:
+            break
+        lo, hi = max(pos, base), min(end, base + len(data))
+        if lo >= hi:
+            continue
+        if lo > pos:
+            read_gap(pos, mv[pos - addr:lo - addr])
+        mv[lo - addr:hi - addr] = memoryview(data).cast("B")[lo - base:hi - base]
+        pos = hi
+    if pos < end:
+        read_gap(pos, mv[pos - addr:])
 
 
 def plain_page(mem, page: int) -> Optional[bytes]:
@@ -203,24 +209,12 @@ class CopiedMemory:
     # pytest process's 40 ms check, while the copies also left out short untouched ends).
     def read_into(self, addr: int, buf) -> int:
         mv = memoryview(buf).cast("B")
-        end = addr + len(mv)
         view = self.view(addr, len(mv))
         if view is not None:
             mv[:] = view
-            return 0
-        pos = addr
-        for base, data in self.copies[max(0, bisect.bisect_right(self.bases, addr) - 1):]:
-            if base >= end:
-                break
-            lo, hi = max(pos, base), min(end, base + len(data))
-            if lo >= hi:
-                continue
-            if lo > pos:
-                self.mem.read_into(pos, mv[pos - addr:lo - addr])
-            mv[lo - addr:hi - addr] = memoryview(data).cast("B")[lo - base:hi - base]
-            pos = hi
-        if pos < end:
-            self.mem.read_into(pos, mv[pos - addr:])
+        else:
+            first = max(0, bisect.bisect_right(self.bases, addr) - 1)
+            fill(addr, mv, self.copies[first:], self.mem.read_into)
         return 0
 
     def __getattr__(self, name):            # pid, tolerated_bytes, ...: the reader's own
