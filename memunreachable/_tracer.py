@@ -1,7 +1,9 @@
 """_tracer.py: the helper process of in-process checks (python -m memunreachable._tracer).
 
 The caller (noleaks.py) starts us once, with a result fd and a control pipe on stdin, and
-keeps us for its lifetime (start-up and imports are paid once, not per check). Requests, one
+keeps us for its lifetime (start-up and imports are paid once, not per check). --uffd N: a
+userfaultfd the caller opened for its own memory, which we keep (written.py: every check then
+knows the pages written since the last one). Requests, one
 line each, sent after the caller's prctl(PR_SET_PTRACER, our pid); each gets one framed reply:
 u64 little-endian length, then the pickled ("ok", VALUE) or ("error", MemunreachableError).
     go LIMIT TIMEOUT [SYMBOLIZE SUPPRESSIONS [DEAD]]
@@ -40,16 +42,20 @@ def main(argv=None) -> int:
     ap = argparse.ArgumentParser()
     ap.add_argument("--pid", type=int, required=True)
     ap.add_argument("--fd", type=int, required=True)
+    ap.add_argument("--uffd", type=int, default=-1)
     args = ap.parse_args(argv)
     _keep_freed_memory()
     from memunreachable.mark import use_every_cpu
     use_every_cpu()             # the caller waits idle while we sweep: its CPU is free
-    warm = _Warmer(args.pid)
-    pending = _Pending()
+    tracker = _tracker(args.pid, args.uffd)
+    if os.environ.get("STAGEWRAP"):
+        exec(open(os.environ["STAGEWRAP"]).read(), globals())
+    warm = _Warmer(args.pid, tracker)
+    pending = _Pending(tracker)
     try:
         warm.when_idle()
         for line in _requests(os.getppid()):
-            reply = _serve(args.pid, line.split(), pending)
+            reply = _serve(args.pid, line.split(), pending, tracker)
             if reply is None:
                 return 2
             data = pickle.dumps(reply)
@@ -57,10 +63,32 @@ def main(argv=None) -> int:
             while view:
                 view = view[os.write(args.fd, view):]
             warm.when_idle()
+            if os.environ.get("STAGEWRAP"):
+                dump()
     finally:
         pending.drop()
+        if tracker is not None:
+            tracker.close()
     os.close(args.fd)
     return 0
+
+
+def _tracker(pid: int, uffd: int):
+    """The WriteTracker of the caller's userfaultfd (written.py), None without one."""
+    if uffd < 0:
+        return None
+    try:
+        from memunreachable import procfs
+        from memunreachable.written import WriteTracker
+        tracker = WriteTracker(pid, uffd)
+    except OSError:
+        os.close(uffd)
+        return None
+    try:            # before the first check: its snapshot is the first one tracked
+        tracker.register(procfs.read_maps(pid))
+    except OSError:
+        pass
+    return tracker
 
 
 def _requests(parent: int):
@@ -80,7 +108,7 @@ def _requests(parent: int):
         yield line
 
 
-def _serve(pid: int, words: list, pending: "_Pending"):
+def _serve(pid: int, words: list, pending: "_Pending", tracker=None):
     """The reply to one request line (module docstring), or None for a malformed one."""
     waiting = []
     if words and words[-1].startswith(b"@"):        # the requesting thread
@@ -92,7 +120,7 @@ def _serve(pid: int, words: list, pending: "_Pending"):
         symbolize, supp = (words[3] != b"0", words[4]) if len(words) >= 5 else (True, b"-")
         dead = parse_ranges(words[5].decode()) if len(words) == 6 else []
         return _one_check(pid, None if limit < 0 else limit, timeout, symbolize, supp, dead,
-                          waiting)
+                          waiting, tracker)
     if words[:1] == [b"snap"] and len(words) == 3:
         pending.drop()
         return _guarded(lambda: pending.take(pid, float(words[1]), parse_ranges(words[2].decode()),
@@ -135,19 +163,21 @@ class _Pending:
     """The snapshot of a "snap" request, until its "base" or "drop" (at most one: a newer
     "snap" drops it). Each gets a token, which its "base" and "drop" must name."""
 
-    def __init__(self) -> None:
+    def __init__(self, tracker=None) -> None:
         self.pending, self.token = None, 0
+        self.tracker = tracker
 
     def take(self, pid: int, timeout: float, dead, waiting=()) -> object:
         """("later", token) when the snapshot waits for a sweep; else the result of a full
         check (the snapshot could need a retake: unreachable.check_later)."""
         from memunreachable.unreachable import check, check_later
         self.token += 1
-        self.pending = check_later(pid, timeout=timeout, dead_ranges=dead, waiting_tids=waiting)
+        self.pending = check_later(pid, timeout=timeout, dead_ranges=dead, waiting_tids=waiting,
+                                   tracker=self.tracker)
         if self.pending is not None:
             return ("later", self.token)
         return check(pid, limit=None, timeout=timeout, symbolize=False, sweep_here=True,
-                     dead_ranges=dead, waiting_tids=waiting)
+                     dead_ranges=dead, waiting_tids=waiting, tracker=self.tracker)
 
     def sweep(self, token: int, limit, symbolize: bool, rules):
         from memunreachable._errors import CollectionError
@@ -171,14 +201,14 @@ class _Warmer:
     """Fills the caches (_warm) once, when no request waits: a first request is served at
     once (a "snap" needs none of them), the warming then overlaps with the caller's work."""
 
-    def __init__(self, pid: int) -> None:
-        self.pid, self.done = pid, False
+    def __init__(self, pid: int, tracker=None) -> None:
+        self.pid, self.done, self.tracker = pid, False, tracker
 
     def when_idle(self) -> None:
         import select
         if not self.done and not select.select([sys.stdin.buffer], [], [], 0)[0]:
             self.done = True
-            _warm(self.pid)
+            _warm(self.pid, self.tracker)
 
 
 def _rules(supp: bytes):
@@ -236,14 +266,18 @@ def _keep_freed_memory() -> None:
     _types.use_heap_buffers()
 
 
-def _warm(pid: int) -> None:
+def _warm(pid: int, tracker=None) -> None:
     """Import the pipeline and parse the caller's malloc and Python ELF files before the first
-    request (the caller may have started us early: this overlaps with its own work). Only
-    caches are filled; a failure here shows up, if it matters, in the first check."""
+    request (the caller may have started us early: this overlaps with its own work), and
+    register the caller's memory for write tracking. Only caches are filled; a failure here
+    shows up, if it matters, in the first check."""
     try:
         from memunreachable import procfs
         from memunreachable.unreachable import _warm_caches
-        _warm_caches(procfs.read_maps(pid), pid)
+        maps = procfs.read_maps(pid)
+        _warm_caches(maps, pid)
+        if tracker is not None:
+            tracker.register(maps)
     except Exception:  # noqa: BLE001 - a cache that stays cold is only slower
         pass
 
@@ -265,13 +299,13 @@ def parse_ranges(text: str) -> list:
 
 
 def _one_check(pid: int, limit, timeout: float, symbolize: bool = True,
-               supp: bytes = b"-", dead=(), waiting=()) -> tuple:
+               supp: bytes = b"-", dead=(), waiting=(), tracker=None) -> tuple:
     from memunreachable.unreachable import check
     # the sweep runs here, not in a forked sweeper: this helper is disposable (the caller
     # restarts one that died), and a fork costs an idle pytest process's check ~20 ms
     return _guarded(lambda: check(pid, limit=limit, timeout=timeout, symbolize=symbolize,
                                   suppressions=_rules(supp), sweep_here=True, dead_ranges=dead,
-                                  waiting_tids=waiting))
+                                  waiting_tids=waiting, tracker=tracker))
 
 
 if __name__ == "__main__":

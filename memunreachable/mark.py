@@ -35,6 +35,7 @@ class MarkResult:
     words: int           # 8-byte words examined (root words included)
     num_marked: int      # allocations reached (== marked.count(1))
     seconds: float       # wall time of the native mark
+    stale: int = 0       # references to fresh allocations from unwritten memory ignored
 
 
 @dataclass
@@ -47,10 +48,16 @@ class DeadWords:
     types: Sequence[Tuple[int, int]] = ()    # (type address, object offset), ascending: an
     #   allocation with 0 at that offset followed by that type holds a dead object (unscanned)
     dict_keys: int = 0                       # MU_DICT_KEYS_*: dict key tables scanned to their end
+    # the fresh rule (written.py; native mu_dead): over earlier snapshots numbered 1 (oldest)
+    # up, fresh[i] (n bytes) is the latest one in which no allocation began at allocation i's
+    # address, 0 none; unwritten: sorted disjoint (begin, end, level) triples, memory not
+    # written since snapshot `level`. A word there is no reference to i when level <= fresh[i]
+    fresh: object = None
+    unwritten: Sequence[Tuple[int, int, int]] = ()
 
     def __bool__(self) -> bool:
         return (bool(self.ranges) or self.head_word is not None or bool(self.types)
-                or bool(self.dict_keys))
+                or bool(self.dict_keys) or (self.fresh is not None and bool(self.unwritten)))
 
 
 def with_dead_ranges(dead: Optional["DeadWords"],
@@ -139,6 +146,16 @@ def dead_words(dead: "DeadWords", n: int):
             raise ValueError(f"head_word has {len(dead.head_word)} bytes for {n} allocations")
         c.head_word = ffi.from_buffer("uint8_t[]", dead.head_word) if n else ffi.NULL
         keep.append(c.head_word)
+    if dead.fresh is not None and dead.unwritten and n:
+        if len(dead.fresh) != n:
+            raise ValueError(f"fresh has {len(dead.fresh)} bytes for {n} allocations")
+        uflat = array("Q", chain.from_iterable(dead.unwritten))
+        if len(uflat) != 3 * len(dead.unwritten):
+            raise ValueError("unwritten ranges are (begin, end, level) triples")
+        c.fresh = ffi.from_buffer("uint8_t[]", dead.fresh)
+        c.unwritten = ffi.from_buffer("uint64_t[]", uflat)
+        c.nunwritten = len(dead.unwritten)
+        keep += [uflat, c.fresh, c.unwritten]
     return c, keep
 
 
@@ -189,7 +206,8 @@ def mark(image: HeapImage, roots: Sequence[Tuple[int, object]], words: Sequence[
     check(rc, "mark")
     del keep_b, keep_s, keep_h, keep_r, keep_w, keep_d
     return MarkResult(marked=marked, root_bytes=stats.root_bytes, heap_bytes=stats.heap_bytes,
-                      words=stats.words, num_marked=stats.marked, seconds=seconds)
+                      words=stats.words, num_marked=stats.marked, seconds=seconds,
+                      stale=stats.stale)
 
 
 # Returns [(begin, memoryview)] of the bytes mark scans in each marked allocation of image:

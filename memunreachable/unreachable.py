@@ -17,6 +17,7 @@ that died during the sweep (once). Docs: docs/reliability.md.
 from __future__ import annotations
 
 import bisect
+import dataclasses
 import logging
 from array import array
 import struct
@@ -37,7 +38,7 @@ from memunreachable.folding import FoldedLeak, fold, size_totals
 from memunreachable.freeze import frozen
 from memunreachable.glibc import linkmaps, locate
 from memunreachable.glibc.walker import HeapInconsistent, is_uncopied, walk_heap
-from memunreachable.mark import mark, with_dead_ranges
+from memunreachable.mark import DeadWords, mark, with_dead_ranges
 from memunreachable.memory import (CopiedMemory, ProcessMemory, SnapshotPlan, capture, read_copies,
                                    mapped_file_size, plan_snapshot, unwritten_file_pages)
 from memunreachable.report import Leak, UnreachableMemoryInfo, group_leaks, members, sort_and_limit
@@ -68,7 +69,7 @@ def check(pid: int, *, limit: Optional[int] = 100, timeout: float = 2.0,
           allow_seccomp: bool = False, symbolize: bool = True,
           suppressions=None, sweep_here: bool = False,
           dead_ranges: Sequence[Tuple[int, int]] = (),
-          waiting_tids: Sequence[int] = ()) -> UnreachableMemoryInfo:
+          waiting_tids: Sequence[int] = (), tracker=None) -> UnreachableMemoryInfo:
     """Find the unreachable allocations of process `pid`.
 
     limit: how many leak groups to keep (largest first); None keeps all.
@@ -83,6 +84,9 @@ def check(pid: int, *, limit: Optional[int] = 100, timeout: float = 2.0,
     caller's idle alternate signal stack): neither roots nor scanned inside allocations.
     waiting_tids: threads blocked in a wait for this check (the in-process caller's requesting
     thread): only the registers a call preserves are roots (classify.waiting).
+    tracker: the written.WriteTracker of pid (the in-process checks' helper): a word the target
+    has not written since an earlier swept snapshot is no reference to a block that began
+    after it (sweep_here only).
     Raises MemunreachableError subclasses when the check cannot be done.
     """
     started = time.monotonic()
@@ -93,7 +97,8 @@ def check(pid: int, *, limit: Optional[int] = 100, timeout: float = 2.0,
     info.warnings.extend(target.warnings)
     opts = dict(timeout=timeout, sweep_timeout=sweep_timeout, allow_direct=allow_direct,
                 allow_seccomp=allow_seccomp, sweep_here=sweep_here,
-                dead_ranges=tuple(dead_ranges), waiting_tids=tuple(waiting_tids))
+                dead_ranges=tuple(dead_ranges), waiting_tids=tuple(waiting_tids),
+                tracker=tracker if sweep_here else None)
     # 2-8. Collect, snapshot, sweep
     result = _snapshot_and_sweep(pid, info, confirm=None, **opts)
     if result.meta.get("suspect_tids") or result.meta.get("soft_issues"):
@@ -129,6 +134,7 @@ class Pending:
         self.info, self.fz, self.snap, self.plan = info, fz, snap, plan
         self.dead_ranges, self._guard = tuple(dead_ranges), guard
         self.waiting_tids = tuple(waiting_tids)
+        self.tracker, self.epoch = None, None     # the write look of its freeze (written.py)
 
     def release(self) -> None:
         """Kill and reap the snapshot process, drop the lock. Idempotent."""
@@ -143,7 +149,7 @@ class Pending:
 
 def check_later(pid: int, *, timeout: float = 2.0, allow_seccomp: bool = False,
                 dead_ranges: Sequence[Tuple[int, int]] = (),
-                waiting_tids: Sequence[int] = ()) -> Optional[Pending]:
+                waiting_tids: Sequence[int] = (), tracker=None) -> Optional[Pending]:
     """Steps 1-3 now (the pause is the same as check()'s), the sweep left to sweep_pending().
     None when this snapshot could need a retake or a confirmation that a later sweep could not
     take (no clone, a thread that may be inside malloc/free, memory the snapshot lacks): the
@@ -162,7 +168,7 @@ def check_later(pid: int, *, timeout: float = 2.0, allow_seccomp: bool = False,
     pending = None
     try:
         pending = _take_pending(pid, info, guard, timeout, allow_seccomp, dead_ranges,
-                                waiting_tids)
+                                waiting_tids, tracker)
     except CollectionError as exc:
         if not getattr(exc, "snapshot_lost", False):
             raise
@@ -173,7 +179,7 @@ def check_later(pid: int, *, timeout: float = 2.0, allow_seccomp: bool = False,
 
 
 def _take_pending(pid: int, info: UnreachableMemoryInfo, guard, timeout: float,
-                  allow_seccomp: bool, dead_ranges, waiting_tids) -> Optional[Pending]:
+                  allow_seccomp: bool, dead_ranges, waiting_tids, tracker) -> Optional[Pending]:
     prepare_snapshot(pid, timeout)
     with frozen(pid, timeout=timeout) as fz:
         snap = take_snapshot(fz, allow_seccomp=allow_seccomp)
@@ -182,7 +188,9 @@ def _take_pending(pid: int, info: UnreachableMemoryInfo, guard, timeout: float,
             # any futex in the allocator's code counts: the arenas are not known yet
             if snap.mode != "clone" or threads_in_allocator(fz.threads, fz.maps, pid, None):
                 return None
+            epoch = _look_at_writes(tracker, fz)
             fz.thaw()
+            _track_new_mappings(tracker, fz)
             info.modules = tracking.modules(fz.maps)
             try:
                 plan, unseen = _plan_reads(fz, snap, [], _Attempts(), info)
@@ -196,7 +204,9 @@ def _take_pending(pid: int, info: UnreachableMemoryInfo, guard, timeout: float,
                 snap.release()
     info.pause_ms += fz.pause_ms
     info.snapshot_mode, info.threads = snap.mode, len(fz.threads)
-    return Pending(info, fz, snap, plan, dead_ranges, guard, waiting_tids)
+    pending = Pending(info, fz, snap, plan, dead_ranges, guard, waiting_tids)
+    pending.tracker, pending.epoch = tracker, epoch
+    return pending
 
 
 def sweep_pending(pending: Pending, *, limit: Optional[int] = 100, symbolize: bool = True,
@@ -230,7 +240,8 @@ def _sweep_pending(pending: Pending) -> SweepResult:
         raise _Retake("died", "the snapshot process died before its sweep")
     try:
         return _sweep_snapshot(snap, fz, _Attempts(), 600.0, None, [], pending.plan, [], True,
-                               pending.dead_ranges, pending.waiting_tids)
+                               pending.dead_ranges, pending.waiting_tids,
+                               _since(pending.tracker, pending.epoch))
     except HeapInconsistent as exc:
         raise HeapWalkError(f"the heap of process {fz.pid} was inconsistent in a snapshot taken "
                             f"with no thread inside malloc/free ({exc}); nothing was reported",
@@ -315,7 +326,7 @@ def _one_snapshot(pid: int, info: UnreachableMemoryInfo, confirm, st: _Attempts,
                   timeout: float, sweep_timeout: float, allow_direct: bool,
                   allow_seccomp: bool, sweep_here: bool = False,
                   dead_ranges: Sequence[Tuple[int, int]] = (),
-                  waiting_tids: Sequence[int] = ()) -> SweepResult:
+                  waiting_tids: Sequence[int] = (), tracker=None) -> SweepResult:
     """One freeze + snapshot + sweep. Raises _Retake when a fresh snapshot may succeed."""
     # 2. Collect: freeze every thread, registers, maps
     log.info("collecting thread info for process %d", pid)
@@ -336,7 +347,11 @@ def _one_snapshot(pid: int, info: UnreachableMemoryInfo, confirm, st: _Attempts,
                 # an earlier snapshot: copied from the frozen target during the pause
                 overlays = capture(pid, subtract_ranges(st.capture, subtract_ranges(
                     st.capture, [m.range for m in fz.maps if m.readable]))) if st.capture else []
+            # 3c. The pages written since the last look, at the snapshot's instant (written.py)
+            epoch = _look_at_writes(tracker, fz)
+            if snap.mode == "clone":
                 fz.thaw()
+                _track_new_mappings(tracker, fz)
             elif not any(w.startswith("no snapshot") for w in info.warnings):
                 info.warnings.append(f"no snapshot ({snap.reason}): the target stayed "
                                      "stopped for the whole sweep")
@@ -346,7 +361,8 @@ def _one_snapshot(pid: int, info: UnreachableMemoryInfo, confirm, st: _Attempts,
             # 4-8. Sweep in a forked process
             try:
                 return _sweep_snapshot(snap, fz, st, sweep_timeout, confirm, overlays, plan, unseen,
-                                       sweep_here, dead_ranges, waiting_tids)
+                                       sweep_here, dead_ranges, waiting_tids,
+                                       _since(tracker, epoch))
             except HeapInconsistent as exc:
                 log.info("heap was mid-update (%s)", exc)
                 raise _Retake("inflight", str(exc), exc) from None
@@ -462,7 +478,7 @@ def threads_in_allocator(threads, maps, pid: int, arena_mutexes) -> list:
 def _sweep_snapshot(snap, fz, st: _Attempts, sweep_timeout: float, confirm, overlays,
                     plan: SnapshotPlan, unseen: List[Range], here: bool = False,
                     dead_ranges: Sequence[Tuple[int, int]] = (),
-                    waiting_tids: Sequence[int] = ()) -> SweepResult:
+                    waiting_tids: Sequence[int] = (), since=None) -> SweepResult:
     if snap.released:
         raise CollectionError(f"snapshot of process {snap.target_pid} was already released")
     try:
@@ -480,11 +496,37 @@ def _sweep_snapshot(snap, fz, st: _Attempts, sweep_timeout: float, confirm, over
         return sweep(mem, maps, waiting(fz.threads, waiting_tids), snap.pid, confirm,
                      all_uncertain=bool(unseen),
                      unwritten=plan.unwritten, retain=retain_list(),
-                     release_snapshot=_early_release(snap), dead_ranges=dead_ranges)
+                     release_snapshot=_early_release(snap), dead_ranges=dead_ranges,
+                     since=since if here else None)
     try:
         return run_here(work) if here else run_sweeper(work, sweep_timeout)
     finally:
         mem.close()
+
+
+def _look_at_writes(tracker, fz) -> Optional[int]:
+    """The tracker's look at the pages written since its last one (target frozen); its epoch,
+    None without a tracker or when the look failed (the sweep then has no fresh rule)."""
+    if tracker is None:
+        return None
+    try:
+        return tracker.at_freeze()
+    except Exception as exc:  # noqa: BLE001 - a lost look only loses the rule
+        log.info("no look at the written pages: %s", exc)
+        return None
+
+
+def _track_new_mappings(tracker, fz) -> None:
+    """After the thaw: the tracker registers the mappings it does not track yet."""
+    if tracker is not None:
+        try:
+            tracker.register(fz.maps)
+        except Exception as exc:  # noqa: BLE001 - untracked memory only counts as written
+            log.info("no write tracking of new mappings: %s", exc)
+
+
+def _since(tracker, epoch):
+    return tracker.since(epoch) if tracker is not None and epoch is not None else None
 
 
 def _early_release(snap):
@@ -556,7 +598,7 @@ _WARMED: Optional[tuple] = None
 def sweep(mem, maps, threads, pid: int, confirm: Optional[set] = None,
           all_uncertain: bool = False, unwritten: Sequence[Range] = (),
           retain: Optional[list] = None, release_snapshot=None,
-          dead_ranges: Sequence[Tuple[int, int]] = ()) -> SweepResult:
+          dead_ranges: Sequence[Tuple[int, int]] = (), since=None) -> SweepResult:
     """Stages 4-8 over a memory image; runs inside the sweeper process.
 
     confirm: addresses found unreachable in an earlier snapshot; a block unreachable now but
@@ -574,6 +616,9 @@ def sweep(mem, maps, threads, pid: int, confirm: Optional[set] = None,
     killed then, its teardown overlapping the mark, and the target's copy-on-write costs end.
     dead_ranges: 8-aligned (begin, end) ranges of the target that hold no references (an
     in-process check's own alternate signal stack, idle while it waits).
+    since: written.Since of this snapshot, or None: a word of memory not written since an
+    earlier swept snapshot is no reference to an allocation that began after it; this sweep's
+    allocations are recorded for the next.
     """
     t0 = time.monotonic()
     # 4. Enumerate allocations
@@ -625,6 +670,13 @@ def sweep(mem, maps, threads, pid: int, confirm: Optional[set] = None,
         root_buffers.append((r.begin, buf))
     if release_snapshot is not None and not cps.usable and table is None and not uncopied:
         release_snapshot()          # every byte the sweep needs is copied now
+    # 5b. Written pages (in-process checks): stale words are no references to fresh blocks
+    nfresh = 0
+    if since is not None and since.unwritten:
+        levels, nfresh = since.fresh(image.begins)
+        if nfresh:
+            dead = dataclasses.replace(dead or DeadWords(), fresh=levels,
+                                       unwritten=since.unwritten)
     t_roots = time.monotonic()
     # 6. Mark
     log.info("sweeping process %d for unreachable memory", pid)
@@ -655,6 +707,8 @@ def sweep(mem, maps, threads, pid: int, confirm: Optional[set] = None,
                       glibc_chunks=glibc_chunks, dead=dead)
     if uncopied and release_snapshot is not None and table is None:
         release_snapshot()          # the mark has read all it needs; the leaks are copied
+    if since is not None:
+        since.swept(image.begins)
     t_mark = time.monotonic()
     if os.environ.get("MEMUNREACHABLE_EXPLAIN"):       # diagnostic: explain.py
         from memunreachable.explain import explain
@@ -718,6 +772,8 @@ def sweep(mem, maps, threads, pid: int, confirm: Optional[set] = None,
         "soft_issues": list(hw.soft_issues),
         "unconfirmed": unconfirmed,
         "suspect_tids": suspect,
+        "fresh_blocks": nfresh,
+        "stale_words": marked.stale,
     }
     if table is not None:
         res.meta["tracking"] = table.summary()

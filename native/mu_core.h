@@ -13,4 +13,5 @@
 #include "mu_fold.h"
 #include "mu_ptrace.h"
 #include "mu_self.h"
+#include "mu_written.h"
 #endif

@@ -480,6 +480,12 @@ typedef struct {
     int plain_rules;        /* dead has no object rules (types, dict_keys, head_word) */
     int shared_marks;       /* other threads mark too: marked[] is set by atomic exchange */
     const uint64_t *dead_in;    /* bit i: a dead range meets allocation i (NULL: no ranges) */
+    /* the fresh rule (mu_dead.fresh): each candidate's word address (0: a register) */
+    uint64_t cand_at[SCAN_BATCH];
+    const mu_dead *fr;          /* dead when it has the rule, else NULL */
+    uint8_t *rejected;          /* allocations a stale word pointed at (n bytes) */
+    uint64_t nodedup;           /* 1: every word is looked up (no cache of values met) */
+    uint64_t stale;             /* hits ignored by the rule */
 } mark_ctx;
 
 /* Moves half of m's stack to the pool when another thread waits for work. */
@@ -497,11 +503,51 @@ static void share_work(mark_ctx *m)
     pthread_mutex_unlock(&sh->mu);
 }
 
+/* The level of the unwritten range holding address a (mu_dead), 0 when none does. */
+static uint64_t unwritten_level(const mu_dead *d, uint64_t a)
+{
+    const uint64_t *u = d->unwritten;
+    uint64_t lo = 0, hi = d->nunwritten;        /* first range ending after a */
+    while (lo < hi) {
+        uint64_t mid = (lo + hi) >> 1;
+        if (u[3 * mid + 1] <= a)
+            lo = mid + 1;
+        else
+            hi = mid;
+    }
+    return lo < d->nunwritten && u[3 * lo] <= a ? u[3 * lo + 2] : 0;
+}
+
+/* The fresh rule over a batch's hits: a hit on a fresh allocation from an unwritten word (not
+ * a register's: address 0) is dropped, its allocation noted, and the value forgotten by the
+ * cache of values met (a later copy of it elsewhere is looked up again). */
+static void drop_stale(mark_ctx *m, int64_t *hit)
+{
+    const mu_dead *d = m->fr;
+    for (uint64_t k = 0; k < m->nc; k++) {
+        int64_t a = hit[k];
+        if (a < 0 || !d->fresh[a] || !m->cand_at[k])
+            continue;
+        uint64_t u = unwritten_level(d, m->cand_at[k]);
+        if (!u || u > d->fresh[a])
+            continue;
+        hit[k] = -1;
+        __atomic_store_n(&m->rejected[a], 1, __ATOMIC_RELAXED);
+        m->stale++;
+        uint64_t v = m->cand[k];
+        uint64_t *slot = &m->seen[(v * 0x9E3779B97F4A7C15ull) >> (64 - SCAN_SEEN_BITS)];
+        if (*slot == v)
+            *slot = UINT64_MAX;
+    }
+}
+
 /* Looks up the pending candidates; marks and pushes the allocations newly hit. */
 static void flush(mark_ctx *m)
 {
     int64_t hit[SCAN_BATCH];
     find_batch(m->ix, m->cand, m->nc, hit);
+    if (m->fr)
+        drop_stale(m, hit);
     for (uint64_t k = 0; k < m->nc; k++)
         if (hit[k] >= 0)
             __builtin_prefetch(&m->marked[hit[k]]);
@@ -534,7 +580,7 @@ static void flush(mark_ctx *m)
 /* Queues v for a lookup when it may be in a heap region ([lo, hi) and the region map) and was
  * not met lately. Branch-free but for a full batch: whether a word of a Python heap passes is
  * close to a coin toss, which a branch would mispredict. */
-static inline __attribute__((always_inline)) void consider(mark_ctx *m, uint64_t v)
+static inline __attribute__((always_inline)) void consider(mark_ctx *m, uint64_t v, uint64_t at)
 {
     const mu_scan_index *ix = m->ix;
     uint64_t *slot = &m->seen[(v * 0x9E3779B97F4A7C15ull) >> (64 - SCAN_SEEN_BITS)];
@@ -543,7 +589,8 @@ static inline __attribute__((always_inline)) void consider(mark_ctx *m, uint64_t
                   & (uint64_t)(ix->rmap[(v >> RMAP_SHIFT) & ix->rmask] != 0);
     *slot = old ^ ((old ^ v) & (0 - in));
     m->cand[m->nc] = v;
-    m->nc += in & (uint64_t)(old != v);
+    m->cand_at[m->nc] = at;
+    m->nc += in & ((uint64_t)(old != v) | m->nodedup);
     if (m->nc == SCAN_BATCH)
         flush(m);
 }
@@ -554,12 +601,13 @@ static inline __attribute__((always_inline)) void consider(mark_ctx *m, uint64_t
  * order. */
 #define SCAN_CHUNK 64u
 
-static inline void consider_words(mark_ctx *m, const uint8_t *p, uint64_t nw, uint64_t prev0)
+static inline void consider_words(mark_ctx *m, const uint8_t *p, uint64_t nw, uint64_t prev0,
+                                  uint64_t a0)
 {
     const mu_scan_index *ix = m->ix;
     const uint64_t lo = ix->lo, span = ix->hi - ix->lo, rmask = ix->rmask;
     const uint16_t *rmap = ix->rmap;
-    uint64_t *seen = m->seen, *cand = m->cand;
+    uint64_t *seen = m->seen, *cand = m->cand, *cand_at = m->cand_at, nodedup = m->nodedup;
     uint64_t buf[SCAN_CHUNK];
     uint32_t at[SCAN_CHUNK];
     for (uint64_t w0 = 0; w0 < nw; w0 += SCAN_CHUNK) {
@@ -581,7 +629,8 @@ static inline void consider_words(mark_ctx *m, const uint8_t *p, uint64_t nw, ui
             uint64_t in = rmap[(v >> RMAP_SHIFT) & rmask] != 0;
             *slot = old ^ ((old ^ v) & (0 - in));
             cand[nc] = v;
-            nc += in & (uint64_t)(old != v);
+            cand_at[nc] = a0 + 8 * w;
+            nc += in & ((uint64_t)(old != v) | nodedup);
             if (__builtin_expect(nc == SCAN_BATCH, 0)) {
                 m->nc = nc;
                 flush(m);
@@ -604,12 +653,12 @@ static void scan_range(mark_ctx *m, const uint8_t *data, uint64_t addr, uint64_t
     uint64_t end = addr + len;
     if (!dead && !hb) {             /* one run: the words from addr + skip to the end */
         uint64_t nw = (len - skip) >> 3;
-        consider_words(m, data + skip, nw, 0);
+        consider_words(m, data + skip, nw, 0, addr + skip);
         m->words += nw;
         if ((len - skip) & 7) {     /* a last word starting before the end: read whole */
             uint64_t v = 0, have = avail - skip - 8 * nw;
             memcpy(&v, data + skip + 8 * nw, have < 8 ? have : 8);
-            consider(m, v);
+            consider(m, v, addr + skip + 8 * nw);
             m->words++;
         }
         return;
@@ -622,12 +671,12 @@ static void scan_range(mark_ctx *m, const uint8_t *data, uint64_t addr, uint64_t
         uint64_t nw = (e - b) >> 3;
         if (e > end)
             nw--;                       /* the last word is partial */
-        consider_words(m, p, nw, b >= addr + 8 ? ld64(p - 8) : 0);
+        consider_words(m, p, nw, b >= addr + 8 ? ld64(p - 8) : 0, b);
         m->words += nw;
         if (e > end) {                  /* a last word starting before the end: read whole */
             uint64_t v = 0, have = avail - (e - 8 - addr);
             memcpy(&v, p + 8 * nw, have < 8 ? have : 8);
-            consider(m, v);
+            consider(m, v, e - 8);
             m->words++;
         }
     }
@@ -749,7 +798,7 @@ static int scan_cands(mark_ctx *m, uint64_t i, const mu_region *reg)
             j++;
         for (; j < p->n && p->off[j] < hi; j++)
             if (!(p->off[j] & 1) || pb + p->off[j] - 1 == b)
-                consider(m, p->val[j]);     /* not a text tail after a word of this block */
+                consider(m, p->val[j], pb + (p->off[j] & ~1u));  /* not a text tail after a word of this block */
     }
     m->words += len / 8;
     m->heap_bytes += len;
@@ -1024,11 +1073,15 @@ static int64_t mark_waves(mark_ctx *ms, int nt, uint64_t n)
 #define MARK_PARALLEL_MIN (1u << 18)
 #define MARK_MAX_THREADS 4
 
-int64_t mu_mark(const uint64_t *begin, const uint64_t *size, uint64_t n,
-                const mu_region *heap, uint64_t nheap,
-                const mu_region *roots, uint64_t nroots,
-                const uint64_t *words, uint64_t nwords,
-                uint8_t *marked, mu_mark_stats *stats, uint32_t flags, const mu_dead *dead)
+/* One mark (mu_mark). fr: dead when it has the fresh rule, else NULL; rejected: n bytes, the
+ * allocations whose hits the rule dropped; nodedup: look every word up. */
+static int64_t mark_once(const uint64_t *begin, const uint64_t *size, uint64_t n,
+                         const mu_region *heap, uint64_t nheap,
+                         const mu_region *roots, uint64_t nroots,
+                         const uint64_t *words, uint64_t nwords,
+                         uint8_t *marked, mu_mark_stats *stats, uint32_t flags,
+                         const mu_dead *dead, const mu_dead *fr, uint8_t *rejected,
+                         uint64_t nodedup)
 {
     if ((n && !marked) || (nroots && !roots) || (nwords && !words))
         return -EINVAL;
@@ -1093,6 +1146,9 @@ int64_t mu_mark(const uint64_t *begin, const uint64_t *size, uint64_t n,
         ms[t].dead_in = dead_in;
         ms[t].marked = marked;
         ms[t].plain_rules = !dead || (!dead->ntypes && !dead->dict_keys && !dead->head_word);
+        ms[t].fr = fr;
+        ms[t].rejected = rejected;
+        ms[t].nodedup = nodedup;
         memset(ms[t].seen, 0xff, sizeof ms[t].seen);
     }
     if (nt > 1) {
@@ -1117,7 +1173,7 @@ int64_t mu_mark(const uint64_t *begin, const uint64_t *size, uint64_t n,
         root_bytes += roots[r].len;
     }
     for (uint64_t w = 0; w < nwords; w++)
-        consider(m, words[w]);
+        consider(m, words[w], 0);
     m->words += nwords;
     mark_loop(m);
     for (int t = 0; t < nt; t++)
@@ -1126,11 +1182,12 @@ int64_t mu_mark(const uint64_t *begin, const uint64_t *size, uint64_t n,
             ms[t].running = 0;
         }
     int64_t err = lazy ? mark_waves(ms, nt, n) : 0;
-    uint64_t heap_bytes = 0, nwords_all = 0, marks = 0;
+    uint64_t heap_bytes = 0, nwords_all = 0, marks = 0, stale = 0;
     for (int t = 0; t < nt; t++) {
         heap_bytes += ms[t].heap_bytes;
         nwords_all += ms[t].words;
         marks += ms[t].marks;
+        stale += ms[t].stale;
         free(ms[t].stack);
         free(ms[t].pend);
     }
@@ -1143,6 +1200,7 @@ int64_t mu_mark(const uint64_t *begin, const uint64_t *size, uint64_t n,
         stats->heap_bytes = heap_bytes;
         stats->words = nwords_all;
         stats->marked = marks;
+        stats->stale = stale;
     }
     free(ms);
     free(sh.pool);
@@ -1150,6 +1208,45 @@ int64_t mu_mark(const uint64_t *begin, const uint64_t *size, uint64_t n,
     free(dead_in);
     mu_scan_index_free(&ix);
     return err ? err : (int64_t)marks;
+}
+
+/* The fresh rule (mu_dead.fresh) is exact only without the cache of values met: a value first
+ * met in an unwritten word and again, in the same batch of lookups, in a written one is looked
+ * up once. So a mark whose rule dropped a hit on an allocation left unmarked is redone with
+ * every word looked up (the rare case: a leak that a stale word would have hidden). */
+int64_t mu_mark(const uint64_t *begin, const uint64_t *size, uint64_t n,
+                const mu_region *heap, uint64_t nheap,
+                const mu_region *roots, uint64_t nroots,
+                const uint64_t *words, uint64_t nwords,
+                uint8_t *marked, mu_mark_stats *stats, uint32_t flags, const mu_dead *dead)
+{
+    const mu_dead *fr = dead && dead->fresh && dead->nunwritten && n ? dead : NULL;
+    if (dead && dead->nunwritten) {
+        if (!dead->unwritten)
+            return -EINVAL;
+        for (uint64_t k = 0; k < dead->nunwritten; k++)
+            if (dead->unwritten[3 * k] >= dead->unwritten[3 * k + 1]
+                || (k && dead->unwritten[3 * k] < dead->unwritten[3 * k - 2]))
+                return -EINVAL;
+    }
+    if (!fr)
+        return mark_once(begin, size, n, heap, nheap, roots, nroots, words, nwords, marked,
+                         stats, flags, dead, NULL, NULL, 0);
+    uint8_t *rejected = calloc(n, 1);
+    if (!rejected)
+        return -ENOMEM;
+    int64_t rc = mark_once(begin, size, n, heap, nheap, roots, nroots, words, nwords, marked,
+                           stats, flags, dead, fr, rejected, 0);
+    int again = 0;
+    for (uint64_t i = 0; rc >= 0 && i < n && !again; i++)
+        again = rejected[i] && !marked[i];
+    if (again) {
+        memset(rejected, 0, n);
+        rc = mark_once(begin, size, n, heap, nheap, roots, nroots, words, nwords, marked,
+                       stats, flags, dead, fr, rejected, 1);
+    }
+    free(rejected);
+    return rc;
 }
 
 uint64_t mu_scanned_len(const mu_dead *dead, const uint8_t *p, uint64_t b, uint64_t len,

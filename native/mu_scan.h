@@ -5,6 +5,7 @@ typedef struct {
     uint64_t heap_bytes;     /* bytes of reached allocations scanned */
     uint64_t words;          /* 8-byte words examined in total */
     uint64_t marked;         /* allocations reached */
+    uint64_t stale;          /* references to fresh allocations ignored (mu_dead.fresh) */
 } mu_mark_stats;
 
 /* Allocations: begin[] strictly ascending, size[] usable sizes (a size of 0 counts as 1 byte),

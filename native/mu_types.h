@@ -64,7 +64,13 @@ typedef struct {
  * dict_keys (MU_DICT_KEYS_*): an allocation whose header is a CPython dict key table
  * (PyDictKeysObject, consistent in every field) is scanned only up to the table's end as
  * new_keys_object sized it; the allocator's slack after it (under 16 bytes) holds only stale
- * words of the block's earlier users. 0: no such rule. */
+ * words of the block's earlier users. 0: no such rule.
+ * fresh (n bytes or NULL) and unwritten (nunwritten (begin, end, level) triples, sorted and
+ * disjoint), over earlier snapshots numbered 1 (the oldest) up: fresh[i] is the latest one in
+ * which no allocation began at allocation i's address (0: none), a range's level the oldest one
+ * since which the target has not written that memory (mu_written.h). A word in a range of
+ * level u is no reference to allocation i when 0 < u <= fresh[i]: the word was there before
+ * the block, a stale copy of an address freed earlier. mu_mark only (mu_fold ignores it). */
 typedef struct {
     const uint64_t *ranges;
     uint64_t nranges;
@@ -72,6 +78,9 @@ typedef struct {
     const uint64_t *types;
     uint64_t ntypes;
     uint32_t dict_keys;
+    const uint8_t *fresh;
+    const uint64_t *unwritten;
+    uint64_t nunwritten;
 } mu_dead;
 
 #define MU_DICT_KEYS_NONE 0
