@@ -7,10 +7,14 @@ only when the check after the test finds a new leak).
 --compare PYTHON also runs `PYTHON -m pytest --memunreachable` (another install of
 memunreachable: a venv of an older commit) in the same rounds, alternating with this one, so
 both see the same load; its plain pytest is timed too.
+--compare-env NAME=VALUE runs the compare side with that variable set (this interpreter when
+--compare is not given): `--compare-env MEMUNREACHABLE_WRITE_TRACKING=0` times the cost of the
+write tracking (docs/pytest.md).
 --real runs the real-extension suite of tests/integration/test_plugin.py instead (REAL: a C
 extension built -O2 without frame pointers; 2 of its 10 tests leak, so each of those takes a
 second sweep, and the clean test after each failure a gc.collect()).
 Usage: python bench/bench_pytest_plugin.py [runs] [--fixtures | --real] [--compare PYTHON]
+       [--compare-env NAME=VALUE]
 """
 import argparse
 import os
@@ -32,23 +36,24 @@ CPU = {}     # (python, args) -> [CPU seconds of the run: pytest and its helper,
 ENV = None         # the real-extension suite's: PYTHONPATH to its extension
 
 
-def run(python: str, cwd: str, *args: str) -> float:
+def run(python: str, cwd: str, *args: str, extra_env=None) -> float:
     r0 = resource.getrusage(resource.RUSAGE_CHILDREN)
     t0 = time.monotonic()
+    env = dict(ENV if ENV is not None else os.environ, **(extra_env or {}))
     done = subprocess.run([python, "-m", "pytest", "-q", "-p", "no:cacheprovider", *args],
-                          cwd=cwd, stdout=subprocess.DEVNULL, env=ENV)
+                          cwd=cwd, stdout=subprocess.DEVNULL, env=env)
     if done.returncode not in ((0, 1) if ENV is not None else (0,)):   # REAL: 2 tests fail
         raise SystemExit(f"pytest {' '.join(args)} exited with {done.returncode}")
     t = time.monotonic() - t0
     r1 = resource.getrusage(resource.RUSAGE_CHILDREN)
-    CPU.setdefault((python, args), []).append(r1.ru_utime + r1.ru_stime - r0.ru_utime - r0.ru_stime)
+    CPU.setdefault((python, args, bool(extra_env)), []).append(r1.ru_utime + r1.ru_stime - r0.ru_utime - r0.ru_stime)
     return t
 
 
-def line(name: str, python: str, runs: int, plain: list, checked: list) -> str:
+def line(name: str, python: str, runs: int, plain: list, checked: list, env=None) -> str:
     p, c = statistics.median(plain), statistics.median(checked)
-    pc = statistics.median(CPU[(python, ())])
-    cc = statistics.median(CPU[(python, ("--memunreachable",))])
+    pc = statistics.median(CPU[(python, (), bool(env))])
+    cc = statistics.median(CPU[(python, ("--memunreachable",), bool(env))])
     return (f"{name}: 10 tests, median of {runs}: plain pytest {p:.2f} s, --memunreachable "
             f"{c:.2f} s ({c / p:.1f}x; {1000 * (c - p) / 10:.0f} ms per test); best {min(plain):.2f} s and "
             f"{min(checked):.2f} s ({min(checked) / min(plain):.1f}x); CPU time (pytest and "
@@ -61,6 +66,8 @@ def main() -> None:
     ap.add_argument("--compare", metavar="PYTHON", help="another install's interpreter")
     ap.add_argument("--fixtures", action="store_true", help="tests that use a fixture")
     ap.add_argument("--real", action="store_true", help="the real-extension suite (test_plugin.py)")
+    ap.add_argument("--compare-env", metavar="NAME=VALUE", action="append", default=[],
+                    help="set for the compare side")
     args = ap.parse_args()
     suite = FIXTURE_TESTS if args.fixtures else TESTS
     if args.real:
@@ -73,19 +80,23 @@ def main() -> None:
         ENV = dict(os.environ, PYTHONPATH=ext)
         ENV.pop("PYTHONMALLOC", None)
         suite = REAL
-    pythons = [("this", sys.executable)] + ([("compare", args.compare)] if args.compare else [])
-    times = {name: ([], []) for name, _ in pythons}
+    envs = dict(kv.split("=", 1) for kv in args.compare_env)
+    pythons = [("this", sys.executable, None)]
+    if args.compare or envs:
+        label = "compare" + (" (" + " ".join(args.compare_env) + ")" if envs else "")
+        pythons.append((label, args.compare or sys.executable, envs or None))
+    times = {name: ([], []) for name, _, _ in pythons}
     with tempfile.TemporaryDirectory() as d:
         with open(os.path.join(d, "test_small.py"), "w") as f:
             f.write(suite)
         for k in range(args.runs):
             order = pythons if k % 2 == 0 else pythons[::-1]
-            for name, python in order:
-                times[name][0].append(run(python, d))
-                times[name][1].append(run(python, d, "--memunreachable"))
-    for name, python in pythons:
+            for name, python, env in order:
+                times[name][0].append(run(python, d, extra_env=env))
+                times[name][1].append(run(python, d, "--memunreachable", extra_env=env))
+    for name, python, env in pythons:
         kind = " (with a fixture)" if args.fixtures else " (real extension)" if args.real else ""
-        print(line(name + kind, python, args.runs, *times[name]))
+        print(line(name + kind, python, args.runs, *times[name], env=env))
 
 
 if __name__ == "__main__":

@@ -7,6 +7,8 @@ register, or a marked allocation with its size and first words). Allocations are
 (dead objects skipped, typed objects up to their live end) and dead ranges are left out, but a
 GC link word may still be listed: the chain is a lead, not a proof.
 Slow (Python over every scanned byte, per step); never used in normal runs.
+MEMUNREACHABLE_EXPLAIN_LOG=<file> appends the lines to that file too (a pytest session
+captures the helper's stderr with the test's output, which a passing test drops).
 """
 from __future__ import annotations
 

@@ -710,14 +710,18 @@ def sweep(mem, maps, threads, pid: int, confirm: Optional[set] = None,
     if since is not None:
         since.swept(image.begins)
     t_mark = time.monotonic()
-    if os.environ.get("MEMUNREACHABLE_EXPLAIN"):       # diagnostic: explain.py
+    explained = _explain_address() if os.environ.get("MEMUNREACHABLE_EXPLAIN") else 0
+    if explained:                       # diagnostic: explain.py (no address yet: no cost)
         from memunreachable.explain import explain
         from memunreachable.mark import scanned_blocks
-        for line in explain(_explain_address(), image, root_buffers, marked.marked,
-                            dead.ranges if dead else (),
-                            scanned_blocks(image, marked.marked, dead), threads,
-                            dead.head_word if dead else None, maps, mem):
+        lines = explain(explained, image, root_buffers, marked.marked,
+                        dead.ranges if dead else (), scanned_blocks(image, marked.marked, dead),
+                        threads, dead.head_word if dead else None, maps, mem)
+        for line in lines:
             log.warning("%s", line)
+        if os.environ.get("MEMUNREACHABLE_EXPLAIN_LOG"):   # where no capture hides them
+            with open(os.environ["MEMUNREACHABLE_EXPLAIN_LOG"], "a") as f:
+                f.write("".join(line + "\n" for line in lines))
     del root_buffers
     # 6b. CPython: unreachable Python objects, and which of them are cyclic garbage
     py = _python_objects(mem, cps, image, marked.marked, contents) if cps.usable else None

@@ -52,6 +52,22 @@ typedef struct {
     uint64_t nsk, k;             /* count; first pair that may still matter */
 } mu_live_iter;
 
+/* The first of n (begin, end, ...) records of `stride` words at v (ascending, disjoint) whose
+ * end lies after a; n when none does. */
+static inline uint64_t mu_first_ending_after(const uint64_t *v, uint64_t n, uint64_t stride,
+                                             uint64_t a)
+{
+    uint64_t lo = 0, hi = n;
+    while (lo < hi) {
+        uint64_t mid = (lo + hi) >> 1;
+        if (v[stride * mid + 1] <= a)
+            lo = mid + 1;
+        else
+            hi = mid;
+    }
+    return lo;
+}
+
 static inline void mu_live_init(mu_live_iter *it, const mu_dead *d, uint64_t w, uint64_t end,
                                 uint64_t hb, uint64_t he)
 {
@@ -68,17 +84,9 @@ static inline void mu_live_init(mu_live_iter *it, const mu_dead *d, uint64_t w, 
     uint64_t n = d->nranges;
     if (end <= sk[0] || w >= sk[2 * n - 1])
         return;                 /* no dead range meets [w, end) */
-    uint64_t lo = 0, hi = n;    /* first pair ending after w */
-    while (lo < hi) {
-        uint64_t mid = (lo + hi) >> 1;
-        if (sk[2 * mid + 1] <= w)
-            lo = mid + 1;
-        else
-            hi = mid;
-    }
     it->sk = sk;
     it->nsk = n;
-    it->k = lo;
+    it->k = mu_first_ending_after(sk, n, 2, w);
 }
 
 static inline uint64_t mu_live_past(uint64_t w, uint64_t e)

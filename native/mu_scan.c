@@ -507,15 +507,8 @@ static void share_work(mark_ctx *m)
 static uint64_t unwritten_level(const mu_dead *d, uint64_t a)
 {
     const uint64_t *u = d->unwritten;
-    uint64_t lo = 0, hi = d->nunwritten;        /* first range ending after a */
-    while (lo < hi) {
-        uint64_t mid = (lo + hi) >> 1;
-        if (u[3 * mid + 1] <= a)
-            lo = mid + 1;
-        else
-            hi = mid;
-    }
-    return lo < d->nunwritten && u[3 * lo] <= a ? u[3 * lo + 2] : 0;
+    uint64_t k = mu_first_ending_after(u, d->nunwritten, 3, a);
+    return k < d->nunwritten && u[3 * k] <= a ? u[3 * k + 2] : 0;
 }
 
 /* The fresh rule over a batch's hits: a hit on a fresh allocation from an unwritten word (not
@@ -821,14 +814,7 @@ static uint64_t *dead_in_init(const mu_scan_index *ix, const mu_dead *d, int64_t
     const uint64_t *sp = ix->span;
     for (uint64_t k = 0; k < d->nranges; k++) {
         uint64_t rb = d->ranges[2 * k], re = d->ranges[2 * k + 1];
-        uint64_t lo = 0, hi = ix->n;        /* first allocation ending after rb */
-        while (lo < hi) {
-            uint64_t mid = (lo + hi) >> 1;
-            if (sp[2 * mid + 1] <= rb)
-                lo = mid + 1;
-            else
-                hi = mid;
-        }
+        uint64_t lo = mu_first_ending_after(sp, ix->n, 2, rb);  /* first allocation after rb */
         for (uint64_t i = lo; i < ix->n && sp[2 * i] < re; i++)
             bits[i >> 6] |= 1ull << (i & 63);
     }
