@@ -64,7 +64,8 @@ def _type_name(mem, raw: bytes) -> str:
 
 # dead: sorted, disjoint (begin, end) pairs of words that are no references.
 # Returns log lines: the chain of referrers of the allocation holding addr (or why none).
-# blocks: [(begin, bytes)] of the marked allocations as mark scans them (mark.scanned_blocks).
+# blocks: [(begin, bytes)] of the marked allocations as mark scans them (mark.scanned_blocks),
+# or a callable giving them: called only when the block is reachable (a Python step per block).
 # threads: the frozen threads (tid, sp), to say which stack a root word lies in; head_word:
 # DeadWords.head_word (the PyGC_Head of each allocation), whose link words are skipped;
 # maps: the target's mappings, to name the file a root word lies in (path+offset); mem: the
@@ -77,6 +78,8 @@ def explain(addr: int, image, root_buffers, marked, dead_ranges, blocks, threads
         return [f"explain {addr:#x}: not inside any allocation"]
     if not marked[i]:
         return [f"explain {addr:#x}: allocation {begins[i]:#x} ({sizes[i]} bytes) is unreachable"]
+    if callable(blocks):
+        blocks = blocks()
     lines = []
     dead = list(dead_ranges)
     if head_word is not None:       # GC link words are no references either

@@ -715,7 +715,8 @@ def sweep(mem, maps, threads, pid: int, confirm: Optional[set] = None,
         from memunreachable.explain import explain
         from memunreachable.mark import scanned_blocks
         lines = explain(explained, image, root_buffers, marked.marked,
-                        dead.ranges if dead else (), scanned_blocks(image, marked.marked, dead),
+                        dead.ranges if dead else (),
+                        lambda: scanned_blocks(image, marked.marked, dead),
                         threads, dead.head_word if dead else None, maps, mem)
         for line in lines:
             log.warning("%s", line)

@@ -19,6 +19,22 @@ def test_chain_from_a_root_through_two_blocks():
     assert lines[3].endswith(f"root words at {ROOT + 8:#x}")
 
 
+def test_blocks_given_as_a_callable_are_read_only_for_a_reachable_block():
+    h = Heap([32, 32])
+    h.link(0, 1, 1)
+    roots = [(ROOT, words_buffer(h.addrs[0]))]
+    res = mark(h.image(), roots)
+    calls = []
+
+    def blocks():
+        calls.append(1)
+        return scanned_blocks(h.image(), res.marked)
+    assert "not inside" in explain(BASE - 64, h.image(), roots, res.marked, (), blocks)[0]
+    assert calls == []
+    lines = explain(h.addrs[1], h.image(), roots, res.marked, (), blocks)
+    assert calls == [1] and lines[-1].endswith(f"root words at {ROOT:#x}")
+
+
 def test_unreachable_and_outside_blocks_say_so():
     h = Heap([32])
     res = mark(h.image(), [])
