@@ -298,9 +298,9 @@ class _Helper:
                                     f"{int(symbolize)} {_supp_word(rules)} "
                                     f"{format_ranges(_idle_altstack())}")
 
-    # Returns the pickled reply to one request line (_tracer.py), made by line() once the stack
-    # is scrubbed; raises SweepError as run() does.
-    def request(self, line) -> bytes:
+    # Returns the pickled reply to one request line (_tracer.py; a view of _REPLY), made by
+    # line() once the stack is scrubbed; raises SweepError as run() does.
+    def request(self, line) -> memoryview:
         # Dead frames of functions that returned (a C extension's malloc'ing call, say) may
         # still hold pointers exactly where our wait's frames will live: zero them first,
         # before the helper may freeze us.
@@ -309,8 +309,8 @@ class _Helper:
             data = memoryview(f"{line()} @{threading.get_native_id()}\n".encode())
             while data:                         # unbuffered: a long line may go in parts
                 data = data[self.proc.stdin.write(data):]
-            head = _read_exactly(self.rfd, 8, HELPER_TIMEOUT)
-            data = _read_exactly(self.rfd, struct.unpack("<Q", head)[0], HELPER_TIMEOUT)
+            size = struct.unpack("<Q", _read_exactly(self.rfd, 8, HELPER_TIMEOUT))[0]
+            data = _read_exactly(self.rfd, size, HELPER_TIMEOUT)
         except (OSError, EOFError, SweepError) as exc:
             self.close()
             raise SweepError(f"the helper process failed ({exc}); exit status "
@@ -540,15 +540,26 @@ def _scrub_stack() -> None:
     lib.mu_scrub_stack(SCRUB_BYTES)
 
 
-def _read_exactly(fd: int, n: int, timeout: float) -> bytes:
-    """n bytes from fd within timeout; EOFError when the writer went away first.
+# The replies are read into this buffer, kept for the process's life and grown when needed:
+# a reply read into a fresh bytes object (a few KB: a glibc block) was freed right after its
+# unpickling, and a test's next block of that size took its address, while the check's own
+# frames, at the same stack depths at every check, could still hold copies of it.
+_REPLY = bytearray(64 * 1024)
+
+
+def _read_exactly(fd: int, n: int, timeout: float) -> memoryview:
+    """n bytes from fd within timeout, as a view of _REPLY (valid until the next read: the
+    caller holds _HELPER_LOCK); EOFError when the writer went away first.
     The wait is poll, not select: the thread is frozen in it and its stack is scanned from its
     SP up, and select.select keeps three fd-to-object arrays of 1,025 entries on the C stack
     (49 KB), written only for the fds given, so the scan read 49 KB of what deeper calls had
     left there (a stale copy of a 34 MB block leaked by the test at SP+0xb6c8 hid it in 1 of
     about 300 runs of the xdist suite under load: MEMUNREACHABLE_EXPLAIN). poll's frame is
     small."""
-    chunks, got = [], 0
+    global _REPLY
+    if n > len(_REPLY):
+        _REPLY = bytearray(max(n, 2 * len(_REPLY)))
+    view, got = memoryview(_REPLY), 0
     deadline = time.monotonic() + timeout
     poller = select.poll()
     poller.register(fd, select.POLLIN)
@@ -558,11 +569,9 @@ def _read_exactly(fd: int, n: int, timeout: float) -> bytes:
             raise SweepError(f"the in-process check did not finish within {timeout:.0f} s")
         if not poller.poll(math.ceil(left * 1000)):
             continue
-        # 64 KiB reads stay below glibc's mmap threshold: a freed 1 MiB mmapped read buffer
-        # leaves stale cursor pointers into an address range a later block may reuse
-        chunk = os.read(fd, min(READ_BYTES, n - got))
-        if not chunk:
+        # 64 KiB reads at most (READ_BYTES), into the buffer: no read buffer is allocated
+        k = os.readv(fd, [view[got:got + min(READ_BYTES, n - got)]])
+        if not k:
             raise EOFError("the helper process closed its result pipe")
-        chunks.append(chunk)
-        got += len(chunk)
-    return b"".join(chunks)
+        got += k
+    return view[:n]

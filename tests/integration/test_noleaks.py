@@ -395,3 +395,19 @@ def test_the_wait_for_the_helper_leaves_no_big_frame_to_scan():
     # left there (a leaked 34 MB block's address, 1 of ~70 loaded runs of the xdist suite).
     extra = _wait_depth("check") - _wait_depth("read")
     assert extra < 8 << 10, extra
+
+
+def test_replies_are_read_into_one_buffer_kept_for_the_process_life():
+    # a reply read into a fresh bytes object was freed after its unpickling, and a test's next
+    # block of that size took its address while the check's frames could still hold copies of it
+    r, w = os.pipe()
+    try:
+        os.write(w, b"a" * 5000 + b"b" * 3000)
+        first = noleaks._read_exactly(r, 5000, 5)
+        buf = first.obj
+        assert bytes(first) == b"a" * 5000
+        second = noleaks._read_exactly(r, 3000, 5)
+        assert bytes(second) == b"b" * 3000 and second.obj is buf is noleaks._REPLY
+    finally:
+        os.close(r)
+        os.close(w)
