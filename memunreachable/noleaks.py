@@ -429,6 +429,7 @@ def _reply(ask, retry: bool = True):
             if attempt == 2 or not retry:
                 raise
     kind, payload = pickle.loads(data)
+    _clear_reply(data)
     del data
     if kind == "error":
         raise payload
@@ -545,6 +546,14 @@ def _scrub_stack() -> None:
 # unpickling, and a test's next block of that size took its address, while the check's own
 # frames, at the same stack depths at every check, could still hold copies of it.
 _REPLY = bytearray(64 * 1024)
+_ZEROS = bytes(len(_REPLY))     # what a read reply is cleared with (_clear_reply)
+
+
+def _clear_reply(data: memoryview) -> None:
+    """Zero a reply once unpickled: it holds the addresses and first bytes of the leaks it
+    reported, which the next check would scan in the kept buffer (no allocation here: a
+    temporary's address is what the buffer exists to keep out of the check's frames)."""
+    data[:] = memoryview(_ZEROS)[:len(data)]
 
 
 def _read_exactly(fd: int, n: int, timeout: float) -> memoryview:
@@ -556,9 +565,10 @@ def _read_exactly(fd: int, n: int, timeout: float) -> memoryview:
     left there (a stale copy of a 34 MB block leaked by the test at SP+0xb6c8 hid it in 1 of
     about 300 runs of the xdist suite under load: MEMUNREACHABLE_EXPLAIN). poll's frame is
     small."""
-    global _REPLY
+    global _REPLY, _ZEROS
     if n > len(_REPLY):
         _REPLY = bytearray(max(n, 2 * len(_REPLY)))
+        _ZEROS = bytes(len(_REPLY))
     view, got = memoryview(_REPLY), 0
     deadline = time.monotonic() + timeout
     poller = select.poll()
