@@ -48,9 +48,7 @@ def main(argv=None) -> int:
     from memunreachable.mark import use_every_cpu
     use_every_cpu()             # the caller waits idle while we sweep: its CPU is free
     tracker = _tracker(args.pid, args.uffd)
-    if os.environ.get("STAGEWRAP"):
-        exec(open(os.environ["STAGEWRAP"]).read(), globals())
-    warm = _Warmer(args.pid, tracker)
+    warm = _Warmer(args.pid)
     pending = _Pending(tracker)
     try:
         warm.when_idle()
@@ -63,8 +61,6 @@ def main(argv=None) -> int:
             while view:
                 view = view[os.write(args.fd, view):]
             warm.when_idle()
-            if os.environ.get("STAGEWRAP"):
-                dump()
     finally:
         pending.drop()
         if tracker is not None:
@@ -201,14 +197,14 @@ class _Warmer:
     """Fills the caches (_warm) once, when no request waits: a first request is served at
     once (a "snap" needs none of them), the warming then overlaps with the caller's work."""
 
-    def __init__(self, pid: int, tracker=None) -> None:
-        self.pid, self.done, self.tracker = pid, False, tracker
+    def __init__(self, pid: int) -> None:
+        self.pid, self.done = pid, False
 
     def when_idle(self) -> None:
         import select
         if not self.done and not select.select([sys.stdin.buffer], [], [], 0)[0]:
             self.done = True
-            _warm(self.pid, self.tracker)
+            _warm(self.pid)
 
 
 def _rules(supp: bytes):
@@ -266,18 +262,14 @@ def _keep_freed_memory() -> None:
     _types.use_heap_buffers()
 
 
-def _warm(pid: int, tracker=None) -> None:
+def _warm(pid: int) -> None:
     """Import the pipeline and parse the caller's malloc and Python ELF files before the first
-    request (the caller may have started us early: this overlaps with its own work), and
-    register the caller's memory for write tracking. Only caches are filled; a failure here
-    shows up, if it matters, in the first check."""
+    request (the caller may have started us early: this overlaps with its own work). Only
+    caches are filled; a failure here shows up, if it matters, in the first check."""
     try:
         from memunreachable import procfs
         from memunreachable.unreachable import _warm_caches
-        maps = procfs.read_maps(pid)
-        _warm_caches(maps, pid)
-        if tracker is not None:
-            tracker.register(maps)
+        _warm_caches(procfs.read_maps(pid), pid)
     except Exception:  # noqa: BLE001 - a cache that stays cold is only slower
         pass
 

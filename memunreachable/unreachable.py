@@ -188,7 +188,7 @@ def _take_pending(pid: int, info: UnreachableMemoryInfo, guard, timeout: float,
             # any futex in the allocator's code counts: the arenas are not known yet
             if snap.mode != "clone" or threads_in_allocator(fz.threads, fz.maps, pid, None):
                 return None
-            epoch = _look_at_writes(tracker, fz)
+            epoch = _look_at_writes(tracker)
             fz.thaw()
             _track_new_mappings(tracker, fz)
             info.modules = tracking.modules(fz.maps)
@@ -348,7 +348,7 @@ def _one_snapshot(pid: int, info: UnreachableMemoryInfo, confirm, st: _Attempts,
                 overlays = capture(pid, subtract_ranges(st.capture, subtract_ranges(
                     st.capture, [m.range for m in fz.maps if m.readable]))) if st.capture else []
             # 3c. The pages written since the last look, at the snapshot's instant (written.py)
-            epoch = _look_at_writes(tracker, fz)
+            epoch = _look_at_writes(tracker)
             if snap.mode == "clone":
                 fz.thaw()
                 _track_new_mappings(tracker, fz)
@@ -504,7 +504,7 @@ def _sweep_snapshot(snap, fz, st: _Attempts, sweep_timeout: float, confirm, over
         mem.close()
 
 
-def _look_at_writes(tracker, fz) -> Optional[int]:
+def _look_at_writes(tracker) -> Optional[int]:
     """The tracker's look at the pages written since its last one (target frozen); its epoch,
     None without a tracker or when the look failed (the sweep then has no fresh rule)."""
     if tracker is None:

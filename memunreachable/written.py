@@ -147,7 +147,7 @@ class WriteTracker:
         self.looks: Dict[int, Tuple[array, array]] = {}
         self.swept_begins: Dict[int, array] = {}
         self.failures = 0
-        self.room = (-1, 0)         # (ranges, pairs) the last look's buffer was sized for
+        self.cap = 1                # written runs a look can report: half the pages, + ranges
 
     def close(self) -> None:
         for fd in (self.pagemap, self.fd):
@@ -171,7 +171,8 @@ class WriteTracker:
             added.extend((b, e))
         if added:
             self.tracked = merged(self.tracked, added)
-            self.room = (-1, 0)
+            t = self.tracked
+            self.cap = sum(t[j + 1] - t[j] for j in range(0, len(t), 2)) // 8192 + len(t) // 2 + 1
         return len(added) // 2
 
     def at_freeze(self) -> int:
@@ -179,9 +180,7 @@ class WriteTracker:
         returns its epoch (for since())."""
         n = len(self.tracked) // 2
         failed = bytearray(n)
-        if n > self.room[0]:            # room for every written run: half the pages, + n
-            self.room = (n, self.pages() // 2 + n + 1)
-        cap = self.room[1]
+        cap = self.cap          # set when the tracked memory grew; dropped ranges only shrink it
         out = array("Q", bytes(16 * cap))
         got = lib.mu_wt_look(self.pagemap, ffi.from_buffer("uint64_t[]", self.tracked)
                              if n else ffi.NULL, n, ffi.from_buffer("uint64_t[]", out), cap,
@@ -196,10 +195,6 @@ class WriteTracker:
         self.epoch += 1
         self.looks[self.epoch] = (self.tracked, out)
         return self.epoch
-
-    def pages(self) -> int:
-        t = self.tracked
-        return sum(t[j + 1] - t[j] for j in range(0, len(t), 2)) // 4096
 
     def since(self, epoch: int) -> Optional[Since]:
         """The rule for a sweep of epoch's snapshot (levels: the swept snapshots before it whose

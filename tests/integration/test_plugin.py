@@ -1,5 +1,4 @@
 """Issue 3: the opt-in pytest plugin, driven with pytester."""
-import os
 import re
 import shutil
 
@@ -410,19 +409,12 @@ def _run_real(suite, *args) -> str:
     scratch, log = suite.path / "scratch.addr", suite.path / "explain.log"
     scratch.write_text("")
     log.write_text("")
-    saved = {k: os.environ.get(k)
-             for k in ("SCRATCH_FILE", "MEMUNREACHABLE_EXPLAIN", "MEMUNREACHABLE_EXPLAIN_LOG")}
-    os.environ.update(SCRATCH_FILE=str(scratch), MEMUNREACHABLE_EXPLAIN="@" + str(scratch),
-                      MEMUNREACHABLE_EXPLAIN_LOG=str(log))
-    try:
+    with pytest.MonkeyPatch.context() as mp:
+        mp.setenv("SCRATCH_FILE", str(scratch))
+        mp.setenv("MEMUNREACHABLE_EXPLAIN", "@" + str(scratch))
+        mp.setenv("MEMUNREACHABLE_EXPLAIN_LOG", str(log))
         res = suite.runpytest_subprocess("--memunreachable", "-p", "no:cacheprovider", "-rf",
                                          *args)
-    finally:
-        for k, v in saved.items():
-            if v is None:
-                os.environ.pop(k, None)
-            else:
-                os.environ[k] = v
     out = res.stdout.str()
     failed = sorted(re.findall(r"^FAILED test_real.py::(\w+)", out, re.M))
     why = [line for line in log.read_text().splitlines()
