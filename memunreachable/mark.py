@@ -48,6 +48,8 @@ class DeadWords:
     types: Sequence[Tuple[int, int]] = ()    # (type address, object offset), ascending: an
     #   allocation with 0 at that offset followed by that type holds a dead object (unscanned)
     dict_keys: int = 0                       # MU_DICT_KEYS_*: dict key tables scanned to their end
+    debug_hooks: bool = False                # CPython's debug hooks: blocks scanned in their
+    #   requested bytes only (native mu_dead debug_hooks)
     # the fresh rule (written.py; native mu_dead): over earlier snapshots numbered 1 (oldest)
     # up, fresh[i] (n bytes) is the latest one in which no allocation began at allocation i's
     # address, 0 none; unwritten: sorted disjoint (begin, end, level) triples, memory not
@@ -57,7 +59,7 @@ class DeadWords:
 
     def __bool__(self) -> bool:
         return (bool(self.ranges) or self.head_word is not None or bool(self.types)
-                or bool(self.dict_keys) or (self.fresh is not None and bool(self.unwritten)))
+                or bool(self.dict_keys) or self.debug_hooks or (self.fresh is not None and bool(self.unwritten)))
 
 
 def with_dead_ranges(dead: Optional["DeadWords"],
@@ -136,6 +138,7 @@ def dead_words(dead: "DeadWords", n: int):
         keep.append(c.ranges)
     c.nranges = len(dead.ranges)
     c.dict_keys = dead.dict_keys
+    c.debug_hooks = int(dead.debug_hooks)
     if dead.types:
         tflat = array("Q", chain.from_iterable(dead.types))
         c.types = ffi.from_buffer("uint64_t[]", tflat)

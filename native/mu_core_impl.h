@@ -354,10 +354,41 @@ static inline uint64_t mu_dict_keys_len(uint32_t layout, const uint8_t *p, uint6
     return total + 8 <= len && len - total < 16 ? total : 0;
 }
 
+#define MU_DEBUG_PREFIX 16
+#define MU_DEBUG_TAIL 8
+#define MU_FORBIDDEN 0xfd         /* PYMEM_FORBIDDENBYTE */
+
+/* The end of the requested bytes (rounded up to a word) of the allocation at p (len bytes,
+ * avail readable) when it carries CPython's debug-hook prefix and tail (mu_dead debug_hooks),
+ * else 0. */
+static inline uint64_t mu_debug_hooks_end(const uint8_t *p, uint64_t len, uint64_t avail)
+{
+    if (len < MU_DEBUG_PREFIX + MU_DEBUG_TAIL || avail < MU_DEBUG_PREFIX)
+        return 0;
+    uint64_t n = 0;
+    for (int k = 0; k < 8; k++)
+        n = n << 8 | p[k];
+    if ((p[8] != 'r' && p[8] != 'm' && p[8] != 'o') || n > len - MU_DEBUG_PREFIX - MU_DEBUG_TAIL
+        || avail < MU_DEBUG_PREFIX + n + MU_DEBUG_TAIL)
+        return 0;
+    for (int k = 9; k < MU_DEBUG_PREFIX; k++)
+        if (p[k] != MU_FORBIDDEN)
+            return 0;
+    for (int k = 0; k < MU_DEBUG_TAIL; k++)
+        if (p[MU_DEBUG_PREFIX + n + k] != MU_FORBIDDEN)
+            return 0;
+    return (MU_DEBUG_PREFIX + n + 7) & ~7ull;
+}
+
 /* mu_live_len with the rules r of the block (NULL when d has no types). */
 static inline uint64_t mu_live_len_r(const mu_dead *d, const mu_rules *r, const uint8_t *p,
                                      uint64_t b, uint64_t len, uint64_t avail)
 {
+    if (d && d->debug_hooks) {      /* the object rules below then see the requested bytes */
+        uint64_t end = mu_debug_hooks_end(p, len, avail);
+        if (end)
+            len = end;
+    }
     if (d && d->dict_keys) {
         uint64_t keys = mu_dict_keys_len(d->dict_keys, p, len, avail);
         if (keys)

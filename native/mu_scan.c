@@ -477,7 +477,7 @@ typedef struct {
     uint8_t *rbuf;          /* WAVE_READ bytes: one read of a wave */
     int64_t err;            /* the first read error (-errno; -EIO: bytes unreadable) */
     struct wave_shared_s *ws;
-    int plain_rules;        /* dead has no object rules (types, dict_keys, head_word) */
+    int plain_rules;        /* dead has no object rules (types, dict_keys, debug_hooks, head_word) */
     int shared_marks;       /* other threads mark too: marked[] is set by atomic exchange */
     const uint64_t *dead_in;    /* bit i: a dead range meets allocation i (NULL: no ranges) */
     /* the fresh rule (mu_dead.fresh): each candidate's word address (0: a register) */
@@ -1131,7 +1131,8 @@ static int64_t mark_once(const uint64_t *begin, const uint64_t *size, uint64_t n
         ms[t].th = dead && dead->ntypes ? &th : NULL;
         ms[t].dead_in = dead_in;
         ms[t].marked = marked;
-        ms[t].plain_rules = !dead || (!dead->ntypes && !dead->dict_keys && !dead->head_word);
+        ms[t].plain_rules = !dead || (!dead->ntypes && !dead->dict_keys && !dead->debug_hooks
+                                        && !dead->head_word);
         ms[t].fr = fr;
         ms[t].rejected = rejected;
         ms[t].nodedup = nodedup;

@@ -65,6 +65,11 @@ typedef struct {
  * (PyDictKeysObject, consistent in every field) is scanned only up to the table's end as
  * new_keys_object sized it; the allocator's slack after it (under 16 bytes) holds only stale
  * words of the block's earlier users. 0: no such rule.
+ * debug_hooks (1: CPython's debug hooks are on, PYTHONMALLOC=*debug): an allocation that starts
+ * with a valid debug-hook prefix (its requested size n big-endian, an API id 'r', 'm' or 'o',
+ * 7 bytes 0xfd) and holds 8 bytes 0xfd at 16 + n (the tail) is scanned only in [16, 16 + n):
+ * the prefix and tail are never addresses, and the allocator's slack after the tail (3.8: a
+ * serial number, then slack) is never written by this allocation (cpython-memory.md).
  * fresh (n bytes or NULL) and unwritten (nunwritten (begin, end, level) triples, sorted and
  * disjoint), over earlier snapshots numbered 1 (the oldest) up: fresh[i] is the latest one in
  * which no allocation began at allocation i's address (0: none), a range's level the oldest one
@@ -78,6 +83,7 @@ typedef struct {
     const uint64_t *types;
     uint64_t ntypes;
     uint32_t dict_keys;
+    uint32_t debug_hooks;
     const uint8_t *fresh;
     const uint64_t *unwritten;
     uint64_t nunwritten;

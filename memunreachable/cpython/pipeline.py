@@ -171,7 +171,8 @@ def _prepare(mem, maps, threads, pid: Optional[int], image: HeapImage) -> CPytho
     out.stats["gc_types"] = len(dead_types)
     out.root_cuts = merge_ranges(cuts)
     out.dead = DeadWords(ranges=merge_pairs(*dead_pairs),
-                         head_word=head_word, types=dead_types, dict_keys=dict_keys_rule(cp))
+                         head_word=head_word, types=dead_types, dict_keys=dict_keys_rule(cp),
+                         debug_hooks=has_debug_hooks(cp))
     out.stats.update(cp.stats, pymalloc_blocks=len(blocks), dead_blocks_dropped=ndead,
                      text_heads=len(cp.pymalloc.text_heads),
                      version="%d.%d" % cp.version, allocator=cp.allocator)
@@ -357,7 +358,7 @@ def object_reader(mem, cp: CPythonMap):
     One per (cp, mem): its type cache serves every stage of a sweep (the same ~100 types were
     read 4-5 times a check: sized_types, metatypes, object_types, the leaks' names)."""
     from memunreachable.cpython.objects import ObjectReader
-    prefix = L.DEBUG_HOOK_PREFIX if (cp.allocator or "").endswith("debug") else 0
+    prefix = L.DEBUG_HOOK_PREFIX if has_debug_hooks(cp) else 0
     cached = cp.__dict__.get("_reader")
     if cached is not None and cached.mem is mem and cached.prefix == prefix:
         return cached
@@ -394,10 +395,17 @@ def _type_rules(cp: CPythonMap) -> Dict[str, Tuple[str, str]]:
     return rules
 
 
+def has_debug_hooks(cp: CPythonMap) -> bool:
+    """CPython's debug hooks are on (PYTHONMALLOC=debug, malloc_debug, pymalloc_debug): each
+    block is a 16-byte prefix, the requested bytes, an 8-byte tail (mu_dead debug_hooks)."""
+    return (cp.allocator or "").endswith("debug")
+
+
 def dict_keys_rule(cp: CPythonMap) -> int:
     """The mu_dead dict-key-table rule of this version (tables at their block's start: not
-    under the debug hooks, whose prefix comes first and which fill the slack anyway)."""
-    if (cp.allocator or "").endswith("debug") or cp.version > (3, 13):
+    under the debug hooks, whose prefix comes first and whose rule ends each block at its
+    requested bytes, which covers the tables' slack)."""
+    if has_debug_hooks(cp) or cp.version > (3, 13):
         return lib.MU_DICT_KEYS_NONE
     return lib.MU_DICT_KEYS_38 if cp.version <= (3, 10) else lib.MU_DICT_KEYS_311
 
