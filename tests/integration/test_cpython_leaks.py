@@ -146,10 +146,12 @@ def build_ext(python: str) -> str:
     return out_dir
 
 
-def run_target(python: str, script: str, allocator: str = "pymalloc", *args: str):
+def run_target(python: str, script: str, allocator: str = "pymalloc", *args: str,
+               expect=None):
     """Runs script (prints `baseline`, waits for a line, prints JSON and `ready`) under
     allocator; checks at the baseline and after. Returns (the JSON, the second check's
-    CheckInfo, the addresses the first check found)."""
+    CheckInfo, the addresses the first check found). expect(JSON): the addresses the second
+    check must report; a miss fails here, with the chains that kept them (explain_misses)."""
     env = dict(os.environ)
     env.pop("PYTHONMALLOC", None)
     if allocator == "malloc":
@@ -166,6 +168,10 @@ def run_target(python: str, script: str, allocator: str = "pymalloc", *args: str
         made = json.loads(line)
         assert proc.stdout.readline().strip() == "ready"
         info = check(proc.pid, limit=None)
+        missed = [a for a in (expect(made) if expect else ())
+                  if a not in {l.address for l in info.leaks}]
+        assert not missed, (f"missed {[hex(a) for a in missed]}:\n"
+                            + fixtures.explain_misses(proc.pid, missed))
     finally:
         proc.kill()
         proc.wait(timeout=30)
@@ -698,7 +704,8 @@ def _stale_parts_made(python: str, allocator: str) -> list:
 @pytest.mark.parametrize("allocator", ["pymalloc", "malloc"])
 @pytest.mark.parametrize("python", interpreters(), ids=_ident)
 def test_stale_words_in_live_objects_are_no_references(python, allocator, script, parts):
-    made, info, before = run_target(python, script, allocator)
+    made, info, before = run_target(python, script, allocator,
+                                    expect=lambda made: [int(a, 16) for a, _ in made.values()])
     assert sorted(made) == sorted(parts(python, allocator))
     assert not [w for w in info.warnings if "CPython" in w or "pymalloc" in w], info.warnings
     want = {int(a, 16): (name, size) for name, (a, size) in made.items()}
