@@ -1,7 +1,8 @@
 """explain.py: why is a block reachable? A diagnostic for missed leaks.
 
-With MEMUNREACHABLE_EXPLAIN=<hex address> in the checker's environment, the sweep logs (at
-WARNING level) a chain of referrers that kept the block holding that address alive: each step
+With MEMUNREACHABLE_EXPLAIN=<hex address> in the checker's environment (several: separated by
+spaces or commas; @FILE: read from FILE at each sweep), the sweep logs (at
+WARNING level) a chain of referrers that kept the block holding each address alive: each step
 names the word that points into the previous block and what holds it (a root range, a thread's
 register, or a marked allocation with its size and first words). Allocations are searched as mark scans them
 (dead objects skipped, typed objects up to their live end) and dead ranges are left out, but a

@@ -18,6 +18,7 @@ from __future__ import annotations
 
 import bisect
 import dataclasses
+import functools
 import logging
 from array import array
 import struct
@@ -560,16 +561,17 @@ def block_tails(image: HeapImage, tails: Sequence[Tuple[int, int]]) -> List[Tupl
     return out
 
 
-def _explain_address() -> int:
-    """MEMUNREACHABLE_EXPLAIN: a hex address, or @FILE holding one (read at each sweep)."""
+def _explain_addresses() -> List[int]:
+    """MEMUNREACHABLE_EXPLAIN: hex addresses (separated by spaces or commas), or @FILE holding
+    them, one per line (read at each sweep)."""
     v = os.environ["MEMUNREACHABLE_EXPLAIN"]
     if v.startswith("@"):
         try:
             with open(v[1:]) as f:
-                v = f.read().strip()
+                v = f.read()
         except OSError:
-            return 0
-    return int(v, 16) if v else 0
+            return []
+    return [int(w, 16) for w in v.replace(",", " ").split()]
 
 
 def _warm_caches(maps, pid: int) -> None:
@@ -710,14 +712,15 @@ def sweep(mem, maps, threads, pid: int, confirm: Optional[set] = None,
     if since is not None:
         since.swept(image.begins)
     t_mark = time.monotonic()
-    explained = _explain_address() if os.environ.get("MEMUNREACHABLE_EXPLAIN") else 0
+    explained = _explain_addresses() if os.environ.get("MEMUNREACHABLE_EXPLAIN") else []
     if explained:                       # diagnostic: explain.py (no address yet: no cost)
         from memunreachable.explain import explain
         from memunreachable.mark import scanned_blocks
-        lines = explain(explained, image, root_buffers, marked.marked,
-                        dead.ranges if dead else (),
-                        lambda: scanned_blocks(image, marked.marked, dead),
-                        threads, dead.head_word if dead else None, maps, mem)
+        blocks = functools.lru_cache(1)(lambda: scanned_blocks(image, marked.marked, dead))
+        lines = [line for addr in explained
+                 for line in explain(addr, image, root_buffers, marked.marked,
+                                     dead.ranges if dead else (), blocks, threads,
+                                     dead.head_word if dead else None, maps, mem)]
         for line in lines:
             log.warning("%s", line)
         if os.environ.get("MEMUNREACHABLE_EXPLAIN_LOG"):   # where no capture hides them

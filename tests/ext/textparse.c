@@ -7,7 +7,8 @@
  *                      Py_INCREF stayed (a refcount leak)
  *   remember_ok(obj)-> None: the same with the reference kept in a module-level list
  *   _last_scratch() -> (~address, usable size) of the last scratch buffer (complemented: no
- *                      pointer to it is kept): what a test asserts, and a lead for diagnosis */
+ *                      pointer to it is kept): what a test asserts, and a lead for diagnosis
+ *   _last_remembered() -> ~address of the last object remember() took (for diagnosis) */
 #define PY_SSIZE_T_CLEAN
 #include <Python.h>
 #include <malloc.h>
@@ -19,6 +20,7 @@
 static PyObject *cache;
 static unsigned long last_scratch_hidden;
 static size_t last_scratch_usable;
+static unsigned long last_remembered_hidden;
 
 static PyObject *parse(PyObject *self, PyObject *args)
 {
@@ -44,6 +46,7 @@ static PyObject *parse(PyObject *self, PyObject *args)
 static PyObject *remember(PyObject *self, PyObject *obj)
 {
     Py_INCREF(obj);                         /* bug: nothing owns this reference */
+    last_remembered_hidden = ~(unsigned long)obj;
     Py_RETURN_NONE;
 }
 
@@ -59,7 +62,13 @@ static PyObject *last_scratch(PyObject *self, PyObject *unused)
     return Py_BuildValue("(kn)", last_scratch_hidden, (Py_ssize_t)last_scratch_usable);
 }
 
+static PyObject *last_remembered(PyObject *self, PyObject *unused)
+{
+    return PyLong_FromUnsignedLong(last_remembered_hidden);
+}
+
 static PyMethodDef methods[] = {
+    {"_last_remembered", last_remembered, METH_NOARGS, "~address of the last object remember() took"},
     {"_last_scratch", last_scratch, METH_NOARGS, "(~address, usable size) of the last scratch buffer"},
     {"parse", parse, METH_VARARGS, "parse text (leaks its scratch buffer on error)"},
     {"remember", remember, METH_O, "take a reference that is never released"},

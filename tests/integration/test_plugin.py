@@ -338,14 +338,17 @@ def test_parse_error_leaks():
     hidden, usable = textparse._last_scratch()
     print("SCRATCH %x %d" % (~hidden & (2 ** 64 - 1), usable))
     if os.environ.get("SCRATCH_FILE"):      # the next checks explain why it is reachable
-        with open(os.environ["SCRATCH_FILE"], "w") as f:
-            f.write("%x" % (~hidden & (2 ** 64 - 1)))
+        with open(os.environ["SCRATCH_FILE"], "a") as f:
+            f.write("%x\\n" % (~hidden & (2 ** 64 - 1)))
 
 def test_parse_many():
     assert [textparse.parse(str(i)) for i in range(100)][-1] == "99"
 
 def test_remember_leaks_a_list():
     textparse.remember([10 ** 12, 2 ** 70, "three"])
+    if os.environ.get("SCRATCH_FILE"):      # the next checks explain why it is reachable
+        with open(os.environ["SCRATCH_FILE"], "a") as f:
+            f.write("%x\\n" % (~textparse._last_remembered() & (2 ** 64 - 1)))
 
 def test_remember_ok():
     textparse.remember_ok([4, 5])
@@ -401,9 +404,10 @@ def _real(pytester, monkeypatch, allocator):
     return pytester
 
 
-# A run that misses the forgotten buffer says why: the test writes its address where
-# MEMUNREACHABLE_EXPLAIN points, and each later sweep logs the chain of words that kept it
-# reachable (explain.py; nothing is explained while the file is empty). The misses are rare
+# A run that misses a leak says why: the leaky tests append the forgotten buffer's and the
+# leaked list's addresses where MEMUNREACHABLE_EXPLAIN points, and each later sweep logs the
+# chain of words that kept each reachable (explain.py; nothing is explained while the file is
+# empty). The misses are rare
 # (docs/pytest.md): their chains are what names the next source of stale words.
 def _run_real(suite, *args) -> str:
     scratch, log = suite.path / "scratch.addr", suite.path / "explain.log"
