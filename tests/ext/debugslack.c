@@ -19,6 +19,7 @@
 #include <malloc.h>
 #include <stdint.h>
 #include <string.h>
+#include "scrub.h"
 
 static void *kept;                      /* the PyMem_Malloc block: reachable */
 static volatile unsigned long leak_hidden, chunk_hidden;
@@ -60,20 +61,6 @@ static __attribute__((noinline)) int do_plant(Py_ssize_t n, int in_data, int hoo
     chunk_hidden = ~(unsigned long)x;
     slack_off = usable - 8;
     return y - 16 * hooks == x ? 0 : -3;
-}
-
-/* Zeroes the stack below and the registers a call may clobber. */
-static __attribute__((noinline)) void scrub(void)
-{
-    volatile char junk[16384];
-    memset((char *)junk, 0, sizeof junk);
-#if defined(__x86_64__)
-    __asm__ volatile("xor %%eax, %%eax\n\txor %%ecx, %%ecx\n\txor %%edx, %%edx\n\t"
-                     "xor %%esi, %%esi\n\txor %%edi, %%edi\n\txor %%r8d, %%r8d\n\t"
-                     "xor %%r9d, %%r9d\n\txor %%r10d, %%r10d\n\txor %%r11d, %%r11d\n\t"
-                     "vzeroall"
-                     ::: "rax", "rcx", "rdx", "rsi", "rdi", "r8", "r9", "r10", "r11", "memory");
-#endif
 }
 
 static PyObject *plant(PyObject *self, PyObject *args)

@@ -12,6 +12,7 @@
 #include <stdint.h>
 #include <stdlib.h>
 #include <string.h>
+#include "scrub.h"
 #include <pthread.h>
 #include <unistd.h>
 
@@ -43,21 +44,6 @@ static __attribute__((noinline)) void do_leak(size_t n)
         result_usable = malloc_usable_size(q);
     }
     result_hidden = ~(unsigned long)q;
-}
-
-/* Zeroes the stack below and the registers a call may clobber: what the request left there
- * (the thread's registers are roots while it waits: it is not the checking thread). */
-static __attribute__((noinline)) void scrub(void)
-{
-    volatile char junk[16384];
-    memset((char *)junk, 0, sizeof junk);
-#if defined(__x86_64__)
-    __asm__ volatile("xor %%eax, %%eax\n\txor %%ecx, %%ecx\n\txor %%edx, %%edx\n\t"
-                     "xor %%esi, %%esi\n\txor %%edi, %%edi\n\txor %%r8d, %%r8d\n\t"
-                     "xor %%r9d, %%r9d\n\txor %%r10d, %%r10d\n\txor %%r11d, %%r11d\n\t"
-                     "vzeroall"
-                     ::: "rax", "rcx", "rdx", "rsi", "rdi", "r8", "r9", "r10", "r11", "memory");
-#endif
 }
 
 static void *work(void *arg)
