@@ -13,8 +13,12 @@ write tracking (docs/pytest.md).
 --real runs the real-extension suite of tests/integration/test_plugin.py instead (REAL: a C
 extension built -O2 without frame pointers; 2 of its 10 tests leak, so each of those takes a
 second sweep, and the clean test after each failure a gc.collect()).
+--stages also runs --runs sessions that log each check the helper makes (a conftest.py wraps
+noleaks._ask_helper) and prints the medians of the warm ones (each session's first check
+left out): the whole check in the helper, the pause, and the sweep's stages (walk: the
+allocators' and CPython's walks; roots; mark; fold), with the allocations and bytes scanned.
 Usage: python bench/bench_pytest_plugin.py [runs] [--fixtures | --real] [--compare PYTHON]
-       [--compare-env NAME=VALUE]
+       [--compare-env NAME=VALUE] [--stages]
 """
 import argparse
 import os
@@ -60,6 +64,45 @@ def line(name: str, python: str, runs: int, plain: list, checked: list, env=None
             f"its helper) {pc:.2f} s and {cc:.2f} s ({cc / pc:.1f}x)")
 
 
+# The conftest.py of --stages: one JSON line per check the helper answers.
+STAGES_CONFTEST = """
+import json, os
+from memunreachable import noleaks
+_ask = noleaks._ask_helper
+def _logged(*args, **kwargs):
+    info = _ask(*args, **kwargs)
+    with open(os.environ["BENCH_STAGES_LOG"], "a") as f:
+        f.write(json.dumps(dict(info.stats.get("seconds") or {}, check=info.duration_ms / 1000,
+                                pause=info.pause_ms / 1000, allocations=info.num_allocations,
+                                scanned=info.bytes_scanned)) + "\\n")
+    return info
+noleaks._ask_helper = _logged
+"""
+
+
+def stages(python: str, suite: str, runs: int) -> str:
+    """Medians over `runs` sessions of the warm checks' figures (STAGES_CONFTEST)."""
+    import json
+    rows = []
+    with tempfile.TemporaryDirectory() as d:
+        for name, text in (("test_small.py", suite), ("conftest.py", STAGES_CONFTEST)):
+            with open(os.path.join(d, name), "w") as f:
+                f.write(text)
+        log = os.path.join(d, "stages.jsonl")
+        for _ in range(runs):
+            open(log, "w").close()
+            run(python, d, "--memunreachable", extra_env={"BENCH_STAGES_LOG": log})
+            with open(log) as f:
+                rows += [json.loads(line) for line in f][1:]
+    if not rows:
+        return "stages: no check was logged"
+    med = {k: statistics.median(r[k] for r in rows if k in r) for k in rows[0]}
+    ms = " ".join(f"{k} {1000 * med[k]:.1f} ms" for k in ("check", "pause", "walk", "roots",
+                                                          "mark", "fold") if k in med)
+    return (f"stages: median of {len(rows)} warm checks in {runs} sessions: {ms}; "
+            f"{med['allocations']:.0f} allocations, {med['scanned'] / 1e6:.1f} MB scanned")
+
+
 def main() -> None:
     ap = argparse.ArgumentParser()
     ap.add_argument("runs", nargs="?", type=int, default=5)
@@ -68,6 +111,7 @@ def main() -> None:
     ap.add_argument("--real", action="store_true", help="the real-extension suite (test_plugin.py)")
     ap.add_argument("--compare-env", metavar="NAME=VALUE", action="append", default=[],
                     help="set for the compare side")
+    ap.add_argument("--stages", action="store_true", help="the warm checks' stage medians")
     args = ap.parse_args()
     suite = FIXTURE_TESTS if args.fixtures else TESTS
     if args.real:
@@ -97,6 +141,8 @@ def main() -> None:
     for name, python, env in pythons:
         kind = " (with a fixture)" if args.fixtures else " (real extension)" if args.real else ""
         print(line(name + kind, python, args.runs, *times[name], env=env))
+    if args.stages:
+        print(stages(sys.executable, suite, args.runs))
 
 
 if __name__ == "__main__":
