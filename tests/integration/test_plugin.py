@@ -1,6 +1,9 @@
 """Issue 3: the opt-in pytest plugin, driven with pytester."""
+import os
 import re
 import shutil
+import subprocess
+import sys
 
 import pytest
 
@@ -522,3 +525,25 @@ def test_the_helper_starts_before_conftests_are_imported(pytester, option, helpe
     res = pytester.runpytest_subprocess("-s", "-p", "no:cacheprovider", *option)
     assert res.ret == 0
     res.stdout.fnmatch_lines([f"helpers at conftest import: {helpers}"])
+
+
+BENCH = os.path.join(os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__)))),
+                     "bench", "bench_pytest_plugin.py")
+
+
+@pytest.mark.slow
+def test_the_plugin_bench_reports_its_ratio_and_the_warm_checks_stages():
+    # a smoke run of the cost bench (docs/pytest.md, performance.md): its figures come from
+    # real sessions, the stages from every warm check's reply
+    done = subprocess.run([sys.executable, BENCH, "1", "--stages"], capture_output=True,
+                          text=True, timeout=300)
+    assert done.returncode == 0, done.stderr
+    assert re.search(r"^this: 10 tests, median of 1: plain pytest [\d.]+ s, --memunreachable "
+                     r"[\d.]+ s \([\d.]+x;", done.stdout, re.M), done.stdout
+    m = re.search(r"^stages: median of 9 warm checks in 1 sessions: check ([\d.]+) ms pause "
+                  r"([\d.]+) ms walk ([\d.]+) ms roots ([\d.]+) ms mark ([\d.]+) ms fold ([\d.]+) ms; "
+                  r"(\d+) allocations, ([\d.]+) MB scanned$", done.stdout, re.M)
+    assert m, done.stdout
+    check, pause, walk, roots, mark, fold, allocations, scanned = map(float, m.groups())
+    assert check > walk + roots + mark + fold > 0 and pause > 0
+    assert allocations > 10_000 and scanned > 1
