@@ -477,7 +477,8 @@ typedef struct {
     uint8_t *rbuf;          /* WAVE_READ bytes: one read of a wave */
     int64_t err;            /* the first read error (-errno; -EIO: bytes unreadable) */
     struct wave_shared_s *ws;
-    int plain_rules;        /* dead has no object rules (types, dict_keys, debug_hooks, head_word) */
+    int plain_rules;        /* dead has no object rules (types, dict_keys, debug_hooks,
+                             * head_word) */
     int shared_marks;       /* other threads mark too: marked[] is set by atomic exchange */
     const uint64_t *dead_in;    /* bit i: a dead range meets allocation i (NULL: no ranges) */
     /* the fresh rule (mu_dead.fresh): each candidate's word address (0: a register) */
@@ -487,6 +488,12 @@ typedef struct {
     uint64_t nodedup;           /* 1: every word is looked up (no cache of values met) */
     uint64_t stale;             /* hits ignored by the rule */
 } mark_ctx;
+
+/* The slot of the cache of values met (mark_ctx.seen) that value v maps to. */
+static inline uint64_t *seen_slot(uint64_t *seen, uint64_t v)
+{
+    return &seen[(v * 0x9E3779B97F4A7C15ull) >> (64 - SCAN_SEEN_BITS)];
+}
 
 /* Moves half of m's stack to the pool when another thread waits for work. */
 static void share_work(mark_ctx *m)
@@ -528,7 +535,7 @@ static void drop_stale(mark_ctx *m, int64_t *hit)
         __atomic_store_n(&m->rejected[a], 1, __ATOMIC_RELAXED);
         m->stale++;
         uint64_t v = m->cand[k];
-        uint64_t *slot = &m->seen[(v * 0x9E3779B97F4A7C15ull) >> (64 - SCAN_SEEN_BITS)];
+        uint64_t *slot = seen_slot(m->seen, v);
         if (*slot == v)
             *slot = UINT64_MAX;
     }
@@ -576,7 +583,7 @@ static void flush(mark_ctx *m)
 static inline __attribute__((always_inline)) void consider(mark_ctx *m, uint64_t v, uint64_t at)
 {
     const mu_scan_index *ix = m->ix;
-    uint64_t *slot = &m->seen[(v * 0x9E3779B97F4A7C15ull) >> (64 - SCAN_SEEN_BITS)];
+    uint64_t *slot = seen_slot(m->seen, v);
     uint64_t old = *slot;
     uint64_t in = (uint64_t)(v - ix->lo < ix->hi - ix->lo)
                   & (uint64_t)(ix->rmap[(v >> RMAP_SHIFT) & ix->rmask] != 0);
@@ -617,7 +624,7 @@ static inline void consider_words(mark_ctx *m, const uint8_t *p, uint64_t nw, ui
             if (__builtin_expect(mu_tail_shape(v), 0)
                 && mu_text_runs_on(w ? ld64(p + 8 * (w - 1)) : prev0))
                 continue;                               /* a text tail (mu_text_tail) */
-            uint64_t *slot = &seen[(v * 0x9E3779B97F4A7C15ull) >> (64 - SCAN_SEEN_BITS)];
+            uint64_t *slot = seen_slot(seen, v);
             uint64_t old = *slot;
             uint64_t in = rmap[(v >> RMAP_SHIFT) & rmask] != 0;
             *slot = old ^ ((old ^ v) & (0 - in));
@@ -791,7 +798,8 @@ static int scan_cands(mark_ctx *m, uint64_t i, const mu_region *reg)
             j++;
         for (; j < p->n && p->off[j] < hi; j++)
             if (!(p->off[j] & 1) || pb + p->off[j] - 1 == b)
-                consider(m, p->val[j], pb + (p->off[j] & ~1u));  /* not a text tail after a word of this block */
+                /* not a text tail after a word of this block */
+                consider(m, p->val[j], pb + (p->off[j] & ~1u));
     }
     m->words += len / 8;
     m->heap_bytes += len;
