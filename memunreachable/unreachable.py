@@ -131,11 +131,12 @@ class Pending:
     per-target lock are held until release()."""
 
     def __init__(self, info: UnreachableMemoryInfo, fz, snap, plan: SnapshotPlan,
-                 dead_ranges, guard, waiting_tids=()) -> None:
+                 dead_ranges, guard, waiting_tids=(), tracker=None,
+                 epoch: Optional[int] = None) -> None:
         self.info, self.fz, self.snap, self.plan = info, fz, snap, plan
         self.dead_ranges, self._guard = tuple(dead_ranges), guard
         self.waiting_tids = tuple(waiting_tids)
-        self.tracker, self.epoch = None, None     # the write look of its freeze (written.py)
+        self.tracker, self.epoch = tracker, epoch   # the write look of its freeze (written.py)
 
     def release(self) -> None:
         """Kill and reap the snapshot process, drop the lock. Idempotent."""
@@ -205,9 +206,7 @@ def _take_pending(pid: int, info: UnreachableMemoryInfo, guard, timeout: float,
                 snap.release()
     info.pause_ms += fz.pause_ms
     info.snapshot_mode, info.threads = snap.mode, len(fz.threads)
-    pending = Pending(info, fz, snap, plan, dead_ranges, guard, waiting_tids)
-    pending.tracker, pending.epoch = tracker, epoch
-    return pending
+    return Pending(info, fz, snap, plan, dead_ranges, guard, waiting_tids, tracker, epoch)
 
 
 def sweep_pending(pending: Pending, *, limit: Optional[int] = 100, symbolize: bool = True,
