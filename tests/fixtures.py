@@ -166,22 +166,17 @@ def explain_misses(pid: int, addresses, limit: int = 3) -> str:
     """Why each of `addresses` (leaks a check of pid missed) is reachable: checks pid again
     with MEMUNREACHABLE_EXPLAIN set to each (explain.py) and returns the chains it logged. For
     a test's failure message: a rare miss then names its stale word."""
+    import pytest
     from memunreachable import unreachable
     out = []
     for addr in list(addresses)[:limit]:
-        with tempfile.NamedTemporaryFile("r", suffix=".explain") as log:
-            saved = {k: os.environ.get(k) for k in ("MEMUNREACHABLE_EXPLAIN",
-                                                    "MEMUNREACHABLE_EXPLAIN_LOG")}
-            os.environ.update(MEMUNREACHABLE_EXPLAIN=hex(addr), MEMUNREACHABLE_EXPLAIN_LOG=log.name)
+        with tempfile.NamedTemporaryFile("r", suffix=".explain") as log, \
+                pytest.MonkeyPatch.context() as mp:
+            mp.setenv("MEMUNREACHABLE_EXPLAIN", hex(addr))
+            mp.setenv("MEMUNREACHABLE_EXPLAIN_LOG", log.name)
             try:
                 unreachable.check(pid)
             except Exception as e:          # the explanation must not hide the miss
                 out.append(f"explain {hex(addr)}: the check failed: {e!r}")
-            finally:
-                for k, v in saved.items():
-                    if v is None:
-                        os.environ.pop(k, None)
-                    else:
-                        os.environ[k] = v
             out += [line.rstrip() for line in log]
     return "\n".join(out)
