@@ -50,7 +50,8 @@ def run(python: str, cwd: str, *args: str, extra_env=None) -> float:
         raise SystemExit(f"pytest {' '.join(args)} exited with {done.returncode}")
     t = time.monotonic() - t0
     r1 = resource.getrusage(resource.RUSAGE_CHILDREN)
-    CPU.setdefault((python, args, bool(extra_env)), []).append(r1.ru_utime + r1.ru_stime - r0.ru_utime - r0.ru_stime)
+    cpu = r1.ru_utime + r1.ru_stime - r0.ru_utime - r0.ru_stime
+    CPU.setdefault((python, args, bool(extra_env)), []).append(cpu)
     return t
 
 

@@ -59,7 +59,8 @@ class DeadWords:
 
     def __bool__(self) -> bool:
         return (bool(self.ranges) or self.head_word is not None or bool(self.types)
-                or bool(self.dict_keys) or self.debug_hooks or (self.fresh is not None and bool(self.unwritten)))
+                or bool(self.dict_keys) or self.debug_hooks
+                or (self.fresh is not None and bool(self.unwritten)))
 
 
 def with_dead_ranges(dead: Optional["DeadWords"],

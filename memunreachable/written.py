@@ -110,7 +110,8 @@ def subtracted(a: array, b: array) -> array:
     return out
 
 
-def unwritten_levels(tracked: Sequence[array], looks: Sequence[array]) -> List[Tuple[int, int, int]]:
+def unwritten_levels(tracked: Sequence[array],
+                     looks: Sequence[array]) -> List[Tuple[int, int, int]]:
     """(begin, end, level) triples, ascending: tracked[k] (flat pairs) is the memory tracked at
     earlier snapshot k + 1 (oldest first), looks[k] what the looks after it up to the next one
     reported written (the last: up to now; a failed look's range whole). Each piece of memory

@@ -7,9 +7,10 @@
  *                  (its first 32 bytes hold "debugslack.leak"). hooks: how many debug frames
  *                  wrap the block (2 for a block over 512 bytes under pymalloc_debug: the object
  *                  domain's hook, then the raw one's, as pymalloc hands it to PyMem_RawMalloc).
- *                  First a plain malloc of the hooked size (n + 24 per frame) takes the chunk, stores the block's address in its last word and frees
- *                  it; then PyMem_Malloc(n) takes the same chunk (this thread's tcache) and is
- *                  kept. where = "slack": nothing else is written; "data": the address is also
+ *                  First a plain malloc of the hooked size (n + 24 per frame) takes the
+ *                  chunk, stores the block's address in its last word and frees it; then
+ *                  PyMem_Malloc(n) takes the same chunk (this thread's tcache) and is kept.
+ *                  where = "slack": nothing else is written; "data": the address is also
  *                  stored in the kept block's first requested word (a real reference)
  *   slack_holds()  -> True when the chunk's last word still holds the block's address
  * The work runs on the calling thread; its stack below is zeroed after it and the addresses
@@ -81,7 +82,8 @@ static PyObject *plant(PyObject *self, PyObject *args)
     if (rc < 0) {
         PyErr_Format(PyExc_RuntimeError, "fixture premise failed (%d): %s", rc,
                      rc == -2 ? "no slack word after the hooks' tail"
-                              : "PyMem_Malloc did not take the freed chunk (are the debug hooks on?)");
+                              : "PyMem_Malloc did not take the freed chunk "
+                                "(are the debug hooks on?)");
         return NULL;
     }
     return Py_BuildValue("(kn)", ~leak_hidden, (Py_ssize_t)leak_usable);

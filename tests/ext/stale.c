@@ -1,4 +1,5 @@
-/* stale: a stale copy of an address that a later block takes (tests/integration/test_written_live.py).
+/* stale: a stale copy of an address that a later block takes
+ * (tests/integration/test_written_live.py).
  * A page of its own holds the copy, so that no other write lands in that page.
  *   forget(n)   -> address: malloc(n), copy the address into slot 0, free: slot 0 dangles
  *   leak(n)     -> (address, usable size): malloc(n) and forget it; the first 32 bytes hold

@@ -68,7 +68,8 @@ static PyObject *last_remembered(PyObject *self, PyObject *unused)
 }
 
 static PyMethodDef methods[] = {
-    {"_last_remembered", last_remembered, METH_NOARGS, "~address of the last object remember() took"},
+    {"_last_remembered", last_remembered, METH_NOARGS,
+     "~address of the last object remember() took"},
     {"_last_scratch", last_scratch, METH_NOARGS, "(~address, usable size) of the last scratch buffer"},
     {"parse", parse, METH_VARARGS, "parse text (leaks its scratch buffer on error)"},
     {"remember", remember, METH_O, "take a reference that is never released"},
