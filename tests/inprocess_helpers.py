@@ -13,6 +13,7 @@ conservative scan counts them all, docs/limitations.md) can point into them. Onl
 from __future__ import annotations
 
 import os
+import re
 import shutil
 import subprocess
 import sys
@@ -61,3 +62,22 @@ def python_env(ext_dir: str, pymalloc: bool = False) -> dict:
 def run_python(code: str, ext_dir: str, timeout: float = 120, **kw) -> subprocess.CompletedProcess:
     return subprocess.run([sys.executable, "-c", code], env=python_env(ext_dir), capture_output=True,
                           text=True, timeout=timeout, **kw)
+
+
+def run_leak_script(script: str, ext_dir: str, *args: str, allocator=None, **env):
+    """Runs `python -c script args` with ext_dir importable, under PYTHONMALLOC=allocator
+    (None: the default allocator) and the extra variables env; asserts it exited 0. The
+    script prints "block ADDR USABLE" (hex, decimal) for the block it made and "leak ADDR SIZE
+    CONTENTS" per leak its check found. Returns (its stdout, (ADDR, USABLE), [(ADDR, SIZE,
+    CONTENTS)]), as printed."""
+    full = dict(os.environ, PYTHONPATH=ext_dir, **env)
+    full.pop("PYTHONMALLOC", None)
+    if allocator:
+        full["PYTHONMALLOC"] = allocator
+    done = subprocess.run([sys.executable, "-c", script, *args], env=full,
+                          capture_output=True, text=True, timeout=120)
+    assert done.returncode == 0, done.stderr
+    out = done.stdout
+    block = re.search(r"^block (\w+) (\d+)$", out, re.M)
+    assert block, out
+    return out, block.groups(), re.findall(r"^leak (\w+) (\d+) (.*)$", out, re.M)

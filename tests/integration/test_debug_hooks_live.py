@@ -5,14 +5,9 @@ chunk left a stale address (native mu_dead debug_hooks).
 The debugslack extension (tests/ext/debugslack.c) makes the case CI met: a chunk whose last
 word holds the address of a block that is then forgotten, reused by a PyMem_Malloc under the
 hooks (a 3.11 dict key table in a 152-byte block, at b4cc4b1)."""
-import os
-import re
-import subprocess
-import sys
-
 import pytest
 
-from inprocess_helpers import build_extension
+from inprocess_helpers import build_extension, run_leak_script
 
 pytestmark = pytest.mark.ptrace
 
@@ -34,16 +29,12 @@ def ext():
 
 
 def run(ext, allocator, n, hooks, where):
-    env = dict(os.environ, PYTHONPATH=ext, PYTHONMALLOC=allocator,
-               MEMUNREACHABLE_WRITE_TRACKING="0")   # the hooks' rule alone (no earlier check)
-    done = subprocess.run([sys.executable, "-c", SCRIPT, str(n), where, str(hooks)], env=env,
-                          capture_output=True, text=True, timeout=120)
-    assert done.returncode == 0, done.stderr
-    out = done.stdout
+    # tracking off: the hooks' rule acts alone (no earlier check)
+    out, block, leaks = run_leak_script(SCRIPT, ext, str(n), where, str(hooks),
+                                        allocator=allocator, MEMUNREACHABLE_WRITE_TRACKING="0")
     assert "slack True" in out, out          # the fixture's premise: the stale word is there
     assert f"allocator {allocator}" in out, out
-    block = re.search(r"^block (\w+) (\d+)$", out, re.M).groups()
-    return block, re.findall(r"^leak (\w+) (\d+) (.*)$", out, re.M)
+    return block, leaks
 
 
 # malloc_debug: PyMem_Malloc(120) asks malloc for 144 bytes, a 160-byte chunk: 8 bytes of

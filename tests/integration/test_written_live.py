@@ -4,14 +4,11 @@ written since an earlier check, hides no leak that a later block at that address
 The stale extension (tests/ext/stale.c) frees a block after copying its address into a page of
 its own, and later takes the same block again (the same thread's tcache) and forgets it: today's
 conservative mark alone finds the copy and calls the block reachable."""
-import os
 import re
-import subprocess
-import sys
 
 import pytest
 
-from inprocess_helpers import build_extension
+from inprocess_helpers import build_extension, run_leak_script
 
 pytestmark = pytest.mark.ptrace
 pytest_plugins = ["pytester"]
@@ -38,19 +35,10 @@ def ext():
 
 
 def run(ext, n, mode, allocator=None, tracking=True):
-    env = dict(os.environ, PYTHONPATH=ext)
-    env.pop("PYTHONMALLOC", None)
-    if allocator:
-        env["PYTHONMALLOC"] = allocator
-    if not tracking:
-        env["MEMUNREACHABLE_WRITE_TRACKING"] = "0"
-    done = subprocess.run([sys.executable, "-c", SCRIPT, str(n), mode], env=env,
-                          capture_output=True, text=True, timeout=120)
-    assert done.returncode == 0, done.stderr
-    out = done.stdout
+    out, block, leaks = run_leak_script(SCRIPT, ext, str(n), mode, allocator=allocator,
+                                        **({} if tracking else
+                                           {"MEMUNREACHABLE_WRITE_TRACKING": "0"}))
     assert "same True" in out, out          # the fixture's premise: the block came back
-    block = re.search(r"^block (\w+) (\d+)$", out, re.M).groups()
-    leaks = re.findall(r"^leak (\w+) (\d+) (.*)$", out, re.M)
     return block, leaks
 
 
