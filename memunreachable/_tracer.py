@@ -11,14 +11,17 @@ u64 little-endian length, then the pickled ("ok", VALUE) or ("error", Memunreach
         reap); VALUE the UnreachableMemoryInfo. SYMBOLIZE 0/1; SUPPRESSIONS the hex of an LSan
         suppressions text, "-" for none; DEAD "BEGIN-END,..." in hex: ranges of the caller that
         hold no references (its idle alternate signal stack).
-    snap TIMEOUT DEAD
+    snap TIMEOUT DEAD [RECORD]
         a snapshot now, its sweep left for later (unreachable.check_later): VALUE ("later",
         TOKEN); or, when the snapshot could need a retake, a full check's UnreachableMemoryInfo.
+        RECORD 1: once the reply is sent, its allocations are recorded with the write tracker
+        (unreachable.record_allocations: the sweeps after it count their fresh rule from it).
+        Up to MAX_PENDING snapshots wait at once (the pytest plugin's batches); a snap beyond
+        that releases the oldest.
     base TOKEN LIMIT SYMBOLIZE SUPPRESSIONS
         the sweep of that waiting snapshot (unreachable.sweep_pending), then its release.
     drop [TOKEN]
-        release that snapshot (no TOKEN: any) if it still waits (VALUE None). A "snap" drops
-        the one before.
+        release that snapshot (no TOKEN: every one) if it still waits (VALUE None).
 A last word "@TID" names the caller's requesting thread: a check waits until that thread sits
 in its wait for the reply (await_wait) before freezing it, and of its registers only those a
 call preserves are roots (classify.waiting). The caller waits for each reply (a
@@ -35,7 +38,7 @@ import os
 import pickle
 import struct
 import sys
-from typing import Optional
+from typing import Dict, Optional
 
 
 def main(argv=None) -> int:
@@ -60,6 +63,7 @@ def main(argv=None) -> int:
             view = memoryview(struct.pack("<Q", len(data)) + data)
             while view:
                 view = view[os.write(args.fd, view):]
+            pending.record_new()        # while the caller runs on
             warm.when_idle()
     finally:
         pending.drop()
@@ -111,16 +115,17 @@ def _serve(pid: int, words: list, pending: "_Pending", tracker=None):
         waiting = [int(words.pop()[1:])]
         if words[:1] in ([b"go"], [b"snap"]):
             await_wait(pid, waiting[0])
+    if words[:1] != [b"snap"]:
+        pending.recorded()
     if words[:1] == [b"go"] and len(words) in (3, 5, 6):
         limit, timeout = int(words[1]), float(words[2])
         symbolize, supp = (words[3] != b"0", words[4]) if len(words) >= 5 else (True, b"-")
         dead = parse_ranges(words[5].decode()) if len(words) == 6 else []
         return _one_check(pid, None if limit < 0 else limit, timeout, symbolize, supp, dead,
                           waiting, tracker)
-    if words[:1] == [b"snap"] and len(words) == 3:
-        pending.drop()
+    if words[:1] == [b"snap"] and len(words) in (3, 4):
         return _guarded(lambda: pending.take(pid, float(words[1]), parse_ranges(words[2].decode()),
-                                             waiting))
+                                             waiting, record=words[3:] == [b"1"]))
     if words[:1] == [b"base"] and len(words) == 5:
         token, limit = int(words[1]), int(words[2])
         return _guarded(lambda: pending.sweep(token, None if limit < 0 else limit,
@@ -155,42 +160,75 @@ def await_wait(pid: int, tid: int, limit: float = WAIT_LIMIT) -> bool:
         time.sleep(0.0002)
 
 
+MAX_PENDING = 48
+
+
 class _Pending:
-    """The snapshot of a "snap" request, until its "base" or "drop" (at most one: a newer
-    "snap" drops it). Each gets a token, which its "base" and "drop" must name."""
+    """The snapshots of "snap" requests, until their "base" or "drop" (at most MAX_PENDING:
+    a newer one releases the oldest). Each gets a token, which its "base" and "drop" name."""
 
     def __init__(self, tracker=None) -> None:
-        self.pending, self.token = None, 0
+        self.pending: Dict[int, object] = {}        # token -> unreachable.Pending, oldest first
+        self.token = self.recorded_token = 0
+        self.recording = None                       # the thread of record_new
         self.tracker = tracker
 
-    def take(self, pid: int, timeout: float, dead, waiting=()) -> object:
+    def take(self, pid: int, timeout: float, dead, waiting=(), record: bool = False) -> object:
         """("later", token) when the snapshot waits for a sweep; else the result of a full
-        check (the snapshot could need a retake: unreachable.check_later)."""
+        check (the snapshot could need a retake: unreachable.check_later). record: its
+        allocations are to be recorded (record_new)."""
         from memunreachable.unreachable import check, check_later
-        self.token += 1
-        self.pending = check_later(pid, timeout=timeout, dead_ranges=dead, waiting_tids=waiting,
-                                   tracker=self.tracker)
-        if self.pending is not None:
+        while len(self.pending) >= MAX_PENDING:
+            self.drop(next(iter(self.pending)))
+        taken = check_later(pid, timeout=timeout, dead_ranges=dead, waiting_tids=waiting,
+                            tracker=self.tracker)
+        if taken is not None:
+            self.token += 1
+            self.pending[self.token] = taken
+            if not record:
+                self.recorded_token = self.token
             return ("later", self.token)
         return check(pid, limit=None, timeout=timeout, symbolize=False, sweep_here=True,
                      dead_ranges=dead, waiting_tids=waiting, tracker=self.tracker)
 
+    def record_new(self) -> None:
+        """Record the allocations of the newest snapshot with the write tracker, once, when
+        its request asked (unreachable.record_allocations: the sweeps after it count from it).
+        On a thread of its own: the caller's next test, and its next snapshot (all this thread
+        may do meanwhile: recorded()), overlap with it on the other CPU."""
+        if self.token in self.pending and self.token != self.recorded_token:
+            import threading
+            from memunreachable.unreachable import record_allocations
+            self.recorded()
+            self.recorded_token = self.token
+            self.recording = threading.Thread(target=record_allocations,
+                                              args=(self.pending[self.token],), daemon=True)
+            self.recording.start()
+
+    def recorded(self) -> None:
+        """Wait for the recording under way: before anything but a snapshot (a sweep shares
+        the walks' caches, a drop would kill the snapshot it reads)."""
+        if self.recording is not None:
+            self.recording.join()
+            self.recording = None
+
     def sweep(self, token: int, limit, symbolize: bool, rules):
         from memunreachable._errors import CollectionError
         from memunreachable.unreachable import sweep_pending
-        if self.pending is None or token != self.token:
-            raise CollectionError("that snapshot is gone: a newer one replaced it, or it was "
-                                  "dropped", hint="take a new baseline")
-        pending, self.pending = self.pending, None
+        pending = self.pending.pop(token, None)
+        if pending is None:
+            raise CollectionError("that snapshot is gone: it was dropped, or more snapshots "
+                                  "than the helper keeps were taken after it",
+                                  hint="take a new baseline")
         return sweep_pending(pending, limit=limit, symbolize=symbolize, suppressions=rules)
 
     def drop(self, token: Optional[int] = None) -> None:
-        """Release the waiting snapshot (token None: whichever waits)."""
-        if token is not None and token != self.token:
-            return
-        pending, self.pending = self.pending, None
-        if pending is not None:
-            pending.release()
+        """Release that waiting snapshot (token None: every one)."""
+        self.recorded()
+        for t in list(self.pending) if token is None else [token]:
+            pending = self.pending.pop(t, None)
+            if pending is not None:
+                pending.release()
 
 
 class _Warmer:

@@ -212,6 +212,7 @@ class Session:
         self.injecting: Optional[Tuple[int, int]] = None
         self.snapshots: list = []                   # live Snapshot objects (release() on exit)
         self.thread = threading.get_ident()         # the thread whose guard opened it
+        self.holders = 0                            # the guards open on it (guard())
         self.size = 0
         self.write()
 
@@ -333,31 +334,33 @@ def _open(pid: int, lock_wait: float) -> Optional[Session]:
 
 # Runs the body as one check of pid (lock_wait None: LOCK_WAIT): signals handled for its whole
 # duration, the per-target lock held, every snapshot registered by note_clone() released on
-# every exit path (by the outermost guard of pid, when nested in this process). Yields
+# every exit path (by the last open guard of pid, when nested in this process). Yields
 # the Session (None: no such process, or no usable RUN_DIR). Raises CollectionError when
 # another check of pid held the lock for lock_wait seconds, FreezeInterrupted on a signal.
 @contextmanager
 def guard(pid: int, lock_wait: Optional[float] = None) -> Iterator[Optional[Session]]:
     with interruptible():
-        outer = _SESSIONS.get(pid)
-        if outer is not None and outer.thread == threading.get_ident():
-            # nested in an open guard of this thread (a check while a snapshot of
-            # unreachable.check_later waits): its lock and record serve, the outer one closes
-            yield outer
-            return
-        sess = _open(pid, LOCK_WAIT if lock_wait is None else lock_wait)
-        if sess is None:
-            yield None
-            return
-        _SESSIONS[pid] = sess
+        sess = _SESSIONS.get(pid)
+        if sess is None or sess.thread != threading.get_ident():
+            sess = _open(pid, LOCK_WAIT if lock_wait is None else lock_wait)
+            if sess is None:
+                yield None
+                return
+            _SESSIONS[pid] = sess
+        # else nested in an open guard of this thread (a check, or another snapshot, while
+        # snapshots of unreachable.check_later wait): its lock and record serve, and the
+        # last guard to end closes it, whichever opened it
+        sess.holders += 1
         try:
             yield sess
         finally:
-            with critical():
-                try:
-                    sess.close()
-                finally:
-                    _SESSIONS.pop(pid, None)
+            sess.holders -= 1
+            if not sess.holders:
+                with critical():
+                    try:
+                        sess.close()
+                    finally:
+                        _SESSIONS.pop(pid, None)
 
 
 def guarded(check):

@@ -148,8 +148,12 @@ class LeakBaseline:
 
     def new_leaks(self, info: UnreachableMemoryInfo) -> list:
         """Leaks of `info` that were not in the baseline."""
-        return [l for l in info.leaks if (l.address ^ _ADDRESS_MASK) not in self._keys
-                and (l.address ^ _ADDRESS_MASK, l.size) not in self._sized]
+        return [l for l in info.leaks if not self.holds(l)]
+
+    def holds(self, leak) -> bool:
+        """Whether the baseline has this leak (report.Leak) at its address."""
+        k = leak.address ^ _ADDRESS_MASK
+        return k in self._keys or (k, leak.size) in self._sized
 
     def __or__(self, other: "LeakBaseline") -> "LeakBaseline":
         """The leaks of either baseline."""
@@ -440,13 +444,17 @@ class DeferredBaseline:
     """A leak_baseline() whose sweep waits in the helper until it is needed (deferred_baseline):
     resolve() sweeps it (or returns the baseline a full check gave at once), drop() forgets it.
     A check after it that finds no leak outside the session's known ones never needs it, and
-    the test costs one sweep instead of two. Only one waits at a time: a newer one, or the
-    helper's restart, makes resolve() raise (the helper names each snapshot by a token)."""
+    the test costs one sweep instead of two. Several may wait (the pytest plugin's batches);
+    the helper's restart, or more than it keeps (_tracer.MAX_PENDING) taken after this one,
+    makes resolve() raise (the helper names each snapshot by a token).
+    unreachable(): the baseline with the roots of the cyclic garbage too (a block of a leak
+    that garbage still held at this moment is unreachable all the same)."""
 
     def __init__(self, helper, rules, resolved: Optional[LeakBaseline] = None,
-                 token: int = 0) -> None:
+                 token: int = 0, unreachable: Optional[LeakBaseline] = None) -> None:
         self._helper, self._rules, self._resolved = helper, rules, resolved
         self._token = token
+        self._unreachable = unreachable if unreachable is not None else resolved
 
     @property
     def waiting(self) -> bool:
@@ -465,7 +473,13 @@ class DeferredBaseline:
                 info = _reply(lambda h: h.request(
                     lambda: f"base {self._token} -1 {int(bool(rules))} {supp}"), retry=False)
             self._resolved = LeakBaseline.of(info.leaks)
+            self._unreachable = LeakBaseline.of(list(info.leaks) + list(info.cyclic_garbage))
         return self._resolved
+
+    def unreachable(self) -> LeakBaseline:
+        """The leaks and the cyclic garbage's roots of this moment (resolve() if needed)."""
+        self.resolve()
+        return self._unreachable
 
     def drop(self) -> None:
         """Release the waiting snapshot (a no-op when there is none)."""
@@ -477,22 +491,29 @@ class DeferredBaseline:
                 _reply(lambda h: h.request(lambda: f"drop {self._token}"), retry=False)
 
 
-def deferred_baseline(suppressions=None, timeout: float = 2.0) -> DeferredBaseline:
+def deferred_baseline(suppressions=None, timeout: float = 2.0,
+                      record: bool = False) -> DeferredBaseline:
     """leak_baseline(), with its sweep deferred: the snapshot is taken now (the same pause) and
     swept only if resolve() is called. When the snapshot could need a retake (a thread inside
-    malloc/free, memory a snapshot lacks) the helper checks at once instead. Raises
-    MemunreachableError when the snapshot cannot be taken."""
+    malloc/free, memory a snapshot lacks) the helper checks at once instead. record: the
+    helper then records its allocations with the write tracker, as a sweep would (the later
+    checks' fresh rule counts from it: the pytest plugin's batches, whose checks after the
+    tests' bodies are such snapshots). Raises MemunreachableError when the snapshot cannot be
+    taken."""
     from memunreachable._tracer import format_ranges
     from memunreachable.suppressions import as_rules
     rules = as_rules(suppressions)
     _scrub_frames()         # the frames of the check below start clean
     with _HELPER_LOCK:
         value = _reply(lambda h: h.request(lambda: f"snap {timeout} "
-                                                   f"{format_ranges(_idle_altstack())}"))
+                                                   f"{format_ranges(_idle_altstack())} "
+                                                   f"{int(record)}"))
         if isinstance(value, tuple) and value[:1] == ("later",):
             return DeferredBaseline(_HELPER, rules, token=value[1])
         info = _collected(value, None, timeout, bool(rules), rules)
-    return DeferredBaseline(None, rules, LeakBaseline.of(info.leaks))
+    return DeferredBaseline(None, rules, LeakBaseline.of(info.leaks),
+                            unreachable=LeakBaseline.of(list(info.leaks)
+                                                        + list(info.cyclic_garbage)))
 
 
 SS_ONSTACK, SS_DISABLE = 1, 2

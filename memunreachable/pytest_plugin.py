@@ -7,6 +7,12 @@ Consecutive checked tests that use no fixture share a check: the check after one
 the baseline of the next (only pytest's own code ran between them), so such tests cost one
 check each instead of two. A test with fixtures (their setup and the previous test's
 teardown may allocate) gets its own baseline just before its body.
+Batches (`--memunreachable`, `--memunreachable-batch N`, default 10): a test's check is a
+snapshot (the pause only) whose sweep waits; the last test of a batch gets the one sweep,
+and only when it finds a leak the session has not seen are the waiting snapshots swept, in
+order, to tell whose leak it is. Reports wait with the batch and are then logged in order,
+each test's verdict what a check after it alone gives for a leak still unreachable at the
+batch's end. A batch ends after N tests, after a second, at a failure, and at the end.
 A check that cannot run (no ptrace here, say) never skips or hides the test: its body always
 runs and its own outcome stands; the check's failure then errors the test at teardown, with
 the reason and hint, or is a warning with `--memunreachable-cannot-check=warn` (ini
@@ -20,7 +26,9 @@ from __future__ import annotations
 import contextlib
 import gc
 import sys
+import time
 import warnings
+from typing import Optional
 
 import pytest
 
@@ -47,6 +55,11 @@ def pytest_addoption(parser):
                   help="same as --memunreachable")
     parser.addini("memunreachable_cannot_check", default="error",
                   help="same as --memunreachable-cannot-check (error | warn)")
+    group.addoption("--memunreachable-batch", metavar="N", type=int, default=None,
+                    help="tests whose checks share one sweep when none of them leaks "
+                         "(default 10; 1: a sweep after every test)")
+    parser.addini("memunreachable_batch", default="",
+                  help="same as --memunreachable-batch")
     group.addoption("--memunreachable-suppressions", metavar="FILE", default=None,
                     help="LeakSanitizer suppressions file ('leak:PATTERN' lines): matching "
                          "leaks never fail a test")
@@ -110,6 +123,7 @@ def pytest_load_initial_conftests(early_config, parser, args):
 
 def pytest_configure(config):
     config.stash[_RULES] = _load_rules(config)
+    config.stash[_BATCH] = _batch_of(config)
     config.addinivalue_line("markers", "no_leaks: fail the test if native heap blocks become "
                                        "unreachable during it (memunreachable)")
     _start_helper_early(config, config.option)      # a no-op when it runs already
@@ -140,11 +154,15 @@ def _enabled(item) -> bool:
 
 
 _CANNOT = pytest.StashKey[MemunreachableError]()
-_AFTER = pytest.StashKey[tuple]()       # (item, LeakBaseline) of the last check after a test body
+_AFTER = pytest.StashKey[tuple]()       # (item, baseline) of the last check after a test body
 _PREVIOUS = pytest.StashKey[object]()   # the item whose protocol ran last
 _SEEN = pytest.StashKey[object]()       # LeakBaseline: every leak a check of the session reported
 _COLLECT = pytest.StashKey[bool]()      # a test failed or skipped since the last test body
                                         # (unset: no test body checked yet)
+_BATCH = pytest.StashKey[object]()      # the session's _Batch (None: a sweep after every test)
+_NEXT = pytest.StashKey[object]()       # the item's nextitem (our protocol sets it)
+_OWN_BASE = pytest.StashKey[object]()   # the baseline _before took for this item itself
+_VERDICT = pytest.StashKey[tuple]()     # a held test's verdict: ("leaks", text) | ("cannot", exc)
 
 
 def _reason(exc: MemunreachableError) -> str:
@@ -202,6 +220,163 @@ def pytest_runtest_protocol(item, nextitem):
         item.config.stash[_PREVIOUS] = item
 
 
+# ---- batches (module docstring) -----------------------------------------------------------
+# A check is a pause (2 ms) and a sweep (45 ms of a pytest process's 150,000 blocks); a
+# leak, once unreachable, stays so. So a test's check waits as a snapshot, and the sweep
+# after the last test of its batch decides for all: no leak the session has not seen means
+# every test of the batch passes, unswept. Reports are held meanwhile (the protocol runs with
+# log=False, as pytest-rerunfailures does), and logged in order once the batch is settled.
+BATCH = 10                  # tests per batch (--memunreachable-batch)
+BATCH_SECONDS = 1.0         # a batch open this long ends at its next check
+MAX_WAITING = 40            # waiting snapshots (helper processes' clones), at most
+
+
+class _Batch:
+    """The checked tests of a session whose sweeps wait, and the reports held with them."""
+
+    def __init__(self, size: int) -> None:
+        self.size = size
+        self.entries: list = []     # items whose check after the body waits, in run order
+        self.held: list = []        # (item, reports) of each test run since the last flush
+        self.started = 0.0
+
+    def add(self, item) -> None:
+        if not self.entries:
+            self.started = time.monotonic()
+        self.entries.append(item)
+
+    def waiting(self) -> int:
+        return sum(1 for e in self.entries for key in (_OWN_BASE, _HELD)
+                   if getattr(e.stash.get(key, None), "waiting", False))
+
+    def ends_at(self, item) -> bool:
+        """Whether item's check is its batch's last (a sweep now)."""
+        return (item.stash.get(_NEXT, None) is None or len(self.entries) + 1 >= self.size
+                or self.waiting() + 2 > MAX_WAITING
+                or (bool(self.entries) and time.monotonic() - self.started >= BATCH_SECONDS))
+
+
+_HELD = pytest.StashKey[object]()       # a held test's check after its body (DeferredBaseline)
+
+
+def _batch_of(config) -> Optional[_Batch]:
+    """The session's _Batch, None for a sweep after every test (--memunreachable-batch 1, not
+    every test checked here, or an xdist worker: its reports must name the test it runs)."""
+    if not _checks_every_test_here(config, config.option) or hasattr(config, "workerinput"):
+        return None
+    size = config.getoption("--memunreachable-batch")
+    if size is None:
+        raw = config.getini("memunreachable_batch") or str(BATCH)
+        try:
+            size = int(raw)
+        except ValueError:
+            raise pytest.UsageError(f"memunreachable_batch must be a number, not {raw!r}") \
+                from None
+    if size < 1:
+        raise pytest.UsageError(f"--memunreachable-batch must be at least 1, not {size}")
+    return _Batch(size) if size > 1 else None
+
+
+def _runs_its_own_protocol(item) -> bool:
+    """Another plugin runs the test protocol (pytest-rerunfailures, say): held reports and
+    its reruns would not mix, so such a test is checked alone."""
+    for impl in item.ihook.pytest_runtest_protocol.get_hookimpls():
+        if (impl.hookwrapper or getattr(impl, "wrapper", False) or impl.plugin_name == "runner"
+                or impl.plugin is sys.modules[__name__]):
+            continue
+        return True
+    return False
+
+
+@pytest.hookimpl(tryfirst=True, specname="pytest_runtest_protocol")
+def pytest_runtest_protocol_batched(item, nextitem):
+    batch = item.config.stash.get(_BATCH, None)
+    if batch is None:
+        return None
+    if _runs_its_own_protocol(item):
+        _settle_now(item.config, batch)
+        _flush(item.config, batch)
+        return None
+    from _pytest.runner import runtestprotocol      # pytest's protocol, reports not logged
+    item.stash[_NEXT] = nextitem
+    try:
+        reports = runtestprotocol(item, nextitem=nextitem, log=False)
+    except BaseException:       # interrupted: what ran is logged unchecked, nothing waits
+        for e in batch.entries:
+            _drop_snapshots(e)
+        batch.entries = []
+        _flush(item.config, batch)
+        raise
+    batch.held.append((item, reports))
+    if batch.entries and (nextitem is None or any(r.failed for r in reports)):
+        _settle_now(item.config, batch)     # a failure is logged at once (-x, --sw)
+    if not batch.entries:
+        _flush(item.config, batch)
+    return True
+
+
+@pytest.hookimpl(wrapper=True)
+def pytest_runtestloop(session):
+    try:
+        return (yield)
+    finally:
+        batch = session.config.stash.get(_BATCH, None)
+        if batch is not None and batch.held:        # the loop stopped mid-batch
+            _settle_now(session.config, batch)
+            _flush(session.config, batch)
+
+
+def _settle_now(config, batch: _Batch) -> None:
+    """A check now settles the held tests (after a failure, or a test with no check of its
+    own): leaks it finds that no waiting snapshot held were not theirs (the failing test's,
+    its teardown's: nobody's, as the next test's own baseline would have it)."""
+    if not batch.entries:
+        return
+    entries, batch.entries = batch.entries, []
+    _collect_garbage()
+    try:
+        info = _nl().get_unreachable_memory(limit=None, suppressions=_rules(config))
+    except MemunreachableError as exc:
+        for e in entries:
+            e.stash[_VERDICT] = ("cannot", exc)
+            _drop_snapshots(e)
+        return
+    _settle(config, info, entries, None)
+
+
+def _flush(config, batch: _Batch) -> None:
+    """Log the held reports in order, each settled test's verdict applied first."""
+    held, batch.held = batch.held, []
+    warn = None
+    for item, reports in held:
+        verdict = item.stash.get(_VERDICT, None)
+        if verdict is not None:
+            del item.stash[_VERDICT]
+            kind, what = verdict
+            if kind == "leaks":
+                _fail_report(item, reports, "call", what)
+            elif (warn if warn is not None else _cannot_check_mode(config)) == "warn":
+                warn = "warn"
+                warnings.warn(pytest.PytestWarning(f"{item.nodeid}: {_reason(what)}"))
+            else:
+                _fail_report(item, reports, "teardown", _reason(what))
+        item.ihook.pytest_runtest_logstart(nodeid=item.nodeid, location=item.location)
+        for report in reports:
+            item.ihook.pytest_runtest_logreport(report=report)
+        item.ihook.pytest_runtest_logfinish(nodeid=item.nodeid, location=item.location)
+
+
+def _fail_report(item, reports, when: str, text: str) -> None:
+    """The held report of that phase becomes the failure pytest.fail(text, pytrace=False)
+    raised there gives (the same long report; duration and captured output kept)."""
+    for report in reports:
+        if report.when == when and not report.failed:
+            call = pytest.CallInfo.from_call(lambda: pytest.fail(text, pytrace=False), when)
+            made = item.ihook.pytest_runtest_makereport(item=item, call=call)
+            report.outcome, report.longrepr = "failed", made.longrepr
+            return
+
+
 def _chained_baseline(item):
     """The check after the previous test's body, when it may serve as this test's baseline:
     that test ran just before this one and neither has fixtures."""
@@ -228,7 +403,7 @@ def pytest_runtest_call(item):
         result = yield
     except BaseException:
         # a test that fails on its own: its outcome stands, no leak report on top
-        _drop(base)
+        _drop(item.stash.get(_OWN_BASE, None))
         raise
     _nl()._scrub_frames()
     _after(item, base)
@@ -248,18 +423,23 @@ def pytest_runtest_call_scrub(item):
         nl._scrub_frames()
 
 
+def _collect_garbage() -> None:
+    """Drop what pytest keeps of the last failure (sys.last_*, for post-mortem debugging: its
+    traceback roots the garbage; pytest's own pytest_runtest_call drops it next), collect."""
+    for name in ("last_type", "last_value", "last_traceback", "last_exc"):
+        with contextlib.suppress(AttributeError):
+            delattr(sys, name)
+    gc.collect()
+
+
 def _before(item):
-    """The baseline of item's test: the previous test's check (a LeakBaseline), else a
-    DeferredBaseline, swept only if the check after the test finds a leak the session has not
-    seen; None when it cannot be taken (the reason is kept)."""
+    """The baseline of item's test: the previous test's check (a LeakBaseline, or its waiting
+    snapshot in a batch), else a DeferredBaseline of its own (item.stash[_OWN_BASE]), swept
+    only if a check after the test finds a leak the session has not seen; None when it cannot
+    be taken (the reason is kept)."""
     if item.config.stash.get(_COLLECT, True):       # pytest's own garbage: not this test's
         item.config.stash[_COLLECT] = False
-        for name in ("last_type", "last_value", "last_traceback", "last_exc"):
-            # what pytest's own pytest_runtest_call drops next (kept for post-mortem
-            # debugging of the failure): its traceback is the garbage's root
-            with contextlib.suppress(AttributeError):
-                delattr(sys, name)
-        gc.collect()
+        _collect_garbage()
     base = _chained_baseline(item)
     item.config.stash[_AFTER] = None        # this test's body runs: any older check is stale
     if base is None:
@@ -268,6 +448,8 @@ def _before(item):
             if not base.waiting:            # the helper checked at once: known now
                 base = base.resolve()
                 _remember(item.config, base)
+            else:
+                item.stash[_OWN_BASE] = base
         except MemunreachableError as exc:
             item.stash[_CANNOT] = exc       # reported at teardown; the test body runs regardless
     return base
@@ -280,39 +462,93 @@ def _drop(base) -> None:
             base.drop()
 
 
+def _drop_snapshots(item) -> None:
+    for key in (_OWN_BASE, _HELD):
+        _drop(item.stash.get(key, None))
+
+
 def _after(item, base) -> None:
-    """The check after item's test: fails it with the report of the new leaks."""
+    """The check after item's test: in a batch that goes on, a snapshot whose sweep waits;
+    else a sweep that settles the batch's tests and fails this one with its new leaks."""
     if base is None:
         return
+    batch = item.config.stash.get(_BATCH, None)
+    if batch is not None and not batch.ends_at(item):
+        try:        # recorded: the fresh rule of the batch's sweep counts from it, as from
+            after = _nl().deferred_baseline(_rules(item.config), record=True)   # a sweep
+        except MemunreachableError as exc:
+            item.stash[_CANNOT] = exc
+            return
+        item.stash[_HELD] = after
+        item.config.stash[_AFTER] = (item, after)
+        batch.add(item)
+        return
+    entries = batch.entries if batch is not None else []
+    if batch is not None:
+        batch.entries = []
     try:
         info = _nl().get_unreachable_memory(limit=None, suppressions=_rules(item.config))
     except MemunreachableError as exc:
         item.stash[_CANNOT] = exc
-        _drop(base)
+        for e in entries:
+            e.stash[_VERDICT] = ("cannot", exc)
+            _drop_snapshots(e)
+        _drop(item.stash.get(_OWN_BASE, None))
         return
-    after = _nl().LeakBaseline.of(info.leaks)
-    item.config.stash[_AFTER] = (item, after)
-    # New leaks are those no earlier check of the session reported (the baseline is one of
-    # them): a leak a check in between saw reachable, through a stale copy of its address
-    # overwritten since, is not this test's, and the clean test after it would fail
-    new = _seen(item.config).new_leaks(info)
-    if new and getattr(base, "waiting", False):
+    item.config.stash[_AFTER] = (item, _nl().LeakBaseline.of(info.leaks))
+    new, error = _settle(item.config, info, entries, item.stash.get(_OWN_BASE, None))
+    if error is not None:
+        item.stash[_CANNOT] = error
+    elif new:
+        pytest.fail(_leak_text(info, new), pytrace=False)
+
+
+# Returns (the leaks of check `info` that no earlier check of the session reported and no
+# waiting snapshot held, error). New leaks are those no earlier check reported: a leak a check
+# in between saw reachable, through a stale copy of its address overwritten since, is not this
+# test's, and the clean test after it would fail. The waiting snapshots (each entry's own
+# baseline, then its check after the body; then own_before, the baseline of the test `info`
+# followed) are swept in order until every new leak is placed at the first that held it
+# unreachable: an entry's check after its body makes it that test's (its verdict), a baseline
+# nobody's (it leaked before the test's body). error: the SweepError of a snapshot that could
+# not be swept; the entries from there on get it as their verdict. Every snapshot is released.
+def _settle(config, info, entries, own_before):
+    new = _seen(config).new_leaks(info)
+    snaps = [(e, e.stash.get(key, None), key is _HELD) for e in entries
+             for key in (_OWN_BASE, _HELD)] + [(None, own_before, False)]
+    error = None
+    for owner, snap, after_body in snaps:
+        if snap is None or not new:
+            continue
+        if error is not None:
+            if owner is not None:
+                owner.stash[_VERDICT] = ("cannot", error)
+            continue
         try:
-            _remember(item.config, base.resolve())
+            unreachable = snap.unreachable()
+            _remember(config, snap.resolve())
         except MemunreachableError as exc:
-            item.stash[_CANNOT] = SweepError(
+            error = SweepError(
                 f"{len(new)} block(s) unreachable after the test could not be told apart from "
-                f"those before it: its baseline could not be swept ({exc})", hint=exc.hint)
-            _remember(item.config, after)
-            return
-        new = _seen(item.config).new_leaks(info)
-    _drop(base)
-    _remember(item.config, after)
-    if new:
-        new_info = _nl()._only(info, new)
-        pytest.fail(f"{new_info.num_leaks} native heap block(s) became unreachable during the "
-                    f"test ({new_info.leak_bytes} bytes):\n{_nl()._render(new_info, True)}",
-                    pytrace=False)
+                f"those before it: {'its check' if after_body else 'its baseline'} could not "
+                f"be swept ({exc})", hint=exc.hint)
+            if owner is not None:
+                owner.stash[_VERDICT] = ("cannot", error)
+            continue
+        held = [leak for leak in new if unreachable.holds(leak)]
+        new = [leak for leak in new if not unreachable.holds(leak)]
+        if held and after_body:
+            owner.stash[_VERDICT] = ("leaks", _leak_text(info, held))
+    for _owner, snap, _after_body in snaps:
+        _drop(snap)
+    _remember(config, _nl().LeakBaseline.of(info.leaks))
+    return (new if error is None else []), error
+
+
+def _leak_text(info, leaks) -> str:
+    new_info = _nl()._only(info, leaks)
+    return (f"{new_info.num_leaks} native heap block(s) became unreachable during the test "
+            f"({new_info.leak_bytes} bytes):\n{_nl()._render(new_info, True)}")
 
 
 def _seen(config):

@@ -15,8 +15,11 @@ suite). So:
   (levels 1, the oldest, up), the memory tracked then and written by none of the looks since,
   and the allocations that began in it. mark's fresh rule (mark.DeadWords) then drops a word
   of memory unwritten since snapshot u that points into a block whose address began no block
-  in snapshot f >= u: the word predates the block. Two levels, not one: a check that finds a
-  leak confirms it with a second snapshot, whose last swept one already holds the leak.
+  in snapshot f >= u: the word predates the block. More levels than one: a check that finds
+  a leak confirms it with a second snapshot, whose last swept one already holds the leak; and
+  the pytest plugin's batches sweep one snapshot in ten, the others only walked for their
+  allocations (unreachable.record_allocations), so a leak of a batch's first test is fresh
+  for the sweep at its end only through the level of the snapshot before that test.
 Anything not tracked counts as written (the rule then changes nothing): memory mapped since,
 a mapping replaced under a tracked range, a look that failed. Not for the CLI: another
 process's userfaultfd cannot be opened from outside.
@@ -33,14 +36,17 @@ UFFD_FEATURE_WP_ASYNC) and pagemap.rst (PAGEMAP_SCAN), Linux 6.7.
 """
 from __future__ import annotations
 
+import functools
 import os
+import threading
 from array import array
 from typing import Dict, List, Optional, Sequence, Tuple
 
 from memunreachable._ffi import ffi, lib, u64_view
 
 MAX_MAPPING = 1 << 30       # larger writable mappings stay untracked (pte markers per page)
-KEEP_SWEPT = 2              # swept snapshots whose allocations are kept: the levels
+KEEP_SWEPT = 24             # swept snapshots whose allocations are kept: the levels (a
+                            # batch of the pytest plugin records each of its snapshots)
 
 
 def open_fd() -> Tuple[int, str]:
@@ -135,12 +141,21 @@ def trackable(maps) -> array:
                        for x in (m.begin, m.end)])
 
 
+def _locked(method):
+    @functools.wraps(method)
+    def wrapper(self, *args, **kwargs):
+        with self.lock:
+            return method(self, *args, **kwargs)
+    return wrapper
+
+
 class WriteTracker:
-    """The helper's side (module docstring). Not thread-safe: the helper serves one request
-    at a time."""
+    """The helper's side (module docstring). Its methods hold a lock: the helper records a
+    waiting snapshot's allocations (swept()) on a thread while it takes the next one."""
 
     def __init__(self, pid: int, fd: int) -> None:
         self.pid, self.fd = pid, fd
+        self.lock = threading.Lock()
         self.pagemap = os.open(f"/proc/{pid}/pagemap", os.O_RDONLY | os.O_CLOEXEC)
         self.tracked = array("Q")           # registered and armed: sorted flat pairs
         self.epoch = 0
@@ -158,6 +173,7 @@ class WriteTracker:
                 pass
         self.pagemap = self.fd = -1
 
+    @_locked
     def register(self, maps) -> int:
         """Registers and arms the trackable mappings not tracked yet (tracked from the next
         look on; the target may run); returns how many."""
@@ -176,6 +192,7 @@ class WriteTracker:
             self.cap = sum(t[j + 1] - t[j] for j in range(0, len(t), 2)) // 8192 + len(t) // 2 + 1
         return len(added) // 2
 
+    @_locked
     def at_freeze(self) -> int:
         """The look of one snapshot's freeze (the target stopped: only native work here);
         returns its epoch (for since())."""
@@ -197,6 +214,7 @@ class WriteTracker:
         self.looks[self.epoch] = (self.tracked, out)
         return self.epoch
 
+    @_locked
     def since(self, epoch: int) -> Optional[Since]:
         """The rule for a sweep of epoch's snapshot (levels: the swept snapshots before it whose
         looks since are all known); None when the epoch is unknown."""
@@ -212,6 +230,7 @@ class WriteTracker:
         unwritten = unwritten_levels([self.looks[e][0] for e in prevs], looks)
         return Since(self, epoch, [self.swept_begins[e] for e in prevs], unwritten)
 
+    @_locked
     def swept(self, epoch: int, begins) -> None:
         """Keep the allocations of epoch's swept snapshot (the last KEEP_SWEPT), drop the looks
         no later sweep can use."""

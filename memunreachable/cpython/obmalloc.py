@@ -61,9 +61,10 @@ _SCRATCH = (array("Q"), array("Q"))     # _Acc._scratch
 class _Acc:
     """Accumulates per-region block runs and counters."""
 
-    def __init__(self):
+    def __init__(self, text_heads: bool = True):
         self.pieces: List[Tuple[int, array, array]] = []
         self.text_heads = array("Q")
+        self.find_text_heads = text_heads
         self.stats = dict(arenas=0, pools=0, empty_pools=0, used_blocks=0, used_bytes=0,
                           free_blocks=0, virgin_blocks=0, bad_pools=0)
 
@@ -96,7 +97,8 @@ class _Acc:
                 break
             cap = res.used
         self.pieces.append((base, addr[:n], size[:n]))
-        self._text_heads(data, base, len(buf), addr, n)
+        if self.find_text_heads:
+            self._text_heads(data, base, len(buf), addr, n)
         s = self.stats
         s["pools"] += res.pools
         s["empty_pools"] += res.empty_pools
@@ -157,15 +159,16 @@ def state_arrays(lay: L.Layout, states: Sequence[int]) -> List[ArenaArray]:
 # Returns the walk of the arenas arrays of the obmalloc states at `states` (3.12+: one per
 # interpreter with its own allocator; shared states listed once). Problems are hard: an arena
 # or pool that does not add up means the layout or the snapshot is wrong.
-def walk_arenas(mem, lay: L.Layout, states: Sequence[int]) -> PymallocWalk:
-    return walk_arena_arrays(mem, lay, state_arrays(lay, states))
+def walk_arenas(mem, lay: L.Layout, states: Sequence[int], text_heads: bool = True) -> PymallocWalk:
+    return walk_arena_arrays(mem, lay, state_arrays(lay, states), text_heads)
 
 
 # Returns the walk of the given arenas arrays (walk_arenas; tests also pass the 3.8-3.11
 # statics of Objects/obmalloc.c found in an unstripped libpython's .symtab).
-def walk_arena_arrays(mem, lay: L.Layout, arrays: Sequence[ArenaArray]) -> PymallocWalk:
+def walk_arena_arrays(mem, lay: L.Layout, arrays: Sequence[ArenaArray],
+                      text_heads: bool = True) -> PymallocWalk:
     out = PymallocWalk(False, "arenas")
-    acc = _Acc()
+    acc = _Acc(text_heads)
     for arr in arrays:
         _walk_array(mem, lay, arr, out, acc)
     out.blocks, out.sizes = acc.assemble()
@@ -242,10 +245,10 @@ def scan_candidates(maps: Sequence[Mapping], pool_size: int) -> List[Mapping]:
 
 # Returns the walk of every pool found by header checks in private anonymous memory
 # (3.8-3.11, or any version without a usable arenas array). heap_ranges are the pools found.
-def scan_pools(mem, maps: Sequence[Mapping], lay: L.Layout) -> PymallocWalk:
+def scan_pools(mem, maps: Sequence[Mapping], lay: L.Layout, text_heads: bool = True) -> PymallocWalk:
     ps = lay.obmalloc.pool_size
     out = PymallocWalk(False, "pool scan")
-    acc = _Acc()
+    acc = _Acc(text_heads)
     for m in scan_candidates(maps, ps):
         lo = m.begin
         while lo < m.end:

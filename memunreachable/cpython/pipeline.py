@@ -67,13 +67,11 @@ def _prepare(mem, maps, threads, pid: Optional[int], image: HeapImage) -> CPytho
     out = CPythonSweep(cp, image, warnings=list(cp.warnings))
     if not cp.usable:
         return out
-    blocks, sizes, kept_cuts, dropped = drop_overlapping(cp, image, cp.layout.obmalloc.pool_size)
+    merged, ndead, blocks, kept_cuts, dropped = _allocations(cp, image)
     if dropped:
         out.warnings.append(
             f"{dropped} pymalloc pool(s) overlap glibc allocations ({cp.runtime.object_path}):"
             " their blocks are not allocations and their memory is scanned as before")
-    merged, ndead = merge_dropping(image, HeapImage(blocks, sizes, list(cp.regions)),
-                                   cp.dead_blocks)
     out.image = merged
     cuts = list(kept_cuts) + list(cp.dead_ranges)
     dead_pairs = [[(r.begin, r.end) for r in cp.dead_ranges]]     # sources for merge_pairs
@@ -177,6 +175,28 @@ def _prepare(mem, maps, threads, pid: Optional[int], image: HeapImage) -> CPytho
                      text_heads=len(cp.pymalloc.text_heads),
                      version="%d.%d" % cp.version, allocator=cp.allocator)
     return out
+
+
+# Returns (glibc's image with pymalloc's used blocks merged in and its dead blocks dropped,
+# how many were dropped, the pymalloc blocks, the cuts of the pools kept, how many pools were
+# dropped for overlapping glibc allocations).
+def _allocations(cp: CPythonMap, image: HeapImage):
+    blocks, sizes, kept_cuts, dropped = drop_overlapping(cp, image, cp.layout.obmalloc.pool_size)
+    merged, ndead = merge_dropping(image, HeapImage(blocks, sizes, list(cp.regions)),
+                                   cp.dead_blocks)
+    return merged, ndead, blocks, kept_cuts, dropped
+
+
+def allocations(mem, maps, threads, pid: Optional[int], image: HeapImage) -> HeapImage:
+    """The allocations a sweep's image holds (prepare's), and the dead objects of the free
+    lists too (a record of where blocks began may hold more, never fewer: mark's fresh rule
+    then spares more words), without the rest of its work: image (glibc's) when the CPython
+    map is not usable."""
+    try:
+        cp = walk_cpython(mem, maps, threads, pid, blocks_only=True)
+        return _allocations(cp, image)[0] if cp.usable else image
+    finally:
+        _IMAGE_ARGS.clear()
 
 
 def _nbytes(buf) -> int:

@@ -237,8 +237,10 @@ def _obmalloc_state(mem, lay: L.Layout, interp: int) -> int:
 
 # Returns the CPython memory map of the snapshot. Never raises for an unknown or inconsistent
 # runtime: usable stays False and warnings say why (the caller keeps today's treatment).
+# blocks_only: pymalloc's blocks and little else (no text heads, no free lists: their dead
+# objects stay among the blocks), for a record of the allocations (pipeline.allocations).
 def walk_cpython(mem, maps: Sequence[Mapping], threads: Sequence[ThreadState] = (),
-                 pid: Optional[int] = None, layouts=None) -> CPythonMap:
+                 pid: Optional[int] = None, layouts=None, blocks_only: bool = False) -> CPythonMap:
     # 1. the runtime and its version
     rt = locate.find_runtime(mem, maps, pid)
     if rt is None:
@@ -272,9 +274,9 @@ def walk_cpython(mem, maps: Sequence[Mapping], threads: Sequence[ThreadState] = 
         except MemoryUnreadable as exc:
             out.warnings.append(f"{where}: obmalloc state unreadable ({exc}): {OPAQUE}")
             return out
-        out.pymalloc = obmalloc.walk_arenas(mem, lay, states)
+        out.pymalloc = obmalloc.walk_arenas(mem, lay, states, text_heads=not blocks_only)
     else:
-        out.pymalloc = obmalloc.scan_pools(mem, maps, lay)
+        out.pymalloc = obmalloc.scan_pools(mem, maps, lay, text_heads=not blocks_only)
     pm = out.pymalloc
     out.warnings.extend(pm.warnings)
     if pm.problems:
@@ -299,7 +301,7 @@ def walk_cpython(mem, maps: Sequence[Mapping], threads: Sequence[ThreadState] = 
         out.warnings.append(f"{where}: data stack does not fit ({exc}): {OPAQUE}")
         return out
     prefix = L.DEBUG_HOOK_PREFIX if allocator in L.ALLOCATORS_WITH_DEBUG_HOOKS else 0
-    if lay.freelists is not None:
+    if lay.freelists is not None and not blocks_only:
         for interp in out.interpreters:
             try:
                 dead, ranges = read_freelists(mem, lay, interp.address, prefix)

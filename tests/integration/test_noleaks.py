@@ -253,34 +253,47 @@ import os
 import leakytools as leaky
 from memunreachable import noleaks
 from memunreachable._errors import MemunreachableError
+from memunreachable._tracer import MAX_PENDING
 from memunreachable.leftovers import children_of
 old, _ = leaky.leak(34604008)
 b1 = noleaks.deferred_baseline()
 print("waiting", b1.waiting, len(children_of(os.getpid())))
-b2 = noleaks.deferred_baseline()            # drops b1's snapshot
-try:
-    b1.resolve()
-    print("b1 resolved")
+mid, _ = leaky.leak(34604008)
+b2 = noleaks.deferred_baseline()            # b1 waits on: each is its own moment
+print("both", b1.waiting, b2.waiting, len(children_of(os.getpid())))
+new, _ = leaky.leak(34604008)               # after both snapshots: in neither baseline
+base1, base2 = b1.resolve(), b2.resolve()
+print("b1", old in base1, mid in base1, new in base1)
+print("b2", old in base2, mid in base2, new in base2, b2.waiting, len(children_of(os.getpid())))
+more = [noleaks.deferred_baseline() for _ in range(MAX_PENDING + 1)]
+try:                                        # one more than the helper keeps: the oldest went
+    more[0].resolve()
+    print("oldest resolved")
 except MemunreachableError as exc:
-    print("b1 gone", "newer one replaced it" in str(exc))
-new, _ = leaky.leak(34604008)               # after b2's snapshot: not in its baseline
-base = b2.resolve()
-print("base", old in base, new in base, b2.waiting, len(children_of(os.getpid())))
+    print("oldest gone", "more snapshots than the helper keeps" in str(exc))
+print("newest", more[-1].resolve() is not None, len(children_of(os.getpid())))
+for b in more:
+    b.drop()
 b3 = noleaks.deferred_baseline()
 b3.drop()
-b1.drop()                                   # another's token: a no-op
+b1.drop()                                   # swept already: a no-op
 print("dropped", b3.waiting, len(children_of(os.getpid())))
 """
 
 
 def test_a_deferred_baseline_is_the_moment_of_its_snapshot_and_only_its_own(ext_dir):
-    # deferred_baseline(): the snapshot now, its sweep only on resolve(); a newer one replaces
-    # it (resolve() then raises, never sweeps the other's snapshot); drop() releases it
+    # deferred_baseline(): the snapshot now, its sweep only on resolve(); several wait at
+    # once (the plugin's batches), each its own moment, up to _tracer.MAX_PENDING: a newer
+    # one beyond releases the oldest (resolve() then raises, never sweeps another snapshot);
+    # drop() releases one
     proc = run_python(DEFERRED, ext_dir)
     assert proc.returncode == 0, proc.stderr
-    # children: the helper, and the snapshot while one waits
-    assert proc.stdout.splitlines() == ["waiting True 2", "b1 gone True", "base True False False 1",
-                                        "dropped False 1"]
+    # children: the helper, and each snapshot while it waits
+    from memunreachable._tracer import MAX_PENDING
+    assert proc.stdout.splitlines() == [
+        "waiting True 2", "both True True 3", "b1 True False False",
+        "b2 True True False False 1", "oldest gone True", f"newest True {MAX_PENDING}",
+        "dropped False 1"]
 
 
 def test_the_helper_waits_until_the_requesting_thread_sits_in_its_wait():

@@ -206,8 +206,8 @@ def test_the_garbage_of_a_failure_costs_the_next_test_no_second_sweep(suite):
     # sweeping again after a gc.collect() (test_b_clean took two checks before)
     suite.makepyfile(test_after_failure=AFTER_A_FAILURE)
     suite.makeconftest(COUNT_REQUESTS)
-    res = suite.runpytest_subprocess("--memunreachable", "-s", "-p", "no:cacheprovider",
-                                     "test_after_failure.py")
+    res = suite.runpytest_subprocess("--memunreachable", "--memunreachable-batch=1", "-s",
+                                     "-p", "no:cacheprovider", "test_after_failure.py")
     res.assert_outcomes(passed=2, failed=1)
     counts = dict(eval(re.search(r"^REQUESTS (.*)$", res.stdout.str(), re.M).group(1)))
     print(counts)
@@ -234,11 +234,115 @@ def test_the_garbage_of_the_start_up_costs_the_first_test_no_second_sweep(suite)
     # (pytest's own) is not found after its body, which took a gc.collect() and a second sweep
     suite.makepyfile(test_after_failure=AFTER_A_FAILURE)
     suite.makeconftest(COUNT_REQUESTS + GARBAGE_AT_COLLECTION)
-    res = suite.runpytest_subprocess("--memunreachable", "-s", "-p", "no:cacheprovider",
-                                     "test_after_failure.py")
+    res = suite.runpytest_subprocess("--memunreachable", "--memunreachable-batch=1", "-s",
+                                     "-p", "no:cacheprovider", "test_after_failure.py")
     res.assert_outcomes(passed=2, failed=1)
     counts = dict(eval(re.search(r"^REQUESTS (.*)$", res.stdout.str(), re.M).group(1)))
     assert counts["test_a_clean"] == ["snap", "go", "drop"]   # one sweep
+
+
+def _batched_suite(leaky_tests, n=12):
+    """n tests; those in leaky_tests (index -> "plain" | "fixture") leak a block of a size of
+    their own and print its address; test 4 and the leaky "fixture" ones use a fixture."""
+    lines = ["import pytest", "import leakytools as leaky", "",
+             "@pytest.fixture", "def thing():", "    return 1", ""]
+    for i in range(n):
+        arg = "thing" if i == 4 or leaky_tests.get(i) == "fixture" else ""
+        lines.append(f"def test_{i:02d}({arg}):")
+        if i in leaky_tests:
+            lines += [f"    addr, size = leaky.leak({34620000 + 8 * i})",
+                      f"    print('LEAK test_{i:02d}', hex(addr), size)"]
+        else:
+            lines.append(f"    leaky.no_leak({34620000 + 8 * i})")
+        lines.append("")
+    return "\n".join(lines)
+
+
+def _leaks_printed(out: str) -> dict:
+    return {name: (addr, size) for name, addr, size
+            in re.findall(r"LEAK (test_\d+) 0x([0-9a-f]+) (\d+)", out)}
+
+
+def test_a_batch_blames_each_leak_on_its_own_test_and_logs_in_order(suite):
+    # 12 tests in batches of 10: three leak (one with a fixture, one in the second batch);
+    # each fails with its own block, once, and every verdict is logged in the run's order
+    suite.makepyfile(test_batched=_batched_suite({2: "plain", 5: "fixture", 10: "plain"}))
+    suite.makeconftest(COUNT_REQUESTS)
+    res = suite.runpytest_subprocess("--memunreachable", "-s", "-v", "-p", "no:cacheprovider",
+                                     "--junitxml=junit.xml", "test_batched.py")
+    res.assert_outcomes(passed=9, failed=3)
+    out = res.stdout.str()
+    # (the tests' own output, -s, comes as they run: before the held verdicts)
+    verdicts = re.findall(r"^test_batched.py::(test_\d+) (PASSED|FAILED)", out, re.M)
+    assert verdicts == [(f"test_{i:02d}", "FAILED" if i in (2, 5, 10) else "PASSED")
+                        for i in range(12)], verdicts
+    printed = _leaks_printed(out)
+    assert sorted(printed) == ["test_02", "test_05", "test_10"]
+    for name, (addr, size) in printed.items():
+        section = out[out.index(f"_ {name} _"):out.index("short test summary info")]
+        section = section[:section.index("\n_", 1)] if "\n_" in section[1:] else section
+        assert section.count(f"{size} bytes unreachable at {addr}") == 1, name
+        others = [a for n, (a, _) in printed.items() if n != name]
+        assert not any(f"unreachable at {a}" in section for a in others), name
+    # a check (confirmed after a gc.collect(): it found new leaks) ends each batch; the
+    # waiting snapshots are swept in order up to the last leak's: the first batch's baselines
+    # of tests 0, 4 (a fixture), 5 (a fixture) and the checks after tests 0-5 (9), not the
+    # rest (4 dropped: 6's baseline, the checks after 6-8); the second's check after test 10
+    counts = dict(eval(re.search(r"^REQUESTS (.*)$", out, re.M).group(1)))
+    assert counts["test_09"] == ["go", "go"] + ["base"] * 9 + ["drop"] * 4, counts
+    assert counts["test_11"] == ["go", "go", "base"], counts
+    assert all(set(counts[f"test_{i:02d}"]) == {"snap"} for i in (*range(9), 10)), counts
+    # other plugins see each report in order, the leak in the failure
+    import xml.etree.ElementTree as ET
+    cases = ET.parse(suite.path / "junit.xml").getroot().iter("testcase")
+    failed = {c.get("name"): c.find("failure").get("message") for c in cases
+              if c.find("failure") is not None}
+    assert sorted(failed) == ["test_02", "test_05", "test_10"]
+    assert all("native heap block(s) became unreachable" in m for m in failed.values())
+
+
+def test_a_clean_batch_costs_one_sweep(suite):
+    suite.makepyfile(test_batched=_batched_suite({}, n=10))
+    suite.makeconftest(COUNT_REQUESTS)
+    res = suite.runpytest_subprocess("--memunreachable", "-s", "-p", "no:cacheprovider",
+                                     "test_batched.py")
+    res.assert_outcomes(passed=10)
+    counts = dict(eval(re.search(r"^REQUESTS (.*)$", res.stdout.str(), re.M).group(1)))
+    requests = [r for _, rs in sorted(counts.items()) for r in rs]
+    assert requests.count("go") == 1 and "base" not in requests, counts
+    assert counts["test_09"][-1:] == ["go"] or "go" in counts["test_09"], counts
+
+
+def test_a_failure_ends_the_batch_and_stops_the_run_under_x(suite):
+    # the failing test settles the batch before its own report: the leak of a test before
+    # it is logged first, and -x stops the run after them (tests 4, 5 never run)
+    suite.makepyfile(test_batched=_batched_suite({1: "plain"}, n=6).replace(
+        "def test_03():\n", "def test_03():\n    assert [] == [1]\n"))
+    res = suite.runpytest_subprocess("--memunreachable", "-v", "-x", "-p", "no:cacheprovider",
+                                     "test_batched.py")
+    res.assert_outcomes(passed=2, failed=2)
+    res.stdout.fnmatch_lines(["*test_batched.py::test_00 PASSED*",
+                              "*test_batched.py::test_01 FAILED*",
+                              "*test_batched.py::test_02 PASSED*",
+                              "*test_batched.py::test_03 FAILED*"])
+    assert "test_04" not in res.stdout.str()
+    res.stdout.fnmatch_lines(["*1 native heap block(s) became unreachable during the test*"])
+
+
+def test_batch_1_checks_after_every_test(suite):
+    suite.makepyfile(test_batched=_batched_suite({}, n=3))
+    suite.makeconftest(COUNT_REQUESTS)
+    res = suite.runpytest_subprocess("--memunreachable", "--memunreachable-batch", "1", "-s",
+                                     "-p", "no:cacheprovider", "test_batched.py")
+    res.assert_outcomes(passed=3)
+    counts = dict(eval(re.search(r"^REQUESTS (.*)$", res.stdout.str(), re.M).group(1)))
+    assert [counts[f"test_0{i}"].count("go") for i in range(3)] == [1, 1, 1], counts
+
+
+def test_a_bad_batch_size_stops_the_run(suite):
+    res = suite.runpytest_subprocess("--memunreachable", "--memunreachable-batch", "0")
+    assert res.ret == pytest.ExitCode.USAGE_ERROR
+    res.stderr.fnmatch_lines(["*--memunreachable-batch must be at least 1, not 0*"])
 
 
 UNSWEPT = """
