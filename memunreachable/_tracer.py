@@ -115,8 +115,6 @@ def _serve(pid: int, words: list, pending: "_Pending", tracker=None):
         waiting = [int(words.pop()[1:])]
         if words[:1] in ([b"go"], [b"snap"]):
             await_wait(pid, waiting[0])
-    if words[:1] != [b"snap"]:
-        pending.recorded()
     if words[:1] == [b"go"] and len(words) in (3, 5, 6):
         limit, timeout = int(words[1]), float(words[2])
         symbolize, supp = (words[3] != b"0", words[4]) if len(words) >= 5 else (True, b"-")
@@ -170,7 +168,6 @@ class _Pending:
     def __init__(self, tracker=None) -> None:
         self.pending: Dict[int, object] = {}        # token -> unreachable.Pending, oldest first
         self.token = self.recorded_token = 0
-        self.recording = None                       # the thread of record_new
         self.tracker = tracker
 
     def take(self, pid: int, timeout: float, dead, waiting=(), record: bool = False) -> object:
@@ -194,23 +191,11 @@ class _Pending:
     def record_new(self) -> None:
         """Record the allocations of the newest snapshot with the write tracker, once, when
         its request asked (unreachable.record_allocations: the sweeps after it count from it).
-        On a thread of its own: the caller's next test, and its next snapshot (all this thread
-        may do meanwhile: recorded()), overlap with it on the other CPU."""
+        Called once its reply is sent: the caller's test runs meanwhile."""
         if self.token in self.pending and self.token != self.recorded_token:
-            import threading
             from memunreachable.unreachable import record_allocations
-            self.recorded()
             self.recorded_token = self.token
-            self.recording = threading.Thread(target=record_allocations,
-                                              args=(self.pending[self.token],), daemon=True)
-            self.recording.start()
-
-    def recorded(self) -> None:
-        """Wait for the recording under way: before anything but a snapshot (a sweep shares
-        the walks' caches, a drop would kill the snapshot it reads)."""
-        if self.recording is not None:
-            self.recording.join()
-            self.recording = None
+            record_allocations(self.pending[self.token])
 
     def sweep(self, token: int, limit, symbolize: bool, rules):
         from memunreachable._errors import CollectionError
@@ -224,7 +209,6 @@ class _Pending:
 
     def drop(self, token: Optional[int] = None) -> None:
         """Release that waiting snapshot (token None: every one)."""
-        self.recorded()
         for t in list(self.pending) if token is None else [token]:
             pending = self.pending.pop(t, None)
             if pending is not None:

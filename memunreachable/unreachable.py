@@ -259,7 +259,7 @@ def record_allocations(pending: Pending) -> bool:
                 mem, data_ranges(fz.maps, pending.plan.unwritten), skip_unreadable=True),
                 unwritten_file_pages(fz.maps, pending.plan.unwritten))
             image = pipeline.allocations(copied, fz.maps, fz.threads, snap.pid, image)
-        tracker.swept(pending.epoch, image.begins)
+        tracker.swept(pending.epoch, image.begins, full=False)
         return True
     except (MemunreachableError, OSError, ValueError, struct.error) as exc:
         log.info("allocations of a waiting snapshot not recorded: %s", exc)

@@ -11,9 +11,9 @@ suite). So:
   and re-arms the pages written since its last look (mu_written.h, PAGEMAP_SCAN); after the
   thaw it registers the writable private mappings it does not track yet (tracked from the
   next look on);
-- a sweep asks since(epoch): for each of the last KEEP_SWEPT swept snapshots before it
-  (levels 1, the oldest, up), the memory tracked then and written by none of the looks since,
-  and the allocations that began in it. mark's fresh rule (mark.DeadWords) then drops a word
+- a sweep asks since(epoch): for each snapshot recorded before it since the last but one
+  swept (levels 1, the oldest, up), the memory tracked then and written by none of the looks
+  since, and the allocations that began in it. mark's fresh rule (mark.DeadWords) drops a word
   of memory unwritten since snapshot u that points into a block whose address began no block
   in snapshot f >= u: the word predates the block. More levels than one: a check that finds
   a leak confirms it with a second snapshot, whose last swept one already holds the leak; and
@@ -36,17 +36,15 @@ UFFD_FEATURE_WP_ASYNC) and pagemap.rst (PAGEMAP_SCAN), Linux 6.7.
 """
 from __future__ import annotations
 
-import functools
 import os
-import threading
 from array import array
 from typing import Dict, List, Optional, Sequence, Tuple
 
 from memunreachable._ffi import ffi, lib, u64_view
 
 MAX_MAPPING = 1 << 30       # larger writable mappings stay untracked (pte markers per page)
-KEEP_SWEPT = 24             # swept snapshots whose allocations are kept: the levels (a
-                            # batch of the pytest plugin records each of its snapshots)
+KEEP_SWEPT = 32             # recorded snapshots whose allocations are kept, at most (the
+                            # levels: a batch of the pytest plugin records each of its own)
 
 
 def open_fd() -> Tuple[int, str]:
@@ -141,27 +139,19 @@ def trackable(maps) -> array:
                        for x in (m.begin, m.end)])
 
 
-def _locked(method):
-    @functools.wraps(method)
-    def wrapper(self, *args, **kwargs):
-        with self.lock:
-            return method(self, *args, **kwargs)
-    return wrapper
-
-
 class WriteTracker:
-    """The helper's side (module docstring). Its methods hold a lock: the helper records a
-    waiting snapshot's allocations (swept()) on a thread while it takes the next one."""
+    """The helper's side (module docstring). Not thread-safe: the helper serves one request
+    at a time."""
 
     def __init__(self, pid: int, fd: int) -> None:
         self.pid, self.fd = pid, fd
-        self.lock = threading.Lock()
         self.pagemap = os.open(f"/proc/{pid}/pagemap", os.O_RDONLY | os.O_CLOEXEC)
         self.tracked = array("Q")           # registered and armed: sorted flat pairs
         self.epoch = 0
         # epoch -> (the memory tracked at its look, what that look reported written)
         self.looks: Dict[int, Tuple[array, array]] = {}
         self.swept_begins: Dict[int, array] = {}
+        self.full: set = set()              # the epochs of swept_begins a sweep recorded
         self.failures = 0
         self.cap = 1                # written runs a look can report: half the pages, + ranges
 
@@ -173,7 +163,6 @@ class WriteTracker:
                 pass
         self.pagemap = self.fd = -1
 
-    @_locked
     def register(self, maps) -> int:
         """Registers and arms the trackable mappings not tracked yet (tracked from the next
         look on; the target may run); returns how many."""
@@ -192,7 +181,6 @@ class WriteTracker:
             self.cap = sum(t[j + 1] - t[j] for j in range(0, len(t), 2)) // 8192 + len(t) // 2 + 1
         return len(added) // 2
 
-    @_locked
     def at_freeze(self) -> int:
         """The look of one snapshot's freeze (the target stopped: only native work here);
         returns its epoch (for since())."""
@@ -214,13 +202,15 @@ class WriteTracker:
         self.looks[self.epoch] = (self.tracked, out)
         return self.epoch
 
-    @_locked
     def since(self, epoch: int) -> Optional[Since]:
-        """The rule for a sweep of epoch's snapshot (levels: the swept snapshots before it whose
-        looks since are all known); None when the epoch is unknown."""
+        """The rule for a sweep of epoch's snapshot (levels: the snapshots recorded before it,
+        back to the last but one that was swept, whose looks since are all known); None when
+        the epoch is unknown."""
         if epoch not in self.looks:
             return None
-        prevs = sorted(e for e in self.swept_begins if e < epoch and e in self.looks)
+        fulls = sorted(e for e in self.full if e < epoch and e in self.swept_begins)
+        start = fulls[-2] if len(fulls) >= 2 else 0
+        prevs = sorted(e for e in self.swept_begins if start <= e < epoch and e in self.looks)
         if not prevs or any(e not in self.looks for e in range(prevs[0], epoch + 1)):
             return Since(self, epoch, [], [])
         # the written pages between consecutive levels, and from the last one to epoch
@@ -230,13 +220,21 @@ class WriteTracker:
         unwritten = unwritten_levels([self.looks[e][0] for e in prevs], looks)
         return Since(self, epoch, [self.swept_begins[e] for e in prevs], unwritten)
 
-    @_locked
-    def swept(self, epoch: int, begins) -> None:
-        """Keep the allocations of epoch's swept snapshot (the last KEEP_SWEPT), drop the looks
-        no later sweep can use."""
+    def swept(self, epoch: int, begins, full: bool = True) -> None:
+        """Keep the allocations of epoch's snapshot, swept (full) or only walked for them
+        (unreachable.record_allocations); drop what no later sweep can use: the records
+        before the last but two swept snapshots (a batch's sweeps of its waiting snapshots
+        look back past the last), at most KEEP_SWEPT, and the looks before the oldest kept."""
         self.swept_begins[epoch] = array("Q", begins)
+        if full:
+            self.full.add(epoch)
+        fulls = sorted(e for e in self.full if e in self.swept_begins)
         for e in sorted(self.swept_begins)[:-KEEP_SWEPT]:
             del self.swept_begins[e]
+        if len(fulls) >= 3:
+            for e in [e for e in self.swept_begins if e < fulls[-3]]:
+                del self.swept_begins[e]
+        self.full &= set(self.swept_begins)
         oldest = min(self.swept_begins)
         for e in [e for e in self.looks if e < oldest]:
             del self.looks[e]

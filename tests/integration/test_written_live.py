@@ -75,14 +75,18 @@ def test_leaks_the_block_at_that_address():
 """
 
 
+# later: clean tests after the leaking one, in its batch: the batch's one sweep comes 6
+# tests after the leak, whose fresh rule counts from the snapshot recorded before it
+@pytest.mark.parametrize("later", [0, 6])
 def test_the_plugin_fails_the_test_whose_block_a_stale_copy_points_at(ext, pytester,
-                                                                       monkeypatch):
+                                                                       monkeypatch, later):
     monkeypatch.setenv("PYTHONPATH", ext)
     monkeypatch.delenv("PYTHONMALLOC", raising=False)
-    pytester.makepyfile(test_stale=PLUGIN_SUITE)
+    pytester.makepyfile(test_stale=PLUGIN_SUITE + "".join(
+        f"\ndef test_clean_{i}():\n    pass\n" for i in range(later)))
     res = pytester.runpytest_subprocess("--memunreachable", "-p", "no:cacheprovider", "-rA",
                                         "-s")
-    res.assert_outcomes(passed=1, failed=1)
+    res.assert_outcomes(passed=1 + later, failed=1)
     out = res.stdout.str()
     freed = re.search(r"FREED (\w+)", out).group(1)
     addr, usable = re.search(r"LEAKED (\w+) (\d+)", out).groups()

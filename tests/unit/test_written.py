@@ -152,3 +152,21 @@ def test_no_earlier_swept_snapshot_no_rule(tracker):
     since = tracker.since(e)
     assert since.unwritten == [] and since.prevs == []
     assert tracker.since(e + 5) is None
+
+
+def test_levels_reach_back_to_the_last_but_one_sweep_through_recorded_snapshots(tracker):
+    # a batch of the pytest plugin records its waiting snapshots' allocations (full=False)
+    # and sweeps once: the sweeps after it count their levels from the sweep before the last,
+    # through every snapshot recorded since
+    e = [tracker.at_freeze() for _ in range(7)]
+    tracker.swept(e[0], [1 << 20])                      # a sweep
+    tracker.swept(e[1], [2 << 20], full=False)          # recorded only
+    tracker.swept(e[2], [3 << 20], full=False)
+    tracker.swept(e[3], [4 << 20])                      # the batch's sweep
+    assert [list(p) for p in tracker.since(e[4]).prevs] == [[1 << 20], [2 << 20], [3 << 20],
+                                                             [4 << 20]]
+    tracker.swept(e[4], [5 << 20])                      # its confirmation: from e[3] on
+    assert [list(p) for p in tracker.since(e[5]).prevs] == [[4 << 20], [5 << 20]]
+    tracker.swept(e[5], [6 << 20])      # what lies before the last but two sweeps is dropped
+    assert sorted(tracker.swept_begins) == [e[3], e[4], e[5]]
+    assert min(tracker.looks) == e[3]
