@@ -1,9 +1,11 @@
 """Cost of the pytest plugin: 10 small tests, plain pytest vs `pytest --memunreachable`.
 
 Prints the median wall time of N runs of each, and their ratio (issue 8: at most 3x), for 10
-fixture-free tests (one check each: the check after a test is the next one's baseline) and,
-with --fixtures, for 10 tests that use a fixture as well (each gets its own baseline, swept
-only when the check after the test finds a new leak).
+fixture-free tests (the default batches: a snapshot after each test, one sweep for the ten;
+`--compare-env PYTEST_ADDOPTS=--memunreachable-batch=1` times a sweep after every test, the
+check after one test being the next one's baseline) and, with --fixtures, for 10 tests that
+use a fixture as well (each also gets a baseline snapshot of its own, swept only when a
+check finds a new leak).
 --compare PYTHON also runs `PYTHON -m pytest --memunreachable` (another install of
 memunreachable: a venv of an older commit) in the same rounds, alternating with this one, so
 both see the same load; its plain pytest is timed too.
@@ -13,7 +15,8 @@ write tracking (docs/pytest.md).
 --real runs the real-extension suite of tests/integration/test_plugin.py instead (REAL: a C
 extension built -O2 without frame pointers; 2 of its 10 tests leak, so each of those takes a
 second sweep, and the clean test after each failure a gc.collect()).
---stages also runs --runs sessions that log each check the helper makes (a conftest.py wraps
+--stages also runs --runs sessions with a sweep after every test (--memunreachable-batch=1: a
+batch sweeps once) that log each check the helper makes (a conftest.py wraps
 noleaks._ask_helper) and prints the medians of the warm ones (each session's first check
 left out): the whole check in the helper, the pause, and the sweep's stages (walk: the
 allocators' and CPython's walks; roots; mark; fold), with the allocations and bytes scanned.
@@ -92,7 +95,8 @@ def stages(python: str, suite: str, runs: int) -> str:
         log = os.path.join(d, "stages.jsonl")
         for _ in range(runs):
             open(log, "w").close()
-            run(python, d, "--memunreachable", extra_env={"BENCH_STAGES_LOG": log})
+            run(python, d, "--memunreachable", "--memunreachable-batch=1",
+                extra_env={"BENCH_STAGES_LOG": log})
             with open(log) as f:
                 rows += [json.loads(line) for line in f][1:]
     if not rows:
