@@ -160,7 +160,7 @@ _SEEN = pytest.StashKey[object]()       # LeakBaseline: every leak a check of th
 _COLLECT = pytest.StashKey[bool]()      # a test failed or skipped since the last test body
                                         # (unset: no test body checked yet)
 _BATCH = pytest.StashKey[object]()      # the session's _Batch (None: a sweep after every test)
-_NEXT = pytest.StashKey[object]()       # the item's nextitem (our protocol sets it)
+_NEXT = pytest.StashKey[object]()       # the item's nextitem: set when our protocol runs it
 _OWN_BASE = pytest.StashKey[object]()   # the baseline _before took for this item itself
 _VERDICT = pytest.StashKey[tuple]()     # a held test's verdict: ("leaks", text) | ("cannot", exc)
 
@@ -472,7 +472,7 @@ def _after(item, base) -> None:
     else a sweep that settles the batch's tests and fails this one with its new leaks."""
     if base is None:
         return
-    batch = item.config.stash.get(_BATCH, None)
+    batch = item.config.stash.get(_BATCH, None) if _NEXT in item.stash else None
     if batch is not None and not batch.ends_at(item):
         try:        # recorded: the fresh rule of the batch's sweep counts from it, as from
             after = _nl().deferred_baseline(_rules(item.config), record=True)   # a sweep

@@ -329,6 +329,74 @@ def test_a_failure_ends_the_batch_and_stops_the_run_under_x(suite):
     res.stdout.fnmatch_lines(["*1 native heap block(s) became unreachable during the test*"])
 
 
+def test_a_skipped_test_stays_in_its_batch_and_in_its_place(suite):
+    suite.makepyfile(test_batched=_batched_suite({1: "plain"}, n=4).replace(
+        "def test_02():\n", "@pytest.mark.skip(reason='not today')\ndef test_02():\n"))
+    res = suite.runpytest_subprocess("--memunreachable", "-v", "-p", "no:cacheprovider",
+                                     "test_batched.py")
+    res.assert_outcomes(passed=2, failed=1, skipped=1)
+    verdicts = re.findall(r"^test_batched.py::(test_\d+) (PASSED|FAILED|SKIPPED)",
+                          res.stdout.str(), re.M)
+    assert verdicts == [("test_00", "PASSED"), ("test_01", "FAILED"), ("test_02", "SKIPPED"),
+                        ("test_03", "PASSED")], verdicts
+
+
+def test_a_batch_open_a_second_ends_at_the_next_check(suite):
+    # test_01 takes over a second: the check after it is its batch's sweep; test_02's leak is
+    # then found by the next batch's, at test_03
+    suite.makepyfile(test_batched=_batched_suite({2: "plain"}, n=4).replace(
+        "def test_01():\n", "def test_01():\n    import time; time.sleep(1.1)\n"))
+    suite.makeconftest(COUNT_REQUESTS)
+    res = suite.runpytest_subprocess("--memunreachable", "-s", "-p", "no:cacheprovider",
+                                     "test_batched.py")
+    res.assert_outcomes(passed=3, failed=1)
+    counts = dict(eval(re.search(r"^REQUESTS (.*)$", res.stdout.str(), re.M).group(1)))
+    assert "go" in counts["test_01"] and "go" not in counts["test_02"], counts
+    assert counts["test_03"][:2] == ["go", "go"], counts       # the leak, confirmed
+
+
+OWN_PROTOCOL = """
+import pytest
+from _pytest.runner import runtestprotocol
+
+
+def pytest_runtest_protocol(item, nextitem):     # as pytest-rerunfailures runs a test
+    if item.name != "test_02":
+        return None
+    item.ihook.pytest_runtest_logstart(nodeid=item.nodeid, location=item.location)
+    reports = runtestprotocol(item, nextitem=nextitem)
+    item.ihook.pytest_runtest_logfinish(nodeid=item.nodeid, location=item.location)
+    print("OWN PROTOCOL", item.name, [r.outcome for r in reports])
+    return True
+"""
+
+
+def test_a_test_another_plugin_runs_is_checked_alone(suite):
+    # the batch before it is settled and logged first; its own check is a sweep after it
+    suite.makepyfile(test_batched=_batched_suite({1: "plain", 2: "plain"}, n=4))
+    suite.makeconftest(OWN_PROTOCOL)
+    res = suite.runpytest_subprocess("--memunreachable", "-v", "-p", "no:cacheprovider",
+                                     "test_batched.py")
+    res.assert_outcomes(passed=2, failed=2)
+    out = res.stdout.str()
+    assert "OWN PROTOCOL test_02 ['passed', 'failed', 'passed']" in out
+    verdicts = re.findall(r"^test_batched.py::(test_\d+) (PASSED|FAILED)", out, re.M)
+    assert verdicts == [("test_00", "PASSED"), ("test_01", "FAILED"), ("test_02", "FAILED"),
+                        ("test_03", "PASSED")], verdicts
+
+
+def test_an_interrupted_batch_logs_what_ran(suite):
+    suite.makepyfile(test_batched=_batched_suite({}, n=4).replace(
+        "def test_02():\n", "def test_02():\n    raise KeyboardInterrupt\n"))
+    res = suite.runpytest_subprocess("--memunreachable", "-v", "-p", "no:cacheprovider",
+                                     "test_batched.py")
+    out = res.stdout.str()
+    assert res.ret == pytest.ExitCode.INTERRUPTED, out
+    verdicts = re.findall(r"^test_batched.py::(test_\d+) (PASSED|FAILED)", out, re.M)
+    assert verdicts == [("test_00", "PASSED"), ("test_01", "PASSED")], out
+    assert "2 passed" in out
+
+
 def test_batch_1_checks_after_every_test(suite):
     suite.makepyfile(test_batched=_batched_suite({}, n=3))
     suite.makeconftest(COUNT_REQUESTS)
