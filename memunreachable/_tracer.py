@@ -63,7 +63,7 @@ def main(argv=None) -> int:
             view = memoryview(struct.pack("<Q", len(data)) + data)
             while view:
                 view = view[os.write(args.fd, view):]
-            pending.record_new()        # while the caller runs on
+            pending.after_reply()       # while the caller runs on
             warm.when_idle()
     finally:
         pending.drop()
@@ -169,16 +169,17 @@ class _Pending:
         self.pending: Dict[int, object] = {}        # token -> unreachable.Pending, oldest first
         self.token = self.recorded_token = 0
         self.tracker = tracker
+        self.lacks_memory = False       # a snapshot lacked memory: plan the next ones at once
 
     def take(self, pid: int, timeout: float, dead, waiting=(), record: bool = False) -> object:
         """("later", token) when the snapshot waits for a sweep; else the result of a full
         check (the snapshot could need a retake: unreachable.check_later). record: its
-        allocations are to be recorded (record_new)."""
+        allocations are to be recorded (after_reply)."""
         from memunreachable.unreachable import check, check_later
         while len(self.pending) >= MAX_PENDING:
             self.drop(next(iter(self.pending)))
         taken = check_later(pid, timeout=timeout, dead_ranges=dead, waiting_tids=waiting,
-                            tracker=self.tracker)
+                            tracker=self.tracker, plan_later=not self.lacks_memory)
         if taken is not None:
             self.token += 1
             self.pending[self.token] = taken
@@ -188,14 +189,21 @@ class _Pending:
         return check(pid, limit=None, timeout=timeout, symbolize=False, sweep_here=True,
                      dead_ranges=dead, waiting_tids=waiting, tracker=self.tracker)
 
-    def record_new(self) -> None:
-        """Record the allocations of the newest snapshot with the write tracker, once, when
-        its request asked (unreachable.record_allocations: the sweeps after it count from it).
-        Called once its reply is sent: the caller's test runs meanwhile."""
-        if self.token in self.pending and self.token != self.recorded_token:
+    def after_reply(self) -> None:
+        """Once a reply is sent (the caller's test runs meanwhile): the newest snapshot's plan
+        (check_later's plan_later: a process whose snapshots lack memory gets its later ones
+        planned during the request, and checked at once), and, once, the record of its
+        allocations with the write tracker when its request asked (record_allocations: the
+        sweeps after it count their fresh rule from it)."""
+        taken = self.pending.get(self.token)
+        if taken is None:
+            return
+        if not taken.complete():
+            self.lacks_memory = True
+        if self.token != self.recorded_token:
             from memunreachable.unreachable import record_allocations
             self.recorded_token = self.token
-            record_allocations(self.pending[self.token])
+            record_allocations(taken)
 
     def sweep(self, token: int, limit, symbolize: bool, rules):
         from memunreachable._errors import CollectionError

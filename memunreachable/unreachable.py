@@ -130,13 +130,31 @@ class Pending:
     The target runs meanwhile; the snapshot process (a copy-on-write clone, stopped) and the
     per-target lock are held until release()."""
 
-    def __init__(self, info: UnreachableMemoryInfo, fz, snap, plan: SnapshotPlan,
+    def __init__(self, info: UnreachableMemoryInfo, fz, snap, plan: Optional[SnapshotPlan],
                  dead_ranges, guard, waiting_tids=(), tracker=None,
                  epoch: Optional[int] = None) -> None:
         self.info, self.fz, self.snap, self.plan = info, fz, snap, plan
         self.dead_ranges, self._guard = tuple(dead_ranges), guard
         self.waiting_tids = tuple(waiting_tids)
         self.tracker, self.epoch = tracker, epoch   # the write look of its freeze (written.py)
+        self.lacking: Optional[str] = None          # why it cannot be swept (complete())
+
+    def complete(self) -> bool:
+        """Reads the snapshot's plan if check_later(plan_later=True) left it (its smaps: 2 ms
+        the caller need not wait for); False, with `lacking` set, when the snapshot lacks
+        memory (MADV_DONTFORK, MADV_WIPEONFORK: a retake could have copied it during the
+        pause, a later sweep cannot) or could not be planned."""
+        if self.plan is None and self.lacking is None:
+            try:
+                plan, unseen = _plan_reads(self.fz, self.snap, [], _Attempts(), self.info)
+            except (_Retake, MemunreachableError) as exc:
+                self.lacking = str(getattr(exc, "reason", exc))
+                return False
+            if unseen or plan.missing:
+                self.lacking = "; ".join(plan.notes[:3]) or "memory the snapshot lacks"
+                return False
+            self.plan = plan
+        return self.lacking is None
 
     def release(self) -> None:
         """Kill and reap the snapshot process, drop the lock. Idempotent."""
@@ -151,14 +169,17 @@ class Pending:
 
 def check_later(pid: int, *, timeout: float = 2.0, allow_seccomp: bool = False,
                 dead_ranges: Sequence[Tuple[int, int]] = (),
-                waiting_tids: Sequence[int] = (), tracker=None) -> Optional[Pending]:
+                waiting_tids: Sequence[int] = (), tracker=None,
+                plan_later: bool = False) -> Optional[Pending]:
     """Steps 1-3 now (the pause is the same as check()'s), the sweep left to sweep_pending().
     None when this snapshot could need a retake or a confirmation that a later sweep could not
     take (no clone, a thread that may be inside malloc/free, memory the snapshot lacks): the
     caller runs check() instead; None too for a process of more than DEFER_MAX_RSS resident
     anonymous bytes: while the snapshot waits, each page the target writes is copied once
-    (a test that rewrites a large array would pay for the copy in time and memory). Raises
-    what check() raises for steps 1-3."""
+    (a test that rewrites a large array would pay for the copy in time and memory).
+    plan_later: the snapshot's plan (whether it lacks memory) is left to Pending.complete(),
+    which a sweep calls first (the helper calls it once its reply is sent). Raises what
+    check() raises for steps 1-3."""
     import contextlib
     target = preflight_stage.preflight(pid)
     if procfs.read_rss_anon(pid) > DEFER_MAX_RSS:
@@ -170,7 +191,7 @@ def check_later(pid: int, *, timeout: float = 2.0, allow_seccomp: bool = False,
     pending = None
     try:
         pending = _take_pending(pid, info, guard, timeout, allow_seccomp, dead_ranges,
-                                waiting_tids, tracker)
+                                waiting_tids, tracker, plan_later)
     except CollectionError as exc:
         if not getattr(exc, "snapshot_lost", False):
             raise
@@ -181,7 +202,8 @@ def check_later(pid: int, *, timeout: float = 2.0, allow_seccomp: bool = False,
 
 
 def _take_pending(pid: int, info: UnreachableMemoryInfo, guard, timeout: float,
-                  allow_seccomp: bool, dead_ranges, waiting_tids, tracker) -> Optional[Pending]:
+                  allow_seccomp: bool, dead_ranges, waiting_tids, tracker,
+                  plan_later: bool = False) -> Optional[Pending]:
     prepare_snapshot(pid, timeout)
     with frozen(pid, timeout=timeout) as fz:
         snap = take_snapshot(fz, allow_seccomp=allow_seccomp)
@@ -194,12 +216,14 @@ def _take_pending(pid: int, info: UnreachableMemoryInfo, guard, timeout: float,
             fz.thaw()
             _track_new_mappings(tracker, fz)
             info.modules = tracking.modules(fz.maps)
-            try:
-                plan, unseen = _plan_reads(fz, snap, [], _Attempts(), info)
-            except _Retake:
-                return None
-            if unseen or plan.missing:
-                return None
+            plan = None
+            if not plan_later:
+                try:
+                    plan, unseen = _plan_reads(fz, snap, [], _Attempts(), info)
+                except _Retake:
+                    return None
+                if unseen or plan.missing:
+                    return None
             keep = True
         finally:
             if not keep:            # reaped while still frozen when it can be
@@ -243,7 +267,8 @@ def record_allocations(pending: Pending) -> bool:
     nothing was recorded (no tracker, a walk that failed: the rule counts from an earlier
     snapshot then, as without tracking)."""
     tracker, fz, snap = pending.tracker, pending.fz, pending.snap
-    if tracker is None or pending.epoch is None or snap.released or not _alive(snap.pid):
+    if tracker is None or pending.epoch is None or snap.released or not _alive(snap.pid) \
+            or not pending.complete():
         return False
     try:
         mem = ProcessMemory(snap.pid, overlays=[], tolerated=pending.plan.tolerated)
@@ -272,6 +297,8 @@ def _sweep_pending(pending: Pending) -> SweepResult:
     fz, snap = pending.fz, pending.snap
     if not _alive(snap.pid):
         raise _Retake("died", "the snapshot process died before its sweep")
+    if not pending.complete():
+        raise _Retake("lacking", f"it lacks memory ({pending.lacking})")
     try:
         return _sweep_snapshot(snap, fz, _Attempts(), 600.0, None, [], pending.plan, [], True,
                                pending.dead_ranges, pending.waiting_tids,

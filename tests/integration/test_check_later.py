@@ -88,3 +88,26 @@ def test_a_process_above_the_size_limit_is_not_deferred(monkeypatch):
         assert pending is not None
         pending.release()
         assert_target_running(fx)
+
+
+def test_a_snapshot_planned_later_is_swept_the_same_or_says_what_it_lacks():
+    # plan_later: the smaps read that tells whether the snapshot lacks memory waits for
+    # Pending.complete() (the helper's, once its reply is sent); a sweep calls it first
+    from memunreachable._errors import CollectionError
+    with fixtures.start("leak_five") as fx:
+        pending = check_later(fx.pid, plan_later=True)
+        assert pending is not None and pending.plan is None
+        info = sweep_pending(pending, limit=None)
+        assert {l.address for l in info.leaks} == fx.addresses("leak")
+        assert_target_running(fx)
+    with fixtures.start("dontfork", "dontfork", "64") as fx:
+        assert check_later(fx.pid) is None          # planned at once: checked at once
+        pending = check_later(fx.pid, plan_later=True)
+        assert pending is not None
+        try:
+            assert not pending.complete() and "MADV_DONTFORK" in pending.lacking
+            with pytest.raises(CollectionError, match="lacks memory .*MADV_DONTFORK"):
+                sweep_pending(pending, limit=None)
+        finally:
+            pending.release()
+        assert_target_running(fx)
