@@ -178,8 +178,13 @@ class _Pending:
         from memunreachable.unreachable import check, check_later
         while len(self.pending) >= MAX_PENDING:
             self.drop(next(iter(self.pending)))
+        # the session's first is planned at once: a process whose snapshots lack memory
+        # (a library's MADV_DONTFORK buffer, mapped at import) is known before any waits
+        plan_later = self.token > 0 and not self.lacks_memory
         taken = check_later(pid, timeout=timeout, dead_ranges=dead, waiting_tids=waiting,
-                            tracker=self.tracker, plan_later=not self.lacks_memory)
+                            tracker=self.tracker, plan_later=plan_later)
+        if taken is None and not plan_later:
+            self.lacks_memory = True        # or another reason to check at once: all planned
         if taken is not None:
             self.token += 1
             self.pending[self.token] = taken
@@ -190,20 +195,19 @@ class _Pending:
                      dead_ranges=dead, waiting_tids=waiting, tracker=self.tracker)
 
     def after_reply(self) -> None:
-        """Once a reply is sent (the caller's test runs meanwhile): the newest snapshot's plan
-        (check_later's plan_later: a process whose snapshots lack memory gets its later ones
-        planned during the request, and checked at once), and, once, the record of its
-        allocations with the write tracker when its request asked (record_allocations: the
-        sweeps after it count their fresh rule from it)."""
+        """Once a reply is sent (the caller's test runs meanwhile), once: the record of the
+        newest snapshot's allocations with the write tracker when its request asked
+        (record_allocations: the sweeps after it count their fresh rule from it). A snapshot
+        found to lack memory there (Pending.complete) makes the next ones planned during
+        their requests (checked at once, as check_later says)."""
         taken = self.pending.get(self.token)
-        if taken is None:
+        if taken is None or self.token == self.recorded_token:
             return
-        if not taken.complete():
+        from memunreachable.unreachable import record_allocations
+        self.recorded_token = self.token
+        record_allocations(taken)
+        if taken.lacking is not None:
             self.lacks_memory = True
-        if self.token != self.recorded_token:
-            from memunreachable.unreachable import record_allocations
-            self.recorded_token = self.token
-            record_allocations(taken)
 
     def sweep(self, token: int, limit, symbolize: bool, rules):
         from memunreachable._errors import CollectionError

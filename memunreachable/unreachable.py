@@ -267,11 +267,11 @@ def record_allocations(pending: Pending) -> bool:
     nothing was recorded (no tracker, a walk that failed: the rule counts from an earlier
     snapshot then, as without tracking)."""
     tracker, fz, snap = pending.tracker, pending.fz, pending.snap
-    if tracker is None or pending.epoch is None or snap.released or not _alive(snap.pid) \
-            or not pending.complete():
+    if tracker is None or pending.epoch is None or snap.released or not _alive(snap.pid):
         return False
+    plan = pending.plan         # None: not planned (complete()), read as it is
     try:
-        mem = ProcessMemory(snap.pid, overlays=[], tolerated=pending.plan.tolerated)
+        mem = ProcessMemory(snap.pid, overlays=[], tolerated=plan.tolerated if plan else [])
     except OSError:
         return False
     try:
@@ -280,12 +280,14 @@ def record_allocations(pending: Pending) -> bool:
         image = hw.image
         if probe.may_hold_runtime(fz.maps, snap.pid):
             from memunreachable.cpython import pipeline
-            copied = CopiedMemory(mem, list(hw.image.regions) + hw.spare + read_copies(
-                mem, data_ranges(fz.maps, pending.plan.unwritten), skip_unreadable=True),
-                unwritten_file_pages(fz.maps, pending.plan.unwritten))
-            image = pipeline.allocations(copied, fz.maps, fz.threads, snap.pid, image)
+            image = pipeline.allocations(CopiedMemory(mem, list(hw.image.regions) + hw.spare),
+                                         fz.maps, fz.threads, snap.pid, image)
         tracker.swept(pending.epoch, image.begins, full=False)
         return True
+    except MemoryUnreadable as exc:     # memory the snapshot lacks? complete() tells
+        pending.complete()
+        log.info("allocations of a waiting snapshot not recorded: %s", exc)
+        return False
     except (MemunreachableError, OSError, ValueError, struct.error) as exc:
         log.info("allocations of a waiting snapshot not recorded: %s", exc)
         return False
