@@ -429,6 +429,44 @@ def test_a_batch_in_a_process_whose_snapshots_lack_memory(suite):
     assert "34629000 bytes" not in res.stdout.str()
 
 
+FAILING_SWEEP = """
+import os
+import memunreachable.noleaks as nl
+from memunreachable._errors import SweepError
+
+_check = nl.get_unreachable_memory
+
+
+def failing(*args, **kwargs):           # the batch's sweep, after test_02, cannot run
+    if os.environ.get("PYTEST_CURRENT_TEST", "").split(" ")[0].endswith("test_02"):
+        raise SweepError("the sweep broke", hint="look at the helper")
+    return _check(*args, **kwargs)
+
+
+nl.get_unreachable_memory = failing
+"""
+
+
+@pytest.mark.parametrize("mode", ["error", "warn"])
+def test_a_batch_whose_sweep_cannot_run_says_so_for_each_of_its_tests(suite, mode):
+    # the held tests' verdicts are unknown: each errors at teardown with the reason (or a
+    # warning names it), their bodies' outcomes standing
+    suite.makepyfile(test_batched=_batched_suite({}, n=3))
+    suite.makeconftest(FAILING_SWEEP)
+    res = suite.runpytest_subprocess("--memunreachable", "-v", "-p", "no:cacheprovider",
+                                     f"--memunreachable-cannot-check={mode}", "test_batched.py")
+    out = res.stdout.str()
+    if mode == "error":
+        res.assert_outcomes(passed=3, errors=3)
+        res.stdout.fnmatch_lines(["*ERROR at teardown of test_00*", "*ERROR at teardown of "
+                                  "test_01*", "*ERROR at teardown of test_02*"])
+    else:
+        res.assert_outcomes(passed=3, warnings=3)
+    assert out.count("memunreachable could not check: the sweep broke (hint: look at the "
+                     "helper)") >= 3, out
+    assert "Traceback" not in out
+
+
 def test_batch_1_checks_after_every_test(suite):
     suite.makepyfile(test_batched=_batched_suite({}, n=3))
     suite.makeconftest(COUNT_REQUESTS)
