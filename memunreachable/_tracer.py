@@ -20,8 +20,10 @@ u64 little-endian length, then the pickled ("ok", VALUE) or ("error", Memunreach
         that releases the oldest.
     base TOKEN LIMIT SYMBOLIZE SUPPRESSIONS
         the sweep of that waiting snapshot (unreachable.sweep_pending), then its release.
-    drop [TOKEN]
-        release that snapshot (no TOKEN: every one) if it still waits (VALUE None).
+    drop [TOKEN[,TOKEN...] [later]]
+        release those snapshots (no TOKEN: every one) if they still wait (VALUE None); with
+        "later", once the reply is sent: their processes' teardown (1 ms each) then overlaps
+        with the caller's next steps.
 A last word "@TID" names the caller's requesting thread: a check waits until that thread sits
 in its wait for the reply (await_wait) before freezing it, and of its registers only those a
 call preserves are roots (classify.waiting). The caller waits for each reply (a
@@ -128,8 +130,9 @@ def _serve(pid: int, words: list, pending: "_Pending", tracker=None):
         token, limit = int(words[1]), int(words[2])
         return _guarded(lambda: pending.sweep(token, None if limit < 0 else limit,
                                               words[3] != b"0", _rules(words[4])))
-    if words[:1] == [b"drop"] and len(words) <= 2:
-        return _guarded(lambda: pending.drop(int(words[1]) if len(words) == 2 else None))
+    if words[:1] == [b"drop"] and len(words) <= 3 and words[2:] in ([], [b"later"]):
+        tokens = [int(t) for t in words[1].split(b",")] if len(words) >= 2 else None
+        return _guarded(lambda: (pending.drop_later if words[2:] else pending.drop)(tokens))
     return None
 
 
@@ -170,6 +173,7 @@ class _Pending:
         self.token = self.recorded_token = 0
         self.tracker = tracker
         self.lacks_memory = False       # a snapshot lacked memory: plan the next ones at once
+        self.dropped: list = []         # forgotten, released after the reply (drop_later)
 
     def take(self, pid: int, timeout: float, dead, waiting=(), record: bool = False) -> object:
         """("later", token) when the snapshot waits for a sweep; else the result of a full
@@ -177,7 +181,7 @@ class _Pending:
         allocations are to be recorded (after_reply)."""
         from memunreachable.unreachable import check, check_later
         while len(self.pending) >= MAX_PENDING:
-            self.drop(next(iter(self.pending)))
+            self.drop([next(iter(self.pending))])
         # the session's first is planned at once: a process whose snapshots lack memory
         # (a library's MADV_DONTFORK buffer, mapped at import) is known before any waits
         plan_later = self.token > 0 and not self.lacks_memory
@@ -195,11 +199,13 @@ class _Pending:
                      dead_ranges=dead, waiting_tids=waiting, tracker=self.tracker)
 
     def after_reply(self) -> None:
-        """Once a reply is sent (the caller's test runs meanwhile), once: the record of the
+        """Once a reply is sent (the caller's test runs meanwhile): the release of the
+        snapshots a "drop" forgot; once, the record of the
         newest snapshot's allocations with the write tracker when its request asked
         (record_allocations: the sweeps after it count their fresh rule from it). A snapshot
         found to lack memory there (Pending.complete) makes the next ones planned during
         their requests (checked at once, as check_later says)."""
+        self.release_dropped()
         taken = self.pending.get(self.token)
         if taken is None or self.token == self.recorded_token:
             return
@@ -219,12 +225,22 @@ class _Pending:
                                   hint="take a new baseline")
         return sweep_pending(pending, limit=limit, symbolize=symbolize, suppressions=rules)
 
-    def drop(self, token: Optional[int] = None) -> None:
-        """Release that waiting snapshot (token None: every one)."""
-        for t in list(self.pending) if token is None else [token]:
+    def drop(self, tokens: Optional[list] = None) -> None:
+        """Release those waiting snapshots (None: every one) now."""
+        self.drop_later(tokens)
+        self.release_dropped()
+
+    def drop_later(self, tokens: Optional[list] = None) -> None:
+        """Forget those waiting snapshots (None: every one); release_dropped() releases them."""
+        for t in list(self.pending) if tokens is None else tokens:
             pending = self.pending.pop(t, None)
             if pending is not None:
-                pending.release()
+                self.dropped.append(pending)
+
+    def release_dropped(self) -> None:
+        dropped, self.dropped = self.dropped, []
+        for pending in dropped:
+            pending.release()
 
 
 class _Warmer:
