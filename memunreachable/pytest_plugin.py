@@ -347,7 +347,6 @@ def _settle_now(config, batch: _Batch) -> None:
 def _flush(config, batch: _Batch) -> None:
     """Log the held reports in order, each settled test's verdict applied first."""
     held, batch.held = batch.held, []
-    warn = None
     for item, reports in held:
         verdict = item.stash.get(_VERDICT, None)
         if verdict is not None:
@@ -355,8 +354,7 @@ def _flush(config, batch: _Batch) -> None:
             kind, what = verdict
             if kind == "leaks":
                 _fail_report(item, reports, "call", what)
-            elif (warn if warn is not None else _cannot_check_mode(config)) == "warn":
-                warn = "warn"
+            elif _cannot_check_mode(config) == "warn":
                 warnings.warn(pytest.PytestWarning(f"{item.nodeid}: {_reason(what)}"))
             else:
                 _fail_report(item, reports, "teardown", _reason(what))
