@@ -159,7 +159,8 @@ def state_arrays(lay: L.Layout, states: Sequence[int]) -> List[ArenaArray]:
 # Returns the walk of the arenas arrays of the obmalloc states at `states` (3.12+: one per
 # interpreter with its own allocator; shared states listed once). Problems are hard: an arena
 # or pool that does not add up means the layout or the snapshot is wrong.
-def walk_arenas(mem, lay: L.Layout, states: Sequence[int], text_heads: bool = True) -> PymallocWalk:
+def walk_arenas(mem, lay: L.Layout, states: Sequence[int],
+                text_heads: bool = True) -> PymallocWalk:
     return walk_arena_arrays(mem, lay, state_arrays(lay, states), text_heads)
 
 
@@ -245,7 +246,8 @@ def scan_candidates(maps: Sequence[Mapping], pool_size: int) -> List[Mapping]:
 
 # Returns the walk of every pool found by header checks in private anonymous memory
 # (3.8-3.11, or any version without a usable arenas array). heap_ranges are the pools found.
-def scan_pools(mem, maps: Sequence[Mapping], lay: L.Layout, text_heads: bool = True) -> PymallocWalk:
+def scan_pools(mem, maps: Sequence[Mapping], lay: L.Layout,
+               text_heads: bool = True) -> PymallocWalk:
     ps = lay.obmalloc.pool_size
     out = PymallocWalk(False, "pool scan")
     acc = _Acc(text_heads)
