@@ -150,6 +150,11 @@ class LeakBaseline:
         """Leaks of `info` that were not in the baseline."""
         return [l for l in info.leaks if not self.holds(l)]
 
+    @classmethod
+    def unreachable_in(cls, info: UnreachableMemoryInfo) -> "LeakBaseline":
+        """The baseline of info's leaks and of the roots of its cyclic garbage."""
+        return cls.of(list(info.leaks) + list(info.cyclic_garbage))
+
     def holds(self, leak) -> bool:
         """Whether the baseline has this leak (report.Leak) at its address."""
         k = leak.address ^ _ADDRESS_MASK
@@ -473,7 +478,7 @@ class DeferredBaseline:
                 info = _reply(lambda h: h.request(
                     lambda: f"base {self._token} -1 {int(bool(rules))} {supp}"), retry=False)
             self._resolved = LeakBaseline.of(info.leaks)
-            self._unreachable = LeakBaseline.of(list(info.leaks) + list(info.cyclic_garbage))
+            self._unreachable = LeakBaseline.unreachable_in(info)
         return self._resolved
 
     def unreachable(self) -> LeakBaseline:
@@ -490,16 +495,16 @@ def drop_all(baselines, later: bool = False) -> None:
     """Release the waiting snapshots of these DeferredBaselines, in one request to the helper
     (a no-op for those that wait no more); later: the helper releases them once it has
     replied (the pytest plugin's batches: ten snapshots' teardown, 14 ms)."""
-    tokens = []
+    waiting = []
     for b in baselines:
         helper, b._helper = b._helper, None
-        if helper is not None and b._resolved is None and helper is _HELPER:
-            tokens.append(b._token)
-    if tokens:
-        with _HELPER_LOCK:
-            if _HELPER is not None and _HELPER.alive():
-                _reply(lambda h: h.request(lambda: "drop " + ",".join(map(str, tokens))
-                                           + (" later" if later else "")), retry=False)
+        if helper is not None and b._resolved is None:
+            waiting.append((helper, b._token))
+    with _HELPER_LOCK:
+        tokens = [t for helper, t in waiting if helper is _HELPER]
+        if tokens and _HELPER.alive():
+            _reply(lambda h: h.request(lambda: "drop " + ",".join(map(str, tokens))
+                                       + (" later" if later else "")), retry=False)
 
 
 def deferred_baseline(suppressions=None, timeout: float = 2.0,
@@ -523,8 +528,7 @@ def deferred_baseline(suppressions=None, timeout: float = 2.0,
             return DeferredBaseline(_HELPER, rules, token=value[1])
         info = _collected(value, None, timeout, bool(rules), rules)
     return DeferredBaseline(None, rules, LeakBaseline.of(info.leaks),
-                            unreachable=LeakBaseline.of(list(info.leaks)
-                                                        + list(info.cyclic_garbage)))
+                            unreachable=LeakBaseline.unreachable_in(info))
 
 
 SS_ONSTACK, SS_DISABLE = 1, 2

@@ -302,8 +302,7 @@ def pytest_runtest_protocol_batched(item, nextitem):
     try:
         reports = runtestprotocol(item, nextitem=nextitem, log=False)
     except BaseException:       # interrupted: what ran is logged unchecked, nothing waits
-        for e in batch.entries:
-            _drop_snapshots(e)
+        _drop(*_snapshots(batch.entries))
         batch.entries = []
         _flush(item.config, batch)
         raise
@@ -337,9 +336,7 @@ def _settle_now(config, batch: _Batch) -> None:
     try:
         info = _nl().get_unreachable_memory(limit=None, suppressions=_rules(config))
     except MemunreachableError as exc:
-        for e in entries:
-            e.stash[_VERDICT] = ("cannot", exc)
-            _drop_snapshots(e)
+        _cannot_settle(entries, exc)
         return
     _settle(config, info, entries, None)
 
@@ -453,16 +450,26 @@ def _before(item):
     return base
 
 
-def _drop(base) -> None:
-    """Release base's waiting snapshot, if any (a failure only loses a snapshot)."""
-    if base is not None and getattr(base, "waiting", False):
+def _drop(*bases, later: bool = False) -> None:
+    """Release the waiting snapshots among bases, in one request (noleaks.drop_all; later:
+    once the helper has replied). A failure only loses snapshots."""
+    waiting = [b for b in bases if getattr(b, "waiting", False)]
+    if waiting:
         with contextlib.suppress(MemunreachableError):
-            base.drop()
+            _nl().drop_all(waiting, later=later)
 
 
-def _drop_snapshots(item) -> None:
-    for key in (_OWN_BASE, _HELD):
-        _drop(item.stash.get(key, None))
+def _snapshots(entries) -> list:
+    """The held tests' snapshots: each one's own baseline and its check after the body."""
+    return [e.stash.get(key, None) for e in entries for key in (_OWN_BASE, _HELD)]
+
+
+def _cannot_settle(entries, exc, *also) -> None:
+    """The held tests' verdicts cannot be known: each is exc; their snapshots (and also)
+    are released."""
+    for e in entries:
+        e.stash[_VERDICT] = ("cannot", exc)
+    _drop(*_snapshots(entries), *also)
 
 
 def _after(item, base) -> None:
@@ -488,10 +495,7 @@ def _after(item, base) -> None:
         info = _nl().get_unreachable_memory(limit=None, suppressions=_rules(item.config))
     except MemunreachableError as exc:
         item.stash[_CANNOT] = exc
-        for e in entries:
-            e.stash[_VERDICT] = ("cannot", exc)
-            _drop_snapshots(e)
-        _drop(item.stash.get(_OWN_BASE, None))
+        _cannot_settle(entries, exc, item.stash.get(_OWN_BASE, None))
         return
     item.config.stash[_AFTER] = (item, _nl().LeakBaseline.of(info.leaks))
     new, error = _settle(item.config, info, entries, item.stash.get(_OWN_BASE, None))
@@ -537,9 +541,7 @@ def _settle(config, info, entries, own_before):
         new = [leak for leak in new if not unreachable.holds(leak)]
         if held and after_body:
             owner.stash[_VERDICT] = ("leaks", _leak_text(info, held))
-    with contextlib.suppress(MemunreachableError):      # a failure only loses snapshots
-        _nl().drop_all([snap for _owner, snap, _after_body in snaps
-                        if getattr(snap, "waiting", False)], later=True)
+    _drop(*_snapshots(entries), own_before, later=True)
     _remember(config, _nl().LeakBaseline.of(info.leaks))
     return (new if error is None else []), error
 

@@ -146,14 +146,12 @@ class Pending:
         pause, a later sweep cannot) or could not be planned."""
         if self.plan is None and self.lacking is None:
             try:
-                plan, unseen = _plan_reads(self.fz, self.snap, [], _Attempts(), self.info)
+                plan, self.lacking = _pending_plan(self.fz, self.snap, self.info)
             except (_Retake, MemunreachableError) as exc:
                 self.lacking = str(getattr(exc, "reason", exc))
                 return False
-            if unseen or plan.missing:
-                self.lacking = "; ".join(plan.notes[:3]) or "memory the snapshot lacks"
-                return False
-            self.plan = plan
+            if self.lacking is None:
+                self.plan = plan
         return self.lacking is None
 
     def release(self) -> None:
@@ -165,6 +163,15 @@ class Pending:
                 self.info.pause_ms += self.snap.reap_pause_ms
             finally:
                 guard.close()
+
+
+def _pending_plan(fz, snap, info) -> Tuple[SnapshotPlan, Optional[str]]:
+    """(the plan of a snapshot that is to wait for its sweep, what it lacks or None: memory a
+    later sweep cannot copy); raises what _plan_reads raises."""
+    plan, unseen = _plan_reads(fz, snap, [], _Attempts(), info)
+    if unseen or plan.missing:
+        return plan, "; ".join(plan.notes[:3]) or "memory the snapshot lacks"
+    return plan, None
 
 
 def check_later(pid: int, *, timeout: float = 2.0, allow_seccomp: bool = False,
@@ -219,10 +226,10 @@ def _take_pending(pid: int, info: UnreachableMemoryInfo, guard, timeout: float,
             plan = None
             if not plan_later:
                 try:
-                    plan, unseen = _plan_reads(fz, snap, [], _Attempts(), info)
+                    plan, lacking = _pending_plan(fz, snap, info)
                 except _Retake:
                     return None
-                if unseen or plan.missing:
+                if lacking is not None:
                     return None
             keep = True
         finally:
