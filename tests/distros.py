@@ -68,10 +68,22 @@ def _install(root: str, packages: List[str], log) -> None:
          + packages, log)
 
 
+def _mount_proc(path: str) -> None:
+    """A container has its /proc: fixtures read /proc/self (task states, maps)."""
+    if not os.path.exists(os.path.join(path, "proc", "self")):
+        subprocess.run(["mount", "-t", "proc", "proc", os.path.join(path, "proc")], check=True)
+
+
 def root(name: str) -> str:
-    """The path of the named root, built or refreshed first when needed.
+    """The path of the named root, built or refreshed first when needed, its /proc mounted.
 
     Raises RootBuildError with the log's path when debootstrap or apt-get fails."""
+    path = _build(name)
+    _mount_proc(path)
+    return path
+
+
+def _build(name: str) -> str:
     distro = DISTROS[name]
     os.makedirs(CACHE, exist_ok=True)
     path = os.path.join(CACHE, name)
@@ -88,8 +100,10 @@ def root(name: str) -> str:
                 if shutil.which("debootstrap") is None:
                     _run(["apt-get", "install", "-y", "-qq", "debootstrap"], log)
                 tmp = path + ".tmp"
-                shutil.rmtree(tmp, ignore_errors=True)
-                shutil.rmtree(path, ignore_errors=True)
+                for old in (tmp, path):     # never delete through a mounted /proc
+                    if os.path.ismount(os.path.join(old, "proc")):
+                        subprocess.run(["umount", "-l", os.path.join(old, "proc")], check=True)
+                    shutil.rmtree(old, ignore_errors=True)
                 _run(["debootstrap", "--variant=minbase", distro.suite, tmp], log)
                 os.rename(tmp, path)
             _install(path, distro.packages, log)
@@ -109,6 +123,28 @@ def python_version(path: str, python: str) -> str:
     out = subprocess.run(["chroot", path, python, "-c", "import sys; print(sys.version.split()[0])"],
                          capture_output=True, text=True)
     return out.stdout.strip()
+
+
+def python_argv(spec: str) -> List[str]:
+    """The command that starts an interpreter spec: a host path, or "ROOT:python3.X" for the
+    root's /usr/bin/python3.X started inside it (chroot execs it: the pid is the interpreter's)."""
+    if ":" not in spec:
+        return [spec]
+    name, python = spec.split(":", 1)
+    return ["chroot", root(name), "/usr/bin/" + python]
+
+
+def spec_root(spec: str):
+    """(host path of the root, name) of a "ROOT:python3.X" spec, or (None, None) for the host."""
+    if ":" not in spec:
+        return None, None
+    name = spec.split(":", 1)[0]
+    return root(name), name
+
+
+def python_specs() -> List[str]:
+    """Every interpreter of every root, as "ROOT:python3.X"."""
+    return [f"{name}:{py}" for name, d in DISTROS.items() for py in d.pythons]
 
 
 if __name__ == "__main__":

@@ -9,6 +9,11 @@
 Binaries are built once per test session into a temporary directory (cc -O0 -g), never
 checked in. A fixture `NAME.c` may have a companion shared library `NAME_lib.c`, built as
 libNAME_lib.so next to it (for dlopen tests); its path is passed in MU_FIXTURE_LIBDIR.
+
+Target roots (tests/distros.py): with MU_TARGET_ROOT=trixie (or sid) in the environment, or
+start(..., root="sid"), a fixture is built with the root's own gcc against its own glibc and
+started inside it (`chroot ROOT prog`: the pid is the program's); the checker stays on the
+host, as when a host checks a container. The same tests then run against that distribution.
 """
 from __future__ import annotations
 
@@ -41,28 +46,84 @@ def compiler() -> Optional[str]:
     return os.environ.get("CC") or shutil.which("cc") or shutil.which("gcc")
 
 
-def build_dir() -> str:
+def glibc_version(root: Optional[str] = "default") -> str:
+    """The glibc release fixtures run on: the root's, or the host's ("2.36")."""
+    root = target_root() if root == "default" else root
+    if root is not None:
+        import distros
+        return distros.DISTROS[root].glibc
+    return os.confstr("CS_GNU_LIBC_VERSION").split()[-1]
+
+
+def target_root() -> Optional[str]:
+    """The name of the root fixtures run in by default (MU_TARGET_ROOT), or None: the host."""
+    return os.environ.get("MU_TARGET_ROOT") or None
+
+
+class _Root:
+    """Where a root's fixtures are built: `inside` is the path the root's programs see,
+    `outside` the same directory seen from the host."""
+
+    def __init__(self, name: str):
+        import distros
+        self.name = name
+        self.path = distros.root(name)
+        self.inside = "/tmp/mu-fixtures-" + os.path.basename(build_dir())
+        self.outside = self.path + self.inside
+        if not os.path.isdir(self.outside):
+            shutil.copytree(FIXTURE_DIR, os.path.join(self.outside, "src"))
+
+    def host_path(self, inside: str) -> str:
+        return self.path + inside
+
+
+_ROOTS: Dict[str, _Root] = {}
+
+
+def _root(name: str) -> _Root:
+    if name not in _ROOTS:
+        _ROOTS[name] = _Root(name)
+    return _ROOTS[name]
+
+
+def build_dir(root: Optional[str] = None) -> str:
+    """The directory fixtures are built into: on the host, or a root's (its host path)."""
     global _BUILD_DIR
     if _BUILD_DIR is None:
         _BUILD_DIR = tempfile.mkdtemp(prefix="mu-fixtures-")
-    return _BUILD_DIR
+    if root is None:
+        return _BUILD_DIR
+    return _root(root).outside
 
 
-def build(name: str, extra_flags: List[str] = ()) -> str:
-    """Compile fixtures/NAME.c (and NAME_lib.c if present); return the executable's path."""
-    cc = compiler()
-    if cc is None:
-        raise FixtureError("no C compiler (cc/gcc) on PATH: fixtures cannot be built")
-    out = os.path.join(build_dir(), name + ("-" + "-".join(f.strip("-") for f in extra_flags) if extra_flags else ""))
-    if os.path.exists(out):
+def build(name: str, extra_flags: List[str] = (), root: Optional[str] = "default") -> str:
+    """Compile fixtures/NAME.c (and NAME_lib.c if present); return the executable's path.
+
+    root: a tests/distros.py root to build in with its own gcc ("default": MU_TARGET_ROOT,
+    None: the host); the path returned is then the one seen inside the root."""
+    root = target_root() if root == "default" else root
+    tag = "-" + "-".join(f.strip("-") for f in extra_flags) if extra_flags else ""
+    if root is not None:
+        r = _root(root)
+        cc, cflags, base, src_dir = ["chroot", r.path, "gcc"], ["-O0", "-g", "-fno-omit-frame-pointer",
+                                                             "-I", r.inside + "/src"], r.inside, r.inside + "/src"
+        exists = lambda p: os.path.exists(r.host_path(p))          # noqa: E731
+        replace = lambda a, b: os.replace(r.host_path(a), r.host_path(b))   # noqa: E731
+    else:
+        host_cc = compiler()
+        if host_cc is None:
+            raise FixtureError("no C compiler (cc/gcc) on PATH: fixtures cannot be built")
+        cc, cflags, base, src_dir = [host_cc], CFLAGS, build_dir(), FIXTURE_DIR
+        exists, replace = os.path.exists, os.replace
+    out = os.path.join(base, name + tag)
+    if exists(out):
         return out
-    lib_src = os.path.join(FIXTURE_DIR, name + "_lib.c")
-    if os.path.exists(lib_src):
-        lib_out = os.path.join(build_dir(), f"lib{name}_lib.so")
-        _run([cc, *CFLAGS, "-shared", "-fPIC", "-o", lib_out, lib_src])
-    src = os.path.join(FIXTURE_DIR, name + ".c")
-    _run([cc, *CFLAGS, *extra_flags, "-o", out + ".tmp", src, "-pthread", "-ldl"])
-    os.replace(out + ".tmp", out)
+    if os.path.exists(os.path.join(FIXTURE_DIR, name + "_lib.c")):
+        _run([*cc, *cflags, "-shared", "-fPIC", "-o", os.path.join(base, f"lib{name}_lib.so"),
+              os.path.join(src_dir, name + "_lib.c")])
+    _run([*cc, *cflags, *extra_flags, "-o", out + ".tmp", os.path.join(src_dir, name + ".c"),
+          "-pthread", "-ldl"])
+    replace(out + ".tmp", out)
     return out
 
 
@@ -125,12 +186,21 @@ class FixtureProcess:
 
 
 def start(name: str, *args: str, timeout: float = 30.0, env: Optional[dict] = None,
-          extra_flags: List[str] = ()) -> FixtureProcess:
-    """Build and start a fixture; return once it printed `ready`."""
-    exe = build(name, list(extra_flags))
+          extra_flags: List[str] = (), root: Optional[str] = "default") -> FixtureProcess:
+    """Build and start a fixture; return once it printed `ready`.
+
+    root: as for build(); inside a root the fixture runs as `chroot ROOT exe`, which execs exe
+    in place (the pid is the fixture's)."""
+    root = target_root() if root == "default" else root
+    exe = build(name, list(extra_flags), root=root)
     full_env = dict(os.environ if env is None else env)
-    full_env["MU_FIXTURE_LIBDIR"] = build_dir()
-    proc = subprocess.Popen([exe, *args], stdin=subprocess.PIPE, stdout=subprocess.PIPE,
+    argv = [exe, *args]
+    if root is not None:
+        full_env["MU_FIXTURE_LIBDIR"] = _root(root).inside
+        argv = ["chroot", _root(root).path, *argv]
+    else:
+        full_env["MU_FIXTURE_LIBDIR"] = build_dir()
+    proc = subprocess.Popen(argv, stdin=subprocess.PIPE, stdout=subprocess.PIPE,
                             stderr=subprocess.PIPE, env=full_env)
     fx = FixtureProcess(name, proc)
     deadline = time.monotonic() + timeout

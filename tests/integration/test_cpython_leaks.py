@@ -8,19 +8,24 @@ and wraps (f"{addr:#x}", a dict keyed by address, ctypes.c_void_p), creates cycl
 then `ready`, and blocks on stdin. memunreachable.unreachable.check(pid) must report exactly
 the leaked blocks (address and size), name the leaked Python objects (type, refcount, repr),
 report no clean block, and list the cycles as cyclic garbage, never as leaks.
-Interpreters: pyenv 3.8-3.13 and /usr/bin/python3 (Debian 3.11, a static executable);
-allocators: pymalloc (default) and PYTHONMALLOC=malloc.
+Interpreters: pyenv 3.8-3.13 and /usr/bin/python3 (Debian 3.11, a static executable), and
+Debian's own builds in the roots of tests/distros.py (trixie: 3.13.5; sid: 3.13.18, 3.14, 3.15;
+specs "ROOT:python3.X", marked `distro`: started inside the root, the extension built there with
+the root's gcc and headers, checked from the host); allocators: pymalloc (default) and
+PYTHONMALLOC=malloc.
 """
 from __future__ import annotations
 
 import glob
 import json
 import os
+import shutil
 import subprocess
 import sys
 
 import pytest
 
+import distros
 import fixtures
 from memunreachable.unreachable import check
 
@@ -30,7 +35,7 @@ EXT_SRC = os.path.join(os.path.dirname(os.path.dirname(os.path.abspath(__file__)
 MASK = (1 << 64) - 1
 
 
-def interpreters():
+def host_interpreters():
     found = sorted(glob.glob("/root/.pyenv/versions/3.*/bin/python3.[0-9]*"))
     found = [p for p in found if not p.endswith("-config") and _minor(p) >= 8]
     if os.path.exists("/usr/bin/python3"):
@@ -38,13 +43,29 @@ def interpreters():
     return found
 
 
+def interpreters():
+    """The host's interpreters, then every root's (marked distro: .ci/run runs them)."""
+    return host_interpreters() + [pytest.param(spec, marks=pytest.mark.distro)
+                                  for spec in distros.python_specs()]
+
+
 def _minor(path: str) -> int:
-    tail = os.path.basename(path).replace("python3.", "")
+    tail = os.path.basename(path.split(":")[-1]).replace("python3.", "")
     return int(tail) if tail.isdigit() else 0
 
 
 def _ident(path: str) -> str:
     return path.split("/versions/")[1].split("/")[0] if "/versions/" in path else path
+
+
+def target_dir(python: str, tmp_path) -> str:
+    """A directory the target can write to, as the target sees it (inside its root)."""
+    root, _ = distros.spec_root(python)
+    if root is None:
+        return str(tmp_path)
+    inside = os.path.join("/tmp", "mu-" + os.path.basename(str(tmp_path)))
+    os.makedirs(root + inside, exist_ok=True)
+    return inside
 
 
 RESERVE = r"""
@@ -132,17 +153,31 @@ sys.stdin.read(1)
 
 
 def build_ext(python: str) -> str:
-    """Compile pyleaks.c against `python`'s headers; return the directory holding it."""
+    """Compile pyleaks.c against `python`'s headers; return the directory holding it (as the
+    interpreter sees it: inside its root for a root's interpreter, built with the root's gcc)."""
+    argv = distros.python_argv(python)
     info = json.loads(subprocess.run(
-        [python, "-c", "import json, sysconfig; print(json.dumps([sysconfig.get_paths()['include'],"
-                       " sysconfig.get_config_var('EXT_SUFFIX')]))"],
+        argv + ["-c", "import json, sysconfig; print(json.dumps([sysconfig.get_paths()['include'],"
+                      " sysconfig.get_config_var('EXT_SUFFIX')]))"],
         check=True, capture_output=True, text=True).stdout)
-    out_dir = os.path.join(fixtures.build_dir(), "pyleaks-" + _ident(python).replace("/", "_"))
+    root, name = distros.spec_root(python)
+    ident = _ident(python).replace("/", "_").replace(":", "-")
+    if root is None:
+        out_dir = os.path.join(fixtures.build_dir(), "pyleaks-" + ident)
+        cc, src, outside = [fixtures.compiler()], EXT_SRC, ""
+    else:
+        out_dir = os.path.join(fixtures.build_dir(root=name)[len(root):], "pyleaks-" + ident)
+        src = os.path.join(out_dir, "pyleaks.c")
+        cc, outside = ["chroot", root, "gcc"], root
     target = os.path.join(out_dir, "pyleaks" + info[1])
-    if not os.path.exists(target):
-        os.makedirs(out_dir, exist_ok=True)
-        subprocess.run([fixtures.compiler(), "-shared", "-fPIC", "-O0", "-I", info[0], "-o", target,
-                        EXT_SRC], check=True, capture_output=True)
+    if not os.path.exists(outside + target):
+        os.makedirs(outside + out_dir, exist_ok=True)
+        if root is not None:
+            for f in os.listdir(os.path.dirname(EXT_SRC)):      # pyleaks.c and its headers
+                if f.endswith((".c", ".h")):
+                    shutil.copy(os.path.join(os.path.dirname(EXT_SRC), f), outside + out_dir)
+        subprocess.run([*cc, "-shared", "-fPIC", "-O0", "-I", info[0], "-o", target, src],
+                       check=True, capture_output=True)
     return out_dir
 
 
@@ -156,7 +191,7 @@ def run_target(python: str, script: str, allocator: str = "pymalloc", *args: str
     env.pop("PYTHONMALLOC", None)
     if allocator == "malloc":
         env["PYTHONMALLOC"] = "malloc"
-    proc = subprocess.Popen([python, "-c", script, build_ext(python), *args], stdin=subprocess.PIPE,
+    proc = subprocess.Popen([*distros.python_argv(python), "-c", script, build_ext(python), *args], stdin=subprocess.PIPE,
                             stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True, env=env)
     try:
         assert proc.stdout.readline().strip() == "baseline", proc.stderr.read()
@@ -182,7 +217,8 @@ def run_target(python: str, script: str, allocator: str = "pymalloc", *args: str
 
 class Target:
     def __init__(self, python: str, env: dict):
-        self.proc = subprocess.Popen([python, "-c", TARGET, build_ext(python)], stdin=subprocess.PIPE,
+        self.proc = subprocess.Popen([*distros.python_argv(python), "-c", TARGET, build_ext(python)],
+                                     stdin=subprocess.PIPE,
                                      stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True, env=env)
         line = self.proc.stdout.readline()
         if line.strip() != "baseline":
@@ -354,7 +390,7 @@ sys.stdin.read(1)
 
 def test_cli_cyclic_garbage_is_not_a_leak():
     # the default interpreter of the matrix's newest pyenv build: exit 0, garbage listed apart
-    python = max((p for p in interpreters() if "/versions/" in p), key=_minor)
+    python = max((p for p in host_interpreters() if "/versions/" in p), key=_minor)
     proc = subprocess.Popen([python, "-c", CYCLES_ONLY], stdin=subprocess.PIPE, stdout=subprocess.PIPE,
                             text=True)
     try:
@@ -427,7 +463,8 @@ sys.stdin.read(1)
 
 @pytest.mark.parametrize("python", interpreters(), ids=_ident)
 def test_subinterpreters(python, tmp_path):
-    made, info, before = run_target(python, SUBINTERPRETERS, "pymalloc", str(tmp_path / "made"))
+    made, info, before = run_target(python, SUBINTERPRETERS, "pymalloc",
+                                    os.path.join(target_dir(python, tmp_path), "made"))
     assert [m[0] for m in made] == (["legacy", "isolated"] if _minor(python) >= 12 else ["legacy"])
     assert not [w for w in info.warnings if "CPython" in w or "pymalloc" in w], info.warnings
     leaks = {l.address: l for l in info.leaks if l.address not in before}
