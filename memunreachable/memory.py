@@ -13,6 +13,8 @@ MemoryUnreadable; it is never counted as zero. Two kinds of memory are handled a
                mappings are absent from a fork, MADV_WIPEONFORK ones read as zeros there
                (VmFlags dc / wf, proc(5); madvise(2)). They are read from the frozen target
                during the pause (capture()) and reads inside them come from the copies.
+               Except the vDSO getrandom() states (is_getrandom_state): wiped in a fork too,
+               but they hold no pointer, so they need no copy and are no roots.
 plan_snapshot() compares the target's mappings (captured while frozen) with the snapshot's
 smaps and says which ranges need an overlay and which are tolerated.
 """
@@ -262,6 +264,42 @@ def local_copy(mem, addr: int, size: int):
     return buf
 
 
+# The vDSO getrandom() states: issue 22. Linux 6.11 added getrandom() to the vDSO; it keeps a
+# per-thread opaque state in user memory (struct vgetrandom_state, lib/vdso/getrandom.c: a
+# ChaCha20 key, a batch of its output, the RNG generation counter, a position and an in-use
+# byte: random bytes and counters, never an address). The kernel tells user space how to map
+# it (getrandom(NULL, 0, 0, &params, ~0UL) -> struct vgetrandom_opaque_params): PROT_READ |
+# PROT_WRITE, MAP_PRIVATE | MAP_ANONYMOUS | MAP_DROPPABLE. MAP_DROPPABLE (Linux 6.11, 64-bit
+# only; mm/mmap.c do_mmap) gives the mapping VM_DROPPABLE plus VM_WIPEONFORK, VM_DONTDUMP and
+# VM_NORESERVE: smaps VmFlags "dp wf dd nr" (next to "rd wr mr mw me"). glibc 2.41+ maps the
+# states so on a thread's first getrandom() (sysdeps/unix/sysv/linux/getrandom.c,
+# vgetrandom_get_state_alloc: a page or a few at a time, the allocator's record is the static
+# grnd_alloc; pages of consecutive allocations merge into one mapping), named
+# "[anon: glibc: getrandom]" when the glibc.mem.decorate_maps tunable is on and the kernel has
+# CONFIG_ANON_VMA_NAME; Go 1.24+'s runtime maps its states with the same flags. Every CPython
+# calls getrandom() at start-up, so on glibc 2.41 every Python process has such a page.
+# Why it is safe to read none as pointers: VM_DROPPABLE is set by mmap(MAP_DROPPABLE) only (no
+# madvise sets it), and the kernel may free a droppable page at any time under memory
+# pressure, after which it reads as zeros: memory whose contents may vanish cannot be what
+# keeps a block alive, whoever mapped it. So such a mapping is neither missing from a
+# snapshot (nothing to copy during a second pause) nor a root. Everything else a fork does not
+# copy keeps the rule above: an application's madvise(MADV_WIPEONFORK) or MADV_DONTFORK buffer
+# has no "dp" and is copied during the pause, and so is anything shared, file-backed,
+# executable, named by someone else, or larger than GETRANDOM_MAX_BYTES.
+GETRANDOM_FLAGS = frozenset({"wf", "dd", "nr", "dp"})   # what MAP_DROPPABLE gives, all of it
+GETRANDOM_NAMES = ("", "[anon: glibc: getrandom]")      # unnamed, or glibc's decorated name
+# 16 MiB: glibc's states are a cache line each (~21 a page): 16 MiB holds ~86,000 threads'
+GETRANDOM_MAX_BYTES = 16 << 20
+
+
+def is_getrandom_state(m: Mapping, flags: frozenset) -> bool:
+    """True when mapping m, with its smaps VmFlags `flags`, is vDSO getrandom() state memory:
+    private anonymous read-write memory that mmap(MAP_DROPPABLE) made (all of GETRANDOM_FLAGS),
+    unnamed or named by glibc, at most GETRANDOM_MAX_BYTES. It holds no pointers."""
+    return (GETRANDOM_FLAGS <= flags and m.perms == "rw-p" and m.inode == 0
+            and m.path in GETRANDOM_NAMES and m.end - m.begin <= GETRANDOM_MAX_BYTES)
+
+
 @dataclass
 class SnapshotPlan:
     """missing: readable ranges of the target that the snapshot lacks or wiped (overlays
@@ -269,15 +307,23 @@ class SnapshotPlan:
     unwritten: private file mappings the process never wrote (no anonymous page, resident or
     swapped): they hold only the file's bytes, never a pointer the process stored, so they
     are not roots (a library's .rodata, .eh_frame, an untouched .data: 70% of the root bytes
-    of a pytest process)."""
+    of a pytest process), and the ranges of no_pointers, which are no roots either;
+    no_pointers: vDSO getrandom() states (is_getrandom_state): wiped in the snapshot, but
+    holding no pointer, so they are neither missing nor roots."""
     missing: List[Range] = field(default_factory=list)
     tolerated: List[Range] = field(default_factory=list)
     notes: List[str] = field(default_factory=list)
     unwritten: List[Range] = field(default_factory=list)
+    no_pointers: List[Range] = field(default_factory=list)
 
     @property
     def missing_bytes(self) -> int:
         return sum(r.size for r in self.missing)
+
+    def copy(self) -> "SnapshotPlan":
+        """The same plan in new lists."""
+        return SnapshotPlan(list(self.missing), list(self.tolerated), list(self.notes),
+                            list(self.unwritten), list(self.no_pointers))
 
 
 def _needs_reading(m: Mapping) -> bool:
@@ -296,11 +342,9 @@ def plan_snapshot(target_maps: Sequence[Mapping], snapshot_smaps: Sequence[Tuple
                    and m.path.startswith("/")]) if file_size is not None else None
     key = (tuple(target_maps), tuple(snapshot_smaps), sizes)
     if _LAST_PLAN is not None and _LAST_PLAN[0] == key:
-        p = _LAST_PLAN[1]
-        return SnapshotPlan(list(p.missing), list(p.tolerated), list(p.notes), list(p.unwritten))
+        return _LAST_PLAN[1].copy()
     plan = _plan_snapshot(target_maps, snapshot_smaps, file_size)
-    _LAST_PLAN = (key, SnapshotPlan(list(plan.missing), list(plan.tolerated), list(plan.notes),
-                                    list(plan.unwritten)))
+    _LAST_PLAN = (key, plan.copy())
     return plan
 
 
@@ -313,6 +357,9 @@ def _plan_snapshot(target_maps: Sequence[Mapping],
     plan = SnapshotPlan()
     absent = RangeCutter([m.range for m, _ in snapshot_smaps])     # cut by what is present
     for m, flags in snapshot_smaps:
+        if is_getrandom_state(m, flags):
+            plan.no_pointers.append(m.range)
+            continue
         if m.path.startswith("/") and m.inode and not m.shared and "written" not in flags:
             plan.unwritten.append(m.range)
         if flags & DEVICE_FLAGS:
@@ -337,7 +384,8 @@ def _plan_snapshot(target_maps: Sequence[Mapping],
                     plan.tolerated.append(Range(first_past, m.end))
     plan.missing = merge_ranges(plan.missing)
     plan.tolerated = merge_ranges(plan.tolerated)
-    plan.unwritten = merge_ranges(plan.unwritten)
+    plan.no_pointers = merge_ranges(plan.no_pointers)
+    plan.unwritten = merge_ranges(plan.unwritten + plan.no_pointers)
     return plan
 
 
