@@ -417,3 +417,100 @@ def test_copied_memory_reads_only_what_no_copy_holds():
     buf = bytearray(0x80)              # inside one copy: no read at all
     mem.read_into(0x1180, buf)
     assert bytes(buf) == b"a" * 0x80 and reads == []
+
+
+# glibc 2.41's getrandom() state page on Linux 6.18 (trixie root), then, for contrast, an
+# application's own MADV_WIPEONFORK page (wf only) and its MADV_DONTFORK page (dc: absent from
+# the snapshot below)
+GETRANDOM_SMAPS = """\
+7f60a3cf8000-7f60a3d06000 rw-p 00000000 00:00 0
+Anonymous:            12 kB
+VmFlags: rd wr mr mw me ac
+7f60a3d06000-7f60a3d07000 rw-p 00000000 00:00 0
+Size:                  4 kB
+Rss:                   4 kB
+Anonymous:             4 kB
+Swap:                  0 kB
+VmFlags: rd wr mr mw me nr wf dd dp
+7f60a3e00000-7f60a3e01000 rw-p 00000000 00:00 0
+Anonymous:             4 kB
+VmFlags: rd wr mr mw me ac wf
+7f60a3f00000-7f60a3f10000 rw-p 00000000 00:00 0
+Anonymous:            64 kB
+VmFlags: rd wr mr mw me ac dc
+"""
+GETRANDOM_PAGE = Range(0x7f60a3d06000, 0x7f60a3d07000)
+
+
+def _target_and_snapshot(text: str):
+    """(the target's maps, the snapshot's smaps rows) for smaps text: the snapshot lacks the
+    mappings marked dc, as a fork does."""
+    from memunreachable.procfs import parse_smaps_flags
+    rows = parse_smaps_flags(text)
+    return [mp for mp, _ in rows], [(mp, f) for mp, f in rows if "dc" not in f]
+
+
+def test_getrandom_state_is_neither_missing_nor_a_root_nor_a_note():
+    target, snap = _target_and_snapshot(GETRANDOM_SMAPS)
+    plan = plan_snapshot(target, snap)
+    assert plan.no_pointers == [GETRANDOM_PAGE]
+    assert GETRANDOM_PAGE in plan.unwritten          # cut from the roots (sweep's unwritten)
+    assert not any(r.overlaps(GETRANDOM_PAGE) for r in plan.missing + plan.tolerated)
+    assert not any("7f60a3d06000" in n for n in plan.notes)
+    # the application's own wipe-on-fork and don't-fork pages: missing (copied during a
+    # retake, as before), and roots
+    assert plan.missing == [Range(0x7f60a3e00000, 0x7f60a3e01000),
+                            Range(0x7f60a3f00000, 0x7f60a3f10000)]
+    assert not any(r.overlaps(Range(0x7f60a3e00000, 0x7f60a3f10000)) for r in plan.unwritten)
+    assert len(plan.notes) == 2
+
+
+def test_a_snapshot_that_lacks_only_getrandom_state_lacks_nothing():
+    target, snap = _target_and_snapshot(GETRANDOM_SMAPS.split("7f60a3e00000")[0])
+    plan = plan_snapshot(target, snap)
+    assert plan.missing == [] and plan.missing_bytes == 0 and plan.notes == []
+    assert plan.no_pointers == [GETRANDOM_PAGE]
+
+
+GR_FLAGS = frozenset("rd wr mr mw me nr wf dd dp".split())
+
+
+@pytest.mark.parametrize("mapping, flags, state", [
+    (m(0x1000, 0x2000), GR_FLAGS, True),
+    (m(0x1000, 0x2000, path="[anon: glibc: getrandom]"), GR_FLAGS, True),   # decorate_maps
+    (m(0x1000, 0x1000 + (16 << 20)), GR_FLAGS, True),                       # merged pages
+    (m(0x1000, 0x1000 + (16 << 20) + PAGE), GR_FLAGS, False),               # too big
+    (m(0x1000, 0x2000), GR_FLAGS | {"written", "sd"}, True),               # other flags too
+    (m(0x1000, 0x2000), GR_FLAGS - {"dp"}, False),      # madvise(WIPEONFORK|DONTDUMP), NORESERVE
+    (m(0x1000, 0x2000), GR_FLAGS - {"wf"}, False),      # MADV_KEEPONFORK since: not wiped
+    (m(0x1000, 0x2000), GR_FLAGS - {"dd"}, False),
+    (m(0x1000, 0x2000), GR_FLAGS - {"nr"}, False),
+    (m(0x1000, 0x2000), frozenset("rd wr mr mw me ac wf".split()), False),   # an app's wf page
+    (m(0x1000, 0x2000, "rw-s"), GR_FLAGS, False),
+    (m(0x1000, 0x2000, "rwxp"), GR_FLAGS, False),
+    (m(0x1000, 0x2000, "r--p"), GR_FLAGS, False),
+    (m(0x1000, 0x2000, path="[anon: my cache]"), GR_FLAGS, False),
+    (Mapping(0x1000, 0x2000, "rw-p", 0, "fe:00", 42, "/tmp/f"), GR_FLAGS, False),
+])
+def test_is_getrandom_state(mapping, flags, state):
+    from memunreachable.memory import is_getrandom_state
+    assert is_getrandom_state(mapping, frozenset(flags)) is state
+
+
+@pytest.mark.parametrize("flags", [GR_FLAGS - {"dp"}, frozenset("rd wr mr mw me ac wf".split())])
+def test_other_wipeonfork_memory_is_still_missing(flags):
+    page = m(0x7f0000000000, 0x7f0000001000)
+    plan = plan_snapshot([page], [(page, flags)])
+    assert plan.missing == [page.range] and plan.no_pointers == []
+    assert page.range not in plan.unwritten
+    assert any("MADV_WIPEONFORK" in n for n in plan.notes)
+
+
+def test_getrandom_state_is_cut_from_the_roots():
+    # the plan's unwritten ranges are what sweep() cuts from the roots (classify's cuts)
+    from memunreachable.classify import classify
+    target, snap = _target_and_snapshot(GETRANDOM_SMAPS.split("7f60a3e00000")[0])
+    plan = plan_snapshot(target, snap)
+    roots = classify(target, [], [], [], plan.unwritten)
+    assert roots.ranges and not any(r.overlaps(GETRANDOM_PAGE) for r in roots.ranges)
+    assert Range(0x7f60a3cf8000, 0x7f60a3d06000) in roots.ranges
