@@ -14,7 +14,7 @@ __version__ = "0.1.0"
 # the check needs (issue 10, fast start), and `import memunreachable` stays cheap.
 _LAZY = {
     "memunreachable._errors": ("AccessDenied", "CollectionError", "HeapWalkError",
-                               "LeaksDetected", "MemunreachableError", "NoSuchProcess",
+                               "IncompleteCheck", "LeaksDetected", "MemunreachableError", "NoSuchProcess",
                                "SweepError", "UnsupportedTarget", "ZombieProcess"),
     "memunreachable.noleaks": ("LeakBaseline", "NoLeaks", "assert_no_leaks",
                                "get_unreachable_memory", "get_unreachable_memory_string",
@@ -44,5 +44,6 @@ __all__ = [
     "NoLeaks", "assert_no_leaks", "leak_baseline", "no_new_leaks", "LeakBaseline",
     "enable_signal_dump", "disable_signal_dump", "UnreachableMemoryInfo", "Leak",
     "MemunreachableError", "NoSuchProcess", "ZombieProcess", "AccessDenied", "UnsupportedTarget",
-    "CollectionError", "HeapWalkError", "SweepError", "LeaksDetected", "__version__",
+    "CollectionError", "HeapWalkError", "SweepError", "IncompleteCheck", "LeaksDetected",
+    "__version__",
 ]

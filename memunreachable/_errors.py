@@ -58,6 +58,20 @@ class UnsupportedTarget(MemunreachableError):
     """Not something we can check correctly: another allocator, unknown layout, kernel thread, ..."""
 
 
+class IncompleteCheck(UnsupportedTarget):
+    """Part of the process could not be understood (a CPython layout that does not fit, a
+    free-threaded CPython, memory the snapshot lacked, GC lists that could not be walked):
+    leaks there could hide, so no verdict is given (issue 22: never a silent "no leaks").
+
+    reasons: one sentence per part not seen. info: the UnreachableMemoryInfo of what could be
+    checked (complete False), for a caller that asked for it (check --partial, partial=True)."""
+
+    def __init__(self, msg: str = "", hint: Optional[str] = None, reasons=(), info=None):
+        super().__init__(msg, hint)
+        self.reasons = list(reasons)
+        self.info = info
+
+
 class CollectionError(MemunreachableError):
     """Freezing or snapshotting failed or timed out (everything was released)."""
 

@@ -45,28 +45,37 @@ __all__ = ["get_unreachable_memory", "get_unreachable_memory_string", "log_unrea
 
 def get_unreachable_memory(limit: Optional[int] = 100, pid: Optional[int] = None,
                            timeout: float = 2.0, *, suppressions=None,
-                           symbolize: bool = True) -> UnreachableMemoryInfo:
+                           symbolize: bool = True, partial: bool = False) -> UnreachableMemoryInfo:
     """Check process `pid` (None: this process); keep at most `limit` entries (None: all).
 
     suppressions: None, the path of an LSan suppressions file ('leak:PATTERN' lines) or rules
     from memunreachable.suppressions.parse(); suppressed leaks are not reported nor counted
     (a bad file raises SuppressionsError before anything is checked).
-    symbolize: False shows allocation stacks as module+offset with build-ids only."""
+    symbolize: False shows allocation stacks as module+offset with build-ids only.
+    partial: when part of the process could not be seen, return what could be checked
+    (info.complete False, info.incomplete the reasons) instead of raising IncompleteCheck."""
+    from memunreachable._errors import IncompleteCheck
     from memunreachable.suppressions import as_rules
     rules = as_rules(suppressions)
-    if pid is not None and pid != os.getpid():
-        from memunreachable.unreachable import check
-        return check(pid, limit=limit, timeout=timeout, symbolize=symbolize, suppressions=rules)
-    _scrub_frames()         # the frames of the check below start clean
-    return _check_self(limit, timeout, symbolize, rules)
+    try:
+        if pid is not None and pid != os.getpid():
+            from memunreachable.unreachable import check
+            return check(pid, limit=limit, timeout=timeout, symbolize=symbolize,
+                         suppressions=rules)
+        _scrub_frames()         # the frames of the check below start clean
+        return _check_self(limit, timeout, symbolize, rules)
+    except IncompleteCheck as exc:
+        if partial and exc.info is not None:
+            return exc.info
+        raise
 
 
 def get_unreachable_memory_string(log_contents: bool = False, limit: Optional[int] = 100,
                                   pid: Optional[int] = None, *, suppressions=None,
-                                  symbolize: bool = True) -> str:
-    """The same text report as `memunreachable check`."""
+                                  symbolize: bool = True, partial: bool = False) -> str:
+    """The same text report as `memunreachable check` (--partial with partial=True)."""
     return _render(get_unreachable_memory(limit=limit, pid=pid, suppressions=suppressions,
-                                          symbolize=symbolize), log_contents)
+                                          symbolize=symbolize, partial=partial), log_contents)
 
 
 def log_unreachable_memory(log_contents: bool = False, limit: Optional[int] = 100,

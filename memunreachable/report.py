@@ -87,6 +87,14 @@ class UnreachableMemoryInfo:
     num_suppressed: int = 0
     suppressed_bytes: int = 0
     suppressions_used: List[Tuple[str, int, int]] = field(default_factory=list)  # template, count, bytes
+    # issue 22: the parts of the process that could not be seen (one reason each). Empty: the
+    # check saw everything. A check with reasons raises IncompleteCheck unless partial was
+    # asked for; then this result says it is incomplete and its leaks are a lower bound
+    incomplete: List[str] = field(default_factory=list)
+
+    @property
+    def complete(self) -> bool:
+        return not self.incomplete
 
 
 @dataclass

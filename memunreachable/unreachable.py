@@ -30,7 +30,7 @@ from typing import List, Optional, Sequence, Tuple
 
 from memunreachable import detect, diagnose, leftovers, libstate, procfs, tracking
 from memunreachable import preflight as preflight_stage
-from memunreachable._errors import (CollectionError, HeapCorrupt, HeapWalkError,
+from memunreachable._errors import (CollectionError, HeapCorrupt, HeapWalkError, IncompleteCheck,
                                     MemoryUnreadable, MemunreachableError, NoSuchProcess)
 from memunreachable._types import Fields, HeapImage, Range, merge_ranges, subtract_ranges
 from memunreachable.classify import classify, data_ranges, loaded_objects, waiting
@@ -70,7 +70,8 @@ def check(pid: int, *, limit: Optional[int] = 100, timeout: float = 2.0,
           allow_seccomp: bool = False, symbolize: bool = True,
           suppressions=None, sweep_here: bool = False,
           dead_ranges: Sequence[Tuple[int, int]] = (),
-          waiting_tids: Sequence[int] = (), tracker=None) -> UnreachableMemoryInfo:
+          waiting_tids: Sequence[int] = (), tracker=None,
+          partial: bool = False) -> UnreachableMemoryInfo:
     """Find the unreachable allocations of process `pid`.
 
     limit: how many leak groups to keep (largest first); None keeps all.
@@ -88,6 +89,8 @@ def check(pid: int, *, limit: Optional[int] = 100, timeout: float = 2.0,
     tracker: the written.WriteTracker of pid (the in-process checks' helper): a word the target
     has not written since an earlier swept snapshot is no reference to a block that began
     after it (sweep_here only).
+    partial: when part of the process could not be seen (info.incomplete), return what could
+    be checked instead of raising IncompleteCheck (which carries that result as .info).
     Raises MemunreachableError subclasses when the check cannot be done.
     """
     started = time.monotonic()
@@ -117,11 +120,26 @@ def check(pid: int, *, limit: Optional[int] = 100, timeout: float = 2.0,
     # 9. Symbolize, suppress, group
     leaks = _fill(info, result, limit)
     _symbolize_and_group(info, leaks, limit, symbolize, rules)
-    # 10. Report
+    # 10. Report: a verdict only when the whole process was seen
     info.duration_ms = (time.monotonic() - started) * 1000.0
     log.info("check done in %.1f ms: %d bytes in %d unreachable allocations",
              info.duration_ms, info.leak_bytes, info.num_leaks)
-    return info
+    return verdict(info, partial)
+
+
+def verdict(info: UnreachableMemoryInfo, partial: bool = False) -> UnreachableMemoryInfo:
+    """info when the check saw the whole process, or when partial was asked for (info then
+    says it is incomplete); else IncompleteCheck with the reasons, carrying info (issue 22:
+    a check that could not see part of the process never answers "no leaks")."""
+    if not info.incomplete or partial:
+        return info
+    reasons = info.incomplete
+    raise IncompleteCheck(
+        f"part of process {info.pid} could not be checked, so no verdict is given: "
+        + "; ".join(reasons),
+        hint="`memunreachable check --partial PID` (API: partial=True) reports what could be "
+             "checked, marked incomplete; docs/supported-environments.md lists what is "
+             "supported", reasons=reasons, info=info)
 
 
 class Pending:
@@ -241,7 +259,7 @@ def _take_pending(pid: int, info: UnreachableMemoryInfo, guard, timeout: float,
 
 
 def sweep_pending(pending: Pending, *, limit: Optional[int] = 100, symbolize: bool = True,
-                  suppressions=None) -> UnreachableMemoryInfo:
+                  suppressions=None, partial: bool = False) -> UnreachableMemoryInfo:
     """Steps 4-10 of check() over a check_later() snapshot, then its release. No retake is
     possible: a snapshot process that died or a heap caught mid-update (no thread was inside
     the allocator when it was taken: a corrupt heap, or a writer behind malloc's back) raise
@@ -262,7 +280,7 @@ def sweep_pending(pending: Pending, *, limit: Optional[int] = 100, symbolize: bo
     leaks = _fill(info, result, limit)
     _symbolize_and_group(info, leaks, limit, symbolize, rules)
     info.duration_ms = (time.monotonic() - started) * 1000.0
-    return info
+    return verdict(info, partial)
 
 
 def record_allocations(pending: Pending) -> bool:
@@ -841,6 +859,10 @@ def sweep(mem, maps, threads, pid: int, confirm: Optional[set] = None,
         "allocator": {"name": hw.allocator.name, "version": hw.allocator.version},
         "warnings": list(hw.soft_issues) + _tolerated_warning(mem) + cps.warnings
                     + (py.warnings if py is not None else []),
+        # what could not be seen: no "no leaks" verdict then (check's verdict())
+        "incomplete": list(cps.blind) + (
+            ["memory that may reference the unreachable blocks was not in the snapshot: they "
+             "are reported as uncertain, not as leaks"] if all_uncertain else []),
         "stats": dict(hw.stats),
         "seconds": {"walk": t_walk - t0, "roots": t_roots - t_walk, "mark": t_mark - t_roots,
                     "fold": t_fold - t_mark},
@@ -885,13 +907,14 @@ def _see_through_cpython(mem, maps, threads, pid, image):
         return pipeline.prepare(mem, maps, threads, pid, image)
     except (OSError, ValueError, MemoryUnreadable, struct.error) as exc:
         log.warning("CPython map failed: %s", exc)
-        return pipeline.CPythonSweep(None, image, warnings=[
-            f"CPython's memory could not be mapped ({exc}): it is scanned whole as roots"])
+        why = f"CPython's memory could not be mapped ({exc}): it is scanned whole as roots"
+        return pipeline.CPythonSweep(None, image, warnings=[why], blind=[why])
 
 
 class _NoCPython(Fields):
     """pipeline.CPythonSweep of a process without a CPython runtime (cpython/probe.py)."""
     __slots__ = ("image", "cpython", "root_cuts", "dead", "warnings", "stats", "usable")
+    blind: tuple = ()
 
     def __init__(self, image: object, cpython: None = None, root_cuts: Optional[list] = None,
                  dead: None = None, warnings: Optional[list] = None, stats: Optional[dict] = None,
@@ -1108,6 +1131,7 @@ def _fill(info: UnreachableMemoryInfo, res: SweepResult, limit: Optional[int]) -
     info.leak_bytes = res.leak_bytes
     info.bytes_scanned = res.bytes_scanned
     info.warnings.extend(res.meta.get("warnings", []))
+    info.incomplete = list(dict.fromkeys(info.incomplete + res.meta.get("incomplete", [])))
     info.stats = res.meta
     info.tracking = res.meta.get("tracking")
     info.warnings.extend(_tracking_warnings(info.tracking))

@@ -2,8 +2,10 @@
 
 Input: a pid (positional or -p/--pid, exactly one of them). Output: the text report
 (reporters/text.py) or the JSON report (--json) on stdout or in -o FILE; the exit code is
-23 when leaks were found, 0 when none. Errors are raised, never printed here: cli.main()
-turns them into messages and exit codes.
+23 when leaks were found, 0 when none. A check that could not see part of the process is an
+error (exit 3, IncompleteCheck); with --partial it reports what could be checked, marked
+incomplete, and exits 23 with leaks or 3 without: never 0. Errors are raised, never printed
+here: cli.main() turns them into messages and exit codes.
 """
 from __future__ import annotations
 
@@ -14,7 +16,8 @@ import sys
 from typing import TYPE_CHECKING, Optional
 
 from memunreachable._errors import CommandError
-from memunreachable.cli import EXIT_LEAKS, EXIT_OK, EXIT_USAGE, Command, bounded_int
+from memunreachable.cli import (EXIT_CANNOT_CHECK, EXIT_LEAKS, EXIT_OK, EXIT_USAGE, Command,
+                                bounded_int)
 
 if TYPE_CHECKING:
     from memunreachable.report import UnreachableMemoryInfo
@@ -53,6 +56,11 @@ def add_engine_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--timeout", type=timeout_type, default=None, metavar="SECONDS",
                         help="upper bound on how long the target may stay paused while its "
                              "threads are frozen (default: the engine's)")
+    parser.add_argument("--partial", action="store_true",
+                        help="when part of the process cannot be understood (an unsupported "
+                             "CPython build, memory the snapshot lacked), report the leaks "
+                             "found in the rest, marked incomplete (exit 23 with leaks, 3 "
+                             "without; never 0), instead of failing with exit 3")
 
 
 def add_report_arguments(parser: argparse.ArgumentParser) -> None:
@@ -99,6 +107,8 @@ def run_engine(pid: int, args: argparse.Namespace) -> UnreachableMemoryInfo:
         kwargs["symbolize"] = False
     if getattr(args, "suppression_rules", None):
         kwargs["suppressions"] = args.suppression_rules
+    if getattr(args, "partial", False):
+        kwargs["partial"] = True
     info = unreachable.check(pid, **kwargs)
     if info.comm is None:
         info.comm = read_comm(pid)
@@ -116,8 +126,11 @@ def read_comm(pid: int) -> Optional[str]:
 
 def exit_code_for(info: UnreachableMemoryInfo) -> int:
     """23 when any allocation is unreachable (suppressed ones excepted: they are not in
-    num_leaks), else 0."""
-    return EXIT_LEAKS if info.num_leaks > 0 else EXIT_OK
+    num_leaks); else 0, or 3 when the check was incomplete (--partial): what was not seen
+    may hold leaks, so it is never a clean result."""
+    if info.num_leaks > 0:
+        return EXIT_LEAKS
+    return EXIT_OK if info.complete else EXIT_CANNOT_CHECK
 
 
 class OutputFile:

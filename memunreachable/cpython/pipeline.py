@@ -10,8 +10,11 @@ Input: the snapshot (Memory), mappings, threads, pid and glibc's HeapWalk. Outpu
                 lying inside an allocation (3.9/3.10: the interpreter is a glibc chunk), and
                 the first words of pymalloc blocks that are short strings over a free link
     warnings    soft issues (a part left to the old treatment)
-When CPython is absent or its map is unusable, image is glibc's and nothing is cut: today's
-treatment (CPython's memory scanned whole as roots). See cpython-memory.md, style.md 2b.
+    blind       what could not be seen, one reason each (a runtime whose map is unusable, GC
+                links that had to count as references, pools left unwalked): leaks there can
+                hide, so the orchestrator gives no "no leaks" verdict (issue 22)
+When CPython is absent or its map is unusable, image is glibc's and nothing is cut: CPython's
+memory is scanned whole as roots, and blind says why. See cpython-memory.md, style.md 2b.
 """
 from __future__ import annotations
 
@@ -43,10 +46,16 @@ class CPythonSweep:
     dead: Optional[DeadWords] = None
     warnings: List[str] = field(default_factory=list)
     stats: dict = field(default_factory=dict)
+    blind: List[str] = field(default_factory=list)
 
     @property
     def usable(self) -> bool:
         return bool(self.cpython and self.cpython.usable)
+
+    def cannot_see(self, reason: str) -> None:
+        """A part of CPython's memory that could not be understood: a warning and a blind spot."""
+        self.warnings.append(reason)
+        self.blind.append(reason)
 
 
 def _u64(mem, addr: int) -> int:
@@ -66,10 +75,14 @@ def _prepare(mem, maps, threads, pid: Optional[int], image: HeapImage) -> CPytho
     cp = walk_cpython(mem, maps, threads, pid)
     out = CPythonSweep(cp, image, warnings=list(cp.warnings))
     if not cp.usable:
+        # the walker's last warning says why (walker.py: each unusable outcome appends one)
+        out.blind.append(cp.warnings[-1] if cp.warnings else
+                         "the CPython runtime could not be mapped: its memory is scanned whole "
+                         "as roots")
         return out
     merged, ndead, blocks, kept_cuts, dropped = _allocations(cp, image)
     if dropped:
-        out.warnings.append(
+        out.cannot_see(
             f"{dropped} pymalloc pool(s) overlap glibc allocations ({cp.runtime.object_path}):"
             " their blocks are not allocations and their memory is scanned as before")
     out.image = merged
@@ -87,12 +100,12 @@ def _prepare(mem, maps, threads, pid: Optional[int], image: HeapImage) -> CPytho
                                                     **GENERATOR_TYPES))
     heads = gc_heads(mem, cp)
     if heads is None:
-        out.warnings.append(f"CPython {cp.version[0]}.{cp.version[1]}: no GC state layout: "
+        out.cannot_see(f"CPython {cp.version[0]}.{cp.version[1]}: no GC state layout: "
                             "GC links count as references (leaked Python objects are missed)")
     else:
         head_word, nodes, types, problem = walk_gc_lists(merged, heads)
         if problem:
-            out.warnings.append(f"CPython's GC generation list {problem}: GC links count as "
+            out.cannot_see(f"CPython's GC generation list {problem}: GC links count as "
                                 "references (leaked Python objects are missed)")
             head_word = None
         else:

@@ -20,6 +20,9 @@ leaks), num_entries, num_allocations, total_size, similar_count, similar_size,
 similar_referenced_count, similar_referenced_size}] largest first; tracking (the target's
 tracking table figures, null when untracked); num_suppressed, suppressed_bytes and
 suppressions_used [{template, count, bytes}].
+Issue 22: complete (false when part of the process could not be seen: only with --partial,
+the leaks are then a lower bound) and incomplete (the reasons, one string each; [] when
+complete).
 Readers must ignore keys they do not know. load_json() is the inverse (for re-rendering).
 
 stats is one flat object (flatten_stats): the walker's figures (arenas, chunks, ...) next to
@@ -96,6 +99,8 @@ def render_json(info: UnreachableMemoryInfo) -> Dict[str, Any]:
         "tool_version": __version__,
         "pid": info.pid,
         "comm": info.comm,
+        "complete": info.complete,
+        "incomplete": list(info.incomplete),
         "allocator": {"name": info.allocator_name, "version": info.allocator_version},
         "threads": info.threads,
         "pause_ms": _ms(info.pause_ms),
@@ -224,6 +229,7 @@ def load_json(data: Dict[str, Any]) -> UnreachableMemoryInfo:
                         contents=bytes.fromhex(e.get("contents", "")))
                    for e in data.get("uncertain", [])],
         warnings=list(data.get("warnings", [])),
+        incomplete=list(data.get("incomplete", [])),
         stats=dict(data.get("stats", {})),
         cyclic_garbage=garbage,
         num_cyclic_garbage=int(data.get("num_cyclic_garbage", 0)),

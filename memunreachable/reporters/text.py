@@ -93,7 +93,8 @@ def num_entries(info: UnreachableMemoryInfo) -> int:
 def summary_line(info: UnreachableMemoryInfo) -> str:
     """'SUMMARY: memunreachable: <bytes> byte(s) leaked in <n> allocation(s), <k> report entries'."""
     return (f"SUMMARY: memunreachable: {plural(info.leak_bytes, 'byte')} leaked in "
-            f"{plural(info.num_leaks, 'allocation')}, {_entries(num_entries(info), 'report entry')}")
+            f"{plural(info.num_leaks, 'allocation')}, {_entries(num_entries(info), 'report entry')}"
+            + ("" if info.complete else " (INCOMPLETE check)"))
 
 
 # ---- the lines -----------------------------------------------------------------------------
@@ -122,8 +123,15 @@ def _header(info: UnreachableMemoryInfo) -> List[Line]:
     if info.allocation_bytes >= 1024:
         scanned += f" ({human_size(info.leak_bytes)} of {human_size(info.allocation_bytes)})"
     lines.append([(scanned, "")])
+    if info.incomplete:     # issue 22: --partial; what was not seen may hold more leaks
+        lines.append([("INCOMPLETE: ", "bold red"),
+                      ("part of the process could not be checked; the leaks below are a lower "
+                       "bound, and none found is no proof of none", "red")])
+        for reason in info.incomplete:
+            lines.append([("  not checked: ", "bold red"), (reason, "red")])
     for w in info.warnings:
-        lines.append([("warning: ", "bold yellow"), (w, "yellow")])
+        if w not in info.incomplete:
+            lines.append([("warning: ", "bold yellow"), (w, "yellow")])
     return lines
 
 

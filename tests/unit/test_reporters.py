@@ -234,6 +234,8 @@ EXPECTED_JSON = {
     "tool_version": __version__,
     "pid": 4242,
     "comm": "server",
+    "complete": True,
+    "incomplete": [],
     "allocator": {"name": "glibc", "version": "2.36"},
     "threads": 3,
     "pause_ms": 2.5,
