@@ -268,13 +268,13 @@ def local_copy(mem, addr: int, size: int):
 # per-thread opaque state in user memory (struct vgetrandom_state, lib/vdso/getrandom.c: a
 # ChaCha20 key, a batch of its output, the RNG generation counter, a position and an in-use
 # byte: random bytes and counters, never an address). The kernel tells user space how to map
-# it (getrandom(NULL, 0, 0, &params, ~0UL) -> struct vgetrandom_opaque_params): PROT_READ |
+# it (the vDSO's getrandom(NULL, 0, 0, &params, ~0UL) -> vgetrandom_opaque_params): PROT_READ |
 # PROT_WRITE, MAP_PRIVATE | MAP_ANONYMOUS | MAP_DROPPABLE. MAP_DROPPABLE (Linux 6.11, 64-bit
 # only; mm/mmap.c do_mmap) gives the mapping VM_DROPPABLE plus VM_WIPEONFORK, VM_DONTDUMP and
 # VM_NORESERVE: smaps VmFlags "dp wf dd nr" (next to "rd wr mr mw me"). glibc 2.41+ maps the
 # states so on a thread's first getrandom() (sysdeps/unix/sysv/linux/getrandom.c,
 # vgetrandom_get_state_alloc: a page or a few at a time, the allocator's record is the static
-# grnd_alloc; pages of consecutive allocations merge into one mapping), named
+# grnd_alloc; adjacent pages may merge into one mapping, others lie apart), named
 # "[anon: glibc: getrandom]" when the glibc.mem.decorate_maps tunable is on and the kernel has
 # CONFIG_ANON_VMA_NAME; Go 1.24+'s runtime maps its states with the same flags. Every CPython
 # calls getrandom() at start-up, so on glibc 2.41 every Python process has such a page.
