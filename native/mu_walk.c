@@ -196,42 +196,43 @@ int64_t mu_walk_find_headers(const uint8_t *data, uint64_t base, uint64_t len, u
 }
 
 int64_t mu_walk_mmapped(const uint8_t *data, uint64_t base, uint64_t len, uint64_t limit,
-                        uint64_t page, uint64_t *user, uint64_t *usable, uint64_t cap,
-                        mu_mmap_result *res)
+                        uint64_t page, uint64_t tail, uint64_t usable_delta, uint64_t prev_mask,
+                        uint64_t *user, uint64_t *usable, uint64_t cap, mu_mmap_result *res)
 {
     if (!data || !res || page < 4096 || (page & (page - 1)) || (base & (page - 1)) ||
-        (cap && (!user || !usable)) || limit < len)
+        (cap && (!user || !usable)) || limit < len || tail >= 4096 || usable_delta > 16 ||
+        (prev_mask & ~(uint64_t)15))
         return -EINVAL;
     memset(res, 0, sizeof *res);
     uint64_t stored = 0, off = 0;
     while (off + 16 <= len) {
         const uint8_t *h = data + off;
         uint64_t sz = ld64(h + 8);
-        uint64_t s = sz & ~(uint64_t)CHUNK_FLAGS;
-        if (ld64(h) != 0 || (sz & CHUNK_FLAGS) != CHUNK_IS_MMAPPED || s < 4096 || (s & 4095) ||
-            s > limit - off) {
+        uint64_t s = sz & ~(uint64_t)CHUNK_FLAGS, total = s + tail;   /* the mapping's bytes */
+        if ((ld64(h) & ~prev_mask) != 0 || (sz & CHUNK_FLAGS) != CHUNK_IS_MMAPPED ||
+            total < 4096 || (total & 4095) || total > limit - off) {
             off += page;
             continue;
         }
         /* The stale memalign header: the first non-zero word after it is the moved prev_size. */
-        uint64_t chunk = off, csize = s, have = s < len - off ? s : len - off;
+        uint64_t chunk = off, csize = s, have = total < len - off ? total : len - off;
         uint64_t o = 16;
         while (o + 16 <= have && ld64(h + o) == 0)
             o += 8;
-        if (o >= 32 && !(o & 15) && o + 16 <= have && ld64(h + o) == o &&
-            ld64(h + o + 8) == ((s - o) | CHUNK_IS_MMAPPED)) {
+        if (o >= 32 && !(o & 15) && o + 16 <= have && (ld64(h + o) & ~prev_mask) == o &&
+            ld64(h + o + 8) == ((total - o - tail) | CHUNK_IS_MMAPPED)) {
             chunk = off + o;
-            csize = s - o;
+            csize = total - o - tail;
             res->moved++;
         }
         res->found++;
-        res->bytes += s;
+        res->bytes += total;
         if (stored < cap) {
             user[stored] = base + chunk + 16;
-            usable[stored] = csize - 16;
+            usable[stored] = csize - usable_delta;
             stored++;
         }
-        off += s;
+        off += total;
     }
     return (int64_t)stored;
 }
@@ -275,17 +276,24 @@ static int64_t find_user(const uint64_t *user, uint64_t n, uint64_t u)
 }
 
 /* MU_LINK_* verdict on node; on MU_LINK_OK *link gets the raw word at node. */
+/* A node of a free list holding chunk sizes [chunk_size, chunk_max]; *floor: in, the size of
+ * the node before it (a range list is sorted by ascending size: 2.42+ large tcache bins),
+ * out, this node's size. */
 static int64_t check_node(const mu_region *regions, uint64_t nregions, const uint64_t *user,
                           const uint64_t *usable, uint64_t n, uint64_t node, uint64_t chunk_size,
-                          uint32_t arena, uint64_t *link)
+                          uint64_t chunk_max, uint64_t *floor, uint32_t arena, uint64_t *link)
 {
     if (node & 15)
         return MU_LINK_MISALIGNED;
     int64_t i = find_user(user, n, node);
     if (i < 0)
         return MU_LINK_NOT_CHUNK;
-    if (usable[i] + 8 != chunk_size)
+    uint64_t size = usable[i] + 8;
+    if (size < chunk_size || size > chunk_max)
         return MU_LINK_WRONG_SIZE;
+    if (size < *floor)
+        return MU_LINK_ORDER;
+    *floor = size;
     if (arena) {
         uint64_t sz;
         if (region_word(regions, nregions, node - 8, &sz))
@@ -307,13 +315,14 @@ static inline uint64_t decode_link(uint64_t node, uint64_t link, uint32_t mangle
 
 int64_t mu_walk_chain(const mu_region *regions, uint64_t nregions, const uint64_t *user,
                       const uint64_t *usable, uint64_t n, uint64_t head, uint64_t bias,
-                      uint32_t mangled, uint64_t chunk_size, uint32_t arena, uint64_t max_nodes,
-                      uint64_t *out, uint64_t cap, mu_chain_result *res)
+                      uint32_t mangled, uint64_t chunk_size, uint64_t chunk_max, uint32_t arena,
+                      uint64_t max_nodes, uint64_t *out, uint64_t cap, mu_chain_result *res)
 {
-    if (!regions || !res || (cap && !out) || (n && (!user || !usable)) || arena > 2)
+    if (!regions || !res || (cap && !out) || (n && (!user || !usable)) || arena > 2 ||
+        chunk_max < chunk_size)
         return -EINVAL;
     memset(res, 0, sizeof *res);
-    uint64_t node = head ? head + bias : 0, k = 0, link = 0;
+    uint64_t node = head ? head + bias : 0, k = 0, link = 0, floor = 0;
     uint64_t saved = 0, s = 0, power = 1, prev = 0;     /* Brent's cycle finder */
     for (; node; k++) {
         if (saved && node == saved) {
@@ -350,7 +359,8 @@ int64_t mu_walk_chain(const mu_region *regions, uint64_t nregions, const uint64_
             res->bad = node;
             break;
         }
-        int64_t why = check_node(regions, nregions, user, usable, n, node, chunk_size, arena, &link);
+        int64_t why = check_node(regions, nregions, user, usable, n, node, chunk_size, chunk_max,
+                                 &floor, arena, &link);
         if (why != MU_LINK_OK) {
             res->status = MU_CHAIN_BAD;
             res->reason = why;
@@ -378,11 +388,12 @@ int64_t mu_walk_chain(const mu_region *regions, uint64_t nregions, const uint64_
 int64_t mu_walk_tcache_scan(const mu_region *regions, uint64_t nregions, const uint64_t *user,
                             const uint64_t *usable, uint64_t n, uint64_t struct_usable,
                             uint32_t count_width, uint64_t entries_off, uint64_t nbins,
-                            uint64_t active_bins, uint64_t max_count, uint64_t key_off,
+                            uint64_t active_bins, uint64_t max_count, uint32_t remaining,
+                            const uint64_t *bin_min, const uint64_t *bin_max, uint64_t key_off,
                             uint64_t want_key, mu_tcache_cand *out, uint64_t cap)
 {
     if (!regions || (n && (!user || !usable)) || (cap && !out) || (count_width != 1 && count_width != 2) ||
-        entries_off < count_width * nbins)
+        entries_off < count_width * nbins || !bin_min || !bin_max)
         return -EINVAL;
     uint64_t found = 0;
     const uint64_t span = entries_off + 8 * nbins;
@@ -409,7 +420,11 @@ int64_t mu_walk_tcache_scan(const mu_region *regions, uint64_t nregions, const u
         int ok = 1;
         for (uint64_t b = 0; b < nbins && ok; b++) {
             uint64_t c = count_width == 1 ? p[b] : (uint64_t)p[2 * b] | ((uint64_t)p[2 * b + 1] << 8);
-            if (c > max_count || (b >= active_bins && c))
+            if (c > max_count)
+                ok = 0;
+            else if (remaining)
+                c = max_count - c;
+            if (b >= active_bins && c)
                 ok = 0;
         }
         if (!ok)
@@ -420,6 +435,8 @@ int64_t mu_walk_tcache_scan(const mu_region *regions, uint64_t nregions, const u
         for (uint64_t b = 0; b < nbins; b++) {
             uint64_t c = count_width == 1 ? p[b] : (uint64_t)p[2 * b] | ((uint64_t)p[2 * b + 1] << 8);
             uint64_t e = ld64(p + entries_off + 8 * b), kv;
+            if (remaining)
+                c = max_count - c;
             if ((c == 0) != (e == 0))
                 cd.mismatched++;
             if (!c)
@@ -428,7 +445,7 @@ int64_t mu_walk_tcache_scan(const mu_region *regions, uint64_t nregions, const u
             if (!e || (e & 15))
                 continue;
             int64_t j = find_user(user, n, e);
-            if (j < 0 || usable[j] + 8 != CHUNK_MINSIZE + 16 * b ||
+            if (j < 0 || usable[j] + 8 < bin_min[b] || usable[j] + 8 > bin_max[b] ||
                 region_word(regions, nregions, e + key_off, &kv))
                 continue;
             cd.heads++;

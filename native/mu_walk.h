@@ -1,6 +1,7 @@
 /* mu_walk.h: the glibc chunk walker (our malloc_iterate), glibc-heap.md sections 2, 9, 10.
  * Layout facts that vary by glibc release come from memunreachable/glibc/layout.py; the chunk
- * format below (16-byte headers, flag bits 1/2/4) is the same in glibc 2.26-2.42 on x86_64. */
+ * format below (16-byte headers, flag bits 1/2/4) is the same in glibc 2.26-2.43 on x86_64
+ * (mmapped chunks changed in 2.43: mu_walk_mmapped takes their format). */
 
 /* Why mu_walk_run stopped (mu_walk_result.status). */
 enum {
@@ -86,16 +87,19 @@ typedef struct {
 } mu_mmap_result;
 
 /* Scan data[0 .. len) (a copy of [base, base+len), base page aligned) page by page for mmapped
- * chunk headers {0, S|IS_MMAPPED} with S % 4096 == 0, S >= 4096, ending within limit bytes of
- * base (limit >= len: the memory past the copy, up to limit, is pages never touched, all
- * zeros, which a chunk may span). A stale memalign header at m is followed by zeros and the
- * real header {o, (S-o)|IS_MMAPPED} at m+o (o >= 32, o % 16 == 0, inside the copy): the chunk
- * is then m+o. After a hit the scan continues at m+S. Stores user = chunk+16, usable =
- * size-16 (ascending) while fewer than cap were stored. Returns the number stored; -EINVAL on
- * bad arguments. */
+ * chunk headers {P, S|IS_MMAPPED} with P & ~prev_mask == 0 whose mapping (S + tail bytes:
+ * tail 0 up to glibc 2.42, 16 from 2.43, where the chunk keeps a next header's room) is a
+ * multiple of 4096, >= 4096, ending within limit bytes of base (limit >= len: the memory past
+ * the copy, up to limit, is pages never touched, all zeros, which a chunk may span). A stale
+ * memalign header at m is followed by zeros and the real header {o, (S+tail-o-tail)|IS_MMAPPED}
+ * at m+o (o >= 32, o % 16 == 0, inside the copy; prev_size bits in prev_mask ignored, 2.43's
+ * MMAP_HP): the chunk is then m+o. After a hit the scan continues at m + S + tail. Stores
+ * user = chunk+16, usable = size - usable_delta (16 up to 2.42, 8 from 2.43) (ascending)
+ * while fewer than cap were stored; res->bytes sums the mappings. Returns the number stored;
+ * -EINVAL on bad arguments. */
 int64_t mu_walk_mmapped(const uint8_t *data, uint64_t base, uint64_t len, uint64_t limit,
-                        uint64_t page, uint64_t *user, uint64_t *usable, uint64_t cap,
-                        mu_mmap_result *res);
+                        uint64_t page, uint64_t tail, uint64_t usable_delta, uint64_t prev_mask,
+                        uint64_t *user, uint64_t *usable, uint64_t cap, mu_mmap_result *res);
 
 /* Why mu_walk_chain stopped (mu_chain_result.status). */
 enum {
@@ -112,7 +116,8 @@ enum {
     MU_LINK_NOT_CHUNK = 2,  /* not the user pointer of any in-use chunk the walk found */
     MU_LINK_WRONG_SIZE = 3, /* an in-use chunk of another size */
     MU_LINK_WRONG_ARENA = 4,/* NON_MAIN_ARENA bit says another arena (fastbins) */
-    MU_LINK_UNREADABLE = 5  /* its link word is in no region */
+    MU_LINK_UNREADABLE = 5, /* its link word is in no region */
+    MU_LINK_ORDER = 6       /* smaller than the node before it (a sorted range list) */
 };
 
 typedef struct {
@@ -124,8 +129,10 @@ typedef struct {
 } mu_chain_result;
 
 /* Follow a singly linked free list. A node is valid only if it is the user pointer of an
- * in-use chunk the walk found: an entry of the ascending user[] (n entries) whose usable[]
- * equals chunk_size - 8. arena: 0 any, 1 main arena (NON_MAIN_ARENA clear), 2 a thread arena
+ * in-use chunk the walk found: an entry of the ascending user[] (n entries) whose usable[] + 8
+ * lies in [chunk_size, chunk_max] (equal: one size; a range: glibc 2.42+'s large tcache bins,
+ * whose chains are sorted by ascending size, so a node smaller than the one before it is
+ * refused, MU_LINK_ORDER). arena: 0 any, 1 main arena (NON_MAIN_ARENA clear), 2 a thread arena
  * (set). The first node is head + bias; the link of node L is the word at L (read through the
  * sorted, disjoint regions), unmangled as (L >> 12) ^ word when mangled != 0 (glibc >= 2.32
  * safe-linking), and the next node is link + bias (bias 0: tcache entries are user pointers;
@@ -134,8 +141,8 @@ typedef struct {
  * Returns res->nodes (at most max_nodes + 1); -EINVAL on bad arguments. */
 int64_t mu_walk_chain(const mu_region *regions, uint64_t nregions, const uint64_t *user,
                       const uint64_t *usable, uint64_t n, uint64_t head, uint64_t bias,
-                      uint32_t mangled, uint64_t chunk_size, uint32_t arena, uint64_t max_nodes,
-                      uint64_t *out, uint64_t cap, mu_chain_result *res);
+                      uint32_t mangled, uint64_t chunk_size, uint64_t chunk_max, uint32_t arena,
+                      uint64_t max_nodes, uint64_t *out, uint64_t cap, mu_chain_result *res);
 
 /* One in-use chunk shaped like a tcache_perthread_struct (mu_walk_tcache_scan). */
 typedef struct {
@@ -151,16 +158,18 @@ typedef struct {
 
 /* Cheap prefilter for tcache structs, linear in the heap: every in-use chunk of usable size
  * struct_usable (user[]/usable[] ascending, n entries) whose counts[] (count_width 1 or 2
- * bytes, nbins of them) are all <= max_count, zero from bin active_bins on, with at least one
- * non-empty bin whose head entries[i] (at entries_off) is an in-use chunk of chunk size
- * 32 + 16 i (bin sizes never change). The memory is read through the regions. A head's key
- * is the word at head + key_off. want_key != 0: only candidates with a head holding want_key
- * pass (counted in want_key). Stores up to cap candidates in address order; returns the
- * number that passed. */
+ * bytes, nbins of them) are all <= max_count, with at least one non-empty bin whose head
+ * entries[i] (at entries_off) is an in-use chunk of a chunk size in [bin_min[i], bin_max[i]]
+ * (bin sizes never change), and whose bins from active_bins on are empty. remaining != 0:
+ * counts[] is glibc 2.42+'s num_slots, the room left: a bin holds max_count - num_slots
+ * chunks. The memory is read through the regions. A head's key is the word at head + key_off.
+ * want_key != 0: only candidates with a head holding want_key pass (counted in want_key).
+ * Stores up to cap candidates in address order; returns the number that passed. */
 int64_t mu_walk_tcache_scan(const mu_region *regions, uint64_t nregions, const uint64_t *user,
                             const uint64_t *usable, uint64_t n, uint64_t struct_usable,
                             uint32_t count_width, uint64_t entries_off, uint64_t nbins,
-                            uint64_t active_bins, uint64_t max_count, uint64_t key_off,
+                            uint64_t active_bins, uint64_t max_count, uint32_t remaining,
+                            const uint64_t *bin_min, const uint64_t *bin_max, uint64_t key_off,
                             uint64_t want_key, mu_tcache_cand *out, uint64_t cap);
 
 /* Walk a doubly linked bin list from the bin's fake chunk `bin` (its fd at bin+16, bk at

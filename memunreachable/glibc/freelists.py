@@ -7,7 +7,8 @@ validation (mu_walk_chain: each node an in-use chunk of the list's size, cycles 
 and marks the verified prefixes free. A broken or in-transit list is a soft issue that names
 it and makes its block size uncertain (validate.py). Mixed into walker._Walker, whose state
 (mem, maps, stats, verdict, free_nodes, regions_table) it uses. References: glibc
-malloc/malloc.c tcache_put/tcache_get/_int_free (2.27-2.41).
+malloc/malloc.c tcache_put/tcache_get/_int_free (2.27-2.41), tcache_put_n/tcache_get_n/
+tcache_put_large (2.42-2.43: num_slots, large bins sorted by size; 2.43: no fastbins).
 """
 from __future__ import annotations
 
@@ -58,15 +59,28 @@ def tcache_context(w, loc: locate.Located, scan: detect.AllocatorScan,
     lay = loc.layout
     v = L.version_tuple(loc.version)
     if v is not None:
-        layouts = (L.TCACHE_U16 if v >= L.U16_COUNTS_FROM else L.TCACHE_U8,)
+        layouts = ((L.TCACHE_76,) if v >= L.TCACHE_76_FROM else
+                   (L.TCACHE_U16,) if v >= L.U16_COUNTS_FROM else (L.TCACHE_U8,))
         kind, mangled = L.tcache_key_kind(v), v >= L.SAFE_LINKING_FROM
-    elif lay.par is L.MP_235:           # mp_ grew in 2.35: tcache_key, safe-linking, u16
-        layouts, kind, mangled = (L.TCACHE_U16,), L.KEY_GLOBAL, True
+    elif lay.par.hp_pagesize is not None:   # mp_ grew in 2.35: tcache_key, safe-linking, u16
+        layouts, kind, mangled = lay.par.tcaches, L.KEY_GLOBAL, True
     else:
         layouts, kind, mangled = L.TCACHES, None, None
-    bins = min(w.word(loc.mp + lay.par.tcache_bins), L.TCACHE_U16.nbins)
+    small = w.word(loc.mp + lay.par.tcache_bins)
+    max_bytes = w.word(loc.mp + lay.par.tcache_max_bytes)
     count = min(w.word(loc.mp + lay.par.tcache_count), 0xFFFF)
-    return TcacheContext(layouts, kind, mangled, bins, count, _object_data(w.maps, scan), threads)
+    return TcacheContext(layouts, kind, mangled, _active_bins(lay.par, layouts, small, max_bytes),
+                         count, _object_data(w.maps, scan), threads)
+
+
+def _active_bins(par: L.MallocPar, layouts: Tuple[L.Tcache, ...], small: int, max_bytes: int) -> int:
+    """Bins that may hold chunks: mp_.tcache_bins (<= 2.41); 2.42+: the bins whose smallest
+    chunk size is below mp_.tcache_max_bytes (a free caches a chunk when size < max_bytes)."""
+    nbins = max(tc.nbins for tc in layouts)
+    if par.max_bytes_kind == L.MAX_BYTES_USABLE:
+        return min(small, nbins)
+    tc = layouts[0]
+    return sum(1 for i in range(tc.nbins) if tc.bin_size_range(i)[0] < max_bytes)
 
 
 def _object_data(maps: List[Mapping], scan: detect.AllocatorScan) -> List[Range]:
@@ -87,15 +101,17 @@ class FreeListsMixin:
     """tcache and fastbin subtraction for walker._Walker."""
 
     def chain(self, tab, ntab, user: array, usable: array, head: int, bias: int, mangled: bool,
-              size: int, arena: int, max_nodes: int):
-        """(mu_chain_result, verified prefix) of one free list (see mu_walk_chain)."""
+              size: int, arena: int, max_nodes: int, size_max: Optional[int] = None):
+        """(mu_chain_result, verified prefix) of one free list (see mu_walk_chain) of chunk
+        size `size`, or [size, size_max] (a 2.42+ large tcache bin)."""
         cap = min(max_nodes + 1, 64)       # grown below when a chain is longer (fastbins)
         res = ffi.new("mu_chain_result *")
         pu, pz = ffi.from_buffer("uint64_t[]", user), ffi.from_buffer("uint64_t[]", usable)
         while True:
             out = _alloc_q(cap)
             n = check(lib.mu_walk_chain(tab, ntab, pu, pz, len(user), head, bias, int(mangled), size,
-                                        arena, max_nodes, ffi.from_buffer("uint64_t[]", out), cap, res),
+                                        size if size_max is None else size_max, arena, max_nodes,
+                                        ffi.from_buffer("uint64_t[]", out), cap, res),
                       "walk chain")
             if n <= cap:
                 break
@@ -109,12 +125,17 @@ class FreeListsMixin:
         """(mu_tcache_cand[], n): blocks shaped like tc that pass mu_walk_tcache_scan's
         prefilter (linear, in C); with want_key, only those with a head holding it."""
         cap = 64            # a tcache per thread; mu_walk_tcache_scan says when more are needed
+        ranges = [tc.bin_size_range(i) for i in range(tc.nbins)]
+        lo = array("Q", [r[0] for r in ranges])
+        hi = array("Q", [r[1] for r in ranges])
         while True:
             out = ffi.new("mu_tcache_cand[]", cap)
             n = check(lib.mu_walk_tcache_scan(
                 tab, ntab, ffi.from_buffer("uint64_t[]", user), ffi.from_buffer("uint64_t[]", usable),
                 len(user), tc.chunk_size - L.ARENA_USABLE_DELTA, tc.count_width, tc.entries, tc.nbins,
-                active_bins, max_count, tc.key or 0, want_key, out, cap), "scan tcache candidates")
+                min(active_bins, tc.nbins), max_count, int(tc.remaining),
+                ffi.from_buffer("uint64_t[]", lo), ffi.from_buffer("uint64_t[]", hi),
+                tc.key or 0, want_key, out, cap), "scan tcache candidates")
             if n <= cap:
                 return out, n
             cap = n
@@ -217,20 +238,24 @@ class FreeListsMixin:
         return out
 
     def tcache_bins(self, tab, ntab, user: array, usable: array, addr: int, tc: L.Tcache,
-                    mangled: bool):
+                    mangled: bool, max_count: int):
         """[(bin, count, mu_chain_result, prefix)] of every bin of the tcache at addr that has
-        a count or a head."""
+        a count or a head (count: chunks the bin says it holds; 2.42+: max_count - num_slots)."""
         data = self.read(addr, tc.entries + 8 * tc.nbins)
         fmt = "<%d%s" % (tc.nbins, "B" if tc.count_width == 1 else "H")
-        counts = struct.unpack_from(fmt, data, 0)
+        stored = struct.unpack_from(fmt, data, 0)
         entries = struct.unpack_from("<%dQ" % tc.nbins, data, tc.entries)
         out = []
         for i in range(tc.nbins):
-            if counts[i] == 0 and entries[i] == 0:
+            count = tc.entry_count(stored[i], max_count)
+            if count is None:               # num_slots above tcache_count: garbage
+                count = 0
+            if count == 0 and entries[i] == 0:
                 continue
+            lo, hi = tc.bin_size_range(i)
             res, nodes = self.chain(tab, ntab, user, usable, entries[i], L.TCACHE_LINK_BIAS, mangled,
-                                    tc.bin_chunk_size(i), 0, counts[i] + 1)
-            out.append((i, counts[i], res, nodes))
+                                    lo, 0, count + 1, hi)
+            out.append((i, count, res, nodes))
         return out
 
     def subtract_tcaches(self, user: array, usable: array, ctx: TcacheContext) -> Optional[bool]:
@@ -242,19 +267,26 @@ class FreeListsMixin:
             if mangled is None:     # no version hint (static 2.27-2.34): the decoding that fits
                 scored = []
                 for m in (True, False):
-                    bins = self.tcache_bins(tab, ntab, user, usable, addr, tc, m)
+                    bins = self.tcache_bins(tab, ntab, user, usable, addr, tc, m, ctx.max_count)
                     ok = sum(1 for _, cnt, r, _n in bins if r.status == V.CHAIN_NULL and r.nodes == cnt)
                     scored.append((ok, m, bins))
                 ok, m, bins = max(scored, key=lambda x: x[0])
                 if ok:
                     mangled = m
             else:
-                bins = self.tcache_bins(tab, ntab, user, usable, addr, tc, mangled)
+                bins = self.tcache_bins(tab, ntab, user, usable, addr, tc, mangled, ctx.max_count)
             transit = False
             for i, count, r, nodes in bins:
-                usable_i = tc.bin_chunk_size(i) - L.ARENA_USABLE_DELTA
+                lo, hi = tc.bin_size_range(i)
+                usable_i = lo - L.ARENA_USABLE_DELTA
+                usable_max = present = None
+                if hi != lo:            # a large bin: the sizes of it the heap holds
+                    usable_max = hi - L.ARENA_USABLE_DELTA
+                    exact = r.status == V.CHAIN_NULL and r.nodes == count
+                    present = () if exact else {u for u in usable if usable_i <= u <= usable_max}
                 free, t = V.judge_tcache_bin(self.v, addr, i, usable_i, count, r.status, r.nodes,
-                                             r.reason, r.last, r.bad, transit)
+                                             r.reason, r.last, r.bad, transit, usable_max,
+                                             present or ())
                 transit |= t
                 self.free_nodes.extend(nodes[:free])
                 self.stats["tcache_free"] += free
@@ -263,8 +295,10 @@ class FreeListsMixin:
 
     def subtract_fastbins(self, user: array, usable: array, arenas: List[int], lay: L.Layout,
                           mangled: Optional[bool]) -> None:
-        tab, ntab = self.regions_table()
         st_ = lay.state
+        if not st_.nfastbins:       # 2.43+: no fastbins
+            return
+        tab, ntab = self.regions_table()
         for k, arena in enumerate(arenas):
             heads = struct.unpack("<%dQ" % st_.nfastbins, self.read(arena + st_.fastbins,
                                                                          8 * st_.nfastbins))

@@ -150,7 +150,8 @@ def _u64(data, off: int) -> int:
 
 
 def iter_mp_images(img: _Image) -> Iterator[Tuple[int, L.MallocPar]]:
-    """Link-time (address, family) of a file-image mp_: the static initialiser of malloc.c."""
+    """Link-time (address, family) of a file-image mp_: the static initialiser of malloc.c,
+    whose tcache fields tell 2.35-2.41 (1032, 7) from 2.42 (0x410, 7) and 2.43 (0x411, 16)."""
     pat = struct.pack("<Q", L.MP_INIT_THRESHOLD)
     for vaddr, data in img.rw:
         base, w = _words(vaddr, data)
@@ -164,9 +165,11 @@ def iter_mp_images(img: _Image) -> Iterator[Tuple[int, L.MallocPar]]:
                     if (_u64(raw, pos + par.mmap_threshold) == L.MP_INIT_THRESHOLD and
                             _u64(raw, pos + par.arena_test) == L.MP_INIT_ARENA_TEST and
                             _i32(raw, pos + par.n_mmaps_max) == L.MP_INIT_N_MMAPS_MAX and
+                            (par.thp_mode is None or
+                             _i32(raw, pos + par.thp_mode) == L.MP_INIT_THP_MODE) and
                             _u64(raw, pos + par.tcache_bins) == L.MP_INIT_TCACHE_BINS and
-                            _u64(raw, pos + par.tcache_max_bytes) == L.MP_INIT_TCACHE_MAX_BYTES and
-                            _u64(raw, pos + par.tcache_count) == L.MP_INIT_TCACHE_COUNT):
+                            _u64(raw, pos + par.tcache_max_bytes) == par.init_tcache_max_bytes and
+                            _u64(raw, pos + par.tcache_count) == par.init_tcache_count):
                         yield base + pos, par
             pos = raw.find(pat, pos + 1)
 
@@ -194,13 +197,15 @@ def _locate_in_file(mappings: List[Mapping], pid: Optional[int], path: str) -> O
     img = read_image(mappings, pid)
     if img is None:
         return None
-    state = L.MALLOC_STATE_227
-    arenas = list(iter_main_arena_images(img, state))
-    pars = list(iter_mp_images(img))
+    # the malloc_state family is the one whose image pattern (next, attached_threads, zeros
+    # elsewhere) occurs; mp_'s family must go with it (2.43: both changed)
+    arenas = [(a, st) for st in L.MALLOC_STATES for a in iter_main_arena_images(img, st)]
+    pars = [(mp, par) for mp, par in iter_mp_images(img)
+            if arenas and par.state is arenas[0][1]]
     if len(arenas) != 1 or len(pars) != 1:
         return None
-    mp, par = pars[0]
-    return Located(img.bias + arenas[0], img.bias + mp, L.Layout(state, par), img.version, "file", path)
+    (arena, state), (mp, par) = arenas[0], pars[0]
+    return Located(img.bias + arena, img.bias + mp, L.Layout(state, par), img.version, "file", path)
 
 
 # ---------------------------------------------------------------- method B: memory scan
@@ -245,17 +250,33 @@ def _mp_plausible(d: bytes, par: L.MallocPar, maps: List[Mapping]) -> bool:
     n_mmaps = _i32(d, par.n_mmaps)
     max_n = _i32(d, par.max_n_mmaps)
     sbrk = _u64(d, par.sbrk_base)
-    return (0 < bins <= 1024 and _u64(d, par.tcache_max_bytes) == (bins - 1) * 16 + 24 and
+    return (par.tcache_max_plausible(bins, _u64(d, par.tcache_max_bytes)) and
             L.MP_INIT_THRESHOLD <= thr <= L.MP_MAX_MMAP_THRESHOLD and 0 <= n_mmaps <= max_n and
             _u64(d, par.mmapped_mem) % L.PAGE == 0 and
             _u64(d, par.arena_test) > 0 and
+            (par.thp_mode is None or 0 <= _i32(d, par.thp_mode) <= L.MP_INIT_THP_MODE) and
             (sbrk == 0 or any(m.begin <= sbrk < m.end for m in maps)))
+
+
+def _ring_closes(mem, a: int, state: L.MallocState) -> bool:
+    """The arena ring from a candidate main_arena a returns to a (glibc-heap.md section 5):
+    tells the malloc_state families apart, whose bins start at different offsets."""
+    try:
+        nxt = _u64(mem.read(a + state.next, 8), 0)
+        for _ in range(L.ARENA_RING_PROBE):
+            if nxt == a:
+                return True
+            if not nxt or nxt % 16:
+                return False
+            nxt = _u64(mem.read(nxt + state.next, 8), 0)
+    except (OSError, MemoryUnreadable):     # a probe: unreadable means "not an arena"
+        return False
+    return False
 
 
 def locate_in_memory(mem, maps: List[Mapping], mappings: List[Mapping], path: str,
                      version: Optional[str]) -> Optional[Located]:
     """Method B over the object's rw mappings and the anonymous mapping right after them (.bss)."""
-    state = L.MALLOC_STATE_227
     regions = []
     ordered = sorted(maps, key=lambda m: m.begin)
     for k, m in enumerate(ordered):
@@ -265,14 +286,22 @@ def locate_in_memory(mem, maps: List[Mapping], mappings: List[Mapping], path: st
                 nxt = ordered[k + 1]
                 if nxt.anonymous and nxt.begin == m.end and nxt.writable and not nxt.path:
                     regions.append((nxt.begin, mem.read(nxt.begin, nxt.end - nxt.begin)))
-    arenas = list(dict.fromkeys(iter_arena_candidates(mem, regions, state)))
-    if len(arenas) != 1:
+    # one run of bin slots; each malloc_state family puts the arena at another offset before
+    # it, and only the right one's `next` ring closes
+    starts = list(dict.fromkeys(iter_arena_candidates(mem, regions, L.MALLOC_STATE_227)))
+    found_arenas = []
+    for st in L.MALLOC_STATES:
+        shift = st.bins - L.MALLOC_STATE_227.bins
+        found_arenas += [(a - shift, st) for a in starts if _ring_closes(mem, a - shift, st)]
+    if len(found_arenas) != 1:
         return None
+    arena, state = found_arenas[0]
     found = []
     hint = L.par_hint(version)
+    pars = [par for par in L.MALLOC_PARS if par.state is state]
     for base, data in regions:
         for off in range(0, len(data) - 8, 8):
-            for par in L.MALLOC_PARS:
+            for par in pars:
                 if off + par.sizeof <= len(data) and _mp_plausible(data[off:off + par.sizeof], par, maps):
                     found.append((base + off, par))
     if hint is not None and len(found) > 1:
@@ -280,4 +309,4 @@ def locate_in_memory(mem, maps: List[Mapping], mappings: List[Mapping], path: st
     if len(found) != 1:
         return None
     mp, par = found[0]
-    return Located(arenas[0], mp, L.Layout(state, par), version, "memory", path)
+    return Located(arena, mp, L.Layout(state, par), version, "memory", path)

@@ -8,7 +8,7 @@ a hard issue (the orchestrator retakes the snapshot). Pure policy: no memory acc
 """
 from __future__ import annotations
 
-from typing import Dict, List, Optional, Tuple
+from typing import Dict, Iterable, List, Optional, Tuple
 
 from memunreachable._errors import HeapWalkError
 from memunreachable._types import Fields
@@ -20,7 +20,8 @@ WALK_STATUS_NAMES = {0: "top", 1: "double fencepost", 2: "heap-end fencepost", 3
 # mu_walk_chain statuses and link reasons (native/mu_walk.h)
 CHAIN_NULL, CHAIN_BAD, CHAIN_LONG, CHAIN_CYCLE = 0, 1, 2, 3
 LINK_REASONS = {1: "not 16-byte aligned", 2: "not an in-use chunk of the heap",
-                3: "a chunk of another size", 4: "a chunk of another arena", 5: "unreadable"}
+                3: "a chunk of another size", 4: "a chunk of another arena", 5: "unreadable",
+                6: "smaller than the chunk before it (a large tcache bin is sorted)"}
 BINS_SOFT_SLACK = 2          # chunks in transit tolerated by the bins cross-check
 
 
@@ -90,26 +91,38 @@ def _link_problem(status: int, reason: int, nodes: int, count: Optional[int], ba
 
 
 def judge_tcache_bin(v: Verdict, tcache: int, i: int, usable: int, count: int, status: int,
-                     nodes: int, reason: int, last: int, bad: int, in_transit_seen: bool) -> Tuple[int, bool]:
+                     nodes: int, reason: int, last: int, bad: int, in_transit_seen: bool,
+                     usable_max: Optional[int] = None,
+                     present: Iterable[int] = ()) -> Tuple[int, bool]:
     """Verdict on bin i of a real tcache; returns (free nodes: the verified prefix, in transit).
 
     Exact (chain ends in NULL after `count` nodes): nothing to say. One bin per tcache may be
     off by one (its thread inside tcache_put/tcache_get): soft. Anything else is a broken
     chain: soft too, naming it. Both expose the bin's size as uncertain, since a block of that
-    size may be free without being on the chain."""
-    what = f"tcache {tcache:#x} bin {i} ({usable}-byte blocks)"
+    size may be free without being on the chain. A 2.42+ large bin holds usable sizes
+    [usable, usable_max]: the ones of them present in the heap become uncertain."""
+    sizes = [usable] if usable_max is None else sorted(set(present))
+    span = f"{usable}" if usable_max is None else f"{usable}-{usable_max}"
+    what = f"tcache {tcache:#x} bin {i} ({span}-byte blocks)"
     if status == CHAIN_NULL and nodes == count:
         return nodes, False
     if status == CHAIN_NULL and abs(nodes - count) == 1 and not in_transit_seen:
-        v.warn_uncertain(f"{what}: {nodes} chunk(s) linked, count says {count} "
-                         f"(a thread inside malloc/free; the chain was counted as free)", usable)
+        msg = (f"{what}: {nodes} chunk(s) linked, count says {count} "
+               f"(a thread inside malloc/free; the chain was counted as free)")
+        _warn_sizes(v, msg, sizes)
         return nodes, True
     where = f"at {last:#x}" if last else "at its head"
     link = "next pointer" if last else f"entries[{i}]"
-    v.warn_uncertain(f"{what}: chain broken {where}: "
-                     f"{_link_problem(status, reason, nodes, count, bad, link)}; unreachable "
-                     f"{usable}-byte blocks may be free", usable)
+    _warn_sizes(v, f"{what}: chain broken {where}: "
+                   f"{_link_problem(status, reason, nodes, count, bad, link)}; unreachable "
+                   f"{span}-byte blocks may be free", sizes)
     return min(nodes, count), False
+
+
+def _warn_sizes(v: Verdict, msg: str, sizes: List[int]) -> None:
+    v.soft.append(msg)
+    for s in sizes:
+        v.uncertain.setdefault(s, msg)
 
 
 def judge_fastbin(v: Verdict, arena: int, i: int, usable: int, status: int, nodes: int,

@@ -10,7 +10,7 @@ Steps (glibc-heap.md section 1): detect the allocator, locate main_arena/mp_, fo
 ring, walk the main arena's runs (across adjacent [heap] VMAs) and every thread arena's heaps,
 scan anonymous memory for mmapped chunks, subtract the verified tcache and fastbin chains
 (freelists.py), validate. Each region is read once in bulk; the chunk loops run in
-native/mu_walk.c. References: glibc malloc/malloc.c, arena.c (2.27-2.41).
+native/mu_walk.c. References: glibc malloc/malloc.c, arena.c (2.27-2.43).
 """
 from __future__ import annotations
 
@@ -427,7 +427,8 @@ class _Walker(FreeListsMixin):
 
     # -- step 5: thread arenas ----------------------------------------------------------
     def heap_max(self, lay: L.Layout, mp: int) -> int:
-        if lay.par.hp_pagesize is not None:
+        """HEAP_MAX: 64 MiB; 2.35-2.42: 4 * mp_.hp_pagesize when set (2.43: never)."""
+        if lay.par.heap_max_from_hp:
             hp = self.word(mp + lay.par.hp_pagesize)
             if hp:
                 return 4 * hp
@@ -505,7 +506,8 @@ class _Walker(FreeListsMixin):
         return [r for r in subtract_ranges(cands, claimed) if r.begin % L.PAGE == 0]
 
     def anonymous(self, arena: int, top: int, need_runs: bool,
-                  expect: Tuple[int, int] = (-1, -1)) -> Tuple[int, int, bool]:
+                  expect: Tuple[int, int] = (-1, -1),
+                  fmt: L.MmapChunk = L.MMAP_CHUNK_227) -> Tuple[int, int, bool]:
         """Scan anonymous memory; returns (mmapped count, mmapped bytes, top reached).
         expect: mp_'s n_mmaps and mmapped_mem, which lookalikes() reconciles the scan with.
         Runs of pages never touched (pagemap: neither present nor swapped out) are zeros:
@@ -514,8 +516,8 @@ class _Walker(FreeListsMixin):
         ranges = self.anonymous_ranges()
         runs = None if need_runs else self.runs_in_use(ranges)
         cps, limits = self.read_anonymous(ranges, runs)
-        scanned, top_reached = self.scan_anonymous(cps, limits, arena, top, need_runs)
-        found, found_bytes, kept = self.keep_mmapped(scanned, expect)
+        scanned, top_reached = self.scan_anonymous(cps, limits, arena, top, need_runs, fmt)
+        found, found_bytes, kept = self.keep_mmapped(scanned, expect, fmt)
         if runs is not None:
             self.join_spanned(cps, kept)
             have = merge_ranges([Range(cp.base, cp.end) for cp in self.copies if cp.ptr is not None]
@@ -538,7 +540,7 @@ class _Walker(FreeListsMixin):
         return cps, [limit for _, _, limit in parts]
 
     def scan_anonymous(self, cps: List[_Copy], limits: List[int], arena: int, top: int,
-                       need_runs: bool) -> Tuple[list, bool]:
+                       need_runs: bool, fmt: L.MmapChunk = L.MMAP_CHUNK_227) -> Tuple[list, bool]:
         """([(copy, span begin, user, usable)] of the mmapped-chunk look-alikes each copy's
         spans hold, top reached). need_runs: the main arena is NONCONTIGUOUS; its runs are
         found first (page starts that walk to the top or a fencepost) and accepted, and only
@@ -573,7 +575,8 @@ class _Walker(FreeListsMixin):
                 while True:
                     user, usable = _alloc_q(cap), _alloc_q(cap)
                     n = check(lib.mu_walk_mmapped(cp.ptr + (s.begin - cp.base), s.begin, s.size,
-                                                  limit - s.begin, L.PAGE,
+                                                  limit - s.begin, L.PAGE, fmt.tail,
+                                                  fmt.usable_delta, fmt.prev_flags,
                                                   ffi.from_buffer("uint64_t[]", user),
                                                   ffi.from_buffer("uint64_t[]", usable), cap, res_m),
                               "scan mmapped")
@@ -585,10 +588,12 @@ class _Walker(FreeListsMixin):
                     del usable[n:]
                     scanned.append((cp, s.begin, user, usable))
                     self.stats["mmapped_moved"] += res_m.moved
-                    skip = max(skip, user[n - 1] + usable[n - 1])
+                    skip = max(skip, user[n - 1] + usable[n - 1] + fmt.usable_delta + fmt.tail -
+                               L.CHUNK_HDR)
         return scanned, top_reached
 
-    def keep_mmapped(self, scanned: list, expect: Tuple[int, int]):
+    def keep_mmapped(self, scanned: list, expect: Tuple[int, int],
+                     fmt: L.MmapChunk = L.MMAP_CHUNK_227):
         """(count, bytes, [(copy, extent)]) of the mmapped chunks scan_anonymous found, less
         the page starts lookalikes() drops; each kept chunk is an allocation of its copy."""
         found = found_bytes = 0
@@ -596,7 +601,8 @@ class _Walker(FreeListsMixin):
         for cp, _b, user, usable in scanned:
             for u, us in zip(user, usable):
                 chunk = u - L.CHUNK_HDR
-                spans[u] = (chunk - self.moved_offset(cp, chunk), chunk + us + L.MMAP_USABLE_DELTA)
+                spans[u] = (chunk - (self.moved_offset(cp, chunk) & ~fmt.prev_flags),
+                            chunk + us + fmt.usable_delta + fmt.tail)
         drop = V.lookalikes({u: e - b for u, (b, e) in spans.items()}, *expect)
         if drop:
             self.stats["mmapped_lookalikes"] = len(drop)
@@ -802,7 +808,8 @@ def walk_heap(mem, maps: List[Mapping], threads: List[ThreadState], pid: int,
     need_runs = not top_reached and bool(flags & lay.state.noncontiguous_bit)
     n_mmaps = w.i32(loc.mp + lay.par.n_mmaps)
     mmapped_mem = w.word(loc.mp + lay.par.mmapped_mem)
-    found, found_bytes, reached = w.anonymous(main, top, need_runs, (n_mmaps, mmapped_mem))
+    found, found_bytes, reached = w.anonymous(main, top, need_runs, (n_mmaps, mmapped_mem),
+                                              lay.par.mmap_chunk)
     if not top_reached and not reached:
         w.v.fail(f"main arena: no run reaches top {top:#x}", top)
     V.check_mmapped(w.v, found, found_bytes, n_mmaps, mmapped_mem)

@@ -141,7 +141,7 @@ def test_mmapped_scan_with_memalign_moved_header():
     struct.pack_into("<QQ", buf, 0x20000, 0, 0x1000 | M | P)       # flags wrong: not a chunk
     user, usable = array("Q", bytes(80)), array("Q", bytes(80))
     res = ffi.new("mu_mmap_result *")
-    n = lib.mu_walk_mmapped(ffi.from_buffer(buf), base, len(buf), len(buf), 4096,
+    n = lib.mu_walk_mmapped(ffi.from_buffer(buf), base, len(buf), len(buf), 4096, 0, 16, 0,
                             ffi.from_buffer("uint64_t[]", user), ffi.from_buffer("uint64_t[]", usable),
                             10, res)
     assert n == 2
@@ -166,13 +166,13 @@ def in_use(run):
     return array("Q", [u for u, _ in pairs]), array("Q", [z for _, z in pairs])
 
 
-def chain(tab, n, run, head, bias, mangled, size, max_nodes, arena=0, cap=64):
+def chain(tab, n, run, head, bias, mangled, size, max_nodes, arena=0, cap=64, size_max=None):
     user, usable = in_use(run)
     out = array("Q", bytes(8 * cap))
     res = ffi.new("mu_chain_result *")
     k = lib.mu_walk_chain(tab, n, ffi.from_buffer("uint64_t[]", user), ffi.from_buffer("uint64_t[]", usable),
-                          len(user), head, bias, mangled, size, arena, max_nodes,
-                          ffi.from_buffer("uint64_t[]", out), cap, res)
+                          len(user), head, bias, mangled, size, size if size_max is None else size_max,
+                          arena, max_nodes, ffi.from_buffer("uint64_t[]", out), cap, res)
     assert k == res.nodes
     return res.status, list(out[:min(k, cap)]), res
 
@@ -250,13 +250,21 @@ def tcache_struct(r, counts, heads, tc):
     return u
 
 
+def bin_ranges(tc):
+    """(bin_min, bin_max) arrays of tc's chunk sizes per bin, as mu_walk_tcache_scan takes them."""
+    ranges = [tc.bin_size_range(i) for i in range(tc.nbins)]
+    return array("Q", [a for a, _ in ranges]), array("Q", [b for _, b in ranges])
+
+
 def scan(tab, n, r, tc, active=64, max_count=7, cap=16, want=0):
     user, usable = in_use(r)
     out = ffi.new("mu_tcache_cand[]", cap)
+    lo, hi = bin_ranges(tc)
     k = lib.mu_walk_tcache_scan(tab, n, ffi.from_buffer("uint64_t[]", user),
                                 ffi.from_buffer("uint64_t[]", usable), len(user),
                                 tc.chunk_size - 8, tc.count_width, tc.entries, tc.nbins, active,
-                                max_count, 8, want, out, cap)
+                                max_count, int(tc.remaining), ffi.from_buffer("uint64_t[]", lo),
+                                ffi.from_buffer("uint64_t[]", hi), 8, want, out, cap)
     return [(o.addr, o.key, o.nonempty, o.heads, o.want_key, o.self_key, o.mismatched)
             for o in out[0:min(k, cap)]]
 
@@ -301,10 +309,12 @@ def test_tcache_scan_is_linear_for_many_lookalikes():
     tab, keep = regions(r)
     user, usable = in_use(r)
     out = ffi.new("mu_tcache_cand[]", n)
+    lo, hi = bin_ranges(tc)
     t = time.perf_counter()
     k = lib.mu_walk_tcache_scan(tab, 1, ffi.from_buffer("uint64_t[]", user),
                                 ffi.from_buffer("uint64_t[]", usable), len(user), tc.chunk_size - 8,
-                                2, tc.entries, 64, 64, 7, 8, 0, out, n)
+                                2, tc.entries, 64, 64, 7, 0, ffi.from_buffer("uint64_t[]", lo),
+                                ffi.from_buffer("uint64_t[]", hi), 8, 0, out, n)
     dt = time.perf_counter() - t
     assert k == n
     assert dt < 0.1, f"prefilter of {n} look-alikes took {dt:.3f}s"
