@@ -587,9 +587,15 @@ def _sweep_snapshot(snap, fz, st: _Attempts, sweep_timeout: float, confirm, over
                      release_snapshot=_early_release(snap), dead_ranges=dead_ranges,
                      since=since if here else None)
     try:
-        return run_here(work) if here else run_sweeper(work, sweep_timeout)
+        res = run_here(work) if here else run_sweeper(work, sweep_timeout)
     finally:
         mem.close()
+    if unseen:          # no verdict: a block only referenced from there would look leaked
+        res.meta.setdefault("incomplete", []).append(
+            f"{sum(r.size for r in unseen)} bytes of the target's memory are not in the "
+            f"snapshot and could not be copied during the pause ({'; '.join(plan.notes[:3])}): "
+            "the unreachable blocks they may reference are reported as uncertain, not as leaks")
+    return res
 
 
 def _look_at_writes(tracker) -> Optional[int]:
@@ -860,9 +866,7 @@ def sweep(mem, maps, threads, pid: int, confirm: Optional[set] = None,
         "warnings": list(hw.soft_issues) + _tolerated_warning(mem) + cps.warnings
                     + (py.warnings if py is not None else []),
         # what could not be seen: no "no leaks" verdict then (check's verdict())
-        "incomplete": list(cps.blind) + (
-            ["memory that may reference the unreachable blocks was not in the snapshot: they "
-             "are reported as uncertain, not as leaks"] if all_uncertain else []),
+        "incomplete": list(cps.blind),
         "stats": dict(hw.stats),
         "seconds": {"walk": t_walk - t0, "roots": t_roots - t_walk, "mark": t_mark - t_roots,
                     "fold": t_fold - t_mark},
