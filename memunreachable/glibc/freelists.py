@@ -290,6 +290,10 @@ class FreeListsMixin:
                 transit |= t
                 self.free_nodes.extend(nodes[:free])
                 self.stats["tcache_free"] += free
+                self.stats["tcache_free_bytes"] += (
+                    free * lo if hi == lo else
+                    sum(usable[bisect.bisect_left(user, u)] + L.ARENA_USABLE_DELTA
+                        for u in nodes[:free]))
             self.stats["tcaches"].append(addr)
         return mangled
 

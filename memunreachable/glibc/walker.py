@@ -203,7 +203,10 @@ class _Walker(FreeListsMixin):
         self.heap_ranges: List[Range] = []
         self.stats: Dict[str, object] = dict(arenas=0, heaps=0, main_runs=0, chunks=0, in_use=0,
                                              free_chunks=0, tcache_free=0, fastbin_free=0,
-                                             mmapped=0, mmapped_moved=0, tcaches=[])
+                                             mmapped=0, mmapped_moved=0, tcaches=[],
+                                             # bytes, as glibc's mallinfo2() counts them
+                                             in_use_bytes=0, free_bytes=0, top_bytes=0,
+                                             system_mem=0, mmapped_bytes=0, tcache_free_bytes=0)
         self.free_nodes: List[int] = []
         self.arena_free: Dict[int, int] = {}   # arena -> bit-free chunks found by the walk
         self.arena_chunks: Dict[int, int] = {}
@@ -359,6 +362,8 @@ class _Walker(FreeListsMixin):
         self.pieces.append(piece)
         self.stats["chunks"] += res.chunks
         self.stats["free_chunks"] += res.free_chunks
+        self.stats["in_use_bytes"] += res.in_use_bytes
+        self.stats["free_bytes"] += res.free_bytes
         self.arena_free[arena] = self.arena_free.get(arena, 0) + res.free_chunks
         self.arena_chunks[arena] = self.arena_chunks.get(arena, 0) + res.chunks
 
@@ -814,6 +819,12 @@ def walk_heap(mem, maps: List[Mapping], threads: List[ThreadState], pid: int,
         w.v.fail(f"main arena: no run reaches top {top:#x}", top)
     V.check_mmapped(w.v, found, found_bytes, n_mmaps, mmapped_mem)
     w.stats["mmapped"] = found
+    w.stats["mmapped_bytes"] = found_bytes
+    for a in arenas:
+        t = w.word(a + lay.state.top)
+        w.stats["system_mem"] += w.word(a + lay.state.system_mem)
+        if t and t != lay.state.initial_top(a):
+            w.stats["top_bytes"] += L.chunksize(w.word(t + L.SIZE_SZ))
     # 6. subtract tcache and fastbin free chunks
     user, usable = w.assemble()
     mangled = w.subtract_tcaches(user, usable, tcache_context(w, loc, scan, threads))
