@@ -247,6 +247,7 @@ MP_INIT_ARENA_TEST = 8            # NARENAS_FROM_NCORES(1) on LP64
 MP_INIT_N_MMAPS_MAX = 65536       # DEFAULT_MMAP_MAX
 MP_INIT_TCACHE_BINS = 64
 MP_INIT_THP_MODE = 3              # malloc_thp_mode_not_supported (2.43+)
+MP_INIT_TCACHE_COUNT_243 = 16     # TCACHE_FILL_COUNT from 2.43 (7 before)
 MP_MAX_MMAP_THRESHOLD = 32 * 1024 * 1024
 
 MP_227 = MallocPar(
@@ -284,7 +285,8 @@ MP_243 = MallocPar(
     max_n_mmaps=0x4c, mmapped_mem=0x58, sbrk_base=0x68, tcache_bins=0x70, tcache_max_bytes=0x78,
     tcache_count=0x80, heap_info=HEAP_INFO_48, thp_mode=0x28, heap_max_from_hp=False,
     mmap_chunk=MMAP_CHUNK_243, tcaches=(TCACHE_76,), state=MALLOC_STATE_243,
-    init_tcache_max_bytes=0x411, init_tcache_count=16, max_bytes_kind=MAX_BYTES_CHUNK_1)
+    init_tcache_max_bytes=0x411, init_tcache_count=MP_INIT_TCACHE_COUNT_243,
+    max_bytes_kind=MAX_BYTES_CHUNK_1)
 MALLOC_PARS: Tuple[MallocPar, ...] = (MP_243, MP_242, MP_235, MP_227)
 
 # main_arena's file image: only `next` (== &main_arena) and attached_threads (== 1) are non-zero.
