@@ -671,12 +671,13 @@ int64_t mu_follow_chain(const mu_region *r, uint64_t nr, uint64_t first, uint64_
             return -ENOENT;
         if (o % 8)
             return -EPROTO;
-        const uint8_t *c = chain_word(r, nr, o + check_off);
+        const uint8_t *c = check_off == MU_CHAIN_NO_CHECK ? NULL : chain_word(r, nr, o + check_off);
         const uint8_t *l = chain_word(r, nr, o + link_off);
-        if (!c || !l)
+        if ((!c && check_off != MU_CHAIN_NO_CHECK) || !l)
             return -EFAULT;
-        uint64_t refcnt, next;
-        memcpy(&refcnt, c, 8);
+        uint64_t refcnt = 0, next;
+        if (c)
+            memcpy(&refcnt, c, 8);
         memcpy(&next, l, 8);
         if (refcnt != 0)
             return -EPROTO;

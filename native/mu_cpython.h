@@ -147,6 +147,8 @@ int64_t mu_gc_stale_parts(const uint64_t *begin, const uint64_t *size, uint64_t 
  * o + check_off 0; out[k] = o_k, then o_k+1 is the word at o_k + link_off. Returns n;
  * -EFAULT when an object's words are in no region (out[0..k) hold the objects before it, *done
  * says k: the caller reads on another way), -ENOENT when the chain ends (NULL) early, -EPROTO
- * when an object's check word is not 0 or it is misaligned (*done: its index), -EINVAL. */
+ * when an object's check word is not 0 or it is misaligned (*done: its index), -EINVAL.
+ * check_off MU_CHAIN_NO_CHECK: no check word (3.14+ free lists link through ob_refcnt). */
+#define MU_CHAIN_NO_CHECK 4294967295
 int64_t mu_follow_chain(const mu_region *r, uint64_t nr, uint64_t first, uint64_t n,
                         uint64_t link_off, uint64_t check_off, uint64_t *out, uint64_t *done);

@@ -11,6 +11,7 @@ trusted. No offset literal may appear outside this module (style.md rule 7).
 """
 from __future__ import annotations
 
+import struct
 from typing import Dict, Optional, Tuple
 
 from memunreachable._types import record
@@ -82,6 +83,7 @@ class DataStack:
     tstate_chunk: int
     tstate_top: int
     tstate_limit: int
+    tstate_cached_chunk: Optional[int] = None   # 3.13.18+, 3.14+: a freed chunk kept for reuse
     chunk_previous: int = 0
     chunk_size: int = 8         # bytes, header included
     chunk_top: int = 16         # word index into data[], written when a newer chunk is pushed
@@ -117,36 +119,131 @@ OB_TYPE = 8
 GC_HEAD_SIZE = 16               # PyGC_Head precedes a GC object in its block
 TUPLE_ITEM0 = 24                # PyTupleObject.ob_item[0]
 
-# --- 3.13 _Py_DebugOffsets (Include/internal/pycore_runtime.h): _PyRuntime.debug_offsets -------
+# --- _Py_DebugOffsets (3.13+): the first member of _PyRuntime ----------------------------------
+# The runtime publishes the offsets out-of-process tools need (Include/internal/
+# pycore_runtime.h in 3.13, pycore_debug_offsets.h from 3.14): a cookie, PY_VERSION_HEX, a
+# free_threaded flag, then groups of u64 values in this order. The struct changes between
+# minor versions, never within one (the header says so; checked: 3.13.0, 3.13.5 and 3.13.18 give
+# sizeof 584, 3.14.10 760, 3.15.2 888). From 3.13 on every offset it holds is taken from the
+# target itself; the tables below (SUPPLEMENTS) hold only what it lacks.
 DEBUG_COOKIE = b"xdebugpy"
+DEBUG_HEAD = 24                 # cookie[8], version, free_threaded
 
 
 @record
 class DebugOffsets:
-    """Where the fields we cross-check sit inside _Py_DebugOffsets (3.13.0)."""
+    """Where the header fields sit inside _Py_DebugOffsets (every version)."""
     cookie: int = 0
     version: int = 8
     free_threaded: int = 16
-    runtime_size: int = 24
-    runtime_interpreters_head: int = 40
-    interp_size: int = 48
-    interp_next: int = 64
-    interp_threads_head: int = 72
-    tstate_size: int = 152
-    tstate_next: int = 168
-    tstate_interp: int = 176
-    tstate_thread_id: int = 192
-    tstate_native_thread_id: int = 200
-    tstate_datastack_chunk: int = 208
 
 
 DEBUG = DebugOffsets()
+
+_DEBUG_313 = (
+    ("runtime_state", "size finalizing interpreters_head"),
+    ("interpreter_state", "size id next threads_head gc imports_modules sysdict builtins "
+                          "ceval_gil gil_runtime_state gil_runtime_state_enabled "
+                          "gil_runtime_state_locked gil_runtime_state_holder"),
+    ("thread_state", "size prev next interp current_frame thread_id native_thread_id "
+                     "datastack_chunk status"),
+    ("interpreter_frame", "size previous executable instr_ptr localsplus owner"),
+    ("code_object", "size filename name qualname linetable firstlineno argcount "
+                    "localsplusnames localspluskinds co_code_adaptive"),
+    ("pyobject", "size ob_type"),
+    ("type_object", "size tp_name tp_repr tp_flags"),
+    ("tuple_object", "size ob_item ob_size"),
+    ("list_object", "size ob_item ob_size"),
+    ("dict_object", "size ma_keys ma_values"),
+    ("float_object", "size ob_fval"),
+    ("long_object", "size lv_tag ob_digit"),
+    ("bytes_object", "size ob_size ob_sval"),
+    ("unicode_object", "size state length asciiobject_size"),
+    ("gc", "size collecting"),
+)
+_DEBUG_314 = (
+    ("runtime_state", "size finalizing interpreters_head"),
+    ("interpreter_state", "size id next threads_head threads_main gc imports_modules sysdict "
+                          "builtins ceval_gil gil_runtime_state gil_runtime_state_enabled "
+                          "gil_runtime_state_locked gil_runtime_state_holder "
+                          "code_object_generation tlbc_generation"),
+    ("thread_state", "size prev next interp current_frame thread_id native_thread_id "
+                     "datastack_chunk status"),
+    ("interpreter_frame", "size previous executable instr_ptr localsplus owner stackpointer "
+                          "tlbc_index"),
+    ("code_object", "size filename name qualname linetable firstlineno argcount "
+                    "localsplusnames localspluskinds co_code_adaptive co_tlbc"),
+    ("pyobject", "size ob_type"),
+    ("type_object", "size tp_name tp_repr tp_flags"),
+    ("tuple_object", "size ob_item ob_size"),
+    ("list_object", "size ob_item ob_size"),
+    ("set_object", "size used table mask"),
+    ("dict_object", "size ma_keys ma_values"),
+    ("float_object", "size ob_fval"),
+    ("long_object", "size lv_tag ob_digit"),
+    ("bytes_object", "size ob_size ob_sval"),
+    ("unicode_object", "size state length asciiobject_size"),
+    ("gc", "size collecting"),
+    ("gen_object", "size gi_name gi_iframe gi_frame_state"),
+    ("llist_node", "next prev"),
+    ("debugger_support", "eval_breaker remote_debugger_support remote_debugging_enabled "
+                         "debugger_pending_call debugger_script_path debugger_script_path_size"),
+)
+_DEBUG_315 = (
+    ("runtime_state", "size finalizing interpreters_head"),
+    _DEBUG_314[1],
+    ("thread_state", "size prev next interp current_frame base_frame last_profiled_frame "
+                     "last_profiled_frame_seq thread_id native_thread_id datastack_chunk status "
+                     "holds_gil gil_requested current_exception exc_state"),
+    ("err_stackitem", "exc_value"),
+    _DEBUG_314[3],
+    _DEBUG_314[4],
+    ("pyobject", "size ob_type"),
+    ("type_object", "size tp_name tp_repr tp_flags tp_basicsize tp_dictoffset"),
+    ("heap_type_object", "size ht_cached_keys"),
+) + _DEBUG_314[7:14] + (
+    ("unicode_object", "size state length asciiobject_size compactunicodeobject_size"),
+    ("gc", "size collecting frame generation_stats_size generation_stats"),
+) + _DEBUG_314[16:]
+
+# (major, minor) -> the groups of _Py_DebugOffsets in order: include/python3.13/internal/
+# pycore_runtime.h (identical in 3.13.0, 3.13.5 and 3.13.18 but for a _Py_NONSTRING on the
+# cookie), python3.14 and python3.15 internal/pycore_debug_offsets.h (3.14.10, 3.15.2).
+DEBUG_FIELDS: Dict[Tuple[int, int], Tuple[Tuple[str, str], ...]] = {
+    (3, 13): _DEBUG_313, (3, 14): _DEBUG_314, (3, 15): _DEBUG_315}
+
+
+def debug_offsets_size(version: Tuple[int, int]) -> Optional[int]:
+    """sizeof(_Py_DebugOffsets) of this minor version (584, 760, 888), None when unknown."""
+    groups = DEBUG_FIELDS.get(tuple(version[:2]))
+    if groups is None:
+        return None
+    return DEBUG_HEAD + 8 * sum(len(names.split()) for _, names in groups)
+
+
+# Returns {"group.field": value} of the _Py_DebugOffsets bytes `data` of this minor version
+# (data may be longer); None when the version has no known struct or data is too short.
+def parse_debug_offsets(data: bytes, version: Tuple[int, int]) -> Optional[Dict[str, int]]:
+    groups = DEBUG_FIELDS.get(tuple(version[:2]))
+    size = debug_offsets_size(version)
+    if groups is None or len(data) < size:
+        return None
+    out: Dict[str, int] = {}
+    off = DEBUG_HEAD
+    for group, names in groups:
+        for name in names.split():
+            out[f"{group}.{name}"] = struct.unpack_from("<Q", data, off)[0]
+            off += 8
+    return out
+
 
 # PyPreConfig.allocator values (Include/cpython/pymem.h PyMemAllocatorName)
 ALLOCATOR_NAMES = {0: "not set", 1: "default", 2: "debug", 3: "malloc", 4: "malloc_debug",
                    5: "pymalloc", 6: "pymalloc_debug", 7: "mimalloc", 8: "mimalloc_debug"}
 ALLOCATORS_WITHOUT_PYMALLOC = (3, 4, 7, 8)
 ALLOCATORS_WITH_DEBUG_HOOKS = (2, 4, 6, 8)
+ALLOCATORS_MIMALLOC = (7, 8)    # 3.13+ PYTHONMALLOC=mimalloc: objects in mimalloc heaps
+FREELIST_MAX = 2000             # the largest free list (3.14+ Py_tuple_MAXFREELIST)
 # With debug hooks every allocation starts with 2 words (size, API id) before the object
 # (Objects/obmalloc.c _PyMem_DebugRawAlloc: "p[0: S] size, p[S] API id, p[S+1: 2*S] pad").
 DEBUG_HOOK_PREFIX = 16
@@ -172,6 +269,12 @@ class Layout:
     datastack: Optional[DataStack]      # 3.11+
     freelists: Optional[FreeLists]      # 3.10+
     debug_offsets: bool = False         # 3.13+: _PyRuntime starts with _Py_DebugOffsets
+    # 3.13+ layouts built from the target's _Py_DebugOffsets (from_debug_offsets) also carry:
+    gc: Optional["GcState"] = None      # the GC state (else GC_STATES by version)
+    freelist_heads: Optional["FreeListHeads"] = None   # 3.14+ struct _Py_freelists
+    tuple_items: int = 24               # PyTupleObject.ob_item (3.14+: 32, after ob_hash)
+    frame_localsplus: int = 72          # _PyInterpreterFrame.localsplus (3.11-3.13: 72; 3.14+: 80)
+    source: str = "table"               # "table" or "_Py_DebugOffsets"
 
     @property
     def name(self) -> str:
@@ -261,6 +364,11 @@ class GcState:
     num_generations: int = 3
     permanent: int = 104        # permanent_generation.head
     heads_end: int = 120        # end of the permanent generation's head
+    # 3.13: the offset of `PyGC_Head *generation0`, which points at generations[0].head: where
+    # the generations start is read from it (24 in 3.13.0; 20 from 3.13.5, whose PyGC_Head is
+    # declared Py_ALIGNED(4): see SUPPLEMENTS)
+    generation0: Optional[int] = None
+    generations_choices: Tuple[int, ...] = ()
 
 
 GC_STATES: Dict[Tuple[int, int], GcState] = {
@@ -271,6 +379,172 @@ GC_STATES: Dict[Tuple[int, int], GcState] = {
     (3, 12): GcState(in_runtime=False, offset=112),
     (3, 13): GcState(in_runtime=False, offset=7400),
 }
+
+# --- 3.13+: what _Py_DebugOffsets lacks, per minor version ---------------------------------
+# Every offset below was printed with offsetof()/sizeof() by a probe compiled against that
+# version's installed headers with -DPy_BUILD_CORE (include/python3.X and internal/): pyenv
+# 3.13.0 on the host; Debian trixie's python3.13-dev 3.13.5; sid's python3.13-dev 3.13.18,
+# python3.14-dev 3.14.10 and python3.15-dev 3.15.2 (`chroot ROOT gcc -I/usr/include/python3.X
+# ...`, /var/cache/memunreachable/roots). Nothing here is trusted on its own: the walk checks
+# what it reads (the interpreter ring, tstate->interp, a thread state per frozen thread, every
+# pool header and the arena count, the GC rings, the free-list chains and their counts).
+
+
+@record
+class FreeListHeads:
+    """3.14+ struct _Py_freelists (internal/pycore_freelist_state.h) at interp + offset: one
+    struct _Py_freelist {void *freelist; Py_ssize_t size} per kind, in this order (tuples: one
+    per size). Entries are linked through their first word (an object's ob_refcnt), the last
+    one's is NULL; size -1: the list is disabled. kinds: (name, how many lists, holds objects);
+    the other entries are raw PyMem blocks (dict key tables, object stack chunks, writers)."""
+    offset: int
+    kinds: Tuple[Tuple[str, int, bool], ...]
+    entry_size: int = 16
+
+    @property
+    def sizeof(self) -> int:
+        return self.entry_size * sum(n for _, n, _ in self.kinds)
+
+    def lists(self):
+        """(name, offset of its struct _Py_freelist from the interpreter, holds objects)."""
+        off = self.offset
+        for name, n, objects in self.kinds:
+            for k in range(n):
+                yield (f"{name}[{k}]" if n > 1 else name), off, objects
+                off += self.entry_size
+
+
+def _freelist_kinds(names: str) -> Tuple[Tuple[str, int, bool], ...]:
+    raw = ("dictkeys", "object_stack_chunks", "unicode_writers", "bytes_writers")
+    return tuple((n, 20 if n == "tuples" else 1, n not in raw) for n in names.split())
+
+
+@record
+class Supplement:
+    """What one minor version's _Py_DebugOffsets lacks (3.13+)."""
+    interpreters_main: int          # _PyRuntime.interpreters.main minus .head (struct pyinterpreters)
+    # _PyRuntime.preconfig.allocator of each known build, by runtime size (the runtime_state.size
+    # _Py_DebugOffsets gives): the field moves within a minor version. Another size: the known
+    # offsets are tried, and exactly one must hold a plausible PyPreConfig (preconfig_plausible)
+    preconfig_allocator: Tuple[Tuple[int, int], ...]
+    obmalloc: Obmalloc              # interp->obmalloc (a pointer) and struct _obmalloc_state
+    datastack_top: int              # PyThreadState.datastack_top minus .datastack_chunk
+    datastack_limit: int            # PyThreadState.datastack_limit minus .datastack_chunk
+    # PyThreadState.datastack_cached_chunk by sizeof(PyThreadState) (thread_state.size): added at
+    # the struct's end in 3.13.18 (3.13.0 and 3.13.5 have none)
+    cached_chunk: Tuple[Tuple[int, int], ...]
+    gc: GcState                     # offset 0: _Py_DebugOffsets gives interpreter_state.gc
+    freelists: Optional[FreeLists] = None          # 3.13
+    freelist_heads: Optional[FreeListHeads] = None  # 3.14+
+
+
+_OBMALLOC_STATE = dict(is_pointer=True, arenas=512, maxarenas=520, narenas_currently_allocated=1064,
+                       sizeof=263248)   # struct _obmalloc_state: same in 3.13.0-3.15.2
+
+SUPPLEMENTS: Dict[Tuple[int, int], Supplement] = {
+    # 3.13: pycore_runtime.h, pycore_interp.h, pycore_freelist.h, pycore_obmalloc.h, pycore_gc.h,
+    # cpython/pystate.h. Probe output 3.13.0 / 3.13.5 / 3.13.18: sizeof(_PyRuntimeState) 283320 /
+    # 283376 / 283408; preconfig.allocator 10396 / 10396 / 10420; interpreters.head, .main 632,
+    # 640 (all); interp->obmalloc 10800, object_state.freelists 10952 (all); sizeof(PyThreadState)
+    # 304 / 304 / 312, datastack_chunk, _top, _limit 232, 240, 248 (all), datastack_cached_chunk
+    # 304 (3.13.18); _gc_runtime_state.generations 24 / 20 / 20 (3.13.5 declared PyGC_Head
+    # Py_ALIGNED(1 << _PyObject_ALIGNMENT_SHIFT), an alignment of 4), generation0 96,
+    # permanent_generation 104, sizeof 240 (all)
+    (3, 13): Supplement(
+        interpreters_main=8,
+        preconfig_allocator=((283320, 10396), (283376, 10396), (283408, 10420)),
+        obmalloc=Obmalloc(arena_size=1 << 20, pool_size=16 << 10,
+                          state=ObmallocState(interp_offset=10800, **_OBMALLOC_STATE)),
+        datastack_top=8, datastack_limit=16, cached_chunk=((312, 304),),
+        gc=GcState(in_runtime=False, offset=0, permanent=104, heads_end=120, generation0=96,
+                   generations_choices=(24, 20)),
+        freelists=LAYOUTS[(3, 13)].freelists),
+    # 3.14.10: internal/pycore_runtime_structs.h, pycore_interp_structs.h,
+    # pycore_freelist_state.h, cpython/pystate.h. Probe output: sizeof(_PyRuntimeState) 316616,
+    # preconfig.allocator 10612, interpreters.head 808 / .main 816; interp->obmalloc 10904,
+    # object_state.freelists 11120 (sizeof 624: floats, ints, tuples[20] at 11152, lists 11472,
+    # ... pymethodobjects 11728); datastack_chunk 232, _top 240, _limit 248,
+    # datastack_cached_chunk 824 (sizeof(PyThreadState) 832); _gc_runtime_state.generations 24,
+    # permanent_generation 96 (sizeof(gc_generation) 24; the incremental GC's young/old lists
+    # are the free-threaded build's only); PyTupleObject.ob_item 32 (ob_hash at 24),
+    # _PyInterpreterFrame.localsplus 80 (both also in _Py_DebugOffsets)
+    (3, 14): Supplement(
+        interpreters_main=8, preconfig_allocator=((316616, 10612),),
+        obmalloc=Obmalloc(arena_size=1 << 20, pool_size=16 << 10,
+                          state=ObmallocState(interp_offset=10904, **_OBMALLOC_STATE)),
+        datastack_top=8, datastack_limit=16, cached_chunk=((832, 824),),
+        gc=GcState(in_runtime=False, offset=0, generations=24, permanent=96, heads_end=112),
+        freelist_heads=FreeListHeads(11120, _freelist_kinds(
+            "floats ints tuples lists list_iters tuple_iters dicts dictkeys slices ranges "
+            "range_iters contexts async_gens async_gen_asends futureiters object_stack_chunks "
+            "unicode_writers pycfunctionobject pycmethodobject pymethodobjects"))),
+    # 3.15.2: as 3.14. Probe output: sizeof(_PyRuntimeState) 346560, preconfig.allocator 10732,
+    # interpreters.head 936 / .main 944; interp->obmalloc 10880, object_state.freelists 11096
+    # (sizeof 656: complexes 11112 after floats, bytes_writers 11688 after unicode_writers);
+    # datastack_chunk, _top, _limit 256, 264, 272, datastack_cached_chunk 280 (sizeof 888);
+    # _gc_runtime_state.generations 8, permanent_generation 80 (trash_delete_later and its
+    # nesting count went)
+    (3, 15): Supplement(
+        interpreters_main=8, preconfig_allocator=((346560, 10732),),
+        obmalloc=Obmalloc(arena_size=1 << 20, pool_size=16 << 10,
+                          state=ObmallocState(interp_offset=10880, **_OBMALLOC_STATE)),
+        datastack_top=8, datastack_limit=16, cached_chunk=((888, 280),),
+        gc=GcState(in_runtime=False, offset=0, generations=8, permanent=80, heads_end=96),
+        freelist_heads=FreeListHeads(11096, _freelist_kinds(
+            "floats complexes ints tuples lists list_iters tuple_iters dicts dictkeys slices "
+            "ranges range_iters contexts async_gens async_gen_asends futureiters "
+            "object_stack_chunks unicode_writers bytes_writers pycfunctionobject "
+            "pycmethodobject pymethodobjects"))),
+}
+
+# PyPreConfig (Include/cpython/initconfig.h, 3.8+): ten ints, allocator the last
+PRECONFIG_INTS = 10
+PRECONFIG_ALLOCATOR = 36
+
+
+def preconfig_plausible(ints: Tuple[int, ...]) -> bool:
+    """Whether ten ints read as an initialised PyPreConfig: _config_init 1-3 (compat, python,
+    isolated), parse_argv, isolated, use_environment, configure_locale 0/1, coerce_c_locale
+    0-2, coerce_c_locale_warn 0/1, utf8_mode and dev_mode -1..1, allocator 0-8."""
+    if len(ints) != PRECONFIG_INTS:
+        return False
+    init, argv, iso, env, loc, coerce, warn, utf8, dev, alloc = ints
+    return (1 <= init <= 3 and all(v in (0, 1) for v in (argv, iso, env, loc, warn))
+            and 0 <= coerce <= 2 and -1 <= utf8 <= 1 and -1 <= dev <= 1
+            and alloc in ALLOCATOR_NAMES)
+
+
+class DebugOffsetsError(Exception):
+    """_Py_DebugOffsets does not describe a layout we can use (a sentence saying why)."""
+
+
+# Returns the Layout of a 3.13+ runtime from its parsed _Py_DebugOffsets (parse_debug_offsets)
+# and the version's Supplement. preconfig_allocator: the offset chosen (resolve_preconfig).
+# Raises DebugOffsetsError when the version has no Supplement.
+def from_debug_offsets(version: Tuple[int, int], d: Dict[str, int],
+                       preconfig_allocator: int) -> Layout:
+    sup = SUPPLEMENTS.get(tuple(version[:2]))
+    if sup is None:
+        raise DebugOffsetsError("no table of what its _Py_DebugOffsets lacks")
+    chunk = d["thread_state.datastack_chunk"]
+    cached = dict(sup.cached_chunk).get(d["thread_state.size"])
+    head = d["runtime_state.interpreters_head"]
+    return Layout(
+        tuple(version[:2]), runtime_size=d["runtime_state.size"],
+        preconfig_allocator=preconfig_allocator, interpreters_head=head,
+        interpreters_main=head + sup.interpreters_main, interp_size=d["interpreter_state.size"],
+        interp_next=d["interpreter_state.next"],
+        interp_threads_head=d["interpreter_state.threads_head"],
+        tstate_size=d["thread_state.size"], tstate_next=d["thread_state.next"],
+        tstate_interp=d["thread_state.interp"], tstate_thread_id=d["thread_state.thread_id"],
+        tstate_native_thread_id=d["thread_state.native_thread_id"], obmalloc=sup.obmalloc,
+        datastack=DataStack(tstate_chunk=chunk, tstate_top=chunk + sup.datastack_top,
+                            tstate_limit=chunk + sup.datastack_limit, tstate_cached_chunk=cached),
+        freelists=sup.freelists, debug_offsets=True,
+        gc=sup.gc._replace(offset=d["interpreter_state.gc"]), freelist_heads=sup.freelist_heads,
+        tuple_items=d["tuple_object.ob_item"], frame_localsplus=d["interpreter_frame.localsplus"],
+        source="_Py_DebugOffsets")
+
 
 # --- object layouts read to name a leaked object (Include/object.h, cpython/*object.h) -------
 # 3.8-3.10: dead objects that roots still reach (zombie and free-listed frames, the 3.8/3.9

@@ -205,33 +205,108 @@ class LayoutMismatch(Exception):
 
 
 def _check_debug_offsets(mem, rt: Runtime, lay: L.Layout) -> None:
-    """3.13+: _PyRuntime starts with _Py_DebugOffsets; the table must agree with it."""
-    base = rt.runtime
-    if mem.read(base + L.DEBUG.cookie, 8) != L.DEBUG_COOKIE:
-        raise LayoutMismatch("no _Py_DebugOffsets cookie at _PyRuntime")
-    vhex = _u64(mem, base + L.DEBUG.version)
-    if (vhex >> 24, (vhex >> 16) & 0xFF) != lay.version:
-        raise LayoutMismatch(f"_Py_DebugOffsets says version {vhex:#x}")
-    if _u64(mem, base + L.DEBUG.free_threaded):
-        raise LayoutMismatch("free-threaded build (no GIL): its allocator is mimalloc")
-    pairs = [("runtime size", L.DEBUG.runtime_size, lay.runtime_size),
-             ("interpreters.head", L.DEBUG.runtime_interpreters_head, lay.interpreters_head),
-             ("interpreter size", L.DEBUG.interp_size, lay.interp_size),
-             ("interp->next", L.DEBUG.interp_next, lay.interp_next),
-             ("interp->threads.head", L.DEBUG.interp_threads_head, lay.interp_threads_head),
-             ("thread state size", L.DEBUG.tstate_size, lay.tstate_size),
-             ("tstate->next", L.DEBUG.tstate_next, lay.tstate_next),
-             ("tstate->interp", L.DEBUG.tstate_interp, lay.tstate_interp),
-             ("tstate->thread_id", L.DEBUG.tstate_thread_id, lay.tstate_thread_id),
-             ("tstate->native_thread_id", L.DEBUG.tstate_native_thread_id,
+    """A table's layout (3.13+, tests give one) must agree with the target's _Py_DebugOffsets
+    in every offset it gives (not in struct sizes: patch releases grow structs at their end)."""
+    d = read_debug_offsets(mem, rt, lay.version)
+    pairs = [("interpreters.head", "runtime_state.interpreters_head", lay.interpreters_head),
+             ("interp->next", "interpreter_state.next", lay.interp_next),
+             ("interp->threads.head", "interpreter_state.threads_head", lay.interp_threads_head),
+             ("tstate->next", "thread_state.next", lay.tstate_next),
+             ("tstate->interp", "thread_state.interp", lay.tstate_interp),
+             ("tstate->thread_id", "thread_state.thread_id", lay.tstate_thread_id),
+             ("tstate->native_thread_id", "thread_state.native_thread_id",
               lay.tstate_native_thread_id)]
     if lay.datastack is not None:
-        pairs.append(("tstate->datastack_chunk", L.DEBUG.tstate_datastack_chunk,
+        pairs.append(("tstate->datastack_chunk", "thread_state.datastack_chunk",
                       lay.datastack.tstate_chunk))
-    for what, off, want in pairs:
-        got = _u64(mem, base + off)
-        if got != want:
-            raise LayoutMismatch(f"_Py_DebugOffsets gives {what} = {got}, the table {want}")
+    for what, key, want in pairs:
+        if d[key] != want:
+            raise LayoutMismatch(f"_Py_DebugOffsets gives {what} = {d[key]}, the table {want}")
+
+
+class FreeThreaded(Exception):
+    """The runtime is a free-threaded build (_Py_DebugOffsets.free_threaded): no pymalloc."""
+
+
+# Returns the parsed _Py_DebugOffsets at the start of the runtime (layout.parse_debug_offsets)
+# for `version`. Raises LayoutMismatch when the cookie is missing, the version it gives is
+# another one, or the version's struct is unknown; FreeThreaded for a free-threaded build.
+def read_debug_offsets(mem, rt: Runtime, version: Tuple[int, int]) -> Dict[str, int]:
+    base = rt.runtime
+    try:
+        head = mem.read(base, L.DEBUG_HEAD)
+        if head[L.DEBUG.cookie:L.DEBUG.cookie + 8] != L.DEBUG_COOKIE:
+            raise LayoutMismatch("no _Py_DebugOffsets cookie at _PyRuntime")
+        vhex, ft = struct.unpack_from("<QQ", head, L.DEBUG.version)
+        if (vhex >> 24, (vhex >> 16) & 0xFF) != tuple(version[:2]):
+            raise LayoutMismatch(f"_Py_DebugOffsets says version {vhex:#x}")
+        if ft:
+            raise FreeThreaded(vhex)
+        size = L.debug_offsets_size(version)
+        if size is None:
+            raise LayoutMismatch("its _Py_DebugOffsets struct is unknown")
+        d = L.parse_debug_offsets(mem.read(base, size), version)
+    except MemoryUnreadable as exc:
+        raise LayoutMismatch(f"unreadable memory at {exc.address:#x}") from None
+    if d is None:
+        raise LayoutMismatch("its _Py_DebugOffsets struct is unknown")
+    return d
+
+
+# Returns the offset of _PyRuntime.preconfig.allocator: the known build's of this runtime size,
+# else the one offset among the version's known ones that holds a plausible PyPreConfig.
+# Raises LayoutMismatch when none (or more than one) does.
+def resolve_preconfig(mem, rt: Runtime, sup: L.Supplement, runtime_size: int) -> int:
+    known = dict(sup.preconfig_allocator)
+    if runtime_size in known:
+        return known[runtime_size]
+    good = []
+    for off in sorted(set(known.values())):
+        try:
+            raw = mem.read(rt.runtime + off - L.PRECONFIG_ALLOCATOR, 4 * L.PRECONFIG_INTS)
+        except MemoryUnreadable:
+            continue
+        if L.preconfig_plausible(struct.unpack(f"<{L.PRECONFIG_INTS}i", raw)):
+            good.append(off)
+    if len(good) != 1:
+        raise LayoutMismatch(f"runtime size {runtime_size} is a build of unknown layout, and "
+                             f"{len(good)} of the known PyPreConfig places "
+                             f"{sorted(set(known.values()))} hold one")
+    return good[0]
+
+
+# Returns the layout of a 3.13+ runtime built from its own _Py_DebugOffsets plus the version's
+# table of what that lacks (layout.SUPPLEMENTS). Raises LayoutMismatch (FreeThreaded) as
+# read_debug_offsets, or when the version has no table.
+def debug_layout(mem, rt: Runtime) -> L.Layout:
+    version = tuple(rt.version[:2])
+    sup = L.SUPPLEMENTS.get(version)
+    d = read_debug_offsets(mem, rt, version)
+    if sup is None:
+        raise LayoutMismatch("no table of what its _Py_DebugOffsets lacks")
+    return L.from_debug_offsets(version, d, resolve_preconfig(mem, rt, sup,
+                                                              d["runtime_state.size"]))
+
+
+# Returns the layout with its GC generations' offset read from the runtime (3.13: the
+# generation0 pointer of each interpreter's GC state points at generations[0].head; its
+# offset is one of the known ones). Unchanged when the layout has no such pointer. Raises
+# LayoutMismatch when a pointer says otherwise.
+def resolve_gc(mem, lay: L.Layout, interps: Sequence["InterpreterInfo"]) -> L.Layout:
+    gc = lay.gc
+    if gc is None or gc.generation0 is None:
+        return lay
+    found = set()
+    try:
+        for i in interps:
+            state = i.address + gc.offset
+            found.add(_u64(mem, state + gc.generation0) - state)
+    except MemoryUnreadable as exc:
+        raise LayoutMismatch(f"GC state unreadable at {exc.address:#x}") from None
+    if len(found) != 1 or not found <= set(gc.generations_choices):
+        raise LayoutMismatch(f"the GC states' generation0 pointers give generations at "
+                             f"{sorted(found)}, none of {list(gc.generations_choices)}")
+    return lay._replace(gc=gc._replace(generations=found.pop(), generation0=None))
 
 
 def _mapped(maps: Sequence[Mapping], addr: int, size: int) -> bool:
@@ -245,7 +320,7 @@ def _mapped(maps: Sequence[Mapping], addr: int, size: int) -> bool:
 def walk_interpreters(mem, maps: Sequence[Mapping], rt: Runtime, lay: L.Layout,
                       threads: Sequence[ThreadState] = ()) -> List[InterpreterInfo]:
     try:
-        if lay.debug_offsets:
+        if lay.debug_offsets and lay.source == "table":
             _check_debug_offsets(mem, rt, lay)
         if not _mapped(maps, rt.runtime, lay.runtime_size):
             raise LayoutMismatch(f"_PyRuntime at {rt.runtime:#x} + {lay.runtime_size} is not mapped")

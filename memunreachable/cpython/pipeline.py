@@ -347,8 +347,16 @@ def drop_blocks(image: HeapImage, addresses: Sequence[int]) -> Tuple[HeapImage, 
     return (out, n) if n else (image, 0)
 
 
+def _gc_state(cp: CPythonMap) -> Optional[L.GcState]:
+    """The GC state layout: the layout's own (3.13+: built from _Py_DebugOffsets), else the
+    version's table entry."""
+    if cp.layout is not None and cp.layout.source != "table":
+        return cp.layout.gc
+    return L.GC_STATES.get(cp.version)
+
+
 def _gc_states(cp: CPythonMap) -> Optional[List[int]]:
-    st = L.GC_STATES.get(cp.version)
+    st = _gc_state(cp)
     if st is None:
         return None
     if st.in_runtime:
@@ -357,9 +365,11 @@ def _gc_states(cp: CPythonMap) -> Optional[List[int]]:
 
 
 def gc_head_spans(cp: CPythonMap) -> List[Tuple[int, int]]:
-    """[begin, end) of each GC state's list heads (3 generations and the permanent one)."""
-    st = L.GC_STATES[cp.version]
-    return [(s + st.generations, s + st.heads_end) for s in _gc_states(cp)]
+    """[begin, end) of each GC state's list heads (3 generations and the permanent one), in
+    whole words: from 3.13.5 the heads are only 4-aligned (their words then hold the ints next
+    to them, GC state flags and counts, never references)."""
+    st = _gc_state(cp)
+    return [((s + st.generations) & ~7, (s + st.heads_end + 7) & ~7) for s in _gc_states(cp)]
 
 
 # Returns [(head address, _gc_next, _gc_prev)] of every generation list, or None when the
@@ -368,7 +378,7 @@ def gc_heads(mem, cp: CPythonMap) -> Optional[List[Tuple[int, int, int]]]:
     states = _gc_states(cp)
     if states is None:
         return None
-    st = L.GC_STATES[cp.version]
+    st = _gc_state(cp)
     offs = [st.generations + k * st.generation_size for k in range(st.num_generations)]
     offs.append(st.permanent)
     out = []

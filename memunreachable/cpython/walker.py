@@ -31,6 +31,7 @@ from memunreachable.cpython.locate import InterpreterInfo, LayoutMismatch, Runti
 from memunreachable.memory import CopiedMemory
 
 MAX_CHUNKS = 1 << 16
+MAX_CHUNK_BYTES = 1 << 30
 OPAQUE = "its memory is treated as before (scanned whole as roots)"
 
 
@@ -115,6 +116,14 @@ def read_datastack(mem, lay: L.Layout, ts: int) -> DataStackInfo:
                              f"top {top:#x} limit {limit:#x} do not fit")
     info.live.append(Range(chunk + ds.chunk_data, top))
     info.dead.append(Range(top, limit))
+    if ds.tstate_cached_chunk is not None:      # a freed chunk kept for reuse: all dead
+        cached = _u64(mem, ts + ds.tstate_cached_chunk)
+        if cached:
+            size = _u64(mem, cached + ds.chunk_size)
+            if cached % 8 or not ds.chunk_data <= size <= MAX_CHUNK_BYTES:
+                raise LayoutMismatch(f"thread state {ts:#x}: cached data stack chunk "
+                                     f"{cached:#x} of size {size} does not fit")
+            info.dead.append(Range(cached, cached + size))
     prev, n = _u64(mem, chunk + ds.chunk_previous), 0
     while prev:
         n += 1
@@ -191,6 +200,66 @@ def read_freelists(mem, lay: L.Layout, interp: int,
     return dead, ranges
 
 
+# Returns (dead allocation addresses, the free-list heads' range) of one interpreter's 3.14+
+# free lists (layout.FreeListHeads): each list's `size` entries, linked through their first
+# word, the last one's NULL. An object entry's block starts before it by its GC head (and
+# pre-header) as its type says (its ob_type is intact); a raw entry (a dict key table, a
+# writer) is its block. prefix: as read_freelists'.
+def read_freelist_heads(mem, lay: L.Layout, interp: int,
+                        prefix: int = 0) -> Tuple[List[int], List[Range]]:
+    fh = lay.freelist_heads
+    dead: List[int] = []
+    regions = _copy_regions(mem)
+    offsets = {}                        # type -> its objects' offset in their blocks
+    pre = L.preheader_flags(lay.version)
+    for name, off, objects in fh.lists():
+        head = _u64(mem, interp + off)
+        n = _Q.unpack(mem.read(interp + off + 8, 8))[0]
+        if n >= 1 << 63:                # -1: disabled (finalizing)
+            continue
+        if n > L.FREELIST_MAX:
+            raise _FreeListError(f"{name} size {n} out of range")
+        objs = _follow_chain(mem, regions, head, n, 0, check=False)
+        entries = list(objs)
+        obj = objs.next
+        for _ in range(n - len(objs)):
+            if obj == 0 or obj % 8:
+                raise _FreeListError(f"{name} free list shorter than its size {n}")
+            entries.append(obj)
+            obj = _u64(mem, obj)
+        if obj != 0:
+            raise _FreeListError(f"{name} free list longer than its size {n}")
+        for e in entries:
+            if not objects:
+                dead.append(e - prefix)
+                continue
+            t = _u64(mem, e + L.OB_TYPE)
+            where = offsets.get(t)
+            if where is None:
+                flags = _type_flags(mem, t)
+                if flags is None:
+                    raise _FreeListError(f"{name} entry {e:#x} has no type")
+                where = offsets[t] = (L.GC_HEAD_SIZE * bool(flags & L.TPFLAGS_HAVE_GC)
+                                      + 16 * bool(flags & pre))
+            dead.append(e - prefix - where)
+    return dead, [Range(interp + fh.offset, interp + fh.offset + fh.sizeof)]
+
+
+def _type_flags(mem, t: int) -> Optional[int]:
+    """tp_flags of t when it reads as a type object (its type's type is its own type, as
+    PyType_Type's is), else None."""
+    if not t or t % 8:
+        return None
+    try:
+        meta = _u64(mem, t + L.OB_TYPE)
+        if not meta or meta % 8 or _u64(mem, meta + L.OB_TYPE) != _u64(
+                mem, _u64(mem, meta + L.OB_TYPE) + L.OB_TYPE):
+            return None
+        return _u64(mem, t + L.TP_FLAGS)
+    except MemoryUnreadable:
+        return None
+
+
 # Returns (mu_region array, what keeps it alive, how many) of mem's copies
 # (memory.CopiedMemory), or None for another reader.
 def _copy_regions(mem):
@@ -211,7 +280,7 @@ class _Chain(list):
 # ob_refcnt 0), with .next the object after them: all n of them when the chain lies in the
 # copies and is sound; fewer when it leaves them or goes wrong, and the caller checks the rest
 # one by one (same errors).
-def _follow_chain(mem, regions, obj: int, n: int, link: int) -> _Chain:
+def _follow_chain(mem, regions, obj: int, n: int, link: int, check: bool = True) -> _Chain:
     out = _Chain()
     out.next = obj
     if not n or regions is None:
@@ -219,7 +288,8 @@ def _follow_chain(mem, regions, obj: int, n: int, link: int) -> _Chain:
     from memunreachable._ffi import ffi, lib
     buf = array("Q", bytes(8 * n))
     done = ffi.new("uint64_t *")
-    lib.mu_follow_chain(regions[0], regions[2], obj, n, link, L.OB_REFCNT,
+    lib.mu_follow_chain(regions[0], regions[2], obj, n, link,
+                        L.OB_REFCNT if check else lib.MU_CHAIN_NO_CHECK,
                         ffi.from_buffer("uint64_t[]", buf), done)
     k = done[0]
     out.extend(buf[:k])
@@ -247,15 +317,31 @@ def walk_cpython(mem, maps: Sequence[Mapping], threads: Sequence[ThreadState] = 
         return CPythonMap(found=False)
     out = CPythonMap(found=True, runtime=rt)
     where = f"CPython runtime at {rt.runtime:#x} in {rt.object_path}"
-    lay = L.get_layout(rt.version, L.LAYOUTS if layouts is None else layouts)
+    ver = "of unknown version" if rt.version is None else "%d.%d" % rt.version
+    if layouts is None and rt.version is not None and rt.version >= (3, 13):
+        # 3.13+: the runtime's own _Py_DebugOffsets, plus the version's table of what it lacks
+        try:
+            lay = locate.debug_layout(mem, rt)
+        except locate.FreeThreaded:
+            out.warnings.append(f"{where}: free-threaded CPython {ver}t is not supported: its "
+                                f"objects live in mimalloc heaps, not pymalloc: {OPAQUE}")
+            return out
+        except LayoutMismatch as exc:
+            known = rt.version[:2] in L.SUPPLEMENTS
+            out.warnings.append(f"{where}: the CPython {ver} layout does not fit ({exc}): {OPAQUE}"
+                                if known else f"{where} is {ver}, which has no known memory "
+                                f"layout ({exc}): {OPAQUE}")
+            return out
+    else:
+        lay = L.get_layout(rt.version, L.LAYOUTS if layouts is None else layouts)
     if lay is None:
-        ver = "of unknown version" if rt.version is None else "%d.%d" % rt.version
         out.warnings.append(f"{where} is {ver}, which has no known memory layout: {OPAQUE}")
         return out
     out.layout = lay
     # 2. validate the layout: interpreters and their thread states
     try:
         out.interpreters = locate.walk_interpreters(mem, maps, rt, lay, threads)
+        lay = out.layout = locate.resolve_gc(mem, lay, out.interpreters)
         allocator = locate.read_allocator(mem, rt, lay)
     except (LayoutMismatch, MemoryUnreadable) as exc:
         out.warnings.append(f"{where}: the {lay.name} layout does not fit ({exc}): {OPAQUE}")
@@ -263,6 +349,10 @@ def walk_cpython(mem, maps: Sequence[Mapping], threads: Sequence[ThreadState] = 
     out.allocator = L.ALLOCATOR_NAMES.get(allocator)
     if out.allocator is None:
         out.warnings.append(f"{where}: unknown allocator setting {allocator}: {OPAQUE}")
+        return out
+    if allocator in L.ALLOCATORS_MIMALLOC:
+        out.warnings.append(f"{where}: the {out.allocator} allocator (PYTHONMALLOC) is not "
+                            f"supported: its objects live in mimalloc heaps: {OPAQUE}")
         return out
     # 3. pymalloc
     if allocator in L.ALLOCATORS_WITHOUT_PYMALLOC:
@@ -301,10 +391,12 @@ def walk_cpython(mem, maps: Sequence[Mapping], threads: Sequence[ThreadState] = 
         out.warnings.append(f"{where}: data stack does not fit ({exc}): {OPAQUE}")
         return out
     prefix = L.DEBUG_HOOK_PREFIX if allocator in L.ALLOCATORS_WITH_DEBUG_HOOKS else 0
-    if lay.freelists is not None and not blocks_only:
+    if (lay.freelists is not None or lay.freelist_heads is not None) and not blocks_only:
         for interp in out.interpreters:
             try:
-                dead, ranges = read_freelists(mem, lay, interp.address, prefix)
+                dead, ranges = (read_freelists(mem, lay, interp.address, prefix)
+                                if lay.freelist_heads is None
+                                else read_freelist_heads(mem, lay, interp.address, prefix))
             except (_FreeListError, MemoryUnreadable) as exc:
                 out.warnings.append(f"{where}: free lists of interpreter {interp.address:#x} "
                                     f"not used ({exc}); they are scanned as before")

@@ -387,3 +387,274 @@ def test_free_list_chains_followed_natively_in_the_copies_give_the_same_answers(
     short[0x50200] = struct.pack("<QQ", 0, 0)               # the chain ends after 3 of 4
     with pytest.raises(walker._FreeListError, match="float free list shorter than numfree"):
         walker.read_freelists(mem_of(short), lay, interp)
+
+
+# --- 3.13+: layouts from the runtime's own _Py_DebugOffsets (issue 22) ----------------------
+# What each build's _Py_DebugOffsets says, as offsetof() printed it against that build's
+# headers (layout.SUPPLEMENTS' comments): PY_VERSION_HEX, then group.field -> value.
+BUILDS = {
+    "3.13.0": (0x030D00F0, {"runtime_state.size": 283320, "runtime_state.interpreters_head": 632,
+                            "interpreter_state.size": 194968, "interpreter_state.next": 7264,
+                            "interpreter_state.threads_head": 7344, "interpreter_state.gc": 7400,
+                            "thread_state.size": 304, "thread_state.next": 8,
+                            "thread_state.interp": 16, "thread_state.thread_id": 152,
+                            "thread_state.native_thread_id": 160,
+                            "thread_state.datastack_chunk": 232, "tuple_object.ob_item": 24,
+                            "interpreter_frame.localsplus": 72}),
+    "3.13.5": (0x030D05F0, {"runtime_state.size": 283376, "interpreter_state.size": 194976}),
+    "3.13.18": (0x030D12F0, {"runtime_state.size": 283408, "interpreter_state.size": 194984,
+                             "thread_state.size": 312}),
+    "3.14.10": (0x030E0AF0, {"runtime_state.size": 316616, "runtime_state.interpreters_head": 808,
+                             "interpreter_state.size": 225864, "interpreter_state.next": 7272,
+                             "interpreter_state.threads_head": 7344, "interpreter_state.gc": 7408,
+                             "thread_state.size": 832, "thread_state.next": 8,
+                             "thread_state.interp": 16, "thread_state.thread_id": 152,
+                             "thread_state.native_thread_id": 160,
+                             "thread_state.datastack_chunk": 232, "tuple_object.ob_item": 32,
+                             "interpreter_frame.localsplus": 80}),
+    "3.15.2": (0x030F02F0, {"runtime_state.size": 346560, "runtime_state.interpreters_head": 936,
+                            "interpreter_state.size": 226232, "interpreter_state.next": 7264,
+                            "interpreter_state.threads_head": 7336, "interpreter_state.gc": 7400,
+                            "thread_state.size": 888, "thread_state.next": 8,
+                            "thread_state.interp": 16, "thread_state.thread_id": 176,
+                            "thread_state.native_thread_id": 184,
+                            "thread_state.datastack_chunk": 256, "tuple_object.ob_item": 32,
+                            "interpreter_frame.localsplus": 80}),
+}
+# (preconfig.allocator, GC generations, interp->obmalloc, datastack_cached_chunk) per build
+EXPECT = {"3.13.0": (10396, 24, 10800, None), "3.13.5": (10396, 20, 10800, None),
+          "3.13.18": (10420, 20, 10800, 304), "3.14.10": (10612, 24, 10904, 824),
+          "3.15.2": (10732, 8, 10880, 280)}
+
+
+def build_offsets(name):
+    vhex, values = BUILDS[name]
+    if name in ("3.13.5", "3.13.18"):
+        values = dict(BUILDS["3.13.0"][1], **values)
+    return vhex, values
+
+
+def debug_image(vhex, values, free_threaded=0, cookie=L.DEBUG_COOKIE):
+    """The bytes of a _Py_DebugOffsets of version vhex: values by group.field, others 0."""
+    version = (vhex >> 24, (vhex >> 16) & 0xFF)
+    keys = [f"{g}.{n}" for g, names in L.DEBUG_FIELDS[version] for n in names.split()]
+    return cookie + struct.pack(f"<QQ{len(keys)}Q", vhex, free_threaded,
+                                *[values.get(k, 0) for k in keys])
+
+
+def preconfig(alloc=1):
+    """An initialised PyPreConfig: python init, parse_argv, use_environment, configure_locale."""
+    return struct.pack("<10i", 2, 1, 0, 1, 1, 0, 0, 0, 0, alloc)
+
+
+RT, INTERP, TS = 0x400000, 0x600000, 0x800000
+
+
+def debug_runtime(name, alloc=1, free_threaded=0, cookie=L.DEBUG_COOKIE, pre_at=None,
+                  gen0=None):
+    """A _PyRuntime image of build `name` (its debug offsets, PyPreConfig at its place or at
+    pre_at, one interpreter whose GC state's generation0 pointer says gen0, one thread state):
+    (BufferMemory, Runtime)."""
+    vhex, d = build_offsets(name)
+    pre, gens = EXPECT[name][:2]
+    r = bytearray(d["runtime_state.size"])
+    img = debug_image(vhex, d, free_threaded, cookie)
+    r[:len(img)] = img
+    head = d["runtime_state.interpreters_head"]
+    struct.pack_into("<QQ", r, head, INTERP, INTERP)
+    at = (pre if pre_at is None else pre_at) - L.PRECONFIG_ALLOCATOR
+    r[at:at + 40] = preconfig(alloc)
+    i = bytearray(d["interpreter_state.size"])
+    struct.pack_into("<Q", i, d["interpreter_state.threads_head"], TS)
+    if vhex >> 16 == 0x030D:           # 3.13: PyGC_Head *generation0 -> generations[0].head
+        gc = INTERP + d["interpreter_state.gc"]
+        struct.pack_into("<Q", i, d["interpreter_state.gc"] + 96, gc + (gens if gen0 is None
+                                                                        else gen0))
+    t = bytearray(d["thread_state.size"])
+    struct.pack_into("<Q", t, d["thread_state.interp"], INTERP)
+    struct.pack_into("<Q", t, d["thread_state.native_thread_id"], 101)
+    mem = BufferMemory({RT: bytes(r), INTERP: bytes(i), TS: bytes(t)})
+    version = (vhex >> 24, (vhex >> 16) & 0xFF)
+    return mem, locate.Runtime("/usr/bin/python3.x", RT, version, vhex, "Py_Version", False,
+                               "dynsym")
+
+
+def test_debug_offsets_structs_have_the_sizes_of_their_headers():
+    # sizeof(_Py_DebugOffsets) printed against 3.13.0/3.13.5/3.13.18, 3.14.10, 3.15.2 headers
+    assert [L.debug_offsets_size(v) for v in ((3, 13), (3, 14), (3, 15))] == [584, 760, 888]
+    assert L.debug_offsets_size((3, 16)) is None and L.parse_debug_offsets(b"", (3, 16)) is None
+    assert L.parse_debug_offsets(bytes(100), (3, 13)) is None        # too short
+
+
+@pytest.mark.parametrize("name", list(BUILDS))
+def test_debug_offsets_parse_every_field_in_order(name):
+    vhex, d = build_offsets(name)
+    version = (vhex >> 24, (vhex >> 16) & 0xFF)
+    keys = [f"{g}.{n}" for g, names in L.DEBUG_FIELDS[version] for n in names.split()]
+    numbered = {k: 1000 + n for n, k in enumerate(keys)}
+    got = L.parse_debug_offsets(debug_image(vhex, numbered) + b"tail", version)
+    assert got == numbered
+    assert len(debug_image(vhex, d)) == L.debug_offsets_size(version)
+
+
+@pytest.mark.parametrize("name", list(BUILDS))
+def test_layout_from_an_in_memory_runtime_of_each_build(name):
+    mem, rt = debug_runtime(name)
+    _, d = build_offsets(name)
+    pre, gens, obm, cached = EXPECT[name]
+    lay = locate.debug_layout(mem, rt)
+    assert lay.source == "_Py_DebugOffsets" and lay.version == rt.version
+    assert (lay.runtime_size, lay.interpreters_head, lay.interp_next, lay.interp_threads_head,
+            lay.tstate_next, lay.tstate_interp, lay.tstate_thread_id,
+            lay.tstate_native_thread_id) == tuple(d[k] for k in (
+                "runtime_state.size", "runtime_state.interpreters_head", "interpreter_state.next",
+                "interpreter_state.threads_head", "thread_state.next", "thread_state.interp",
+                "thread_state.thread_id", "thread_state.native_thread_id"))
+    assert lay.interpreters_main == lay.interpreters_head + 8
+    assert lay.preconfig_allocator == pre and lay.obmalloc.state.interp_offset == obm
+    ds = lay.datastack
+    chunk = d["thread_state.datastack_chunk"]
+    assert (ds.tstate_chunk, ds.tstate_top, ds.tstate_limit, ds.tstate_cached_chunk) == \
+        (chunk, chunk + 8, chunk + 16, cached)
+    assert lay.tuple_items == d["tuple_object.ob_item"]
+    assert lay.frame_localsplus == d["interpreter_frame.localsplus"]
+    assert lay.gc.offset == d["interpreter_state.gc"]
+    assert (lay.freelists is not None) == (rt.version == (3, 13))
+    assert (lay.freelist_heads is not None) == (rt.version >= (3, 14))
+    # validated by walking: the interpreter, its thread state, the GC generations' place
+    (info,) = locate.walk_interpreters(mem, [anon(0x400000, 0x900000)], rt, lay, [regs(101)])
+    assert [t.address for t in info.threads] == [TS]
+    lay = locate.resolve_gc(mem, lay, [info])
+    assert lay.gc.generations == gens and lay.gc.generation0 is None
+    assert locate.read_allocator(mem, rt, lay) == 1
+
+
+def test_free_list_heads_of_3_14_and_3_15_sit_where_offsetof_says():
+    # probe output: 3.14.10 tuples 11152, lists 11472, dictkeys 11536, pymethodobjects 11728;
+    # 3.15.2 complexes 11112, tuples 11144, lists 11464, dictkeys 11528, bytes_writers 11688
+    for v, want in (((3, 14), {"tuples[0]": 11152, "lists": 11472, "dictkeys": 11536,
+                               "pymethodobjects": 11728}),
+                    ((3, 15), {"complexes": 11112, "tuples[0]": 11144, "lists": 11464,
+                               "dictkeys": 11528, "bytes_writers": 11688,
+                               "pymethodobjects": 11736})):
+        lists = {name: (off, obj) for name, off, obj in L.SUPPLEMENTS[v].freelist_heads.lists()}
+        assert {k: lists[k][0] for k in want} == want
+        assert not lists["dictkeys"][1] and lists["lists"][1] and lists["tuples[19]"][1]
+    assert L.SUPPLEMENTS[(3, 14)].freelist_heads.sizeof == 624
+    assert L.SUPPLEMENTS[(3, 15)].freelist_heads.sizeof == 656
+
+
+def test_a_runtime_size_of_no_known_build_takes_the_one_plausible_preconfig():
+    # a 3.13.x of another size: the PyPreConfig at one of the known places decides
+    mem, rt = debug_runtime("3.13.18")
+    r = bytearray(mem.blocks[RT])
+    struct.pack_into("<Q", r, 24, 283999)                         # runtime_state.size
+    mem.blocks[RT] = bytes(r)
+    assert locate.debug_layout(mem, rt).preconfig_allocator == 10420
+    # neither place holds one: refused
+    r[10420 - 36:10420 + 4] = bytes(40)
+    mem.blocks[RT] = bytes(r)
+    with pytest.raises(locate.LayoutMismatch, match="0 of the known PyPreConfig places"):
+        locate.debug_layout(mem, rt)
+
+
+@pytest.mark.parametrize("ints,ok", [((2, 1, 0, 1, 1, 0, 0, 0, 0, 3), True),
+                                     ((1, 0, 1, 0, 0, 2, 1, -1, -1, 0), True),
+                                     ((0, 1, 0, 1, 1, 0, 0, 0, 0, 1), False),
+                                     ((2, 1, 0, 1, 1, 0, 0, 0, 0, 9), False),
+                                     ((2, 5, 0, 1, 1, 0, 0, 0, 0, 1), False),
+                                     ((2, 1, 0, 1), False)])
+def test_preconfig_plausibility(ints, ok):
+    assert L.preconfig_plausible(ints) == ok
+
+
+def test_a_wrong_cookie_or_version_is_refused():
+    mem, rt = debug_runtime("3.14.10", cookie=b"xdebugpz")
+    with pytest.raises(locate.LayoutMismatch, match="no _Py_DebugOffsets cookie"):
+        locate.debug_layout(mem, rt)
+    mem, rt = debug_runtime("3.14.10")
+    with pytest.raises(locate.LayoutMismatch, match="says version 0x30e0af0"):
+        locate.debug_layout(mem, locate.Runtime(rt.object_path, RT, (3, 13), None, "file name",
+                                                False, "dynsym"))
+
+
+def test_the_free_threaded_flag_is_recognised():
+    mem, rt = debug_runtime("3.14.10", free_threaded=1)
+    with pytest.raises(locate.FreeThreaded):
+        locate.debug_layout(mem, rt)
+
+
+def test_generation0_elsewhere_than_a_known_place_does_not_fit():
+    mem, rt = debug_runtime("3.13.5", gen0=28)
+    lay = locate.debug_layout(mem, rt)
+    interps = locate.walk_interpreters(mem, [anon(0x400000, 0x900000)], rt, lay, [regs(101)])
+    with pytest.raises(locate.LayoutMismatch, match=r"generations at \[28\]"):
+        locate.resolve_gc(mem, lay, interps)
+
+
+def _walk_fake(monkeypatch, mem, rt):
+    monkeypatch.setattr(locate, "find_runtime", lambda mem, maps, pid=None: rt)
+    return walker.walk_cpython(mem, [anon(0x400000, 0x900000)], [regs(101)])
+
+
+def test_walker_refuses_free_threaded_builds_by_name(monkeypatch):
+    mem, rt = debug_runtime("3.14.10", free_threaded=1)
+    cm = _walk_fake(monkeypatch, mem, rt)
+    assert cm.found and not cm.usable and cm.layout is None
+    (w,) = cm.warnings
+    assert "free-threaded CPython 3.14t is not supported: its objects live in mimalloc" in w
+
+
+@pytest.mark.parametrize("case", ["cookie", "tstate", "mimalloc", "3.16"])
+def test_walker_leaves_a_layout_that_does_not_fit_unusable(monkeypatch, case):
+    mem, rt = debug_runtime("3.15.2", cookie=b"nodebug!" if case == "cookie" else L.DEBUG_COOKIE,
+                            alloc=7 if case == "mimalloc" else 1)
+    if case == "tstate":                # the thread state does not point back
+        mem.blocks[TS] = bytes(len(mem.blocks[TS]))
+    if case == "3.16":
+        rt = locate.Runtime(rt.object_path, RT, (3, 16), 0x031000F0, "Py_Version", False, "dynsym")
+    cm = _walk_fake(monkeypatch, mem, rt)
+    assert cm.found and not cm.usable and len(cm.warnings) == 1
+    want = {"cookie": "the CPython 3.15 layout does not fit (no _Py_DebugOffsets cookie",
+            "tstate": "the CPython 3.15 layout does not fit (thread state",
+            "mimalloc": "the mimalloc allocator (PYTHONMALLOC) is not supported",
+            "3.16": "is 3.16, which has no known memory layout"}[case]
+    assert want in cm.warnings[0] and "treated as before" in cm.warnings[0]
+
+
+def test_3_14_free_lists_are_chains_through_the_first_word():
+    lay = L.SUPPLEMENTS[(3, 14)]
+    fh = lay.freelist_heads
+    lists = {name: off for name, off, _ in fh.lists()}
+    meta, flt, tup = 0x500000, 0x500400, 0x500800          # type, float, tuple type objects
+    types = bytearray(0x1000)
+    for t, flags in ((meta, 0), (flt, 0), (tup, L.TPFLAGS_HAVE_GC)):
+        struct.pack_into("<Q", types, t - meta + L.OB_TYPE, meta)
+        struct.pack_into("<Q", types, t - meta + L.TP_FLAGS, flags)
+    i = bytearray(fh.offset + fh.sizeof)
+    blocks = {meta: bytes(types)}
+    f1, f2, t1, k1 = 0x700000, 0x700100, 0x700210, 0x700300     # t1: a tuple, its GC head before
+    for name, head, n in (("floats", f1, 2), ("tuples[2]", t1, 1), ("dictkeys", k1, 1),
+                          ("lists", 0, -1)):
+        struct.pack_into("<Qq", i, lists[name], head, n)
+    blocks[f1] = struct.pack("<QQ", f2, flt)                  # f1 -> f2 -> NULL
+    blocks[f2] = struct.pack("<QQ", 0, flt)
+    blocks[t1] = struct.pack("<QQ", 0, tup)
+    blocks[k1] = struct.pack("<Q", 0)
+    blocks[INTERP] = bytes(i)
+    got_lay = L.LAYOUTS[(3, 13)]._replace(version=(3, 14), freelists=None, freelist_heads=fh)
+    dead, ranges = walker.read_freelist_heads(BufferMemory(blocks), got_lay, INTERP)
+    assert sorted(dead) == [f1, f2, t1 - 16, k1]
+    assert ranges == [Range(INTERP + fh.offset, INTERP + fh.offset + 624)]
+    assert sorted(walker.read_freelist_heads(BufferMemory(blocks), got_lay, INTERP, 16)[0]) == \
+        [f1 - 16, f2 - 16, t1 - 32, k1 - 16]
+    # a count that the chain does not match, an entry without a type: not used
+    for name, head, n in (("floats", f1, 3), ("floats", f1, 1)):
+        bad = bytearray(i)
+        struct.pack_into("<Qq", bad, lists[name], head, n)
+        with pytest.raises(walker._FreeListError):
+            walker.read_freelist_heads(BufferMemory({**blocks, INTERP: bytes(bad)}),
+                                       got_lay, INTERP)
+    blocks[f2] = struct.pack("<QQ", 0, 0x123456)
+    with pytest.raises(walker._FreeListError, match="has no type"):
+        walker.read_freelist_heads(BufferMemory(blocks), got_lay, INTERP)
