@@ -79,3 +79,74 @@ def test_two_random_keys_in_the_data_tls_decides():
     assert tcache_world("tcache_key", tls_refs=[real], cookie_in_libc=True)[0] == [real]
     # no threads known: both keys stand (never drop a real tcache)
     assert tcache_world("tcache_key", threads=False, cookie_in_libc=True)[0] == [real, cookie]
+
+
+# ---- glibc 2.42+: 76 bins, num_slots, large bins sorted by size (issue 22) ------------------
+def tcache76_world(order=(0, 1, 2), slots=None, large_count=3):
+    """A heap with one 2.42+ tcache: small bin 0 holds 2 chunks, large bin 64 three (0x420,
+    0x600, 0x7f0, linked in `order`); num_slots = 16 - count unless given. Returns the walker
+    after subtract_tcaches, the free nodes expected, and the large nodes."""
+    from test_walk import tcache76_struct
+    tc = L.TCACHE_76
+    r = Run(base=HEAP, size=1 << 15)
+    small = [r.chunk(0x20) + 16 for _ in range(2)]
+    large = [r.chunk(s) + 16 for s in (0x420, 0x600, 0x7f0)]
+    live = r.chunk(0x500) + 16          # an in-use block of the large bin's range
+    linked = [large[i] for i in order]
+    counts = {0: 2, 64: large_count}
+    if slots is not None:
+        counts = {i: -s for i, s in slots.items()}
+    t = tcache76_struct(r, tc, counts, {0: small[0], 64: linked[0]})
+    for chain_ in (small, linked):
+        for a, b in zip(chain_, chain_[1:] + [0]):
+            r.set_word(a, (a >> 12) ^ b)
+            r.set_word(a + 8, K)
+    r.finish_top()
+    libc = bytearray(0x1000)
+    struct.pack_into("<Q", libc, 0x100, K)
+    mem = BufferMemory({HEAP: bytes(r.buf), LIBC_DATA: bytes(libc)})
+    maps = [Mapping(HEAP, HEAP + len(r.buf), "rw-p", 0, "00:00", 0, "[heap]"),
+            Mapping(LIBC_DATA, LIBC_DATA + 0x1000, "rw-p", 0x1000, "08:01", 5, "/lib/libc.so.6")]
+    w = _Walker(mem, maps, None)
+    w.copy(HEAP, len(r.buf))
+    user, usable = in_use(r)
+    ctx = TcacheContext((tc,), L.KEY_GLOBAL, True, 76, 16, [Range(LIBC_DATA, LIBC_DATA + 0x1000)], [])
+    assert w.subtract_tcaches(user, usable, ctx) is True
+    return w, t, small, large, live
+
+
+def test_tcache76_small_and_large_chains_are_free():
+    w, t, small, large, live = tcache76_world()
+    assert w.stats["tcaches"] == [t]
+    assert sorted(w.free_nodes) == sorted(small + large)
+    assert w.stats["tcache_free"] == 5
+    assert w.stats["tcache_free_bytes"] == 2 * 0x20 + 0x420 + 0x600 + 0x7f0
+    assert w.v.soft == [] and w.v.uncertain == {} and w.v.hard == []
+
+
+def test_tcache76_count_off_by_one_is_soft_and_uncertain():
+    # num_slots says 4 chunks in bin 64 (12 slots left), the chain holds 3: a free in flight
+    w, t, small, large, live = tcache76_world(large_count=4)
+    assert sorted(w.free_nodes) == sorted(small + large)
+    assert len(w.v.soft) == 1 and w.v.hard == []
+    assert w.v.soft[0].startswith(f"tcache {t:#x} bin 64 (1048-2024-byte blocks): 3 chunk(s) "
+                                  f"linked, count says 4")
+    # the sizes of that range the heap holds may be free: the in-use 0x500 block's among them
+    assert sorted(w.v.uncertain) == [0x418, 0x4f8, 0x5f8, 0x7e8]
+
+
+def test_tcache76_unsorted_large_chain_is_broken():
+    # 0x600 -> 0x420: glibc keeps large bins sorted, so this is no chain of its (garbage)
+    w, t, small, large, live = tcache76_world(order=(1, 0, 2))
+    assert sorted(w.free_nodes) == sorted(small + [large[1]])       # the verified prefix
+    assert len(w.v.soft) == 1
+    msg = w.v.soft[0]
+    assert msg.startswith(f"tcache {t:#x} bin 64 (1048-2024-byte blocks): chain broken at "
+                          f"{large[1]:#x}: next pointer {large[0]:#x} is smaller than the chunk "
+                          f"before it")
+    assert 0x4f8 in w.v.uncertain and 0x18 not in w.v.uncertain
+
+
+def test_tcache76_with_num_slots_above_tcache_count_is_no_tcache():
+    w, t, small, large, live = tcache76_world(slots={0: 17})
+    assert w.stats["tcaches"] == [] and w.free_nodes == []

@@ -684,3 +684,100 @@ def test_chunk_lookalikes_are_told_apart_by_mp_s_counters_only_when_unambiguous(
     assert V.lookalikes({**real, **{0xa010: 4096, 0xb010: 4096, 0xc010: 4096}}, 4, total) == set()
     assert V.lookalikes({**real, **{0xa010: 4096}}, -1, -1) == set()
     assert V.lookalikes({**real, **{0xa010: 4096}}, 4, total + 4096) == set()     # no surplus bytes
+
+
+# ---- glibc 2.42+ / 2.43 (issue 22) --------------------------------------------------------
+def test_mmapped_scan_243_layout_keeps_a_header_after_the_chunk():
+    # 2.43: size = mapping - offset - 16, usable = size - 8; prev_size bit 0 = MMAP_HP
+    from memunreachable.glibc.layout import MMAP_CHUNK_243 as f
+    buf = bytearray(0x40000)
+    base = 0x7f0000000000
+    struct.pack_into("<QQ", buf, 0, 0, (0x5000 - 16) | M)                  # plain chunk
+    struct.pack_into("<QQ", buf, 0x5000, 0, (0x10000 - 16) | M)            # stale memalign header
+    struct.pack_into("<QQ", buf, 0x5000 + 0x3ff0, 0x3ff0, (0x10000 - 0x3ff0 - 16) | M)
+    struct.pack_into("<QQ", buf, 0x15000, 1, (0x2000 - 16) | M)            # a hugetlb one (MMAP_HP)
+    struct.pack_into("<QQ", buf, 0x20000, 0, 0x1000 | M)                    # the 2.42 format: not one
+    user, usable = array("Q", bytes(80)), array("Q", bytes(80))
+    res = ffi.new("mu_mmap_result *")
+
+    def scan(tail, delta, mask):
+        n = lib.mu_walk_mmapped(ffi.from_buffer(buf), base, len(buf), len(buf), 4096, tail, delta,
+                                mask, ffi.from_buffer("uint64_t[]", user),
+                                ffi.from_buffer("uint64_t[]", usable), 10, res)
+        return list(zip(user[:n], usable[:n]))
+
+    assert scan(f.tail, f.usable_delta, f.prev_flags) == [
+        (base + 16, 0x5000 - 16 - 8), (base + 0x5000 + 0x3ff0 + 16, 0x10000 - 0x3ff0 - 16 - 8),
+        (base + 0x15000 + 16, 0x2000 - 16 - 8)]
+    assert (res.found, res.bytes, res.moved) == (3, 0x17000, 1)
+    # read as the old format, the 2.43 chunks are no chunks (their mappings are not page sized)
+    assert scan(0, 16, 0) == [(base + 0x20000 + 16, 0x1000 - 16)]
+    assert lib.mu_walk_mmapped(ffi.from_buffer(buf), base, len(buf), len(buf), 4096, 16, 8, 0x10,
+                               ffi.NULL, ffi.NULL, 0, res) == -22
+
+
+def test_range_chain_of_a_large_tcache_bin_is_sorted():
+    # 2.42+ large bin 64 holds chunk sizes 0x420-0x7f0, its chain sorted by ascending size
+    r = Run()
+    sizes = [0x420, 0x600, 0x600, 0x7f0]
+    nodes = [r.chunk(s) for s in sizes]
+    other = r.chunk(0x800)
+    r.finish_top()
+    u = [c + 16 for c in nodes]
+    tab, keep = regions(r)
+
+    def link(order):
+        for a, b in zip(order, order[1:] + [0]):
+            r.set_word(a, (a >> 12) ^ b)
+
+    link(u)
+    st, got, res = chain(tab, 1, r, u[0], 0, 1, 0x420, 17, size_max=0x7f0)
+    assert (st, got) == (lib.MU_CHAIN_NULL, u)
+    # out of order: the 0x420 node after the 0x7f0 one is refused (glibc would never link it)
+    link([u[1], u[3], u[0]])
+    st, got, res = chain(tab, 1, r, u[1], 0, 1, 0x420, 17, size_max=0x7f0)
+    assert (st, res.reason, got, res.last, res.bad) == (lib.MU_CHAIN_BAD, lib.MU_LINK_ORDER,
+                                                        [u[1], u[3]], u[3], u[0])
+    # a chunk above the bin's range
+    link([u[0], other + 16])
+    st, got, res = chain(tab, 1, r, u[0], 0, 1, 0x420, 17, size_max=0x7f0)
+    assert (st, res.reason, got) == (lib.MU_CHAIN_BAD, lib.MU_LINK_WRONG_SIZE, [u[0]])
+    # one size (the small bins) as before: equal sizes are no order violation
+    link([u[1], u[2]])
+    assert chain(tab, 1, r, u[1], 0, 1, 0x600, 17)[:2] == (lib.MU_CHAIN_NULL, [u[1], u[2]])
+
+
+def tcache76_struct(r, tc, counts, heads, max_count=16):
+    """A 2.42+ tcache_perthread_struct: num_slots = max_count - count per bin."""
+    c = r.chunk(tc.chunk_size)
+    u = c + 16
+    for i in range(tc.nbins):
+        n = counts.get(i, 0)
+        struct.pack_into("<H", r.buf, u - r.base + 2 * i, max_count - n if n >= 0 else -n)
+    for i, h in heads.items():
+        r.set_word(u + tc.entries + 8 * i, h)
+    return u
+
+
+def test_tcache_scan_reads_num_slots_as_room_left_and_large_bin_ranges():
+    from memunreachable.glibc.layout import TCACHE_76 as tc
+    r = Run(size=1 << 16)
+    small, large = r.chunk(0x20), r.chunk(0x600)
+    key = 0x1234567890ABCDEF
+    r.set_word(small + 24, key)
+    r.set_word(large + 24, key)
+    real = tcache76_struct(r, tc, {0: 1, 64: 1}, {0: small + 16, 64: large + 16})
+    # num_slots above tcache_count (16): no 2.42 tcache
+    garbage = tcache76_struct(r, tc, {0: -17}, {0: small + 16})
+    # the large head in a bin whose range it is not in (bin 65: 0x800-0xff0)
+    wrong = tcache76_struct(r, tc, {65: 1}, {65: large + 16})
+    fresh = tcache76_struct(r, tc, {}, {})          # all num_slots 16: empty
+    r.finish_top()
+    tab, keep = regions(r)
+    assert scan(tab, 1, r, tc, active=76, max_count=16) == [(real, key, 2, 2, 0, 0, 0)]
+    # large bins beyond tcache_max_bytes (defaults: only the 64 small bins) must be empty
+    assert scan(tab, 1, r, tc, active=64, max_count=16) == []
+    assert {garbage, wrong, fresh}.isdisjoint(a for a, *_ in scan(tab, 1, r, tc, 76, 16))
+    # read with the old meaning (counts), every bin of the fresh struct would hold 16 chunks
+    assert tc.entry_count(16, 16) == 0 and tc.entry_count(13, 16) == 3
+    assert tc.entry_count(17, 16) is None
