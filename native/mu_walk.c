@@ -387,8 +387,9 @@ int64_t mu_walk_chain(const mu_region *regions, uint64_t nregions, const uint64_
 
 int64_t mu_walk_tcache_scan(const mu_region *regions, uint64_t nregions, const uint64_t *user,
                             const uint64_t *usable, uint64_t n, uint64_t struct_usable,
-                            uint32_t count_width, uint64_t entries_off, uint64_t nbins,
-                            uint64_t active_bins, uint64_t max_count, uint32_t remaining,
+                            uint64_t struct_slack, uint32_t count_width, uint64_t entries_off,
+                            uint64_t nbins, uint64_t active_bins, uint64_t max_count,
+                            uint32_t remaining,
                             const uint64_t *bin_min, const uint64_t *bin_max, uint64_t key_off,
                             uint64_t want_key, mu_tcache_cand *out, uint64_t cap)
 {
@@ -399,7 +400,7 @@ int64_t mu_walk_tcache_scan(const mu_region *regions, uint64_t nregions, const u
     const uint64_t span = entries_off + 8 * nbins;
     uint8_t *local = NULL;      /* a candidate's bytes read from an uncopied region */
     for (uint64_t i = 0; i < n; i++) {
-        if (usable[i] != struct_usable)
+        if (usable[i] < struct_usable || usable[i] - struct_usable > struct_slack)
             continue;
         uint64_t addr = user[i];
         int64_t r = mu_region_find(regions, nregions, addr, span);

@@ -157,7 +157,10 @@ typedef struct {
 } mu_tcache_cand;
 
 /* Cheap prefilter for tcache structs, linear in the heap: every in-use chunk of usable size
- * struct_usable (user[]/usable[] ascending, n entries) whose counts[] (count_width 1 or 2
+ * struct_usable to struct_usable + struct_slack (malloc hands out a whole free chunk when the
+ * rest would be below MINSIZE: a tcache struct taken from a bin may be 16 bytes larger; glibc
+ * 2.43 allocates it at the first free, often from a bin) (user[]/usable[] ascending, n
+ * entries) whose counts[] (count_width 1 or 2
  * bytes, nbins of them) are all <= max_count, with at least one non-empty bin whose head
  * entries[i] (at entries_off) is an in-use chunk of a chunk size in [bin_min[i], bin_max[i]]
  * (bin sizes never change), and whose bins from active_bins on are empty. remaining != 0:
@@ -167,8 +170,9 @@ typedef struct {
  * Stores up to cap candidates in address order; returns the number that passed. */
 int64_t mu_walk_tcache_scan(const mu_region *regions, uint64_t nregions, const uint64_t *user,
                             const uint64_t *usable, uint64_t n, uint64_t struct_usable,
-                            uint32_t count_width, uint64_t entries_off, uint64_t nbins,
-                            uint64_t active_bins, uint64_t max_count, uint32_t remaining,
+                            uint64_t struct_slack, uint32_t count_width, uint64_t entries_off,
+                            uint64_t nbins, uint64_t active_bins, uint64_t max_count,
+                            uint32_t remaining,
                             const uint64_t *bin_min, const uint64_t *bin_max, uint64_t key_off,
                             uint64_t want_key, mu_tcache_cand *out, uint64_t cap);
 

@@ -132,7 +132,8 @@ class FreeListsMixin:
             out = ffi.new("mu_tcache_cand[]", cap)
             n = check(lib.mu_walk_tcache_scan(
                 tab, ntab, ffi.from_buffer("uint64_t[]", user), ffi.from_buffer("uint64_t[]", usable),
-                len(user), tc.chunk_size - L.ARENA_USABLE_DELTA, tc.count_width, tc.entries, tc.nbins,
+                len(user), tc.chunk_size - L.ARENA_USABLE_DELTA, L.TCACHE_STRUCT_SLACK, tc.count_width,
+                tc.entries, tc.nbins,
                 min(active_bins, tc.nbins), max_count, int(tc.remaining),
                 ffi.from_buffer("uint64_t[]", lo), ffi.from_buffer("uint64_t[]", hi),
                 tc.key or 0, want_key, out, cap), "scan tcache candidates")

@@ -220,6 +220,9 @@ KEY_GLOBAL = "tcache_key"       # 2.34+: one random word per process, in libc's 
 SAFE_LINKING_FROM = (2, 32)     # tcache next / fastbin fd mangled with (field address >> 12)
 U16_COUNTS_FROM = (2, 30)
 TCACHE_76_FROM = (2, 42)
+# A tcache struct taken whole from a free chunk 16 bytes larger (the rest below MINSIZE):
+# 0x310 for 2.42+'s 0x300, seen in a static 2.43 program (its tcache comes at the first free)
+TCACHE_STRUCT_SLACK = MINSIZE - CHUNK_HDR
 TLS_TCACHE_WINDOW = 0x10000     # bytes below fs_base searched for a thread's `tcache` pointer
 
 

@@ -262,7 +262,7 @@ def scan(tab, n, r, tc, active=64, max_count=7, cap=16, want=0):
     lo, hi = bin_ranges(tc)
     k = lib.mu_walk_tcache_scan(tab, n, ffi.from_buffer("uint64_t[]", user),
                                 ffi.from_buffer("uint64_t[]", usable), len(user),
-                                tc.chunk_size - 8, tc.count_width, tc.entries, tc.nbins, active,
+                                tc.chunk_size - 8, 16, tc.count_width, tc.entries, tc.nbins, active,
                                 max_count, int(tc.remaining), ffi.from_buffer("uint64_t[]", lo),
                                 ffi.from_buffer("uint64_t[]", hi), 8, want, out, cap)
     return [(o.addr, o.key, o.nonempty, o.heads, o.want_key, o.self_key, o.mismatched)
@@ -313,7 +313,7 @@ def test_tcache_scan_is_linear_for_many_lookalikes():
     t = time.perf_counter()
     k = lib.mu_walk_tcache_scan(tab, 1, ffi.from_buffer("uint64_t[]", user),
                                 ffi.from_buffer("uint64_t[]", usable), len(user), tc.chunk_size - 8,
-                                2, tc.entries, 64, 64, 7, 0, ffi.from_buffer("uint64_t[]", lo),
+                                16, 2, tc.entries, 64, 64, 7, 0, ffi.from_buffer("uint64_t[]", lo),
                                 ffi.from_buffer("uint64_t[]", hi), 8, 0, out, n)
     dt = time.perf_counter() - t
     assert k == n
@@ -781,3 +781,22 @@ def test_tcache_scan_reads_num_slots_as_room_left_and_large_bin_ranges():
     # read with the old meaning (counts), every bin of the fresh struct would hold 16 chunks
     assert tc.entry_count(16, 16) == 0 and tc.entry_count(13, 16) == 3
     assert tc.entry_count(17, 16) is None
+
+
+def test_tcache_scan_accepts_a_struct_16_bytes_larger():
+    # malloc hands out a whole bin chunk when the rest would be below MINSIZE: a static 2.43
+    # program's tcache (allocated at its first free) sat in a 0x310 chunk
+    from memunreachable.glibc.layout import TCACHE_76 as tc
+    r = Run(size=1 << 16)
+    node = r.chunk(0x20)
+    structs = []
+    for extra in (0x10, 0x20):
+        c = r.chunk(tc.chunk_size + extra)
+        u = c + 16
+        for i in range(tc.nbins):
+            struct.pack_into("<H", r.buf, u - r.base + 2 * i, 15 if i == 0 else 16)
+        r.set_word(u + tc.entries, node + 16)
+        structs.append(u)
+    r.finish_top()
+    tab, keep = regions(r)
+    assert [g[0] for g in scan(tab, 1, r, tc, active=64, max_count=16)] == structs[:1]
