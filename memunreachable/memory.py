@@ -9,6 +9,10 @@ MemoryUnreadable; it is never counted as zero. Two kinds of memory are handled a
                file pages past the end of their file (the process itself would get SIGBUS
                there) and device memory (VmFlags io/pf). They read as zeros, counted in
                .tolerated_bytes.
+    guarded    mappings that may hold guard pages (VmFlags gu: MADV_GUARD_INSTALL, Linux 6.13+;
+               glibc 2.42+ puts each thread stack's guard inside its mapping that way). A
+               guard page is no memory: it cannot be read (EIO) and holds nothing. Unreadable
+               pages there read as zeros too, counted in .guard_bytes, with no warning.
     overlays   [(base, buffer)] copies of memory the fork snapshot cannot show: MADV_DONTFORK
                mappings are absent from a fork, MADV_WIPEONFORK ones read as zeros there
                (VmFlags dc / wf, proc(5); madvise(2)). They are read from the frozen target
@@ -34,16 +38,19 @@ PAGE = 4096
 # mappings the kernel gives every process and the sweep never reads as memory
 SPECIAL = ("[vvar]", "[vvar_vclock]", "[vdso]", "[vsyscall]")
 DEVICE_FLAGS = frozenset({"io", "pf"})      # VM_IO, VM_PFNMAP: not ordinary memory
+GUARD_FLAG = "gu"       # the mapping may hold MADV_GUARD_INSTALL guard pages (proc(5))
 
 
 class ProcessMemory:
     def __init__(self, pid: int, fd: int = None, *, overlays: Sequence[Tuple[int, object]] = (),
-                 tolerated: Sequence[Range] = ()):
+                 tolerated: Sequence[Range] = (), guarded: Sequence[Range] = ()):
         self.pid = pid
         self.fd = fd if fd is not None else os.open(f"/proc/{pid}/mem", os.O_RDONLY | os.O_CLOEXEC)
         self.overlays = sorted(overlays, key=lambda o: o[0])
-        self.tolerated = merge_ranges(tolerated)
+        self.guarded = merge_ranges(guarded)
+        self.tolerated = merge_ranges(list(tolerated) + list(self.guarded))
         self.tolerated_bytes = 0
+        self.guard_bytes = 0
 
     def read(self, addr: int, size: int) -> bytes:
         buf = bytearray(size)
@@ -76,7 +83,10 @@ class ProcessMemory:
                     f"{bad} byte(s) of process {self.pid}'s memory from {first[0]:#x} could "
                     "not be read", address=first[0])
             end = min(t.end, addr + len(mv))
-            self.tolerated_bytes += end - first[0]
+            if any(g.contains(first[0]) for g in self.guarded):
+                self.guard_bytes += end - first[0]
+            else:
+                self.tolerated_bytes += end - first[0]
             mv = mv[end - addr:]
             addr = end
 
@@ -309,12 +319,14 @@ class SnapshotPlan:
     are not roots (a library's .rodata, .eh_frame, an untouched .data: 70% of the root bytes
     of a pytest process), and the ranges of no_pointers, which are no roots either;
     no_pointers: vDSO getrandom() states (is_getrandom_state): wiped in the snapshot, but
-    holding no pointer, so they are neither missing nor roots."""
+    holding no pointer, so they are neither missing nor roots; guarded: mappings that may
+    hold guard pages (VmFlags gu), read with ProcessMemory(guarded=...)."""
     missing: List[Range] = field(default_factory=list)
     tolerated: List[Range] = field(default_factory=list)
     notes: List[str] = field(default_factory=list)
     unwritten: List[Range] = field(default_factory=list)
     no_pointers: List[Range] = field(default_factory=list)
+    guarded: List[Range] = field(default_factory=list)
 
     @property
     def missing_bytes(self) -> int:
@@ -323,7 +335,7 @@ class SnapshotPlan:
     def copy(self) -> "SnapshotPlan":
         """The same plan in new lists."""
         return SnapshotPlan(list(self.missing), list(self.tolerated), list(self.notes),
-                            list(self.unwritten), list(self.no_pointers))
+                            list(self.unwritten), list(self.no_pointers), list(self.guarded))
 
 
 def _needs_reading(m: Mapping) -> bool:
@@ -362,6 +374,8 @@ def _plan_snapshot(target_maps: Sequence[Mapping],
             continue
         if m.path.startswith("/") and m.inode and not m.shared and "written" not in flags:
             plan.unwritten.append(m.range)
+        if GUARD_FLAG in flags:
+            plan.guarded.append(m.range)
         if flags & DEVICE_FLAGS:
             plan.tolerated.append(m.range)
         elif "wf" in flags and m.readable and m.writable and not m.shared:
@@ -384,6 +398,7 @@ def _plan_snapshot(target_maps: Sequence[Mapping],
                     plan.tolerated.append(Range(first_past, m.end))
     plan.missing = merge_ranges(plan.missing)
     plan.tolerated = merge_ranges(plan.tolerated)
+    plan.guarded = merge_ranges(plan.guarded)
     plan.no_pointers = merge_ranges(plan.no_pointers)
     plan.unwritten = merge_ranges(plan.unwritten + plan.no_pointers)
     return plan

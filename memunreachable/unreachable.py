@@ -296,7 +296,8 @@ def record_allocations(pending: Pending) -> bool:
         return False
     plan = pending.plan         # None: not planned (complete()), read as it is
     try:
-        mem = ProcessMemory(snap.pid, overlays=[], tolerated=plan.tolerated if plan else [])
+        mem = ProcessMemory(snap.pid, overlays=[], tolerated=plan.tolerated if plan else [],
+                            guarded=plan.guarded if plan else [])
     except OSError:
         return False
     try:
@@ -471,7 +472,7 @@ def _plan_reads(fz, snap, overlays, st: _Attempts, info) -> tuple:
     """(SnapshotPlan, unseen ranges) for the sweep; raises _Retake once when the snapshot lacks
     memory that a fresh snapshot can capture during its pause."""
     if snap.mode != "clone":
-        return SnapshotPlan(tolerated=_tolerated(fz.pid, fz.maps)), []
+        return _direct_plan(fz.pid, fz.maps), []
     try:
         smaps = procfs.read_smaps_flags(snap.pid)
     except (NoSuchProcess, OSError, ValueError) as exc:
@@ -497,9 +498,16 @@ def _plan_reads(fz, snap, overlays, st: _Attempts, info) -> tuple:
     return plan, unseen
 
 
-def _tolerated(pid: int, maps) -> List[Range]:
-    """Ranges of the target whose pages may legitimately be unreadable (direct mode)."""
-    return plan_snapshot(maps, [(m, frozenset()) for m in maps], mapped_file_size(pid)).tolerated
+def _direct_plan(pid: int, maps) -> SnapshotPlan:
+    """The ranges of the target whose pages may legitimately be unreadable (direct mode: no
+    snapshot, the stopped target is read): tolerated and guarded."""
+    try:
+        flags = dict(procfs.read_smaps_flags(pid))
+    except (NoSuchProcess, OSError, ValueError):
+        flags = {}
+    plan = plan_snapshot(maps, [(m, flags.get(m, frozenset())) for m in maps],
+                         mapped_file_size(pid))
+    return SnapshotPlan(tolerated=plan.tolerated, guarded=plan.guarded)
 
 
 def _alive(pid: int) -> bool:
@@ -570,7 +578,8 @@ def _sweep_snapshot(snap, fz, st: _Attempts, sweep_timeout: float, confirm, over
     if snap.released:
         raise CollectionError(f"snapshot of process {snap.target_pid} was already released")
     try:
-        mem = ProcessMemory(snap.pid, overlays=overlays, tolerated=plan.tolerated)
+        mem = ProcessMemory(snap.pid, overlays=overlays, tolerated=plan.tolerated,
+                            guarded=plan.guarded)
     except (FileNotFoundError, ProcessLookupError) as exc:
         if snap.mode == "clone":
             _snapshot_died(fz.pid, st, f"its memory could not be opened: {exc}")

@@ -11,7 +11,8 @@ import fixtures
 from memunreachable._types import Mapping
 from memunreachable.glibc import layout as L
 from memunreachable.glibc.walker import walk_heap
-from memunreachable.memory import ProcessMemory
+from memunreachable.memory import ProcessMemory, plan_snapshot
+from memunreachable.procfs import read_smaps_flags
 
 pytestmark = pytest.mark.ptrace
 
@@ -37,6 +38,13 @@ def read_maps(pid):
 
 
 @contextlib.contextmanager
+def memory_of(pid: int) -> ProcessMemory:
+    """pid's memory as a check reads it: guard pages (glibc 2.42+ thread stacks,
+    MADV_GUARD_INSTALL) and pages past a file's end read as zeros."""
+    plan = plan_snapshot(read_maps(pid), read_smaps_flags(pid))
+    return ProcessMemory(pid, tolerated=plan.tolerated, guarded=plan.guarded)
+
+
 def stopped_memory(pid: int):
     """The memory of process pid while it is SIGSTOPped (SIGCONT on exit)."""
     os.kill(pid, signal.SIGSTOP)
@@ -45,7 +53,7 @@ def stopped_memory(pid: int):
         assert time.monotonic() < deadline
         time.sleep(0.001)
     try:
-        with ProcessMemory(pid) as mem:
+        with memory_of(pid) as mem:
             yield mem
     finally:
         os.kill(pid, signal.SIGCONT)
@@ -168,7 +176,7 @@ def frozen_walk(pid):
     """Freeze pid with ptrace (threads with fs_base, maps), walk its heap, thaw."""
     from memunreachable.freeze import frozen
     with frozen(pid) as fz:
-        with ProcessMemory(pid) as mem:
+        with memory_of(pid) as mem:
             hw = walk_heap(mem, fz.maps, fz.threads, pid)
         maps = list(fz.maps)
     return hw, set(zip(hw.image.begins, hw.image.sizes)), maps
