@@ -37,7 +37,6 @@ def read_maps(pid):
     return out
 
 
-@contextlib.contextmanager
 def memory_of(pid: int) -> ProcessMemory:
     """pid's memory as a check reads it: guard pages (glibc 2.42+ thread stacks,
     MADV_GUARD_INSTALL) and pages past a file's end read as zeros."""
@@ -45,6 +44,7 @@ def memory_of(pid: int) -> ProcessMemory:
     return ProcessMemory(pid, tolerated=plan.tolerated, guarded=plan.guarded)
 
 
+@contextlib.contextmanager
 def stopped_memory(pid: int):
     """The memory of process pid while it is SIGSTOPped (SIGCONT on exit)."""
     os.kill(pid, signal.SIGSTOP)
