@@ -578,8 +578,16 @@ BUFFERED_BUFFER = 56
 # PyMem_Malloc'd blocks that never hold a reference. 3.8-3.12: in StgDict, the dict subclass
 # (tp_basicsize 192) that is each ctypes type's tp_dict; 3.13: in StgInfo, the type data of
 # ctypes' metatypes (160 bytes after PyType_Type's tp_basicsize rounded up to 16).
+# 3.14.10 and 3.15.2 (measured the same way: "X{}" of a CFUNCTYPE's format and the shape of
+# c_int * 3 found in the type data): StgInfo grew to 176 bytes, format at 144, shape at 160.
 STGDICT_SIZE, STGDICT_FIELDS = 192, (168, 184)
 STGINFO_SIZE, STGINFO_FIELDS = 160, (136, 152)
+STGINFO_314 = (176, (144, 160))
+
+
+def stginfo(version: Tuple[int, int]) -> Tuple[int, Tuple[int, int]]:
+    """(sizeof(StgInfo), object offsets of format and shape in it) of a 3.13+ version."""
+    return STGINFO_314 if version >= (3, 14) else (STGINFO_SIZE, STGINFO_FIELDS)
 CTYPES_METATYPES = ("_ctypes.PyCSimpleType", "_ctypes.PyCPointerType", "_ctypes.PyCArrayType",
                     "_ctypes.PyCFuncPtrType", "_ctypes.PyCStructType", "_ctypes.UnionType")
 TPFLAGS_HAVE_GC = 1 << 14

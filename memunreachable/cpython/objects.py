@@ -169,6 +169,10 @@ class ObjectReader:
             want = self.prefix + 16 * bool(flags & L.TPFLAGS_HAVE_GC) + 16 * bool(flags & self.pre)
             if want != off:
                 continue
+            # 3.14+ (Include/object.h) splits the word into a uint32 ob_refcnt, ob_overflow and
+            # ob_flags, which only immortal (static) objects set: a mortal object's whole word
+            # is its count, as before (masking it would take a pointer's low half, a free-listed
+            # object's link or a list item over stale int bytes, for a count)
             immortal = self.version >= (3, 12) and (refcnt & 0xFFFFFFFF) >= 0x80000000
             if not immortal and refcnt >= MAX_REFCNT:
                 continue

@@ -169,7 +169,8 @@ def _prepare(mem, maps, threads, pid: Optional[int], image: HeapImage) -> CPytho
     # replaces 3.8-3.10's dead-at-zero rule of the type, which it includes
     # memoryviews (every version): their unwritten suboffsets and the slack after their shape
     # arrays (an io read's buffer view kept a leaked block's address there, 3.12 and 3.13)
-    for sym, shape in (("PyTuple_Type", TUPLE_SHAPE), ("PyMemoryView_Type", MEMORYVIEW_SHAPE)):
+    tuple_shape = (cp.layout.tuple_items, TUPLE_SHAPE[1])     # 3.14+: ob_hash before the items
+    for sym, shape in (("PyTuple_Type", tuple_shape), ("PyMemoryView_Type", MEMORYVIEW_SHAPE)):
         rule = varsized_type(mem, cp, statics.get(sym), shape)
         if rule and sym == "PyMemoryView_Type":
             rule = (rule[0], rule[1] & ~(0xff << 8 | 0xff << 48) | lib.MU_TYPE_MEMORYVIEW << 8)
@@ -433,7 +434,10 @@ def opaque_types(mem, cp: CPythonMap, statics: Dict[str, int]) -> List[Tuple[int
 def _type_rules(cp: CPythonMap) -> Dict[str, Tuple[str, str]]:
     """{symbol: (tp_name, mu_dead kind)} of the static types with a rule on this version."""
     rules = dict(L.OPAQUE_TYPES)
-    if cp.version >= (3, 11):     # frame objects own a copy of their frame data (MU_TYPE_FRAME)
+    # frame objects own a copy of their frame data (MU_TYPE_FRAME): the native rule reads
+    # 3.11-3.13's _PyInterpreterFrame (int stacktop at 64, localsplus at 72); 3.14 keeps a
+    # stackpointer there and its slots from 80 (layout.frame_localsplus): no rule
+    if (3, 11) <= cp.version and cp.layout.frame_localsplus == FRAME_SLOTS:
         rules["PyFrame_Type"] = ("frame", "MU_TYPE_FRAME")
     return rules
 
@@ -482,8 +486,8 @@ def old_frame_rule(mem, cp: CPythonMap, statics: Dict[str, int]) -> Tuple[int, i
 # statics (3.11+): tp_basicsize is the inline frame's offset plus its localsplus offset, and
 # tp_itemsize one slot (genobject.c); a type of another shape gets no rule.
 def generator_types(mem, cp: CPythonMap, statics: Dict[str, int]) -> List[Tuple[int, int]]:
-    if cp.version < (3, 11):
-        return []
+    if cp.version < (3, 11) or cp.layout.frame_localsplus != FRAME_SLOTS:
+        return []                   # 3.14+: another frame (see _type_rules)
     reader = object_reader(mem, cp)
     out = []
     for sym in GENERATOR_TYPES:
@@ -869,7 +873,10 @@ def gc_stale_parts(image: HeapImage, head_word, version, sets, managed, values_f
     return pairs, tuple(counts[k] for k in range(6))
 
 
-DEQUE_SIZES = {(3, 8): 80, (3, 9): 80, (3, 10): 80, (3, 11): 216, (3, 12): 216, (3, 13): 216}
+# (3.14.10, 3.15.2: tp_basicsize 216, numfreeblocks at 72 (5 after 5 blocks emptied) and
+# freeblocks[0] at 80, measured with ctypes as on 3.13)
+DEQUE_SIZES = {(3, 8): 80, (3, 9): 80, (3, 10): 80, (3, 11): 216, (3, 12): 216, (3, 13): 216,
+               (3, 14): 216, (3, 15): 216}
 DEQUE_FREE = 72             # 3.11+: dequeobject.numfreeblocks, then freeblocks[16]
 
 
@@ -921,8 +928,11 @@ def deque_dead_ranges(image: HeapImage, head_word, deques: Sequence[int], free_o
 def stale_part_types(mem, cp: CPythonMap, types, statics: Dict[str, int]):
     reader = object_reader(mem, cp)
     roots = {statics[k] for k in ("PySet_Type", "PyFrozenSet_Type") if k in statics}
-    values = (3, 11) <= cp.version <= (3, 13)
+    values = (3, 11) <= cp.version <= (3, 15)
     inline_flag = L.TPFLAGS_INLINE_VALUES if cp.version >= (3, 13) else 0
+    # 3.13: inline values at object offset 16 (sizeof(PyObject)); 3.14+ at tp_basicsize
+    # (_PyObject_InlineValues, internal/pycore_object.h): the one offset the native rule takes
+    # is 16, so only the types of that size
     sets, managed, inline, dicts, strs = [], [], [], [], []
     derives: Dict[int, bool] = {}
     rule = ("derives", tuple(sorted(roots)))
@@ -935,7 +945,7 @@ def stale_part_types(mem, cp: CPythonMap, types, statics: Dict[str, int]):
             sets.append(t)
         if values and w[4] & L.TPFLAGS_MANAGED_DICT:
             managed.append(t)
-            if w[4] & inline_flag:
+            if w[4] & inline_flag and (cp.version <= (3, 13) or w[2] == 16):
                 inline.append(t)
         if values and w[4] & L.TPFLAGS_DICT_SUBCLASS:
             dicts.append(t)
@@ -944,7 +954,7 @@ def stale_part_types(mem, cp: CPythonMap, types, statics: Dict[str, int]):
     if not values:
         return sorted(sets), [], 0, 0, [], [], sorted(strs)
     field, tag = {(3, 11): (-32, lib.MU_VALUES_PLAIN), (3, 12): (-24, lib.MU_VALUES_TAGGED)}.get(
-        cp.version, (16, lib.MU_VALUES_313))        # 3.13: inline after the PyObject header
+        cp.version, (16, lib.MU_VALUES_313))    # 3.13+: inline after the PyObject header
     return sorted(sets), sorted(managed), field, tag, sorted(inline), sorted(dicts), sorted(strs)
 
 
@@ -1028,7 +1038,8 @@ def ctypes_types(mem, maps, cp: CPythonMap, types) -> Tuple[List[int], Tuple[int
     if cp.version < (3, 13):
         size, fields, names = L.STGDICT_SIZE, L.STGDICT_FIELDS, ("StgDict",)
     else:
-        size, fields, names = None, L.STGINFO_FIELDS, L.CTYPES_METATYPES
+        info_size, info_fields = L.stginfo(cp.version)
+        size, fields, names = None, info_fields, L.CTYPES_METATYPES
     out = []
     # one read each; the few of the right size (3.13: the metatypes) are then named
     for t in types:
@@ -1041,11 +1052,10 @@ def ctypes_types(mem, maps, cp: CPythonMap, types) -> Tuple[List[int], Tuple[int
             continue
         if size is None:        # 3.13: the type data follows PyType_Type's size, rounded to 16
             meta, base = reader.type_words(w[0]), reader.type_info(reader._u64(t + L.TP_BASE) or 0)
-            if meta is None or (w[2], w[3]) != ((meta[2] + 15) // 16 * 16 + L.STGINFO_SIZE,
-                                               meta[3]) \
+            if meta is None or (w[2], w[3]) != ((meta[2] + 15) // 16 * 16 + info_size, meta[3]) \
                     or base is None or base[0] != "_ctypes.CType_Type":
                 continue
-            fields = tuple((meta[2] + 15) // 16 * 16 + f for f in L.STGINFO_FIELDS)
+            fields = tuple((meta[2] + 15) // 16 * 16 + f for f in info_fields)
         elif not any(b <= t < e for b, e in own):
             continue
         out.append(t)
