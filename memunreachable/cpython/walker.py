@@ -32,7 +32,8 @@ from memunreachable.memory import CopiedMemory
 
 MAX_CHUNKS = 1 << 16
 MAX_CHUNK_BYTES = 1 << 30
-OPAQUE = "its memory is treated as before (scanned whole as roots)"
+OPAQUE = ("its Python objects and pymalloc blocks cannot be checked (its memory is scanned "
+          "whole as roots)")
 
 
 @dataclass

@@ -19,7 +19,7 @@ from memunreachable.report import Leak, UnreachableMemoryInfo
 from memunreachable.reporters import format_text, load_json, render_json
 
 REASON = ("CPython runtime at 0x7f00 in /usr/bin/python3.14 is 3.14, which has no known memory "
-          "layout: its memory is treated as before (scanned whole as roots)")
+          "layout: its Python objects and pymalloc blocks cannot be checked")
 
 
 def incomplete(num_leaks=0, reasons=(REASON,)):
