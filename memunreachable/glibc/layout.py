@@ -77,11 +77,16 @@ MALLOC_STATES: Tuple[MallocState, ...] = (MALLOC_STATE_227, MALLOC_STATE_243)
 class MmapChunk(FrozenFields):
     """How an mmapped chunk sits in its mapping (malloc.c sysmalloc_mmap, munmap_chunk).
     Mapping = [chunk - offset, chunk + size + tail); usable = size - usable_delta; prev_size
-    holds the offset, ORed with the flag bits in prev_flags (2.43: MMAP_HP, a hugetlb mapping)."""
-    __slots__ = ("name", "tail", "usable_delta", "prev_flags")
+    holds the offset, ORed with the flag bits in prev_flags (2.43: MMAP_HP, a hugetlb mapping).
+    mremap_overcount: the bytes each mremap_chunk (a realloc that changes an mmapped chunk's page
+    count) adds to mp_.mmapped_mem beyond the mapping's real change, for good: munmap_chunk
+    subtracts the real size, so mp_ counts Σ mappings + k * mremap_overcount for the k such
+    reallocs in the process's life, live chunks or not."""
+    __slots__ = ("name", "tail", "usable_delta", "prev_flags", "mremap_overcount")
 
-    def __init__(self, name: str, tail: int, usable_delta: int, prev_flags: int):
-        set_fields(self, name, tail, usable_delta, prev_flags)
+    def __init__(self, name: str, tail: int, usable_delta: int, prev_flags: int,
+                 mremap_overcount: int = 0):
+        set_fields(self, name, tail, usable_delta, prev_flags, mremap_overcount)
 
 
 # <= 2.42: size = the whole mapping less the offset; usable = size - 16 (no next header).
@@ -89,8 +94,13 @@ MMAP_CHUNK_227 = MmapChunk("mmapped chunk 2.26-2.42", tail=0, usable_delta=CHUNK
 # 2.43 (glibc commit 614cfd0f8a "malloc: Change mmap chunk layout"): a normal chunk's layout,
 # CHUNK_HDR_SZ kept after it (size = mapping - offset - 16, usable = size - 8), so a freed
 # mmapped chunk may sit in a large tcache bin; prev_size bit 0 (MMAP_HP) marks MAP_HUGETLB.
+# That commit made the mapping offset + size + CHUNK_HDR_SZ (mmap_size) but left mremap_chunk's
+# update `mp_.mmapped_mem += new_size - size - offset` as it was, which is the real change
+# (new_size - mmap_size) + CHUNK_HDR_SZ; munmap_chunk subtracts mmap_size. Measured on Debian
+# 2.43-7: malloc(1 MiB), realloc to 3 MiB, to 2 MiB, to 2 MiB - 100 (one page less), free:
+# hblkhd 1052672, 3149840 (mapping 3149824), 2101280, 2097200, and 48 with no chunk left.
 MMAP_CHUNK_243 = MmapChunk("mmapped chunk 2.43+", tail=CHUNK_HDR, usable_delta=SIZE_SZ,
-                           prev_flags=1)
+                           prev_flags=1, mremap_overcount=CHUNK_HDR)
 
 
 class MallocPar(FrozenFields):

@@ -160,10 +160,21 @@ def check_bins(v: Verdict, arena: int, broken: int, binned: int, binned_bit_free
 # count check then fails as before). Any data can read as a chunk header at a page start: a
 # Python object inside a pymalloc arena began 0, 0x2002 (an 8 KiB chunk) in 1 of ~20 checks of
 # a process using numpy, scipy and pydantic, and the heap was called corrupt.
-def lookalikes(sizes: Dict[int, int], n_mmaps: int, mmapped_mem: int) -> set:
+# overcount: the bytes mp_ adds per mremap (MmapChunk.mremap_overcount; 0: mp_ is exact). Then
+# mp_ may exceed the real chunks' bytes by any multiple of it (the drift), and the set must sum
+# to the surplus plus a drift below a page (fewer than 256 mremaps of 16 bytes): every mapping
+# is whole pages, so that is the surplus rounded up to a page, and the rest must be a multiple
+# of overcount. A larger drift cannot tell the sets apart by bytes: none is dropped.
+def lookalikes(sizes: Dict[int, int], n_mmaps: int, mmapped_mem: int, overcount: int = 0,
+               page: int = 4096) -> set:
     extra, surplus = len(sizes) - n_mmaps, sum(sizes.values()) - mmapped_mem
     if n_mmaps < 0 or extra not in (1, 2) or surplus <= 0:
         return set()
+    if overcount:
+        target = -(-surplus // page) * page
+        if (target - surplus) % overcount:
+            return set()
+        surplus = target
     fits = sorted((n, u) for u, n in sizes.items() if n <= surplus)
     if extra == 1:
         sets = [{u} for n, u in fits if n == surplus]
@@ -175,7 +186,14 @@ def lookalikes(sizes: Dict[int, int], n_mmaps: int, mmapped_mem: int) -> set:
     return sets[0] if len(sets) == 1 else set()
 
 
-def check_mmapped(v: Verdict, found: int, found_bytes: int, n_mmaps: int, mmapped_mem: int) -> None:
-    if found != n_mmaps or found_bytes != mmapped_mem:
-        v.fail(f"mmapped chunks: found {found} ({found_bytes} bytes), "
-               f"mp_ says {n_mmaps} ({mmapped_mem} bytes)")
+# Returns mp_'s bytes beyond the chunks found (the mremap drift, 0 when exact), or fails the
+# verdict: the count must be n_mmaps, the bytes mmapped_mem exactly or, when glibc over-counts
+# each mremap by `overcount` bytes (2.43: MmapChunk.mremap_overcount), less a multiple of it.
+def check_mmapped(v: Verdict, found: int, found_bytes: int, n_mmaps: int, mmapped_mem: int,
+                  overcount: int = 0) -> int:
+    drift = mmapped_mem - found_bytes
+    if found == n_mmaps and (drift == 0 or (overcount and drift > 0 and drift % overcount == 0)):
+        return drift
+    v.fail(f"mmapped chunks: found {found} ({found_bytes} bytes), "
+           f"mp_ says {n_mmaps} ({mmapped_mem} bytes)")
+    return 0

@@ -686,6 +686,33 @@ def test_chunk_lookalikes_are_told_apart_by_mp_s_counters_only_when_unambiguous(
     assert V.lookalikes({**real, **{0xa010: 4096}}, 4, total + 4096) == set()     # no surplus bytes
 
 
+def test_glibc_243_mp_counts_16_bytes_more_per_mremap_for_good():
+    # glibc 2.43 mremap_chunk: mmapped_mem += new_size - size - offset, the mapping's change
+    # + CHUNK_HDR_SZ since mmap_size() = offset + size + 16; munmap_chunk subtracts mmap_size
+    from memunreachable.glibc import layout as L
+    from memunreachable.glibc import validate as V
+    over = L.MMAP_CHUNK_243.mremap_overcount
+    assert over == 16 and L.MMAP_CHUNK_227.mremap_overcount == 0
+    real = {0x1010: 3149824, 0x2010: 3149824}
+    total = sum(real.values())
+    for drift in (0, 32, 16 * 1000):          # two mremaps (fixtures/realloc.c), a thousand
+        v = V.Verdict()
+        assert V.check_mmapped(v, 2, total, 2, total + drift, over) == drift and not v.hard
+    for found, mp_bytes in ((2, total + 8), (2, total - 16), (1, total + 16)):
+        v = V.Verdict()
+        V.check_mmapped(v, found, total, 2, mp_bytes, over)
+        assert v.hard
+    v = V.Verdict()
+    V.check_mmapped(v, 2, total, 2, total + 32)            # <= 2.42: exact
+    assert v.hard
+    # a look-alike page with a drift below a page: the drift is the surplus' rest
+    assert V.lookalikes({**real, 0x9010: 8192}, 2, total + 48, over) == {0x9010}
+    assert V.lookalikes({**real, 0x9010: 8192, 0xa010: 4096}, 2, total + 48, over) == {0x9010, 0xa010}
+    assert V.lookalikes({**real, 0x9010: 8192}, 2, total + 48) == set()      # exact counters
+    assert V.lookalikes({**real, 0x9010: 8192}, 2, total + 40, over) == set()   # not 16s
+    assert V.lookalikes({**real, 0x9010: 8192, 0xa010: 8192}, 3, total + 8192 + 48, over) == set()
+
+
 # ---- glibc 2.42+ / 2.43 (issue 22) --------------------------------------------------------
 def test_mmapped_scan_243_layout_keeps_a_header_after_the_chunk():
     # 2.43: size = mapping - offset - 16, usable = size - 8; prev_size bit 0 = MMAP_HP
