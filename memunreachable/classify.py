@@ -12,9 +12,9 @@ root words (registers). Table-driven, following libmemunreachable.md section 2.2
 | [heap], arena heaps, mmapped chunks            | heap: never a root (walker ranges)  |
 | main_arena, mp_                                | cut out of roots (bin pointers alias|
 |                                                |   the previous chunk's user bytes)  |
-| a mapping holding a thread's SP                | root from SP to end, from SP-128    |
-|                                                |   (red zone) for a thread stopped in|
-|                                                |   user code                         |
+| a mapping holding a thread's SP                | root but the dead stack below each  |
+|                                                |   SP (SP-128, the red zone, for a   |
+|                                                |   thread stopped in user code)      |
 | other anonymous rw memory (.bss tails, TLS,    | root, minus heap and metadata       |
 |   TCB, user mmaps, pymalloc arenas)            |                                     |
 
@@ -22,12 +22,15 @@ All general registers (fs_base included) and every word of the FP/SIMD state are
 """
 from __future__ import annotations
 
+import bisect
 import struct
 from typing import Dict, List, Optional, Sequence
 
-from memunreachable._types import REG_NAMES, Fields, Mapping, Range, RangeCutter, ThreadState
+from memunreachable._types import (REG_NAMES, Fields, Mapping, Range, RangeCutter, ThreadState,
+                                   merge_ranges, subtract_ranges)
 
 RED_ZONE = 128          # x86-64 ABI: leaf functions may keep live data below SP
+PAGE = 4096
 ORIG_RAX = 15           # user_regs_struct index; -1 when the thread was stopped in user code
 SKIP_NAMES = ("[vvar]", "[vvar_vclock]", "[vdso]", "[vsyscall]")
 SKIP_PREFIXES = ("/dev/", "/memfd:", "/SYSV", "[anon_shmem", "/dmabuf")
@@ -149,24 +152,56 @@ def register_words(threads: Sequence[ThreadState]) -> List[int]:
     return words
 
 
+# The parts of a mapping that holds thread stacks, each with its kind: every SP's dead stack
+# (from SP, or SP - 128, down to the bottom of that thread's stack block) is cut out.
+# Before glibc 2.42 a thread stack was a mapping of its own (its guard page a ---p mapping),
+# so the bottom was the mapping's start. glibc 2.42+ installs the guard with MADV_GUARD_INSTALL
+# inside the rw-p mapping (Linux 6.13+: VmFlags gu), and the stacks created one after another
+# merge into one mapping: [guard|stack ... TLS, TCB][guard|stack ... TLS, TCB]... Cutting
+# everything below the lowest SP there left out the stack blocks below it, with their TCBs: a
+# thread running on a stack of its own (a coroutine's, Go's) keeps its glibc block, its TCB
+# holding the DTV, an interior pointer into the heap (calloc'd at pthread_create): the DTV read
+# as a 280-byte leak on sid (glibc 2.43, fixtures/ptr_regs.c's "carved" thread). A block ends
+# at the page end after its TCB (fs_base: nptl's allocate_stack puts struct pthread, smaller
+# than a page, at the block's top), so a dead stack stops at the end of the highest block
+# below its SP whose thread is known. Blocks of no thread (cached stacks of exited threads)
+# there stay cut out, as the whole mapping below the lowest SP was before.
+def stack_pieces(m: Mapping, starts: Sequence[tuple], ends: Sequence[int]) -> List[tuple]:
+    """[(range, "stack" | "anon")] of a mapping holding thread stacks, in order: "stack" for
+    the pieces that begin at a live SP, "anon" for other blocks. starts: (SP, live stack
+    start) of every thread, sorted; ends: every thread's block end (after its fs_base), sorted."""
+    lo = bisect.bisect_left(starts, (m.begin,))
+    hi = bisect.bisect_left(starts, (m.end,))
+    live, dead = [], []
+    for sp, start in starts[lo:hi]:
+        start = max(m.begin, start)
+        k = bisect.bisect_right(ends, start)
+        bottom = max(m.begin, ends[k - 1]) if k else m.begin
+        live.append(start)
+        if bottom < start:
+            dead.append(Range(bottom, start))
+    pieces = subtract_ranges([m.range], dead)
+    return [(r, "stack" if any(r.begin <= s < r.end for s in live) else "anon") for r in pieces]
+
+
 def classify(maps: Sequence[Mapping], threads: Sequence[ThreadState],
              heap_ranges: Sequence[Range], metadata_ranges: Sequence[Range],
              extra_cuts: Sequence[Range] = ()) -> RootSet:
     """Return the RootSet: root ranges (minus heap, allocator metadata and extra_cuts: other
     allocators' heaps and dead memory, e.g. CPythonSweep.root_cuts) and root words."""
-    sps = sorted((t.sp, live_stack_start(t)) for t in threads if t.sp)
+    starts = sorted((t.sp, live_stack_start(t)) for t in threads if t.sp)
+    ends = sorted((t.fs_base | (PAGE - 1)) + 1 for t in threads if t.fs_base)
     candidates: List[tuple] = []
     for m, cls in mapping_classes(maps)[0]:
-        rng = m.range
+        k = bisect.bisect_left(starts, (m.begin,))
+        if k < len(starts) and starts[k][0] < m.end:
+            # thread stacks: live from each SP (- red zone) up, other threads' blocks whole
+            candidates.extend(stack_pieces(m, starts, ends))
+            continue
         kind = "data" if cls == "data" else "anon"
-        inside = sorted(start for sp, start in sps if m.begin <= sp < m.end)
-        if inside:
-            # a thread stack: only [SP (- red zone), end) is live
-            rng = Range(max(m.begin, inside[0]), m.end)
+        if m.path.startswith("[stack"):
             kind = "stack"
-        elif m.path.startswith("[stack"):
-            kind = "stack"
-        candidates.append((rng, kind))
+        candidates.append((m.range, kind))
 
     cut = RangeCutter(list(heap_ranges) + list(metadata_ranges) + list(extra_cuts))
     roots = RootSet(words=register_words(threads))

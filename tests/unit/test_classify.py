@@ -141,3 +141,26 @@ def test_a_block_only_a_stale_vector_register_holds_is_a_leak_of_a_waiting_threa
     t = ThreadState(9, tuple(r), struct.pack("<2Q", 0, h.addrs[1]))     # zmm leftovers
     assert list(mark(h.image(), [], register_words([t])).marked) == [1, 1]
     assert list(mark(h.image(), [], register_words(waiting([t], [9]))).marked) == [1, 0]
+
+
+def test_stacks_merged_in_one_mapping_keep_each_block_whole_but_the_dead_stack_below_each_sp():
+    # glibc 2.42+: guard pages inside rw-p mappings (MADV_GUARD_INSTALL), so adjacent thread
+    # stacks merge: [guard|stack..TCB] blocks of 0x10000 at 0x100000 (a thread running on
+    # another stack: its SP is elsewhere, its TCB at fs_base 0x10f700), 0x110000 (no thread:
+    # a cached stack) and 0x120000, 0x130000 (two threads with their SPs inside)
+    maps = [m(0x100000, 0x140000, "rw-p", ""), m(0x200000, 0x202000, "rw-p", "")]
+    threads = [ThreadState(1, regs(0x201000, fs_base=0x10f700)),
+               ThreadState(2, regs(0x128000, fs_base=0x12f700)),
+               ThreadState(3, regs(0x13c000, fs_base=0x13f700, orig_rax=0))]
+    roots = classify(maps, threads, [], [])
+    assert roots.ranges == [Range(0x100000, 0x110000),                 # carved: whole block
+                            Range(0x128000 - RED_ZONE, 0x130000),      # cached block cut
+                            Range(0x13c000, 0x140000),
+                            Range(0x201000 - RED_ZONE, 0x202000)]
+    assert [roots.kinds[r] for r in roots.ranges] == ["anon", "stack", "stack", "stack"]
+
+
+def test_a_lone_thread_stack_is_cut_below_its_sp_as_before():
+    maps = [m(0x100000, 0x110000, "rw-p", "")]
+    roots = classify(maps, [ThreadState(1, regs(0x108000, fs_base=0x10f700))], [], [])
+    assert roots.ranges == [Range(0x108000 - RED_ZONE, 0x110000)]
