@@ -18,6 +18,12 @@ executable, or refused (statically linked, setuid/setgid or with file capabiliti
 dynamic loader would not preload the library; --allow-untracked runs it anyway, untracked),
 2 usage error. Children are tracked too (forks keep the table; exec'd programs inherit
 LD_PRELOAD) unless --no-follow-fork.
+
+MEMUNREACHABLE_TRACK_LIB=PATH preloads PATH instead of the installed library: the path as
+PROG will see it, for a PROG that enters another root before it starts (`run -- chroot ROOT
+prog`, a container's entry point), where the installed path does not exist. PATH must be a
+copy of this version's _track.so (the table layout is versioned: a mismatch is refused by
+`check`); it is not checked here, because it need not exist outside PROG's root.
 """
 from __future__ import annotations
 
@@ -43,6 +49,9 @@ FORWARDED = (signal.SIGHUP, signal.SIGINT, signal.SIGQUIT, signal.SIGTERM, signa
              signal.SIGUSR2, signal.SIGALRM, signal.SIGWINCH, signal.SIGCONT)
 SI_KERNEL = 0x80            # si_code of a signal the kernel (a terminal) generated
 UNWINDERS = ("libunwind", "libgcc", "fp")
+
+
+TRACK_LIB_ENV = "MEMUNREACHABLE_TRACK_LIB"
 
 
 def library_path() -> str:
@@ -229,8 +238,8 @@ class Run(Command):
             if args.check_at_exit:
                 log.warning("--check-at-exit needs the tracking library: %s will not be "
                             "checked at exit", argv[0])
-        lib = library_path()
-        if tracked and not os.path.exists(lib):
+        lib = env.get(TRACK_LIB_ENV) or library_path()
+        if tracked and not env.get(TRACK_LIB_ENV) and not os.path.exists(lib):
             raise CommandError(f"the tracking library {lib} is missing",
                                "reinstall memunreachable (pip install --force-reinstall)")
         if tracked:
