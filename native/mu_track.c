@@ -2,7 +2,8 @@
  *
  * Interposes the malloc family and records, per live block, a deduplicated stack of up to
  * MEMUNREACHABLE_STACK_DEPTH (default and max 32) return addresses, plus the Python frames
- * running at allocation time when the program is CPython 3.8-3.13. The table lives in one
+ * running at allocation time when the program is CPython 3.8-3.15 (3.13+: the offsets the
+ * runtime publishes in _PyRuntime.debug_offsets, so patch releases need no table). The table lives in one
  * private anonymous mapping whose layout is native/mu_track.h; the checker reads it from
  * the fork snapshot (memunreachable/tracking.py). No dependency on Python or cffi.
  *
@@ -257,7 +258,9 @@ struct pylayout {
     int cframe_current;         /* _PyCFrame.current_frame */
     int tstate_current;         /* 3.13: tstate->current_frame; 3.8-3.10: tstate->frame */
     int f_code, f_instr, f_previous;
-    int f_owner, skip_owner;    /* -1: no owner byte / no shim frames */
+    int f_owner, skip_owner;    /* -1: no owner byte / no shim frames; else frames whose
+                                 * owner is >= skip_owner are not Python frames */
+    uintptr_t code_tag;         /* tag bits of f_code (3.14+: a _PyStackRef) */
     int instr_unit;             /* 0: f_instr points into co_code_adaptive (3.11+);
                                  * N: f_instr is the int f_lasti, counting N-byte units */
     int co_adaptive, co_filename, co_name, co_qualname, co_firstlineno, co_linetable;
@@ -265,10 +268,11 @@ struct pylayout {
     unsigned linetable;         /* MU_TRACK_LT_*: the format at co_linetable */
 };
 
-/* Offsets checked with offsetof() against each version's headers (pyenv 3.8.18, 3.9.18,
- * 3.10.13, 3.11.7, 3.12.1, 3.13.0 and Debian's 3.11.2); the frame fields of 3.11+ come from
+/* 3.8-3.12. Offsets checked with offsetof() against each version's headers (pyenv 3.8.18,
+ * 3.9.18, 3.10.13, 3.11.7, 3.12.1 and Debian's 3.11.2); the frame fields of 3.11+ come from
  * internal/pycore_frame.h. str: PyASCIIObject.state at 32 (kind bits 2-4, compact 5, ascii
- * 6 in every version), data after sizeof(PyASCIIObject) / sizeof(PyCompactUnicodeObject). */
+ * 6 in every version), data after sizeof(PyASCIIObject) / sizeof(PyCompactUnicodeObject).
+ * 3.13+: from _Py_DebugOffsets (pydebugs below). */
 static const struct pylayout pylayouts[] = {
     /* 3.8, 3.9: PyThreadState.frame 24; PyFrameObject {f_back 24, f_code 32, int f_lasti
      * 104 (bytes; -1 before the first instruction)}; PyCodeObject {co_firstlineno 40,
@@ -300,15 +304,44 @@ static const struct pylayout pylayouts[] = {
      .co_adaptive = 192, .co_filename = 112, .co_name = 120, .co_qualname = 128,
      .co_firstlineno = 68, .co_linetable = 136, .str_ascii = 40, .str_compact = 56,
      .str_state = 32, .linetable = MU_TRACK_LT_LOCATIONS},
-    /* 3.13: tstate->current_frame 72, {f_executable 0, previous 8, instr_ptr 56, owner 70} */
-    {.minor = 13, .tstate_cframe = -1, .cframe_current = 0, .tstate_current = 72,
-     .f_code = 0, .f_instr = 56, .f_previous = 8, .f_owner = 70, .skip_owner = 3,
-     .co_adaptive = 200, .co_filename = 112, .co_name = 120, .co_qualname = 128,
-     .co_firstlineno = 68, .co_linetable = 136, .str_ascii = 40, .str_compact = 56,
-     .str_state = 32, .linetable = MU_TRACK_LT_LOCATIONS},
 };
 
+/* CPython 3.13+ publishes, as the first member of _PyRuntime, a _Py_DebugOffsets: the cookie
+ * "xdebugpy", u64 PY_VERSION_HEX, u64 free_threaded, then blocks of u64 offsets whose order
+ * is fixed within a minor version (Include/internal/pycore_runtime.h in 3.13,
+ * pycore_debug_offsets.h from 3.14; memunreachable/cpython/layout.py parses the same).
+ * Below: where the fields used here sit inside it, per minor version, checked with
+ * offsetof(_Py_DebugOffsets, ...) against the headers of 3.13.0 (pyenv), 3.13.5 (trixie),
+ * 3.13.18, 3.14.10 and 3.15.2 (sid): sizeof 584, 584, 584, 760, 888. The values read there
+ * are the target's own: for 3.13.x, 3.14.x and 3.15.x they were tstate current_frame 72,
+ * frame {f_executable 0, previous 8, instr_ptr 56, owner 70 (3.13) / 74 (3.14+)},
+ * co_code_adaptive 200 (3.13) / 208, co_filename 112, co_name 120, co_qualname 128,
+ * co_firstlineno 68, co_linetable 136, str state 32, sizeof(PyASCIIObject) 40.
+ * What _Py_DebugOffsets lacks is kept here: f_executable's tag bits (3.14+ a _PyStackRef:
+ * Py_TAG_BITS 3 in pycore_stackref.h), the first owner that is not a Python frame
+ * (FRAME_OWNED_BY_CSTACK 3 in 3.13; FRAME_OWNED_BY_INTERPRETER 3 in 3.14/3.15, CSTACK 4 in
+ * 3.14), sizeof(PyCompactUnicodeObject) before 3.15 (PyASCIIObject + 16: 56 measured on all
+ * five), and the line table (the 3.11+ location table). */
+struct pydebug {
+    unsigned minor;
+    uint16_t ts_current_frame, fr_previous, fr_executable, fr_instr_ptr, fr_owner;
+    uint16_t co_filename, co_name, co_qualname, co_linetable, co_firstlineno, co_adaptive;
+    uint16_t str_state, str_ascii_size, str_compact_size;     /* 0: ascii size + 16 */
+    uintptr_t code_tag;
+    int skip_owner;
+};
+
+static const struct pydebug pydebugs[] = {
+    {13, 184, 232, 240, 248, 264, 280, 288, 296, 304, 312, 344, 544, 560, 0, 0, 3},
+    {14, 208, 256, 264, 272, 288, 320, 328, 336, 344, 352, 384, 624, 640, 0, 3, 3},
+    {15, 208, 320, 328, 336, 352, 384, 392, 400, 408, 416, 448, 720, 736, 744, 3, 3},
+};
+
+#define PY_DEBUG_COOKIE "xdebugpy"
+
+static struct pylayout pydyn;           /* 3.13+: filled from _Py_DebugOffsets */
 static const struct pylayout *py;
+static uintptr_t py_code_type;          /* &PyCode_Type: a frame's code must be one */
 static int (*py_initialized)(void);
 static void *(*py_this_tstate)(void);
 
@@ -335,6 +368,67 @@ static uint32_t python_version(void)
     return v[0] << 24 | v[1] << 16 | (v[2] & 0xff) << 8 | 0xf0;
 }
 
+/* The offset read at byte `at` of _Py_DebugOffsets, if it is below `max` and a multiple of
+ * `align`; else -1 (a runtime whose offsets we cannot trust gets no Python frames). */
+static int debug_offset(const unsigned char *d, unsigned at, uint64_t max, unsigned align)
+{
+    uint64_t v;
+    memcpy(&v, d + at, 8);
+    return v < max && v % align == 0 ? (int)v : -1;
+}
+
+/* Fill pydyn from _PyRuntime.debug_offsets of a 3.13+ runtime of version ver; 0 or -errno:
+ * -ENOENT no _PyRuntime, -ENOTSUP a minor version without a pydebugs entry or a
+ * free-threaded build (thread-local bytecode: instr_ptr is not in co_code_adaptive),
+ * -EINVAL a cookie, version or offset that does not fit. */
+static int python_debug_layout(uint32_t ver)
+{
+    const unsigned char *d = dlsym(RTLD_DEFAULT, "_PyRuntime");
+    if (!d)
+        return -ENOENT;
+    const struct pydebug *t = NULL;
+    for (size_t i = 0; i < sizeof pydebugs / sizeof *pydebugs; i++)
+        if (pydebugs[i].minor == ((ver >> 16) & 0xff))
+            t = &pydebugs[i];
+    if (!t)
+        return -ENOTSUP;
+    uint64_t dver, ft;
+    memcpy(&dver, d + 8, 8);
+    memcpy(&ft, d + 16, 8);
+    if (memcmp(d, PY_DEBUG_COOKIE, 8) || (dver >> 16) != (ver >> 16))
+        return -EINVAL;
+    if (ft)
+        return -ENOTSUP;
+    struct pylayout l = {.minor = t->minor, .tstate_cframe = -1, .skip_owner = t->skip_owner,
+                         .code_tag = t->code_tag, .linetable = MU_TRACK_LT_LOCATIONS};
+    l.tstate_current = debug_offset(d, t->ts_current_frame, 4096, 8);
+    l.f_previous = debug_offset(d, t->fr_previous, 256, 8);
+    l.f_code = debug_offset(d, t->fr_executable, 256, 8);
+    l.f_instr = debug_offset(d, t->fr_instr_ptr, 256, 8);
+    l.f_owner = debug_offset(d, t->fr_owner, 256, 1);
+    l.co_filename = debug_offset(d, t->co_filename, 1024, 8);
+    l.co_name = debug_offset(d, t->co_name, 1024, 8);
+    l.co_qualname = debug_offset(d, t->co_qualname, 1024, 8);
+    l.co_linetable = debug_offset(d, t->co_linetable, 1024, 8);
+    l.co_firstlineno = debug_offset(d, t->co_firstlineno, 1024, 4);
+    l.co_adaptive = debug_offset(d, t->co_adaptive, 1024, 2);
+    l.str_state = debug_offset(d, t->str_state, 256, 4);
+    l.str_ascii = debug_offset(d, t->str_ascii_size, 256, 8);
+    l.str_compact = t->str_compact_size ? debug_offset(d, t->str_compact_size, 256, 8)
+                                        : (l.str_ascii < 0 ? -1 : l.str_ascii + 16);
+    const int *all[] = {&l.tstate_current, &l.f_previous, &l.f_code, &l.f_instr, &l.f_owner,
+                        &l.co_filename, &l.co_name, &l.co_qualname, &l.co_linetable,
+                        &l.co_firstlineno, &l.co_adaptive, &l.str_state, &l.str_ascii,
+                        &l.str_compact};
+    for (size_t i = 0; i < sizeof all / sizeof *all; i++)
+        if (*all[i] < 0)
+            return -EINVAL;
+    if (l.str_ascii < 32 || l.str_compact <= l.str_ascii || l.co_adaptive < 64)
+        return -EINVAL;
+    pydyn = l;
+    return 0;
+}
+
 static void setup_python(void)
 {
     const char *e = getenv("MEMUNREACHABLE_PYTHON_FRAMES");
@@ -348,11 +442,19 @@ static void setup_python(void)
     if (((ver >> 24) & 0xff) != 3)
         return;
     unsigned minor = (ver >> 16) & 0xff;
-    for (size_t i = 0; i < sizeof pylayouts / sizeof *pylayouts; i++)
-        if (pylayouts[i].minor == minor)
-            py = &pylayouts[i];
-    if (!py)
+    if (minor >= 13) {
+        if (python_debug_layout(ver) == 0)
+            py = &pydyn;
+    } else {
+        for (size_t i = 0; i < sizeof pylayouts / sizeof *pylayouts; i++)
+            if (pylayouts[i].minor == minor)
+                py = &pylayouts[i];
+    }
+    py_code_type = (uintptr_t)dlsym(RTLD_DEFAULT, "PyCode_Type");
+    if (!py || !py_code_type) {
+        py = NULL;
         return;
+    }
     H->py_version = ver;
     H->co_filename = py->co_filename;
     H->co_name = py->co_name;
@@ -389,10 +491,13 @@ static int python_frames(uint64_t *code, uint64_t *off, int max)
     }
     int n = 0;
     for (int guard_steps = 0; readable_ptr(f) && n < max && guard_steps < 4096; guard_steps++) {
-        uintptr_t co = *(uintptr_t *)(f + py->f_code);
-        int keep = readable_ptr(co);
-        if (keep && py->f_owner >= 0 && py->skip_owner >= 0)
-            keep = *(unsigned char *)(f + py->f_owner) != py->skip_owner;
+        uintptr_t co = *(uintptr_t *)(f + py->f_code) & ~py->code_tag;
+        int keep = 1;
+        if (py->f_owner >= 0 && py->skip_owner >= 0)
+            keep = *(unsigned char *)(f + py->f_owner) < py->skip_owner;
+        /* a code object (3.13+ f_executable may be None or another callable; a shim
+         * frame's may be anything): its type is PyCode_Type, read at PyObject.ob_type */
+        keep = keep && readable_ptr(co) && *(uintptr_t *)(co + 8) == py_code_type;
         if (keep) {
             code[n] = co;
             if (py->instr_unit)         /* int f_lasti; -1 before the first instruction */
