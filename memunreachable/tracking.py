@@ -48,7 +48,8 @@ _FIELDS = ("magic version header_size self map_size budget max_depth max_py nsha
            "generation py_linetable reserved").split()
 SHARD = struct.Struct("<QIIIIQ")        # table_off, log2cap, used, tombs, lock, seq
 ENTRY = struct.Struct("<QII")           # addr, stack, size
-# PyBytesObject (3.8-3.13, checked with offsetof): ob_size at 16, bytes at 32;
+# PyBytesObject (3.8-3.15, checked with offsetof; 3.13.0-3.15.2 also in _Py_DebugOffsets'
+# bytes_object): ob_size at 16, bytes at 32;
 # PyObject.ob_type at 8, PyTypeObject.tp_name at 24
 BYTES_SIZE, BYTES_DATA, OB_TYPE, TP_NAME = 16, 32, 8, 24
 STALE = ("<stale code object>", "", 0)
