@@ -204,6 +204,10 @@ class LayoutMismatch(Exception):
     """The layout table does not describe the target (a sentence saying what disagreed)."""
 
 
+class NoInterpreter(LayoutMismatch):
+    """The runtime has no interpreter: not initialised yet, or finalised (a check at exit)."""
+
+
 def _check_debug_offsets(mem, rt: Runtime, lay: L.Layout) -> None:
     """A table's layout (3.13+, tests give one) must agree with the target's _Py_DebugOffsets
     in every offset it gives (not in struct sizes: patch releases grow structs at their end)."""
@@ -356,7 +360,7 @@ def walk_interpreters(mem, maps: Sequence[Mapping], rt: Runtime, lay: L.Layout,
     except MemoryUnreadable as exc:
         raise LayoutMismatch(f"unreadable memory at {exc.address:#x}") from None
     if not out:
-        raise LayoutMismatch("no interpreter (the runtime is not initialised or finalised)")
+        raise NoInterpreter("no interpreter (the runtime is not initialised or finalised)")
     if main not in seen:
         raise LayoutMismatch(f"interpreters.main {main:#x} is not in the interpreter list")
     if threads:

@@ -75,6 +75,8 @@ def _prepare(mem, maps, threads, pid: Optional[int], image: HeapImage) -> CPytho
     cp = walk_cpython(mem, maps, threads, pid)
     out = CPythonSweep(cp, image, warnings=list(cp.warnings))
     if not cp.usable:
+        if cp.no_interpreter:       # nothing Python to see: not a blind spot
+            return out
         # the walker's last warning says why (walker.py: each unusable outcome appends one)
         out.blind.append(cp.warnings[-1] if cp.warnings else
                          "the CPython runtime could not be mapped: its memory is scanned whole "

@@ -58,6 +58,9 @@ class CPythonMap:
     """
     found: bool                                   # a CPython runtime is in the process
     usable: bool = False                          # validated: the fields below may be trusted
+    # no interpreter exists (before Py_Initialize, after Py_Finalize: a check at exit): there
+    # are no Python objects to see; what the runtime left is scanned whole, not a blind spot
+    no_interpreter: bool = False
     runtime: Optional[Runtime] = None
     layout: Optional[L.Layout] = None
     interpreters: List[InterpreterInfo] = field(default_factory=list)
@@ -344,6 +347,11 @@ def walk_cpython(mem, maps: Sequence[Mapping], threads: Sequence[ThreadState] = 
         out.interpreters = locate.walk_interpreters(mem, maps, rt, lay, threads)
         lay = out.layout = locate.resolve_gc(mem, lay, out.interpreters)
         allocator = locate.read_allocator(mem, rt, lay)
+    except locate.NoInterpreter:
+        out.no_interpreter = True
+        out.warnings.append(f"{where} has no interpreter (not initialised yet, or finalised): "
+                            "no Python objects exist; its remaining memory is scanned as roots")
+        return out
     except (LayoutMismatch, MemoryUnreadable) as exc:
         out.warnings.append(f"{where}: the {lay.name} layout does not fit ({exc}): {OPAQUE}")
         return out

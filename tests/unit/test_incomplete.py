@@ -141,3 +141,18 @@ def test_api_partial_returns_the_result(monkeypatch):
     text = nl.get_unreachable_memory_string(pid=4242, partial=True)
     assert "INCOMPLETE: part of the process could not be checked" in text
     assert "  not checked: " + REASON in text
+
+
+@pytest.mark.parametrize("no_interpreter, blind", [(False, [REASON]), (True, [])])
+def test_an_unusable_runtime_is_a_blind_spot_unless_it_has_no_interpreter(
+        monkeypatch, no_interpreter, blind):
+    # a runtime before Py_Initialize or after Py_Finalize (a check at exit) has no Python
+    # objects to see: its warning stays, but the check is complete
+    from memunreachable._types import HeapImage
+    from memunreachable.cpython import pipeline
+    from memunreachable.cpython.walker import CPythonMap
+    cp = CPythonMap(found=True, no_interpreter=no_interpreter, warnings=[REASON])
+    monkeypatch.setattr(pipeline, "walk_cpython", lambda *a, **k: cp)
+    image = HeapImage.__new__(HeapImage)
+    out = pipeline.prepare(None, [], [], None, image)
+    assert (out.blind, out.warnings, out.image) == (blind, [REASON], image)
