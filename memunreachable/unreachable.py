@@ -490,12 +490,16 @@ def _plan_reads(fz, snap, overlays, st: _Attempts, info) -> tuple:
             f"{sum(len(b) for _, b in overlays)} bytes of memory the snapshot lacks "
             f"({'; '.join(plan.notes[:3])}) were copied from the stopped target during the pause")
     if unseen:
-        n = sum(r.size for r in unseen)
-        info.warnings.append(
-            f"{n} bytes of the target's memory are not in the snapshot ({'; '.join(plan.notes[:3])})"
-            f" and could not be copied during the pause: every unreachable block is reported "
-            f"as uncertain, not as a leak")
+        info.warnings.append(_unseen_reason(plan, unseen))
     return plan, unseen
+
+
+def _unseen_reason(plan: SnapshotPlan, unseen: List[Range]) -> str:
+    """What a sweep with memory the snapshot lacks cannot see (a warning, and the reason its
+    check is incomplete)."""
+    return (f"{sum(r.size for r in unseen)} bytes of the target's memory are not in the "
+            f"snapshot ({'; '.join(plan.notes[:3])}) and could not be copied during the pause: "
+            "every unreachable block is reported as uncertain, not as a leak")
 
 
 def _direct_plan(pid: int, maps) -> SnapshotPlan:
@@ -600,10 +604,7 @@ def _sweep_snapshot(snap, fz, st: _Attempts, sweep_timeout: float, confirm, over
     finally:
         mem.close()
     if unseen:          # no verdict: a block only referenced from there would look leaked
-        res.meta.setdefault("incomplete", []).append(
-            f"{sum(r.size for r in unseen)} bytes of the target's memory are not in the "
-            f"snapshot and could not be copied during the pause ({'; '.join(plan.notes[:3])}): "
-            "the unreachable blocks they may reference are reported as uncertain, not as leaks")
+        res.meta.setdefault("incomplete", []).append(_unseen_reason(plan, unseen))
     return res
 
 
@@ -920,8 +921,10 @@ def _see_through_cpython(mem, maps, threads, pid, image):
         return pipeline.prepare(mem, maps, threads, pid, image)
     except (OSError, ValueError, MemoryUnreadable, struct.error) as exc:
         log.warning("CPython map failed: %s", exc)
-        why = f"CPython's memory could not be mapped ({exc}): it is scanned whole as roots"
-        return pipeline.CPythonSweep(None, image, warnings=[why], blind=[why])
+        out = pipeline.CPythonSweep(None, image)
+        out.cannot_see(f"CPython's memory could not be mapped ({exc}): it is scanned whole as "
+                       "roots")
+        return out
 
 
 class _NoCPython(Fields):

@@ -13,8 +13,9 @@ next to glibc's HeapWalk (see CPythonMap's docstring for the contract):
 Steps: find _PyRuntime and the version (locate.py), pick the layout table, validate it by
 walking interpreters and thread states, read the allocator choice, walk pymalloc
 (obmalloc.py), then the data stacks and free lists. Anything unknown or inconsistent leaves
-usable=False with a warning saying so: the caller then keeps today's treatment (CPython's
-memory scanned whole as roots), never a wrong answer. References: cpython-memory.md.
+usable=False with a warning saying so, appended last: CPython's memory is then scanned whole
+as roots and the check is incomplete (pipeline.py's blind), never a wrong answer.
+References: cpython-memory.md.
 """
 from __future__ import annotations
 
@@ -54,7 +55,8 @@ class CPythonMap:
     (those lying inside a glibc allocation, e.g. the 3.10 interpreter's free lists, must be
     masked inside that allocation instead); drop dead_blocks from the allocations (their objects
     are dead: neither scanned nor reported). regions are local copies covering every block.
-    When usable is False, ignore everything but warnings (today's treatment applies).
+    When usable is False, ignore everything but warnings (the last one says why) and
+    no_interpreter.
     """
     found: bool                                   # a CPython runtime is in the process
     usable: bool = False                          # validated: the fields below may be trusted

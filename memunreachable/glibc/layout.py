@@ -279,13 +279,8 @@ MP_235 = MallocPar(
     init_tcache_max_bytes=1032, init_tcache_count=7, max_bytes_kind=MAX_BYTES_USABLE)
 # 2.42: the 2.35 offsets (`tcache_bins` renamed `tcache_small_bins`); tcache_max_bytes is a
 # chunk size now, MAX_TCACHE_SMALL_SIZE = 0x410 (malloc.c of glibc-2.42); the 76-bin tcache.
-MP_242 = MallocPar(
-    name="malloc_par 2.42", sizeof=0x88, trim_threshold=0x0, top_pad=0x8, mmap_threshold=0x10,
-    arena_test=0x18, arena_max=0x20, hp_pagesize=0x30, n_mmaps=0x3c, n_mmaps_max=0x40,
-    max_n_mmaps=0x44, mmapped_mem=0x50, sbrk_base=0x60, tcache_bins=0x68, tcache_max_bytes=0x70,
-    tcache_count=0x78, heap_info=HEAP_INFO_48, thp_mode=None, heap_max_from_hp=True,
-    mmap_chunk=MMAP_CHUNK_227, tcaches=(TCACHE_76,), state=MALLOC_STATE_227,
-    init_tcache_max_bytes=0x410, init_tcache_count=7, max_bytes_kind=MAX_BYTES_CHUNK)
+MP_242 = MP_235._replace(name="malloc_par 2.42", tcaches=(TCACHE_76,),
+                         init_tcache_max_bytes=0x410, max_bytes_kind=MAX_BYTES_CHUNK)
 # 2.43: `enum malloc_thp_mode_t thp_mode` (4 bytes + hole) after arena_max moves every later
 # field 8 up; sizeof 144 (Debian 2.43-7's DWARF, `ptype /o struct malloc_par`). Its file
 # image (checked): thp_mode 3, n_mmaps_max 65536 at 0x48, tcache_small_bins 64 at 0x70,
