@@ -94,13 +94,12 @@ def python_process(repeat: int) -> int:
     kept = []
     real = unreachable.mark
 
-    def keep(image, roots, words=(), glibc_chunks=False, dead=None):
+    def keep(image, roots, words=(), dead=None):
         if not kept:            # copies: the check releases its buffers when it returns
             copy = HeapImage(array("Q", image.begins), array("Q", image.sizes),
                              [(b, bytearray(buf)) for b, buf in image.regions])
-            kept.append((copy, [(b, bytearray(buf)) for b, buf in roots], list(words),
-                         glibc_chunks, dead))
-        return real(image, roots, words, glibc_chunks=glibc_chunks, dead=dead)
+            kept.append((copy, [(b, bytearray(buf)) for b, buf in roots], list(words), dead))
+        return real(image, roots, words, dead=dead)
 
     target = subprocess.Popen([sys.executable, "-c", PYTHON_TARGET], stdout=subprocess.PIPE,
                               text=True)
@@ -112,14 +111,14 @@ def python_process(repeat: int) -> int:
         unreachable.mark = real
         target.kill()
         target.wait()
-    image, roots, words, glibc, dead = kept[0]
+    image, roots, words, dead = kept[0]
     print(f"{len(image.begins):,} allocations in {len(image.regions)} regions, "
           f"{sum(len(b) for _, b in roots) / 1e6:.1f} MB of roots")
     times = {False: [], True: []}
     stats = set()
     for _ in range(repeat):
         for parallel in (False, True):
-            res = mark(image, roots, words, glibc_chunks=glibc, dead=dead, parallel=parallel)
+            res = mark(image, roots, words, dead=dead, parallel=parallel)
             times[parallel].append(res.seconds)
             stats.add((bytes(res.marked), res.root_bytes, res.heap_bytes, res.words))
     assert len(stats) == 1, "one thread and several disagree"

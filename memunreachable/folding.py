@@ -33,7 +33,7 @@ class FoldedLeak(FrozenFields):
 # Returns the entries ordered by index; raises OSError(EINVAL) on invalid input (as mark),
 # OSError(ENOMEM) when out of memory. `marked` is a bytes-like of length n, or a MarkResult;
 # dead: DeadWords (mark.py) whose words are not edges, or None.
-def fold(image: HeapImage, marked, glibc_chunks: bool = False, dead=None) -> List[FoldedLeak]:
+def fold(image: HeapImage, marked, dead=None) -> List[FoldedLeak]:
     marked = getattr(marked, "marked", marked)
     begins, keep_b = u64_view(image.begins)
     sizes, keep_s = u64_view(image.sizes)
@@ -49,8 +49,7 @@ def fold(image: HeapImage, marked, glibc_chunks: bool = False, dead=None) -> Lis
     flags_c = ffi.from_buffer("uint8_t[]", flags) if n else ffi.NULL
     dead_c, keep_d = dead_words(dead, n)
     rc = lib.mu_fold(begins, sizes, n, heap, len(image.regions), flags_c,
-                     rep, ref_count, ref_size, cap, lib.MU_GLIBC_CHUNKS if glibc_chunks else 0,
-                     dead_c)
+                     rep, ref_count, ref_size, cap, dead_c)
     check(rc, "fold")
     del keep_b, keep_s, keep_h, keep_d
     reps = ffi.unpack(rep, rc)

@@ -185,7 +185,7 @@ def use_every_cpu() -> None:
 
 
 def mark(image: HeapImage, roots: Sequence[Tuple[int, object]], words: Sequence[int] = (),
-         glibc_chunks: bool = False, dead=None, parallel: bool = False) -> MarkResult:
+         dead=None, parallel: bool = False) -> MarkResult:
     begins, keep_b = u64_view(image.begins)
     sizes, keep_s = u64_view(image.sizes)
     n = len(begins)
@@ -201,8 +201,7 @@ def mark(image: HeapImage, roots: Sequence[Tuple[int, object]], words: Sequence[
     t0 = time.perf_counter()
     rc = lib.mu_mark(begins, sizes, n, heap, len(image.regions), root_regions, len(roots),
                      word_arr, len(word_arr), marked_c, stats,
-                     (lib.MU_GLIBC_CHUNKS if glibc_chunks else 0)
-                     | (lib.MU_MARK_PARALLEL if parallel or _EVERY_CPU else 0), dead_c)
+                     lib.MU_MARK_PARALLEL if parallel or _EVERY_CPU else 0, dead_c)
     seconds = time.perf_counter() - t0
     if rc == -errno.EIO:
         raise MemoryUnreadable("the snapshot's heap could not be read during the mark (the "

@@ -747,11 +747,6 @@ def sweep(mem, maps, threads, pid: int, confirm: Optional[set] = None,
                        unwritten_file_pages(maps, unwritten))
     cps = _see_through_cpython(mem, maps, threads, pid, hw.image)
     image, dead = cps.image, cps.dead
-    # glibc's rule "a word equal to a chunk's last 8 usable bytes is the next chunk's header"
-    # breaks under CPython's malloc debug hooks: a PyMem_Malloc(0) block's pointer is exactly
-    # there (16-byte prefix, 8-byte tail); without the rule a stale header copy can only hide
-    # a leak, never invent one
-    glibc_chunks = cps.stats.get("allocator") != "malloc_debug"
     # 4c. ld.so's l_gnu_chain_zero words: addresses computed below an object, not references
     chain_words = [(w, w + 8) for w in linkmaps.of_process(mem, pid, maps)]
     # 4e. readline's keymap padding, its line buffer, terminfo's tables, the environment's
@@ -785,7 +780,7 @@ def sweep(mem, maps, threads, pid: int, confirm: Optional[set] = None,
     t_roots = time.monotonic()
     # 6. Mark
     log.info("sweeping process %d for unreachable memory", pid)
-    marked = mark(image, root_buffers, roots.words, glibc_chunks=glibc_chunks, dead=dead)
+    marked = mark(image, root_buffers, roots.words, dead=dead)
     begins, sizes = image.begins, image.sizes
     leaks = None
     if uncopied:
@@ -809,7 +804,7 @@ def sweep(mem, maps, threads, pid: int, confirm: Optional[set] = None,
         more = uncertain + extra
         root_buffers += [(begins[i], contents.view(begins[i], sizes[i])) for i in more]
         marked = mark(image, root_buffers, list(roots.words) + [begins[i] for i in more],
-                      glibc_chunks=glibc_chunks, dead=dead)
+                      dead=dead)
     if uncopied and release_snapshot is not None and table is None:
         release_snapshot()          # the mark has read all it needs; the leaks are copied
     if since is not None:
@@ -836,10 +831,10 @@ def sweep(mem, maps, threads, pid: int, confirm: Optional[set] = None,
     # 7. Fold
     log.info("folding related leaks")
     if leaks is not None:
-        folded = leaks.fold(leak_flags, glibc_chunks=glibc_chunks, dead=dead)
+        folded = leaks.fold(leak_flags, dead=dead)
     else:
-        folded = fold(image, leak_flags, glibc_chunks=glibc_chunks, dead=dead)
-    garbage = (fold(image, py.garbage_flags, glibc_chunks=glibc_chunks, dead=dead)
+        folded = fold(image, leak_flags, dead=dead)
+    garbage = (fold(image, py.garbage_flags, dead=dead)
                if py is not None and py.garbage else [])
     t_fold = time.monotonic()
     # 8. Result
@@ -1043,10 +1038,10 @@ class _LeakImage:
 
     # fold() over the whole image with these flags, computed over the unreachable blocks
     # alone (the fold follows edges between unreachable blocks only): indices are the image's.
-    def fold(self, flags, glibc_chunks: bool, dead) -> list:
+    def fold(self, flags, dead) -> list:
         sub = bytearray(flags[i] for i in self.index)
         return [FoldedLeak(self.index[f.index], f.referenced_count, f.referenced_size)
-                for f in fold(self.image, sub, glibc_chunks=glibc_chunks, dead=dead)]
+                for f in fold(self.image, sub, dead=dead)]
 
 
 class _ContentsReader:

@@ -146,7 +146,7 @@ static void heads_sum(cond *g, uint32_t h, uint64_t *cnt, uint64_t *sz)
 int64_t mu_fold(const uint64_t *begin, const uint64_t *size, uint64_t n,
                 const mu_region *heap, uint64_t nheap, const uint8_t *marked,
                 uint64_t *rep, uint64_t *ref_count, uint64_t *ref_size, uint64_t cap,
-                uint32_t flags, const mu_dead *dead)
+                const mu_dead *dead)
 {
     if ((n && !marked) || (cap && (!rep || !ref_count || !ref_size)))
         return -EINVAL;
@@ -178,11 +178,11 @@ int64_t mu_fold(const uint64_t *begin, const uint64_t *size, uint64_t n,
                 lb[k] = begin[i];
                 ls[k++] = size[i];
             }
-        rc = mu_scan_index_init(&ix, lb, ls, nleak, heap, nheap, flags);
+        rc = mu_scan_index_init(&ix, lb, ls, nleak, heap, nheap, 0);
         free(lb);                       /* the index keeps its own spans */
         free(ls);
     } else {
-        rc = mu_scan_index_init(&ix, begin, size, n, heap, nheap, flags);
+        rc = mu_scan_index_init(&ix, begin, size, n, heap, nheap, 0);
     }
     if (rc < 0)
         return rc;

@@ -12,7 +12,7 @@
 int64_t mu_fold(const uint64_t *begin, const uint64_t *size, uint64_t n,
                 const mu_region *heap, uint64_t nheap, const uint8_t *marked,
                 uint64_t *rep, uint64_t *ref_count, uint64_t *ref_size, uint64_t cap,
-                uint32_t flags, const mu_dead *dead);
+                const mu_dead *dead);
 
 /* Sums over n allocations: *total = sum of size[i]; *selected = sum of size[i] where
  * mask[i] != 0 (mask: n bytes). Returns the number of selected allocations. */

@@ -149,7 +149,6 @@ int64_t mu_scan_index_init(mu_scan_index *ix, const uint64_t *begin, const uint6
                            uint64_t n, const mu_region *heap, uint64_t nheap, uint32_t flags)
 {
     memset(ix, 0, sizeof *ix);
-    ix->flags = flags;
     int64_t rc = check_args(begin, size, n, heap, nheap, flags);
     if (rc)
         return rc;
@@ -260,8 +259,11 @@ static inline uint64_t region_find(mu_scan_index *ix, uint64_t v)
 /* Finishes a lookup of v (inside a heap region) once its page entry pg is (about to be) cached:
  * returns the allocation containing v, or -1. The answer is among pg[0] .. pg[1] (allocations of
  * the next regions or the sentinel at n begin above v, so they are never taken).
- * sp: the index's span; glibc: MU_GLIBC_CHUNKS is set; hw: the dead words' head_word or NULL. */
-static inline int64_t page_search(const uint64_t *sp, int glibc, const uint8_t *hw,
+ * sp: the index's span; hw: the dead words' head_word or NULL. Any word into [begin, end) is a
+ * reference, a block's last 8 bytes included (a struct linked through its last member): glibc's
+ * own pointers to the next chunk's header (top, bins) lie in its metadata, which is never
+ * scanned (glibc-heap.md section 12). */
+static inline int64_t page_search(const uint64_t *sp, const uint8_t *hw,
                                   const uint32_t *pg, uint64_t v)
 {
     uint64_t lo = pg[0];
@@ -275,8 +277,6 @@ static inline int64_t page_search(const uint64_t *sp, int glibc, const uint8_t *
     uint64_t b = sp[2 * lo], end = sp[2 * lo + 1];
     if (b > v || v >= end)
         return -1;
-    if (glibc && ((end - b) & 15) == 8 && v == end - 8)
-        return -1;                      /* the next chunk's header, not a reference */
     if (hw && hw[lo] && v < b + 8 * (uint64_t)hw[lo] + 8)
         return -1;                      /* into a PyGC_Head (or before it): a GC link or a stale
                                          * copy of one; references point at the object after it */
@@ -301,7 +301,6 @@ static inline void find_batch(mu_scan_index *ix, const uint64_t *vals, uint64_t 
     const uint32_t *pg[SCAN_BATCH];
     const uint64_t nheap = ix->nheap, *sp = ix->span;
     const uint8_t *hw = head_words(ix);
-    const int glibc = (ix->flags & MU_GLIBC_CHUNKS) != 0;
     for (uint64_t k = 0; k < nv; k++) {
         uint64_t r = region_find(ix, vals[k]);
         pg[k] = r == nheap ? NULL : page_of(ix, r, vals[k]);
@@ -315,7 +314,7 @@ static inline void find_batch(mu_scan_index *ix, const uint64_t *vals, uint64_t 
         }
     }
     for (uint64_t k = 0; k < nv; k++)
-        out[k] = pg[k] ? page_search(sp, glibc, hw, pg[k], vals[k]) : -1;
+        out[k] = pg[k] ? page_search(sp, hw, pg[k], vals[k]) : -1;
 }
 
 int64_t mu_scan_index_find(mu_scan_index *ix, uint64_t v)
@@ -325,8 +324,7 @@ int64_t mu_scan_index_find(mu_scan_index *ix, uint64_t v)
     uint64_t r = region_find(ix, v);
     if (r == ix->nheap)
         return -1;
-    return page_search(ix->span, (ix->flags & MU_GLIBC_CHUNKS) != 0, head_words(ix),
-                       page_of(ix, r, v), v);
+    return page_search(ix->span, head_words(ix), page_of(ix, r, v), v);
 }
 
 /* Stores in out[k] the allocation containing vals[k], or -1 (any nv; batched lookups). */
@@ -1086,11 +1084,9 @@ static int64_t mark_once(const uint64_t *begin, const uint64_t *size, uint64_t n
     for (uint64_t r = 0; r < nheap && heap; r++)
         lazy |= heap[r].uncopied != 0;
     mu_scan_index ix;
-    int64_t rc = mu_scan_index_init(&ix, begin, size, n, heap, nheap,
-                                    (flags & MU_GLIBC_CHUNKS) | SCAN_UNCOPIED_OK);
+    int64_t rc = mu_scan_index_init(&ix, begin, size, n, heap, nheap, SCAN_UNCOPIED_OK);
     if (rc < 0)
         return rc;
-    ix.flags = flags & MU_GLIBC_CHUNKS;
     rc = mu_scan_index_set_dead(&ix, dead);
     if (rc < 0) {
         mu_scan_index_free(&ix);

@@ -32,13 +32,8 @@ int64_t mu_mark(const uint64_t *begin, const uint64_t *size, uint64_t n,
                 const uint64_t *words, uint64_t nwords,
                 uint8_t *marked, mu_mark_stats *stats, uint32_t flags, const mu_dead *dead);
 
-/* flags for mu_mark / mu_fold.
- * MU_GLIBC_CHUNKS: allocations whose size is 8 mod 16 are glibc in-heap chunks, whose last
- * 8 usable bytes are the next chunk's header; a word equal to that address is glibc's own
- * bookkeeping (top, remainder, bin links, stale copies in malloc's frames), not a reference
- * (glibc-heap.md section 12). */
-#define MU_GLIBC_CHUNKS 1
-/* MU_MARK_PARALLEL (mu_mark only): mark on one thread per CPU (up to 4) whatever the number of
+/* flags for mu_mark.
+ * MU_MARK_PARALLEL: mark on one thread per CPU (up to 4) whatever the number of
  * allocations (by default only from 2^18 on); the result is the same (tests compare the two). */
 #define MU_MARK_PARALLEL 2
 
@@ -62,7 +57,6 @@ typedef struct {
     uint64_t last_region;    /* lookup cache */
     uint16_t *rmap;          /* region map: 64 KiB granules, direct-mapped by their low bits */
     uint64_t rmask;          /* its slots - 1 */
-    uint32_t flags;          /* MU_GLIBC_CHUNKS */
     const mu_dead *dead;     /* words to ignore, or NULL (set by mu_scan_index_set_dead) */
 } mu_scan_index;
 

@@ -45,6 +45,8 @@ EXPECTED: Dict[str, Shape] = {
     "leak_five": Shape(singletons="leak"),
     # roots
     "live_interior": Shape(single("leak_pastend")),
+    # structs linked through their last member: every link is a next chunk's header address
+    "live_tail_link": Shape(),
     "live_data": Shape(single("leak_a")),
     "live_bss": Shape(single("leak_a")),
     "live_stack": Shape(single("leak_a")),
@@ -62,6 +64,8 @@ EXPECTED: Dict[str, Shape] = {
     "live_data_readonly": Shape(single("leak_a")),
     # glibc heap shapes
     "free_chunks": Shape(singletons="leak"),
+    # leaks right below chunks glibc points at (top, bins, fastbins, free chunks' links)
+    "leak_below_free": Shape(singletons="leak"),
     "thread_arena": Shape((Head(("leak_t",), ("leak_m",)),)),
     "mmap_chunk": Shape((Head(("leak_big",), ("leak_child",)),)),
     "aligned": Shape(singletons="leak"),

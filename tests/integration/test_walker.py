@@ -3,6 +3,7 @@ glibc's internal blocks (tcache structs, thread DTVs, stdout's buffer, static st
 import contextlib
 import os
 import signal
+import struct
 import time
 
 import pytest
@@ -339,3 +340,23 @@ def test_untouched_anonymous_pages_are_neither_read_nor_roots_and_chunks_span_th
     assert info.num_leaks == fx.expect["num_leaks"] == 3
     assert info.stats["stats"]["mmapped"] == 2
     assert info.stats["stats"]["untouched_bytes"] >= 63 << 20, info.stats["stats"]
+
+
+def test_glibc_points_at_the_chunk_after_each_leak_below_free():
+    """leak_below_free's leaks face what they claim: each leak's last usable 8 bytes are the
+    header of a chunk that an arena's malloc_state points at (top, a bin, a fastbin), or, for
+    leak_mid, that only free chunks' links point at (the fixture checks those)."""
+    with fixtures.start("leak_below_free") as fx:
+        with stopped_memory(fx.pid) as mem:
+            hw = walk_heap(mem, read_maps(fx.pid), [], fx.pid)
+            main = hw.metadata_ranges[0]
+            words = {a: {w for (w,) in struct.iter_unpack("<Q", mem.read(a, main.size))}
+                     for a in hw.stats["arena_addresses"]}
+    assert hw.stats["arena_addresses"][0] == main.begin and len(words) == 2
+    thread_arena = next(a for a in words if a != main.begin)
+    headers = {k: b.address + b.size - 8 for k, b in fx.blocks.items()}
+    assert {k for k, h in headers.items() if h in words[main.begin]} == {
+        "leak_top", "leak_small", "leak_unsorted", "leak_fast"}
+    assert {k for k, h in headers.items() if h in words[thread_arena]} == {
+        "leak_t_top", "leak_t_unsorted"}
+    assert "leak_mid" in headers

@@ -219,19 +219,6 @@ def test_bad_types_rejected():
         assert e.value.errno == errno.EINVAL
 
 
-def test_glibc_next_header_rule_never_applies_to_pymalloc_blocks():
-    # a glibc in-heap chunk's usable size is 8 mod 16 (its last 8 bytes are the next chunk's
-    # size field): a word equal to that address is no reference under glibc_chunks. pymalloc
-    # blocks are multiples of 16, so their last word is an ordinary interior pointer.
-    h = Heap([24, 32])
-    for block, kept_with_rule in ((0, 0), (1, 1)):
-        end = h.addrs[block] + h.sizes[block]
-        res = mark(h.image(), [(ROOT, words_buffer(end - 8))], glibc_chunks=True)
-        assert res.marked[block] == kept_with_rule
-        res = mark(h.image(), [(ROOT, words_buffer(end - 8))])
-        assert res.marked[block] == 1
-
-
 FRAME_TYPE = 0x7F00_0000_4000
 FRAME = lib.MU_TYPE_FRAME << 8
 

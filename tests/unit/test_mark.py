@@ -335,18 +335,13 @@ def test_random_heaps_match_the_reference_model(seed):
     assert res.heap_bytes == sum(s for s, m in zip(sizes, expect) if m)
 
 
-# glibc in-heap chunks (usable size 8 mod 16): the last 8 usable bytes are the next chunk's
-# header, so a word equal to that address is glibc bookkeeping, not a reference.
-@pytest.mark.parametrize("glibc_chunks, reached", [(True, 0), (False, 1)])
-def test_next_chunk_header_is_not_a_reference_for_glibc_chunks(glibc_chunks, reached):
-    img = _image([0x1010], [40])                  # chunk 0x1000, size 0x30: next header at 0x1030
-    assert mark(img, [], [0x1010 + 40 - 8], glibc_chunks=glibc_chunks).num_marked == reached
-
-
-def test_other_interior_words_still_count_for_glibc_chunks():
-    img = _image([0x1010, 0x1050], [40, 48])      # 48: an mmapped-style size (0 mod 16)
-    got = mark(img, [], [0x1010 + 40 - 16, 0x1050 + 48 - 8], glibc_chunks=True)
-    assert list(got.marked) == [1, 1]
+# A word into a block's last 8 bytes is a reference, as any word into [begin, end): on a
+# glibc in-heap chunk (usable size 8 mod 16) that is the next chunk's header address, which a
+# struct linked through its last member holds (PostgreSQL's background-worker list).
+def test_a_word_at_a_blocks_last_8_bytes_is_a_reference():
+    img = _image([0x1010, 0x1050, 0x1090], [40, 48, 24])    # 48: an mmapped chunk's (0 mod 16)
+    got = mark(img, [], [0x1010 + 40 - 8, 0x1050 + 48 - 8, 0x1090 + 24])
+    assert list(got.marked) == [1, 1, 0]                    # one past the end is not
 
 
 # More than 2^18 allocations: mu_mark runs on one thread per CPU (up to 4), sharing work.
@@ -452,13 +447,13 @@ def all_ways(h, roots, dead=None, budget=None, split=False):
     fd = memfd_of(h.base, h.buf)
     try:
         img = h.image()
-        copied = mark(img, roots, glibc_chunks=True, dead=dead)
+        copied = mark(img, roots, dead=dead)
         waves = mark(HeapImage(img.begins, img.sizes, [(h.base, Uncopied(len(h.buf), fd))]),
-                     roots, glibc_chunks=True, dead=dead)
+                     roots, dead=dead)
         lo, hi = h.base, h.base + len(h.buf)
         c = cands_of(h.base, h.buf, lo, hi, len(h.buf) if budget is None else budget, split)
         kept = mark(HeapImage(img.begins, img.sizes, [(h.base, Uncopied(len(h.buf), fd, c))]),
-                    roots, glibc_chunks=True, dead=dead)
+                    roots, dead=dead)
     finally:
         os.close(fd)
     return copied, waves, kept
@@ -508,12 +503,12 @@ def test_uncopied_mark_of_a_deep_list_and_dead_words_and_a_copied_region():
     try:
         img = HeapImage(array("Q", h.addrs + other.addrs), array("Q", h.sizes + other.sizes),
                         [(h.base, h.buf), (other.base, other.buf)])
-        copied = mark(img, roots, glibc_chunks=True, dead=dead)
+        copied = mark(img, roots, dead=dead)
         c = cands_of(h.base, h.buf, h.base, other.base + len(other.buf), 1 << 20)
         for cands in (None, c):
             lazy = HeapImage(img.begins, img.sizes,
                              [(h.base, Uncopied(len(h.buf), fd, cands)), (other.base, other.buf)])
-            assert stats(mark(lazy, roots, glibc_chunks=True, dead=dead)) == stats(copied)
+            assert stats(mark(lazy, roots, dead=dead)) == stats(copied)
     finally:
         os.close(fd)
     assert copied.num_marked == 2010 and copied.marked[2000] == 0

@@ -24,7 +24,7 @@ ROOT = 0x5555_0000_0000
 SLOT_MUL = 0x9E3779B97F4A7C15
 
 
-def model(begins, sizes, regions, roots, words, dead=None, glibc=False):
+def model(begins, sizes, regions, roots, words, dead=None):
     """(marked, heap_bytes, words) of libmemunreachable.md section 3 with mu_dead's rules."""
     n = len(begins)
     ends = [b + max(s, 1) for b, s in zip(begins, sizes)]
@@ -37,8 +37,6 @@ def model(begins, sizes, regions, roots, words, dead=None, glibc=False):
     def find(v):
         k = bisect.bisect_right(begins, v) - 1
         if k < 0 or v >= ends[k]:
-            return None
-        if glibc and (ends[k] - begins[k]) & 15 == 8 and v == ends[k] - 8:
             return None
         if hw is not None and hw[k] and v < begins[k] + 8 * hw[k] + 8:
             return None
@@ -93,11 +91,11 @@ def model(begins, sizes, regions, roots, words, dead=None, glibc=False):
     return marked, heap_bytes, nwords
 
 
-def check_both_ways(begins, sizes, regions, roots, words, dead=None, glibc=False):
+def check_both_ways(begins, sizes, regions, roots, words, dead=None):
     img = HeapImage(array("Q", begins), array("Q", sizes), regions)
-    expect, heap_bytes, nwords = model(begins, sizes, regions, roots, words, dead, glibc)
+    expect, heap_bytes, nwords = model(begins, sizes, regions, roots, words, dead)
     for parallel in (False, True):
-        res = mark(img, roots, words, glibc_chunks=glibc, dead=dead, parallel=parallel)
+        res = mark(img, roots, words, dead=dead, parallel=parallel)
         assert res.marked == expect, parallel
         assert res.num_marked == sum(expect)
         assert res.heap_bytes == heap_bytes
@@ -204,9 +202,9 @@ def test_random_heaps_with_dead_words_and_types_match_the_model(seed):
     dead = DeadWords(ranges=merged, head_word=head_word, types=list(zip(types, codes)),
                      dict_keys=lib.MU_DICT_KEYS_311)
     words = [candidate() for _ in range(4)]
-    expect = check_both_ways(begins, sizes, regions, roots, words, dead, glibc=seed % 2 == 0)
+    expect = check_both_ways(begins, sizes, regions, roots, words, dead)
     assert 0 < sum(expect)
-    check_both_ways(begins, sizes, regions, roots, words, None, glibc=seed % 2 == 1)
+    check_both_ways(begins, sizes, regions, roots, words, None)
 
 
 def test_regions_sharing_a_granule_and_a_map_slot():
