@@ -76,9 +76,14 @@ def explain(addr: int, image, root_buffers, marked, dead_ranges, blocks, threads
     begins, sizes = image.begins, image.sizes
     i = bisect.bisect_right(begins, addr) - 1
     if i < 0 or addr >= begins[i] + max(sizes[i], 1):
-        return [f"explain {addr:#x}: not inside any allocation"]
+        return [f"explain {addr:#x}: not inside any allocation (give a block's "
+                "address from a report)"]
+    where = f"allocation {begins[i]:#x} ({sizes[i]} bytes)"
+    if addr != begins[i]:
+        where = f"not a block start: {addr - begins[i]} bytes into {where}"
     if not marked[i]:
-        return [f"explain {addr:#x}: allocation {begins[i]:#x} ({sizes[i]} bytes) is unreachable"]
+        return [f"explain {addr:#x}: {where} is unreachable (a leak)"]
+    label = f"explain {addr:#x}: {where} is reachable; the chain that keeps it:"
     if callable(blocks):
         blocks = blocks()
     lines = []
@@ -95,11 +100,11 @@ def explain(addr: int, image, root_buffers, marked, dead_ranges, blocks, threads
             lines.append(f"  {lo:#x} ({sizes[i]} bytes) <- root words at "
                          + ", ".join(f"{a:#x}{_on_stack(a, threads)}{_in_file(a, maps)}"
                                      for a in roots[:8]))
-            return [f"explain {addr:#x}:"] + lines
+            return [label] + lines
         regs = _register_referrers(lo, hi, threads)
         if regs:
             lines.append(f"  {lo:#x} ({sizes[i]} bytes) <- " + ", ".join(regs[:8]))
-            return [f"explain {addr:#x}:"] + lines
+            return [label] + lines
         refs = _referrers(lo, hi, blocks, dead)
         nxt: Optional[int] = None
         for a in refs:
@@ -118,7 +123,7 @@ def explain(addr: int, image, root_buffers, marked, dead_ranges, blocks, threads
                      f" starts {raw.hex()})")
         seen.add(nxt)
         i = nxt
-    return [f"explain {addr:#x}:"] + lines
+    return [label] + lines
 
 
 def _register_referrers(lo: int, hi: int, threads) -> List[str]:

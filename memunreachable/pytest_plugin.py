@@ -121,7 +121,26 @@ def pytest_load_initial_conftests(early_config, parser, args):
     _start_helper_early(early_config, early_config.known_args_namespace)
 
 
+def _idle_options(config) -> list:
+    """The memunreachable options given while --memunreachable (and its ini) is off."""
+    if config.getoption("--memunreachable") or config.getini("memunreachable"):
+        return []
+    given = [opt for opt in ("--memunreachable-batch", "--memunreachable-suppressions",
+                             "--memunreachable-cannot-check") if config.getoption(opt)]
+    given += [f"the {name} ini value" for name in ("memunreachable_batch",
+                                                   "memunreachable_suppressions")
+              if config.getini(name)]
+    return given + (["--memunreachable-strict"]
+                    if config.getoption("--memunreachable-strict") else [])
+
+
 def pytest_configure(config):
+    idle = _idle_options(config)
+    if idle:        # never a silent no-op: the user meant a check
+        config.issue_config_time_warning(pytest.PytestConfigWarning(
+            f"memunreachable: {', '.join(idle)} given without --memunreachable: no test is "
+            "checked except those marked no_leaks (add --memunreachable, or memunreachable = "
+            "true in the ini file, to check every test)"), stacklevel=2)
     config.stash[_RULES] = _load_rules(config)
     config.stash[_BATCH] = _batch_of(config)
     config.addinivalue_line("markers", "no_leaks: fail the test if native heap blocks become "
@@ -547,9 +566,27 @@ def _settle(config, info, entries, own_before):
 
 
 def _leak_text(info, leaks) -> str:
+    from memunreachable.reporters.text import format_text
     new_info = _nl()._only(info, leaks)
-    return (f"{new_info.num_leaks} native heap block(s) became unreachable during the test "
-            f"({new_info.leak_bytes} bytes):\n{_nl()._render(new_info, True)}")
+    return f"{headline(new_info)}\n{format_text(new_info, True, brief=True)}"
+
+
+def headline(info) -> str:
+    """'N blocks leaked during this test (X bytes): ...' naming what the report's entries are:
+    Python objects by type, native heap blocks, and the blocks they hold."""
+    def n(k, what):
+        return f"{k} {what}" + ("" if k == 1 else "s")
+    objects = [leak.python_type for leak in info.leaks if leak.python_type]
+    native = len(info.leaks) - len(objects)
+    held = info.num_leaks - len(info.leaks)
+    parts = []
+    if objects:
+        parts.append(n(len(objects), "Python object") + f" ({', '.join(sorted(set(objects)))})")
+    if native:
+        parts.append(n(native, "native heap block"))
+    what = " and ".join(parts) + (f", holding {n(held, 'more block')}" if held else "")
+    return (f"{n(info.num_leaks, 'block')} leaked during this test ({info.leak_bytes} bytes): "
+            f"{what}")
 
 
 def _seen(config):

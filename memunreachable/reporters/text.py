@@ -123,6 +123,12 @@ def _header(info: UnreachableMemoryInfo) -> List[Line]:
     if info.allocation_bytes >= 1024:
         scanned += f" ({human_size(info.leak_bytes)} of {human_size(info.allocation_bytes)})"
     lines.append([(scanned, "")])
+    return lines
+
+
+def _caveats(info: UnreachableMemoryInfo) -> List[Line]:
+    """What the check could not see (INCOMPLETE) and its warnings."""
+    lines: List[Line] = []
     if info.incomplete:     # issue 22: --partial; what was not seen may hold more leaks
         lines.append([("INCOMPLETE: ", "bold red"),
                       ("part of the process could not be checked; the leaks below are a lower "
@@ -194,13 +200,19 @@ def _refcount_text(leak: Leak) -> str:
     return "" if leak.refcount is None else f", refcount {leak.refcount}"
 
 
-def iter_lines(info: UnreachableMemoryInfo, contents: bool = False) -> List[Line]:
-    """Every line of the report as styled segments (no trailing newlines)."""
-    lines = _header(info)
-    lines.append([])
-    lines.append([(f"  {info.leak_bytes} bytes in {plural(info.num_leaks, 'unreachable allocation')}",
-                   "bold")])
-    lines.append([(f"  ABI: '{ABI}'", "")])
+def iter_lines(info: UnreachableMemoryInfo, contents: bool = False,
+               brief: bool = False) -> List[Line]:
+    """Every line of the report as styled segments (no trailing newlines). brief: without the
+    lines about the whole check (who, pause, totals, ABI) that a caller's own headline replaces
+    (the pytest plugin: one check's timing is no test's), the caveats kept."""
+    if brief:
+        lines = _caveats(info)
+    else:
+        lines = _header(info) + _caveats(info)
+        lines.append([])
+        lines.append([(f"  {info.leak_bytes} bytes in "
+                       f"{plural(info.num_leaks, 'unreachable allocation')}", "bold")])
+        lines.append([(f"  ABI: '{ABI}'", "")])
     lines.append([])
     tracked = info.tracking is not None
     for group in _groups(info):
@@ -263,9 +275,10 @@ def _cyclic_garbage(info: UnreachableMemoryInfo) -> List[Line]:
     return lines
 
 
-def format_text(info: UnreachableMemoryInfo, contents: bool = False) -> str:
-    """The plain report as one string (every line ends with a newline)."""
-    return "".join("".join(t for t, _ in line) + "\n" for line in iter_lines(info, contents))
+def format_text(info: UnreachableMemoryInfo, contents: bool = False, brief: bool = False) -> str:
+    """The plain report as one string (every line ends with a newline); brief: iter_lines."""
+    return "".join("".join(t for t, _ in line) + "\n"
+                   for line in iter_lines(info, contents, brief))
 
 
 # ---- colour decision and output ------------------------------------------------------------

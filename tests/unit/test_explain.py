@@ -12,7 +12,8 @@ def test_chain_from_a_root_through_two_blocks():
     res = mark(h.image(), roots)
     lines = explain(h.addrs[2] + 4, h.image(), roots, res.marked, (),
                     scanned_blocks(h.image(), res.marked))
-    assert lines[0] == f"explain {h.addrs[2] + 4:#x}:"
+    assert lines[0] == (f"explain {h.addrs[2] + 4:#x}: not a block start: 4 bytes into allocation "
+                        f"{h.addrs[2]:#x} (32 bytes) is reachable; the chain that keeps it:")
     assert (f"word {h.addrs[2] + 8:#x} at {h.addrs[1] + 24:#x} (offset 24) of {h.addrs[1]:#x}"
             in lines[1])
     assert f"word {h.addrs[1]:#x} at {h.addrs[0] + 8:#x} (offset 8) of {h.addrs[0]:#x}" in lines[2]
@@ -33,12 +34,18 @@ def test_blocks_given_as_a_callable_are_read_only_for_a_reachable_block():
     assert calls == []
     lines = explain(h.addrs[1], h.image(), roots, res.marked, (), blocks)
     assert calls == [1] and lines[-1].endswith(f"root words at {ROOT:#x}")
+    assert lines[0] == (f"explain {h.addrs[1]:#x}: allocation {h.addrs[1]:#x} (32 bytes) is "
+                        "reachable; the chain that keeps it:")
 
 
 def test_unreachable_and_outside_blocks_say_so():
     h = Heap([32])
     res = mark(h.image(), [])
-    assert "is unreachable" in explain(h.addrs[0], h.image(), [], res.marked, (), [])[0]
+    assert explain(h.addrs[0], h.image(), [], res.marked, (), [])[0] == \
+        f"explain {h.addrs[0]:#x}: allocation {h.addrs[0]:#x} (32 bytes) is unreachable (a leak)"
+    assert explain(h.addrs[0] + 8, h.image(), [], res.marked, (), [])[0] == \
+        (f"explain {h.addrs[0] + 8:#x}: not a block start: 8 bytes into allocation "
+         f"{h.addrs[0]:#x} (32 bytes) is unreachable (a leak)")
     assert "not inside any allocation" in explain(BASE - 64, h.image(), [], res.marked, (), [])[0]
 
 
