@@ -7,8 +7,10 @@ then truncate to `limit` (0 = no limit in the CLI's sense is handled by the call
 Grouping (libmemunreachable.md section 6.2): entries whose recorded allocation stack is the
 same (same native pcs and Python frames) form one LeakGroup, shown once with "and N similar
 unreachable bytes in K allocations"; its representative is the lowest-address member. Entries
-without a recorded stack never merge. Groups are sorted by their total size (every member with
-its indirect leaks, Leak.entry_size), largest first.
+without a recorded stack never merge. Groups are sorted by what their members reach (the sum
+of Leak.total_size, as single entries sort), largest first; a group's num_allocations and
+total_size count its members with their indirect leaks (Leak.entry_count/entry_size), so the
+groups add up to the leak totals.
 """
 from __future__ import annotations
 
@@ -161,8 +163,9 @@ def stack_key(leak: Leak) -> Optional[tuple]:
 
 
 # Returns (groups kept, groups left out): leaks grouped by stack_key, each group's members by
-# address (the representative first), groups by total_size desc then representative address;
-# at most `limit` groups (None: all), each keeping at most `limit` members (counts stay whole).
+# address (the representative first), groups by reach (members' total_size) desc then
+# representative address; at most `limit` groups (None: all), each keeping at most `limit`
+# members (counts stay whole).
 def group_leaks(leaks: List[Leak], limit: Optional[int] = None) -> Tuple[List[LeakGroup], int]:
     by_key: dict = {}
     singles: List[List[Leak]] = []
@@ -172,7 +175,7 @@ def group_leaks(leaks: List[Leak], limit: Optional[int] = None) -> Tuple[List[Le
             singles.append([leak])
         else:
             by_key.setdefault(key, []).append(leak)
-    groups = []
+    groups, reach = [], {}
     for members in list(by_key.values()) + singles:
         members.sort(key=lambda l: l.address)
         rest = members[1:]
@@ -185,7 +188,10 @@ def group_leaks(leaks: List[Leak], limit: Optional[int] = None) -> Tuple[List[Le
             similar_size=sum(l.size for l in rest),
             similar_referenced_count=sum(l.entry_count - 1 for l in rest),
             similar_referenced_size=sum(l.entry_size - l.size for l in rest)))
-    groups.sort(key=lambda g: (-g.total_size, g.representative.address))
+        reach[id(groups[-1])] = sum(l.total_size for l in members)
+    # largest first by what the members reach (libmemunreachable's total_size), as single
+    # entries sort (sort_and_limit): a block shared by two entries weighs in both
+    groups.sort(key=lambda g: (-reach[id(g)], g.representative.address))
     if limit is None or limit >= len(groups):
         return groups, 0
     return groups[:limit], len(groups) - limit

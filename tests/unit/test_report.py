@@ -67,6 +67,13 @@ def test_group_totals_equal_leak_totals_when_heads_share_children():
     assert (g.num_allocations, g.total_size) == (3, 264)
     assert (g.similar_referenced_count, g.similar_referenced_size) == (0, 0)
     assert [l.total_size for l in (a, b)] == [164, 164]     # what each reaches, upstream's
+    # groups sort by what their members reach, as single entries do: B (200 bytes reaching
+    # C) before A, though C is listed under A
+    a = listing(0x1000, 100, S1, (1, 64), [(0x3000, 64)])
+    b = listing(0x2000, 200, S2, (1, 64), [])
+    groups, _ = group_leaks([a, b])
+    assert [(g.representative.address, g.num_allocations, g.total_size) for g in groups] == [
+        (0x2000, 1, 200), (0x1000, 2, 164)]
 
 
 def test_group_totals_of_many_heads_sharing_a_few_blocks():
