@@ -23,11 +23,16 @@ _new_uncleared = ffi.new_allocator(should_clear_after_alloc=False)
 
 
 class FoldedLeak(FrozenFields):
-    """A head SCC: index of its lowest-address member, and what it references beyond it."""
-    __slots__ = ("index", "referenced_count", "referenced_size")
+    """A head SCC: index of its lowest-address member, what it references beyond it, and
+    `blocks`: the indices of the other unreachable allocations this entry lists (its indirect
+    leaks, ascending): those it reaches that no entry before it (by index) reaches. Every
+    unreachable allocation is the index or in the blocks of exactly one entry, so entries
+    add up to the leak totals; referenced_* count a shared one under each head that reaches it."""
+    __slots__ = ("index", "referenced_count", "referenced_size", "blocks")
 
-    def __init__(self, index: int, referenced_count: int, referenced_size: int):
-        set_fields(self, index, referenced_count, referenced_size)
+    def __init__(self, index: int, referenced_count: int, referenced_size: int,
+                 blocks: Tuple[int, ...] = ()):
+        set_fields(self, index, referenced_count, referenced_size, tuple(blocks))
 
 
 # Returns the entries ordered by index; raises OSError(EINVAL) on invalid input (as mark),
@@ -48,14 +53,22 @@ def fold(image: HeapImage, marked, dead=None) -> List[FoldedLeak]:
     ref_size = _new_uncleared("uint64_t[]", max(cap, 1))
     flags_c = ffi.from_buffer("uint8_t[]", flags) if n else ffi.NULL
     dead_c, keep_d = dead_words(dead, n)
+    owner = _new_uncleared("uint64_t[]", max(n, 1))
     rc = lib.mu_fold(begins, sizes, n, heap, len(image.regions), flags_c,
-                     rep, ref_count, ref_size, cap, dead_c)
+                     rep, ref_count, ref_size, cap, dead_c, owner)
     check(rc, "fold")
     del keep_b, keep_s, keep_h, keep_d
     reps = ffi.unpack(rep, rc)
     counts = ffi.unpack(ref_count, rc)
     rsizes = ffi.unpack(ref_size, rc)
-    return [FoldedLeak(i, c, s) for i, c, s in zip(reps, counts, rsizes)]
+    blocks: List[List[int]] = [[] for _ in range(rc)]
+    i = flags.find(0)
+    while i >= 0:
+        k = owner[i]
+        if reps[k] != i:
+            blocks[k].append(i)
+        i = flags.find(0, i + 1)
+    return [FoldedLeak(i, c, s, b) for i, c, s, b in zip(reps, counts, rsizes, blocks)]
 
 
 # Returns (number of flagged allocations, total bytes of all, bytes of the flagged ones) for

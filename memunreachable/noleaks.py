@@ -204,8 +204,8 @@ def _only(info: UnreachableMemoryInfo, leaks: list) -> UnreachableMemoryInfo:
     """info reduced to `leaks` (counts, groups and the limit recomputed)."""
     import dataclasses
     from memunreachable.report import group_leaks
-    total = sum(1 + l.referenced_count for l in leaks)
-    size = sum(l.size + l.referenced_size for l in leaks)
+    total = sum(l.entry_count for l in leaks)
+    size = sum(l.entry_size for l in leaks)
     groups, _ = group_leaks(leaks)
     return dataclasses.replace(info, leaks=[l for g in groups for l in g.leaks], groups=groups,
                                num_leaks=total, leak_bytes=size, truncated=0)

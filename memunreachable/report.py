@@ -7,8 +7,10 @@ then truncate to `limit` (0 = no limit in the CLI's sense is handled by the call
 Grouping (libmemunreachable.md section 6.2): entries whose recorded allocation stack is the
 same (same native pcs and Python frames) form one LeakGroup, shown once with "and N similar
 unreachable bytes in K allocations"; its representative is the lowest-address member. Entries
-without a recorded stack never merge. Groups are sorted by their total size (every member with
-what it references), largest first.
+without a recorded stack never merge. Groups are sorted by what their members reach (the sum
+of Leak.total_size, as single entries sort), largest first; a group's num_allocations and
+total_size count its members with their indirect leaks (Leak.entry_count/entry_size), so the
+groups add up to the leak totals.
 """
 from __future__ import annotations
 
@@ -36,10 +38,32 @@ class Leak:
     stack: List[int] = field(default_factory=list)
     python_stack: List[Tuple[str, str, int]] = field(default_factory=list)
     stack_status: str = "untracked"
+    # issue 23: the size the program asked for (tracked processes; None: not known). size
+    # stays the usable size, what the heap holds
+    requested_size: Optional[int] = None
+    # issue 23: the indirect leaks this entry lists: the unreachable blocks it reaches that no
+    # entry before it does, so that each unreachable block is in exactly one entry (a block
+    # reachable from two heads counts in referenced_* of both). num_indirect / indirect_size
+    # cover all of them (None: unknown, e.g. a report written before; referenced_* then
+    # stand in); indirect: the first of them (Leak records without contents), by address
+    num_indirect: Optional[int] = None
+    indirect_size: Optional[int] = None
+    indirect: List["Leak"] = field(default_factory=list)
 
     @property
     def total_size(self) -> int:
         return self.size + self.referenced_size
+
+    @property
+    def entry_count(self) -> int:
+        """Unreachable blocks this entry accounts for: itself and its indirect leaks."""
+        return 1 + (self.referenced_count if self.num_indirect is None else self.num_indirect)
+
+    @property
+    def entry_size(self) -> int:
+        """Bytes of entry_count's blocks."""
+        return self.size + (self.referenced_size if self.indirect_size is None
+                            else self.indirect_size)
 
 
 @dataclass
@@ -102,9 +126,11 @@ class LeakGroup:
     """Report entries sharing one allocation stack (a single entry when it has none).
 
     leaks: members kept (representative = lowest address first, at most the limit);
-    num_entries: every member; num_allocations / total_size: every member with what it
-    references (libmemunreachable's total_size); similar_*: the members other than the
-    representative (libmemunreachable's similar_count/size, similar_referenced_count/size).
+    num_entries: every member; num_allocations / total_size: every member with its indirect
+    leaks (Leak.entry_count / entry_size: each unreachable block in one group only, so the
+    groups add up to num_leaks and leak_bytes); similar_*: the members other than the
+    representative (libmemunreachable's similar_count/size; similar_referenced_count/size:
+    their indirect leaks).
     """
     leaks: List[Leak]
     num_entries: int = 1
@@ -137,8 +163,9 @@ def stack_key(leak: Leak) -> Optional[tuple]:
 
 
 # Returns (groups kept, groups left out): leaks grouped by stack_key, each group's members by
-# address (the representative first), groups by total_size desc then representative address;
-# at most `limit` groups (None: all), each keeping at most `limit` members (counts stay whole).
+# address (the representative first), groups by reach (members' total_size) desc then
+# representative address; at most `limit` groups (None: all), each keeping at most `limit`
+# members (counts stay whole).
 def group_leaks(leaks: List[Leak], limit: Optional[int] = None) -> Tuple[List[LeakGroup], int]:
     by_key: dict = {}
     singles: List[List[Leak]] = []
@@ -148,20 +175,23 @@ def group_leaks(leaks: List[Leak], limit: Optional[int] = None) -> Tuple[List[Le
             singles.append([leak])
         else:
             by_key.setdefault(key, []).append(leak)
-    groups = []
+    groups, reach = [], {}
     for members in list(by_key.values()) + singles:
         members.sort(key=lambda l: l.address)
         rest = members[1:]
         groups.append(LeakGroup(
             leaks=members if limit is None else members[:max(limit, 1)],
             num_entries=len(members),
-            num_allocations=sum(1 + l.referenced_count for l in members),
-            total_size=sum(l.total_size for l in members),
+            num_allocations=sum(l.entry_count for l in members),
+            total_size=sum(l.entry_size for l in members),
             similar_count=len(rest),
             similar_size=sum(l.size for l in rest),
-            similar_referenced_count=sum(l.referenced_count for l in rest),
-            similar_referenced_size=sum(l.referenced_size for l in rest)))
-    groups.sort(key=lambda g: (-g.total_size, g.representative.address))
+            similar_referenced_count=sum(l.entry_count - 1 for l in rest),
+            similar_referenced_size=sum(l.entry_size - l.size for l in rest)))
+        reach[id(groups[-1])] = sum(l.total_size for l in members)
+    # largest first by what the members reach (libmemunreachable's total_size), as single
+    # entries sort (sort_and_limit): a block shared by two entries weighs in both
+    groups.sort(key=lambda g: (-reach[id(g)], g.representative.address))
     if limit is None or limit >= len(groups):
         return groups, 0
     return groups[:limit], len(groups) - limit

@@ -18,8 +18,9 @@ sanitizer_common.cpp TemplateMatch, lsan/lsan_common.cpp GetSuppressionForAddr),
   symbolized frame at that pc (inlined ones included) its function name, then its source file.
   [ours] Python frames are tried too (function, then file; they have no module).
   Leaks without a stack are never suppressed.
-- a suppressed entry counts its whole folded group (the block and the leaked blocks only it
-  references): hit count += 1 + referenced_count, bytes += size + referenced_size.
+- a suppressed entry counts its whole folded group (the block and its indirect leaks, each
+  unreachable block listed by one entry only): hit count += Leak.entry_count, bytes +=
+  Leak.entry_size.
 """
 from __future__ import annotations
 
@@ -163,7 +164,7 @@ def match(rules: Sequence[Suppression], frames: Sequence) -> Optional[Suppressio
 
 
 # Returns (kept leaks, suppressed leaks); adds each suppressed leak to its rule's hit_count
-# (1 + referenced_count) and weight (size + referenced_size).
+# (Leak.entry_count: itself and its indirect leaks) and weight (entry_size).
 def apply(rules: Sequence[Suppression], leaks: Iterable) -> Tuple[list, list]:
     kept, gone = [], []
     for leak in leaks:
@@ -171,8 +172,8 @@ def apply(rules: Sequence[Suppression], leaks: Iterable) -> Tuple[list, list]:
         if rule is None:
             kept.append(leak)
             continue
-        rule.hit_count += 1 + leak.referenced_count
-        rule.weight += leak.size + leak.referenced_size
+        rule.hit_count += leak.entry_count
+        rule.weight += leak.entry_size
         gone.append(leak)
     return kept, gone
 

@@ -17,8 +17,10 @@ Wire format (version 2, little-endian):
               UTF-8 JSON object (allocator, stats, warnings; "_python_objects" and
               "_cyclic_garbage" carry the CPython annotations and the cyclic garbage;
               "_stacks" the allocation stacks: {entry index: [status, [pc...],
-              [[function, file, line]...]]}, entries then cyclic garbage, only for
-              entries whose status is not "untracked")
+              [[function, file, line]...], requested size or null]}, entries then cyclic
+              garbage, only for entries whose status is not "untracked"; "_indirect" the
+              blocks each entry lists: {entry index: [count, bytes, [[address, size,
+              status, [pc...], [[function, file, line]...], requested]...]]})
     kind 2  : error. A pickled MemunreachableError (HeapInconsistent means: retake the snapshot)
 """
 from __future__ import annotations
@@ -54,11 +56,13 @@ ENTRY = struct.Struct("<4QB32s")
 _PY_KEY = "_python_objects"
 _GARBAGE_KEY = "_cyclic_garbage"
 _STACKS_KEY = "_stacks"
+_INDIRECT_KEY = "_indirect"
 
 
 class SweepEntry(Fields):
     __slots__ = ("address", "size", "referenced_count", "referenced_size", "contents",
-                 "python_type", "refcount", "repr", "stack", "python_stack", "stack_status")
+                 "python_type", "refcount", "repr", "stack", "python_stack", "stack_status",
+                 "requested_size", "num_indirect", "indirect_size", "indirect")
 
     def __init__(self, address: int, size: int, referenced_count: int, referenced_size: int,
                  contents: bytes,
@@ -68,7 +72,12 @@ class SweepEntry(Fields):
                  # allocation stack (tracking.py), innermost first
                  stack: Tuple[int, ...] = (),
                  python_stack: Optional[List[Tuple[str, str, int]]] = None,
-                 stack_status: str = "untracked"):  # "recorded" | "untracked" | "table_full"
+                 stack_status: str = "untracked",   # "recorded" | "untracked" | "table_full"
+                 requested_size: Optional[int] = None,      # what was asked for, if tracked
+                 # the unreachable blocks this entry lists (folding.FoldedLeak.blocks): how
+                 # many, their bytes, and the first INDIRECT_LIMIT of them (no contents)
+                 num_indirect: int = 0, indirect_size: int = 0,
+                 indirect: Optional[List["SweepEntry"]] = None):
         self.address = address
         self.size = size
         self.referenced_count = referenced_count
@@ -80,6 +89,21 @@ class SweepEntry(Fields):
         self.stack = stack
         self.python_stack = [] if python_stack is None else python_stack
         self.stack_status = stack_status
+        self.requested_size = requested_size
+        self.num_indirect = num_indirect
+        self.indirect_size = indirect_size
+        self.indirect = [] if indirect is None else indirect
+
+    def stack_record(self) -> list:
+        """[status, pcs, Python frames, requested size] (the wire's _stacks values)."""
+        return [self.stack_status, list(self.stack), [list(f) for f in self.python_stack],
+                self.requested_size]
+
+    def set_stack(self, record: list) -> None:
+        """The inverse of stack_record()."""
+        status, pcs, py, requested = record
+        self.stack_status, self.stack, self.requested_size = status, tuple(pcs), requested
+        self.python_stack = [tuple(f) for f in py]
 
 
 class SweepResult(Fields):
@@ -117,11 +141,15 @@ def encode_result(res: SweepResult) -> bytes:
           for k, e in enumerate(res.entries) if e.python_type is not None}
     if py:
         meta[_PY_KEY] = py
-    stacks = {str(k): [e.stack_status, list(e.stack), [list(f) for f in e.python_stack]]
-              for k, e in enumerate(res.entries + res.cyclic_garbage)
-              if e.stack_status != "untracked"}
+    both = res.entries + res.cyclic_garbage
+    stacks = {str(k): e.stack_record() for k, e in enumerate(both) if e.stack_status != "untracked"}
     if stacks:
         meta[_STACKS_KEY] = stacks
+    indirect = {str(k): [e.num_indirect, e.indirect_size,
+                         [[b.address, b.size] + b.stack_record() for b in e.indirect]]
+                for k, e in enumerate(both) if e.num_indirect}
+    if indirect:
+        meta[_INDIRECT_KEY] = indirect
     if res.cyclic_garbage:
         meta[_GARBAGE_KEY] = [[e.address, e.size, e.referenced_count, e.referenced_size,
                                e.contents.hex(), e.python_type, e.refcount, e.repr]
@@ -174,9 +202,15 @@ def decode(message: bytes):
     res.cyclic_garbage = [SweepEntry(a, s, rc, rs, bytes.fromhex(c), t, n, r)
                           for a, s, rc, rs, c, t, n, r in res.meta.pop(_GARBAGE_KEY, [])]
     both = res.entries + res.cyclic_garbage
-    for k, (status, pcs, py) in res.meta.pop(_STACKS_KEY, {}).items():
+    for k, record in res.meta.pop(_STACKS_KEY, {}).items():
+        both[int(k)].set_stack(record)
+    for k, (num, size, blocks) in res.meta.pop(_INDIRECT_KEY, {}).items():
         e = both[int(k)]
-        e.stack_status, e.stack, e.python_stack = status, tuple(pcs), [tuple(f) for f in py]
+        e.num_indirect, e.indirect_size = num, size
+        for address, bsize, *record in blocks:
+            b = SweepEntry(address, bsize, 0, 0, b"")
+            b.set_stack(record)
+            e.indirect.append(b)
     return res
 
 

@@ -8,7 +8,8 @@ this module mirrors it: change both and bump the version). Here, in the sweeper:
     table = find_table(mem, maps)    # None when the target is not tracked
     table.cuts                       # the table's mapping: never a root (it points at
                                      # every live block), cut out with classify's extra_cuts
-    table.annotate(address, size)    # -> Annotation(stack, python_stack, status)
+    table.annotate(address, size)    # -> Annotation(stack, python_stack, status,
+                                     #    requested size)
     table.summary()                  # -> info.tracking
 
 The reader takes no lock: the writer publishes a slot (stack id and size, then the address)
@@ -30,6 +31,7 @@ MAGIC = b"MUTRACK\0"
 VERSION = 2                             # 1 (224-byte header, 3.11+ frames) is read too
 MAP_NAME = "[anon:memunreachable-track]"
 STACK_FULL = 0xFFFFFFFF
+SIZE_UNKNOWN = 0xFFFFFFFF               # an entry's size field: the request was >= this
 EMPTY, TOMB = 0, 1
 MAX_DEPTH, MAX_PY = 32, 16
 UNWINDERS = {1: "fp", 2: "libgcc", 3: "libunwind"}
@@ -74,14 +76,16 @@ def first_slot(addr: int, h: int, mask: int) -> int:
 
 
 class Annotation(Fields):
-    __slots__ = ("stack", "python_stack", "status")
+    __slots__ = ("stack", "python_stack", "status", "requested")
 
     def __init__(self, stack: Tuple[int, ...] = (),
                  python_stack: Optional[List[Tuple[str, str, int]]] = None,
-                 status: str = "untracked"):  # "recorded" | "untracked" | "table_full"
+                 status: str = "untracked",   # "recorded" | "untracked" | "table_full"
+                 requested: Optional[int] = None):  # the size asked for (malloc's n), if known
         self.stack = stack
         self.python_stack = [] if python_stack is None else python_stack
         self.status = status
+        self.requested = requested
 
 
 def parse_header(data: bytes) -> Optional[dict]:
@@ -227,15 +231,17 @@ class TrackingTable:
         return got
 
     def annotate(self, address: int, usable_size: int) -> Annotation:
-        """Stack and status of the block at address (usable_size: its size in the heap; a
-        recorded size larger than that is a stale entry, i.e. untracked)."""
+        """Stack, status and requested size of the block at address (usable_size: its size
+        in the heap; a recorded size larger than that is a stale entry, i.e. untracked). The
+        table keeps the size the program asked for (u32: SIZE_UNKNOWN from 4 GiB up)."""
         hit = self.lookup(address)
         if hit is None or hit[1] > usable_size:
             return Annotation()
+        requested = hit[1] if hit[1] != SIZE_UNKNOWN else None
         if hit[0] == STACK_FULL:
-            return Annotation(status="table_full")
+            return Annotation(status="table_full", requested=requested)
         pcs, py = self.stack(hit[0])
-        return Annotation(pcs, py, "recorded")
+        return Annotation(pcs, py, "recorded", requested)
 
     # -- Python frames ------------------------------------------------------------------
     def python_frame(self, code: int, offset: int) -> Tuple[str, str, int]:

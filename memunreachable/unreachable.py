@@ -858,11 +858,13 @@ def sweep(mem, maps, threads, pid: int, confirm: Optional[set] = None,
         res.entries.append(_entry(f, begins, sizes, contents, objects))
     for f in garbage:
         res.cyclic_garbage.append(_entry(f, begins, sizes, contents, objects))
-    # 8b. Allocation stacks of the leaks, from the tracking table
+    # 8b. Allocation stacks and requested sizes of the leaks, from the tracking table
     if table is not None:
         for e in res.entries + res.cyclic_garbage:
-            a = table.annotate(e.address, e.size)
-            e.stack, e.python_stack, e.stack_status = a.stack, a.python_stack, a.status
+            for b in [e] + e.indirect:
+                a = table.annotate(b.address, b.size)
+                b.stack, b.python_stack, b.stack_status = a.stack, a.python_stack, a.status
+                b.requested_size = a.requested
     for i in uncertain:
         res.uncertain.append(SweepEntry(begins[i], sizes[i], 0, 0,
                                         contents.read(begins[i], min(sizes[i], CONTENTS_BYTES))))
@@ -896,10 +898,17 @@ def sweep(mem, maps, threads, pid: int, confirm: Optional[set] = None,
     return res
 
 
+# Indirect leaks sent per entry (each with its stack); the entry's counts cover all of them.
+INDIRECT_LIMIT = 1000
+
+
 def _entry(f, begins, sizes, contents, objects) -> SweepEntry:
     addr, size = begins[f.index], sizes[f.index]
     e = SweepEntry(addr, size, f.referenced_count, f.referenced_size,
-                   contents.read(addr, min(size, CONTENTS_BYTES)))
+                   contents.read(addr, min(size, CONTENTS_BYTES)),
+                   num_indirect=len(f.blocks), indirect_size=sum(sizes[b] for b in f.blocks),
+                   indirect=[SweepEntry(begins[b], sizes[b], 0, 0, b"")
+                             for b in f.blocks[:INDIRECT_LIMIT]])
     info = objects.get(f.index)
     if info is not None:
         e.python_type, e.refcount, e.repr = info.type_name, info.refcount, info.repr
@@ -1040,7 +1049,9 @@ class _LeakImage:
     # alone (the fold follows edges between unreachable blocks only): indices are the image's.
     def fold(self, flags, dead) -> list:
         sub = bytearray(flags[i] for i in self.index)
-        return [FoldedLeak(self.index[f.index], f.referenced_count, f.referenced_size)
+        ix = self.index
+        return [FoldedLeak(ix[f.index], f.referenced_count, f.referenced_size,
+                           [ix[b] for b in f.blocks])
                 for f in fold(self.image, sub, dead=dead)]
 
 
@@ -1082,7 +1093,9 @@ def _leak(e: SweepEntry) -> Leak:
     return Leak(e.address, e.size, e.referenced_count, e.referenced_size, e.contents,
                 python_type=e.python_type, refcount=e.refcount, repr=e.repr,
                 stack=list(e.stack), python_stack=list(e.python_stack),
-                stack_status=e.stack_status)
+                stack_status=e.stack_status, requested_size=e.requested_size,
+                num_indirect=e.num_indirect, indirect_size=e.indirect_size,
+                indirect=[_leak(b) for b in e.indirect])
 
 
 # suppressions.py and symbolize.py load only when a check needs them (issue 10, fast start)
@@ -1104,8 +1117,8 @@ def _symbolize_and_group(info: UnreachableMemoryInfo, leaks: List[Leak], limit: 
         from memunreachable import suppressions as suppressions_stage
         _backtraces(info, leaks, opts)
         leaks, gone = suppressions_stage.apply(rules, leaks)
-        info.num_suppressed = sum(1 + l.referenced_count for l in gone)
-        info.suppressed_bytes = sum(l.size + l.referenced_size for l in gone)
+        info.num_suppressed = sum(l.entry_count for l in gone)
+        info.suppressed_bytes = sum(l.entry_size for l in gone)
         info.num_leaks -= info.num_suppressed
         info.leak_bytes -= info.suppressed_bytes
         info.suppressions_used = suppressions_stage.used(rules)
@@ -1113,6 +1126,7 @@ def _symbolize_and_group(info: UnreachableMemoryInfo, leaks: List[Leak], limit: 
     info.leaks = members(info.groups)
     if not rules:
         _backtraces(info, info.leaks, opts)
+    _backtraces(info, [b for l in info.leaks for b in l.indirect], opts)
     info.stats["symbolize_seconds"] = time.monotonic() - t0
 
 
@@ -1151,7 +1165,7 @@ def _fill(info: UnreachableMemoryInfo, res: SweepResult, limit: Optional[int]) -
     info.uncertain_bytes = sum(e.size for e in res.uncertain)
     info.uncertain, _ = sort_and_limit([Leak(e.address, e.size, 0, 0, e.contents)
                                         for e in res.uncertain], limit)
-    info.num_cyclic_garbage = sum(1 + e.referenced_count for e in res.cyclic_garbage)
-    info.cyclic_garbage_bytes = sum(e.size + e.referenced_size for e in res.cyclic_garbage)
+    info.num_cyclic_garbage = sum(1 + e.num_indirect for e in res.cyclic_garbage)
+    info.cyclic_garbage_bytes = sum(e.size + e.indirect_size for e in res.cyclic_garbage)
     info.cyclic_garbage, _ = sort_and_limit([_leak(e) for e in res.cyclic_garbage], limit)
     return leaks

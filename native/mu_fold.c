@@ -143,10 +143,28 @@ static void heads_sum(cond *g, uint32_t h, uint64_t *cnt, uint64_t *sz)
     *sz = s0 + g->usize[reached];
 }
 
+/* Claims for entry k every unclaimed SCC reachable from c (c itself included). */
+static void claim_reach(cond *g, uint32_t *claim, uint32_t c, uint32_t k)
+{
+    uint64_t sp = 0;
+    claim[c] = k;
+    g->stack[sp++] = c;
+    while (sp) {
+        uint32_t x = g->stack[--sp];
+        for (uint64_t e = g->coff[x]; e < g->coff[x + 1]; e++) {
+            uint32_t d = g->cadj.v[e];
+            if (claim[d] == FOLD_NONE) {
+                claim[d] = k;
+                g->stack[sp++] = d;
+            }
+        }
+    }
+}
+
 int64_t mu_fold(const uint64_t *begin, const uint64_t *size, uint64_t n,
                 const mu_region *heap, uint64_t nheap, const uint8_t *marked,
                 uint64_t *rep, uint64_t *ref_count, uint64_t *ref_size, uint64_t cap,
-                const mu_dead *dead)
+                const mu_dead *dead, uint64_t *owner)
 {
     if ((n && !marked) || (cap && (!rep || !ref_count || !ref_size)))
         return -EINVAL;
@@ -194,7 +212,7 @@ int64_t mu_fold(const uint64_t *begin, const uint64_t *size, uint64_t n,
 
     uint32_t *node_of = NULL, *alloc_of = NULL, *stamp = NULL, *idx = NULL, *low = NULL;
     uint32_t *comp = NULL, *tstack = NULL, *cstack = NULL, *cstart = NULL, *members = NULL;
-    uint32_t *indeg = NULL;
+    uint32_t *indeg = NULL, *claim = NULL;
     uint64_t *off = NULL, *cursor = NULL;
     vec32 adj = {0};
     cond g;
@@ -420,7 +438,15 @@ int64_t mu_fold(const uint64_t *begin, const uint64_t *size, uint64_t n,
                 }
     }
 
-    /* 6. One entry per head SCC (no incoming SCC edge), in order of its lowest member. */
+    /* 6. One entry per head SCC (no incoming SCC edge), in order of its lowest member; with
+     * owner, each SCC is claimed by the first entry that reaches it (an SCC reached through
+     * a claimed one is claimed already: one walk over the condensation in all). */
+    if (owner) {
+        claim = malloc((uint64_t)ncomp * sizeof *claim);
+        if (!claim)
+            goto nomem;
+        memset(claim, 0xff, (uint64_t)ncomp * sizeof *claim);
+    }
     for (uint32_t u = 0; u < V; u++) {
         uint32_t c = comp[u];
         if (indeg[c] || members[cstart[c]] != u)
@@ -434,7 +460,15 @@ int64_t mu_fold(const uint64_t *begin, const uint64_t *size, uint64_t n,
         rep[out] = alloc_of[u];
         ref_count[out] = cnt - 1;
         ref_size[out] = sz - size[alloc_of[u]];
+        if (claim)
+            claim_reach(&g, claim, c, (uint32_t)out);
         out++;
+    }
+    if (owner) {
+        for (uint64_t i = 0; i < n; i++)
+            owner[i] = UINT64_MAX;
+        for (uint32_t u = 0; u < V; u++)
+            owner[alloc_of[u]] = claim[comp[u]];
     }
     goto done;
 nomem:
@@ -452,6 +486,7 @@ done:
     free(cstart);
     free(members);
     free(indeg);
+    free(claim);
     free(off);
     free(adj.v);
     free(g.coff);

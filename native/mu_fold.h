@@ -8,11 +8,14 @@
  * included; shared descendants are counted under each head). Entries are ordered by rep.
  * cap must be >= the number of unreachable allocations.
  * Returns the number of entries, or -EINVAL (as mu_mark), -EOVERFLOW (n >= 2^32 - 1),
- * -ENOMEM, or -ENOSPC (more entries than cap). dead: words that are not edges (mu_dead), or NULL. */
+ * -ENOMEM, or -ENOSPC (more entries than cap). dead: words that are not edges (mu_dead), or NULL.
+ * owner (n slots, or NULL): owner[i] = the entry that lists unreachable allocation i, the first
+ * (by rep) whose head reaches it, so each is counted in exactly one entry; UINT64_MAX for a
+ * reachable one. */
 int64_t mu_fold(const uint64_t *begin, const uint64_t *size, uint64_t n,
                 const mu_region *heap, uint64_t nheap, const uint8_t *marked,
                 uint64_t *rep, uint64_t *ref_count, uint64_t *ref_size, uint64_t cap,
-                const mu_dead *dead);
+                const mu_dead *dead, uint64_t *owner);
 
 /* Sums over n allocations: *total = sum of size[i]; *selected = sum of size[i] where
  * mask[i] != 0 (mask: n bytes). Returns the number of selected allocations. */

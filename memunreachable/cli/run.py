@@ -331,9 +331,9 @@ class Supervisor:
             if req_fd >= 0:
                 ready, _, _ = select.select([req_fd], [], [], 0)
                 if ready:
-                    got = os.read(req_fd, 1)
+                    got = os.read(req_fd, EXIT_REQUEST.size)
                     if got:
-                        self._exit_check(old_mask)
+                        self._exit_check(old_mask, got)
                         os.write(ack_fd, b"K")
                     os.close(req_fd)
                     req_fd = -1
@@ -376,14 +376,17 @@ class Supervisor:
             return EXIT_CANNOT_CHECK
         return code
 
-    def _exit_check(self, old_mask) -> None:
-        """Check PROG now (it waits in its last destructor) and report."""
+    def _exit_check(self, old_mask, request: bytes) -> None:
+        """Check PROG now (it waits in its last destructor) and report. request: what the
+        library wrote (exit_path)."""
         from memunreachable import unreachable
         from memunreachable.cli.check import emit_report, read_comm
         self.checked = True
         signal.pthread_sigmask(signal.SIG_SETMASK, old_mask)    # the check's own handling
         try:
-            info = unreachable.check(self.pid, limit=None if self.args.limit == 0 else self.args.limit)
+            tid, frames = exit_path(request)
+            info = unreachable.check(self.pid, limit=None if self.args.limit == 0 else self.args.limit,
+                                     dead_ranges=frames, waiting_tids=(tid,) if tid else ())
             if info.comm is None:
                 info.comm = read_comm(self.pid)
         except MemunreachableError as exc:
@@ -400,6 +403,22 @@ class Supervisor:
         finally:
             sys.stdout = stdout
         sys.stderr.flush()
+
+
+# The exit-check request of native/mu_track.c's last destructor: "X", then the thread that
+# runs exit() and the stack range [low, high) of exit()'s frames and those it called (all 0
+# when exit() was not found on the stack). An older library writes "X" alone.
+EXIT_REQUEST = struct.Struct("<cQQQ")
+
+
+def exit_path(request: bytes) -> Tuple[int, Tuple[Tuple[int, int], ...]]:
+    """(tid, dead ranges) of an exit-check request: the exiting thread waits in read() (only
+    the registers a call preserves are roots) and its exit path's frames are no roots: what
+    their unwritten slots hold was left by main's callees (issue 23). (0, ()) when unknown."""
+    if len(request) != EXIT_REQUEST.size:
+        return 0, ()
+    _, tid, low, high = EXIT_REQUEST.unpack(request)
+    return (tid, ((low, high),)) if tid and low < high else (0, ())
 
 
 def _pgid(pid: int) -> int:

@@ -23,6 +23,12 @@ suppressions_used [{template, count, bytes}].
 Issue 22: complete (false when part of the process could not be seen: only with --partial,
 the leaks are then a lower bound) and incomplete (the reasons, one string each; [] when
 complete).
+Issue 23: requested_size per leak (what the program asked for; null when not tracked);
+num_indirect, indirect_size and indirect [{address, size, requested_size, backtrace,
+stack_status}] per leak: the unreachable blocks the entry lists (each in one entry only, so
+the leaks' 1 + num_indirect add up to num_leaks; indirect holds the first 1,000 by address;
+null counts: unknown, in a report re-rendered from an older one).
+groups' num_allocations/total_size and similar_referenced_* count those.
 Readers must ignore keys they do not know. load_json() is the inverse (for re-rendering).
 
 stats is one flat object (flatten_stats): the walker's figures (arenas, chunks, ...) next to
@@ -74,16 +80,26 @@ def flatten_stats(stats: Dict[str, Any]) -> Dict[str, Any]:
     return flat
 
 
+def _backtrace(leak: Leak) -> list:
+    return [f if isinstance(f, str) else f.to_dict() for f in leak.backtrace]
+
+
 def leak_to_dict(leak: Leak) -> Dict[str, Any]:
     out = {
         "address": leak.address,
         "size": leak.size,
+        "requested_size": leak.requested_size,
         "referenced_count": leak.referenced_count,
         "referenced_size": leak.referenced_size,
         "total_size": leak.total_size,
         "contents": bytes(leak.contents[:CONTENTS_BYTES]).hex(),
-        "backtrace": [f if isinstance(f, str) else f.to_dict() for f in leak.backtrace],
+        "backtrace": _backtrace(leak),
         "stack_status": leak.stack_status,
+        "num_indirect": leak.num_indirect,
+        "indirect_size": leak.indirect_size,
+        "indirect": [{"address": b.address, "size": b.size, "requested_size": b.requested_size,
+                      "backtrace": _backtrace(b), "stack_status": b.stack_status}
+                     for b in leak.indirect],
     }
     if leak.python_type is not None:
         out.update(python_type=leak.python_type, refcount=leak.refcount, repr=leak.repr)
@@ -178,6 +194,21 @@ def write_json_error(stream: IO[str], kind: str, message: str, hint: Optional[st
     stream.flush()
 
 
+def _load_leak(e: Dict[str, Any]) -> Leak:
+    """A leaks[] (or indirect[]) record as a Leak; keys a report of an older version lacks
+    keep their defaults (num_indirect None: referenced_* stand in for the counts)."""
+    return Leak(address=int(e["address"]), size=int(e["size"]),
+                referenced_count=int(e.get("referenced_count", 0)),
+                referenced_size=int(e.get("referenced_size", 0)),
+                contents=bytes.fromhex(e.get("contents", "")),
+                backtrace=[_frame(f) for f in e.get("backtrace", [])],
+                python_type=e.get("python_type"), refcount=e.get("refcount"),
+                repr=e.get("repr"), stack_status=e.get("stack_status", "untracked"),
+                requested_size=e.get("requested_size"),
+                num_indirect=e.get("num_indirect"), indirect_size=e.get("indirect_size"),
+                indirect=[_load_leak(b) for b in e.get("indirect", [])])
+
+
 def load_json(data: Dict[str, Any]) -> UnreachableMemoryInfo:
     """Rebuild an UnreachableMemoryInfo from a render_json() object (unknown keys ignored).
 
@@ -188,14 +219,7 @@ def load_json(data: Dict[str, Any]) -> UnreachableMemoryInfo:
         raise ValueError(f"unsupported schema_version {version!r} (this memunreachable reads "
                          f"{SCHEMA_VERSION})")
     allocator = data.get("allocator") or {}
-    leaks = [Leak(address=int(e["address"]), size=int(e["size"]),
-                  referenced_count=int(e.get("referenced_count", 0)),
-                  referenced_size=int(e.get("referenced_size", 0)),
-                  contents=bytes.fromhex(e.get("contents", "")),
-                  backtrace=[_frame(f) for f in e.get("backtrace", [])],
-                  python_type=e.get("python_type"), refcount=e.get("refcount"),
-                  repr=e.get("repr"), stack_status=e.get("stack_status", "untracked"))
-             for e in data.get("leaks", []) + data.get("cyclic_garbage", [])]
+    leaks = [_load_leak(e) for e in data.get("leaks", []) + data.get("cyclic_garbage", [])]
     garbage = leaks[len(data.get("leaks", [])):]
     leaks = leaks[:len(data.get("leaks", []))]
     groups = [LeakGroup(leaks=[leaks[i] for i in g.get("leaks", [])],

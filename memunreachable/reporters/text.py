@@ -12,8 +12,8 @@ injected stream. The middle block keeps libmemunreachable's Leak::ToString shape
       1264 bytes in 5 unreachable allocations                               <- upstream
       ABI: 'x86_64'
     <blank>
-      1024 bytes unreachable at 55d0c0a012a0
-       referencing 240 unreachable bytes in 3 allocations
+      1000 bytes (1024 usable) unreachable at 55d0c0a012a0                  <- requested size
+       referencing 240 unreachable bytes in 3 allocations                      when tracked
        first 32 bytes of contents:                                          (--contents)
        55d0c0a012a0: 68 65 6c 6c 6f 00 00 00 00 00 00 00 00 00 00 00 hello...........
        and 2048 similar unreachable bytes in 2 allocations                  <- same stack
@@ -21,6 +21,10 @@ injected stream. The middle block keeps libmemunreachable's Leak::ToString shape
        #0 0x55d0c0a01234 in make_node src/list.c:42 (/usr/bin/server+0x1233)  <- issue 9
        #1 0x55d0c0a01300 in main src/main.c:7 (/usr/bin/server+0x12ff)
        no stack recorded (allocated before tracking / not tracked)          (tracked target)
+       indirect: 160 bytes (192 usable) in 2 allocations at 55d0c0a01500, 55d0c0a01580
+       #0 0x55d0c0a01250 in make_name src/list.c:30 (/usr/bin/server+0x124f)  <- issue 23:
+       indirect: 48 bytes in 1 allocation at 55d0c0a01600                      the blocks
+       #0 ...                                                                  it lists, by stack
     <blank>                                                                 (after each entry)
       ... 3 more entries not shown; use --limit 0 to show all               <- ours
       72 bytes in 1 uncertain allocation (not counted as leaks)             <- ours, only
@@ -157,9 +161,65 @@ TABLE_FULL = ("no stack recorded: the tracking table was full ([stack table full
               "MEMUNREACHABLE_TRACK_BUDGET)")
 
 
+def _bytes(requested: Optional[int], usable: int) -> str:
+    """'79 bytes (88 usable)' when the requested size is known and differs, else 'N bytes'."""
+    if requested is None or requested == usable:
+        return f"{usable} bytes"
+    return f"{requested} bytes ({usable} usable)"
+
+
+def _frames(leak: Leak) -> List[Line]:
+    if leak.backtrace:      # symbolize.py loads only for a report with stacks (issue 10)
+        from memunreachable.symbolize import format_frame
+    lines: List[Line] = []
+    for n, frame in enumerate(leak.backtrace):
+        if isinstance(frame, str):          # a frame already formatted
+            lines.append([(f"   {frame}", "")])
+        else:
+            lines.append([(f"   {format_frame(n, frame)}", "magenta" if frame.python else "")])
+    return lines
+
+
+# Indirect-leak addresses shown per stack; the count and bytes cover all.
+INDIRECT_ADDRESSES = 8
+
+
+def _indirect(leak: Leak, tracked: bool) -> List[Line]:
+    """The entry's indirect leaks (blocks only it reaches first), grouped by allocation
+    stack, each group with its addresses and its stack (issue 23)."""
+    by_stack: dict = {}
+    for b in leak.indirect:     # by the symbolized stack: a re-read report has no raw pcs
+        key = (b.stack_status, tuple(f if isinstance(f, str) else tuple(f.to_dict().values())
+                                     for f in b.backtrace))
+        by_stack.setdefault(key, []).append(b)
+    lines: List[Line] = []
+    for blocks in by_stack.values():
+        known = all(b.requested_size is not None for b in blocks)
+        size = _bytes(sum(b.requested_size for b in blocks) if known else None,
+                      sum(b.size for b in blocks))
+        shown = ", ".join(f"{b.address:x}" for b in blocks[:INDIRECT_ADDRESSES])
+        more = ", ..." if len(blocks) > INDIRECT_ADDRESSES else ""
+        lines.append([("   indirect: ", "bold"), (f"{size} in {plural(len(blocks), 'allocation')}", ""),
+                      (" at ", ""), (shown + more, "cyan")])
+        lines.extend(_frames(blocks[0]))
+        lines.extend(_no_stack(blocks[0], tracked))
+    unlisted = leak.entry_count - 1 - len(leak.indirect)
+    if leak.indirect and unlisted > 0:
+        lines.append([(f"   indirect: {plural(unlisted, 'more allocation')} not listed", "yellow")])
+    return lines
+
+
+def _no_stack(leak: Leak, tracked: bool) -> List[Line]:
+    if not leak.backtrace and leak.stack_status == "table_full":
+        return [[(f"   {TABLE_FULL}", "yellow")]]
+    if not leak.backtrace and tracked:
+        return [[(f"   {NO_STACK}", "dim")]]
+    return []
+
+
 def _entry(leak: Leak, contents: bool, group: Optional[LeakGroup] = None,
            tracked: bool = False) -> List[Line]:
-    lines: List[Line] = [[("  ", ""), (f"{leak.size} bytes", "bold red"),
+    lines: List[Line] = [[("  ", ""), (_bytes(leak.requested_size, leak.size), "bold red"),
                           (" unreachable at ", ""), (f"{leak.address:x}", "cyan")]]
     if leak.python_type is not None:
         lines.append([(f"   Python object: {leak.python_type}", "magenta"),
@@ -181,17 +241,9 @@ def _entry(leak: Leak, contents: bool, group: Optional[LeakGroup] = None,
         else:
             lines.append([(f"   first {len(data)} bytes of contents:", "")])
         lines.extend(_hexdump(leak.address, data))
-    if leak.backtrace:      # symbolize.py loads only for a report with stacks (issue 10)
-        from memunreachable.symbolize import format_frame
-    for n, frame in enumerate(leak.backtrace):
-        if isinstance(frame, str):          # a frame already formatted
-            lines.append([(f"   {frame}", "")])
-        else:
-            lines.append([(f"   {format_frame(n, frame)}", "magenta" if frame.python else "")])
-    if not leak.backtrace and leak.stack_status == "table_full":
-        lines.append([(f"   {TABLE_FULL}", "yellow")])
-    elif not leak.backtrace and tracked:
-        lines.append([(f"   {NO_STACK}", "dim")])
+    lines.extend(_frames(leak))
+    lines.extend(_no_stack(leak, tracked))
+    lines.extend(_indirect(leak, tracked))
     lines.append([])
     return lines
 

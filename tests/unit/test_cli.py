@@ -106,7 +106,8 @@ def test_check_json(engine, capsys):
     assert json.loads(out)["leaks"][0] == {
         "address": 0x5000, "size": 48, "referenced_count": 1, "referenced_size": 24,
         "total_size": 72, "contents": "78" * 32, "backtrace": [],
-        "stack_status": "untracked"}
+        "stack_status": "untracked", "requested_size": None, "num_indirect": None,
+        "indirect_size": None, "indirect": []}
 
 
 @pytest.mark.parametrize("argv, kwargs", [

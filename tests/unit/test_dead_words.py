@@ -36,8 +36,8 @@ def test_dead_range_inside_an_allocation():
     res = mark(h.image(), [], [a0], dead=dead)
     assert list(res.marked) == [1, 0, 1]
     # fold: the dead word is no edge either
-    assert fold(h.image(), bytearray(3), dead=dead) == [FoldedLeak(0, 1, 16), FoldedLeak(1, 0, 0)]
-    assert fold(h.image(), bytearray(3)) == [FoldedLeak(0, 2, 32)]
+    assert fold(h.image(), bytearray(3), dead=dead) == [FoldedLeak(0, 1, 16, [2]), FoldedLeak(1, 0, 0)]
+    assert fold(h.image(), bytearray(3)) == [FoldedLeak(0, 2, 32, [1, 2])]
 
 
 def test_head_word_skips_two_link_words_only():
@@ -53,7 +53,7 @@ def test_head_word_skips_two_link_words_only():
     res = mark(h.image(), [], [h.addrs[0] + 24], dead=DeadWords(head_word=hw))
     assert list(res.marked) == [1, 1, 0, 1]
     assert fold(h.image(), bytearray([0, 1, 1, 0]), dead=DeadWords(head_word=bytearray([1, 0, 0, 0]))) \
-        == [FoldedLeak(0, 1, 32)]
+        == [FoldedLeak(0, 1, 32, [3])]
 
 
 def test_partial_last_word_and_dead_ranges_together():
@@ -207,7 +207,7 @@ def test_typed_objects_scanned_or_not(words, types, kept):
     res = mark(h.image(), [], [h.addrs[0]], dead=dead)
     assert list(res.marked) == [1, kept]
     entries = fold(h.image(), bytearray(2), dead=dead)
-    assert entries == ([FoldedLeak(0, 1, 16)] if kept else [FoldedLeak(0, 0, 0), FoldedLeak(1, 0, 0)])
+    assert entries == ([FoldedLeak(0, 1, 16, [1])] if kept else [FoldedLeak(0, 0, 0), FoldedLeak(1, 0, 0)])
 
 
 def test_bad_types_rejected():

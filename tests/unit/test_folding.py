@@ -91,6 +91,51 @@ def test_two_heads_sharing_a_child_count_it_twice():
     assert sum(dict(blocks)[n] + s for n, _, s in entries) == 208 > leak_bytes
 
 
+def test_each_leak_is_listed_by_one_entry():
+    # issue 23: the shared child C is listed by A's entry alone (the first head reaching it),
+    # so entries add up to the leak totals while referenced_* still count it under both
+    blocks, edges, _ = WORKED["two_heads_share_child"]
+    h = graph(blocks, edges)
+    entries = fold(h.image(), bytearray(3))
+    assert [(e.index, e.blocks) for e in entries] == [(0, (2,)), (1, ())]
+    assert sum(1 + len(e.blocks) for e in entries) == 3
+    assert sum(h.sizes[e.index] + sum(h.sizes[b] for b in e.blocks) for e in entries) == 144
+
+
+def _reach(adj, start):
+    seen, todo = {start}, [start]
+    while todo:
+        for d in adj[todo.pop()]:
+            if d not in seen:
+                seen.add(d)
+                todo.append(d)
+    return seen
+
+
+@pytest.mark.parametrize("seed", range(20))
+def test_random_graphs_list_every_leak_once(seed):
+    # every unreachable block is an entry's index or in exactly one entry's blocks: the first
+    # entry (by index) whose head reaches it; none reachable is listed
+    rnd = random.Random(seed)
+    n = rnd.randrange(2, 40)
+    names = [f"N{i:02d}" for i in range(n)]
+    edges = [(rnd.randrange(n), rnd.randrange(n)) for _ in range(rnd.randrange(n * 2))]
+    words = [sum(a == i for a, _ in edges) + rnd.randrange(2) for i in range(n)]
+    h = graph([(name, 8 * max(w, 1)) for name, w in zip(names, words)],
+              [(names[a], names[b]) for a, b in edges])
+    marked = bytearray(rnd.random() < 0.2 for _ in range(n))
+    adj = {i: [b for a, b in edges if a == i and not marked[b]] for i in range(n)}
+    entries = fold(h.image(), marked)
+    listed = [e.index for e in entries] + [b for e in entries for b in e.blocks]
+    assert sorted(listed) == [i for i in range(n) if not marked[i]]
+    for k, e in enumerate(entries):
+        reach = _reach(adj, e.index)
+        earlier = set().union(*(_reach(adj, f.index) for f in entries[:k]))
+        assert set(e.blocks) == reach - earlier - {e.index}
+        assert e.blocks == tuple(sorted(e.blocks))
+        assert e.referenced_count == len(reach) - 1
+
+
 def test_cycle_hanging_off_a_mark_root_is_not_a_leak():
     # global -> B, B <-> C; A is an unrelated leak
     h = graph([("A", 32), ("B", 48), ("C", 64)], [("B", "C"), ("C", "B")])
@@ -195,7 +240,7 @@ def test_ring_of_10000_is_one_entry():
     n = 10_000
     img = _chain_image(n)
     img.regions[0][1][n - 1] = BASE
-    assert fold(img, bytearray(n)) == [FoldedLeak(0, n - 1, 8 * (n - 1))]
+    assert fold(img, bytearray(n)) == [FoldedLeak(0, n - 1, 8 * (n - 1), range(1, n))]
 
 
 @pytest.mark.parametrize("step", [1, -1])
@@ -203,7 +248,8 @@ def test_leaked_chain_of_a_million_is_one_entry(step):
     n = 1_000_000
     img = _chain_image(n, step)
     head = 0 if step == 1 else n - 1
-    assert fold(img, bytearray(n)) == [FoldedLeak(head, n - 1, 8 * (n - 1))]
+    assert fold(img, bytearray(n)) == [FoldedLeak(head, n - 1, 8 * (n - 1),
+                                                 (i for i in range(n) if i != head))]
 
 
 def test_chain_partly_reachable():
@@ -211,7 +257,7 @@ def test_chain_partly_reachable():
     img = _chain_image(n)
     marked = bytearray(n)
     marked[500:] = b"\1" * 500
-    assert fold(img, marked) == [FoldedLeak(0, 499, 8 * 499)]
+    assert fold(img, marked) == [FoldedLeak(0, 499, 8 * 499, range(1, 500))]
 
 
 def test_many_heads_share_one_large_structure():

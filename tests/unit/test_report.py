@@ -49,6 +49,46 @@ def test_group_leaks_like_libmemunreachable():
     assert [g.total_size for g in groups] == [1000, 500, 348, 40, 40, 8]
 
 
+def listing(addr, size, stack, ref, indirect):
+    """A leak entry that reaches ref=(count, bytes) and lists the (address, size) blocks of
+    indirect (the blocks no entry before it reaches)."""
+    l = leak(addr, size, stack, ref=ref)
+    l.indirect = [leak(a, s, S2) for a, s in indirect]
+    l.num_indirect, l.indirect_size = len(indirect), sum(s for _, s in indirect)
+    return l
+
+
+def test_group_totals_equal_leak_totals_when_heads_share_children():
+    # issue 23 item 5: A and B (same stack) both reach C; C is listed by A alone, so the group
+    # counts 3 blocks and 264 bytes, as num_leaks and leak_bytes do (it was 4 and 328)
+    a = listing(0x1000, 100, S1, (1, 64), [(0x3000, 64)])
+    b = listing(0x2000, 100, S1, (1, 64), [])
+    (g,), _ = group_leaks([a, b])
+    assert (g.num_allocations, g.total_size) == (3, 264)
+    assert (g.similar_referenced_count, g.similar_referenced_size) == (0, 0)
+    assert [l.total_size for l in (a, b)] == [164, 164]     # what each reaches, upstream's
+    # groups sort by what their members reach, as single entries do: B (200 bytes reaching
+    # C) before A, though C is listed under A
+    a = listing(0x1000, 100, S1, (1, 64), [(0x3000, 64)])
+    b = listing(0x2000, 200, S2, (1, 64), [])
+    groups, _ = group_leaks([a, b])
+    assert [(g.representative.address, g.num_allocations, g.total_size) for g in groups] == [
+        (0x2000, 1, 200), (0x1000, 2, 164)]
+
+
+def test_group_totals_of_many_heads_sharing_a_few_blocks():
+    # 100 entries of one stack; 5 shared blocks each reached by several heads: the group
+    # holds exactly the 105 unreachable blocks (the report said 105 for 100 + 14 referenced)
+    shared = [(0x9000 + 0x100 * k, 32) for k in range(5)]
+    leaks = [listing(0x10000 + 0x100 * i, 48, S1, (3, 96),
+                     shared[i // 20:i // 20 + 1] if i % 20 == 0 else [])
+             for i in range(100)]
+    (g,), _ = group_leaks(leaks)
+    assert g.num_allocations == 105 == 100 + len(shared)
+    assert g.total_size == 100 * 48 + 5 * 32
+    assert g.similar_referenced_count == 4
+
+
 def test_group_limit_counts_groups_and_caps_members():
     groups, left = group_leaks(sample(), limit=3)
     assert left == 3
@@ -180,3 +220,64 @@ def test_json_backtrace_groups_and_round_trip():
     assert [[l.address for l in g.leaks] for g in back.groups] == [[0x1000, 0x2000], [0x9000]]
     assert format_text(back) == format_text(info)
     assert render_json(back) == obj
+
+
+def indirect_sample():
+    """A vector (24 bytes) listing its element buffer and 3 string bodies (issue 23), with
+    the sizes the program asked for; one more block untracked."""
+    head = listing(0x1000, 24, S1, (5, 352), [])
+    s2 = [Frame(pc=0x401999, module="/usr/bin/app", build_id="ab12", offset=0x998,
+                function="make_name", file="/src/names.cc", line=9)]
+    blocks = [(0x1100, 136, 128, S1), (0x1200, 56, 41, S2), (0x1300, 56, 41, S2),
+              (0x1400, 56, 41, S2), (0x1500, 48, None, None)]
+    head.indirect = []
+    for addr, size, requested, stack in blocks:
+        b = leak(addr, size, stack, status="recorded" if stack else "untracked")
+        b.requested_size = requested
+        b.backtrace = frames_s1() if stack is S1 else s2 if stack else []
+        head.indirect.append(b)
+    head.num_indirect, head.indirect_size = 6, 136 + 3 * 56 + 48 + 64     # one more unlisted
+    head.requested_size, head.backtrace = 24, frames_s1()
+    buf = leak(0x2000, 88, S2)
+    buf.requested_size, buf.backtrace = 79, s2
+    return [head, buf]
+
+
+def test_text_requested_sizes_and_indirect_leaks_by_stack():
+    info = info_for(indirect_sample(), tracking={"version": 2})
+    assert body(format_text(info))[:16] == [
+        "  24 bytes unreachable at 1000",
+        "   referencing 352 unreachable bytes in 5 allocations",
+        "   #0 0x401234 in make_node /src/list.c:42 (/usr/bin/app+0x1233)",
+        "   #1 0x401300 in main /src/main.c:7 (/usr/bin/app+0x12ff)",
+        "   indirect: 128 bytes (136 usable) in 1 allocation at 1100",
+        "   #0 0x401234 in make_node /src/list.c:42 (/usr/bin/app+0x1233)",
+        "   #1 0x401300 in main /src/main.c:7 (/usr/bin/app+0x12ff)",
+        "   indirect: 123 bytes (168 usable) in 3 allocations at 1200, 1300, 1400",
+        "   #0 0x401999 in make_name /src/names.cc:9 (/usr/bin/app+0x998)",
+        "   indirect: 48 bytes in 1 allocation at 1500",
+        "   no stack recorded (allocated before tracking / not tracked)",
+        "   indirect: 1 more allocation not listed",
+        "",
+        "  79 bytes (88 usable) unreachable at 2000",
+        "   #0 0x401999 in make_name /src/names.cc:9 (/usr/bin/app+0x998)",
+        "",
+    ]
+
+
+def test_json_requested_sizes_and_indirect_leaks_round_trip():
+    info = info_for(indirect_sample())
+    obj = render_json(info)
+    head = obj["leaks"][0]
+    assert (head["requested_size"], head["num_indirect"], head["indirect_size"]) == (24, 6, 416)
+    assert [(b["address"], b["size"], b["requested_size"], b["stack_status"])
+            for b in head["indirect"]] == [
+        (0x1100, 136, 128, "recorded"), (0x1200, 56, 41, "recorded"),
+        (0x1300, 56, 41, "recorded"), (0x1400, 56, 41, "recorded"),
+        (0x1500, 48, None, "untracked")]
+    assert head["indirect"][1]["backtrace"][0]["function"] == "make_name"
+    assert obj["leaks"][1]["requested_size"] == 79
+    assert obj["groups"][0]["num_allocations"] + obj["groups"][1]["num_allocations"] == 8
+    back = load_json(json.loads(json.dumps(obj)))
+    assert back.leaks[0].indirect[0].backtrace == frames_s1()
+    assert render_json(back) == obj and format_text(back) == format_text(info)

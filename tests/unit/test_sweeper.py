@@ -31,6 +31,23 @@ def test_uncertain_entries_and_leak_addresses_round_trip():
     assert got.leak_addresses == res.leak_addresses and got == res
 
 
+def test_requested_sizes_and_indirect_leaks_round_trip():
+    # issue 23: each entry's requested size and its indirect leaks, each with its own stack
+    res = sample()
+    head = res.entries[0]
+    head.stack, head.stack_status, head.requested_size = (0x401234,), "recorded", 30
+    head.num_indirect, head.indirect_size = 2, 112
+    head.indirect = [SweepEntry(0x5555aaaa0040, 48, 0, 0, b"", stack=(0x401300, 0x401400),
+                                stack_status="recorded", requested_size=41),
+                     SweepEntry(0x5555aaaa0080, 64, 0, 0, b"", stack_status="table_full",
+                                requested_size=64)]
+    got = decode(encode_result(res))
+    assert got == res
+    assert got.entries[0].indirect[0].requested_size == 41
+    assert got.entries[0].indirect[1].stack_status == "table_full"
+    assert got.entries[1].num_indirect == 0 and got.entries[1].indirect == []
+
+
 def test_error_round_trip_keeps_type_and_hint():
     with pytest.raises(UnsupportedTarget) as ei:
         decode(encode_error(UnsupportedTarget("jemalloc", hint="nothing was checked")))
