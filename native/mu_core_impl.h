@@ -279,6 +279,53 @@ static inline void mu_rules_search(const mu_dead *d, const uint8_t *p, uint64_t 
             r->found |= 1u << (off >> 4);
 }
 
+/* The value of the int whose header is at p + off (have bytes readable at p), when it can
+ * hold an address (mu_types.h, MU_TYPE_INT; param: MU_INT_OB_SIZE or MU_INT_LV_TAG): 1 and *v
+ * for a positive int of 1-3 30-bit digits below 2**64 whose digits lie within the have bytes;
+ * else 0 (zero, negative, larger, or not an int's digits). */
+#define MU_INT_SIZE 16            /* the object offsets of ob_size / lv_tag and of the digits */
+#define MU_INT_DIGITS 24
+#define MU_INT_DIGIT_BITS 30
+
+static inline int mu_int_value(uint64_t param, const uint8_t *p, uint64_t off, uint64_t have,
+                               uint64_t *v)
+{
+    uint64_t tag, nd;
+    uint32_t d[3] = {0, 0, 0};
+    if (off + MU_INT_DIGITS > have)
+        return 0;
+    memcpy(&tag, p + off + MU_INT_SIZE, 8);
+    if (param == MU_INT_LV_TAG) {
+        if (tag & 3)
+            return 0;               /* zero (1) or negative (2) */
+        nd = tag >> 3;
+    } else {
+        nd = (int64_t)tag > 0 ? tag : 0;
+    }
+    if (nd < 1 || nd > 3 || off + MU_INT_DIGITS + 4 * nd > have)
+        return 0;
+    memcpy(d, p + off + MU_INT_DIGITS, 4 * nd);
+    if ((d[0] | d[1] | d[2]) >> MU_INT_DIGIT_BITS || d[2] >> (64 - 2 * MU_INT_DIGIT_BITS))
+        return 0;
+    *v = d[0] | (uint64_t)d[1] << MU_INT_DIGIT_BITS | (uint64_t)d[2] << (2 * MU_INT_DIGIT_BITS);
+    return 1;
+}
+
+/* 1 when the block (rules r, bytes at p) holds an int that can hold an address
+ * (mu_int_value): *v receives it and *at the address of its digits (the block starts at b). */
+static inline int mu_int_handle_r(const mu_rules *r, const uint8_t *p, uint64_t b, uint64_t *v,
+                                  uint64_t *at)
+{
+    for (uint32_t f = r->found; f; f &= f - 1) {
+        uint64_t k = (uint64_t)__builtin_ctz(f), code = r->code[k];
+        if (((code >> 8) & 0xff) == MU_TYPE_INT && mu_plausible_refcnt(r->rc[k])) {
+            *at = b + 16 * k + MU_INT_DIGITS;
+            return mu_int_value((code >> 16) & 0xff, p, 16 * k, r->have, v);
+        }
+    }
+    return 0;
+}
+
 /* mu_dead_object over the rules r of the block (d has types). */
 static inline int mu_dead_object_r(const mu_rules *r, const uint8_t *p)
 {
@@ -290,8 +337,8 @@ static inline int mu_dead_object_r(const mu_rules *r, const uint8_t *p)
             return 1;
         if (!mu_plausible_refcnt(rc))
             continue;
-        if (kind == MU_TYPE_OPAQUE)
-            return 1;
+        if (kind == MU_TYPE_OPAQUE || kind == MU_TYPE_INT)
+            return 1;               /* (an int's value: mu_int_handle_r) */
         if (kind == MU_TYPE_STR && off + 36 <= r->have) {
             uint32_t state;
             memcpy(&state, p + off + 32, 4);
@@ -417,6 +464,16 @@ static inline uint64_t mu_live_len_r(const mu_dead *d, const mu_rules *r, const 
                 continue;           /* not a count we can trust: scan it all */
             uint64_t end = b + off + ((head + item * (uint64_t)count + 7) & ~7ull);
             return end < b + len ? end - b : len;
+        }
+        if (kind == MU_TYPE_BYTES) {
+            uint64_t data = (code >> 16) & 0xffffffffull;
+            int64_t count;
+            if (off + 24 > have)
+                continue;
+            memcpy(&count, p + off + 16, 8);
+            if (count < 0 || off + data + (uint64_t)count >= len)
+                continue;           /* not a count we can trust (the NUL follows): scan it all */
+            return off + data + ((uint64_t)count & ~7ull);
         }
         if (kind == MU_TYPE_MEMORYVIEW) {
             uint64_t head = (code >> 16) & 0xffffffffull, sub;

@@ -233,9 +233,22 @@ int64_t mu_fold(const uint64_t *begin, const uint64_t *size, uint64_t n,
             if (skip >= len)
                 continue;
             const uint8_t *base = heap[r].data + (b - heap[r].base);
-            if (mu_dead_object(dead, base, len, avail))
-                continue;               /* a dead object: its words are stale */
-            len = mu_live_len(dead, base, b, len, avail);
+            mu_rules rules, *rr = NULL;
+            if (dead && dead->ntypes) {
+                rr = &rules;
+                mu_rules_search(dead, base, len < avail ? len : avail, rr);
+            }
+            if (rr && mu_dead_object_r(rr, base)) {   /* a dead object: its words are stale */
+                uint64_t v, at;                         /* an int: its value may be an address */
+                if (!mu_int_handle_r(rr, base, b, &v, &at) || v - ix.lo >= ix.hi - ix.lo)
+                    continue;
+                eb.src[eb.n] = u;
+                eb.val[eb.n++] = v;
+                if (eb.n == FOLD_BATCH && add_edges(&ix, marked, sub ? NULL : node_of, stamp, &adj, off, &eb) < 0)
+                    goto nomem;
+                continue;
+            }
+            len = mu_live_len_r(dead, rr, base, b, len, avail);
             uint64_t hb, he, rb, re;
             mu_live_head(dead, i, b, &hb, &he);
             mu_live_iter it;

@@ -748,8 +748,12 @@ static inline void scan_block(mark_ctx *m, uint64_t i, const uint8_t *d, uint64_
     if (m->th) {
         r = &rules;
         rules_hash(m->th, d, len < avail ? len : avail, r);
-        if (mu_dead_object_r(r, d))
-            return;             /* a dead object: its words are stale */
+        if (mu_dead_object_r(r, d)) {   /* a dead object: its words are stale */
+            uint64_t v, at;
+            if (mu_int_handle_r(r, d, b, &v, &at))
+                consider(m, v, at);     /* or an int: its value may be an address */
+            return;
+        }
     }
     len = mu_live_len_r(dead, r, d, b, len, avail);
     mu_live_head(dead, i, b, &hb, &he);

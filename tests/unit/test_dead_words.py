@@ -525,3 +525,125 @@ def test_a_memoryview_is_scanned_up_to_the_arrays_it_uses(count, suboffsets, kep
     dead = DeadWords(types=[(MV, MV_CODE)])
     marked = list(mark(h.image(), [], [h.addrs[0]], dead=dead).marked)
     assert marked == kept
+
+
+# --- ints, bytes and floats that hold an address (python-magic's handle, ctypes' c_void_p) ----
+INT_CODE = {"ob_size": 0 | lib.MU_TYPE_INT << 8 | lib.MU_INT_OB_SIZE << 16,
+            "lv_tag": 0 | lib.MU_TYPE_INT << 8 | lib.MU_INT_LV_TAG << 16}
+
+
+def long_words(value, layout, immortal=False):
+    """The bytes of a PyLongObject's size word and 30-bit digits (after ob_refcnt, ob_type):
+    3.8-3.11 ob_size = sign * ndigits; 3.12+ lv_tag = ndigits << 3 | sign (0 +, 1 zero, 2 -),
+    3.14's small ints with bit 2 (immortal) set."""
+    digits, n = [], abs(value)
+    while n:
+        digits.append(n & (2 ** 30 - 1))
+        n >>= 30
+    digits = digits or [0]
+    nd = len(digits) if value else 0
+    if layout == "ob_size":
+        tag = (nd if value >= 0 else -nd) & (2 ** 64 - 1)
+    else:
+        tag = nd << 3 | (0 if value > 0 else 1 if value == 0 else 2) | (4 if immortal else 0)
+    return struct.pack(f"<Q{len(digits)}I", tag, *digits)
+
+
+def int_heap(value, layout, size=32, immortal=False, target=64):
+    """Block 0 (size bytes) an int of value (pointing into block 1 when value is an address
+    there), block 1 the target; the int's header at offset 0 (no GC head: ints are no GC
+    objects)."""
+    h = Heap([size, target])
+    h.point(0, 0, 1)
+    h.point(0, 1, INT_TYPE)
+    raw = long_words(value(h) if callable(value) else value, layout, immortal)
+    at = h.addrs[0] + 16 - h.base
+    h.buf[at:at + len(raw)] = raw
+    return h
+
+
+@pytest.mark.parametrize("layout", ["ob_size", "lv_tag"])
+@pytest.mark.parametrize("value, kept", [
+    (lambda h: h.addrs[1], 1),              # the block's address: 2 digits (47-bit address)
+    (lambda h: h.addrs[1] + 40, 1),         # inside it
+    (lambda h: h.addrs[1] + 64, 0),         # one past its end (the gap after it)
+    (lambda h: -h.addrs[1], 0),             # negative: no address
+    (0, 0),
+    (256, 0),                               # a small int: below every heap
+])
+def test_an_ints_value_is_a_reference(layout, value, kept):
+    h = int_heap(value, layout)
+    dead = DeadWords(types=[(INT_TYPE, INT_CODE[layout])])
+    assert list(mark(h.image(), [], [h.addrs[0]], dead=dead).marked) == [1, kept]
+    # fold: a leaked int holding the block's address leaks it along with itself
+    assert fold(h.image(), bytearray(2), dead=dead) == \
+        ([FoldedLeak(0, 1, 64)] if kept else [FoldedLeak(0, 0, 0), FoldedLeak(1, 0, 0)])
+    # opaque (before ints were read): never a reference
+    opaque = DeadWords(types=[(INT_TYPE, 0 | OPAQUE)])
+    assert list(mark(h.image(), [], [h.addrs[0]], dead=opaque).marked) == [1, 0]
+
+
+def test_3_14_immortal_bit_is_no_part_of_the_digit_count():
+    h = int_heap(lambda h: h.addrs[1], "lv_tag", immortal=True)
+    dead = DeadWords(types=[(INT_TYPE, INT_CODE["lv_tag"])])
+    assert list(mark(h.image(), [], [h.addrs[0]], dead=dead).marked) == [1, 1]
+
+
+HIGH = 0x7F3A_0000_0000_0000   # a heap above 2**60: its addresses need a third digit
+
+
+@pytest.mark.parametrize("layout", ["ob_size", "lv_tag"])
+@pytest.mark.parametrize("delta, size, kept", [
+    (0, 48, 1),             # 3 digits, all inside the 48-byte block
+    (0, 32, 0),             # 3 digits, the third past the 32-byte block's end: not read
+    (2 ** 64, 48, 0),       # 2**64 + address: 3 digits, too large for an address
+    (2 ** 90, 48, 0),       # 4 digits: too large
+])
+def test_three_digit_ints_and_the_blocks_bounds(layout, delta, size, kept):
+    h = Heap([size, 64], base=HIGH)
+    h.point(0, 0, 1)
+    h.point(0, 1, INT_TYPE)
+    raw = long_words(h.addrs[1] + 8 + delta, layout)
+    at = h.addrs[0] + 16 - h.base
+    h.buf[at:at + len(raw)] = raw          # (past a 32-byte block: into the gap after it)
+    dead = DeadWords(types=[(INT_TYPE, INT_CODE[layout])])
+    assert list(mark(h.image(), [], [h.addrs[0]], dead=dead).marked) == [1, kept]
+
+
+def test_digits_that_are_not_30_bit_are_no_int():
+    h = int_heap(lambda h: h.addrs[1], "lv_tag")
+    struct.pack_into("<I", h.buf, h.addrs[0] + 24 - h.base, 1 << 30)     # digit 0's bit 30
+    dead = DeadWords(types=[(INT_TYPE, INT_CODE["lv_tag"])])
+    assert list(mark(h.image(), [], [h.addrs[0]], dead=dead).marked) == [1, 0]
+
+
+BYTES_TYPE = INT_TYPE + 0x600
+BYTES_CODE = 0 | lib.MU_TYPE_BYTES << 8 | 32 << 16     # ob_sval at 32
+
+
+@pytest.mark.parametrize("data, at, kept", [
+    (8, 32, 1),             # struct.pack("P", p): the data's only word
+    (20, 40, 1),            # the data's second whole word
+    (12, 40, 0),            # a word that only starts in the data (4 bytes, the NUL, slack)
+    (8, 40, 0),             # after the data: the allocator's slack
+])
+def test_bytes_scanned_in_their_datas_whole_words(data, at, kept):
+    h = Heap([64, 16])
+    for slot, w in enumerate([1, BYTES_TYPE, data, 2 ** 64 - 1]):    # ob_shash -1: not computed
+        h.point(0, slot, w)
+    h.link(0, at // 8, 1)
+    dead = DeadWords(types=[(BYTES_TYPE, BYTES_CODE)])
+    assert list(mark(h.image(), [], [h.addrs[0]], dead=dead).marked) == [1, kept]
+    assert list(mark(h.image(), [], [h.addrs[0]], dead=DeadWords(types=[(BYTES_TYPE, OPAQUE)])).marked) \
+        == [1, 0]
+
+
+def test_a_float_holding_an_address_is_a_sized_object():
+    # a float's 8 bytes are one word (PyFloatObject: refcnt, type, ob_fval; 24 bytes)
+    h = Heap([32, 16, 16])
+    for slot, w in enumerate([1, INT_TYPE + 0x700]):
+        h.point(0, slot, w)
+    h.link(0, 2, 1)                     # ob_fval
+    h.link(0, 3, 2)                     # the 32-byte block's slack
+    dead = DeadWords(types=[(INT_TYPE + 0x700, 0 | SIZED | 24 << 16)])
+    assert list(mark(h.image(), [], [h.addrs[0]], dead=dead).marked) == [1, 1, 0]
