@@ -15,6 +15,12 @@
  * mu_read, without its threads). */
 int64_t mu_read_serial(int memfd, uint64_t addr, uint8_t *buf, uint64_t len, uint64_t *first_bad);
 
+/* mu_scan.c: 1 when v lies in an allocation of ix that holds no Python object d's rules know
+ * (no PyGC_Head in d's head_word, no type rule with a plausible ob_refcnt at its start): an
+ * int's value (MU_TYPE_INT) refers to such native blocks only. An int equal to an object's
+ * address is its id(), which keeps nothing alive (memo dicts keyed by id()). */
+int mu_int_target_native(const mu_scan_index *ix, const mu_dead *d, uint64_t v);
+
 /* mu_cands (mu_walk.h): per 1 MiB piece, the candidates' offsets (from the piece start) and
  * values, ascending, and for each 4 KiB sub-page the index of its first candidate. */
 #define MU_CAND_PIECE_SHIFT 20

@@ -239,8 +239,8 @@ int64_t mu_fold(const uint64_t *begin, const uint64_t *size, uint64_t n,
                 mu_rules_search(dead, base, len < avail ? len : avail, rr);
             }
             if (rr && mu_dead_object_r(rr, base)) {   /* a dead object: its words are stale */
-                uint64_t v, at;                         /* an int: its value may be an address */
-                if (!mu_int_handle_r(rr, base, b, &v, &at) || v - ix.lo >= ix.hi - ix.lo)
+                uint64_t v, at;         /* an int: its value may be a native block's address */
+                if (!mu_int_handle_r(rr, base, b, &v, &at) || !mu_int_target_native(&ix, dead, v))
                     continue;
                 eb.src[eb.n] = u;
                 eb.val[eb.n++] = v;

@@ -329,6 +329,35 @@ int64_t mu_scan_index_find(mu_scan_index *ix, uint64_t v)
                        page_of(ix, r, v), v);
 }
 
+int mu_int_target_native(const mu_scan_index *ix, const mu_dead *d, uint64_t v)
+{
+    if (v - ix->lo >= ix->hi - ix->lo || !ix->rmap[(v >> RMAP_SHIFT) & ix->rmask])
+        return 0;
+    mu_scan_index own = *ix;    /* region_find's cache is per thread */
+    int64_t a = mu_scan_index_find(&own, v);
+    if (a < 0)
+        return 0;
+    if (d->head_word && d->head_word[a])
+        return 0;               /* a GC object */
+    uint64_t b = ix->span[2 * a], len = ix->span[2 * a + 1] - b;
+    const mu_region *reg = &ix->heap[region_find(&own, b)];
+    uint8_t buf[64];
+    const uint8_t *p = buf;
+    uint64_t have = len < sizeof buf ? len : sizeof buf;
+    if (reg->uncopied) {        /* the low-memory mark: its header read on demand */
+        if (pread(reg->fd, buf, have, (off_t)b) != (ssize_t)have)
+            return 1;           /* unreadable: a reference, as a word would be */
+    } else {
+        p = reg->data + (b - reg->base);
+    }
+    mu_rules r;
+    mu_rules_search(d, p, have, &r);
+    for (uint32_t f = r.found; f; f &= f - 1)
+        if (mu_plausible_refcnt(r.rc[__builtin_ctz(f)]))
+            return 0;           /* an object of a known type */
+    return 1;
+}
+
 /* Stores in out[k] the allocation containing vals[k], or -1 (any nv; batched lookups). */
 void mu_scan_index_find_many(mu_scan_index *ix, const uint64_t *vals, uint64_t nv, int64_t *out)
 {
@@ -750,8 +779,8 @@ static inline void scan_block(mark_ctx *m, uint64_t i, const uint8_t *d, uint64_
         rules_hash(m->th, d, len < avail ? len : avail, r);
         if (mu_dead_object_r(r, d)) {   /* a dead object: its words are stale */
             uint64_t v, at;
-            if (mu_int_handle_r(r, d, b, &v, &at))
-                consider(m, v, at);     /* or an int: its value may be an address */
+            if (mu_int_handle_r(r, d, b, &v, &at) && mu_int_target_native(m->ix, dead, v))
+                consider(m, v, at);     /* or an int: its value may be a native block's address */
             return;
         }
     }

@@ -647,3 +647,46 @@ def test_a_float_holding_an_address_is_a_sized_object():
     h.link(0, 3, 2)                     # the 32-byte block's slack
     dead = DeadWords(types=[(INT_TYPE + 0x700, 0 | SIZED | 24 << 16)])
     assert list(mark(h.image(), [], [h.addrs[0]], dead=dead).marked) == [1, 1, 0]
+
+
+@pytest.mark.parametrize("target, kept", [
+    ("native", 1),          # a malloc'd block: the int is its handle
+    ("gc", 0),              # a GC object (its PyGC_Head known): the int is its id()
+    ("typed", 0),           # an object of a ruled type (a str): its id() too
+    ("typed, refcount 0", 1),   # no object (a type pointer after a zero word): native
+])
+def test_an_ints_value_refers_to_native_blocks_not_to_objects(target, kept):
+    # id(x) kept in a memo dict keeps nothing alive in Python: a leaked object whose id() is
+    # still around is reported
+    h = int_heap(lambda h: h.addrs[1] + (16 if target == "gc" else 0), "lv_tag")
+    types = [(INT_TYPE, INT_CODE["lv_tag"]), (STR_TYPE, 0 | STR)]
+    head_word = None
+    if target == "gc":
+        head_word = bytearray([0, 1])               # a PyGC_Head at word 0 of block 1
+        h.point(1, 2, 1)
+        h.point(1, 3, TUPLE_TYPE)
+    elif target.startswith("typed"):
+        h.point(1, 0, 0 if "0" in target else 1)
+        h.point(1, 1, STR_TYPE)
+    dead = DeadWords(types=types, head_word=head_word)
+    assert list(mark(h.image(), [], [h.addrs[0]], dead=dead).marked) == [1, kept]
+    assert fold(h.image(), bytearray(2), dead=dead) == \
+        ([FoldedLeak(0, 1, 64)] if kept else [FoldedLeak(0, 0, 0), FoldedLeak(1, 0, 0)])
+
+
+def test_int_handles_in_the_low_memory_mark():
+    # uncopied regions (read on demand): the int's target header is read through the fd
+    from tests.unit.test_mark import UNCOPIED_BASE, all_ways, stats
+    h = Heap([32, 64, 32, 64], base=UNCOPIED_BASE)
+    for k, target in ((0, 1), (2, 3)):
+        h.point(k, 0, 1)
+        h.point(k, 1, INT_TYPE)
+        raw = long_words(h.addrs[target] + 8, "lv_tag")
+        h.buf[h.addrs[k] + 16 - h.base:h.addrs[k] + 16 + len(raw) - h.base] = raw
+    h.point(3, 0, 1)                    # block 3 is a str: block 2's int is its id()
+    h.point(3, 1, STR_TYPE)
+    dead = DeadWords(types=[(INT_TYPE, INT_CODE["lv_tag"]), (STR_TYPE, 0 | STR)])
+    roots = [(ROOT, words_buffer(h.addrs[0], h.addrs[2]))]
+    copied, waves, kept = all_ways(h, roots, dead=dead)
+    assert list(copied.marked) == [1, 1, 1, 0]
+    assert stats(waves) == stats(copied) and stats(kept) == stats(copied)
