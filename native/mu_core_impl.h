@@ -16,10 +16,11 @@
 int64_t mu_read_serial(int memfd, uint64_t addr, uint8_t *buf, uint64_t len, uint64_t *first_bad);
 
 /* mu_scan.c: 1 when v lies in an allocation of ix that holds no Python object d's rules know
- * (no PyGC_Head in d's head_word, no type rule with a plausible ob_refcnt at its start): an
- * int's value (MU_TYPE_INT) refers to such native blocks only. An int equal to an object's
- * address is its id(), which keeps nothing alive (memo dicts keyed by id()). */
-int mu_int_target_native(const mu_scan_index *ix, const mu_dead *d, uint64_t v);
+ * (no PyGC_Head in d's head_word, no type rule with a plausible ob_refcnt at its start): a
+ * value object's words (MU_TYPE_INT, FLOAT, BYTES) refer to such native blocks only. An int
+ * equal to an object's address is its id(), which keeps nothing alive (memo dicts keyed by
+ * id()). */
+int mu_value_target_native(const mu_scan_index *ix, const mu_dead *d, uint64_t v);
 
 /* mu_cands (mu_walk.h): per 1 MiB piece, the candidates' offsets (from the piece start) and
  * values, ascending, and for each 4 KiB sub-page the index of its first candidate. */
@@ -317,16 +318,45 @@ static inline int mu_int_value(uint64_t param, const uint8_t *p, uint64_t off, u
     return 1;
 }
 
-/* 1 when the block (rules r, bytes at p) holds an int that can hold an address
- * (mu_int_value): *v receives it and *at the address of its digits (the block starts at b). */
-static inline int mu_int_handle_r(const mu_rules *r, const uint8_t *p, uint64_t b, uint64_t *v,
-                                  uint64_t *at)
+/* The words of a value object that may be native blocks' addresses (mu_types.h: MU_TYPE_INT,
+ * MU_TYPE_FLOAT, MU_TYPE_BYTES) in the block at b (rules r, bytes at p): stores up to
+ * MU_VALUE_WORDS values in v and the addresses they were read from in at; returns how many. */
+#define MU_VALUE_WORDS 8          /* a bytes object's data of up to 64 bytes */
+#define MU_FLOAT_VALUE 16         /* PyFloatObject.ob_fval */
+#define MU_BYTES_SIZE 16          /* PyBytesObject.ob_size */
+
+static inline uint64_t mu_value_words_r(const mu_rules *r, const uint8_t *p, uint64_t b,
+                                        uint64_t *v, uint64_t *at)
 {
     for (uint32_t f = r->found; f; f &= f - 1) {
-        uint64_t k = (uint64_t)__builtin_ctz(f), code = r->code[k];
-        if (((code >> 8) & 0xff) == MU_TYPE_INT && mu_plausible_refcnt(r->rc[k])) {
-            *at = b + 16 * k + MU_INT_DIGITS;
-            return mu_int_value((code >> 16) & 0xff, p, 16 * k, r->have, v);
+        uint64_t k = (uint64_t)__builtin_ctz(f), off = 16 * k, code = r->code[k];
+        uint64_t kind = (code >> 8) & 0xff, param = (code >> 16) & 0xffffffffull;
+        if (!mu_plausible_refcnt(r->rc[k]))
+            continue;
+        if (kind == MU_TYPE_INT) {
+            at[0] = b + off + MU_INT_DIGITS;
+            return (uint64_t)mu_int_value(param, p, off, r->have, v);
+        }
+        if (kind == MU_TYPE_FLOAT) {
+            if (off + MU_FLOAT_VALUE + 8 > r->have)
+                return 0;
+            at[0] = b + off + MU_FLOAT_VALUE;
+            memcpy(v, p + off + MU_FLOAT_VALUE, 8);
+            return 1;
+        }
+        if (kind == MU_TYPE_BYTES) {
+            int64_t count;
+            if (off + MU_BYTES_SIZE + 8 > r->have)
+                return 0;
+            memcpy(&count, p + off + MU_BYTES_SIZE, 8);
+            if (count < 8 || count > 8 * MU_VALUE_WORDS || off + param + (uint64_t)count >= r->have)
+                return 0;           /* no whole word, more than a packed struct, or no NUL */
+            uint64_t n = (uint64_t)count / 8;
+            for (uint64_t j = 0; j < n; j++) {
+                at[j] = b + off + param + 8 * j;
+                memcpy(&v[j], p + off + param + 8 * j, 8);
+            }
+            return n;
         }
     }
     return 0;
@@ -343,8 +373,9 @@ static inline int mu_dead_object_r(const mu_rules *r, const uint8_t *p)
             return 1;
         if (!mu_plausible_refcnt(rc))
             continue;
-        if (kind == MU_TYPE_OPAQUE || kind == MU_TYPE_INT)
-            return 1;               /* (an int's value: mu_int_handle_r) */
+        if (kind == MU_TYPE_OPAQUE || kind == MU_TYPE_INT || kind == MU_TYPE_FLOAT
+            || kind == MU_TYPE_BYTES)
+            return 1;               /* (a value's words: mu_value_words_r) */
         if (kind == MU_TYPE_STR && off + 36 <= r->have) {
             uint32_t state;
             memcpy(&state, p + off + 32, 4);
@@ -470,16 +501,6 @@ static inline uint64_t mu_live_len_r(const mu_dead *d, const mu_rules *r, const 
                 continue;           /* not a count we can trust: scan it all */
             uint64_t end = b + off + ((head + item * (uint64_t)count + 7) & ~7ull);
             return end < b + len ? end - b : len;
-        }
-        if (kind == MU_TYPE_BYTES) {
-            uint64_t data = (code >> 16) & 0xffffffffull;
-            int64_t count;
-            if (off + 24 > have)
-                continue;
-            memcpy(&count, p + off + 16, 8);
-            if (count < 0 || off + data + (uint64_t)count >= len)
-                continue;           /* not a count we can trust (the NUL follows): scan it all */
-            return off + data + ((uint64_t)count & ~7ull);
         }
         if (kind == MU_TYPE_MEMORYVIEW) {
             uint64_t head = (code >> 16) & 0xffffffffull, sub;

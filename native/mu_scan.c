@@ -329,7 +329,7 @@ int64_t mu_scan_index_find(mu_scan_index *ix, uint64_t v)
                        page_of(ix, r, v), v);
 }
 
-int mu_int_target_native(const mu_scan_index *ix, const mu_dead *d, uint64_t v)
+int mu_value_target_native(const mu_scan_index *ix, const mu_dead *d, uint64_t v)
 {
     if (v - ix->lo >= ix->hi - ix->lo || !ix->rmap[(v >> RMAP_SHIFT) & ix->rmask])
         return 0;
@@ -778,9 +778,11 @@ static inline void scan_block(mark_ctx *m, uint64_t i, const uint8_t *d, uint64_
         r = &rules;
         rules_hash(m->th, d, len < avail ? len : avail, r);
         if (mu_dead_object_r(r, d)) {   /* a dead object: its words are stale */
-            uint64_t v, at;
-            if (mu_int_handle_r(r, d, b, &v, &at) && mu_int_target_native(m->ix, dead, v))
-                consider(m, v, at);     /* or an int: its value may be a native block's address */
+            uint64_t v[MU_VALUE_WORDS], at[MU_VALUE_WORDS];
+            uint64_t nv = mu_value_words_r(r, d, b, v, at);
+            for (uint64_t k = 0; k < nv; k++)   /* or a value: native blocks' handles */
+                if (mu_value_target_native(m->ix, dead, v[k]))
+                    consider(m, v[k], at[k]);
             return;
         }
     }

@@ -425,8 +425,8 @@ def object_types(mem, cp: CPythonMap, types: Sequence[int], names) -> List[Tuple
 
 
 # Returns [(type address, code)] for the builtin types whose objects hold values, not
-# references (int, float, bytes: read for addresses; compact ASCII str: text), found by their
-# exported symbols and checked to be the types they claim (layout.VALUE_TYPES).
+# references (int, float, bytes: read for native blocks' handles; compact ASCII str: text),
+# found by their exported symbols and checked to be the types they claim (layout.VALUE_TYPES).
 def value_types(mem, cp: CPythonMap, statics: Dict[str, int]) -> List[Tuple[int, int]]:
     reader = object_reader(mem, cp)
     out = []

@@ -644,7 +644,7 @@ def test_value_types_read_ints_floats_and_bytes_for_addresses(version, int_param
                "PyUnicode_Type": STR_TYPE}
     assert sorted(P.value_types(mem, cp, statics)) == sorted([
         (INT_TYPE, lib.MU_TYPE_INT << 8 | int_param << 16),
-        (FLOAT, lib.MU_TYPE_SIZED << 8 | 24 << 16),
+        (FLOAT, lib.MU_TYPE_FLOAT << 8),
         (BYTES, lib.MU_TYPE_BYTES << 8 | 32 << 16),
         (STR_TYPE, lib.MU_TYPE_STR << 8)])
     # 15-bit digits (uint16, a --enable-big-digits=15 build): not read, never scanned

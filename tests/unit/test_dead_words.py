@@ -617,36 +617,42 @@ def test_digits_that_are_not_30_bit_are_no_int():
     assert list(mark(h.image(), [], [h.addrs[0]], dead=dead).marked) == [1, 0]
 
 
-BYTES_TYPE = INT_TYPE + 0x600
+BYTES_TYPE, FLOAT_TYPE = INT_TYPE + 0x600, INT_TYPE + 0x700
 BYTES_CODE = 0 | lib.MU_TYPE_BYTES << 8 | 32 << 16     # ob_sval at 32
 
 
 @pytest.mark.parametrize("data, at, kept", [
     (8, 32, 1),             # struct.pack("P", p): the data's only word
     (20, 40, 1),            # the data's second whole word
+    (64, 88, 1),            # the last word of 64 bytes (a small packed struct)
+    (72, 32, 0),            # more than 64 bytes: data (a file's; a read in progress: stale)
     (12, 40, 0),            # a word that only starts in the data (4 bytes, the NUL, slack)
     (8, 40, 0),             # after the data: the allocator's slack
 ])
-def test_bytes_scanned_in_their_datas_whole_words(data, at, kept):
-    h = Heap([64, 16])
+def test_short_bytes_words_are_handles(data, at, kept):
+    h = Heap([128, 16])
     for slot, w in enumerate([1, BYTES_TYPE, data, 2 ** 64 - 1]):    # ob_shash -1: not computed
         h.point(0, slot, w)
     h.link(0, at // 8, 1)
     dead = DeadWords(types=[(BYTES_TYPE, BYTES_CODE)])
     assert list(mark(h.image(), [], [h.addrs[0]], dead=dead).marked) == [1, kept]
-    assert list(mark(h.image(), [], [h.addrs[0]], dead=DeadWords(types=[(BYTES_TYPE, OPAQUE)])).marked) \
-        == [1, 0]
+    assert fold(h.image(), bytearray(2), dead=dead) == \
+        ([FoldedLeak(0, 1, 16)] if kept else [FoldedLeak(0, 0, 0), FoldedLeak(1, 0, 0)])
+    opaque = DeadWords(types=[(BYTES_TYPE, OPAQUE)])
+    assert list(mark(h.image(), [], [h.addrs[0]], dead=opaque).marked) == [1, 0]
 
 
-def test_a_float_holding_an_address_is_a_sized_object():
-    # a float's 8 bytes are one word (PyFloatObject: refcnt, type, ob_fval; 24 bytes)
+def test_a_floats_8_bytes_are_a_handle():
+    # PyFloatObject: refcnt, type, ob_fval (24 bytes); the 32-byte block's slack is not read
     h = Heap([32, 16, 16])
-    for slot, w in enumerate([1, INT_TYPE + 0x700]):
+    for slot, w in enumerate([1, FLOAT_TYPE]):
         h.point(0, slot, w)
     h.link(0, 2, 1)                     # ob_fval
-    h.link(0, 3, 2)                     # the 32-byte block's slack
-    dead = DeadWords(types=[(INT_TYPE + 0x700, 0 | SIZED | 24 << 16)])
+    h.link(0, 3, 2)                     # the slack
+    dead = DeadWords(types=[(FLOAT_TYPE, 0 | lib.MU_TYPE_FLOAT << 8)])
     assert list(mark(h.image(), [], [h.addrs[0]], dead=dead).marked) == [1, 1, 0]
+    h.point(0, 0, 0)                    # refcount 0: no float (a free-listed one's next link)
+    assert list(mark(h.image(), [], [h.addrs[0]], dead=dead).marked) == [1, 1, 1]
 
 
 @pytest.mark.parametrize("target, kept", [
