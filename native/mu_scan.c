@@ -1287,6 +1287,16 @@ uint64_t mu_scanned_len(const mu_dead *dead, const uint8_t *p, uint64_t b, uint6
     return mu_live_len(dead, p, b, len, avail);
 }
 
+uint64_t mu_value_words(const mu_dead *dead, const uint8_t *p, uint64_t b, uint64_t len,
+                        uint64_t avail, uint64_t *vals, uint64_t *at)
+{
+    if (!dead || !dead->ntypes)
+        return 0;
+    mu_rules r;
+    mu_rules_search(dead, p, len < avail ? len : avail, &r);
+    return mu_dead_object_r(&r, p) ? mu_value_words_r(&r, p, b, vals, at) : 0;
+}
+
 static int cmp_pair(const void *a, const void *b)
 {
     const uint64_t *x = a, *y = b;
