@@ -20,7 +20,7 @@ int64_t mu_read_serial(int memfd, uint64_t addr, uint8_t *buf, uint64_t len, uin
  * value object's words (MU_TYPE_INT, FLOAT, BYTES) refer to such native blocks only. An int
  * equal to an object's address is its id(), which keeps nothing alive (memo dicts keyed by
  * id()). */
-int mu_value_target_native(const mu_scan_index *ix, const mu_dead *d, uint64_t v);
+int mu_value_target_native(mu_scan_index *ix, const mu_dead *d, uint64_t v);   /* ix: this thread's */
 
 /* mu_cands (mu_walk.h): per 1 MiB piece, the candidates' offsets (from the piece start) and
  * values, ascending, and for each 4 KiB sub-page the index of its first candidate. */

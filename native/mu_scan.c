@@ -329,18 +329,17 @@ int64_t mu_scan_index_find(mu_scan_index *ix, uint64_t v)
                        page_of(ix, r, v), v);
 }
 
-int mu_value_target_native(const mu_scan_index *ix, const mu_dead *d, uint64_t v)
+int mu_value_target_native(mu_scan_index *ix, const mu_dead *d, uint64_t v)
 {
     if (v - ix->lo >= ix->hi - ix->lo || !ix->rmap[(v >> RMAP_SHIFT) & ix->rmask])
         return 0;
-    mu_scan_index own = *ix;    /* region_find's cache is per thread */
-    int64_t a = mu_scan_index_find(&own, v);
+    int64_t a = mu_scan_index_find(ix, v);
     if (a < 0)
         return 0;
     if (d->head_word && d->head_word[a])
         return 0;               /* a GC object */
     uint64_t b = ix->span[2 * a], len = ix->span[2 * a + 1] - b;
-    const mu_region *reg = &ix->heap[region_find(&own, b)];
+    const mu_region *reg = &ix->heap[region_find(ix, b)];
     uint8_t buf[64];
     const uint8_t *p = buf;
     uint64_t have = len < sizeof buf ? len : sizeof buf;
