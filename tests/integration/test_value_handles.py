@@ -117,7 +117,8 @@ def test_the_plugin_keeps_handles_and_reports_the_dropped_one(pytester, monkeypa
     out = res.stdout.str()
     res.assert_outcomes(passed=4, failed=1)
     addr, size = re.search(r"LEAK 0x([0-9a-f]+) (\d+)", out).groups()
-    res.stdout.fnmatch_lines(["FAILED test_handles.py::test_e_int_dropped - Failed: 1 native heap block*"])
+    res.stdout.fnmatch_lines(
+        ["FAILED test_handles.py::test_e_int_dropped - Failed: 1 native heap block*"])
     assert f"{size} bytes unreachable at {addr}" in out
 
 
@@ -134,7 +135,8 @@ def test_python_magic_suite_under_the_plugin(tmp_path, batch):
     # ctypes c_void_p result: test_from_file_str_and_bytes failed with "10 native heap
     # block(s) became unreachable ... (127152 bytes)" (the handle and what libmagic hangs on it)
     import ctypes.util
-    assert ctypes.util.find_library("magic"), "python-magic needs libmagic: apt-get install libmagic1"
+    assert ctypes.util.find_library("magic"), \
+        "python-magic needs libmagic: apt-get install libmagic1"
     site, suite = tmp_path / "site", tmp_path / "suite"
     subprocess.run([sys.executable, "-m", "pip", "install", "-q", "--no-deps",
                     "--target", str(site), MAGIC_SRC], check=True, capture_output=True)
