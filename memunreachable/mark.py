@@ -12,6 +12,7 @@ Pure over plain data: no pid, no ptrace.
 from __future__ import annotations
 
 import bisect
+import struct
 import dataclasses
 import errno
 import time
@@ -213,13 +214,16 @@ def mark(image: HeapImage, roots: Sequence[Tuple[int, object]], words: Sequence[
                       stale=stats.stale)
 
 
-# Returns [(begin, memoryview)] of the bytes mark scans in each marked allocation of image:
-# none for a dead or reference-free object, a typed object up to its live end (mu_scanned_len),
-# else the whole allocation. For diagnostics (explain.py): one Python step per allocation.
+# Returns [(begin, memoryview or bytes)] of the words mark scans in each marked allocation of
+# image: none for a dead or reference-free object, a typed object up to its live end
+# (mu_scanned_len), else the whole allocation; and each value object's handles (an int's
+# value, a float's or short bytes' words: mu_value_words) as 8 bytes at the address it was
+# read from (an int's digits). For diagnostics (explain.py): one Python step per allocation.
 def scanned_blocks(image: HeapImage, marked, dead: Optional["DeadWords"] = None) -> list:
     begins, sizes = image.begins, image.sizes
     dc, keep = dead_words(dead, len(begins))
     bases = [b for b, _ in image.regions]
+    vals, at = ffi.new("uint64_t[8]"), ffi.new("uint64_t[8]")
     out = []
     for j in range(len(begins)):
         if not marked[j] or not sizes[j]:
@@ -227,8 +231,11 @@ def scanned_blocks(image: HeapImage, marked, dead: Optional["DeadWords"] = None)
         k = bisect.bisect_right(bases, begins[j]) - 1
         base, buf = image.regions[k]
         view = memoryview(buf)[begins[j] - base:]
-        n = lib.mu_scanned_len(dc, ffi.from_buffer("uint8_t[]", view), begins[j], sizes[j], len(view))
+        data = ffi.from_buffer("uint8_t[]", view)
+        n = lib.mu_scanned_len(dc, data, begins[j], sizes[j], len(view))
         if n:
             out.append((begins[j], view[:n]))
+        for h in range(lib.mu_value_words(dc, data, begins[j], sizes[j], len(view), vals, at)):
+            out.append((at[h], struct.pack("<Q", vals[h])))
     del keep
     return out

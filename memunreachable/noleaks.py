@@ -407,23 +407,33 @@ def start_helper() -> None:
 def _check_self(limit: Optional[int], timeout: float, symbolize: bool = True,
                 rules=()) -> UnreachableMemoryInfo:
     with _HELPER_LOCK:
-        return _collected(_ask_helper(limit, timeout, symbolize, rules, collect=False),
-                          limit, timeout, symbolize, rules)
+        info = _ask_helper(limit, timeout, symbolize, rules, collect=False)
+        if _needs_collected(info):
+            info = None     # before the next check: its leaks' addresses are ints (handles)
+            info = _collected_check(limit, timeout, symbolize, rules)
+        return info
 
 
-# Returns info, or the result of a check that ran gc.collect() first when info may differ from
-# it. A full gc.collect() costs 5-15 ms in a test process (more with more objects) and has
-# nothing to free after most tests: check first, and collect and check again only when the
-# check found what a collection may change (cyclic garbage, or a leak no collected check
-# reported before). When it found nothing new, collecting first could not have changed the
-# verdict: the cyclic GC only frees garbage. Caller holds _HELPER_LOCK.
-def _collected(info, limit: Optional[int], timeout: float, symbolize: bool, rules):
+# Returns the result of a check that ran gc.collect() first; records its leaks as confirmed.
+# The caller drops the result of the check before it first: its leaks' addresses are ints,
+# which hold native blocks as handles do (ctypes' c_void_p results: mu_types.h) and would hide
+# them from this check. Caller holds _HELPER_LOCK.
+def _collected_check(limit: Optional[int], timeout: float, symbolize: bool, rules):
     global _CONFIRMED
-    if info.num_cyclic_garbage or info.truncated or _CONFIRMED.new_leaks(info):
-        info = _ask_helper(limit, timeout, symbolize, rules, collect=True)
-        if not info.truncated:
-            _CONFIRMED = LeakBaseline.of(info.leaks)
+    info = _ask_helper(limit, timeout, symbolize, rules, collect=True)
+    if not info.truncated:
+        _CONFIRMED = LeakBaseline.of(info.leaks)
     return info
+
+
+# Whether info may differ from the result of a check that ran gc.collect() first. A full
+# gc.collect() costs 5-15 ms in a test process (more with more objects) and has nothing to
+# free after most tests: check first, and collect and check again only when the check found
+# what a collection may change (cyclic garbage, or a leak no collected check reported
+# before). When it found nothing new, collecting first could not have changed the verdict:
+# the cyclic GC only frees garbage. Caller holds _HELPER_LOCK.
+def _needs_collected(info) -> bool:
+    return bool(info.num_cyclic_garbage or info.truncated or _CONFIRMED.new_leaks(info))
 
 
 # Returns the helper's UnreachableMemoryInfo (a new helper is tried once when one died); raises
@@ -535,7 +545,10 @@ def deferred_baseline(suppressions=None, timeout: float = 2.0,
                                                    f"{int(record)}"))
         if isinstance(value, tuple) and value[:1] == ("later",):
             return DeferredBaseline(_HELPER, rules, token=value[1])
-        info = _collected(value, None, timeout, bool(rules), rules)
+        info, value = value, None
+        if _needs_collected(info):
+            info = None     # before the next check: its leaks' addresses are ints (handles)
+            info = _collected_check(None, timeout, bool(rules), rules)
     return DeferredBaseline(None, rules, LeakBaseline.of(info.leaks),
                             unreachable=LeakBaseline.unreachable_in(info))
 

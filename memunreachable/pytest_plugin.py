@@ -216,7 +216,7 @@ def _runs_no_fixture_code(item) -> bool:
 # A failed or skipped phase leaves reference cycles (its exception's traceback and frames,
 # kept in sys.last_traceback until pytest's next pytest_runtest_call) that the next check would
 # find as cyclic garbage, and a check that finds garbage is repeated after a gc.collect()
-# (noleaks._collected): a second sweep, for garbage of pytest's own. The next test drops and
+# (noleaks._needs_collected): a second sweep, for garbage of pytest's own. The next test drops and
 # collects it before its baseline instead (one gc.collect(), ~8 ms; the real-extension suite's
 # clean tests after its two failing ones took 100 ms each, now 52-55 ms). So does the first
 # checked test of the session: the imports and the collection may leave such garbage (6 of 6

@@ -20,9 +20,17 @@ from typing import Any, List, Optional, Tuple
 SCHEMA_VERSION = 1
 
 
+class Address(int):
+    """A leak's address: an int that holds nothing. A check reads an exact int's value as a
+    native block's handle (ctypes' c_void_p results: native mu_types.h MU_TYPE_INT); a report
+    the checked process keeps (an in-process check's result, alive through the next check)
+    must not keep its leaks reachable."""
+    __slots__ = ()
+
+
 @dataclass
 class Leak:
-    address: int
+    address: int                      # an Address (any int given is made one)
     size: int
     referenced_count: int = 0
     referenced_size: int = 0
@@ -49,6 +57,10 @@ class Leak:
     num_indirect: Optional[int] = None
     indirect_size: Optional[int] = None
     indirect: List["Leak"] = field(default_factory=list)
+
+    def __post_init__(self) -> None:
+        if type(self.address) is int:
+            self.address = Address(self.address)
 
     @property
     def total_size(self) -> int:

@@ -15,6 +15,13 @@
  * mu_read, without its threads). */
 int64_t mu_read_serial(int memfd, uint64_t addr, uint8_t *buf, uint64_t len, uint64_t *first_bad);
 
+/* mu_scan.c: 1 when v lies in an allocation of ix that holds no Python object d's rules know
+ * (no PyGC_Head in d's head_word, no type rule with a plausible ob_refcnt at its start): a
+ * value object's words (MU_TYPE_INT, FLOAT, BYTES) refer to such native blocks only. An int
+ * equal to an object's address is its id(), which keeps nothing alive (memo dicts keyed by
+ * id()). */
+int mu_value_target_native(mu_scan_index *ix, const mu_dead *d, uint64_t v);   /* ix: this thread's */
+
 /* mu_cands (mu_walk.h): per 1 MiB piece, the candidates' offsets (from the piece start) and
  * values, ascending, and for each 4 KiB sub-page the index of its first candidate. */
 #define MU_CAND_PIECE_SHIFT 20
@@ -279,6 +286,82 @@ static inline void mu_rules_search(const mu_dead *d, const uint8_t *p, uint64_t 
             r->found |= 1u << (off >> 4);
 }
 
+/* The value of the int whose header is at p + off (have bytes readable at p), when it can
+ * hold an address (mu_types.h, MU_TYPE_INT; param: MU_INT_OB_SIZE or MU_INT_LV_TAG): 1 and *v
+ * for a positive int of 1-3 30-bit digits below 2**64 whose digits lie within the have bytes;
+ * else 0 (zero, negative, larger, or not an int's digits). */
+#define MU_INT_SIZE 16            /* the object offsets of ob_size / lv_tag and of the digits */
+#define MU_INT_DIGITS 24
+#define MU_INT_DIGIT_BITS 30
+
+static inline int mu_int_value(uint64_t param, const uint8_t *p, uint64_t off, uint64_t have,
+                               uint64_t *v)
+{
+    uint64_t tag, nd;
+    uint32_t d[3] = {0, 0, 0};
+    if (off + MU_INT_DIGITS > have)
+        return 0;
+    memcpy(&tag, p + off + MU_INT_SIZE, 8);
+    if (param == MU_INT_LV_TAG) {
+        if (tag & 3)
+            return 0;               /* zero (1) or negative (2) */
+        nd = tag >> 3;
+    } else {
+        nd = (int64_t)tag > 0 ? tag : 0;
+    }
+    if (nd < 1 || nd > 3 || off + MU_INT_DIGITS + 4 * nd > have)
+        return 0;
+    memcpy(d, p + off + MU_INT_DIGITS, 4 * nd);
+    if ((d[0] | d[1] | d[2]) >> MU_INT_DIGIT_BITS || d[2] >> (64 - 2 * MU_INT_DIGIT_BITS))
+        return 0;
+    *v = d[0] | (uint64_t)d[1] << MU_INT_DIGIT_BITS | (uint64_t)d[2] << (2 * MU_INT_DIGIT_BITS);
+    return 1;
+}
+
+/* The words of a value object that may be native blocks' addresses (mu_types.h: MU_TYPE_INT,
+ * MU_TYPE_FLOAT, MU_TYPE_BYTES) in the block at b (rules r, bytes at p): stores up to
+ * MU_VALUE_WORDS values in v and the addresses they were read from in at; returns how many. */
+#define MU_VALUE_WORDS 8          /* a bytes object's data of up to 64 bytes */
+#define MU_FLOAT_VALUE 16         /* PyFloatObject.ob_fval */
+#define MU_BYTES_SIZE 16          /* PyBytesObject.ob_size */
+
+static inline uint64_t mu_value_words_r(const mu_rules *r, const uint8_t *p, uint64_t b,
+                                        uint64_t *v, uint64_t *at)
+{
+    for (uint32_t f = r->found; f; f &= f - 1) {
+        uint64_t k = (uint64_t)__builtin_ctz(f), off = 16 * k, code = r->code[k];
+        uint64_t kind = (code >> 8) & 0xff, param = (code >> 16) & 0xffffffffull;
+        if (!mu_plausible_refcnt(r->rc[k]))
+            continue;
+        if (kind == MU_TYPE_INT) {
+            at[0] = b + off + MU_INT_DIGITS;
+            return (uint64_t)mu_int_value(param, p, off, r->have, v);
+        }
+        if (kind == MU_TYPE_FLOAT) {
+            if (off + MU_FLOAT_VALUE + 8 > r->have)
+                return 0;
+            at[0] = b + off + MU_FLOAT_VALUE;
+            memcpy(v, p + off + MU_FLOAT_VALUE, 8);
+            return 1;
+        }
+        if (kind == MU_TYPE_BYTES) {
+            int64_t count;
+            if (off + MU_BYTES_SIZE + 8 > r->have)
+                return 0;
+            memcpy(&count, p + off + MU_BYTES_SIZE, 8);
+            if (count < 8 || count > 8 * MU_VALUE_WORDS || off + param + (uint64_t)count >= r->have)
+                return 0;           /* no whole word, more than a packed struct, or no NUL */
+            uint64_t n = (uint64_t)count / 8;
+            for (uint64_t j = 0; j < n; j++) {
+                at[j] = b + off + param + 8 * j;
+                memcpy(&v[j], p + off + param + 8 * j, 8);
+            }
+            return n;
+        }
+    }
+    return 0;
+}
+
 /* mu_dead_object over the rules r of the block (d has types). */
 static inline int mu_dead_object_r(const mu_rules *r, const uint8_t *p)
 {
@@ -290,8 +373,9 @@ static inline int mu_dead_object_r(const mu_rules *r, const uint8_t *p)
             return 1;
         if (!mu_plausible_refcnt(rc))
             continue;
-        if (kind == MU_TYPE_OPAQUE)
-            return 1;
+        if (kind == MU_TYPE_OPAQUE || kind == MU_TYPE_INT || kind == MU_TYPE_FLOAT
+            || kind == MU_TYPE_BYTES)
+            return 1;               /* (a value's words: mu_value_words_r) */
         if (kind == MU_TYPE_STR && off + 36 <= r->have) {
             uint32_t state;
             memcpy(&state, p + off + 32, 4);

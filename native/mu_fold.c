@@ -251,9 +251,25 @@ int64_t mu_fold(const uint64_t *begin, const uint64_t *size, uint64_t n,
             if (skip >= len)
                 continue;
             const uint8_t *base = heap[r].data + (b - heap[r].base);
-            if (mu_dead_object(dead, base, len, avail))
-                continue;               /* a dead object: its words are stale */
-            len = mu_live_len(dead, base, b, len, avail);
+            mu_rules rules, *rr = NULL;
+            if (dead && dead->ntypes) {
+                rr = &rules;
+                mu_rules_search(dead, base, len < avail ? len : avail, rr);
+            }
+            if (rr && mu_dead_object_r(rr, base)) {   /* a dead object: its words are stale */
+                uint64_t v[MU_VALUE_WORDS], at[MU_VALUE_WORDS];
+                uint64_t nv = mu_value_words_r(rr, base, b, v, at);
+                for (uint64_t k = 0; k < nv; k++) {     /* or a value: native blocks' handles */
+                    if (!mu_value_target_native(&ix, dead, v[k]))
+                        continue;
+                    eb.src[eb.n] = u;
+                    eb.val[eb.n++] = v[k];
+                    if (eb.n == FOLD_BATCH && add_edges(&ix, marked, sub ? NULL : node_of, stamp, &adj, off, &eb) < 0)
+                        goto nomem;
+                }
+                continue;
+            }
+            len = mu_live_len_r(dead, rr, base, b, len, avail);
             uint64_t hb, he, rb, re;
             mu_live_head(dead, i, b, &hb, &he);
             mu_live_iter it;

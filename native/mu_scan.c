@@ -327,6 +327,34 @@ int64_t mu_scan_index_find(mu_scan_index *ix, uint64_t v)
     return page_search(ix->span, head_words(ix), page_of(ix, r, v), v);
 }
 
+int mu_value_target_native(mu_scan_index *ix, const mu_dead *d, uint64_t v)
+{
+    if (v - ix->lo >= ix->hi - ix->lo || !ix->rmap[(v >> RMAP_SHIFT) & ix->rmask])
+        return 0;
+    int64_t a = mu_scan_index_find(ix, v);
+    if (a < 0)
+        return 0;
+    if (d->head_word && d->head_word[a])
+        return 0;               /* a GC object */
+    uint64_t b = ix->span[2 * a], len = ix->span[2 * a + 1] - b;
+    const mu_region *reg = &ix->heap[region_find(ix, b)];
+    uint8_t buf[64];
+    const uint8_t *p = buf;
+    uint64_t have = len < sizeof buf ? len : sizeof buf;
+    if (reg->uncopied) {        /* the low-memory mark: its header read on demand */
+        if (pread(reg->fd, buf, have, (off_t)b) != (ssize_t)have)
+            return 1;           /* unreadable: a reference, as a word would be */
+    } else {
+        p = reg->data + (b - reg->base);
+    }
+    mu_rules r;
+    mu_rules_search(d, p, have, &r);
+    for (uint32_t f = r.found; f; f &= f - 1)
+        if (mu_plausible_refcnt(r.rc[__builtin_ctz(f)]))
+            return 0;           /* an object of a known type */
+    return 1;
+}
+
 /* Stores in out[k] the allocation containing vals[k], or -1 (any nv; batched lookups). */
 void mu_scan_index_find_many(mu_scan_index *ix, const uint64_t *vals, uint64_t nv, int64_t *out)
 {
@@ -746,8 +774,14 @@ static inline void scan_block(mark_ctx *m, uint64_t i, const uint8_t *d, uint64_
     if (m->th) {
         r = &rules;
         rules_hash(m->th, d, len < avail ? len : avail, r);
-        if (mu_dead_object_r(r, d))
-            return;             /* a dead object: its words are stale */
+        if (mu_dead_object_r(r, d)) {   /* a dead object: its words are stale */
+            uint64_t v[MU_VALUE_WORDS], at[MU_VALUE_WORDS];
+            uint64_t nv = mu_value_words_r(r, d, b, v, at);
+            for (uint64_t k = 0; k < nv; k++)   /* or a value: native blocks' handles */
+                if (mu_value_target_native(m->ix, dead, v[k]))
+                    consider(m, v[k], at[k]);
+            return;
+        }
     }
     len = mu_live_len_r(dead, r, d, b, len, avail);
     mu_live_head(dead, i, b, &hb, &he);
@@ -1246,6 +1280,16 @@ uint64_t mu_scanned_len(const mu_dead *dead, const uint8_t *p, uint64_t b, uint6
     if (mu_dead_object(dead, p, len, avail))
         return 0;
     return mu_live_len(dead, p, b, len, avail);
+}
+
+uint64_t mu_value_words(const mu_dead *dead, const uint8_t *p, uint64_t b, uint64_t len,
+                        uint64_t avail, uint64_t *vals, uint64_t *at)
+{
+    if (!dead || !dead->ntypes)
+        return 0;
+    mu_rules r;
+    mu_rules_search(dead, p, len < avail ? len : avail, &r);
+    return mu_dead_object_r(&r, p) ? mu_value_words_r(&r, p, b, vals, at) : 0;
 }
 
 static int cmp_pair(const void *a, const void *b)

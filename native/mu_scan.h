@@ -136,6 +136,13 @@ int64_t mu_field_blocks(const uint64_t *begin, const uint64_t *size, uint64_t n,
 uint64_t mu_scanned_len(const mu_dead *dead, const uint8_t *p, uint64_t b, uint64_t len,
                         uint64_t avail);
 
+/* The words of the value object (an int, a float, a short bytes: mu_dead kinds INT, FLOAT,
+ * BYTES) in allocation [b, b+len) (data at p, avail readable) that mu_mark looks up as native
+ * blocks' handles: up to 8 values into vals, the addresses they were read from into at;
+ * returns how many (0: no value object). For diagnostics (explain.py); dead may be NULL. */
+uint64_t mu_value_words(const mu_dead *dead, const uint8_t *p, uint64_t b, uint64_t len,
+                        uint64_t avail, uint64_t *vals, uint64_t *at);
+
 /* Sorts the n (begin, end) pairs of pairs[] (2n words) by begin (then end), drops the empty
  * ones (begin >= end) and merges those that overlap or touch, in place, as mark.merge_pairs
  * specifies. Returns the number of pairs left at the front, or -EINVAL. */

@@ -31,8 +31,22 @@ typedef struct {
  *   kind MU_TYPE_DEAD_AT_ZERO: its ob_refcnt (at off) is 0 and its PyGC_Head (at off - 16)
  *       is an untracked one (next 0, prev 0 or 1): a dead object (a zombie or free-listed
  *       frame, a free-listed tuple, cpython-memory.md section 6);
- *   kind MU_TYPE_OPAQUE: always (int, float, bytes hold no references; their slack bytes
- *       would only add stale words);
+ *   kind MU_TYPE_OPAQUE: always (the object holds no references; its slack bytes would only
+ *       add stale words);
+ *   kinds MU_TYPE_INT, MU_TYPE_FLOAT, MU_TYPE_BYTES: always, but a value object's words are
+ *       looked up as addresses of native blocks (allocations holding no Python object a rule
+ *       or a PyGC_Head tells: an int equal to an object's address is its id()): ctypes'
+ *       c_void_p results, cffi's int(ffi.cast("uintptr_t", p)) and numpy's
+ *       __array_interface__ hold a block's address as an int, struct.pack("P", p) as bytes.
+ *       MU_TYPE_INT: the value of a positive int of 1-3 30-bit digits (uint32 each at
+ *       off + 24, within the block) below 2**64; bits 16-23 of code say what its size word
+ *       (off + 16) is: MU_INT_OB_SIZE (3.8-3.11: ob_size = +-ndigits) or MU_INT_LV_TAG (3.12+:
+ *       lv_tag = ndigits << 3 | flags, sign bits 0-1 (0: positive), bit 2 3.14's immortal
+ *       small int). MU_TYPE_FLOAT: ob_fval (off + 16). MU_TYPE_BYTES: the whole words of a
+ *       bytes object's data of 8-64 bytes (ob_size at off + 16, ob_sval at off + bits 16-47 of
+ *       code, a multiple of 8): a packed pointer or small struct; longer bytes are data (a
+ *       file's, a socket's; a read in progress fills a new bytes object whose bytes are stale
+ *       until then);
  *   kind MU_TYPE_STR: the str is compact ASCII (state bits at off + 32): text only;
  * and is scanned only up to its live end for
  *   kind MU_TYPE_FRAME: a 3.11+ frame object that owns its frame data (f_frame, at off + 24,
@@ -102,4 +116,10 @@ typedef struct {
 #define MU_TYPE_VARSIZED 5
 #define MU_TYPE_GEN_FRAME 6
 #define MU_TYPE_MEMORYVIEW 7
-#define MU_TYPE_LAST 7           /* the highest kind */
+#define MU_TYPE_INT 8
+#define MU_TYPE_FLOAT 9
+#define MU_TYPE_BYTES 10
+#define MU_TYPE_LAST 10          /* the highest kind */
+
+#define MU_INT_OB_SIZE 0         /* MU_TYPE_INT's parameter: its size word's meaning */
+#define MU_INT_LV_TAG 1

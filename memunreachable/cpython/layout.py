@@ -556,9 +556,18 @@ def from_debug_offsets(version: Tuple[int, int], d: Dict[str, int],
 DEAD_OBJECTS_UNTIL = (3, 10)
 DEAD_OBJECT_TYPES = None       # every GC type: stale refcount-0 objects abound there
 
-# exported builtin types whose objects hold no references: symbol -> (tp_name, mu_dead kind)
-OPAQUE_TYPES = {"PyLong_Type": ("int", "MU_TYPE_OPAQUE"), "PyFloat_Type": ("float", "MU_TYPE_OPAQUE"),
-                "PyBytes_Type": ("bytes", "MU_TYPE_OPAQUE"), "PyUnicode_Type": ("str", "MU_TYPE_STR")}
+# exported builtin types whose objects hold a value, no references: symbol -> (tp_name, mu_dead
+# kind). An int's value, a float's 8 bytes and a short bytes object's data words may still be
+# a native block's handle (ctypes' c_void_p results, cffi's int(ffi.cast("uintptr_t", p)),
+# struct.pack("P", p)): their kinds look those up (mu_types.h); a compact ASCII str is text.
+VALUE_TYPES = {"PyLong_Type": ("int", "MU_TYPE_INT"), "PyFloat_Type": ("float", "MU_TYPE_FLOAT"),
+               "PyBytes_Type": ("bytes", "MU_TYPE_BYTES"), "PyUnicode_Type": ("str", "MU_TYPE_STR")}
+# kind -> (tp_basicsize, tp_itemsize) its type must have for the rule, and the rule's parameter
+# (int: 30-bit digits in uint32 at 24, 3.8-3.15 and the native MU_INT_DIGITS, the parameter by
+# version; float: ob_fval at 16, MU_FLOAT_VALUE; bytes: ob_sval at 32, its NUL counted in
+# tp_basicsize); a type of another shape gets MU_TYPE_OPAQUE: never read
+VALUE_SHAPES = {"MU_TYPE_INT": (24, 4, None), "MU_TYPE_FLOAT": (24, 0, 0),
+                "MU_TYPE_BYTES": (33, 1, 32)}
 TSTATE_FRAME = 24              # 3.8-3.10 PyThreadState.frame (PyFrameObject *, innermost)
 TP_NAME = 24                    # PyTypeObject.tp_name (const char *)
 TP_BASICSIZE = 32               # PyTypeObject.tp_basicsize, then tp_itemsize (Py_ssize_t)

@@ -151,7 +151,7 @@ def _prepare(mem, maps, threads, pid: Optional[int], image: HeapImage) -> CPytho
     if head_word is not None and cp.version <= L.DEAD_OBJECTS_UNTIL:
         types = sorted(set(types) | set(frame_types(mem, cp)))
         dead_types = object_types(mem, cp, types, L.DEAD_OBJECT_TYPES)
-    dead_types += opaque_types(mem, cp, statics)
+    dead_types += value_types(mem, cp, statics)
     if head_word is not None:
         # the runtime's static types, GC or not (3.8/3.9's compiled patterns are no GC
         # objects: no GC list shows their type)
@@ -424,18 +424,33 @@ def object_types(mem, cp: CPythonMap, types: Sequence[int], names) -> List[Tuple
     return out
 
 
-# Returns [(type address, code)] for the builtin types whose objects hold no references
-# (int, float, bytes; compact ASCII str), found by their exported symbols and checked to be
-# the types they claim (mu_dead types: MU_TYPE_OPAQUE, MU_TYPE_STR).
-def opaque_types(mem, cp: CPythonMap, statics: Dict[str, int]) -> List[Tuple[int, int]]:
+# Returns [(type address, code)] for the builtin types whose objects hold values, not
+# references (int, float, bytes: read for native blocks' handles; compact ASCII str: text),
+# found by their exported symbols and checked to be the types they claim (layout.VALUE_TYPES).
+def value_types(mem, cp: CPythonMap, statics: Dict[str, int]) -> List[Tuple[int, int]]:
     reader = object_reader(mem, cp)
-    return [(statics[sym], reader.object_offset(statics[sym]) | getattr(lib, kind) << 8)
-            for sym, (_name, kind) in _type_rules(cp).items() if sym in statics]
+    out = []
+    for sym, (_name, kind) in _type_rules(cp).items():
+        t = statics.get(sym)
+        if t is None:
+            continue
+        code = reader.object_offset(t) | getattr(lib, kind) << 8
+        shape = L.VALUE_SHAPES.get(kind)
+        if shape is not None:
+            w = reader.type_words(t)
+            if w is None or (w[2], w[3]) != shape[:2]:
+                code = code & 0xff | lib.MU_TYPE_OPAQUE << 8    # another shape: not read
+            elif kind == "MU_TYPE_INT":     # 3.12+: lv_tag (PEP 683's era), before: ob_size
+                code |= (lib.MU_INT_LV_TAG if cp.version >= (3, 12) else lib.MU_INT_OB_SIZE) << 16
+            else:
+                code |= shape[2] << 16
+        out.append((t, code))
+    return out
 
 
 def _type_rules(cp: CPythonMap) -> Dict[str, Tuple[str, str]]:
     """{symbol: (tp_name, mu_dead kind)} of the static types with a rule on this version."""
-    rules = dict(L.OPAQUE_TYPES)
+    rules = dict(L.VALUE_TYPES)
     # frame objects own a copy of their frame data (MU_TYPE_FRAME): the native rule reads
     # 3.11-3.13's _PyInterpreterFrame (int stacktop at 64, localsplus at 72); 3.14 keeps a
     # stackpointer there and its slots from 80 (layout.frame_localsplus): no rule

@@ -7,6 +7,7 @@ import memunreachable  # noqa: F401
 import memunreachable.noleaks  # noqa: F401
 import memunreachable.reporters.text  # noqa: F401
 from memunreachable._ffi import lib as _lib  # noqa: F401 - _cffi_backend, the C core
+from memunreachable.report import Address
 
 MASK = (1 << 64) - 1
 
@@ -30,13 +31,15 @@ if _floor < _top:
     leaky.reserve(_top - _floor, _floor)
 
 
+# The addresses go back as report.Address, an int that holds nothing: a test keeps them to
+# find its leak in a report, and an exact int holding a native block's address is its handle.
 def leak(n):
     """malloc(n) in C and drop the pointer; returns (address, usable size)."""
     hidden, size = leaky.leak(n)
-    return (~hidden) & MASK, size
+    return Address((~hidden) & MASK), size
 
 
 def no_leak(n):
     """malloc(n) in C and free it; returns (address it had, usable size)."""
     hidden, size = leaky.no_leak(n)
-    return (~hidden) & MASK, size
+    return Address((~hidden) & MASK), size

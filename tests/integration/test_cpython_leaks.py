@@ -135,8 +135,8 @@ def native():
     # 1-digit int holding an address is a pointer-sized copy of it
     out["ext"] = [f"{(~hidden) & MASK:#x}", size]
     # its address as 8 bytes waiting in a file's buffer (unflushed): data, not a reference
-    PENDING.append(struct.pack("<Q", (~hidden) & MASK))
-    PENDING[0].write(PENDING[1])
+    # (the bytes object written is gone: a short bytes object's words are handles)
+    PENDING[0].write(struct.pack("<Q", (~hidden) & MASK))
     p = libc.calloc(1, (4 << 20) + 4096)   # zeroed: no stale words; mmapped (see above)
     out["ctypes"] = [f"{p:#x}", libc.malloc_usable_size(p)]
 
@@ -470,8 +470,8 @@ class Node:
 nodes = [Node() for _ in range(2000)]
 lst = (~pyleaks.leak_list(100, 1000)) & MASK
 hidden, size = pyleaks.leak_native(4 << 20)
-with open(%r, "w") as f:
-    json.dump([lst, (~hidden) & MASK, size], f)
+with open(%r, "w") as f:     # addresses as text: an int holding a native block's is its handle
+    json.dump([hex(lst), hex((~hidden) & MASK), size], f)
 '''
 @RESERVE@
 reserve()                         # the 4 MiB blocks land below it, in never-used address space
@@ -498,6 +498,7 @@ def test_subinterpreters(python, tmp_path):
     leaks = {l.address: l for l in info.leaks if l.address not in before}
     expected = set()
     for kind, lst, native, size in made:
+        lst, native = int(lst, 16), int(native, 16)
         head = leaks.get(lst - 16)          # the list's block starts at its GC head
         assert head is not None, (kind, hex(lst), sorted(map(hex, leaks)))
         assert (head.python_type, head.refcount) == ("list", 1), kind

@@ -15,10 +15,12 @@ pytest_plugins = ["pytester"]
 
 SCRIPT = r"""
 import sys, stale, memunreachable
+from memunreachable.report import Address      # an int would be the block's handle
 n = int(sys.argv[1])
-p = stale.forget(n)
+p = Address(stale.forget(n))
 memunreachable.get_unreachable_memory(limit=None)          # the earlier check
 q, usable = stale.leak(n)
+q = Address(q)
 if sys.argv[2] == "keep":
     stale.keep(q)                                           # the same bytes, a reference now
 info = memunreachable.get_unreachable_memory(limit=None)

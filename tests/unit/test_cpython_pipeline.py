@@ -624,3 +624,28 @@ def test_deque_blocks_words_outside_the_items_are_dead(free_off):
     img, hw = _deque_image(objects, blocks)
     pairs, count = P.deque_dead_ranges(img, hw, [DEQ], free_off)
     assert sorted(pairs) == sorted(empty) and count == 1
+
+
+@pytest.mark.parametrize("version, int_param", [((3, 11), lib.MU_INT_OB_SIZE),
+                                                ((3, 12), lib.MU_INT_LV_TAG),
+                                                ((3, 14), lib.MU_INT_LV_TAG)])
+def test_value_types_read_ints_floats_and_bytes_for_addresses(version, int_param):
+    mem = memory(version)
+    FLOAT, BYTES, INT15 = 0x7E00_0000_7000, 0x7E00_0000_7200, 0x7E00_0000_7400
+    for t, name, basic, item in ((INT_TYPE, 48, 24, 4), (FLOAT, 64, 24, 0), (BYTES, 80, 33, 1),
+                                 (INT15, 48, 24, 2)):
+        body = bytearray(type_object(NAMES + name, 0))
+        struct.pack_into("<qq", body, L.TP_BASICSIZE, basic, item)
+        mem.blocks[t] = bytes(body)
+    mem.blocks[NAMES] += b"float\0".ljust(16, b"\0") + b"bytes\0".ljust(16, b"\0")
+    cp = SimpleNamespace(version=version, allocator="pymalloc",
+                         layout=SimpleNamespace(frame_localsplus=80))
+    statics = {"PyLong_Type": INT_TYPE, "PyFloat_Type": FLOAT, "PyBytes_Type": BYTES,
+               "PyUnicode_Type": STR_TYPE}
+    assert sorted(P.value_types(mem, cp, statics)) == sorted([
+        (INT_TYPE, lib.MU_TYPE_INT << 8 | int_param << 16),
+        (FLOAT, lib.MU_TYPE_FLOAT << 8),
+        (BYTES, lib.MU_TYPE_BYTES << 8 | 32 << 16),
+        (STR_TYPE, lib.MU_TYPE_STR << 8)])
+    # 15-bit digits (uint16, a --enable-big-digits=15 build): not read, never scanned
+    assert P.value_types(mem, cp, {"PyLong_Type": INT15}) == [(INT15, lib.MU_TYPE_OPAQUE << 8)]

@@ -512,3 +512,174 @@ def test_a_memoryview_is_scanned_up_to_the_arrays_it_uses(count, suboffsets, kep
     dead = DeadWords(types=[(MV, MV_CODE)])
     marked = list(mark(h.image(), [], [h.addrs[0]], dead=dead).marked)
     assert marked == kept
+
+
+# --- ints, bytes and floats that hold an address (python-magic's handle, ctypes' c_void_p) ----
+INT_CODE = {"ob_size": 0 | lib.MU_TYPE_INT << 8 | lib.MU_INT_OB_SIZE << 16,
+            "lv_tag": 0 | lib.MU_TYPE_INT << 8 | lib.MU_INT_LV_TAG << 16}
+
+
+def long_words(value, layout, immortal=False):
+    """The bytes of a PyLongObject's size word and 30-bit digits (after ob_refcnt, ob_type):
+    3.8-3.11 ob_size = sign * ndigits; 3.12+ lv_tag = ndigits << 3 | sign (0 +, 1 zero, 2 -),
+    3.14's small ints with bit 2 (immortal) set."""
+    digits, n = [], abs(value)
+    while n:
+        digits.append(n & (2 ** 30 - 1))
+        n >>= 30
+    digits = digits or [0]
+    nd = len(digits) if value else 0
+    if layout == "ob_size":
+        tag = (nd if value >= 0 else -nd) & (2 ** 64 - 1)
+    else:
+        tag = nd << 3 | (0 if value > 0 else 1 if value == 0 else 2) | (4 if immortal else 0)
+    return struct.pack(f"<Q{len(digits)}I", tag, *digits)
+
+
+def int_heap(value, layout, size=32, immortal=False, target=64):
+    """Block 0 (size bytes) an int of value (pointing into block 1 when value is an address
+    there), block 1 the target; the int's header at offset 0 (no GC head: ints are no GC
+    objects)."""
+    h = Heap([size, target])
+    h.point(0, 0, 1)
+    h.point(0, 1, INT_TYPE)
+    raw = long_words(value(h) if callable(value) else value, layout, immortal)
+    at = h.addrs[0] + 16 - h.base
+    h.buf[at:at + len(raw)] = raw
+    return h
+
+
+@pytest.mark.parametrize("layout", ["ob_size", "lv_tag"])
+@pytest.mark.parametrize("value, kept", [
+    (lambda h: h.addrs[1], 1),              # the block's address: 2 digits (47-bit address)
+    (lambda h: h.addrs[1] + 40, 1),         # inside it
+    (lambda h: h.addrs[1] + 64, 0),         # one past its end (the gap after it)
+    (lambda h: -h.addrs[1], 0),             # negative: no address
+    (0, 0),
+    (256, 0),                               # a small int: below every heap
+])
+def test_an_ints_value_is_a_reference(layout, value, kept):
+    h = int_heap(value, layout)
+    dead = DeadWords(types=[(INT_TYPE, INT_CODE[layout])])
+    assert list(mark(h.image(), [], [h.addrs[0]], dead=dead).marked) == [1, kept]
+    # fold: a leaked int holding the block's address leaks it along with itself
+    assert fold(h.image(), bytearray(2), dead=dead) == \
+        ([FoldedLeak(0, 1, 64, [1])] if kept else [FoldedLeak(0, 0, 0), FoldedLeak(1, 0, 0)])
+    # opaque (before ints were read): never a reference
+    opaque = DeadWords(types=[(INT_TYPE, 0 | OPAQUE)])
+    assert list(mark(h.image(), [], [h.addrs[0]], dead=opaque).marked) == [1, 0]
+
+
+def test_3_14_immortal_bit_is_no_part_of_the_digit_count():
+    h = int_heap(lambda h: h.addrs[1], "lv_tag", immortal=True)
+    dead = DeadWords(types=[(INT_TYPE, INT_CODE["lv_tag"])])
+    assert list(mark(h.image(), [], [h.addrs[0]], dead=dead).marked) == [1, 1]
+
+
+HIGH = 0x7F3A_0000_0000_0000   # a heap above 2**60: its addresses need a third digit
+
+
+@pytest.mark.parametrize("layout", ["ob_size", "lv_tag"])
+@pytest.mark.parametrize("delta, size, kept", [
+    (0, 48, 1),             # 3 digits, all inside the 48-byte block
+    (0, 32, 0),             # 3 digits, the third past the 32-byte block's end: not read
+    (2 ** 64, 48, 0),       # 2**64 + address: 3 digits, too large for an address
+    (2 ** 90, 48, 0),       # 4 digits: too large
+])
+def test_three_digit_ints_and_the_blocks_bounds(layout, delta, size, kept):
+    h = Heap([size, 64], base=HIGH)
+    h.point(0, 0, 1)
+    h.point(0, 1, INT_TYPE)
+    raw = long_words(h.addrs[1] + 8 + delta, layout)
+    at = h.addrs[0] + 16 - h.base
+    h.buf[at:at + len(raw)] = raw          # (past a 32-byte block: into the gap after it)
+    dead = DeadWords(types=[(INT_TYPE, INT_CODE[layout])])
+    assert list(mark(h.image(), [], [h.addrs[0]], dead=dead).marked) == [1, kept]
+
+
+def test_digits_that_are_not_30_bit_are_no_int():
+    h = int_heap(lambda h: h.addrs[1], "lv_tag")
+    struct.pack_into("<I", h.buf, h.addrs[0] + 24 - h.base, 1 << 30)     # digit 0's bit 30
+    dead = DeadWords(types=[(INT_TYPE, INT_CODE["lv_tag"])])
+    assert list(mark(h.image(), [], [h.addrs[0]], dead=dead).marked) == [1, 0]
+
+
+BYTES_TYPE, FLOAT_TYPE = INT_TYPE + 0x600, INT_TYPE + 0x700
+BYTES_CODE = 0 | lib.MU_TYPE_BYTES << 8 | 32 << 16     # ob_sval at 32
+
+
+@pytest.mark.parametrize("data, at, kept", [
+    (8, 32, 1),             # struct.pack("P", p): the data's only word
+    (20, 40, 1),            # the data's second whole word
+    (64, 88, 1),            # the last word of 64 bytes (a small packed struct)
+    (72, 32, 0),            # more than 64 bytes: data (a file's; a read in progress: stale)
+    (12, 40, 0),            # a word that only starts in the data (4 bytes, the NUL, slack)
+    (8, 40, 0),             # after the data: the allocator's slack
+])
+def test_short_bytes_words_are_handles(data, at, kept):
+    h = Heap([128, 16])
+    for slot, w in enumerate([1, BYTES_TYPE, data, 2 ** 64 - 1]):    # ob_shash -1: not computed
+        h.point(0, slot, w)
+    h.link(0, at // 8, 1)
+    dead = DeadWords(types=[(BYTES_TYPE, BYTES_CODE)])
+    assert list(mark(h.image(), [], [h.addrs[0]], dead=dead).marked) == [1, kept]
+    assert fold(h.image(), bytearray(2), dead=dead) == \
+        ([FoldedLeak(0, 1, 16, [1])] if kept else [FoldedLeak(0, 0, 0), FoldedLeak(1, 0, 0)])
+    opaque = DeadWords(types=[(BYTES_TYPE, OPAQUE)])
+    assert list(mark(h.image(), [], [h.addrs[0]], dead=opaque).marked) == [1, 0]
+
+
+def test_a_floats_8_bytes_are_a_handle():
+    # PyFloatObject: refcnt, type, ob_fval (24 bytes); the 32-byte block's slack is not read
+    h = Heap([32, 16, 16])
+    for slot, w in enumerate([1, FLOAT_TYPE]):
+        h.point(0, slot, w)
+    h.link(0, 2, 1)                     # ob_fval
+    h.link(0, 3, 2)                     # the slack
+    dead = DeadWords(types=[(FLOAT_TYPE, 0 | lib.MU_TYPE_FLOAT << 8)])
+    assert list(mark(h.image(), [], [h.addrs[0]], dead=dead).marked) == [1, 1, 0]
+    h.point(0, 0, 0)                    # refcount 0: no float (a free-listed one's next link)
+    assert list(mark(h.image(), [], [h.addrs[0]], dead=dead).marked) == [1, 1, 1]
+
+
+@pytest.mark.parametrize("target, kept", [
+    ("native", 1),          # a malloc'd block: the int is its handle
+    ("gc", 0),              # a GC object (its PyGC_Head known): the int is its id()
+    ("typed", 0),           # an object of a ruled type (a str): its id() too
+    ("typed, refcount 0", 1),   # no object (a type pointer after a zero word): native
+])
+def test_an_ints_value_refers_to_native_blocks_not_to_objects(target, kept):
+    # id(x) kept in a memo dict keeps nothing alive in Python: a leaked object whose id() is
+    # still around is reported
+    h = int_heap(lambda h: h.addrs[1] + (16 if target == "gc" else 0), "lv_tag")
+    types = [(INT_TYPE, INT_CODE["lv_tag"]), (STR_TYPE, 0 | STR)]
+    head_word = None
+    if target == "gc":
+        head_word = bytearray([0, 1])               # a PyGC_Head at word 0 of block 1
+        h.point(1, 2, 1)
+        h.point(1, 3, TUPLE_TYPE)
+    elif target.startswith("typed"):
+        h.point(1, 0, 0 if "0" in target else 1)
+        h.point(1, 1, STR_TYPE)
+    dead = DeadWords(types=types, head_word=head_word)
+    assert list(mark(h.image(), [], [h.addrs[0]], dead=dead).marked) == [1, kept]
+    assert fold(h.image(), bytearray(2), dead=dead) == \
+        ([FoldedLeak(0, 1, 64, [1])] if kept else [FoldedLeak(0, 0, 0), FoldedLeak(1, 0, 0)])
+
+
+def test_int_handles_in_the_low_memory_mark():
+    # uncopied regions (read on demand): the int's target header is read through the fd
+    from tests.unit.test_mark import UNCOPIED_BASE, all_ways, stats
+    h = Heap([32, 64, 32, 64], base=UNCOPIED_BASE)
+    for k, target in ((0, 1), (2, 3)):
+        h.point(k, 0, 1)
+        h.point(k, 1, INT_TYPE)
+        raw = long_words(h.addrs[target] + 8, "lv_tag")
+        h.buf[h.addrs[k] + 16 - h.base:h.addrs[k] + 16 + len(raw) - h.base] = raw
+    h.point(3, 0, 1)                    # block 3 is a str: block 2's int is its id()
+    h.point(3, 1, STR_TYPE)
+    dead = DeadWords(types=[(INT_TYPE, INT_CODE["lv_tag"]), (STR_TYPE, 0 | STR)])
+    roots = [(ROOT, words_buffer(h.addrs[0], h.addrs[2]))]
+    copied, waves, kept = all_ways(h, roots, dead=dead)
+    assert list(copied.marked) == [1, 1, 1, 0]
+    assert stats(waves) == stats(copied) and stats(kept) == stats(copied)

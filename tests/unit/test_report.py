@@ -281,3 +281,15 @@ def test_json_requested_sizes_and_indirect_leaks_round_trip():
     back = load_json(json.loads(json.dumps(obj)))
     assert back.leaks[0].indirect[0].backtrace == frames_s1()
     assert render_json(back) == obj and format_text(back) == format_text(info)
+
+
+def test_a_leaks_address_is_an_int_that_holds_nothing():
+    # an exact int holding a native block's address is its handle (mu_types.h MU_TYPE_INT):
+    # a report kept through the next in-process check must not keep its leaks reachable
+    import pickle
+    from memunreachable.report import Address
+    leak = Leak(0x7F00_0000_1000, 64)
+    assert type(leak.address) is Address and leak.address == 0x7F00_0000_1000
+    assert type(pickle.loads(pickle.dumps(leak)).address) is Address
+    assert (repr(leak.address), json.dumps(leak.address), f"{leak.address:#x}") == \
+        (repr(0x7F00_0000_1000), "139637976731648", "0x7f0000001000")
