@@ -232,6 +232,7 @@ def _take_pending(pid: int, info: UnreachableMemoryInfo, guard, timeout: float,
                   allow_seccomp: bool, dead_ranges, waiting_tids, tracker,
                   plan_later: bool = False) -> Optional[Pending]:
     prepare_snapshot(pid, timeout)
+    info.snapshots += 1
     with frozen(pid, timeout=timeout) as fz:
         snap = take_snapshot(fz, allow_seccomp=allow_seccomp)
         keep = False
