@@ -18,7 +18,9 @@ root words (registers). Table-driven, following libmemunreachable.md section 2.2
 | other anonymous rw memory (.bss tails, TLS,    | root, minus heap and metadata       |
 |   TCB, user mmaps, pymalloc arenas)            |                                     |
 
-All general registers (fs_base included) and every word of the FP/SIMD state are root words.
+All general registers (fs_base included) are root words, and every word of the FP/SIMD state
+of a thread stopped in user code; a thread stopped inside a system call holds nothing live in
+its vector registers (register_words).
 """
 from __future__ import annotations
 
@@ -108,12 +110,18 @@ def loaded_objects(maps: Sequence[Mapping]) -> set:
     return {m.path for m in maps if m.executable and m.path and not m.path.startswith("[")}
 
 
+def in_syscall(t: ThreadState) -> bool:
+    """t stopped inside a system call: orig_rax holds the call's number from the kernel entry
+    by `syscall` until the next entry; an entry by an interrupt or an exception (a thread
+    stopped while running user code) sets it to -1."""
+    return t.regs[ORIG_RAX] != 0xFFFFFFFFFFFFFFFF
+
+
 def live_stack_start(t: ThreadState) -> int:
     """Lowest live stack address of a stopped thread: SP - 128 in user code (a leaf function's
     red zone may hold live data), SP inside a system call (the code that made it is not a
     leaf running below SP, so the red zone holds only dead data, e.g. stale pointers)."""
-    in_syscall = t.regs[ORIG_RAX] != 0xFFFFFFFFFFFFFFFF
-    return t.sp if in_syscall else max(0, t.sp - RED_ZONE)
+    return t.sp if in_syscall(t) else max(0, t.sp - RED_ZONE)
 
 
 # A thread blocked in one of these syscalls, made through a C call, holds live values only in
@@ -127,29 +135,40 @@ _CALL_CLOBBERED = frozenset(REG_NAMES.index(r) for r in
 def waiting(threads: Sequence[ThreadState], tids) -> List[ThreadState]:
     """threads, where each of `tids` stopped in a WAIT_SYSCALLS syscall (its orig_rax; a thread
     found elsewhere stays whole) keeps only the registers a call preserves: the caller-saved
-    general registers and the whole FP/SIMD state are zeroed, as by the ABI they hold nothing
-    live across the call that made the syscall, only what earlier code left (zmm16-31, which
-    glibc's AVX-512 memmove uses, kept an extension's leaked buffer reachable in 1 of 20 runs
-    of a loaded machine: MEMUNREACHABLE_EXPLAIN). For the in-process checks: `tids` is the
-    requesting thread, in its wait for the reply."""
+    general registers are zeroed, as by the ABI they hold nothing live across the call that
+    made the syscall, only what earlier code left (its FP/SIMD state, likewise, is no root:
+    fp_words). For the in-process checks: `tids` is the requesting thread, in its wait for
+    the reply."""
     tids = set(tids)
     out = []
     for t in threads:
         if t.tid in tids and t.regs[ORIG_RAX] in WAIT_SYSCALLS:
             regs = tuple(0 if k in _CALL_CLOBBERED else v for k, v in enumerate(t.regs))
-            t = ThreadState(t.tid, regs, b"", t.stop_signal)
+            t = ThreadState(t.tid, regs, t.fpregs, t.stop_signal)
         out.append(t)
     return out
 
 
 def register_words(threads: Sequence[ThreadState]) -> List[int]:
-    """Every general register and every 8-byte word of the FP/SIMD state, per thread."""
+    """Every general register, per thread, and every 8-byte word of the FP/SIMD state of a
+    thread stopped in user code (fp_words)."""
     words: List[int] = []
     for t in threads:
         words.extend(t.regs)
-        fp = t.fpregs[: len(t.fpregs) - len(t.fpregs) % 8]
-        words.extend(w for (w,) in struct.iter_unpack("<Q", fp) if w)
+        words.extend(w for w in fp_words(t) if w)
     return words
+
+
+def fp_words(t: ThreadState) -> List[int]:
+    """The 8-byte words of t's FP/SIMD state that may be live: all of them in user code, none
+    inside a system call. By the x86-64 ABI every vector register is caller-saved, and a system
+    call is made through a call (a libc wrapper, syscall(2)): what they hold then is only what
+    earlier code left, e.g. copies of addresses glibc's AVX-512 string functions leave in
+    zmm16-31, which kept a leaked 4 MB block reachable on a loaded machine."""
+    if in_syscall(t):
+        return []
+    fp = t.fpregs[: len(t.fpregs) - len(t.fpregs) % 8]
+    return [w for (w,) in struct.iter_unpack("<Q", fp)]
 
 
 # The parts of a mapping that holds thread stacks, each with its kind: every SP's dead stack

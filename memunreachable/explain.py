@@ -18,6 +18,7 @@ import struct
 from typing import List, Optional, Sequence, Tuple
 
 from memunreachable._types import Range, merge_ranges
+from memunreachable.classify import fp_words
 
 MAX_STEPS = 6
 
@@ -134,10 +135,8 @@ def _register_referrers(lo: int, hi: int, threads) -> List[str]:
     for t in threads:
         out += [f"register {REG_NAMES[k]} of thread {t.tid}" for k, v in enumerate(t.regs)
                 if lo <= v < hi]
-        fp = t.fpregs or b""
         out += [f"FP/SIMD state +{8 * k:#x} of thread {t.tid}"
-                for k, (v,) in enumerate(struct.iter_unpack("<Q", fp[:len(fp) // 8 * 8]))
-                if lo <= v < hi]
+                for k, v in enumerate(fp_words(t)) if lo <= v < hi]
     return out
 
 

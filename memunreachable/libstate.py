@@ -5,7 +5,10 @@ so every test session holds both (readline keymaps.h and readline.c; ncurses ter
 - GNU readline's keymaps: arrays of KEYMAP_SIZE (257) entries {char type; function pointer},
   16 bytes each; rl_make_bare_keymap() writes each type's one byte, the 7 after it stay stale
   (a session holds a dozen run-time keymaps, about 1,800 stale bytes each), and malloc's slack
-  after the entries; readline's line buffer (rl_line_buffer), text.
+  after the entries; readline's line buffer (rl_line_buffer), text; readline's function
+  map (funmap: a NULL-terminated array of FUNMAP *, each a malloc'd {name, function}, 16
+  bytes): the slack after each entry (glibc may hand a 48-byte chunk to a 16-byte request
+  when the remainder is too small to split) and the array's unused slots after the NULL.
 - ncurses' terminfo string tables (cur_term->type.str_table and .ext_str_table): text, whose
   unwritten slack is stale.
 - ld.so's `cache_new` (elf/dl-cache.c): a dlopen by name maps /etc/ld.so.cache and unmaps it
@@ -20,7 +23,10 @@ Measured (MEMUNREACHABLE_EXPLAIN): a 4 KiB buffer a C extension leaked stayed re
 20 plugin runs, through a chain from vi_insertion_keymap across 5 run-time keymaps whose last
 hop was an entry's type word (its stale bytes, with the type's zero as low byte, pointed inside
 the buffer, which had reused the memory of a block freed long before); an earlier session's
-34 MB leak was hidden by the terminfo table's last word.
+34 MB leak was hidden by the terminfo table's last word; in 4 of 12 runs of test_plugin's
+xdist suite with both CPUs busy, a worker's 34 MB leak mapped right below libreadline was kept
+by a FUNMAP entry's slack word 0x00007fxxfa000053 (a stale pointer into readline, its low bytes
+overwritten).
 
 Found without debug symbols, from the libraries' exported symbols (cached by file identity):
 - readline: the static keymaps (their .dynsym sizes give the entry count) and the current-keymap
@@ -30,6 +36,7 @@ Found without debug symbols, from the libraries' exported symbols (cached by fil
   before. Of a valid one only the non-zero function words are references (few: a run-time
   keymap binds a handful of keys), so its dead ranges are few. The static keymaps lie in .data, whose padding the loader zero-filled. The line buffer
   is taken when its length is sane (1 byte to 16 MiB).
+- funmap: taken up to its NULL (at most MAX_FUNMAP entries), each entry non-zero and 8-aligned.
 - terminfo: cur_term's first words are its TERMTYPE (term_names, str_table, ..., ext_str_table
   at word 5); taken only when term_names equals str_table (the names open the table) and the
   table starts with a printable name.
@@ -38,6 +45,7 @@ The caller clips each "tail" to the allocation it starts (block_tails in unreach
     of_process(mem, maps, pid)      LibState of process pid: dead ranges, dead allocation tails
     runtime_keymaps(mem, ...)       readline's run-time keymaps and their dead ranges (pure)
     line_buffer(mem, ptr, len_at)   readline's line buffer (pure)
+    funmap_tails(mem, funmap_at)    readline's function map: its entries' and array's tails (pure)
     terminfo_tables(mem, cur_term)  the terminfo string tables (pure)
     ld_cache_words(mem, data, size) ld.so's ld.so.cache pointers (pure)
     environ_strings(mem, environ_at) the environment's strings (pure)
@@ -62,11 +70,14 @@ STATIC_KEYMAPS = ("emacs_standard_keymap", "emacs_meta_keymap", "emacs_ctlx_keym
 KEYMAP_POINTERS = ("_rl_keymap", "rl_binding_keymap", "_rl_dispatching_keymap",
                    "rl_executing_keymap")
 LINE_BUFFER = ("rl_line_buffer", "rl_line_buffer_len")
+FUNMAP = "funmap"
+FUNMAP_ENTRY = 16                   # sizeof(FUNMAP): name, function
+MAX_FUNMAP = 4096
 MAX_LINE = 16 << 20
 EXT_STR_TABLE = 40                  # TERMTYPE: term_names, str_table, Booleans, Numbers,
                                     # Strings, ext_str_table
 # library file name prefix -> the symbols read from it
-LIBRARIES = {"libreadline.so": STATIC_KEYMAPS + KEYMAP_POINTERS + LINE_BUFFER,
+LIBRARIES = {"libreadline.so": STATIC_KEYMAPS + KEYMAP_POINTERS + LINE_BUFFER + (FUNMAP,),
              "libtinfo.so": ("cur_term",), "libncursesw.so": ("cur_term",),
              "libncurses.so": ("cur_term",), "libc.so": ("__environ",)}
 MAX_ENVIRON = 1 << 16
@@ -164,6 +175,8 @@ def of_process(mem, maps: Sequence[Mapping], pid: Optional[int]) -> LibState:
             buf = line_buffer(mem, syms["rl_line_buffer"][0], syms["rl_line_buffer_len"][0])
             if buf is not None:
                 tails.append((buf, 0))
+        if FUNMAP in syms:
+            tails += funmap_tails(mem, syms[FUNMAP][0])
         if "cur_term" in syms:
             try:
                 term = struct.unpack("<Q", mem.read(syms["cur_term"][0], 8))[0]
@@ -246,6 +259,30 @@ def line_buffer(mem, ptr_at: int, len_at: int) -> Optional[int]:
     if not ptr or ptr % 8 or not 0 < length <= MAX_LINE:
         return None
     return ptr
+
+
+# Returns the tails (allocation, bytes in use) of readline's function map at *funmap_at: each
+# FUNMAP entry's 16 bytes, and the array's entries up to its NULL (realloc'd in steps of 64
+# slots, the rest never written). Entries are taken up to the NULL while each is non-zero and
+# 8-aligned (at most MAX_FUNMAP); [] when unset or unreadable.
+def funmap_tails(mem, funmap_at: int) -> List[Tuple[int, int]]:
+    entries: List[int] = []
+    try:
+        array = struct.unpack("<Q", mem.read(funmap_at, 8))[0]
+        if not array or array % 8:
+            return []
+        while len(entries) < MAX_FUNMAP:
+            e = struct.unpack("<Q", mem.read(array + 8 * len(entries), 8))[0]
+            if not e:
+                break
+            if e % 8:
+                return []
+            entries.append(e)
+        else:
+            return []
+    except (MemoryUnreadable, struct.error):
+        return []
+    return [(array, 8 * (len(entries) + 1))] + [(e, FUNMAP_ENTRY) for e in entries]
 
 
 # Returns the strings of the environment array at *environ_at (up to its NULL, at most

@@ -332,6 +332,11 @@ class SnapshotPlan:
     def missing_bytes(self) -> int:
         return sum(r.size for r in self.missing)
 
+    def why_missing(self, shown: int = 3) -> str:
+        """The notes, the first `shown` of them and how many more."""
+        more = len(self.notes) - shown
+        return "; ".join(self.notes[:shown]) + (f"; and {more} more" if more > 0 else "")
+
     def copy(self) -> "SnapshotPlan":
         """The same plan in new lists."""
         return SnapshotPlan(list(self.missing), list(self.tolerated), list(self.notes),
@@ -378,7 +383,7 @@ def _plan_snapshot(target_maps: Sequence[Mapping],
             plan.guarded.append(m.range)
         if flags & DEVICE_FLAGS:
             plan.tolerated.append(m.range)
-        elif "wf" in flags and m.readable and m.writable and not m.shared:
+        elif _wiped(m, flags):
             plan.missing.append(m.range)
             plan.notes.append(f"{m.begin:#x}-{m.end:#x} is MADV_WIPEONFORK")
     for m in target_maps:
@@ -387,8 +392,7 @@ def _plan_snapshot(target_maps: Sequence[Mapping],
         gone = absent(m.range)
         if gone:
             plan.missing.extend(gone)
-            plan.notes.append(f"{m.begin:#x}-{m.end:#x} {m.path or '(anonymous)'} is not in the "
-                              "snapshot (MADV_DONTFORK)")
+            plan.notes.append(_dontfork_note(m))
         if m.path.startswith("/") and file_size is not None:
             size = file_size(m)
             if size is not None:
@@ -402,6 +406,32 @@ def _plan_snapshot(target_maps: Sequence[Mapping],
     plan.no_pointers = merge_ranges(plan.no_pointers)
     plan.unwritten = merge_ranges(plan.unwritten + plan.no_pointers)
     return plan
+
+
+def _wiped(m: Mapping, flags: frozenset) -> bool:
+    """A fork shows mapping m (VmFlags flags) as zeros where it holds pointers (wf)."""
+    return "wf" in flags and m.readable and m.writable and not m.shared \
+        and not flags & DEVICE_FLAGS and not is_getrandom_state(m, flags)
+
+
+def _dontfork_note(m: Mapping) -> str:
+    return f"{m.begin:#x}-{m.end:#x} {m.path or '(anonymous)'} is not in the snapshot (MADV_DONTFORK)"
+
+
+# Returns (ranges, notes): what a fork snapshot of the process will lack, known from the
+# process's own smaps before the clone (VmFlags dc: VM_DONTCOPY, absent from a fork; wf:
+# VM_WIPEONFORK, zeros there), so that the one pause that takes the snapshot copies it too.
+def lacking_in_fork(target_smaps: Sequence[Tuple[Mapping, frozenset]]
+                    ) -> Tuple[List[Range], List[str]]:
+    ranges, notes = [], []
+    for m, flags in target_smaps:
+        if "dc" in flags and _needs_reading(m) and not flags & DEVICE_FLAGS:
+            ranges.append(m.range)
+            notes.append(_dontfork_note(m))
+        elif _wiped(m, flags):
+            ranges.append(m.range)
+            notes.append(f"{m.begin:#x}-{m.end:#x} is MADV_WIPEONFORK")
+    return merge_ranges(ranges), notes
 
 
 def mapped_file_size(pid: int, objects: frozenset = frozenset()):

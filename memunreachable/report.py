@@ -88,6 +88,8 @@ class UnreachableMemoryInfo:
     duration_ms: float = 0.0         # whole check
     snapshot_ms: float = 0.0         # how long the copy-on-write snapshot lived
     snapshot_mode: str = "clone"     # "clone" or "direct" (read the stopped target)
+    snapshots: int = 0               # freezes, each one pause taking a snapshot (retakes and
+                                     # the confirmation included; a reap's short one not)
     retries: int = 0                 # snapshots retaken (see retake_counts for why)
     retake_counts: dict = field(default_factory=dict)   # inflight | capture | died -> count
     num_allocations: int = 0

@@ -11,8 +11,9 @@
 A result is valid or it is an error. A snapshot that cannot give a valid result is retaken,
 bounded: a hard heap inconsistency (a thread stopped inside malloc; the same inconsistency
 twice with no thread there is a corrupt heap: an error at once), memory the snapshot lacks
-(MADV_DONTFORK: copied from the frozen target during the next pause), a snapshot process
-that died during the sweep (once). Docs: docs/reliability.md.
+(MADV_DONTFORK: known from the target's smaps before the clone and copied during the same
+pause; a retake copies what appeared in between), a snapshot process that died during the
+sweep (once). Docs: docs/reliability.md.
 """
 from __future__ import annotations
 
@@ -26,7 +27,7 @@ import os
 import signal
 import time
 from itertools import compress
-from typing import List, Optional, Sequence, Tuple
+from typing import Dict, List, Optional, Sequence, Tuple
 
 from memunreachable import detect, diagnose, leftovers, libstate, procfs, tracking
 from memunreachable import preflight as preflight_stage
@@ -40,8 +41,9 @@ from memunreachable.freeze import frozen
 from memunreachable.glibc import linkmaps, locate
 from memunreachable.glibc.walker import HeapInconsistent, is_uncopied, walk_heap
 from memunreachable.mark import DeadWords, mark, with_dead_ranges
-from memunreachable.memory import (CopiedMemory, ProcessMemory, SnapshotPlan, capture, read_copies,
-                                   mapped_file_size, plan_snapshot, unwritten_file_pages)
+from memunreachable.memory import (CopiedMemory, ProcessMemory, SnapshotPlan, capture,
+                                   lacking_in_fork, read_copies, mapped_file_size, plan_snapshot,
+                                   unwritten_file_pages)
 from memunreachable.report import Leak, UnreachableMemoryInfo, group_leaks, members, sort_and_limit
 from memunreachable.snapshot import prepare as prepare_snapshot, take_snapshot
 from memunreachable.sweeper import SweepEntry, SweepResult, retain_list, run_here, run_sweeper
@@ -188,7 +190,7 @@ def _pending_plan(fz, snap, info) -> Tuple[SnapshotPlan, Optional[str]]:
     later sweep cannot copy); raises what _plan_reads raises."""
     plan, unseen = _plan_reads(fz, snap, [], _Attempts(), info)
     if unseen or plan.missing:
-        return plan, "; ".join(plan.notes[:3]) or "memory the snapshot lacks"
+        return plan, plan.why_missing() or "memory the snapshot lacks"
     return plan, None
 
 
@@ -230,6 +232,7 @@ def _take_pending(pid: int, info: UnreachableMemoryInfo, guard, timeout: float,
                   allow_seccomp: bool, dead_ranges, waiting_tids, tracker,
                   plan_later: bool = False) -> Optional[Pending]:
     prepare_snapshot(pid, timeout)
+    info.snapshots += 1
     with frozen(pid, timeout=timeout) as fz:
         snap = take_snapshot(fz, allow_seccomp=allow_seccomp)
         keep = False
@@ -420,6 +423,8 @@ def _one_snapshot(pid: int, info: UnreachableMemoryInfo, confirm, st: _Attempts,
     # 2. Collect: freeze every thread, registers, maps
     log.info("collecting thread info for process %d", pid)
     prepare_snapshot(pid, timeout)          # record write and first-time reads: not in the pause
+    to_copy = merge_ranges(st.capture + _lacking_before_clone(pid))
+    info.snapshots += 1
     with frozen(pid, timeout=timeout) as fz:
         # 3. Snapshot: clone(0) injected into a stopped thread, then thaw at once
         try:
@@ -431,11 +436,11 @@ def _one_snapshot(pid: int, info: UnreachableMemoryInfo, confirm, st: _Attempts,
         info.modules = tracking.modules(fz.maps)
         try:
             overlays = []
-            if snap.mode == "clone":
+            if snap.mode == "clone" and to_copy:
                 # 3b. memory the snapshot cannot show (MADV_DONTFORK/WIPEONFORK), known from
-                # an earlier snapshot: copied from the frozen target during the pause
-                overlays = capture(pid, subtract_ranges(st.capture, subtract_ranges(
-                    st.capture, [m.range for m in fz.maps if m.readable]))) if st.capture else []
+                # the target's smaps or an earlier snapshot: copied during this pause
+                overlays = capture(pid, subtract_ranges(to_copy, subtract_ranges(
+                    to_copy, [m.range for m in fz.maps if m.readable])))
             # 3c. The pages written since the last look, at the snapshot's instant (written.py)
             epoch = _look_at_writes(tracker)
             if snap.mode == "clone":
@@ -480,15 +485,16 @@ def _plan_reads(fz, snap, overlays, st: _Attempts, info) -> tuple:
     if not _alive(snap.pid):    # killed while (or before) its smaps were read: they are empty
         _snapshot_died(fz.pid, st, "killed before its mappings were read")
     plan = plan_snapshot(fz.maps, smaps, mapped_file_size(fz.pid, loaded_objects(fz.maps)))
+    _note_lacking(fz.pid, bool(plan.missing))
     have = merge_ranges([Range(b, b + len(buf)) for b, buf in overlays])
     unseen = subtract_ranges(plan.missing, have)
     if unseen and not st.capture_tried and plan.missing_bytes <= MAX_CAPTURE_BYTES:
         st.capture, st.capture_tried = plan.missing, True
-        raise _Retake("capture", "; ".join(plan.notes[:3]) + ": copying it during the next pause")
+        raise _Retake("capture", plan.why_missing() + ": copying it during the next pause")
     if overlays and not unseen:
         info.warnings.append(
             f"{sum(len(b) for _, b in overlays)} bytes of memory the snapshot lacks "
-            f"({'; '.join(plan.notes[:3])}) were copied from the stopped target during the pause")
+            f"({plan.why_missing()}) were copied from the stopped target during the pause")
     if unseen:
         info.warnings.append(_unseen_reason(plan, unseen))
     return plan, unseen
@@ -498,8 +504,36 @@ def _unseen_reason(plan: SnapshotPlan, unseen: List[Range]) -> str:
     """What a sweep with memory the snapshot lacks cannot see (a warning, and the reason its
     check is incomplete)."""
     return (f"{sum(r.size for r in unseen)} bytes of the target's memory are not in the "
-            f"snapshot ({'; '.join(plan.notes[:3])}) and could not be copied during the pause: "
+            f"snapshot ({plan.why_missing()}) and could not be copied during the pause: "
             "every unreachable block is reported as uncertain, not as a leak")
+
+
+# (pid, start time) -> whether the last snapshot of that process lacked memory; one process at
+# a time (the plugin checks the same one after every test), like snapshot._GUARDS
+_LACKED: Dict[Tuple[int, int], bool] = {}
+
+
+def _process_key(pid: int) -> Tuple[int, int]:
+    st = leftovers.read_stat(pid)
+    return pid, st.start if st is not None else -1
+
+
+def _lacking_before_clone(pid: int) -> List[Range]:
+    """The ranges a fork of pid will lack (memory.lacking_in_fork), read from its smaps before
+    the freeze (2 ms for a node or pytest process, outside the pause); [] without reading when
+    its last snapshot lacked nothing: should that change, the capture retake copies it."""
+    if _LACKED.get(_process_key(pid)) is False:
+        return []
+    try:
+        ranges = lacking_in_fork(procfs.read_smaps_flags(pid))[0]
+    except (NoSuchProcess, OSError, ValueError):
+        return []           # the freeze says what is wrong
+    return ranges if sum(r.size for r in ranges) <= MAX_CAPTURE_BYTES else []
+
+
+def _note_lacking(pid: int, lacked: bool) -> None:
+    _LACKED.clear()
+    _LACKED[_process_key(pid)] = lacked
 
 
 def _direct_plan(pid: int, maps) -> SnapshotPlan:

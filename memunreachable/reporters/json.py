@@ -8,7 +8,7 @@ Input: an UnreachableMemoryInfo. Output: one JSON object. The fields issue 2 fix
              contents (hex of the first <= 32 bytes), backtrace (list)}]
 
 Additive fields (allowed by the schema promise: additive changes only): tool_version, comm,
-snapshot_mode, snapshot_ms, retries, retake_counts, bytes_scanned, warnings, stats,
+snapshot_mode, snapshot_ms, snapshots, retries, retake_counts, bytes_scanned, warnings, stats,
 total_size per leak, and num_uncertain, uncertain_bytes, uncertain [{address, size,
 contents}]: unreachable blocks withheld because what decides their fate could not be seen
 (not leaks: not in num_leaks, leak_bytes nor the exit code);
@@ -123,6 +123,7 @@ def render_json(info: UnreachableMemoryInfo) -> Dict[str, Any]:
         "duration_ms": _ms(info.duration_ms),
         "snapshot_mode": info.snapshot_mode,
         "snapshot_ms": _ms(info.snapshot_ms),
+        "snapshots": info.snapshots,
         "retries": info.retries,
         "retake_counts": dict(info.retake_counts),
         "num_allocations": info.num_allocations,
@@ -238,6 +239,7 @@ def load_json(data: Dict[str, Any]) -> UnreachableMemoryInfo:
         duration_ms=float(data.get("duration_ms", 0.0)),
         snapshot_mode=data.get("snapshot_mode", "clone"),
         snapshot_ms=float(data.get("snapshot_ms", 0.0)),
+        snapshots=int(data.get("snapshots", 0)),
         retries=int(data.get("retries", 0)),
         retake_counts=dict(data.get("retake_counts", {})),
         num_allocations=int(data.get("num_allocations", 0)),

@@ -1,9 +1,26 @@
 """Shared helpers of the freeze/snapshot/preflight integration tests (not a test module)."""
+import contextlib
 import os
+import subprocess
+import sys
 import time
 
 from memunreachable import procfs
 from memunreachable._errors import NoSuchProcess
+
+
+@contextlib.contextmanager
+def busy_cpus():
+    """A busy loop on every CPU while the block runs (the load under which clean-clone CI runs
+    missed leaks); the loops are killed and reaped after."""
+    hogs = [subprocess.Popen([sys.executable, "-c", "while True: pass"])
+            for _ in range(os.cpu_count() or 1)]
+    try:
+        yield
+    finally:
+        for h in hogs:
+            h.kill()
+            h.wait()
 
 
 def peek(pid: int, addr: int) -> int:

@@ -221,13 +221,18 @@ def test_readline_and_terminfo_state_found_in_a_real_process():
                 assert j >= 0 and state.ranges[j][1] >= k + 16 * i + 8
         assert (fx.expect["line_buffer"], 0) in state.tails
         assert (fx.expect["terminfo_table"], 0) in state.tails and fx.expect["terminfo_table"]
+        # readline's function map: its array up to the NULL, and each FUNMAP's 16 bytes
+        n = fx.expect["funmap_entries"]
+        assert n > 100 and (fx.expect["funmap"], 8 * (n + 1)) in state.tails
+        entries = [a for a, used in state.tails if used == 16]
+        assert len(entries) == n
         # and the environment's strings (the fixture's, and readline's LINES and COLUMNS),
         # and nothing else but terminfo's extended table
         mem = ProcessMemory(fx.pid)
         try:
             rest = [mem.read(a, 64).split(b"\0")[0] for a, used in state.tails
-                    if used != 257 * 16 and a not in (fx.expect["line_buffer"],
-                                                      fx.expect["terminfo_table"])]
+                    if used not in (257 * 16, 16) and a not in (
+                        fx.expect["line_buffer"], fx.expect["terminfo_table"], fx.expect["funmap"])]
         finally:
             os.close(mem.fd)
         with open(f"/proc/{fx.pid}/environ", "rb") as f:

@@ -243,19 +243,69 @@ import sys
 from memunreachable import cli
 sys.exit(cli.main(["check", sys.argv[1], "--json"]))
 """
+# what the unprivileged side imports besides the standard library (memunreachable/_native's
+# cffi backend, symbolize's ELF reader)
+NOBODY_MODULES = ("memunreachable", "_cffi_backend", "elftools")
 
 
-def check_as_nobody(pid: int):
-    proc = subprocess.run(NOBODY + [sys.executable, "-c", NOBODY_CHECK, str(pid)],
+@pytest.fixture(scope="module")
+def nobody_python():
+    """(command, env, python, dir): the command runs Python as uid 65534 in dir, a fresh
+    directory under /tmp that everyone may enter, importing memunreachable from a copy there:
+    a checkout (and its venv) under a 0700 home is out of that user's reach. The interpreter is
+    this one when uid 65534 can run it, else the system's of the same version."""
+    import importlib.util
+    import tempfile
+    root = tempfile.mkdtemp(prefix="mu-nobody-")
+    lib = os.path.join(root, "lib")
+    os.mkdir(lib)
+    for name in NOBODY_MODULES:
+        spec = importlib.util.find_spec(name)
+        assert spec is not None and spec.origin, f"{name} is not importable"
+        if spec.submodule_search_locations:
+            shutil.copytree(list(spec.submodule_search_locations)[0], os.path.join(lib, name),
+                            ignore=shutil.ignore_patterns("__pycache__"))
+        else:
+            shutil.copy(spec.origin, lib)
+    for d, _, files in os.walk(root):
+        os.chmod(d, 0o755)
+        for f in files:
+            os.chmod(os.path.join(d, f), 0o755)
+    env = dict(os.environ, PYTHONPATH=lib)
+    version = "%d.%d" % sys.version_info[:2]
+    probe = "import sys, memunreachable.cli; print(sys.executable, memunreachable.__file__)"
+    tried = []
+    try:
+        for python in dict.fromkeys([sys.executable, os.path.realpath(sys.executable),
+                                     f"/usr/bin/python{version}",
+                                     f"/usr/local/bin/python{version}"]):
+            proc = subprocess.run(NOBODY + [python, "-s", "-c", probe], env=env, cwd=root,
+                                  capture_output=True, text=True, timeout=60)
+            out = proc.stdout.split()
+            if proc.returncode == 0 and out[1].startswith(lib + "/"):
+                yield NOBODY + [python, "-s"], env, out[0], root
+                return
+            tried.append(f"{python}: " + (proc.stderr.strip().splitlines()
+                                          or [f"exit {proc.returncode}, {proc.stdout!r}"])[-1])
+        pytest.fail(f"no Python {version} that uid 65534 can run with memunreachable copied to "
+                    f"{lib} ({'; '.join(tried)}): install python{version} system-wide")
+    finally:
+        shutil.rmtree(root)
+
+
+def check_as_nobody(nobody_python, pid: int):
+    cmd, env, _, root = nobody_python
+    proc = subprocess.run(cmd + ["-c", NOBODY_CHECK, str(pid)], env=env, cwd=root,
                           capture_output=True, text=True, timeout=120)
+    assert proc.stdout, proc.stderr
     return proc.returncode, json.loads(proc.stdout)["error"], proc.stderr
 
 
-def test_another_users_process():
+def test_another_users_process(nobody_python):
     with fixtures.start("ptr_busy") as fx:
-        rc, error, stderr = check_as_nobody(fx.pid)
+        rc, error, stderr = check_as_nobody(nobody_python, fx.pid)
         hint = (f"Process {fx.pid} belongs to user root. Tracing another user's process needs "
-                f"root or CAP_SYS_PTRACE; try: sudo {sys.executable} -m memunreachable check "
+                f"root or CAP_SYS_PTRACE; try: sudo {nobody_python[2]} -m memunreachable check "
                 f"{fx.pid}")
         assert (rc, error) == (3, {"kind": "AccessDenied", "hint": hint,
                                    "message": f"process {fx.pid} belongs to user root "
@@ -264,18 +314,17 @@ def test_another_users_process():
         assert_running(fx.pid)
 
 
-def test_non_dumpable_process_of_the_same_user(tmp_path):
-    exe = tmp_path / "ptr_nodump"
+def test_non_dumpable_process_of_the_same_user(nobody_python):
+    exe = os.path.join(nobody_python[3], "ptr_nodump")   # a directory uid 65534 may enter
     shutil.copy(fixtures.build("ptr_nodump"), exe)
-    os.chmod(tmp_path, 0o755)
-    proc = subprocess.Popen(NOBODY + [str(exe)], stdin=subprocess.PIPE, stdout=subprocess.PIPE,
+    proc = subprocess.Popen(NOBODY + [exe], stdin=subprocess.PIPE, stdout=subprocess.PIPE,
                             stderr=subprocess.PIPE)
     try:
         assert b"ready\n" in [proc.stdout.readline() for _ in range(2)]
         st = procfs.read_status(proc.pid)
         assert st.uids == (65534,) * 4
         assert os.stat(f"/proc/{proc.pid}/mem").st_uid == 0        # the non-dumpable sign
-        rc, error, _ = check_as_nobody(proc.pid)
+        rc, error, _ = check_as_nobody(nobody_python, proc.pid)
         assert (rc, error) == (3, {
             "kind": "AccessDenied", "hint": diagnose.hint_not_dumpable(proc.pid),
             "message": f"process {proc.pid} is not dumpable (pid={proc.pid}, name='ptr_nodump')"})

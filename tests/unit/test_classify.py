@@ -90,6 +90,14 @@ def test_register_words_include_fp_state():
     assert words[27:] == [0x1234, 0x5678]
 
 
+def test_fp_state_of_a_thread_inside_a_system_call_is_no_root():
+    # every vector register is caller-saved: inside read(2) (orig_rax 0) it holds only stale
+    # copies; the general registers stay roots (a callee-saved one may hold a live pointer)
+    fp = struct.pack("<4Q", 0, 0x1234, 0, 0x5678)
+    t = ThreadState(1, regs(0x100, fs_base=0x777, rax=0x42, orig_rax=0), fp)
+    assert register_words([t]) == list(t.regs)
+
+
 def test_data_ranges_follow_new_maps_and_unwritten_ranges():
     # the answers are kept for the same inputs (the plugin's helper): a mapping added
     # (dlopen) or another unwritten set must give the new answer, not the kept one
@@ -118,12 +126,13 @@ def test_a_thread_waiting_for_the_check_keeps_only_the_registers_a_call_preserve
         return ThreadState(tid, tuple(r), struct.pack("<4Q", 0, 0x200000, 0, 0x201000))
     in_wait, running, other = thread(1, 270), thread(2, 0xFFFFFFFFFFFFFFFF), thread(3, 270)
     out = waiting([in_wait, running, other], [1, 2])
-    # the waiting thread: callee-saved, sp, fs_base, rip kept; caller-saved and FP/SIMD gone
+    # the waiting thread: callee-saved, sp, fs_base, rip kept; caller-saved gone (and its
+    # FP/SIMD state is no root, as for any thread in a syscall)
     kept = {REG_NAMES[k]: v for k, v in enumerate(out[0].regs) if v}
     assert kept == {"rbx": 0x100000, "rbp": 0x101000, "r12": 0x102000, "r13": 0x103000,
                     "r14": 0x104000, "r15": 0x105000, "rsp": 0xb0000, "fs_base": 0x7000,
                     "orig_rax": 270}
-    assert out[0].fpregs == b"" and 0x200000 not in register_words(out[:1])
+    assert 0x200000 not in register_words(out[:1])
     # stopped in user code (not in its wait), or not the requesting thread: whole
     assert out[1] is running and out[2] is other
     for t in (running, other):
@@ -131,16 +140,16 @@ def test_a_thread_waiting_for_the_check_keeps_only_the_registers_a_call_preserve
     assert {0x200000, 0x201000} <= set(register_words(out[1:]))
 
 
-def test_a_block_only_a_stale_vector_register_holds_is_a_leak_of_a_waiting_thread():
-    from memunreachable.classify import waiting
+def test_a_block_only_a_vector_register_holds_is_live_in_user_code_and_leaked_in_a_syscall():
     from memunreachable.mark import mark
     from tests.unit.test_mark import Heap
     h = Heap([32, 32])
-    r = list(regs(0xb0000, orig_rax=270))
-    r[5] = h.addrs[0]                                   # rbx: live across the call
-    t = ThreadState(9, tuple(r), struct.pack("<2Q", 0, h.addrs[1]))     # zmm leftovers
-    assert list(mark(h.image(), [], register_words([t])).marked) == [1, 1]
-    assert list(mark(h.image(), [], register_words(waiting([t], [9]))).marked) == [1, 0]
+    fp = struct.pack("<2Q", 0, h.addrs[1])
+    for orig_rax, marked in ((0xFFFFFFFFFFFFFFFF, [1, 1]), (270, [1, 0])):
+        r = list(regs(0xb0000, orig_rax=orig_rax))
+        r[5] = h.addrs[0]                               # rbx: live across a call
+        t = ThreadState(9, tuple(r), fp)                # in a syscall: zmm leftovers
+        assert list(mark(h.image(), [], register_words([t])).marked) == marked
 
 
 def test_stacks_merged_in_one_mapping_keep_each_block_whole_but_the_dead_stack_below_each_sp():

@@ -127,6 +127,7 @@ def test_a_block_held_by_a_register_names_the_register_or_the_fp_state_offset():
     from memunreachable._types import REG_NAMES, ThreadState
     h = Heap([32, 32])
     regs = [0] * 27
+    regs[REG_NAMES.index("orig_rax")] = 0xFFFFFFFFFFFFFFFF     # in user code
     regs[REG_NAMES.index("rbx")] = h.addrs[0] + 8
     fp = bytes(0x40) + struct.pack("<Q", h.addrs[1]) + bytes(8)
     t = ThreadState(5, tuple(regs), fp)

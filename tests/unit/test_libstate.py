@@ -192,3 +192,19 @@ def test_environ_strings_up_to_the_null_entry():
     mem.hole = env + 16                                     # unreadable third entry: the two
     mem.blocks[at] = struct.pack("<Q", env)
     assert K.environ_strings(mem, at) == strings[:2]
+
+
+def test_funmap_tails_are_each_entrys_slack_and_the_arrays_slots_after_its_null():
+    funmap_at, array = 0x7F0000040000, 0x555500030000
+    e1, e2 = 0x555500031000, 0x555500031030
+    mem = BufferMemory()
+    mem.blocks[funmap_at] = struct.pack("<Q", array)
+    # two entries, the NULL, then realloc's unwritten slot holding a stale pointer
+    mem.blocks[array] = struct.pack("<4Q", e1, e2, 0, 0x7F00FA000053)
+    assert K.funmap_tails(mem, funmap_at) == [(array, 24), (e1, 16), (e2, 16)]
+    mem.blocks[array] = struct.pack("<3Q", e1, e2 + 4, 0)              # misaligned: not one
+    assert K.funmap_tails(mem, funmap_at) == []
+    mem.blocks[array] = struct.pack("<2Q", e1, e2)                     # unreadable before a NULL
+    assert K.funmap_tails(Holey(mem.blocks, array + 16), funmap_at) == []
+    mem.blocks[funmap_at] = struct.pack("<Q", 0)                       # readline not set up
+    assert K.funmap_tails(mem, funmap_at) == []

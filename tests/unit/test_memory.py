@@ -8,7 +8,7 @@ import pytest
 
 from memunreachable._errors import MemoryUnreadable
 from memunreachable._types import Mapping, Range
-from memunreachable.memory import PAGE, ProcessMemory, plan_snapshot
+from memunreachable.memory import PAGE, ProcessMemory, SnapshotPlan, lacking_in_fork, plan_snapshot
 
 libc = ctypes.CDLL(None, use_errno=True)
 libc.mmap.restype = ctypes.c_void_p
@@ -119,6 +119,29 @@ def test_plan_finds_dontfork_and_wipeonfork_ranges():
     assert plan.tolerated == [Range(0x60000, 0x61000)]
     assert any("MADV_DONTFORK" in n for n in plan.notes)
     assert any("MADV_WIPEONFORK" in n for n in plan.notes)
+
+
+def test_what_a_fork_will_lack_is_read_from_the_targets_own_flags():
+    target = [(m(0x10000, 0x20000, path="[heap]"), frozenset({"rd", "wr"})),
+              (m(0x30000, 0x40000), frozenset({"rd", "wr", "dc"})),
+              (m(0x40000, 0x48000), frozenset({"rd", "wr", "dc"})),      # adjacent: merged
+              (m(0x50000, 0x58000), frozenset({"rd", "wr", "wf"})),
+              (m(0x60000, 0x61000), frozenset({"rd", "wr", "wf", "dd", "nr", "dp"})),  # getrandom
+              (m(0x70000, 0x71000, "---p"), frozenset({"dc"})),          # unreadable
+              (m(0x80000, 0x81000, "r--p", "[vvar]"), frozenset({"rd", "dc", "pf", "io"})),
+              (m(0x90000, 0x91000, "rw-s", "/dev/zero"), frozenset({"rd", "wr", "sh", "wf"}))]
+    ranges, notes = lacking_in_fork(target)
+    assert ranges == [Range(0x30000, 0x48000), Range(0x50000, 0x58000)]
+    assert notes == ["0x30000-0x40000 (anonymous) is not in the snapshot (MADV_DONTFORK)",
+                     "0x40000-0x48000 (anonymous) is not in the snapshot (MADV_DONTFORK)",
+                     "0x50000-0x58000 is MADV_WIPEONFORK"]
+
+
+def test_the_reason_for_missing_memory_counts_the_ranges_it_does_not_name():
+    notes = [f"range {i}" for i in range(28)]
+    assert SnapshotPlan(notes=notes).why_missing() == "range 0; range 1; range 2; and 25 more"
+    assert SnapshotPlan(notes=notes[:3]).why_missing() == "range 0; range 1; range 2"
+    assert SnapshotPlan().why_missing() == ""
 
 
 def test_plan_of_a_complete_snapshot_is_empty():

@@ -245,6 +245,7 @@ EXPECTED_JSON = {
     "duration_ms": 120.04,
     "snapshot_mode": "clone",
     "snapshot_ms": 40.0,
+    "snapshots": 0,
     "retries": 0,
     "retake_counts": {},
     "num_allocations": 120,
