@@ -10,6 +10,7 @@ import pytest
 import fixtures
 from memunreachable import procfs
 from memunreachable.unreachable import check, check_later, sweep_pending
+from ptr_helpers import wait_until
 from test_check import assert_target_running, children_of
 
 pytestmark = pytest.mark.ptrace
@@ -38,6 +39,18 @@ def _poke(pid: int, address: int, value: int) -> None:
         mem.write(struct.pack("<Q", value))
 
 
+def _deferred(pid: int, **kw):
+    """check_later(pid) once the target's thread is back in its read: right after a check's
+    thaw, a loaded machine may not have run it yet, and a thread stopped in libc outside a
+    system call may be inside malloc, so check_later declines (None; 2 of 200 with every CPU
+    busy), as it should. The plugin's helper waits the same way (_tracer.py)."""
+    def in_read():
+        with open(f"/proc/{pid}/syscall") as f:
+            return f.read().split()[0] == "0"
+    assert wait_until(in_read), "the fixture never got back to its read"
+    return check_later(pid, **kw)
+
+
 def test_a_snapshot_swept_later_shows_the_moment_it_was_taken():
     with fixtures.start("live_data") as fx:
         live = fx.blocks["live_data"].address
@@ -64,7 +77,7 @@ def test_a_snapshot_swept_later_shows_the_moment_it_was_taken():
 def test_a_snapshot_never_swept_is_released_whole():
     with fixtures.start("leak_five") as fx:
         for _ in range(3):              # the lock is dropped too: the next one can be taken
-            pending = check_later(fx.pid)
+            pending = _deferred(fx.pid)
             assert pending is not None and children_of(fx.pid) == [(pending.snap.pid, "t")]
             pending.release()
             pending.release()           # idempotent
@@ -84,7 +97,7 @@ def test_a_process_above_the_size_limit_is_not_deferred(monkeypatch):
         assert check_later(fx.pid) is None
         assert_target_running(fx)
         monkeypatch.setattr(unreachable, "DEFER_MAX_RSS", rss + (64 << 20))
-        pending = check_later(fx.pid)
+        pending = _deferred(fx.pid)
         assert pending is not None
         pending.release()
         assert_target_running(fx)
@@ -95,14 +108,14 @@ def test_a_snapshot_planned_later_is_swept_the_same_or_says_what_it_lacks():
     # Pending.complete() (the helper's, once its reply is sent); a sweep calls it first
     from memunreachable._errors import CollectionError
     with fixtures.start("leak_five") as fx:
-        pending = check_later(fx.pid, plan_later=True)
+        pending = _deferred(fx.pid, plan_later=True)
         assert pending is not None and pending.plan is None
         info = sweep_pending(pending, limit=None)
         assert {l.address for l in info.leaks} == fx.addresses("leak")
         assert_target_running(fx)
     with fixtures.start("dontfork", "dontfork", "64") as fx:
         assert check_later(fx.pid) is None          # planned at once: checked at once
-        pending = check_later(fx.pid, plan_later=True)
+        pending = _deferred(fx.pid, plan_later=True)
         assert pending is not None
         try:
             assert not pending.complete() and "MADV_DONTFORK" in pending.lacking
