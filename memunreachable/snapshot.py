@@ -415,13 +415,19 @@ class Snapshot(Fields):
 
 
 def _kill_child(child: int, timeout: float) -> None:
-    """SIGKILL the stopped child and collect it as its tracer (then it is the target's zombie)."""
+    """SIGKILL the stopped child and collect its exit as its tracer (then it is the target's
+    zombie, which the injected wait4 reaps)."""
     try:
         os.kill(child, signal.SIGKILL)
     except ProcessLookupError:
         return
     status = ffi.new("int *")
-    lib.mu_wait_tid(child, int(timeout * 1000), status)
+    deadline = time.monotonic() + timeout
+    while True:     # a stop it reported before the kill and we never collected comes first
+        left_ms = max(1, int((deadline - time.monotonic()) * 1000))
+        if lib.mu_wait_tid(child, left_ms, status) <= 0 or not os.WIFSTOPPED(status[0]) \
+                or time.monotonic() >= deadline:
+            return
 
 
 def _raise_inject(fz: Frozen, tid: int, rc: int, out, what: str):
