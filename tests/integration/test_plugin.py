@@ -82,6 +82,24 @@ def test_option_fails_the_leaking_test_with_the_report(suite):
                               "FAILED test_suite.py::test_fixture - Failed: 1 block leaked*"])
 
 
+NOTE_LEAKS = """
+import os
+import leakytools
+
+_leak = leakytools.leak
+
+
+def leak(n):
+    addr, size = _leak(n)
+    with open(os.environ["SCRATCH_FILE"], "a") as f:
+        f.write(format(addr, "x") + "\\n")
+    return addr, size
+
+
+leakytools.leak = leak
+"""
+
+
 def test_each_xdist_worker_checks_itself(suite):
     # Every worker runs its own checks (its own helper): the clean test passes and the three
     # leaky ones fail with the report, wherever xdist sends them. When test_clean runs first in
@@ -90,7 +108,17 @@ def test_each_xdist_worker_checks_itself(suite):
     # allocator 5-6 of 8 runs caught both until the stale parts of live objects (class
     # instances' slack, sets' old smalltables, dict values' prefixes, str subclasses' text,
     # generators' unwritten words, MEMUNREACHABLE_EXPLAIN) were no references: 40 of 40 then.
-    res = suite.runpytest_subprocess("--memunreachable", "-n", "2", "-rf")
+    # a miss names what held the block (MEMUNREACHABLE_EXPLAIN: no cost while it is a leak)
+    scratch, log = suite.path / "leaks.txt", suite.path / "explain.log"
+    suite.makeconftest(NOTE_LEAKS)
+    with pytest.MonkeyPatch.context() as mp:
+        mp.setenv("SCRATCH_FILE", str(scratch))
+        mp.setenv("MEMUNREACHABLE_EXPLAIN", "@" + str(scratch))
+        mp.setenv("MEMUNREACHABLE_EXPLAIN_LOG", str(log))
+        res = suite.runpytest_subprocess("--memunreachable", "-n", "2", "-rf")
+    why = [line for line in (log.read_text() if log.exists() else "").splitlines()
+           if "not inside any allocation" not in line and "is unreachable" not in line]
+    assert res.parseoutcomes().get("failed") == 3, "\n".join(why[:40])
     res.assert_outcomes(passed=1, failed=3)
     res.stdout.fnmatch_lines_random([
         "FAILED test_suite.py::test_leaks - Failed: 1 block leaked*",
