@@ -15,7 +15,16 @@ from ptr_helpers import assert_running, moves, peek, states, wait_until
 pytestmark = pytest.mark.ptrace
 
 
-def test_freeze_captures_and_thaws():
+@pytest.fixture
+def default_sigint():
+    """SIGINT handled as in an interactive Python: a suite started as a background job (nohup,
+    `cmd &` in a script, some CI runners) begins with it ignored, which freeze respects."""
+    old = signal.signal(signal.SIGINT, signal.default_int_handler)
+    yield
+    signal.signal(signal.SIGINT, old)
+
+
+def test_freeze_captures_and_thaws(default_sigint):
     with fixtures.start("ptr_busy") as fx:
         busy = fx.expect["busy_addr"]
         with frozen(fx.pid) as fz:
@@ -100,7 +109,7 @@ def test_signal_sent_while_frozen_is_delivered_after_thaw():
 
 
 @pytest.mark.parametrize("signum", [signal.SIGINT, signal.SIGTERM])
-def test_sigint_sigterm_in_body_thaw_and_restore_handlers(signum):
+def test_sigint_sigterm_in_body_thaw_and_restore_handlers(signum, default_sigint):
     before = signal.getsignal(signum)
     with fixtures.start("ptr_busy") as fx:
         with pytest.raises(FreezeInterrupted) as ei:
