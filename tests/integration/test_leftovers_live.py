@@ -295,7 +295,9 @@ def overlap_rounds(name: str, rounds: int, checkers: int) -> dict:
 def test_signals_at_many_moments_leave_nothing():
     counts = signal_rounds("leak_chain", per_signal=4, startup=1)
     assert counts["rounds"] == 15
-    assert counts["interrupted"] >= 6       # most delays fall inside the check
+    # the premise: many delays fall inside the check (6-10 of 12 on a quiet machine; 5 with
+    # both CPUs busy, where a check's duration varies more than the one measured)
+    assert counts["interrupted"] >= 4
 
 
 JOB_STOPS = [signal.SIGTSTP, signal.SIGTTIN, signal.SIGTTOU]

@@ -213,7 +213,10 @@ def test_every_check_of_a_process_with_dontfork_memory_takes_one_snapshot():
             info = check(fx.pid, limit=None)
             assert leak_set(info) == fixture_leaks(fx)
             assert (info.num_leaks, info.leak_bytes) == (1, fx.expect["leak_bytes"])
-            assert (info.snapshots, info.retries, info.num_uncertain) == (1, 0, 0)
+            # one snapshot: no retake for the memory a fork lacks (a second, confirming one
+            # when the freeze found a thread inside malloc/free: info.confirmed; under load)
+            assert (info.snapshots - info.confirmed, info.retries, info.num_uncertain) == (1, 0, 0)
+            assert info.retake_counts == {}
         assert_target_running(fx)
 
 
