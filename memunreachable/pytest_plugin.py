@@ -574,8 +574,7 @@ def _leak_text(info, leaks) -> str:
 def headline(info) -> str:
     """'N blocks leaked during this test (X bytes): ...' naming what the report's entries are:
     Python objects by type, native heap blocks, and the blocks they hold."""
-    def n(k, what):
-        return f"{k} {what}" + ("" if k == 1 else "s")
+    from memunreachable.reporters.text import plural as n
     objects = [leak.python_type for leak in info.leaks if leak.python_type]
     native = len(info.leaks) - len(objects)
     held = info.num_leaks - len(info.leaks)

@@ -189,11 +189,11 @@ def group_leaks(leaks: List[Leak], limit: Optional[int] = None) -> Tuple[List[Le
             singles.append([leak])
         else:
             by_key.setdefault(key, []).append(leak)
-    groups, reach = [], {}
+    ranked = []             # (what the members reach, group)
     for members in list(by_key.values()) + singles:
         members.sort(key=lambda l: l.address)
         rest = members[1:]
-        groups.append(LeakGroup(
+        ranked.append((sum(l.total_size for l in members), LeakGroup(
             leaks=members if limit is None else members[:max(limit, 1)],
             num_entries=len(members),
             num_allocations=sum(l.entry_count for l in members),
@@ -201,11 +201,11 @@ def group_leaks(leaks: List[Leak], limit: Optional[int] = None) -> Tuple[List[Le
             similar_count=len(rest),
             similar_size=sum(l.size for l in rest),
             similar_referenced_count=sum(l.entry_count - 1 for l in rest),
-            similar_referenced_size=sum(l.entry_size - l.size for l in rest)))
-        reach[id(groups[-1])] = sum(l.total_size for l in members)
+            similar_referenced_size=sum(l.entry_size - l.size for l in rest))))
     # largest first by what the members reach (libmemunreachable's total_size), as single
     # entries sort (sort_and_limit): a block shared by two entries weighs in both
-    groups.sort(key=lambda g: (-reach[id(g)], g.representative.address))
+    ranked.sort(key=lambda rg: (-rg[0], rg[1].representative.address))
+    groups = [g for _, g in ranked]
     if limit is None or limit >= len(groups):
         return groups, 0
     return groups[:limit], len(groups) - limit

@@ -362,6 +362,21 @@ static inline uint64_t mu_value_words_r(const mu_rules *r, const uint8_t *p, uin
     return 0;
 }
 
+/* The handles of a value object (mu_value_words_r) that are native blocks'
+ * (mu_value_target_native), kept in v and at in their order; returns how many. What mark
+ * follows and fold draws edges to (ix: this thread's). */
+static inline uint64_t mu_value_handles(mu_scan_index *ix, const mu_dead *d, const mu_rules *r,
+                                        const uint8_t *p, uint64_t b, uint64_t *v, uint64_t *at)
+{
+    uint64_t n = mu_value_words_r(r, p, b, v, at), kept = 0;
+    for (uint64_t j = 0; j < n; j++)
+        if (mu_value_target_native(ix, d, v[j])) {
+            v[kept] = v[j];
+            at[kept++] = at[j];
+        }
+    return kept;
+}
+
 /* mu_dead_object over the rules r of the block (d has types). */
 static inline int mu_dead_object_r(const mu_rules *r, const uint8_t *p)
 {

@@ -258,10 +258,8 @@ int64_t mu_fold(const uint64_t *begin, const uint64_t *size, uint64_t n,
             }
             if (rr && mu_dead_object_r(rr, base)) {   /* a dead object: its words are stale */
                 uint64_t v[MU_VALUE_WORDS], at[MU_VALUE_WORDS];
-                uint64_t nv = mu_value_words_r(rr, base, b, v, at);
+                uint64_t nv = mu_value_handles(&ix, dead, rr, base, b, v, at);
                 for (uint64_t k = 0; k < nv; k++) {     /* or a value: native blocks' handles */
-                    if (!mu_value_target_native(&ix, dead, v[k]))
-                        continue;
                     eb.src[eb.n] = u;
                     eb.val[eb.n++] = v[k];
                     if (eb.n == FOLD_BATCH && add_edges(&ix, marked, sub ? NULL : node_of, stamp, &adj, off, &eb) < 0)

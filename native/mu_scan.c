@@ -776,10 +776,9 @@ static inline void scan_block(mark_ctx *m, uint64_t i, const uint8_t *d, uint64_
         rules_hash(m->th, d, len < avail ? len : avail, r);
         if (mu_dead_object_r(r, d)) {   /* a dead object: its words are stale */
             uint64_t v[MU_VALUE_WORDS], at[MU_VALUE_WORDS];
-            uint64_t nv = mu_value_words_r(r, d, b, v, at);
+            uint64_t nv = mu_value_handles(m->ix, dead, r, d, b, v, at);
             for (uint64_t k = 0; k < nv; k++)   /* or a value: native blocks' handles */
-                if (mu_value_target_native(m->ix, dead, v[k]))
-                    consider(m, v[k], at[k]);
+                consider(m, v[k], at[k]);
             return;
         }
     }
