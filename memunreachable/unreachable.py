@@ -781,12 +781,14 @@ def sweep(mem, maps, threads, pid: int, confirm: Optional[set] = None,
                        unwritten_file_pages(maps, unwritten))
     cps = _see_through_cpython(mem, maps, threads, pid, hw.image)
     image, dead = cps.image, cps.dead
-    # 4c. ld.so's l_gnu_chain_zero words: addresses computed below an object, not references
-    chain_words = [(w, w + 8) for w in linkmaps.of_process(mem, pid, maps)]
+    # 4c. ld.so's l_gnu_chain_zero words: addresses computed below an object, not references;
+    # its path strings' stale slack past their NUL
+    found = linkmaps.of_process(mem, pid, maps)
+    chain_words = [(w, w + 8) for w in found.words]
     # 4e. readline's keymap padding, its line buffer, terminfo's tables, the environment's
     # strings: stale bytes, text
     libs = libstate.of_process(mem, maps, pid)
-    dead = with_dead_ranges(dead, chain_words + libs.ranges + block_tails(image, libs.tails)
+    dead = with_dead_ranges(dead, chain_words + libs.ranges + block_tails(image, libs.tails + found.string_tails)
                             + list(dead_ranges))
     t_walk = time.monotonic()
     # 4d. Tracking table (memunreachable run): never a root, it points at every block

@@ -14,11 +14,19 @@ its dynamic section, whose DT_DEBUG entry ld.so set to &_r_debug; r_debug.r_map 
 public chain (l_addr 0, l_ld 16, l_next 24). For each object the expected value is computed
 from its own GNU hash header in memory, and only words of its link map equal to it are
 returned. Static executables (no DT_DEBUG) have none.
+
+The same walk gives the path strings ld.so keeps in blocks of their own: l_name (offset 8) and
+l_origin, the object's directory, which _dl_new_object copies into a block of strlen(path) + 1
+bytes. Past each string's NUL the block keeps whatever the chunk held before, stale words that
+would keep a leak alive; the caller counts only strlen + 1 bytes of each (string_tails, clipped
+to the block by the caller). l_origin's offset in struct link_map differs between glibc
+releases and is found by value: the word of an object's link map that points at a copy of the
+directory of its l_name.
 """
 from __future__ import annotations
 
 import struct
-from typing import Dict, List, Optional, Tuple
+from typing import Dict, List, NamedTuple, Optional, Tuple
 
 from memunreachable import procfs
 from memunreachable._errors import MemoryUnreadable, NoSuchProcess
@@ -30,6 +38,13 @@ PHDR_SIZE = 56
 LINK_MAP_BYTES = 2048       # struct link_map is 1,100-1,300 bytes in glibc 2.27-2.41
 MAX_OBJECTS = 4096
 MAX_DYN = 512
+MAX_PATH = 4096
+ORIGIN_SEARCH = (32, 1400)  # where l_origin may lie in struct link_map (byte offsets)
+
+
+class Found(NamedTuple):
+    words: List[int]                    # link-map words holding l_gnu_chain_zero, ascending
+    string_tails: List[Tuple[int, int]] # (block, strlen + 1) of each l_name and l_origin
 
 
 def _u64(mem, addr: int) -> int:
@@ -102,6 +117,8 @@ class Memo:
         # chain is not walked again (a word of ld.so's link maps that comes to hold such a
         # value later, in a map not walked, would count as a reference: as before this stage)
         self.words: Optional[List[Tuple[int, int]]] = None
+        self.found = Found([], [])
+        self.origin_offset: Optional[int] = None        # l_origin's offset in struct link_map
 
 
 _MEMO = Memo()
@@ -115,7 +132,7 @@ def files_key(maps) -> tuple:
     return tuple([(m.path, m.dev, m.inode, m.begin, m.offset) for m in maps if m.inode])
 
 
-def of_process(mem, pid: int, maps=None) -> List[int]:
+def of_process(mem, pid: int, maps=None) -> Found:
     """computed_words of process pid (its auxiliary vector read from /proc). With its maps,
     what depends on the mapped files alone is kept for the next call (Memo)."""
     global _MEMO
@@ -130,16 +147,17 @@ def of_process(mem, pid: int, maps=None) -> List[int]:
     try:
         auxv = procfs.read_auxv(pid)
     except (OSError, NoSuchProcess):
-        return []
+        return Found([], [])
     return computed_words(mem, auxv, memo)
 
 
 # Returns the addresses of the link-map words that hold their object's l_gnu_chain_zero,
-# ascending; [] when the link maps cannot be found or read (the words then count as before).
-# memo: a Memo of the same mapped files (auxv is not read when it knows r_debug).
-def computed_words(mem, auxv: Dict[int, int], memo: Optional[Memo] = None) -> List[int]:
+# ascending, and the path strings' tails; nothing when the link maps cannot be found or read
+# (the words then count as before). memo: a Memo of the same mapped files (auxv is not read
+# when it knows r_debug).
+def computed_words(mem, auxv: Dict[int, int], memo: Optional[Memo] = None) -> Found:
     if memo is not None and memo.words is not None and _still_hold(mem, memo.words):
-        return [addr for addr, _ in memo.words]
+        return memo.found
     try:
         if memo is not None and memo.have_r_debug:
             start = memo.r_debug
@@ -148,17 +166,19 @@ def computed_words(mem, auxv: Dict[int, int], memo: Optional[Memo] = None) -> Li
             if memo is not None:
                 memo.r_debug, memo.have_r_debug = start, True
         if start is None:
-            return []
+            return Found([], [])
         lm = _u64(mem, start + 8)                       # r_debug.r_map
     except (MemoryUnreadable, struct.error):
-        return []
-    out, seen = [], set()
+        return Found([], [])
+    out, seen, maps = [], set(), []
     while lm and lm % 8 == 0 and lm not in seen and len(seen) < MAX_OBJECTS:
         seen.add(lm)
         try:
             l_addr, _name, l_ld, l_next = struct.unpack("<QQQQ", mem.read(lm, 32))
         except (MemoryUnreadable, struct.error):
             break                                       # the chain cannot be followed
+        words = _read_up_to(mem, lm, LINK_MAP_BYTES)
+        maps.append((lm, words))
         if memo is not None and (l_addr, l_ld) in memo.chain_zero:
             value = memo.chain_zero[(l_addr, l_ld)]
         else:
@@ -169,13 +189,84 @@ def computed_words(mem, auxv: Dict[int, int], memo: Optional[Memo] = None) -> Li
             except (MemoryUnreadable, struct.error):
                 value = None                            # this object only (the vdso, say)
         if value is not None:
-            words = _read_up_to(mem, lm, LINK_MAP_BYTES)
             out += [(a, value) for a in _aligned_hits(words, value.to_bytes(8, "little"), lm)]
         lm = l_next
     out.sort()
+    strings, tails = _path_strings(mem, maps, memo)
     if memo is not None:
-        memo.words = out
-    return [addr for addr, _ in out]
+        memo.words = out + strings
+        memo.found = Found([addr for addr, _ in out], tails)
+    return Found([addr for addr, _ in out], tails)
+
+
+# Returns ((word address, string address) of each path pointer used, (string, strlen + 1) of
+# each path string) for the link maps [(address, first bytes)]: l_name at offset 8 and
+# l_origin at the offset _origin_offset finds (kept in memo).
+def _path_strings(mem, maps, memo: Optional[Memo]):
+    names = {}
+    for lm, words in maps:
+        name = struct.unpack_from("<Q", words, 8)[0] if len(words) >= 16 else 0
+        names[lm] = (name, _c_string(mem, name) if name else None)
+    offset = memo.origin_offset if memo is not None else None
+    if offset is None:
+        offset = next((k for lm, words in maps
+                       for k in [_origin_offset(mem, lm, words, *names[lm])] if k), None)
+        if memo is not None:
+            memo.origin_offset = offset
+    pointers, tails = [], []
+    for lm, words in maps:
+        name, text = names[lm]
+        if text is not None:
+            pointers.append((lm + 8, name))
+            tails.append((name, len(text) + 1))
+        if offset is not None and offset + 8 <= len(words):
+            origin = struct.unpack_from("<Q", words, offset)[0]
+            text = _c_string(mem, origin) if origin and origin % 8 == 0 else None
+            if text is not None and text.startswith(b"/") and _printable(text):
+                pointers.append((lm + offset, origin))
+                tails.append((origin, len(text) + 1))
+    return pointers, tails
+
+
+# Returns the offset of l_origin in the link map at lm (its first bytes: words) whose l_name
+# string is text at name, or None: the first word, other than l_name and pointers into the link
+# map itself, that points at a block (16-aligned) holding the directory of text.
+def _origin_offset(mem, lm: int, words: bytes, name: int, text: Optional[bytes]):
+    if not text or not text.startswith(b"/"):
+        return None
+    directory = text[:text.rindex(b"/")] or b"/"
+    for k in range(ORIGIN_SEARCH[0], min(ORIGIN_SEARCH[1], len(words) - 7), 8):
+        v = struct.unpack_from("<Q", words, k)[0]
+        if not v or v % 16 or v == name or lm <= v < lm + LINK_MAP_BYTES:
+            continue
+        try:
+            if mem.read(v, len(directory) + 1) == directory + b"\0":
+                return k
+        except MemoryUnreadable:
+            continue
+    return None
+
+
+def _c_string(mem, addr: int) -> Optional[bytes]:
+    """The NUL-terminated string at addr (without its NUL), or None: unreadable, or no NUL in
+    MAX_PATH bytes."""
+    data = b""
+    while len(data) < MAX_PATH:
+        try:
+            chunk = _read_up_to(mem, addr + len(data), 256)
+        except MemoryUnreadable:
+            return None
+        end = chunk.find(b"\0")
+        if end >= 0:
+            return data + chunk[:end]
+        if len(chunk) < 256:
+            return None
+        data += chunk
+    return None
+
+
+def _printable(text: bytes) -> bool:
+    return all(0x20 <= c < 0x7F for c in text)
 
 
 def _still_hold(mem, words: List[Tuple[int, int]]) -> bool:

@@ -62,6 +62,9 @@ EXPECTED: Dict[str, Shape] = {
     "leak_keymap_stale": Shape(single("leak_a")),
     # a big leak pointed into only by ld.so's dangling ld.so.cache pointer (cache_new)
     "leak_ldcache": Shape(single("leak_a")),
+    # a leak pointed into only by stale malloc slack past the NUL of a dlopen'ed library's
+    # l_origin and l_name strings
+    "leak_origin_stale": Shape(single("leak_a")),
     "live_mmap": Shape(single("leak_a")),
     "live_data_readonly": Shape(single("leak_a")),
     # glibc heap shapes

@@ -2,6 +2,7 @@
 test process after every test): they must follow the process's mapped files. A library
 dlopen'ed between two checks changes the files: linkmaps' memo (r_debug, l_gnu_chain_zero per
 object) is rebuilt, and the words it gives equal a computation without any memo."""
+import os
 import subprocess
 import sys
 import textwrap
@@ -49,14 +50,15 @@ def target(tmp_path):
 
 def test_linkmaps_memo_follows_a_dlopen_between_checks(target, monkeypatch):
     p, so = target
-    seen = []
+    seen, texts = [], []
     real = linkmaps.of_process
 
     def spy(mem, pid, maps=None):
-        words = real(mem, pid, maps)
-        fresh = linkmaps.computed_words(mem, procfs.read_auxv(pid))      # no memo at all
-        seen.append((words, fresh, linkmaps._MEMO.key, dict(linkmaps._MEMO.chain_zero)))
-        return words
+        found = real(mem, pid, maps)
+        fresh = linkmaps.computed_words(mem, procfs.read_auxv(pid))         # no memo at all
+        seen.append((found, fresh, linkmaps._MEMO.key, dict(linkmaps._MEMO.chain_zero)))
+        texts.append({linkmaps._c_string(mem, a) for a, _ in found.string_tails})
+        return found
 
     monkeypatch.setattr(linkmaps, "of_process", spy)
     for _ in range(2):                                  # the second check uses the memo
@@ -70,7 +72,10 @@ def test_linkmaps_memo_follows_a_dlopen_between_checks(target, monkeypatch):
     w3, f3, k3, c3 = seen[-1]
     assert k3 != k2                                     # the mapped files changed: a new memo
     assert any(path == so for path, *_ in k3) and not any(path == so for path, *_ in k2)
-    assert w3 == f3 and len(w3) == len(w2) + 1          # the new object's link map word
+    assert w3 == f3 and len(w3.words) == len(w2.words) + 1     # the new object's link map word
+    # and its two path strings: l_name (the path) and l_origin (its directory)
+    assert len(w3.string_tails) == len(w2.string_tails) + 2
+    assert {so.encode(), os.path.dirname(so).encode()} <= texts[-1] - texts[-2]
     base = min(m.begin for m in procfs.read_maps(p.pid) if m.path == so)
     assert [v for (l_addr, _), v in c3.items() if l_addr == base] != [None]
     assert set(c3) - set(c2) == {(l_addr, l_ld) for l_addr, l_ld in c3 if l_addr == base}

@@ -65,18 +65,18 @@ def test_chain_zero_relocated_or_not():
 
 def test_computed_words_are_the_link_map_words_equal_to_it():
     mem, cz1, cz2 = image()
-    assert LM.computed_words(mem, auxv()) == [LM1 + 808, LM2 + 800]
+    assert LM.computed_words(mem, auxv()).words == [LM1 + 808, LM2 + 800]
 
 
 def test_a_cyclic_or_unset_chain_stops():
     mem, _, _ = image()
     mem.blocks[R_DEBUG] = struct.pack("<IIQ", 1, 0, 0)             # r_map not set yet
-    assert LM.computed_words(mem, auxv()) == []
+    assert LM.computed_words(mem, auxv()).words == []
     mem, _, _ = image()
     lm2 = bytearray(mem.blocks[LM2])
     struct.pack_into("<Q", lm2, 24, LM1)                          # l_next back to the first
     mem.blocks[LM2] = bytes(lm2)
-    assert LM.computed_words(mem, auxv()) == [LM1 + 808, LM2 + 800]
+    assert LM.computed_words(mem, auxv()).words == [LM1 + 808, LM2 + 800]
 
 
 def test_parse_auxv():
@@ -103,27 +103,69 @@ def test_an_unreadable_object_skips_only_itself():
     mem, cz1, cz2 = image()
     # object 1's GNU hash header cannot be read: object 2 is still handled
     holey = Holey(mem.blocks, (LIB1 + 0x300, LIB1 + 0x310))
-    assert LM.computed_words(holey, auxv()) == [LM2 + 800]
+    assert LM.computed_words(holey, auxv()).words == [LM2 + 800]
     # a dynamic section that ends its mapping 48 bytes in: read up to there
     holey = Holey(mem.blocks, (LIB2 + 0x200 + 48, LIB2 + 0x2a0))
-    assert LM.computed_words(holey, auxv()) == [LM1 + 808, LM2 + 800]
+    assert LM.computed_words(holey, auxv()).words == [LM1 + 808, LM2 + 800]
 
 
 def test_a_memo_serves_the_same_words_until_one_no_longer_holds_its_value():
     mem, cz1, cz2 = image()
     memo = LM.Memo(("files",))
-    assert LM.computed_words(mem, auxv(), memo) == [LM1 + 808, LM2 + 800]
+    assert LM.computed_words(mem, auxv(), memo).words == [LM1 + 808, LM2 + 800]
     assert memo.have_r_debug and memo.r_debug == R_DEBUG
     assert memo.chain_zero == {(LIB1, LIB1 + 0x200): cz1, (LIB2, LIB2 + 0x200): cz2,
                                (0, LIB1 + 0x900): None}
     # the memo answers without the auxiliary vector or the chain (r_debug emptied: unread)
     mem.blocks[R_DEBUG] = struct.pack("<IIQ", 1, 0, 0)
-    assert LM.computed_words(mem, {}, memo) == [LM1 + 808, LM2 + 800]
+    assert LM.computed_words(mem, {}, memo).words == [LM1 + 808, LM2 + 800]
     # a word that no longer holds its value: the chain is walked again (from r_debug, known)
     mem.blocks[R_DEBUG] = struct.pack("<IIQ", 1, 0, LM1)
     lm2 = bytearray(mem.blocks[LM2])
     struct.pack_into("<Q", lm2, 800, 0)
     struct.pack_into("<Q", lm2, 816, cz2)
     mem.blocks[LM2] = bytes(lm2)
-    assert LM.computed_words(mem, {}, memo) == [LM1 + 808, LM2 + 816]
+    assert LM.computed_words(mem, {}, memo).words == [LM1 + 808, LM2 + 816]
     assert memo.words == [(LM1 + 808, cz1), (LM2 + 816, cz2)]
+
+
+def test_path_strings_tails_cover_each_l_name_and_l_origin_up_to_its_nul():
+    mem, _, _ = image()
+    name1, origin1, name2, origin2 = 0x5555BBBB0000, 0x5555BBBB0100, 0x5555BBBB0200, 0x5555BBBB0300
+    stale = (0x5555CCCC0000).to_bytes(8, "little")
+    mem.blocks[name1] = b"/usr/lib/libone.so\0" + bytes(5) + stale
+    mem.blocks[origin1] = b"/usr/lib\0" + bytes(7) + stale       # malloc(strlen(path) + 1)
+    mem.blocks[name2] = b"/opt/x/libtwo.so\0" + stale
+    mem.blocks[origin2] = b"/opt/x\0" + bytes(1) + stale
+    for lm, name, origin, at in ((LM1, name1, origin1, 872), (LM2, name2, origin2, 872)):
+        words = bytearray(mem.blocks[lm])
+        struct.pack_into("<Q", words, 8, name)
+        struct.pack_into("<Q", words, 40, lm + 600)      # a pointer into the link map itself
+        struct.pack_into("<Q", words, 64, name)          # l_libname's name: l_name again
+        struct.pack_into("<Q", words, at, origin)
+        mem.blocks[lm] = bytes(words)
+    found = LM.computed_words(mem, auxv())
+    assert found.words == [LM1 + 808, LM2 + 800]
+    assert sorted(found.string_tails) == [(name1, 19), (origin1, 9), (name2, 17), (origin2, 7)]
+    # the offset is found once and kept; a memo serves the same answer while the words hold
+    memo = LM.Memo(("files",))
+    assert LM.computed_words(mem, auxv(), memo) == found and memo.origin_offset == 872
+    assert LM.computed_words(mem, {}, memo) == found
+    # an origin that is no path (unset: -1 in glibc) gives no tail
+    words = bytearray(mem.blocks[LM2])
+    struct.pack_into("<Q", words, 872, (1 << 64) - 1)
+    mem.blocks[LM2] = bytes(words)
+    assert sorted(LM.computed_words(mem, auxv(), memo).string_tails) == [
+        (name1, 19), (origin1, 9), (name2, 17)]
+
+
+def test_no_origin_is_guessed_from_a_word_that_points_at_other_text():
+    mem, _, _ = image()
+    name1, other = 0x5555BBBB0000, 0x5555BBBB0100
+    mem.blocks[name1] = b"/usr/lib/libone.so\0"
+    mem.blocks[other] = b"/usr/libexec\0"                # the directory is only its prefix
+    words = bytearray(mem.blocks[LM1])
+    struct.pack_into("<Q", words, 8, name1)
+    struct.pack_into("<Q", words, 872, other)
+    mem.blocks[LM1] = bytes(words)
+    assert sorted(LM.computed_words(mem, auxv()).string_tails) == [(name1, 19)]
