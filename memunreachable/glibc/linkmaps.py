@@ -206,7 +206,7 @@ def _path_strings(mem, maps, memo: Optional[Memo]):
     names = {}
     for lm, words in maps:
         name = struct.unpack_from("<Q", words, 8)[0] if len(words) >= 16 else 0
-        names[lm] = (name, _c_string(mem, name) if name else None)
+        names[lm] = (name, _c_string(mem, name) if _user_address(name) else None)
     offset = memo.origin_offset if memo is not None else None
     if offset is None:
         offset = next((k for lm, words in maps
@@ -221,7 +221,7 @@ def _path_strings(mem, maps, memo: Optional[Memo]):
             tails.append((name, len(text) + 1))
         if offset is not None and offset + 8 <= len(words):
             origin = struct.unpack_from("<Q", words, offset)[0]
-            text = _c_string(mem, origin) if origin and origin % 8 == 0 else None
+            text = _c_string(mem, origin) if _user_address(origin) and origin % 8 == 0 else None
             if text is not None and text.startswith(b"/") and _printable(text):
                 pointers.append((lm + offset, origin))
                 tails.append((origin, len(text) + 1))
@@ -237,7 +237,7 @@ def _origin_offset(mem, lm: int, words: bytes, name: int, text: Optional[bytes])
     directory = text[:text.rindex(b"/")] or b"/"
     for k in range(ORIGIN_SEARCH[0], min(ORIGIN_SEARCH[1], len(words) - 7), 8):
         v = struct.unpack_from("<Q", words, k)[0]
-        if not v or v % 16 or v == name or lm <= v < lm + LINK_MAP_BYTES:
+        if not _user_address(v) or v % 16 or v == name or lm <= v < lm + LINK_MAP_BYTES:
             continue
         try:
             if mem.read(v, len(directory) + 1) == directory + b"\0":
@@ -263,6 +263,12 @@ def _c_string(mem, addr: int) -> Optional[bytes]:
             return None
         data += chunk
     return None
+
+
+def _user_address(v: int) -> bool:
+    """v could be a user-space address (a word of any value is not read: /proc/PID/mem
+    refuses offsets from 2**63 with EINVAL, not as unreadable memory)."""
+    return 4096 <= v < 1 << 57
 
 
 def _printable(text: bytes) -> bool:

@@ -169,3 +169,21 @@ def test_no_origin_is_guessed_from_a_word_that_points_at_other_text():
     struct.pack_into("<Q", words, 872, other)
     mem.blocks[LM1] = bytes(words)
     assert sorted(LM.computed_words(mem, auxv()).string_tails) == [(name1, 19)]
+
+
+def test_words_that_are_no_user_address_are_never_read():
+    mem, _, _ = image()
+    name1 = 0x5555BBBB0000
+    mem.blocks[name1] = b"/usr/lib/libone.so\0"
+    words = bytearray(mem.blocks[LM1])
+    struct.pack_into("<Q", words, 8, name1)
+    struct.pack_into("<Q", words, 864, 0xDDDDDDDDDDDDDD00)   # a debug hooks' fill byte
+    mem.blocks[LM1] = bytes(words)
+
+    class Kernel(BufferMemory):     # /proc/PID/mem: offsets from 2**63 are EINVAL
+        def read(self, addr, size):
+            if addr >= 1 << 63:
+                raise OSError(22, "Invalid argument")
+            return super().read(addr, size)
+
+    assert sorted(LM.computed_words(Kernel(mem.blocks), auxv()).string_tails) == [(name1, 19)]
