@@ -49,6 +49,9 @@ class Leak:
     # issue 23: the size the program asked for (tracked processes; None: not known). size
     # stays the usable size, what the heap holds
     requested_size: Optional[int] = None
+    # the tracking table's epoch when the block was recorded (None: untracked). The pytest
+    # plugin numbers its tests with it: the test during which the block was allocated
+    epoch: Optional[int] = None
     # issue 23: the indirect leaks this entry lists: the unreachable blocks it reaches that no
     # entry before it does, so that each unreachable block is in exactly one entry (a block
     # reachable from two heads counts in referenced_* of both). num_indirect / indirect_size

@@ -62,7 +62,7 @@ _INDIRECT_KEY = "_indirect"
 class SweepEntry(Fields):
     __slots__ = ("address", "size", "referenced_count", "referenced_size", "contents",
                  "python_type", "refcount", "repr", "stack", "python_stack", "stack_status",
-                 "requested_size", "num_indirect", "indirect_size", "indirect")
+                 "requested_size", "epoch", "num_indirect", "indirect_size", "indirect")
 
     def __init__(self, address: int, size: int, referenced_count: int, referenced_size: int,
                  contents: bytes,
@@ -74,6 +74,7 @@ class SweepEntry(Fields):
                  python_stack: Optional[List[Tuple[str, str, int]]] = None,
                  stack_status: str = "untracked",   # "recorded" | "untracked" | "table_full"
                  requested_size: Optional[int] = None,      # what was asked for, if tracked
+                 epoch: Optional[int] = None,               # the tracker's epoch then
                  # the unreachable blocks this entry lists (folding.FoldedLeak.blocks): how
                  # many, their bytes, and the first INDIRECT_LIMIT of them (no contents)
                  num_indirect: int = 0, indirect_size: int = 0,
@@ -90,19 +91,21 @@ class SweepEntry(Fields):
         self.python_stack = [] if python_stack is None else python_stack
         self.stack_status = stack_status
         self.requested_size = requested_size
+        self.epoch = epoch
         self.num_indirect = num_indirect
         self.indirect_size = indirect_size
         self.indirect = [] if indirect is None else indirect
 
     def stack_record(self) -> list:
-        """[status, pcs, Python frames, requested size] (the wire's _stacks values)."""
+        """[status, pcs, Python frames, requested size, epoch] (the wire's _stacks values)."""
         return [self.stack_status, list(self.stack), [list(f) for f in self.python_stack],
-                self.requested_size]
+                self.requested_size, self.epoch]
 
     def set_stack(self, record: list) -> None:
         """The inverse of stack_record()."""
-        status, pcs, py, requested = record
+        status, pcs, py, requested, epoch = record
         self.stack_status, self.stack, self.requested_size = status, tuple(pcs), requested
+        self.epoch = epoch
         self.python_stack = [tuple(f) for f in py]
 
 

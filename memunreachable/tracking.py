@@ -28,7 +28,7 @@ from memunreachable._errors import MemoryUnreadable
 from memunreachable._types import Fields, Mapping, Range
 
 MAGIC = b"MUTRACK\0"
-VERSION = 2                             # 1 (224-byte header, 3.11+ frames) is read too
+VERSION = 3                             # 1 (224-byte header, 3.11+ frames) and 2 are read too
 MAP_NAME = "[anon:memunreachable-track]"
 STACK_FULL = 0xFFFFFFFF
 SIZE_UNKNOWN = 0xFFFFFFFF               # an entry's size field: the request was >= this
@@ -47,9 +47,10 @@ _FIELDS = ("magic version header_size self map_size budget max_depth max_py nsha
            "live_arena_off live_arena_size live_arena_used stacks table_full_blocks "
            "dropped_blocks inserts removes py_version unwinder co_filename co_name co_qualname "
            "co_firstlineno co_linetable str_ascii_data str_compact_data str_state pid "
-           "generation py_linetable reserved").split()
+           "generation py_linetable epoch").split()
 SHARD = struct.Struct("<QIIIIQ")        # table_off, log2cap, used, tombs, lock, seq
-ENTRY = struct.Struct("<QII")           # addr, stack, size
+ENTRY = struct.Struct("<QIII4x")        # addr, stack, size, epoch
+ENTRY_V2 = struct.Struct("<QII")        # versions 1 and 2: addr, stack, size
 # PyBytesObject (3.8-3.15, checked with offsetof; 3.13.0-3.15.2 also in _Py_DebugOffsets'
 # bytes_object): ob_size at 16, bytes at 32;
 # PyObject.ob_type at 8, PyTypeObject.tp_name at 24
@@ -76,30 +77,32 @@ def first_slot(addr: int, h: int, mask: int) -> int:
 
 
 class Annotation(Fields):
-    __slots__ = ("stack", "python_stack", "status", "requested")
+    __slots__ = ("stack", "python_stack", "status", "requested", "epoch")
 
     def __init__(self, stack: Tuple[int, ...] = (),
                  python_stack: Optional[List[Tuple[str, str, int]]] = None,
                  status: str = "untracked",   # "recorded" | "untracked" | "table_full"
-                 requested: Optional[int] = None):  # the size asked for (malloc's n), if known
+                 requested: Optional[int] = None,   # the size asked for (malloc's n), if known
+                 epoch: Optional[int] = None):      # the header's epoch when it was recorded
         self.stack = stack
         self.python_stack = [] if python_stack is None else python_stack
         self.status = status
         self.requested = requested
+        self.epoch = epoch
 
 
 def parse_header(data: bytes) -> Optional[dict]:
-    """The header as a dict, or None when data does not start with a valid version-2 (or
-    version-1) header. A version-1 header gets py_linetable = LT_LOCATIONS (it recorded
-    Python frames of 3.11+ only)."""
+    """The header as a dict, or None when data does not start with a valid version-3, 2 or 1
+    header. A version-1 header gets py_linetable = LT_LOCATIONS (it recorded Python frames of
+    3.11+ only); versions 1 and 2 get epoch 0."""
     if len(data) < HEADER_V1.size or data[:8] != MAGIC:
         return None
     version, size = struct.unpack_from("<II", data, 8)
     if version == 1 and size == HEADER_V1.size:
         h = dict(zip(_FIELDS, HEADER_V1.unpack_from(data)))
-        h.update(py_linetable=LT_LOCATIONS, reserved=0)
+        h.update(py_linetable=LT_LOCATIONS, epoch=0)
         return h
-    if version != VERSION or size != HEADER.size or len(data) < HEADER.size:
+    if version not in (2, VERSION) or size != HEADER.size or len(data) < HEADER.size:
         return None
     h = dict(zip(_FIELDS, HEADER.unpack_from(data)))
     if h["flags"] & F_PYTHON and h["py_linetable"] not in LINE_DECODERS:
@@ -165,6 +168,7 @@ class TrackingTable:
         self._tables: Dict[int, Tuple[bytes, int]] = {}
         self._stacks: Dict[int, Tuple[Tuple[int, ...], List[Tuple[str, str, int]]]] = {}
         self._code: Dict[int, Tuple[str, str, int, bytes]] = {}
+        self.entry = ENTRY if header["version"] >= 3 else ENTRY_V2
 
     @property
     def cuts(self) -> List[Range]:
@@ -189,24 +193,25 @@ class TrackingTable:
         t = self._tables.get(shard)
         if t is None:
             off, log2, _, _, _, _ = self.shards[shard]
-            if not off or log2 > 40 or off + (ENTRY.size << log2) > self.mapping.end - self.base:
+            size = self.entry.size
+            if not off or log2 > 40 or off + (size << log2) > self.mapping.end - self.base:
                 t = (b"", 0)
             else:
-                t = (self.mem.read(self.base + off, ENTRY.size << log2), (1 << log2) - 1)
+                t = (self.mem.read(self.base + off, size << log2), (1 << log2) - 1)
             self._tables[shard] = t
         return t
 
-    def lookup(self, address: int) -> Optional[Tuple[int, int]]:
-        """(stack id, recorded size) of the live block at address, or None."""
+    def lookup(self, address: int) -> Optional[Tuple[int, int, int]]:
+        """(stack id, recorded size, epoch) of the live block at address, or None."""
         h = addr_hash(address)
         data, mask = self._table(h & (self.h["nshards"] - 1))
         if not data:
             return None
-        p = first_slot(address, h, mask)
+        p, entry = first_slot(address, h, mask), self.entry
         for _ in range(mask + 1):
-            a, stack, size = ENTRY.unpack_from(data, p * ENTRY.size)
+            a, stack, size, *epoch = entry.unpack_from(data, p * entry.size)
             if a == address:
-                return stack, size
+                return stack, size, epoch[0] if epoch else 0
             if a == EMPTY:
                 return None
             p = (p + 1) & mask
@@ -239,9 +244,9 @@ class TrackingTable:
             return Annotation()
         requested = hit[1] if hit[1] != SIZE_UNKNOWN else None
         if hit[0] == STACK_FULL:
-            return Annotation(status="table_full", requested=requested)
+            return Annotation(status="table_full", requested=requested, epoch=hit[2])
         pcs, py = self.stack(hit[0])
-        return Annotation(pcs, py, "recorded", requested)
+        return Annotation(pcs, py, "recorded", requested, hit[2])
 
     # -- Python frames ------------------------------------------------------------------
     def python_frame(self, code: int, offset: int) -> Tuple[str, str, int]:

@@ -900,7 +900,7 @@ def sweep(mem, maps, threads, pid: int, confirm: Optional[set] = None,
             for b in [e] + e.indirect:
                 a = table.annotate(b.address, b.size)
                 b.stack, b.python_stack, b.stack_status = a.stack, a.python_stack, a.status
-                b.requested_size = a.requested
+                b.requested_size, b.epoch = a.requested, a.epoch
     for i in uncertain:
         res.uncertain.append(SweepEntry(begins[i], sizes[i], 0, 0,
                                         contents.read(begins[i], min(sizes[i], CONTENTS_BYTES))))
@@ -1129,7 +1129,7 @@ def _leak(e: SweepEntry) -> Leak:
     return Leak(e.address, e.size, e.referenced_count, e.referenced_size, e.contents,
                 python_type=e.python_type, refcount=e.refcount, repr=e.repr,
                 stack=list(e.stack), python_stack=list(e.python_stack),
-                stack_status=e.stack_status, requested_size=e.requested_size,
+                stack_status=e.stack_status, requested_size=e.requested_size, epoch=e.epoch,
                 num_indirect=e.num_indirect, indirect_size=e.indirect_size,
                 indirect=[_leak(b) for b in e.indirect])
 

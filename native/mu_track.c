@@ -665,6 +665,7 @@ static int shard_rebuild(struct mu_track_shard *s, unsigned log2)
 
 static void live_insert(uint64_t addr, uint32_t stack, size_t size)
 {
+    uint32_t epoch = __atomic_load_n(&H->epoch, __ATOMIC_RELAXED);
     uint64_t h = mu_track_addr_hash(addr);
     struct mu_track_shard *s = &shards[h & (MU_TRACK_NSHARDS - 1)];
     lock(&s->lock);
@@ -685,6 +686,7 @@ static void live_insert(uint64_t addr, uint32_t stack, size_t size)
         if (a == addr) {                    /* a stale entry (a free we did not see) */
             t[p].stack = stack;
             t[p].size = size > UINT32_MAX ? UINT32_MAX : (uint32_t)size;
+            t[p].epoch = epoch;
             goto counted;
         }
         if (a == MU_TRACK_TOMB && tomb == UINT64_MAX)
@@ -699,6 +701,7 @@ static void live_insert(uint64_t addr, uint32_t stack, size_t size)
     }
     t[p].stack = stack;
     t[p].size = size > UINT32_MAX ? UINT32_MAX : (uint32_t)size;
+    t[p].epoch = epoch;
     __atomic_store_n(&t[p].addr, addr, __ATOMIC_RELEASE);
     s->used++;
 counted:
@@ -912,6 +915,125 @@ EXPORT size_t malloc_usable_size(void *p)
     if (UNLIKELY(!real_free))
         resolve();
     return real_usable(p);
+}
+
+/* ---- CPython's allocator domains ------------------------------------------------------------- */
+
+/* PyMemAllocatorEx (CPython 3.5+, the same in 3.8-3.15). The MEM and OBJ domains are pymalloc
+ * (objects up to 512 bytes come from its arenas, never from malloc): routed through these
+ * wrappers, each of their blocks is recorded like a malloc'd one. The RAW domain is malloc
+ * itself. The wrapped allocator runs under the guard, so that a block it takes from malloc
+ * (a large object) is recorded once, here, with this call's stack. */
+struct py_alloc {
+    void *ctx;
+    void *(*malloc)(void *, size_t);
+    void *(*calloc)(void *, size_t, size_t);
+    void *(*realloc)(void *, void *, size_t);
+    void (*free)(void *, void *);
+};
+enum { PY_DOMAIN_MEM = 1, PY_DOMAIN_OBJ = 2, PY_DOMAINS = 3 };
+static struct py_alloc py_under[PY_DOMAINS], py_ours[PY_DOMAINS];
+
+static void *py_malloc(void *ctx, size_t n)
+{
+    const struct py_alloc *u = ctx;
+    if (guard)
+        return u->malloc(u->ctx, n);
+    guard_on();
+    void *p = u->malloc(u->ctx, n);
+    guard_off();
+    track(p, n);
+    return p;
+}
+
+static void *py_calloc(void *ctx, size_t n, size_t m)
+{
+    const struct py_alloc *u = ctx;
+    if (guard)
+        return u->calloc(u->ctx, n, m);
+    guard_on();
+    void *p = u->calloc(u->ctx, n, m);
+    guard_off();
+    track(p, n * m);
+    return p;
+}
+
+static void *py_realloc(void *ctx, void *old, size_t n)
+{
+    const struct py_alloc *u = ctx;
+    if (guard)
+        return u->realloc(u->ctx, old, n);
+    guard_on();
+    void *p = u->realloc(u->ctx, old, n);
+    guard_off();
+    if (p) {
+        if (old)
+            untrack(old);
+        track(p, n);
+    }
+    return p;
+}
+
+static void py_free(void *ctx, void *p)
+{
+    const struct py_alloc *u = ctx;
+    if (p)
+        untrack(p);
+    u->free(u->ctx, p);
+}
+
+typedef void (*py_allocator_fn)(int, struct py_alloc *);
+
+/* Routes CPython's MEM and OBJ domains through the wrappers above (idempotent). The caller
+ * holds the GIL (PyMem_SetAllocator's rule; ctypes.PyDLL keeps it). Blocks allocated before
+ * pass through untracked. 0, -ENOENT (no CPython runtime here) or -EINVAL (no table: the
+ * library is neither preloaded nor routed). */
+EXPORT int mu_track_route_python(void)
+{
+    py_allocator_fn get = (py_allocator_fn)dlsym(RTLD_DEFAULT, "PyMem_GetAllocator");
+    py_allocator_fn set = (py_allocator_fn)dlsym(RTLD_DEFAULT, "PyMem_SetAllocator");
+    if (!get || !set)
+        return -ENOENT;
+    if (!H)
+        return -EINVAL;
+    for (int d = PY_DOMAIN_MEM; d <= PY_DOMAIN_OBJ; d++) {
+        struct py_alloc cur;
+        get(d, &cur);
+        if (cur.malloc == py_malloc)
+            continue;
+        py_under[d] = cur;
+        py_ours[d] = (struct py_alloc){&py_under[d], py_malloc, py_calloc, py_realloc, py_free};
+        set(d, &py_ours[d]);
+    }
+    return 0;
+}
+
+/* Gives each domain routed above its own allocator back, where it is still ours (the GIL
+ * held). Blocks recorded meanwhile keep their (now stale) entries: harmless, a later insert at
+ * the same address replaces one. 0 or -ENOENT. */
+EXPORT int mu_track_unroute_python(void)
+{
+    py_allocator_fn get = (py_allocator_fn)dlsym(RTLD_DEFAULT, "PyMem_GetAllocator");
+    py_allocator_fn set = (py_allocator_fn)dlsym(RTLD_DEFAULT, "PyMem_SetAllocator");
+    if (!get || !set)
+        return -ENOENT;
+    for (int d = PY_DOMAIN_MEM; d <= PY_DOMAIN_OBJ; d++) {
+        struct py_alloc cur;
+        get(d, &cur);
+        if (cur.malloc == py_malloc && cur.ctx == &py_under[d])
+            set(d, &py_under[d]);
+    }
+    return 0;
+}
+
+/* The epoch stored with every block recorded from now on (the pytest plugin: the number of
+ * the test that runs). 0, or -EINVAL when there is no table. */
+EXPORT int mu_track_set_epoch(uint32_t epoch)
+{
+    if (!H)
+        return -EINVAL;
+    __atomic_store_n(&H->epoch, epoch, __ATOMIC_RELAXED);
+    return 0;
 }
 
 /* ---- fork -------------------------------------------------------------------------------------- */

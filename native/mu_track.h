@@ -26,14 +26,16 @@
  * 3.11+; f_lasti, times 2 in 3.10), negative (as u64) before the first instruction. The
  * line comes from the bytes object at co_linetable, in the format py_linetable says.
  * Version 1 (224-byte header, no py_linetable) recorded 3.11+ frames only: its format is
- * MU_TRACK_LT_LOCATIONS; the checker reads both.
+ * MU_TRACK_LT_LOCATIONS. Versions 1 and 2 have 16-byte live entries (no epoch); the checker
+ * reads all three.
  */
 #ifndef MU_TRACK_H
 #define MU_TRACK_H
 #include <stdint.h>
 
 #define MU_TRACK_MAGIC "MUTRACK\0"
-#define MU_TRACK_VERSION 2u          /* 2: + py_linetable (CPython 3.8-3.10 frames) */
+#define MU_TRACK_VERSION 3u          /* 2: + py_linetable (CPython 3.8-3.10 frames);
+                                      * 3: + epoch (header and each live entry) */
 #define MU_TRACK_HEADER_BYTES 4096u
 #define MU_TRACK_MAP_NAME "memunreachable-track"
 #define MU_TRACK_NSHARDS 256u
@@ -84,7 +86,8 @@ struct mu_track_header {
     uint64_t pid;               /* 208 process that owns this copy (updated after fork) */
     uint64_t generation;        /* 216 bumped on every fork child */
     uint32_t py_linetable;      /* 224 MU_TRACK_LT_*: format of co_linetable's bytes */
-    uint32_t reserved;          /* 228 0 */
+    uint32_t epoch;             /* 228 stored in each new live entry: set by whoever drives
+                                 *     the process (the pytest plugin: the running test's number) */
 };
 
 #define MU_TRACK_F_ENABLED 1u       /* recording */
@@ -109,6 +112,8 @@ struct mu_track_entry {
     uint64_t addr;
     uint32_t stack;
     uint32_t size;              /* requested size, saturated at 2^32-1 */
+    uint32_t epoch;             /* the header's epoch when the block was recorded */
+    uint32_t reserved;          /* 0 */
 };
 
 /* Hash of a block address. Blocks in one 1 KiB window of memory share the hash and sit

@@ -186,7 +186,7 @@ def test_c_chain_without_frame_pointers(unwinder):
             else:
                 assert first[0] == exe
             assert leak.python_stack == []
-        assert info.tracking["version"] == 2
+        assert info.tracking["version"] == 3
         assert info.tracking["live_blocks"] >= 4 and info.tracking["stacks"] >= 4
         assert info.tracking["table_full_blocks"] == 0
         assert info.tracking["unwinder"] == unwinder
@@ -786,3 +786,31 @@ def test_fork_while_threads_allocate(opts):
     r = run_cli(*opts, "--", exe, timeout=60)
     assert r.returncode == 0, r.stderr
     assert r.stdout.decode().split() == ["forks", "200", "bad", "0"]
+
+
+DOMAINS_FIXTURE = os.path.join(fixtures.FIXTURE_DIR, "track_domains.py")
+
+
+@pytest.mark.parametrize("version", ["3.8", "3.11", "3.13"])
+def test_python_objects_get_stacks_and_epochs_once_the_domains_are_routed(version):
+    """With CPython's default allocator (pymalloc), an object's block never passes through
+    malloc: mu_track_route_python wraps the MEM and OBJ domains, and each leaked object then
+    has its Python frames and the epoch set when it was allocated; after
+    mu_track_unroute_python a new one has none."""
+    python = python_exe(version)
+    marks = markers(DOMAINS_FIXTURE)
+    env = {k: v for k, v in os.environ.items() if k != "PYTHONMALLOC"}
+    t = start_run([python, DOMAINS_FIXTURE, TRACK_LIB], *PY_RUN_OPTS, env=env)
+    try:
+        wait_in_read(t.pid)
+        info = unreachable.check(t.pid)
+        got = leaks_by_address(info)
+        a, b, c = (got.get(t.blocks[k].address) for k in ("int_a", "bytes_b", "int_c"))
+        assert a is not None and b is not None and c is not None, (t.blocks, list(got))
+        assert (a.python_type, a.stack_status, a.epoch) == ("int", "recorded", 7)
+        assert a.python_stack[0] == ("leak_int", DOMAINS_FIXTURE, marks["dom-int"])
+        assert (b.python_type, b.stack_status, b.epoch) == ("bytes", "recorded", 8)
+        assert b.python_stack[0] == ("leak_bytes", DOMAINS_FIXTURE, marks["dom-bytes"])
+        assert (c.python_type, c.stack_status, c.epoch) == ("int", "untracked", None)
+    finally:
+        assert t.finish() == 0

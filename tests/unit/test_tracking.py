@@ -24,7 +24,7 @@ def anon(begin, end, perms="rw-p", path=""):
 class Writer:
     """A tracking table in memory, written like mu_track.c writes it."""
 
-    def __init__(self, base=BASE, size=SIZE, log2cap=4, version=2, **extra):
+    def __init__(self, base=BASE, size=SIZE, log2cap=4, version=3, **extra):
         self.base, self.size = base, size
         self.buf = bytearray(size)
         self.shards_off, self.sindex_off, self.sindex_cap = 4096, 4096 + NSHARDS * 32, 1024
@@ -47,8 +47,9 @@ class Writer:
                       py_version=0, unwinder=3, co_filename=112, co_name=120, co_qualname=128,
                       co_firstlineno=72, co_linetable=136, str_ascii_data=48,
                       str_compact_data=72, str_state=32, pid=1234, generation=0,
-                      py_linetable=tracking.LT_LOCATIONS, reserved=0)
+                      py_linetable=tracking.LT_LOCATIONS, epoch=0)
         self.h.update(extra)
+        self.entry = tracking.ENTRY if version >= 3 else tracking.ENTRY_V2
 
     def stack(self, pcs, py=()):
         """Append a stack record; return its id."""
@@ -63,26 +64,27 @@ class Writer:
     def _table(self, shard):
         if shard not in self.tables:
             self.tables[shard] = self.live_off + self.live_used
-            self.live_used += 16 << self.log2cap
+            self.live_used += self.entry.size << self.log2cap
         return self.tables[shard]
 
-    def insert(self, addr, stack, size):
+    def insert(self, addr, stack, size, epoch=0):
         h = tracking.addr_hash(addr)
         shard = h & (NSHARDS - 1)
-        t, mask = self._table(shard), (1 << self.log2cap) - 1
+        t, mask, n = self._table(shard), (1 << self.log2cap) - 1, self.entry.size
         p = tracking.first_slot(addr, h, mask)
-        while struct.unpack_from("<Q", self.buf, t + 16 * p)[0] > tracking.TOMB:
+        while struct.unpack_from("<Q", self.buf, t + n * p)[0] > tracking.TOMB:
             p = (p + 1) & mask
-        struct.pack_into("<QII", self.buf, t + 16 * p, addr, stack, size)
+        fields = (addr, stack, size, epoch) if n == tracking.ENTRY.size else (addr, stack, size)
+        self.entry.pack_into(self.buf, t + n * p, *fields)
         self._count(shard, 1)
 
     def remove(self, addr):
         h = tracking.addr_hash(addr)
         t, mask = self._table(h & (NSHARDS - 1)), (1 << self.log2cap) - 1
-        p = tracking.first_slot(addr, h, mask)
-        while struct.unpack_from("<Q", self.buf, t + 16 * p)[0] != addr:
+        p, n = tracking.first_slot(addr, h, mask), self.entry.size
+        while struct.unpack_from("<Q", self.buf, t + n * p)[0] != addr:
             p = (p + 1) & mask
-        struct.pack_into("<Q", self.buf, t + 16 * p, tracking.TOMB)
+        struct.pack_into("<Q", self.buf, t + n * p, tracking.TOMB)
         self._count(h & (NSHARDS - 1), -1)
 
     def _count(self, shard, d):
@@ -132,8 +134,9 @@ def test_header_layout_is_232_bytes_and_matches_the_c_offsets():
         offs[name] = off
         off += 4 if code == "I" else 8
     assert (offs["self"], offs["stacks"], offs["py_version"], offs["co_filename"],
-            offs["str_state"], offs["pid"], offs["generation"], offs["py_linetable"]) == \
-        (16, 128, 168, 176, 204, 208, 216, 224)
+            offs["str_state"], offs["pid"], offs["generation"], offs["py_linetable"],
+            offs["epoch"]) == (16, 128, 168, 176, 204, 208, 216, 224, 228)
+    assert tracking.ENTRY.size == 24 and tracking.ENTRY_V2.size == 16
 
 
 def test_find_table_validates_the_header():
@@ -148,7 +151,7 @@ def test_find_table_validates_the_header():
     mem = copy.memory({0x10000: bytes(copy.buf)})
     assert tracking.find_table(mem, [anon(0x10000, 0x10000 + SIZE)]) is None
     # another layout version, a shared or file mapping: not read
-    assert tracking.find_table(Writer(version=3).memory(), [w.mapping]) is None
+    assert tracking.find_table(Writer(version=4).memory(), [w.mapping]) is None
     # Python frames in a line-table format this reader does not know: not read
     assert tracking.find_table(Writer(flags=3, py_linetable=9).memory(), [w.mapping]) is None
     assert tracking.find_table(w.memory(), [anon(BASE, BASE + SIZE, "rw-s")]) is None
@@ -173,9 +176,9 @@ def test_lookup_probes_past_collisions_and_tombstones():
         w.insert(addr, sid, 64)
     w.remove(a[1])              # a tombstone in the middle of the probe chain
     t = tracking.find_table(w.memory(), [w.mapping])
-    assert t.lookup(a[0]) == (ids[0], 64)
+    assert t.lookup(a[0]) == (ids[0], 64, 0)
     assert t.lookup(a[1]) is None
-    assert t.lookup(a[4]) == (ids[4], 64)          # found past the tombstone
+    assert t.lookup(a[4]) == (ids[4], 64, 0)       # found past the tombstone
     assert t.lookup(a[4] + 16 * NSHARDS * 1000) is None
     assert t.summary()["live_blocks"] == 4
 
@@ -195,7 +198,24 @@ def test_annotate_statuses():
     assert t.annotate(0x555500005000, 40).status == "untracked"
     s = t.summary()
     assert (s["version"], s["stacks"], s["table_full_blocks"], s["unwinder"], s["python"]) == \
-        (2, 1, 1, "libunwind", None)
+        (3, 1, 1, "libunwind", None)
+
+
+def test_each_entry_keeps_its_epoch_and_version_2_tables_are_read_without():
+    w = Writer(epoch=7)
+    sid = w.stack([0x401234])
+    w.insert(0x555500002000, sid, 100, epoch=5)
+    w.insert(0x555500003000, tracking.STACK_FULL, 24, epoch=6)
+    t = tracking.find_table(w.memory(), [w.mapping])
+    assert t.h["epoch"] == 7
+    assert (t.annotate(0x555500002000, 104).epoch, t.annotate(0x555500003000, 24).epoch) == (5, 6)
+    assert t.annotate(0x555500004000, 24).epoch is None
+    old = Writer(version=2)
+    sid = old.stack([0x401234])
+    old.insert(0x555500002000, sid, 100)
+    t = tracking.find_table(old.memory(), [old.mapping])
+    a = t.annotate(0x555500002000, 104)
+    assert (a.status, a.stack, a.requested, a.epoch) == ("recorded", (0x401234,), 100, 0)
 
 
 # ---- Python frames -----------------------------------------------------------------------
@@ -292,7 +312,7 @@ def test_modules_are_executable_file_mappings():
 
 def test_stacks_ride_the_sweeper_wire_format():
     e1 = SweepEntry(0x1000, 32, 0, 0, b"x", stack=(0x401000, 0x402000),
-                    python_stack=[("f", "/a.py", 3)], stack_status="recorded")
+                    python_stack=[("f", "/a.py", 3)], stack_status="recorded", epoch=12)
     e2 = SweepEntry(0x2000, 16, 0, 0, b"y", stack_status="table_full")
     e3 = SweepEntry(0x3000, 16, 0, 0, b"z")
     g = SweepEntry(0x4000, 64, 1, 64, b"g", stack=(0x403000,), stack_status="recorded")
