@@ -142,7 +142,8 @@ def pytest_configure(config):
             "checked except those marked no_leaks (add --memunreachable, or memunreachable = "
             "true in the ini file, to check every test)"), stacklevel=2)
     config.stash[_RULES] = _load_rules(config)
-    config.stash[_BATCH] = _batch_of(config)
+    config.stash[_TRACKED] = _start_tracking(config)
+    config.stash[_BATCH] = _batch_of(config) if config.stash[_TRACKED] is None else None
     config.addinivalue_line("markers", "no_leaks: fail the test if native heap blocks become "
                                        "unreachable during it (memunreachable)")
     _start_helper_early(config, config.option)      # a no-op when it runs already
@@ -182,6 +183,8 @@ _BATCH = pytest.StashKey[object]()      # the session's _Batch (None: a sweep af
 _NEXT = pytest.StashKey[object]()       # the item's nextitem: set when our protocol runs it
 _OWN_BASE = pytest.StashKey[object]()   # the baseline _before took for this item itself
 _VERDICT = pytest.StashKey[tuple]()     # a held test's verdict: ("leaks", text) | ("cannot", exc)
+_TRACKED = pytest.StashKey[object]()    # the session's _Tracked (None: a check per test)
+_NUMBER = pytest.StashKey[int]()        # a tracked session's number of the test
 
 
 def _reason(exc: MemunreachableError) -> str:
@@ -283,9 +286,17 @@ def _batch_of(config) -> Optional[_Batch]:
     every test checked here, or an xdist worker: its reports must name the test it runs)."""
     if not _checks_every_test_here(config, config.option) or hasattr(config, "workerinput"):
         return None
+    size = _batch_size(config) or BATCH
+    return _Batch(size) if size > 1 else None
+
+
+def _batch_size(config) -> Optional[int]:
+    """--memunreachable-batch, else the ini value; None when neither is given."""
     size = config.getoption("--memunreachable-batch")
     if size is None:
-        raw = config.getini("memunreachable_batch") or str(BATCH)
+        raw = config.getini("memunreachable_batch")
+        if not raw:
+            return None
         try:
             size = int(raw)
         except ValueError:
@@ -293,7 +304,7 @@ def _batch_of(config) -> Optional[_Batch]:
                 from None
     if size < 1:
         raise pytest.UsageError(f"--memunreachable-batch must be at least 1, not {size}")
-    return _Batch(size) if size > 1 else None
+    return size
 
 
 def _runs_its_own_protocol(item) -> bool:
@@ -309,6 +320,9 @@ def _runs_its_own_protocol(item) -> bool:
 
 @pytest.hookimpl(tryfirst=True, specname="pytest_runtest_protocol")
 def pytest_runtest_protocol_batched(item, nextitem):
+    tracked = _tracked(item)
+    if tracked is not None:
+        return tracked.protocol(item, nextitem)
     batch = item.config.stash.get(_BATCH, None)
     if batch is None:
         return None
@@ -342,7 +356,223 @@ def pytest_runtestloop(session):
         if batch is not None and batch.held:        # the loop stopped mid-batch
             _settle_now(session.config, batch)
             _flush(session.config, batch)
+        tracked = session.config.stash.get(_TRACKED, None)
+        if tracked is not None and tracked.held:
+            tracked.sweep()
+            _flush(session.config, tracked)
 
+
+
+# ---- tracked sessions (pytest_tracked.py) --------------------------------------------------
+# With the tracking library routing this process's allocations, each block carries the epoch of
+# the test phase that allocated it: no baseline and no check per test, one sweep per stretch
+# of tests (paced by pytest_tracked.sweep_due), and every leak comes with its allocation stack.
+
+def _start_tracking(config):
+    """The session's _Tracked when every test is checked here and the tracking library could
+    route this process (track_here); None otherwise: a check per test, as before."""
+    if not _checks_every_test_here(config, config.option):
+        return None
+    from memunreachable import track_here
+    try:
+        track_here.start(python=True)
+    except MemunreachableError as exc:
+        config.stash[_UNTRACKED] = exc
+        return None
+    cap = _batch_size(config)
+    return _Tracked(config, track_here, cap, hasattr(config, "workerinput") or cap == 1)
+
+
+_UNTRACKED = pytest.StashKey[MemunreachableError]()     # why the session is not tracked
+
+
+def _tracked(item):
+    return item.config.stash.get(_TRACKED, None)
+
+
+class _Tracked:
+    """A tracked session: its test numbers, the stretch of tests since the last sweep and
+    their held reports (per_test: a sweep after every test body, reports not held: an xdist
+    worker's must name the test it runs), and what fails no single test."""
+
+    def __init__(self, config, track_here, cap, per_test: bool) -> None:
+        self.config, self.track, self.cap, self.per_test = config, track_here, cap, per_test
+        self.numbers = 0
+        self.stretch: dict = {}         # number -> item, since the last sweep
+        self.held: list = []            # (item, reports) not logged yet
+        self.tests_seconds = 0.0        # the stretch's own time
+        self.last_sweep = 0.0           # what the last sweep cost (s)
+        self.baseline = False           # the leaks before the first test are known
+        self.orphans: list = []         # (headline, report) of leaks no single test made
+
+    # -- epochs ---------------------------------------------------------------------------
+    def begin(self, item) -> int:
+        if not self.baseline:           # what start-up and collection left: nobody's
+            self.baseline = True
+            try:
+                self._check()
+            except MemunreachableError as exc:
+                item.stash[_CANNOT] = exc       # reported at its teardown; the body runs
+        self.numbers += 1
+        item.stash[_NUMBER] = self.numbers
+        self.stretch[self.numbers] = item
+        return self.numbers
+
+    def phase(self, item, phase: int):
+        from memunreachable.pytest_tracked import epoch
+        number = item.stash.get(_NUMBER, None)
+        if number is not None:
+            self.track.set_epoch(epoch(number, phase))
+
+    def outside(self) -> None:
+        self.track.set_epoch(0)
+
+    # -- the protocol -----------------------------------------------------------------------
+    def protocol(self, item, nextitem):
+        if self.per_test or _runs_its_own_protocol(item):
+            if self.held:
+                self.sweep()
+                _flush(self.config, self)
+            return None
+        from _pytest.runner import runtestprotocol      # pytest's protocol, reports not logged
+        from memunreachable.pytest_tracked import sweep_due
+        t0 = time.monotonic()
+        try:
+            reports = runtestprotocol(item, nextitem=nextitem, log=False)
+        except BaseException:       # interrupted: what ran is logged unchecked
+            self.stretch = {}
+            _flush(self.config, self)
+            raise
+        self.tests_seconds += time.monotonic() - t0
+        self.held.append((item, reports))
+        if sweep_due(len(self.stretch), self.cap, self.tests_seconds, self.last_sweep,
+                     nextitem is None, any(r.failed for r in reports)):
+            self.sweep()
+            _flush(self.config, self)
+        return True
+
+    def after_body(self, item) -> None:
+        """per_test: the sweep right after the body fails the test with its leaks."""
+        verdict = None
+        if self.per_test or _runs_its_own_protocol(item):
+            self.sweep()
+            verdict = item.stash.get(_VERDICT, None)
+            if verdict is not None:
+                del item.stash[_VERDICT]
+        if verdict is not None and verdict[0] == "leaks":
+            pytest.fail(verdict[1], pytrace=False)
+        if verdict is not None:
+            item.stash[_CANNOT] = verdict[1]
+
+    # -- sweeps -------------------------------------------------------------------------------
+    def _check(self):
+        """A check of this process; None (reason kept for the stretch) when it cannot run."""
+        if self.config.stash.get(_COLLECT, True):
+            self.config.stash[_COLLECT] = False
+            _collect_garbage()
+        nl = _nl()
+        nl._scrub_stack()
+        t0 = time.monotonic()
+        try:
+            info = nl.get_unreachable_memory(limit=None, suppressions=_rules(self.config))
+        finally:
+            self.last_sweep = time.monotonic() - t0
+            self.tests_seconds = 0.0
+        new = _seen(self.config).new_leaks(info)
+        _remember(self.config, nl.LeakBaseline.of(info.leaks))
+        return info, new
+
+    def sweep(self) -> None:
+        """Sweep; give each test of the stretch its verdict."""
+        from memunreachable import pytest_tracked as pt
+        stretch, self.stretch = self.stretch, {}
+        if not stretch:
+            return
+        try:
+            info, new = self._check()
+        except MemunreachableError as exc:
+            for item in stretch.values():
+                item.stash[_VERDICT] = ("cannot", exc)
+            return
+        if not new:
+            return
+        att = pt.attribute(new, list(stretch))
+        for number, leaks in att.by_test.items():
+            stretch[number].stash[_VERDICT] = ("leaks", _leak_text(info, leaks))
+        for number, leaks in att.fixtures.items():
+            warnings.warn(pytest.PytestWarning(
+                f"{stretch[number].nodeid}: its fixtures (setup or teardown) leaked; no test "
+                f"fails for that:\n{_leak_text(info, leaks, 'during its fixtures')}"))
+        if not att.orphans:
+            return
+        items = list(stretch.values())
+        if len(items) == 1:
+            own = items[0].stash.get(_VERDICT, (None, ""))
+            text = _leak_text(info, att.orphans, "during this test, allocated before it")
+            items[0].stash[_VERDICT] = ("leaks", (own[1] + "\n" if own[0] == "leaks" else "")
+                                        + text)
+        else:
+            where = pt.orphan_text(items[0].nodeid, items[-1].nodeid, len(items))
+            self.orphans.append((where, _leak_text(info, att.orphans, "in a stretch of tests")))
+
+
+@pytest.hookimpl(wrapper=True)
+def pytest_runtest_setup(item):
+    tracked = _tracked(item)
+    if tracked is None:
+        return (yield)
+    from memunreachable.pytest_tracked import SETUP
+    tracked.begin(item)
+    tracked.phase(item, SETUP)
+    try:
+        return (yield)
+    finally:
+        tracked.outside()
+
+
+@pytest.hookimpl(wrapper=True, specname="pytest_runtest_call")
+def pytest_runtest_call_tracked(item):
+    tracked = _tracked(item)
+    if tracked is None:
+        return (yield)
+    from memunreachable.pytest_tracked import CALL
+    tracked.phase(item, CALL)
+    try:
+        result = yield
+    finally:
+        tracked.outside()
+    tracked.after_body(item)
+    return result
+
+
+@pytest.hookimpl(wrapper=True, specname="pytest_runtest_teardown")
+def pytest_runtest_teardown_tracked(item, nextitem):
+    tracked = _tracked(item)
+    if tracked is None:
+        return (yield)
+    from memunreachable.pytest_tracked import TEARDOWN
+    tracked.phase(item, TEARDOWN)
+    try:
+        return (yield)
+    finally:
+        tracked.outside()
+
+
+def pytest_terminal_summary(terminalreporter, exitstatus, config):
+    tracked = config.stash.get(_TRACKED, None)
+    if tracked is None or not tracked.orphans:
+        return
+    from memunreachable.pytest_tracked import summary_lines
+    terminalreporter.section("memunreachable: leaks no single test is blamed for", red=True)
+    for line in summary_lines(tracked.orphans):
+        terminalreporter.line(line)
+
+
+@pytest.hookimpl(trylast=True)
+def pytest_sessionfinish(session, exitstatus):
+    tracked = session.config.stash.get(_TRACKED, None)
+    if tracked is not None and tracked.orphans and session.exitstatus == 0:
+        session.exitstatus = pytest.ExitCode.TESTS_FAILED
 
 def _settle_now(config, batch: _Batch) -> None:
     """A check now settles the held tests (after a failure, or a test with no check of its
@@ -410,7 +640,7 @@ def _chained_baseline(item):
 # runs of the real-extension suite). Every slot of this one is written before the check.
 @pytest.hookimpl(wrapper=True)
 def pytest_runtest_call(item):
-    if not _enabled(item):
+    if not _enabled(item) or _tracked(item) is not None:
         return (yield)
     base = _before(item)
     try:
@@ -431,7 +661,7 @@ def pytest_runtest_call(item):
 # test's eval loop left, and leaves most of its spill slots unwritten).
 @pytest.hookimpl(trylast=True, specname="pytest_runtest_call")
 def pytest_runtest_call_scrub(item):
-    if _enabled(item):
+    if _enabled(item) and _tracked(item) is None:
         nl = _nl()
         nl._scrub_stack()
         nl._scrub_frames()
@@ -565,13 +795,13 @@ def _settle(config, info, entries, own_before):
     return (new if error is None else []), error
 
 
-def _leak_text(info, leaks) -> str:
+def _leak_text(info, leaks, when: str = "during this test") -> str:
     from memunreachable.reporters.text import format_text
     new_info = _nl()._only(info, leaks)
-    return f"{headline(new_info)}\n{format_text(new_info, True, brief=True)}"
+    return f"{headline(new_info, when)}\n{format_text(new_info, True, brief=True)}"
 
 
-def headline(info) -> str:
+def headline(info, when: str = "during this test") -> str:
     """'N blocks leaked during this test (X bytes): ...' naming what the report's entries are:
     Python objects by type, native heap blocks, and the blocks they hold."""
     from memunreachable.reporters.text import plural as n
@@ -584,8 +814,7 @@ def headline(info) -> str:
     if native:
         parts.append(n(native, "native heap block"))
     what = " and ".join(parts) + (f", holding {n(held, 'more block')}" if held else "")
-    return (f"{n(info.num_leaks, 'block')} leaked during this test ({info.leak_bytes} bytes): "
-            f"{what}")
+    return f"{n(info.num_leaks, 'block')} leaked {when} ({info.leak_bytes} bytes): {what}"
 
 
 def _seen(config):

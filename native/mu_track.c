@@ -739,20 +739,21 @@ static void live_remove(uint64_t addr)
 
 /* ---- recording -------------------------------------------------------------------------------- */
 
-static __attribute__((noinline)) void record(void *p, size_t size)
+/* Records block p with up to `want` native frames (and the Python frames). */
+static __attribute__((noinline)) void record(void *p, size_t size, unsigned want)
 {
     void *raw[MU_TRACK_MAX_DEPTH + 8];
     uint64_t words[MU_TRACK_MAX_DEPTH + 2 * MU_TRACK_MAX_PY];
     guard_on();
-    int n = capture(raw, (int)depth + 8);
+    int n = want ? capture(raw, (int)want + 8) : 0;
     /* drop the leading frames in this library (record, the wrapper, the unwinder's caller) */
     int first = 0;
     for (int i = 0; i < n && i < 8; i++)
         if ((uintptr_t)raw[i] >= self_lo && (uintptr_t)raw[i] < self_hi)
             first = i + 1;
     int nf = n - first;
-    if (nf > (int)depth)
-        nf = (int)depth;
+    if (nf > (int)want)
+        nf = (int)want;
     if (nf < 0)
         nf = 0;
     for (int i = 0; i < nf; i++)
@@ -773,7 +774,19 @@ static __attribute__((noinline)) void record(void *p, size_t size)
 static inline void track(void *p, size_t size)
 {
     if (LIKELY(p != NULL) && LIKELY(enabled) && !guard)
-        record(p, size);
+        record(p, size, depth);
+}
+
+/* Native frames kept for a block of CPython's MEM and OBJ domains (the Python frames say
+ * where it came from; the first native ones, which C function made the object). Unwinding
+ * costs per frame, and a Python program allocates objects ten times as often as it calls
+ * malloc: MEMUNREACHABLE_PY_STACK_DEPTH (0..32, default 8), read by mu_track_route_python. */
+static unsigned py_depth = 8;
+
+static inline void track_py(void *p, size_t size)
+{
+    if (LIKELY(p != NULL) && LIKELY(enabled) && !guard)
+        record(p, size, py_depth);
 }
 
 static inline void untrack(void *p)
@@ -942,7 +955,7 @@ static void *py_malloc(void *ctx, size_t n)
     guard_on();
     void *p = u->malloc(u->ctx, n);
     guard_off();
-    track(p, n);
+    track_py(p, n);
     return p;
 }
 
@@ -954,7 +967,7 @@ static void *py_calloc(void *ctx, size_t n, size_t m)
     guard_on();
     void *p = u->calloc(u->ctx, n, m);
     guard_off();
-    track(p, n * m);
+    track_py(p, n * m);
     return p;
 }
 
@@ -969,7 +982,7 @@ static void *py_realloc(void *ctx, void *old, size_t n)
     if (p) {
         if (old)
             untrack(old);
-        track(p, n);
+        track_py(p, n);
     }
     return p;
 }
@@ -996,6 +1009,11 @@ EXPORT int mu_track_route_python(void)
         return -ENOENT;
     if (!H)
         return -EINVAL;
+    const char *e = getenv("MEMUNREACHABLE_PY_STACK_DEPTH");
+    if (e && *e) {
+        long v = strtol(e, NULL, 10);
+        py_depth = v < 0 ? 0 : v > (long)MU_TRACK_MAX_DEPTH ? MU_TRACK_MAX_DEPTH : (unsigned)v;
+    }
     for (int d = PY_DOMAIN_MEM; d <= PY_DOMAIN_OBJ; d++) {
         struct py_alloc cur;
         get(d, &cur);
