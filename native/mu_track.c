@@ -1021,18 +1021,26 @@ static void *wrap_dlopen(const char *file, int mode);
 static int wrap_dlclose(void *handle);
 extern void *mu_wrap_dlsym(void *handle, const char *name) __attribute__((visibility("hidden")));
 
-enum { R_DLOPEN = 11, R_DLCLOSE = 12, R_DLSYM = 13, NROUTES = 14 };
-static const struct { const char *name; void *wrapper; } route_names[NROUTES] = {
-    {"malloc", (void *)mu_w_malloc}, {"free", (void *)mu_w_free},
-    {"calloc", (void *)mu_w_calloc}, {"realloc", (void *)mu_w_realloc},
-    {"posix_memalign", (void *)mu_w_posix_memalign}, {"aligned_alloc", (void *)mu_w_aligned_alloc},
-    {"memalign", (void *)mu_w_memalign}, {"valloc", (void *)mu_w_valloc},
-    {"pvalloc", (void *)mu_w_pvalloc}, {"reallocarray", (void *)mu_w_reallocarray},
-    {"malloc_usable_size", (void *)mu_w_usable},
-    [R_DLOPEN] = {"dlopen", (void *)wrap_dlopen}, [R_DLCLOSE] = {"dlclose", (void *)wrap_dlclose},
-    [R_DLSYM] = {"dlsym", (void *)mu_wrap_dlsym},
+enum { R_MALLOC, R_FREE, R_CALLOC, R_REALLOC, R_POSIX_MEMALIGN, R_ALIGNED_ALLOC, R_MEMALIGN,
+       R_VALLOC, R_PVALLOC, R_REALLOCARRAY, R_USABLE, R_DLOPEN, R_DLCLOSE, R_DLSYM, NROUTES };
+static const struct { const char *name; void *wrapper; int needed; } route_names[NROUTES] = {
+    [R_MALLOC] = {"malloc", (void *)mu_w_malloc, 1},
+    [R_FREE] = {"free", (void *)mu_w_free, 1},
+    [R_CALLOC] = {"calloc", (void *)mu_w_calloc, 1},
+    [R_REALLOC] = {"realloc", (void *)mu_w_realloc, 1},
+    [R_POSIX_MEMALIGN] = {"posix_memalign", (void *)mu_w_posix_memalign, 0},
+    [R_ALIGNED_ALLOC] = {"aligned_alloc", (void *)mu_w_aligned_alloc, 0},
+    [R_MEMALIGN] = {"memalign", (void *)mu_w_memalign, 0},
+    [R_VALLOC] = {"valloc", (void *)mu_w_valloc, 0},
+    [R_PVALLOC] = {"pvalloc", (void *)mu_w_pvalloc, 0},
+    [R_REALLOCARRAY] = {"reallocarray", (void *)mu_w_reallocarray, 0},
+    [R_USABLE] = {"malloc_usable_size", (void *)mu_w_usable, 0},
+    [R_DLOPEN] = {"dlopen", (void *)wrap_dlopen, 1},
+    [R_DLCLOSE] = {"dlclose", (void *)wrap_dlclose, 1},
+    [R_DLSYM] = {"dlsym", (void *)mu_wrap_dlsym, 1},
 };
-static void *route_real[NROUTES];       /* each name in the global scope */
+static void *route_canon[NROUTES];      /* each name in the global scope (dlsym): what GOTs hold */
+static void *route_real[NROUTES];       /* its definition: what the wrappers forward to */
 
 struct patch { uint64_t *slot; uint64_t old, new; uintptr_t object; };
 
@@ -1163,15 +1171,16 @@ static int route_object(const struct dl_phdr_info *info)
                 continue;
             const ElfW(Sym) *sym = &v.symtab[ELF64_R_SYM(r->r_info)];
             int at = route_index(v.strtab + sym->st_name);
-            if (at < 0)
-                continue;
+            if (at < 0 || !route_real[at])
+                continue;       /* not ours, or nothing to forward to */
             uint64_t *slot = (uint64_t *)(info->dlpi_addr + r->r_offset);
             if (!in_object(info, (uintptr_t)slot, PF_W) || ((uintptr_t)slot & 7))
                 continue;
             uint64_t cur = __atomic_load_n(slot, __ATOMIC_RELAXED);
             uint64_t own = sym->st_shndx == SHN_UNDEF ? 0 : info->dlpi_addr + sym->st_value;
             int lazy = type == R_X86_64_JUMP_SLOT && cur != own && in_object(info, cur, PF_X);
-            if (cur != (uint64_t)(uintptr_t)route_real[at] && !lazy)
+            if (cur != (uint64_t)(uintptr_t)route_canon[at] &&
+                cur != (uint64_t)(uintptr_t)route_real[at] && !lazy)
                 continue;       /* ours already, or bound to another allocator */
             if (n == OBJECT_PATCHES || npatches + n == MAX_PATCHES)
                 return -ENOSPC;
@@ -1348,7 +1357,7 @@ __attribute__((used)) static void *wrap_dlsym_c(void *handle, const char *name)
     void *p = ((void *(*)(void *, const char *))real_dlsym)(handle, name);
     if (p && __atomic_load_n(&routed, __ATOMIC_RELAXED))
         for (int i = 0; i < R_DLOPEN; i++)
-            if (p == route_real[i])
+            if (route_real[i] && (p == route_canon[i] || p == route_real[i]))
                 return route_names[i].wrapper;
     return p;
 }
@@ -1385,6 +1394,53 @@ static void live_reset(void)
     }
 }
 
+/* Whether addr is the program's canonical PLT entry for name: a non-PIE program that takes
+ * a function's address defines the symbol as its PLT stub (SHN_UNDEF, st_value set), which
+ * dlsym and every other object's GOT then give; the stub jumps through the program's own
+ * JUMP_SLOT, which PLT-class lookups bind to the real definition (glibc elf/dl-lookup.c
+ * do_lookup_x skips undefined symbols for ELF_RTYPE_CLASS_PLT). Debian's python3.11. */
+static int first_object_cb(struct dl_phdr_info *info, size_t size, void *arg)
+{
+    (void)size;
+    *(struct dl_phdr_info *)arg = *info;
+    return 1;
+}
+
+static int canonical_plt(const char *name, uintptr_t addr)
+{
+    struct dl_phdr_info info = {0};
+    dl_iterate_phdr(first_object_cb, &info);        /* the program comes first */
+    struct object_view v;
+    if (object_view(&info, &v) < 0)
+        return 0;
+    for (int k = 0; k < 2; k++)
+        for (size_t i = 0; i < v.nrel[k]; i++) {
+            const ElfW(Sym) *sym = &v.symtab[ELF64_R_SYM(v.rel[k][i].r_info)];
+            if (sym->st_shndx == SHN_UNDEF && sym->st_value &&
+                info.dlpi_addr + sym->st_value == addr && !strcmp(v.strtab + sym->st_name, name))
+                return 1;
+        }
+    return 0;
+}
+
+/* The definition name binds to, given canon = dlsym(RTLD_DEFAULT, name): canon itself, or
+ * when that is the program's canonical PLT entry, the first definition among the objects
+ * loaded after the program (in link-map order: preloads, then its dependencies). */
+static void *definition(const char *name, void *canon)
+{
+    if (!canon || !canonical_plt(name, (uintptr_t)canon))
+        return canon;
+    for (struct link_map *l = _r_debug.r_map->l_next; l; l = l->l_next) {
+        void *h = l->l_name && *l->l_name ? dlopen(l->l_name, RTLD_LAZY | RTLD_NOLOAD) : NULL;
+        void *p = h ? dlsym(h, name) : NULL;
+        if (h)
+            dlclose(h);
+        if (p && p != canon && !canonical_plt(name, (uintptr_t)p))
+            return p;
+    }
+    return NULL;
+}
+
 static int setup_table(void);
 static void mu_track_init(void);
 
@@ -1414,19 +1470,30 @@ EXPORT int mu_track_route(void)
             dlopen(di.dli_fname, RTLD_NOW | RTLD_NOLOAD | RTLD_NODELETE);
     }
     for (int i = 0; i < NROUTES; i++) {
-        route_real[i] = dlsym(RTLD_DEFAULT, route_names[i].name);
-        if (route_real[i] == route_names[i].wrapper) {
+        route_canon[i] = dlsym(RTLD_DEFAULT, route_names[i].name);
+        route_real[i] = definition(route_names[i].name, route_canon[i]);
+        if (route_canon[i] == route_names[i].wrapper || route_real[i] == route_names[i].wrapper) {
             r = -ELOOP;
             goto out;
         }
     }
+    for (int i = 0; i < NROUTES; i++)
+        if (!route_real[i] && route_names[i].needed) {
+            r = -ENOENT;
+            goto out;
+        }
+    /* the definitions, never a canonical PLT entry (which would jump back to us) */
+    real_malloc = route_real[R_MALLOC];
+    real_calloc = route_real[R_CALLOC];
+    real_realloc = route_real[R_REALLOC];
+    real_posix_memalign = route_real[R_POSIX_MEMALIGN];
+    real_aligned_alloc = route_real[R_ALIGNED_ALLOC];
+    real_memalign = route_real[R_MEMALIGN];
+    real_valloc = route_real[R_VALLOC];
+    real_pvalloc = route_real[R_PVALLOC];
+    real_usable = route_real[R_USABLE];
+    __atomic_store_n(&real_free, (void (*)(void *))route_real[R_FREE], __ATOMIC_RELEASE);
     real_dlsym = route_real[R_DLSYM];
-    resolve();
-    if (!real_free || !real_malloc || !real_calloc || !real_realloc || !route_real[R_DLOPEN] ||
-        !route_real[R_DLCLOSE] || !real_dlsym) {
-        r = -ENOENT;
-        goto out;
-    }
     if (!H) {
         guard = 1;
         r = setup_table();

@@ -36,16 +36,22 @@ FAMILY = ("malloc", "free", "calloc", "realloc", "posix_memalign", "aligned_allo
           "valloc", "pvalloc", "reallocarray", "malloc_usable_size")
 
 
+def build_route_lib() -> str:
+    """fixtures/track_route_lib.c as a shared library (the one loaded after routing)."""
+    lib = os.path.join(fixtures.build_dir(), "libtrack_route_lib.so")
+    if not os.path.exists(lib):
+        subprocess.run([fixtures.compiler(), *fixtures.CFLAGS, "-shared", "-fPIC", "-o", lib,
+                        ROUTE_LIB_SRC], check=True)
+    return lib
+
+
 def build_route_fixture() -> tuple:
     """(exe, lib) of fixtures/track_route.cc (g++) and its dlopen'ed library (cc)."""
-    out = fixtures.build_dir()
-    exe, lib = os.path.join(out, "track_route"), os.path.join(out, "libtrack_route_lib.so")
+    exe = os.path.join(fixtures.build_dir(), "track_route")
     if not os.path.exists(exe):
         assert shutil.which("g++"), "g++ is needed for the C++ operator new leak (apt-get install g++)"
         subprocess.run(["g++", *fixtures.CFLAGS, "-o", exe, ROUTE_SRC, "-ldl", "-pthread"], check=True)
-        subprocess.run([fixtures.compiler(), *fixtures.CFLAGS, "-shared", "-fPIC", "-o", lib,
-                        ROUTE_LIB_SRC], check=True)
-    return exe, lib
+    return exe, build_route_lib()
 
 
 class Session:
@@ -238,3 +244,40 @@ def test_route_toggles_under_churn(root):
     words = out.stdout.split()
     assert words[-1] == "ok" and words[:2] == ["toggles", "50"]
     assert int(words[3]) > 10000         # the threads ran throughout
+
+
+@pytest.mark.ptrace
+@pytest.mark.parametrize("version", ["3.11", "debian"])
+def test_python_track_here(version):
+    """A Python program calls track_here.start(), then leaks through ctypes' libc.malloc and
+    through a library ctypes loads after start: each leak has its Python frames exactly
+    (function, file, line: the leaking line, main, <module>) and its C frames (libffi's call
+    for libc.malloc; lib_leak's line for the library's own malloc@plt)."""
+    python = python_exe(version)
+    lib = build_route_lib()
+    marks, lib_marks = markers(PY_FIXTURE), markers(ROUTE_LIB_SRC)
+    env = dict(PY_ENV, PYTHONPATH=fixtures.ROOT, MEMUNREACHABLE_TRACK_BUDGET="256M")
+    s = Session([python, PY_FIXTURE, lib], env=env)
+    try:
+        s.read_phase()
+        wait_in_read(s.pid)
+        info = unreachable.check(s.pid, limit=None)
+        leaks = {l.address: l for l in info.leaks}
+        for name, fn in (("libc", "leak_libc"), ("lib", "leak_lib")):
+            leak = leaks.get(s.blocks[name].address)
+            assert leak is not None, f"{name} missed:\n" + fixtures.explain_misses(s.pid, [s.blocks[name].address])
+            assert leak.stack_status == "recorded", name
+            assert leak.python_stack == [(fn, PY_FIXTURE, marks["py-" + name]),
+                                         ("main", PY_FIXTURE, marks["py-main-" + name]),
+                                         ("<module>", PY_FIXTURE, marks["py-module"])], name
+        first = resolve(leaks[s.blocks["lib"].address].stack[0], info.modules)
+        assert first == (build_route_lib(), "lib_leak", "track_route_lib.c", lib_marks["lib-malloc"])
+        libc_leak = leaks[s.blocks["libc"].address]
+        assert any("ffi" in resolve(pc, info.modules)[0] for pc in libc_leak.stack[:4])
+        ver = subprocess.run([python, "-c", "import sys; print('%d.%d' % sys.version_info[:2])"],
+                             capture_output=True, text=True).stdout.strip()
+        assert info.tracking["python"] == ver
+        s.finish()
+    except BaseException:
+        s.kill()
+        raise
