@@ -1735,14 +1735,15 @@ static int setup_table(void)
 /* Preloaded (`run`), the loader made our exports the program's malloc family: record from
  * here on. Loaded by dlopen (RTLD_LOCAL: track_here.py, an injector), nothing calls us yet:
  * change nothing until mu_track_route. The test is the property itself: the global scope
- * resolves "malloc" to ours only when we were loaded ahead of libc, i.e. preloaded (a path
+ * binds "malloc" to ours only when we were loaded ahead of libc, i.e. preloaded (a path
  * in LD_PRELOAD may be spelled differently, stripped, or name a copy; "before main" is
- * also true of a dlopen from another preloaded library's constructor). A program or
- * earlier preload defining malloc itself wins the lookup: our wrappers are never called
+ * also true of a dlopen from another preloaded library's constructor). definition() looks
+ * through a non-PIE program's canonical PLT entry (Debian's python3 under `run`). A program
+ * or earlier preload defining malloc itself wins the lookup: our wrappers are never called
  * then, and staying inert is right. */
 __attribute__((constructor(101))) static void mu_track_init(void)
 {
-    if (dlsym(RTLD_DEFAULT, "malloc") != (void *)mu_w_malloc) {
+    if (definition("malloc", dlsym(RTLD_DEFAULT, "malloc")) != (void *)mu_w_malloc) {
         resolve_scope = RTLD_DEFAULT;
         return;
     }
