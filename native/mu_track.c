@@ -986,9 +986,11 @@ static void fork_child(void)
  * (shared/notes/allocation-tracking.md section 1), so routing libstdc++ covers C++.
  *
  * An entry is changed only when it holds what the global scope resolves the name to (the
- * allocator the wrappers forward to) or, for a JUMP_SLOT, the object's own lazy-binding
- * stub; an entry bound elsewhere (an object with an allocator of its own, RTLD_DEEPBIND)
- * is left alone: sending its blocks to another allocator would corrupt both. Each store is
+ * allocator the wrappers forward to, or a non-PIE program's canonical PLT entry for it:
+ * see definition()) or, for a JUMP_SLOT, the object's own lazy-binding stub; an entry
+ * bound elsewhere (an object with an allocator of its own, RTLD_DEEPBIND) is left alone:
+ * sending its blocks to another allocator would corrupt both. dlsym is routed too, so a
+ * pointer looked up while routed (ctypes' libc.malloc) is the wrapper. Each store is
  * one aligned 8-byte compare-and-swap, so a thread calling through the entry meanwhile
  * reaches either function; a page of the object's PT_GNU_RELRO range is made writable for
  * the stores and read-only again after (the protection ld.so gave it, elf/dl-reloc.c
