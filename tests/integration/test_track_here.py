@@ -246,37 +246,63 @@ def test_route_toggles_under_churn(root):
     assert int(words[3]) > 10000         # the threads ran throughout
 
 
+def python_in_root(root: str, version: str) -> tuple:
+    """(argv prefix, fixture, library, PYTHONPATH) for PY_FIXTURE run by python3.N inside a
+    tests/distros.py root: the package (for track_here and _track.so), the fixture and the
+    library built with the root's gcc, under the root's fixture directory."""
+    rpath, out = distros.root(root), fixtures.build_dir(root)
+    inside = out[len(rpath):]
+    pkg = os.path.join(out, "pkg")
+    shutil.copytree(os.path.join(fixtures.ROOT, "memunreachable"), os.path.join(pkg, "memunreachable"),
+                    ignore=shutil.ignore_patterns("__pycache__", "_native*"), dirs_exist_ok=True)
+    shutil.copy(PY_FIXTURE, out)
+    lib = inside + "/libtrack_route_lib.so"
+    subprocess.run(["chroot", rpath, "gcc", "-O0", "-g", "-fno-omit-frame-pointer", "-shared", "-fPIC",
+                    "-o", lib, inside + "/src/track_route_lib.c"], check=True)
+    return (["chroot", rpath, "/usr/bin/python" + version], inside + "/" + os.path.basename(PY_FIXTURE),
+            lib, inside + "/pkg")
+
+
 @pytest.mark.ptrace
-@pytest.mark.parametrize("version", ["3.11", "debian"])
-def test_python_track_here(version):
+@pytest.mark.parametrize("root,version", [(None, "3.11"), (None, "debian"), ("sid", "3.13"),
+                                          ("sid", "3.14"), ("sid", "3.15")])
+def test_python_track_here(root, version):
     """A Python program calls track_here.start(), then leaks through ctypes' libc.malloc and
     through a library ctypes loads after start: each leak has its Python frames exactly
     (function, file, line: the leaking line, main, <module>) and its C frames (libffi's call
-    for libc.malloc; lib_leak's line for the library's own malloc@plt)."""
-    python = python_exe(version)
-    lib = build_route_lib()
+    for libc.malloc; lib_leak's line for the library's own malloc@plt). pyenv's 3.11 and
+    Debian's python3 here; 3.13-3.15 (frames from _Py_DebugOffsets) on sid's glibc 2.43."""
+    if root is None:
+        python = python_exe(version)
+        argv, fixture, lib, path = [python], PY_FIXTURE, build_route_lib(), fixtures.ROOT
+        host = ""
+    else:
+        argv, fixture, lib, path = python_in_root(root, version)
+        python, host = None, distros.root(root)
     marks, lib_marks = markers(PY_FIXTURE), markers(ROUTE_LIB_SRC)
-    env = dict(PY_ENV, PYTHONPATH=fixtures.ROOT, MEMUNREACHABLE_TRACK_BUDGET="256M")
-    s = Session([python, PY_FIXTURE, lib], env=env)
+    env = dict(PY_ENV, PYTHONPATH=path, MEMUNREACHABLE_TRACK_BUDGET="256M")
+    s = Session(argv + [fixture, lib], env=env)
     try:
         s.read_phase()
         wait_in_read(s.pid)
         info = unreachable.check(s.pid, limit=None)
+        modules = info.modules          # paths as seen from here (a root's are prefixed)
         leaks = {l.address: l for l in info.leaks}
         for name, fn in (("libc", "leak_libc"), ("lib", "leak_lib")):
             leak = leaks.get(s.blocks[name].address)
             assert leak is not None, f"{name} missed:\n" + fixtures.explain_misses(s.pid, [s.blocks[name].address])
             assert leak.stack_status == "recorded", name
-            assert leak.python_stack == [(fn, PY_FIXTURE, marks["py-" + name]),
-                                         ("main", PY_FIXTURE, marks["py-main-" + name]),
-                                         ("<module>", PY_FIXTURE, marks["py-module"])], name
-        first = resolve(leaks[s.blocks["lib"].address].stack[0], info.modules)
-        assert first == (build_route_lib(), "lib_leak", "track_route_lib.c", lib_marks["lib-malloc"])
+            assert leak.python_stack == [(fn, fixture, marks["py-" + name]),
+                                         ("main", fixture, marks["py-main-" + name]),
+                                         ("<module>", fixture, marks["py-module"])], name
+        first = resolve(leaks[s.blocks["lib"].address].stack[0], modules)
+        assert first == (host + lib, "lib_leak", "track_route_lib.c", lib_marks["lib-malloc"])
         libc_leak = leaks[s.blocks["libc"].address]
-        assert any("ffi" in resolve(pc, info.modules)[0] for pc in libc_leak.stack[:4])
-        ver = subprocess.run([python, "-c", "import sys; print('%d.%d' % sys.version_info[:2])"],
-                             capture_output=True, text=True).stdout.strip()
-        assert info.tracking["python"] == ver
+        assert any("ffi" in resolve(pc, modules)[0] for pc in libc_leak.stack[:4])
+        if python is not None:
+            version = subprocess.run([python, "-c", "import sys; print('%d.%d' % sys.version_info[:2])"],
+                                     capture_output=True, text=True).stdout.strip()
+        assert info.tracking["python"] == version
         s.finish()
     except BaseException:
         s.kill()
