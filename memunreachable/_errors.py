@@ -109,6 +109,16 @@ class SuppressionsError(MemunreachableError):
         self.line = line
 
 
+class TrackingError(MemunreachableError):
+    """Allocation tracking could not be started in this process (track_here.py): the
+    tracking library did not load, or routing the malloc family through it failed (errno:
+    the library's -errno, 0 when it did not load). Nothing stays routed then."""
+
+    def __init__(self, msg: str = "", hint: Optional[str] = None, errno: int = 0):
+        super().__init__(msg, hint)
+        self.errno = errno
+
+
 class CommandError(MemunreachableError):
     """CLI-only: a usage problem found after parsing."""
 

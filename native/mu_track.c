@@ -88,21 +88,27 @@ static size_t pool_size(const void *p) { return *(const size_t *)((const char *)
 
 static __thread int resolving __attribute__((tls_model("initial-exec")));
 
+/* Where the real functions are looked up: RTLD_NEXT when preloaded (the next definition
+ * after ours), RTLD_DEFAULT when dlopen'ed and routed (see "routing": the global scope's,
+ * i.e. libc's or a preloaded allocator's; never ours, which a local load keeps out of it). */
+static void *resolve_scope = RTLD_NEXT;
+
 static void resolve(void)
 {
     if (real_free)
         return;
+    void *in = resolve_scope;
     resolving = 1;
-    real_malloc = dlsym(RTLD_NEXT, "malloc");
-    real_calloc = dlsym(RTLD_NEXT, "calloc");
-    real_realloc = dlsym(RTLD_NEXT, "realloc");
-    real_posix_memalign = dlsym(RTLD_NEXT, "posix_memalign");
-    real_aligned_alloc = dlsym(RTLD_NEXT, "aligned_alloc");
-    real_memalign = dlsym(RTLD_NEXT, "memalign");
-    real_valloc = dlsym(RTLD_NEXT, "valloc");
-    real_pvalloc = dlsym(RTLD_NEXT, "pvalloc");
-    real_usable = dlsym(RTLD_NEXT, "malloc_usable_size");
-    __atomic_store_n(&real_free, (void (*)(void *))dlsym(RTLD_NEXT, "free"), __ATOMIC_RELEASE);
+    real_malloc = dlsym(in, "malloc");
+    real_calloc = dlsym(in, "calloc");
+    real_realloc = dlsym(in, "realloc");
+    real_posix_memalign = dlsym(in, "posix_memalign");
+    real_aligned_alloc = dlsym(in, "aligned_alloc");
+    real_memalign = dlsym(in, "memalign");
+    real_valloc = dlsym(in, "valloc");
+    real_pvalloc = dlsym(in, "pvalloc");
+    real_usable = dlsym(in, "malloc_usable_size");
+    __atomic_store_n(&real_free, (void (*)(void *))dlsym(in, "free"), __ATOMIC_RELEASE);
     resolving = 0;
 }
 
@@ -864,13 +870,23 @@ EXPORT void *realloc(void *old, size_t n)
     return p;
 }
 
+/* Our wrapper under a hidden name: a call of (or the address of) `realloc` from here goes
+ * through our own GOT, which binds to libc's when this library is dlopen'ed (routing).
+ * The alias drops the target's declared attributes (leaf, malloc): it is not called as
+ * an allocator but as our function. */
+#pragma GCC diagnostic ignored "-Wmissing-attributes"
+#define WRAPPER_ALIAS(name, hidden_name) \
+    extern __typeof(name) hidden_name __attribute__((alias(#name), visibility("hidden")));
+
+WRAPPER_ALIAS(realloc, mu_w_realloc)
+
 EXPORT void *reallocarray(void *old, size_t n, size_t m)
 {
     if (m && n > SIZE_MAX / m) {
         errno = ENOMEM;
         return NULL;
     }
-    return realloc(old, n * m);
+    return mu_w_realloc(old, n * m);
 }
 
 EXPORT int posix_memalign(void **out, size_t align, size_t n)
@@ -1097,6 +1113,567 @@ static void fork_child(void)
     }
 }
 
+/* ---- routing ------------------------------------------------------------------------------------- */
+
+/* A process that did not preload this library (it was dlopen'ed, RTLD_LOCAL: by
+ * memunreachable/track_here.py, or injected by `track PID`) routes its malloc family through
+ * the wrappers above by rewriting GOT entries: mu_track_route() points, in every loaded
+ * object but this library and ld.so (which allocates through its own __rtld_malloc
+ * pointers), each JUMP_SLOT (DT_JMPREL), GLOB_DAT and addend-0 R_X86_64_64 (DT_RELA) entry
+ * of the names in route_names at our wrapper; mu_track_unroute() puts back every entry that
+ * still holds our value. libc is routed too (strdup, fopen, getline call malloc@plt);
+ * operator new/delete reach malloc/free/aligned_alloc through libstdc++'s PLT
+ * (shared/notes/allocation-tracking.md section 1), so routing libstdc++ covers C++.
+ *
+ * An entry is changed only when it holds what the global scope resolves the name to (the
+ * allocator the wrappers forward to, or a non-PIE program's canonical PLT entry for it:
+ * see definition()) or, for a JUMP_SLOT, the object's own lazy-binding stub; an entry
+ * bound elsewhere (an object with an allocator of its own, RTLD_DEEPBIND) is left alone:
+ * sending its blocks to another allocator would corrupt both. dlsym is routed too, so a
+ * pointer looked up while routed (ctypes' libc.malloc) is the wrapper. Each store is
+ * one aligned 8-byte compare-and-swap, so a thread calling through the entry meanwhile
+ * reaches either function; a page of the object's PT_GNU_RELRO range is made writable for
+ * the stores and read-only again after (the protection ld.so gave it, elf/dl-reloc.c
+ * _dl_protect_relro). Every change is kept (slot, old, new) in memory of our own (mmap), by
+ * object, so it can be undone; objects are walked with dl_iterate_phdr, which holds the
+ * loader's lock: an object cannot be unmapped while its entries are read or written.
+ *
+ * Objects loaded later: the dlopen wrapper routes the objects that appeared (dlpi_adds)
+ * once the real dlopen returned, so an extension module is tracked from its first
+ * allocation after dlopen returns; what its constructors allocate during dlopen is not.
+ * The real dlopen sees this library as its caller: a bare name (no '/') is searched with
+ * our (empty) DT_RUNPATH instead of the caller's, and a caller in a dlmopen namespace
+ * loads into the base one. Not routed: calls of __libc_malloc & co., lazy bindings that
+ * ld.so completes on another thread between our read and store of a JUMP_SLOT (it then
+ * writes the real function over ours), objects loaded by a dlopen that did not go through
+ * a routed entry until the next route or routed dlopen. */
+
+WRAPPER_ALIAS(malloc, mu_w_malloc)
+WRAPPER_ALIAS(free, mu_w_free)
+WRAPPER_ALIAS(calloc, mu_w_calloc)
+WRAPPER_ALIAS(posix_memalign, mu_w_posix_memalign)
+WRAPPER_ALIAS(aligned_alloc, mu_w_aligned_alloc)
+WRAPPER_ALIAS(memalign, mu_w_memalign)
+WRAPPER_ALIAS(valloc, mu_w_valloc)
+WRAPPER_ALIAS(pvalloc, mu_w_pvalloc)
+WRAPPER_ALIAS(reallocarray, mu_w_reallocarray)
+WRAPPER_ALIAS(malloc_usable_size, mu_w_usable)
+
+static void *wrap_dlopen(const char *file, int mode);
+static int wrap_dlclose(void *handle);
+extern void *mu_wrap_dlsym(void *handle, const char *name) __attribute__((visibility("hidden")));
+
+enum { R_MALLOC, R_FREE, R_CALLOC, R_REALLOC, R_POSIX_MEMALIGN, R_ALIGNED_ALLOC, R_MEMALIGN,
+       R_VALLOC, R_PVALLOC, R_REALLOCARRAY, R_USABLE, R_DLOPEN, R_DLCLOSE, R_DLSYM, NROUTES };
+static const struct { const char *name; void *wrapper; int needed; } route_names[NROUTES] = {
+    [R_MALLOC] = {"malloc", (void *)mu_w_malloc, 1},
+    [R_FREE] = {"free", (void *)mu_w_free, 1},
+    [R_CALLOC] = {"calloc", (void *)mu_w_calloc, 1},
+    [R_REALLOC] = {"realloc", (void *)mu_w_realloc, 1},
+    [R_POSIX_MEMALIGN] = {"posix_memalign", (void *)mu_w_posix_memalign, 0},
+    [R_ALIGNED_ALLOC] = {"aligned_alloc", (void *)mu_w_aligned_alloc, 0},
+    [R_MEMALIGN] = {"memalign", (void *)mu_w_memalign, 0},
+    [R_VALLOC] = {"valloc", (void *)mu_w_valloc, 0},
+    [R_PVALLOC] = {"pvalloc", (void *)mu_w_pvalloc, 0},
+    [R_REALLOCARRAY] = {"reallocarray", (void *)mu_w_reallocarray, 0},
+    [R_USABLE] = {"malloc_usable_size", (void *)mu_w_usable, 0},
+    [R_DLOPEN] = {"dlopen", (void *)wrap_dlopen, 1},
+    [R_DLCLOSE] = {"dlclose", (void *)wrap_dlclose, 1},
+    [R_DLSYM] = {"dlsym", (void *)mu_wrap_dlsym, 1},
+};
+static void *route_canon[NROUTES];      /* each name in the global scope (dlsym): what GOTs hold */
+static void *route_real[NROUTES];       /* its definition: what the wrappers forward to */
+
+struct patch { uint64_t *slot; uint64_t old, new; uintptr_t object; };
+
+#define MAX_PATCHES 65536               /* 2 MiB reserved, touched as used */
+#define MAX_OBJECTS 16384
+#define OBJECT_PATCHES 256              /* entries changed in one object, at most */
+static struct patch *patches;
+static size_t npatches;
+static uintptr_t *objects;              /* routed objects, by their PT_DYNAMIC address */
+static size_t nobjects;
+static pthread_mutex_t route_lock = PTHREAD_MUTEX_INITIALIZER;
+static int routed;                      /* GOT entries point here (read racily by wrappers) */
+static int preloaded;                   /* set by the constructor: the loader interposed us */
+static int unrouted_once;               /* the live table may hold entries of missed frees */
+static unsigned long long seen_adds, seen_subs;
+
+/* Whether addr lies in one of info's PT_LOAD segments (with all of `flags`). */
+static int in_object(const struct dl_phdr_info *info, uintptr_t addr, unsigned flags)
+{
+    for (int i = 0; i < info->dlpi_phnum; i++) {
+        const ElfW(Phdr) *ph = &info->dlpi_phdr[i];
+        uintptr_t lo = info->dlpi_addr + ph->p_vaddr;
+        if (ph->p_type == PT_LOAD && (ph->p_flags & flags) == flags && addr >= lo &&
+            addr < lo + ph->p_memsz)
+            return 1;
+    }
+    return 0;
+}
+
+/* What an object's relocation tables say, its PT_DYNAMIC address (its key: unique among
+ * the objects loaded at one time) and the pages ld.so made read-only after relocation. */
+struct object_view {
+    uintptr_t key, relro_lo, relro_hi;
+    const ElfW(Sym) *symtab;
+    const char *strtab;
+    const ElfW(Rela) *rel[2];
+    size_t nrel[2];
+};
+
+/* 0 and *v filled, or -1: nothing of ours in this object (no dynamic section, ld.so, us). */
+static int object_view(const struct dl_phdr_info *info, struct object_view *v)
+{
+    if (in_object(info, (uintptr_t)object_view, 0) || in_object(info, (uintptr_t)&_r_debug, 0))
+        return -1;
+    memset(v, 0, sizeof *v);
+    uintptr_t base = info->dlpi_addr;
+    for (int i = 0; i < info->dlpi_phnum; i++) {
+        const ElfW(Phdr) *ph = &info->dlpi_phdr[i];
+        if (ph->p_type == PT_DYNAMIC)
+            v->key = base + ph->p_vaddr;
+        else if (ph->p_type == PT_GNU_RELRO) {
+            v->relro_lo = (base + ph->p_vaddr) & ~(uintptr_t)4095;
+            v->relro_hi = (base + ph->p_vaddr + ph->p_memsz) & ~(uintptr_t)4095;
+        }
+    }
+    if (!v->key)
+        return -1;
+    size_t relsz[2] = {0, 0};
+    int plt_rela = 1;
+    for (const ElfW(Dyn) *d = (const ElfW(Dyn) *)v->key; d->d_tag != DT_NULL; d++) {
+        /* ld.so relocates these d_ptr in place, except in a read-only dynamic section (the
+         * vDSO's): a value below the load address is still file-relative */
+        uintptr_t p = d->d_un.d_ptr < base ? d->d_un.d_ptr + base : d->d_un.d_ptr;
+        switch (d->d_tag) {
+        case DT_SYMTAB: v->symtab = (const ElfW(Sym) *)p; break;
+        case DT_STRTAB: v->strtab = (const char *)p; break;
+        case DT_JMPREL: v->rel[0] = (const ElfW(Rela) *)p; break;
+        case DT_PLTRELSZ: relsz[0] = d->d_un.d_val; break;
+        case DT_PLTREL: plt_rela = d->d_un.d_val == DT_RELA; break;
+        case DT_RELA: v->rel[1] = (const ElfW(Rela) *)p; break;
+        case DT_RELASZ: relsz[1] = d->d_un.d_val; break;
+        default: break;
+        }
+    }
+    if (!v->symtab || !v->strtab || !plt_rela)
+        v->rel[0] = v->rel[1] = NULL;
+    for (int k = 0; k < 2; k++)
+        v->nrel[k] = v->rel[k] ? relsz[k] / sizeof(ElfW(Rela)) : 0;
+    return 0;
+}
+
+static int known_object(uintptr_t key)
+{
+    for (size_t i = 0; i < nobjects; i++)
+        if (objects[i] == key)
+            return 1;
+    return 0;
+}
+
+static int route_index(const char *name)
+{
+    for (int i = 0; i < NROUTES; i++)
+        if (name[0] == route_names[i].name[0] && !strcmp(name, route_names[i].name))
+            return i;
+    return -1;
+}
+
+/* Make [lo, hi) writable (prot PROT_READ | PROT_WRITE) or read-only again; 0 or -errno. */
+static int relro_protect(uintptr_t lo, uintptr_t hi, int prot)
+{
+    if (lo >= hi)
+        return 0;
+    return mprotect((void *)lo, hi - lo, prot) ? -errno : 0;
+}
+
+static int in_relro(const struct object_view *v, const uint64_t *slot)
+{
+    return (uintptr_t)slot >= v->relro_lo && (uintptr_t)slot < v->relro_hi;
+}
+
+/* Point info's entries of route_names at our wrappers and remember them; 0 or -errno
+ * (nothing of this object changed then). */
+static int route_object(const struct dl_phdr_info *info)
+{
+    struct object_view v;
+    if (object_view(info, &v) < 0 || known_object(v.key))
+        return 0;
+    if (nobjects == MAX_OBJECTS)
+        return -ENOSPC;
+    struct patch todo[OBJECT_PATCHES];
+    int n = 0, relro = 0;
+    for (int k = 0; k < 2; k++) {
+        for (size_t i = 0; i < v.nrel[k]; i++) {
+            const ElfW(Rela) *r = &v.rel[k][i];
+            unsigned type = ELF64_R_TYPE(r->r_info);
+            if (!(type == R_X86_64_JUMP_SLOT || type == R_X86_64_GLOB_DAT ||
+                  (type == R_X86_64_64 && r->r_addend == 0)))
+                continue;
+            const ElfW(Sym) *sym = &v.symtab[ELF64_R_SYM(r->r_info)];
+            int at = route_index(v.strtab + sym->st_name);
+            if (at < 0 || !route_real[at])
+                continue;       /* not ours, or nothing to forward to */
+            uint64_t *slot = (uint64_t *)(info->dlpi_addr + r->r_offset);
+            if (!in_object(info, (uintptr_t)slot, PF_W) || ((uintptr_t)slot & 7))
+                continue;
+            uint64_t cur = __atomic_load_n(slot, __ATOMIC_RELAXED);
+            uint64_t own = sym->st_shndx == SHN_UNDEF ? 0 : info->dlpi_addr + sym->st_value;
+            int lazy = type == R_X86_64_JUMP_SLOT && cur != own && in_object(info, cur, PF_X);
+            if (cur != (uint64_t)(uintptr_t)route_canon[at] &&
+                cur != (uint64_t)(uintptr_t)route_real[at] && !lazy)
+                continue;       /* ours already, or bound to another allocator */
+            if (n == OBJECT_PATCHES || npatches + n == MAX_PATCHES)
+                return -ENOSPC;
+            todo[n++] = (struct patch){slot, cur, (uint64_t)(uintptr_t)route_names[at].wrapper, v.key};
+            relro |= in_relro(&v, slot);
+        }
+    }
+    if (relro) {
+        int r = relro_protect(v.relro_lo, v.relro_hi, PROT_READ | PROT_WRITE);
+        if (r < 0)
+            return r;
+    }
+    for (int i = 0; i < n; i++) {
+        uint64_t want = todo[i].old;
+        if (__atomic_compare_exchange_n(todo[i].slot, &want, todo[i].new, 0, __ATOMIC_RELEASE,
+                                        __ATOMIC_RELAXED))
+            patches[npatches++] = todo[i];
+    }
+    if (relro)
+        relro_protect(v.relro_lo, v.relro_hi, PROT_READ);
+    objects[nobjects++] = v.key;
+    return 0;
+}
+
+/* Put back info's entries that still hold our value (one someone changed since is left). */
+static void unroute_object(const struct dl_phdr_info *info)
+{
+    struct object_view v;
+    if (object_view(info, &v) < 0)
+        return;
+    int relro = 0;
+    for (size_t i = 0; i < npatches; i++)
+        relro |= patches[i].object == v.key && in_relro(&v, patches[i].slot);
+    if (relro && relro_protect(v.relro_lo, v.relro_hi, PROT_READ | PROT_WRITE) < 0)
+        return;     /* cannot happen: the same call succeeded when routing */
+    for (size_t i = 0; i < npatches; i++) {
+        struct patch *p = &patches[i];
+        uint64_t want = p->new;
+        if (p->object == v.key)
+            __atomic_compare_exchange_n(p->slot, &want, p->old, 0, __ATOMIC_RELEASE,
+                                        __ATOMIC_RELAXED);
+    }
+    if (relro)
+        relro_protect(v.relro_lo, v.relro_hi, PROT_READ);
+}
+
+enum walk_op { WALK_ROUTE, WALK_UNROUTE, WALK_KEEP };
+struct walk { enum walk_op op; int err; size_t kept; };
+
+static int walk_cb(struct dl_phdr_info *info, size_t size, void *arg)
+{
+    struct walk *w = arg;
+    (void)size;
+    if (w->op == WALK_ROUTE) {
+        int r = route_object(info);
+        if (r < 0 && !w->err)
+            w->err = r;
+    } else if (w->op == WALK_UNROUTE) {
+        unroute_object(info);
+    } else {                    /* move the keys of loaded objects to the front */
+        struct object_view v;
+        if (object_view(info, &v) == 0)
+            for (size_t i = w->kept; i < nobjects; i++)
+                if (objects[i] == v.key) {
+                    objects[i] = objects[w->kept];
+                    objects[w->kept++] = v.key;
+                    break;
+                }
+    }
+    return 0;
+}
+
+static int counts_cb(struct dl_phdr_info *info, size_t size, void *arg)
+{
+    unsigned long long *c = arg;
+    if (size < offsetof(struct dl_phdr_info, dlpi_subs) + sizeof info->dlpi_subs)
+        return -1;
+    c[0] = info->dlpi_adds;
+    c[1] = info->dlpi_subs;
+    return 1;
+}
+
+/* dl_iterate_phdr's counts of objects loaded and unloaded so far: {adds, subs}. */
+static void load_counts(unsigned long long c[2])
+{
+    c[0] = c[1] = 0;
+    dl_iterate_phdr(counts_cb, c);
+}
+
+/* Forget the objects unloaded since the last walk, and their entries (route_lock held). */
+static void prune_unloaded(void)
+{
+    struct walk w = {WALK_KEEP, 0, 0};
+    dl_iterate_phdr(walk_cb, &w);
+    size_t keep = 0;
+    for (size_t i = 0; i < npatches; i++) {
+        int alive = 0;
+        for (size_t j = 0; j < w.kept && !alive; j++)
+            alive = objects[j] == patches[i].object;
+        if (alive)
+            patches[keep++] = patches[i];
+    }
+    npatches = keep;
+    nobjects = w.kept;
+}
+
+/* Route every loaded object not routed yet; 0 or the first -errno (route_lock held). */
+static int route_all(void)
+{
+    unsigned long long c[2];
+    load_counts(c);
+    if (c[1] != seen_subs)
+        prune_unloaded();
+    struct walk w = {WALK_ROUTE, 0, 0};
+    dl_iterate_phdr(walk_cb, &w);
+    seen_adds = c[0];
+    seen_subs = c[1];
+    return w.err;
+}
+
+static void unroute_all(void)
+{
+    __atomic_store_n(&routed, 0, __ATOMIC_RELAXED);
+    struct walk w = {WALK_UNROUTE, 0, 0};
+    dl_iterate_phdr(walk_cb, &w);
+    npatches = nobjects = 0;
+    enabled = 0;
+    if (H)
+        H->flags &= ~MU_TRACK_F_ENABLED;
+    unrouted_once = 1;
+}
+
+static void *wrap_dlopen(const char *file, int mode)
+{
+    void *h = ((void *(*)(const char *, int))route_real[R_DLOPEN])(file, mode);
+    if (h && __atomic_load_n(&routed, __ATOMIC_RELAXED)) {
+        unsigned long long c[2];
+        load_counts(c);
+        if (c[0] != __atomic_load_n(&seen_adds, __ATOMIC_RELAXED)) {
+            pthread_mutex_lock(&route_lock);
+            if (routed)
+                route_all();    /* an object we cannot route stays untracked */
+            pthread_mutex_unlock(&route_lock);
+        }
+    }
+    return h;
+}
+
+static int wrap_dlclose(void *handle)
+{
+    int r = ((int (*)(void *))route_real[R_DLCLOSE])(handle);
+    if (__atomic_load_n(&routed, __ATOMIC_RELAXED)) {
+        unsigned long long c[2];
+        load_counts(c);
+        pthread_mutex_lock(&route_lock);
+        if (c[1] != seen_subs) {
+            prune_unloaded();
+            seen_subs = c[1];
+        }
+        pthread_mutex_unlock(&route_lock);
+    }
+    return r;
+}
+
+/* dlsym(handle, "malloc") & co. hand out our wrapper while routed: a pointer looked up
+ * this way (ctypes' libc.malloc) calls no GOT entry. RTLD_NEXT and RTLD_DEFAULT depend on
+ * the caller (the object after it; its scope), which the real dlsym reads from its return
+ * address: those go to it by a jump, unchanged. A pointer looked up before routing stays
+ * the real function. */
+static void *real_dlsym __attribute__((used));
+
+__attribute__((used)) static void *wrap_dlsym_c(void *handle, const char *name)
+{
+    void *p = ((void *(*)(void *, const char *))real_dlsym)(handle, name);
+    if (p && __atomic_load_n(&routed, __ATOMIC_RELAXED))
+        for (int i = 0; i < R_DLOPEN; i++)
+            if (route_real[i] && (p == route_canon[i] || p == route_real[i]))
+                return route_names[i].wrapper;
+    return p;
+}
+
+__asm__(".text\n"
+        ".p2align 4\n"
+        ".globl mu_wrap_dlsym\n"
+        ".hidden mu_wrap_dlsym\n"
+        ".type mu_wrap_dlsym, @function\n"
+        "mu_wrap_dlsym:\n"
+        "    endbr64\n"
+        "    cmpq $-1, %rdi\n"            /* RTLD_NEXT */
+        "    je 1f\n"
+        "    testq %rdi, %rdi\n"          /* RTLD_DEFAULT */
+        "    je 1f\n"
+        "    jmp wrap_dlsym_c\n"
+        "1:  jmp *real_dlsym(%rip)\n"
+        ".size mu_wrap_dlsym, .-mu_wrap_dlsym\n");
+
+/* Empty the live table: after an unroute, frees went past us and entries may be stale. */
+static void live_reset(void)
+{
+    for (unsigned i = 0; i < MU_TRACK_NSHARDS; i++) {
+        struct mu_track_shard *s = &shards[i];
+        lock(&s->lock);
+        __atomic_store_n(&s->seq, s->seq + 1, __ATOMIC_RELAXED);
+        uint64_t off = s->table_off;
+        __atomic_store_n(&s->table_off, 0, __ATOMIC_RELEASE);
+        s->used = s->tombs = 0;
+        if (off)
+            table_free(off, s->log2cap);
+        __atomic_store_n(&s->seq, s->seq + 1, __ATOMIC_RELEASE);
+        unlock(&s->lock);
+    }
+}
+
+/* Whether addr is the program's canonical PLT entry for name: a non-PIE program that takes
+ * a function's address defines the symbol as its PLT stub (SHN_UNDEF, st_value set), which
+ * dlsym and every other object's GOT then give; the stub jumps through the program's own
+ * JUMP_SLOT, which PLT-class lookups bind to the real definition (glibc elf/dl-lookup.c
+ * do_lookup_x skips undefined symbols for ELF_RTYPE_CLASS_PLT). Debian's python3.11. */
+static int first_object_cb(struct dl_phdr_info *info, size_t size, void *arg)
+{
+    (void)size;
+    *(struct dl_phdr_info *)arg = *info;
+    return 1;
+}
+
+static int canonical_plt(const char *name, uintptr_t addr)
+{
+    struct dl_phdr_info info = {0};
+    dl_iterate_phdr(first_object_cb, &info);        /* the program comes first */
+    struct object_view v;
+    if (object_view(&info, &v) < 0)
+        return 0;
+    for (int k = 0; k < 2; k++)
+        for (size_t i = 0; i < v.nrel[k]; i++) {
+            const ElfW(Sym) *sym = &v.symtab[ELF64_R_SYM(v.rel[k][i].r_info)];
+            if (sym->st_shndx == SHN_UNDEF && sym->st_value &&
+                info.dlpi_addr + sym->st_value == addr && !strcmp(v.strtab + sym->st_name, name))
+                return 1;
+        }
+    return 0;
+}
+
+/* The definition name binds to, given canon = dlsym(RTLD_DEFAULT, name): canon itself, or
+ * when that is the program's canonical PLT entry, the first definition among the objects
+ * loaded after the program (in link-map order: preloads, then its dependencies). */
+static void *definition(const char *name, void *canon)
+{
+    if (!canon || !canonical_plt(name, (uintptr_t)canon))
+        return canon;
+    for (struct link_map *l = _r_debug.r_map->l_next; l; l = l->l_next) {
+        void *h = l->l_name && *l->l_name ? dlopen(l->l_name, RTLD_LAZY | RTLD_NOLOAD) : NULL;
+        void *p = h ? dlsym(h, name) : NULL;
+        if (h)
+            dlclose(h);
+        if (p && p != canon && !canonical_plt(name, (uintptr_t)p))
+            return p;
+    }
+    return NULL;
+}
+
+static int setup_table(void);
+static void mu_track_init(void);
+
+/* The first call builds the table (as the constructor does when preloaded); every call
+ * routes the objects not routed yet, so a second call changes nothing. 0 or -errno:
+ * -ENOENT the malloc family is not in the global scope, -ELOOP this library is (it was
+ * loaded RTLD_GLOBAL ahead of libc?), -ENOMEM no table, -ENOSPC too many entries, an
+ * mprotect error (then nothing stays routed). When preloaded: 0, nothing to do. */
+EXPORT int mu_track_route(void)
+{
+    if (preloaded)
+        return 0;
+    pthread_mutex_lock(&route_lock);
+    int r = 0;
+    if (!patches) {
+        void *m = mmap(NULL, MAX_PATCHES * sizeof *patches + MAX_OBJECTS * sizeof *objects,
+                       PROT_READ | PROT_WRITE, MAP_PRIVATE | MAP_ANONYMOUS | MAP_NORESERVE, -1, 0);
+        if (m == MAP_FAILED) {
+            r = -errno;
+            goto out;
+        }
+        patches = m;
+        objects = (uintptr_t *)(patches + MAX_PATCHES);
+        /* never unloaded from here on: routed entries and atfork handlers point into us */
+        Dl_info di;
+        if (dladdr((void *)mu_track_route, &di) && di.dli_fname)
+            dlopen(di.dli_fname, RTLD_NOW | RTLD_NOLOAD | RTLD_NODELETE);
+    }
+    for (int i = 0; i < NROUTES; i++) {
+        route_canon[i] = dlsym(RTLD_DEFAULT, route_names[i].name);
+        route_real[i] = definition(route_names[i].name, route_canon[i]);
+        if (route_canon[i] == route_names[i].wrapper || route_real[i] == route_names[i].wrapper) {
+            r = -ELOOP;
+            goto out;
+        }
+    }
+    for (int i = 0; i < NROUTES; i++)
+        if (!route_real[i] && route_names[i].needed) {
+            r = -ENOENT;
+            goto out;
+        }
+    /* the definitions, never a canonical PLT entry (which would jump back to us) */
+    real_malloc = route_real[R_MALLOC];
+    real_calloc = route_real[R_CALLOC];
+    real_realloc = route_real[R_REALLOC];
+    real_posix_memalign = route_real[R_POSIX_MEMALIGN];
+    real_aligned_alloc = route_real[R_ALIGNED_ALLOC];
+    real_memalign = route_real[R_MEMALIGN];
+    real_valloc = route_real[R_VALLOC];
+    real_pvalloc = route_real[R_PVALLOC];
+    real_usable = route_real[R_USABLE];
+    __atomic_store_n(&real_free, (void (*)(void *))route_real[R_FREE], __ATOMIC_RELEASE);
+    real_dlsym = route_real[R_DLSYM];
+    if (!H) {
+        guard = 1;
+        r = setup_table();
+        guard = 0;
+        if (r < 0)
+            goto out;
+    } else if (!routed && unrouted_once) {
+        live_reset();
+    }
+    if (!routed) {
+        H->flags |= MU_TRACK_F_ENABLED;
+        enabled = 1;
+        __atomic_store_n(&routed, 1, __ATOMIC_RELAXED);
+    }
+    r = route_all();
+    if (r < 0)
+        unroute_all();
+out:
+    pthread_mutex_unlock(&route_lock);
+    return r;
+}
+
+/* Put back every entry mu_track_route changed that still holds our value and stop
+ * recording; the library stays loaded and its wrappers forward (a function pointer taken
+ * while routed keeps working). Blocks allocated while routed and freed later are freed by
+ * the real allocator directly; the table keeps their entries until the next route. 0 (also
+ * when preloaded: the loader's interposition cannot be undone). */
+EXPORT int mu_track_unroute(void)
+{
+    if (preloaded)
+        return 0;
+    pthread_mutex_lock(&route_lock);
+    if (routed)
+        unroute_all();
+    pthread_mutex_unlock(&route_lock);
+    return 0;
+}
+
 /* ---- setup --------------------------------------------------------------------------------------- */
 
 static uint64_t parse_size(const char *s, uint64_t dflt)
@@ -1225,10 +1802,12 @@ static uintptr_t exit_frames_top(void)
     return w.cfa;
 }
 
-__attribute__((constructor(101))) static void mu_track_init(void)
+/* The table (sized by MEMUNREACHABLE_TRACK_BUDGET), the unwinder, the Python layout and the
+ * fork handlers; the header is published (magic) with recording flagged on. Called once,
+ * with guard set: by the constructor when preloaded, by the first mu_track_route otherwise.
+ * 0 or -errno. */
+static int setup_table(void)
 {
-    resolve();
-    guard = 1;
     uint64_t budget = parse_size(getenv("MEMUNREACHABLE_TRACK_BUDGET"), 64ULL << 20);
     if (budget < (1ULL << 20))
         budget = 1ULL << 20;
@@ -1238,21 +1817,17 @@ __attribute__((constructor(101))) static void mu_track_init(void)
         long v = strtol(d, NULL, 10);
         depth = v < 1 ? 1 : v > (long)MU_TRACK_MAX_DEPTH ? MU_TRACK_MAX_DEPTH : (unsigned)v;
     }
-    const char *nf = getenv("MEMUNREACHABLE_NO_FOLLOW_FORK");
-    no_follow_fork = nf && *nf && strcmp(nf, "0");
     /* a PROT_NONE page on each side: the table is a mapping of its own (never merged with
      * a neighbour), so the checker finds the header at the start of a mapping */
     char *g = mmap(NULL, budget + 8192, PROT_NONE,
                    MAP_PRIVATE | MAP_ANONYMOUS | MAP_NORESERVE, -1, 0);
-    if (g == MAP_FAILED) {
-        guard = 0;
-        return;
-    }
+    if (g == MAP_FAILED)
+        return -errno;
     void *m = g + 4096;
     if (mprotect(m, budget, PROT_READ | PROT_WRITE) != 0) {
+        int e = -errno;
         munmap(g, budget + 8192);
-        guard = 0;
-        return;
+        return e;
     }
     prctl(PR_SET_VMA, PR_SET_VMA_ANON_NAME, (unsigned long)m, budget,
           (unsigned long)MU_TRACK_MAP_NAME);
@@ -1292,14 +1867,39 @@ __attribute__((constructor(101))) static void mu_track_init(void)
     setup_python();
     dl_iterate_phdr(find_self, (void *)(uintptr_t)mu_track_init);
     pthread_atfork(fork_prepare, fork_parent, fork_child);
-    if (no_follow_fork)
-        strip_preload();
-    setup_exit_check();
     void *warm[4];
     capture(warm, 4);                     /* lazy unwinder setup happens here, untracked */
     h->flags |= MU_TRACK_F_ENABLED;
     __atomic_store_n((uint64_t *)h->magic, *(const uint64_t *)MU_TRACK_MAGIC, __ATOMIC_RELEASE);
-    enabled = 1;
+    return 0;
+}
+
+/* Preloaded (`run`), the loader made our exports the program's malloc family: record from
+ * here on. Loaded by dlopen (RTLD_LOCAL: track_here.py, an injector), nothing calls us yet:
+ * change nothing until mu_track_route. The test is the property itself: the global scope
+ * binds "malloc" to ours only when we were loaded ahead of libc, i.e. preloaded (a path
+ * in LD_PRELOAD may be spelled differently, stripped, or name a copy; "before main" is
+ * also true of a dlopen from another preloaded library's constructor). definition() looks
+ * through a non-PIE program's canonical PLT entry (Debian's python3 under `run`). A program
+ * or earlier preload defining malloc itself wins the lookup: our wrappers are never called
+ * then, and staying inert is right. */
+__attribute__((constructor(101))) static void mu_track_init(void)
+{
+    if (definition("malloc", dlsym(RTLD_DEFAULT, "malloc")) != (void *)mu_w_malloc) {
+        resolve_scope = RTLD_DEFAULT;
+        return;
+    }
+    preloaded = 1;
+    resolve();
+    guard = 1;
+    const char *nf = getenv("MEMUNREACHABLE_NO_FOLLOW_FORK");
+    no_follow_fork = nf && *nf && strcmp(nf, "0");
+    if (setup_table() == 0) {
+        if (no_follow_fork)
+            strip_preload();
+        setup_exit_check();
+        enabled = 1;
+    }
     guard = 0;
 }
 
