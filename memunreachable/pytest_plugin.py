@@ -60,6 +60,11 @@ def pytest_addoption(parser):
                          "(default 10; 1: a sweep after every test)")
     parser.addini("memunreachable_batch", default="",
                   help="same as --memunreachable-batch")
+    group.addoption("--memunreachable-untracked", action="store_true", default=False,
+                    help="do not track allocations in this process: a snapshot per test "
+                         "instead (no allocation stacks; slower)")
+    parser.addini("memunreachable_untracked", type="bool", default=False,
+                  help="same as --memunreachable-untracked")
     group.addoption("--memunreachable-suppressions", metavar="FILE", default=None,
                     help="LeakSanitizer suppressions file ('leak:PATTERN' lines): matching "
                          "leaks never fail a test")
@@ -126,7 +131,8 @@ def _idle_options(config) -> list:
     if config.getoption("--memunreachable") or config.getini("memunreachable"):
         return []
     given = [opt for opt in ("--memunreachable-batch", "--memunreachable-suppressions",
-                             "--memunreachable-cannot-check") if config.getoption(opt)]
+                             "--memunreachable-cannot-check", "--memunreachable-untracked")
+             if config.getoption(opt)]
     given += [f"the {name} ini value" for name in ("memunreachable_batch",
                                                    "memunreachable_suppressions")
               if config.getini(name)]
@@ -371,7 +377,9 @@ def pytest_runtestloop(session):
 def _start_tracking(config):
     """The session's _Tracked when every test is checked here and the tracking library could
     route this process (track_here); None otherwise: a check per test, as before."""
-    if not _checks_every_test_here(config, config.option):
+    if (not _checks_every_test_here(config, config.option)
+            or config.getoption("--memunreachable-untracked")
+            or config.getini("memunreachable_untracked")):
         return None
     from memunreachable import track_here
     try:
@@ -498,7 +506,7 @@ class _Tracked:
             return
         att = pt.attribute(new, list(stretch))
         for number, leaks in att.by_test.items():
-            stretch[number].stash[_VERDICT] = ("leaks", _leak_text(info, leaks))
+            stretch[number].stash[_VERDICT] = ("leaks", _leak_text(info, leaks, number=number))
         for number, leaks in att.fixtures.items():
             warnings.warn(pytest.PytestWarning(
                 f"{stretch[number].nodeid}: its fixtures (setup or teardown) leaked; no test "
@@ -795,10 +803,50 @@ def _settle(config, info, entries, own_before):
     return (new if error is None else []), error
 
 
-def _leak_text(info, leaks, when: str = "during this test") -> str:
+REUSED = ("(no stack: CPython handed this object out again from a free list, without its "
+          "allocator; the blocks it holds show where it was filled)")
+EARLIER = ("(allocated before this test, or handed out again from one of CPython's free "
+           "lists; where it was first allocated:)")
+
+
+def _leak_text(info, leaks, when: str = "during this test", number: Optional[int] = None) -> str:
+    """The failure text of these leaks of check `info`. number: the tracked test's number; a
+    block recorded with another test's epoch (or none) was reused, its stack is not this one."""
+    from memunreachable.pytest_tracked import split
     from memunreachable.reporters.text import format_text
     new_info = _nl()._only(info, leaks)
+    for leak in new_info.leaks:
+        for b in [leak] + list(leak.indirect):
+            frames = _test_frames(b.backtrace)
+            if number is None or split(b.epoch)[0] == number:
+                b.backtrace = frames
+            elif b.python_type:
+                b.backtrace = [REUSED]
+            else:
+                b.backtrace = [EARLIER] + frames
     return f"{headline(new_info, when)}\n{format_text(new_info, True, brief=True)}"
+
+
+def _runner_files() -> tuple:
+    """Directories of the code that runs tests (pytest, pluggy, this plugin): its Python frames
+    are in every stack and say nothing about the leak."""
+    import os
+    import _pytest
+    import pluggy
+    return tuple(os.path.dirname(m.__file__) + os.sep for m in (_pytest, pluggy, sys.modules[
+        __name__]))
+
+
+def _test_frames(frames) -> list:
+    """An allocation stack without the Python frames of the test runner (and the native
+    frames below the first of them: the interpreter running pytest)."""
+    runner = _runner_files()
+    out = []
+    for f in frames:
+        if getattr(f, "python", False) and (f.file or "").startswith(runner):
+            break
+        out.append(f)
+    return out
 
 
 def headline(info, when: str = "during this test") -> str:

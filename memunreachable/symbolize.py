@@ -519,8 +519,10 @@ def python_frames(python_stack: Sequence[PythonFrame]) -> List[Frame]:
 # py-spy --native does: every native eval-loop frame (_PyEval_EvalFrameDefault) is replaced
 # by the Python frames it ran. Exactly one eval frame: all Python frames go there (3.11+ runs
 # nested Python calls in one C-level eval call); as many eval frames as Python frames: one
-# each. Otherwise (or without any eval frame) they cannot be placed: the Python frames come
-# first (innermost first), then the native frames unchanged.
+# each. Otherwise (3.11+ runs several Python calls per eval frame, and the native stack stops
+# at its depth limit) they go where the first eval frame is, and of the native frames below
+# it only those outside the interpreter's module stay (an embedding program's own). Without
+# any eval frame: the Python frames first (innermost first), then the native frames.
 def merge_python(native: Sequence[Frame], python_stack: Sequence[PythonFrame]) -> List[Frame]:
     py = python_frames(python_stack)
     if not py:
@@ -538,6 +540,10 @@ def merge_python(native: Sequence[Frame], python_stack: Sequence[PythonFrame]) -
             else:
                 out.append(f)
         return out
+    if evals:
+        interpreter = {native[i].module for i in evals}
+        return (list(native[:evals[0]]) + py
+                + [f for f in native[evals[0] + 1:] if f.module not in interpreter])
     return py + list(native)
 
 

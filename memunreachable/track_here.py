@@ -2,6 +2,8 @@
 no LD_PRELOAD).
 
     track_here.start()      # route this process's malloc family through the tracking library
+    track_here.start(python=True)   # and CPython's object allocator (pymalloc) too
+    track_here.set_epoch(n) # the epoch recorded with each block from now on (Leak.epoch)
     track_here.active()     # -> True while routed
     track_here.stop()       # put every routed entry back; recording stops
 
@@ -27,6 +29,7 @@ from memunreachable._errors import TrackingError
 LIBRARY = os.path.join(os.path.dirname(os.path.abspath(__file__)), "_track.so")
 
 _lib: Optional[ctypes.CDLL] = None
+_py: Optional[ctypes.PyDLL] = None      # the same library, called with the GIL held
 _active = False
 
 _HINTS = {
@@ -40,10 +43,12 @@ _HINTS = {
 }
 
 
-def start() -> None:
+def start(python: bool = False) -> None:
     """Route this process's malloc family through the tracking library; idempotent.
+    python: also CPython's MEM and OBJ domains (PyMem_SetAllocator: pymalloc's objects never
+    reach malloc), so that Python objects get stacks under the default allocator.
     Raises TrackingError (with a hint) when the library cannot load or routing fails."""
-    global _lib, _active
+    global _lib, _py, _active
     if _lib is None:
         try:
             lib = ctypes.CDLL(LIBRARY, mode=os.RTLD_LOCAL)
@@ -55,12 +60,26 @@ def start() -> None:
         lib.mu_track_route.restype = ctypes.c_int
         lib.mu_track_unroute.restype = ctypes.c_int
         _lib = lib
-    rc = _lib.mu_track_route()
+        _py = ctypes.PyDLL(LIBRARY, mode=os.RTLD_LOCAL)
+        _py.mu_track_set_epoch.argtypes = [ctypes.c_uint32]
+    _check(_lib.mu_track_route(), "the malloc family")
+    _active = True
+    if python:
+        _check(_py.mu_track_route_python(), "CPython's object allocator")
+
+
+def _check(rc: int, what: str) -> None:
     if rc < 0:
         name = errno.errorcode.get(-rc, str(-rc))
-        raise TrackingError(f"cannot route the malloc family through the tracking library: "
+        raise TrackingError(f"cannot route {what} through the tracking library: "
                             f"{os.strerror(-rc)} ({name})", hint=_HINTS.get(name), errno=-rc)
-    _active = True
+
+
+def set_epoch(epoch: int) -> None:
+    """Record `epoch` (0..2**32-1) with every block allocated from now on (no-op when not
+    started)."""
+    if _py is not None:
+        _py.mu_track_set_epoch(epoch)
 
 
 def stop() -> None:
@@ -68,6 +87,7 @@ def stop() -> None:
     recording stops. Nothing to do when not started."""
     global _active
     if _lib is not None and _active:
+        _py.mu_track_unroute_python()
         _lib.mu_track_unroute()
     _active = False
 

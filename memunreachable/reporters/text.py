@@ -172,11 +172,13 @@ def _frames(leak: Leak) -> List[Line]:
     if leak.backtrace:      # symbolize.py loads only for a report with stacks (issue 10)
         from memunreachable.symbolize import format_frame
     lines: List[Line] = []
-    for n, frame in enumerate(leak.backtrace):
-        if isinstance(frame, str):          # a frame already formatted
+    n = 0
+    for frame in leak.backtrace:
+        if isinstance(frame, str):          # a frame already formatted, or a note
             lines.append([(f"   {frame}", "")])
         else:
             lines.append([(f"   {format_frame(n, frame)}", "magenta" if frame.python else "")])
+            n += 1
     return lines
 
 

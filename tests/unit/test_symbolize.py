@@ -257,11 +257,22 @@ def test_python_frames_one_per_eval_frame():
                                          "outer"]
 
 
-def test_python_frames_above_native_when_they_cannot_be_placed():
+def test_python_frames_at_the_first_eval_frame_when_the_counts_differ():
+    # 3.11+ runs several Python calls per eval frame, and the native stack is cut at its
+    # depth: the Python frames go where the first eval frame is; below it, only frames outside
+    # the interpreter's module stay (an embedding program's)
+    main = Frame(pc=9, module="/usr/bin/app", offset=9, function="main")
     native = [_native("f", 1), _native("_PyEval_EvalFrameDefault", 2),
-              _native("_PyEval_EvalFrameDefault", 3), _native("_PyEval_EvalFrameDefault", 4)]
+              _native("_PyObject_Call", 3), _native("_PyEval_EvalFrameDefault", 4),
+              _native("_PyEval_EvalFrameDefault", 5), main]
     got = merge_python(native, PY)
-    assert [f.function for f in got] == ["inner", "outer", "f"] + ["_PyEval_EvalFrameDefault"] * 3
+    assert [f.function for f in got] == ["f", "inner", "outer", "main"]
+
+
+def test_python_frames_above_native_without_an_eval_frame():
+    native = [_native("f", 1), _native("PyObject_Malloc", 2)]
+    got = merge_python(native, PY)
+    assert [f.function for f in got] == ["inner", "outer", "f", "PyObject_Malloc"]
     assert merge_python([], PY)[0].python and merge_python(native, []) == native
     assert format_frame(0, got[0]) == "#0 inner /app/b.py:7 (Python)"
 
