@@ -1446,6 +1446,39 @@ static void *definition(const char *name, void *canon)
 static int setup_table(void);
 static void mu_track_init(void);
 
+/* fork while another thread routes: the child must not inherit route_lock held */
+static void route_fork_prepare(void) { pthread_mutex_lock(&route_lock); }
+static void route_fork_release(void) { pthread_mutex_unlock(&route_lock); }
+
+static pthread_once_t route_once = PTHREAD_ONCE_INIT;
+static int route_setup_rc;
+
+/* Once, outside route_lock (pthread_atfork takes glibc's atfork lock, which fork holds
+ * while it runs the prepare handlers, route_fork_prepare among them): the patch records,
+ * this library pinned, the table (recording flagged off until routed). */
+static void route_setup(void)
+{
+    void *m = mmap(NULL, MAX_PATCHES * sizeof *patches + MAX_OBJECTS * sizeof *objects,
+                   PROT_READ | PROT_WRITE, MAP_PRIVATE | MAP_ANONYMOUS | MAP_NORESERVE, -1, 0);
+    if (m == MAP_FAILED) {
+        route_setup_rc = -errno;
+        return;
+    }
+    patches = m;
+    objects = (uintptr_t *)(patches + MAX_PATCHES);
+    /* never unloaded from here on: routed entries and atfork handlers point into us */
+    Dl_info di;
+    if (dladdr((void *)route_setup, &di) && di.dli_fname)
+        dlopen(di.dli_fname, RTLD_NOW | RTLD_NOLOAD | RTLD_NODELETE);
+    guard = 1;
+    route_setup_rc = setup_table();
+    guard = 0;
+    if (route_setup_rc < 0)
+        return;
+    H->flags &= ~MU_TRACK_F_ENABLED;
+    pthread_atfork(route_fork_prepare, route_fork_release, route_fork_release);
+}
+
 /* The first call builds the table (as the constructor does when preloaded); every call
  * routes the objects not routed yet, so a second call changes nothing. 0 or -errno:
  * -ENOENT the malloc family is not in the global scope, -ELOOP this library is (it was
@@ -1455,22 +1488,11 @@ EXPORT int mu_track_route(void)
 {
     if (preloaded)
         return 0;
+    pthread_once(&route_once, route_setup);
+    if (route_setup_rc < 0)
+        return route_setup_rc;
     pthread_mutex_lock(&route_lock);
     int r = 0;
-    if (!patches) {
-        void *m = mmap(NULL, MAX_PATCHES * sizeof *patches + MAX_OBJECTS * sizeof *objects,
-                       PROT_READ | PROT_WRITE, MAP_PRIVATE | MAP_ANONYMOUS | MAP_NORESERVE, -1, 0);
-        if (m == MAP_FAILED) {
-            r = -errno;
-            goto out;
-        }
-        patches = m;
-        objects = (uintptr_t *)(patches + MAX_PATCHES);
-        /* never unloaded from here on: routed entries and atfork handlers point into us */
-        Dl_info di;
-        if (dladdr((void *)mu_track_route, &di) && di.dli_fname)
-            dlopen(di.dli_fname, RTLD_NOW | RTLD_NOLOAD | RTLD_NODELETE);
-    }
     for (int i = 0; i < NROUTES; i++) {
         route_canon[i] = dlsym(RTLD_DEFAULT, route_names[i].name);
         route_real[i] = definition(route_names[i].name, route_canon[i]);
@@ -1478,12 +1500,11 @@ EXPORT int mu_track_route(void)
             r = -ELOOP;
             goto out;
         }
-    }
-    for (int i = 0; i < NROUTES; i++)
         if (!route_real[i] && route_names[i].needed) {
             r = -ENOENT;
             goto out;
         }
+    }
     /* the definitions, never a canonical PLT entry (which would jump back to us) */
     real_malloc = route_real[R_MALLOC];
     real_calloc = route_real[R_CALLOC];
@@ -1496,16 +1517,9 @@ EXPORT int mu_track_route(void)
     real_usable = route_real[R_USABLE];
     __atomic_store_n(&real_free, (void (*)(void *))route_real[R_FREE], __ATOMIC_RELEASE);
     real_dlsym = route_real[R_DLSYM];
-    if (!H) {
-        guard = 1;
-        r = setup_table();
-        guard = 0;
-        if (r < 0)
-            goto out;
-    } else if (!routed && unrouted_once) {
-        live_reset();
-    }
     if (!routed) {
+        if (unrouted_once)
+            live_reset();
         H->flags |= MU_TRACK_F_ENABLED;
         enabled = 1;
         __atomic_store_n(&routed, 1, __ATOMIC_RELAXED);
