@@ -1019,7 +1019,7 @@ WRAPPER_ALIAS(pvalloc, mu_w_pvalloc)
 WRAPPER_ALIAS(reallocarray, mu_w_reallocarray)
 WRAPPER_ALIAS(malloc_usable_size, mu_w_usable)
 
-static void *wrap_dlopen(const char *file, int mode);
+extern void *mu_wrap_dlopen(const char *file, int mode) __attribute__((visibility("hidden")));
 static int wrap_dlclose(void *handle);
 extern void *mu_wrap_dlsym(void *handle, const char *name) __attribute__((visibility("hidden")));
 
@@ -1037,7 +1037,7 @@ static const struct { const char *name; void *wrapper; int needed; } route_names
     [R_PVALLOC] = {"pvalloc", (void *)mu_w_pvalloc, 0},
     [R_REALLOCARRAY] = {"reallocarray", (void *)mu_w_reallocarray, 0},
     [R_USABLE] = {"malloc_usable_size", (void *)mu_w_usable, 0},
-    [R_DLOPEN] = {"dlopen", (void *)wrap_dlopen, 1},
+    [R_DLOPEN] = {"dlopen", (void *)mu_wrap_dlopen, 1},
     [R_DLCLOSE] = {"dlclose", (void *)wrap_dlclose, 1},
     [R_DLSYM] = {"dlsym", (void *)mu_wrap_dlsym, 1},
 };
@@ -1315,7 +1315,7 @@ static void unroute_all(void)
     unrouted_once = 1;
 }
 
-static void *wrap_dlopen(const char *file, int mode)
+__attribute__((used)) static void *wrap_dlopen_c(const char *file, int mode)
 {
     void *h = ((void *(*)(const char *, int))route_real[R_DLOPEN])(file, mode);
     if (h && __atomic_load_n(&routed, __ATOMIC_RELAXED)) {
@@ -1330,6 +1330,51 @@ static void *wrap_dlopen(const char *file, int mode)
     }
     return h;
 }
+
+/* Whether a dlopen(file) made from ret would find another object if this library were the
+ * caller (glibc's dlopen takes its caller from its return address): a bare name is searched
+ * with the caller's DT_RUNPATH, or its DT_RPATH (the program's DT_RPATH applies to every
+ * caller), and a caller in a dlmopen namespace loads into its own. */
+__attribute__((used)) static int dlopen_needs_caller(const char *file, void *ret)
+{
+    Dl_info di;
+    struct link_map *lm = NULL;
+    if (!dladdr1(ret, &di, (void **)&lm, RTLD_DL_LINKMAP) || !lm)
+        return 0;
+    Lmid_t ns = LM_ID_BASE;
+    if (dlinfo(lm, RTLD_DI_LMID, &ns) == 0 && ns != LM_ID_BASE)
+        return 1;
+    if (!file || strchr(file, '/'))
+        return 0;
+    for (const ElfW(Dyn) *d = lm->l_ld; d && d->d_tag != DT_NULL; d++)
+        if (d->d_tag == DT_RUNPATH || (d->d_tag == DT_RPATH && lm != _r_debug.r_map))
+            return 1;
+    return 0;
+}
+
+/* The routed dlopen: when the caller matters (above), a jump to the real dlopen, which then
+ * sees the caller's return address (the object it loads is routed by the next routed
+ * dlopen or mu_track_route); else wrap_dlopen_c. */
+__asm__(".text\n"
+        ".p2align 4\n"
+        ".globl mu_wrap_dlopen\n"
+        ".hidden mu_wrap_dlopen\n"
+        ".type mu_wrap_dlopen, @function\n"
+        "mu_wrap_dlopen:\n"
+        "    endbr64\n"
+        "    pushq %rdi\n"
+        "    pushq %rsi\n"
+        "    subq $8, %rsp\n"                 /* 16-byte aligned for the call */
+        "    movq 24(%rsp), %rsi\n"           /* our return address: the caller's */
+        "    call dlopen_needs_caller\n"
+        "    addq $8, %rsp\n"
+        "    popq %rsi\n"
+        "    popq %rdi\n"
+        "    testl %eax, %eax\n"
+        "    jne 1f\n"
+        "    jmp wrap_dlopen_c\n"
+        "1:  jmp *real_dlopen(%rip)\n"
+        ".size mu_wrap_dlopen, .-mu_wrap_dlopen\n");
 
 static int wrap_dlclose(void *handle)
 {
@@ -1353,6 +1398,7 @@ static int wrap_dlclose(void *handle)
  * address: those go to it by a jump, unchanged. A pointer looked up before routing stays
  * the real function. */
 static void *real_dlsym __attribute__((used));
+static void *real_dlopen __attribute__((used));     /* for mu_wrap_dlopen's jump */
 
 __attribute__((used)) static void *wrap_dlsym_c(void *handle, const char *name)
 {
@@ -1517,6 +1563,7 @@ EXPORT int mu_track_route(void)
     real_usable = route_real[R_USABLE];
     __atomic_store_n(&real_free, (void (*)(void *))route_real[R_FREE], __ATOMIC_RELEASE);
     real_dlsym = route_real[R_DLSYM];
+    real_dlopen = route_real[R_DLOPEN];
     if (!routed) {
         if (unrouted_once)
             live_reset();

@@ -37,11 +37,18 @@ FAMILY = ("malloc", "free", "calloc", "realloc", "posix_memalign", "aligned_allo
 
 
 def build_route_lib() -> str:
-    """fixtures/track_route_lib.c as a shared library (the one loaded after routing)."""
-    lib = os.path.join(fixtures.build_dir(), "libtrack_route_lib.so")
+    """fixtures/track_route_lib.c as a shared library (the one loaded after routing), with
+    DT_RUNPATH $ORIGIN/runpath, where fixtures/track_route_dep.c is built."""
+    out = fixtures.build_dir()
+    lib = os.path.join(out, "libtrack_route_lib.so")
     if not os.path.exists(lib):
+        os.makedirs(os.path.join(out, "runpath"), exist_ok=True)
+        subprocess.run([fixtures.compiler(), *fixtures.CFLAGS, "-shared", "-fPIC", "-o",
+                        os.path.join(out, "runpath", "libtrack_route_dep.so"),
+                        os.path.join(fixtures.FIXTURE_DIR, "track_route_dep.c")], check=True)
         subprocess.run([fixtures.compiler(), *fixtures.CFLAGS, "-shared", "-fPIC", "-o", lib,
-                        ROUTE_LIB_SRC], check=True)
+                        "-Wl,--enable-new-dtags,-rpath,$ORIGIN/runpath", ROUTE_LIB_SRC, "-ldl"],
+                       check=True)
     return lib
 
 
@@ -164,7 +171,8 @@ def test_route_c_and_cpp():
     calloc, realloc, posix_memalign from the program, strdup through libc's own GOT, operator
     new through libstdc++'s, a library dlopen'ed after routing, and a malloc pointer dlsym'd
     while routed. The leak from before routing has no stack; the GOT entries of the family in
-    the program, libc and libstdc++ hold our wrappers; route twice changes nothing. After
+    the program, libc and libstdc++ hold our wrappers; route twice changes nothing; a bare
+    name dlopen'ed by a library with a DT_RUNPATH is found through it. After
     mu_track_unroute: every such entry holds what it held before routing again, a new leak has no stack,
     the earlier ones keep theirs, and blocks freed across the switch were harmless."""
     exe, lib = build_route_fixture()
@@ -176,6 +184,7 @@ def test_route_c_and_cpp():
         s.send("route")
         s.read_phase()
         assert s.expect["route_rc"] == 0 and s.expect["route_again_rc"] == 0
+        assert s.expect["runpath_dlopen"] == 1      # the routed dlopen kept its caller's RUNPATH
         assert s.words["got_malloc"] == s.words["wrapper"] != s.words["real"]
         objs = mapped_objects(s.pid)
         track_base = objs[os.path.realpath(TRACK_LIB)]
