@@ -1001,12 +1001,12 @@ static void fork_child(void)
  * Objects loaded later: the dlopen wrapper routes the objects that appeared (dlpi_adds)
  * once the real dlopen returned, so an extension module is tracked from its first
  * allocation after dlopen returns; what its constructors allocate during dlopen is not.
- * The real dlopen sees this library as its caller: a bare name (no '/') is searched with
- * our (empty) DT_RUNPATH instead of the caller's, and a caller in a dlmopen namespace
- * loads into the base one. Not routed: calls of __libc_malloc & co., lazy bindings that
- * ld.so completes on another thread between our read and store of a JUMP_SLOT (it then
- * writes the real function over ours), objects loaded by a dlopen that did not go through
- * a routed entry until the next route or routed dlopen. */
+ * The real dlopen would then see this library as its caller, so when the caller matters
+ * (dlopen_needs_caller) the wrapper jumps to it instead. Not routed: calls of
+ * __libc_malloc & co., lazy bindings that ld.so completes on another thread between our
+ * read and store of a JUMP_SLOT (it then writes the real function over ours), and until
+ * the next route or routed dlopen, objects loaded by such a jump or by a dlopen that did
+ * not go through a routed entry. */
 
 WRAPPER_ALIAS(malloc, mu_w_malloc)
 WRAPPER_ALIAS(free, mu_w_free)
