@@ -237,7 +237,8 @@ def test_route_c_and_cpp():
         raise
 
 
-@pytest.mark.parametrize("root", [None, "trixie", "sid"])
+@pytest.mark.parametrize("root", [None, pytest.param("trixie", marks=pytest.mark.distro),
+                                  pytest.param("sid", marks=pytest.mark.distro)])
 def test_route_toggles_under_churn(root):
     """4 threads allocate (malloc, calloc, realloc, posix_memalign, strdup), check and free
     blocks while the main thread routes and unroutes 50 times and a fifth thread forks
@@ -275,8 +276,8 @@ def python_in_root(root: str, version: str) -> tuple:
 
 
 @pytest.mark.ptrace
-@pytest.mark.parametrize("root,version", [(None, "3.11"), (None, "debian"), ("sid", "3.13"),
-                                          ("sid", "3.14"), ("sid", "3.15")])
+@pytest.mark.parametrize("root,version", [(None, "3.11"), (None, "debian")] + [
+    pytest.param("sid", v, marks=pytest.mark.distro) for v in ("3.13", "3.14", "3.15")])
 def test_python_track_here(root, version):
     """A Python program calls track_here.start(), then leaks through ctypes' libc.malloc and
     through a library ctypes loads after start: each leak has its Python frames exactly
