@@ -1141,12 +1141,12 @@ static void fork_child(void)
  * Objects loaded later: the dlopen wrapper routes the objects that appeared (dlpi_adds)
  * once the real dlopen returned, so an extension module is tracked from its first
  * allocation after dlopen returns; what its constructors allocate during dlopen is not.
- * The real dlopen sees this library as its caller: a bare name (no '/') is searched with
- * our (empty) DT_RUNPATH instead of the caller's, and a caller in a dlmopen namespace
- * loads into the base one. Not routed: calls of __libc_malloc & co., lazy bindings that
- * ld.so completes on another thread between our read and store of a JUMP_SLOT (it then
- * writes the real function over ours), objects loaded by a dlopen that did not go through
- * a routed entry until the next route or routed dlopen. */
+ * The real dlopen would then see this library as its caller, so when the caller matters
+ * (dlopen_needs_caller) the wrapper jumps to it instead. Not routed: calls of
+ * __libc_malloc & co., lazy bindings that ld.so completes on another thread between our
+ * read and store of a JUMP_SLOT (it then writes the real function over ours), and until
+ * the next route or routed dlopen, objects loaded by such a jump or by a dlopen that did
+ * not go through a routed entry. */
 
 WRAPPER_ALIAS(malloc, mu_w_malloc)
 WRAPPER_ALIAS(free, mu_w_free)
@@ -1159,7 +1159,7 @@ WRAPPER_ALIAS(pvalloc, mu_w_pvalloc)
 WRAPPER_ALIAS(reallocarray, mu_w_reallocarray)
 WRAPPER_ALIAS(malloc_usable_size, mu_w_usable)
 
-static void *wrap_dlopen(const char *file, int mode);
+extern void *mu_wrap_dlopen(const char *file, int mode) __attribute__((visibility("hidden")));
 static int wrap_dlclose(void *handle);
 extern void *mu_wrap_dlsym(void *handle, const char *name) __attribute__((visibility("hidden")));
 
@@ -1177,7 +1177,7 @@ static const struct { const char *name; void *wrapper; int needed; } route_names
     [R_PVALLOC] = {"pvalloc", (void *)mu_w_pvalloc, 0},
     [R_REALLOCARRAY] = {"reallocarray", (void *)mu_w_reallocarray, 0},
     [R_USABLE] = {"malloc_usable_size", (void *)mu_w_usable, 0},
-    [R_DLOPEN] = {"dlopen", (void *)wrap_dlopen, 1},
+    [R_DLOPEN] = {"dlopen", (void *)mu_wrap_dlopen, 1},
     [R_DLCLOSE] = {"dlclose", (void *)wrap_dlclose, 1},
     [R_DLSYM] = {"dlsym", (void *)mu_wrap_dlsym, 1},
 };
@@ -1455,7 +1455,7 @@ static void unroute_all(void)
     unrouted_once = 1;
 }
 
-static void *wrap_dlopen(const char *file, int mode)
+__attribute__((used)) static void *wrap_dlopen_c(const char *file, int mode)
 {
     void *h = ((void *(*)(const char *, int))route_real[R_DLOPEN])(file, mode);
     if (h && __atomic_load_n(&routed, __ATOMIC_RELAXED)) {
@@ -1470,6 +1470,51 @@ static void *wrap_dlopen(const char *file, int mode)
     }
     return h;
 }
+
+/* Whether a dlopen(file) made from ret would find another object if this library were the
+ * caller (glibc's dlopen takes its caller from its return address): a bare name is searched
+ * with the caller's DT_RUNPATH, or its DT_RPATH (the program's DT_RPATH applies to every
+ * caller), and a caller in a dlmopen namespace loads into its own. */
+__attribute__((used)) static int dlopen_needs_caller(const char *file, void *ret)
+{
+    Dl_info di;
+    struct link_map *lm = NULL;
+    if (!dladdr1(ret, &di, (void **)&lm, RTLD_DL_LINKMAP) || !lm)
+        return 0;
+    Lmid_t ns = LM_ID_BASE;
+    if (dlinfo(lm, RTLD_DI_LMID, &ns) == 0 && ns != LM_ID_BASE)
+        return 1;
+    if (!file || strchr(file, '/'))
+        return 0;
+    for (const ElfW(Dyn) *d = lm->l_ld; d && d->d_tag != DT_NULL; d++)
+        if (d->d_tag == DT_RUNPATH || (d->d_tag == DT_RPATH && lm != _r_debug.r_map))
+            return 1;
+    return 0;
+}
+
+/* The routed dlopen: when the caller matters (above), a jump to the real dlopen, which then
+ * sees the caller's return address (the object it loads is routed by the next routed
+ * dlopen or mu_track_route); else wrap_dlopen_c. */
+__asm__(".text\n"
+        ".p2align 4\n"
+        ".globl mu_wrap_dlopen\n"
+        ".hidden mu_wrap_dlopen\n"
+        ".type mu_wrap_dlopen, @function\n"
+        "mu_wrap_dlopen:\n"
+        "    endbr64\n"
+        "    pushq %rdi\n"
+        "    pushq %rsi\n"
+        "    subq $8, %rsp\n"                 /* 16-byte aligned for the call */
+        "    movq 24(%rsp), %rsi\n"           /* our return address: the caller's */
+        "    call dlopen_needs_caller\n"
+        "    addq $8, %rsp\n"
+        "    popq %rsi\n"
+        "    popq %rdi\n"
+        "    testl %eax, %eax\n"
+        "    jne 1f\n"
+        "    jmp wrap_dlopen_c\n"
+        "1:  jmp *real_dlopen(%rip)\n"
+        ".size mu_wrap_dlopen, .-mu_wrap_dlopen\n");
 
 static int wrap_dlclose(void *handle)
 {
@@ -1493,6 +1538,7 @@ static int wrap_dlclose(void *handle)
  * address: those go to it by a jump, unchanged. A pointer looked up before routing stays
  * the real function. */
 static void *real_dlsym __attribute__((used));
+static void *real_dlopen __attribute__((used));     /* for mu_wrap_dlopen's jump */
 
 __attribute__((used)) static void *wrap_dlsym_c(void *handle, const char *name)
 {
@@ -1586,6 +1632,39 @@ static void *definition(const char *name, void *canon)
 static int setup_table(void);
 static void mu_track_init(void);
 
+/* fork while another thread routes: the child must not inherit route_lock held */
+static void route_fork_prepare(void) { pthread_mutex_lock(&route_lock); }
+static void route_fork_release(void) { pthread_mutex_unlock(&route_lock); }
+
+static pthread_once_t route_once = PTHREAD_ONCE_INIT;
+static int route_setup_rc;
+
+/* Once, outside route_lock (pthread_atfork takes glibc's atfork lock, which fork holds
+ * while it runs the prepare handlers, route_fork_prepare among them): the patch records,
+ * this library pinned, the table (recording flagged off until routed). */
+static void route_setup(void)
+{
+    void *m = mmap(NULL, MAX_PATCHES * sizeof *patches + MAX_OBJECTS * sizeof *objects,
+                   PROT_READ | PROT_WRITE, MAP_PRIVATE | MAP_ANONYMOUS | MAP_NORESERVE, -1, 0);
+    if (m == MAP_FAILED) {
+        route_setup_rc = -errno;
+        return;
+    }
+    patches = m;
+    objects = (uintptr_t *)(patches + MAX_PATCHES);
+    /* never unloaded from here on: routed entries and atfork handlers point into us */
+    Dl_info di;
+    if (dladdr((void *)route_setup, &di) && di.dli_fname)
+        dlopen(di.dli_fname, RTLD_NOW | RTLD_NOLOAD | RTLD_NODELETE);
+    guard = 1;
+    route_setup_rc = setup_table();
+    guard = 0;
+    if (route_setup_rc < 0)
+        return;
+    H->flags &= ~MU_TRACK_F_ENABLED;
+    pthread_atfork(route_fork_prepare, route_fork_release, route_fork_release);
+}
+
 /* The first call builds the table (as the constructor does when preloaded); every call
  * routes the objects not routed yet, so a second call changes nothing. 0 or -errno:
  * -ENOENT the malloc family is not in the global scope, -ELOOP this library is (it was
@@ -1595,22 +1674,11 @@ EXPORT int mu_track_route(void)
 {
     if (preloaded)
         return 0;
+    pthread_once(&route_once, route_setup);
+    if (route_setup_rc < 0)
+        return route_setup_rc;
     pthread_mutex_lock(&route_lock);
     int r = 0;
-    if (!patches) {
-        void *m = mmap(NULL, MAX_PATCHES * sizeof *patches + MAX_OBJECTS * sizeof *objects,
-                       PROT_READ | PROT_WRITE, MAP_PRIVATE | MAP_ANONYMOUS | MAP_NORESERVE, -1, 0);
-        if (m == MAP_FAILED) {
-            r = -errno;
-            goto out;
-        }
-        patches = m;
-        objects = (uintptr_t *)(patches + MAX_PATCHES);
-        /* never unloaded from here on: routed entries and atfork handlers point into us */
-        Dl_info di;
-        if (dladdr((void *)mu_track_route, &di) && di.dli_fname)
-            dlopen(di.dli_fname, RTLD_NOW | RTLD_NOLOAD | RTLD_NODELETE);
-    }
     for (int i = 0; i < NROUTES; i++) {
         route_canon[i] = dlsym(RTLD_DEFAULT, route_names[i].name);
         route_real[i] = definition(route_names[i].name, route_canon[i]);
@@ -1618,12 +1686,11 @@ EXPORT int mu_track_route(void)
             r = -ELOOP;
             goto out;
         }
-    }
-    for (int i = 0; i < NROUTES; i++)
         if (!route_real[i] && route_names[i].needed) {
             r = -ENOENT;
             goto out;
         }
+    }
     /* the definitions, never a canonical PLT entry (which would jump back to us) */
     real_malloc = route_real[R_MALLOC];
     real_calloc = route_real[R_CALLOC];
@@ -1636,16 +1703,10 @@ EXPORT int mu_track_route(void)
     real_usable = route_real[R_USABLE];
     __atomic_store_n(&real_free, (void (*)(void *))route_real[R_FREE], __ATOMIC_RELEASE);
     real_dlsym = route_real[R_DLSYM];
-    if (!H) {
-        guard = 1;
-        r = setup_table();
-        guard = 0;
-        if (r < 0)
-            goto out;
-    } else if (!routed && unrouted_once) {
-        live_reset();
-    }
+    real_dlopen = route_real[R_DLOPEN];
     if (!routed) {
+        if (unrouted_once)
+            live_reset();
         H->flags |= MU_TRACK_F_ENABLED;
         enabled = 1;
         __atomic_store_n(&routed, 1, __ATOMIC_RELAXED);
