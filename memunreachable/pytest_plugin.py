@@ -411,16 +411,17 @@ class _Tracked:
         self.tests_seconds = 0.0        # the stretch's own time
         self.last_sweep = 0.0           # what the last sweep cost (s)
         self.baseline = False           # the leaks before the first test are known
+        self.baseline_error = None      # why they are not
         self.orphans: list = []         # (headline, report) of leaks no single test made
 
     # -- epochs ---------------------------------------------------------------------------
     def begin(self, item) -> int:
         if not self.baseline:           # what start-up and collection left: nobody's
-            self.baseline = True
             try:
                 self._check()
-            except MemunreachableError as exc:
-                item.stash[_CANNOT] = exc       # reported at its teardown; the body runs
+                self.baseline, self.baseline_error = True, None
+            except MemunreachableError as exc:  # the stretch's verdict; tried again after it
+                self.baseline_error = exc
         self.numbers += 1
         item.stash[_NUMBER] = self.numbers
         self.stretch[self.numbers] = item
@@ -497,6 +498,8 @@ class _Tracked:
         if not stretch:
             return
         try:
+            if self.baseline_error is not None:
+                raise self.baseline_error
             info, new = self._check()
         except MemunreachableError as exc:
             for item in stretch.values():

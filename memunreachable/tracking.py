@@ -130,6 +130,19 @@ def validate(h: dict, m: Mapping) -> Optional[str]:
     return None
 
 
+def holds_table(mem, m: Mapping) -> bool:
+    """Whether mapping m is a tracking table's (its name, or its magic where the kernel does
+    not name anonymous mappings): no chunk of the heap lies there."""
+    if m.path == MAP_NAME:
+        return True
+    if m.path or m.shared or not m.anonymous or m.end - m.begin < 1 << 20:
+        return False
+    try:
+        return mem.read(m.begin, 8) == MAGIC
+    except (MemoryUnreadable, OSError):
+        return False
+
+
 def find_table(mem, maps: Sequence[Mapping]) -> Optional["TrackingTable"]:
     """The tracking table of the snapshot, or None. Candidates are private anonymous rw
     mappings (named [anon:memunreachable-track] where the kernel names them); the header

@@ -896,9 +896,18 @@ def sweep(mem, maps, threads, pid: int, confirm: Optional[set] = None,
         res.cyclic_garbage.append(_entry(f, begins, sizes, contents, objects))
     # 8b. Allocation stacks and requested sizes of the leaks, from the tracking table
     if table is not None:
+        # under CPython's debug hooks a block starts with their 16-byte prefix: the tracker
+        # recorded the pointer the hooks hand out (the domains are routed around them)
+        debug = False
+        if cps.cpython is not None and cps.cpython.found:
+            from memunreachable.cpython.pipeline import has_debug_hooks
+            from memunreachable.cpython.layout import DEBUG_HOOK_PREFIX
+            debug = has_debug_hooks(cps.cpython)
         for e in res.entries + res.cyclic_garbage:
             for b in [e] + e.indirect:
                 a = table.annotate(b.address, b.size)
+                if debug and a.status == "untracked":
+                    a = table.annotate(b.address + DEBUG_HOOK_PREFIX, b.size - DEBUG_HOOK_PREFIX)
                 b.stack, b.python_stack, b.stack_status = a.stack, a.python_stack, a.status
                 b.requested_size, b.epoch = a.requested, a.epoch
     for i in uncertain:

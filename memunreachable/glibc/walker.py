@@ -20,7 +20,7 @@ import struct
 from array import array
 from typing import Dict, List, Optional, Tuple
 
-from memunreachable import detect, procfs
+from memunreachable import detect, procfs, tracking
 from memunreachable._errors import MemoryUnreadable, UnsupportedTarget
 from memunreachable._ffi import check, ffi, lib
 from memunreachable._types import (Allocator, Fields, HeapImage, Mapping, Range, ThreadState,
@@ -506,7 +506,8 @@ class _Walker(FreeListsMixin):
         pieces count too)."""
         cands = [m.range for m in self.maps
                  if m.readable and not m.shared and m.anonymous and
-                 (not m.path.startswith("[") or m.path.startswith("[anon:"))]
+                 (not m.path.startswith("[") or m.path.startswith("[anon:"))
+                 and not tracking.holds_table(self.mem, m)]
         claimed = list(self.heap_ranges) + [Range(c.base, c.end) for c in self.copies]
         return [r for r in subtract_ranges(cands, claimed) if r.begin % L.PAGE == 0]
 

@@ -450,3 +450,13 @@ def test_python_frames_of_3_8_code_objects():
     assert t.annotate(0x555500006000, 16).python_stack == [("old_function", "/src/old.py", 267),
                                                            ("old_function", "/src/old.py", 10)]
     assert t.summary()["python"] == "3.8"
+
+
+def test_the_table_s_mapping_is_known_by_name_or_by_its_magic():
+    w = Writer()
+    mem = w.memory()
+    assert tracking.holds_table(mem, anon(BASE, BASE + SIZE, path=tracking.MAP_NAME))
+    assert tracking.holds_table(mem, w.mapping)                          # unnamed: the magic
+    other = anon(0x10000, 0x10000 + SIZE)
+    assert not tracking.holds_table(BufferMemory({0x10000: bytes(SIZE)}), other)
+    assert not tracking.holds_table(mem, anon(BASE, BASE + SIZE, "rw-s"))
