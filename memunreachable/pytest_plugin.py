@@ -806,6 +806,7 @@ def _settle(config, info, entries, own_before):
     return (new if error is None else []), error
 
 
+SHOWN_GROUPS = 10          # report groups a failure shows (its headline counts every leak)
 REUSED = ("(no stack: CPython handed this object out again from a free list, without its "
           "allocator; the blocks it holds show where it was filled)")
 EARLIER = ("(allocated before this test, or handed out again from one of CPython's free "
@@ -827,7 +828,17 @@ def _leak_text(info, leaks, when: str = "during this test", number: Optional[int
                 b.backtrace = [REUSED]
             else:
                 b.backtrace = [EARLIER] + frames
-    return f"{headline(new_info, when)}\n{format_text(new_info, True, brief=True)}"
+    head = headline(new_info, when)
+    more = new_info.groups[SHOWN_GROUPS:]
+    if more:        # the headline counts all; the report shows the largest groups
+        import dataclasses
+        new_info = dataclasses.replace(new_info, groups=new_info.groups[:SHOWN_GROUPS],
+                                       leaks=[l for g in new_info.groups[:SHOWN_GROUPS]
+                                              for l in g.leaks])
+        rest = sum(len(g.leaks) for g in more)
+        head += f"\n(the {SHOWN_GROUPS} largest groups of {len(more) + SHOWN_GROUPS} are shown; " \
+                f"{rest} more report entries below them are not)"
+    return f"{head}\n{format_text(new_info, True, brief=True)}"
 
 
 def _runner_files() -> tuple:

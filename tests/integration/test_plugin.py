@@ -879,3 +879,108 @@ def test_the_plugin_bench_reports_its_ratio_and_the_warm_checks_stages():
     check, pause, walk, roots, mark, fold, allocations, scanned = map(float, m.groups())
     assert check > walk + roots + mark + fold > 0 and pause > 0
     assert allocations > 10_000 and scanned > 1
+
+
+# ---- tracked sessions: allocation stacks, epochs, orphans -----------------------------------
+
+def _line_of(path: str, needle: str) -> int:
+    with open(path) as f:
+        return next(n for n, line in enumerate(f, 1) if needle in line)
+
+
+EXT_DIR = os.path.join(os.path.dirname(os.path.dirname(os.path.abspath(__file__))), "ext")
+
+
+def test_a_failure_shows_the_leak_s_c_and_python_frames(suite):
+    # the C frame that called malloc (leaky.c, the extension built -O2 without frame
+    # pointers), then the Python frames down to the test's own line; nothing of pytest's
+    res = suite.runpytest_subprocess("--memunreachable", "-k", "test_leaks")
+    res.assert_outcomes(passed=0, failed=1)
+    out = res.stdout.str()
+    c_line = _line_of(os.path.join(EXT_DIR, "leaky.c"), "volatile char *p = malloc(n);")
+    py_line = _line_of(os.path.join(EXT_DIR, "leakytools.py"), "hidden, size = leaky.leak(n)")
+    frames = re.findall(r"^   #(\d+) (.*)$", out, re.M)
+    names = [f for _, f in frames]
+    first = next(i for i, f in enumerate(names) if f" in leak {EXT_DIR}/leaky.c:{c_line} " in f)
+    py = [re.sub(r" \(Python\)$", "", f) for f in names[first:] if f.endswith("(Python)")]
+    assert py[0].startswith("leak ") and py[0].endswith(f"leakytools.py:{py_line}"), names
+    test_line = TESTS.splitlines().index("    addr, size = leaky.leak(34605064)")
+    assert py[1].startswith("test_leaks ") and py[1].endswith(f"test_suite.py:{test_line}"), names
+    assert len(py) == 2 and "_pytest" not in out[out.index("_ test_leaks _"):], names
+
+
+TRACEMALLOC = """
+import tracemalloc
+
+def test_tracemalloc_cycle():
+    tracemalloc.start()
+    data = [str(i) for i in range(100)]
+    tracemalloc.stop()
+"""
+
+
+def test_cpython_s_tracemalloc_leak_is_named_by_its_stack(suite):
+    # CPython 3.9-3.12 lose the tracebacks of a tracemalloc.start()/stop() cycle (valgrind:
+    # "definitely lost ... in traceback_new"): the failure says whose leak it is
+    assert (3, 9) <= sys.version_info[:2] <= (3, 12), "this test needs CPython 3.9-3.12"
+    suite.makepyfile(test_tm=TRACEMALLOC)
+    res = suite.runpytest_subprocess("--memunreachable", "test_tm.py")
+    res.assert_outcomes(failed=1)
+    out = res.stdout.str()
+    res.stdout.fnmatch_lines(["FAILED test_tm.py::test_tracemalloc_cycle - Failed: * leaked*"])
+    assert re.search(r"#0 0x[0-9a-f]+ in raw_malloc .*_tracemalloc\.c:\d+", out), out
+    assert re.search(r"#1 0x[0-9a-f]+ in traceback_new .*_tracemalloc\.c:\d+", out), out
+
+
+ORPHAN = """
+import ctypes
+libc = ctypes.CDLL(None)
+libc.malloc.restype = ctypes.c_void_p
+libc.malloc.argtypes = [ctypes.c_size_t]
+HOLD = (ctypes.c_void_p * 1)()          # a native word in a Python object's buffer
+
+def test_a_allocates():
+    HOLD[0] = libc.malloc(34640000)
+    print("HELD", format(HOLD[0], "x"))
+
+def test_b_clean():
+    pass
+
+def test_c_orphans():
+    HOLD[0] = None                      # the block allocated by test_a: unreachable now
+
+def test_d_clean():
+    pass
+"""
+
+
+def test_an_orphaned_block_fails_the_test_that_dropped_it_with_a_sweep_after_each_test(suite):
+    # allocated before the test, unreachable since it ran: with a sweep after every test the
+    # test is known, and the report says the block is older than the test
+    suite.makepyfile(test_orphan=ORPHAN)
+    res = suite.runpytest_subprocess("--memunreachable", "--memunreachable-batch", "1", "-s",
+                                     "-rf", "test_orphan.py")
+    res.assert_outcomes(passed=3, failed=1)
+    addr = re.search(r"HELD ([0-9a-f]+)", res.stdout.str()).group(1)
+    res.stdout.fnmatch_lines(["FAILED test_orphan.py::test_c_orphans - Failed: 1 block leaked*"])
+    out = res.stdout.str()
+    section = out[out.index("_ test_c_orphans _"):]
+    assert section.startswith("_ test_c_orphans _") and "\n1 block leaked during this test, " \
+        "allocated before it (" in section
+    assert reported(section, addr, r"\d+") == 1
+
+
+def test_a_block_orphaned_in_a_stretch_of_tests_fails_the_session_with_the_stretch(suite):
+    # stretches of 2 tests ([a, b], [c, d]): the block test_a allocated becomes unreachable
+    # in the second, where no test allocated it: the session fails and names the stretch
+    suite.makepyfile(test_orphan=ORPHAN)
+    res = suite.runpytest_subprocess("--memunreachable", "--memunreachable-batch", "2", "-s",
+                                     "test_orphan.py")
+    res.assert_outcomes(passed=4)
+    assert res.ret == pytest.ExitCode.TESTS_FAILED
+    addr = re.search(r"HELD ([0-9a-f]+)", res.stdout.str()).group(1)
+    out = res.stdout.str()
+    section = out[out.index("memunreachable: leaks no single test is blamed for"):]
+    assert ("allocated before these tests, unreachable since one of the 2 tests from "
+            "test_orphan.py::test_c_orphans to test_orphan.py::test_d_clean ran") in section
+    assert reported(section, addr, r"\d+") == 1
