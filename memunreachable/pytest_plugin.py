@@ -159,6 +159,14 @@ def pytest_report_header(config):
     if not (config.getoption("--memunreachable") or config.getini("memunreachable")):
         return None
     line = "memunreachable: checking every test for unreachable native memory and Python objects"
+    if config.stash.get(_TRACKED, None) is not None:
+        line += ("\nmemunreachable: allocations are tracked in this process (allocation stacks; "
+                 "one sweep per stretch of tests)")
+    elif _UNTRACKED in config.stash:
+        exc = config.stash[_UNTRACKED]
+        hint = f" (hint: {exc.hint})" if exc.hint else ""
+        line += (f"\nmemunreachable: allocations cannot be tracked here, so a snapshot per test "
+                 f"and no allocation stacks: {exc}{hint}")
     if not _debug_hooks():
         line += ("\nmemunreachable: CPython's memory debug hooks are off, so a stale copy of a "
                  "pointer can hide a leak in some runs; `python -X dev -m pytest` (or "

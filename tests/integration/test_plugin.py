@@ -984,3 +984,17 @@ def test_a_block_orphaned_in_a_stretch_of_tests_fails_the_session_with_the_stret
     assert ("allocated before these tests, unreachable since one of the 2 tests from "
             "test_orphan.py::test_c_orphans to test_orphan.py::test_d_clean ran") in section
     assert reported(section, addr, r"\d+") == 1
+
+
+def test_a_session_that_cannot_track_says_so_and_checks_with_snapshots(suite):
+    suite.makeconftest("from memunreachable import track_here\n"
+                       "from memunreachable._errors import TrackingError\n"
+                       "def start(python=False):\n"
+                       "    raise TrackingError('no room', hint='load it earlier')\n"
+                       "track_here.start = start\n")
+    res = suite.runpytest_subprocess("--memunreachable", "-k", "test_leaks or test_clean")
+    res.assert_outcomes(passed=1, failed=1)
+    res.stdout.fnmatch_lines(["memunreachable: allocations cannot be tracked here, so a snapshot "
+                              "per test and no allocation stacks: no room (hint: load it "
+                              "earlier)"])
+    assert "#0 " not in res.stdout.str()                # no stack
