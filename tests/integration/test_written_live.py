@@ -78,16 +78,21 @@ def test_leaks_the_block_at_that_address():
 
 
 # later: clean tests after the leaking one, in its batch: the batch's one sweep comes 6
-# tests after the leak, whose fresh rule counts from the snapshot recorded before it
-@pytest.mark.parametrize("later", [0, 6])
+# tests after the leak, whose fresh rule counts from the snapshot recorded before it. A
+# tracked session's fresh rule counts from its last sweep: the stale copy, written in the same
+# stretch, is then a possible reference (docs/limitations.md); a sweep after each test has it
+# written before the sweep that precedes the leak
+@pytest.mark.parametrize("later, args", [(0, ["--memunreachable-batch=1"]),
+                                         (0, ["--memunreachable-untracked"]),
+                                         (6, ["--memunreachable-untracked"])])
 def test_the_plugin_fails_the_test_whose_block_a_stale_copy_points_at(ext, pytester,
-                                                                       monkeypatch, later):
+                                                                       monkeypatch, later, args):
     monkeypatch.setenv("PYTHONPATH", ext)
     monkeypatch.delenv("PYTHONMALLOC", raising=False)
     pytester.makepyfile(test_stale=PLUGIN_SUITE + "".join(
         f"\ndef test_clean_{i}():\n    pass\n" for i in range(later)))
     res = pytester.runpytest_subprocess("--memunreachable", "-p", "no:cacheprovider", "-rA",
-                                        "-s")
+                                        "-s", *args)
     res.assert_outcomes(passed=1 + later, failed=1)
     out = res.stdout.str()
     freed = re.search(r"FREED (\w+)", out).group(1)
