@@ -88,7 +88,12 @@ def session(python: str, where: str, suite: Suite, mode_args: List[str],
     args = [python, "-m", "pytest", "-q", "-p", "no:cacheprovider", "-p", "no:randomly"]
     args += [f"--ignore-glob=*{f}" for f in suite.ignore]
     if where.startswith("pyargs:"):
-        args += ["--pyargs", where[len("pyargs:"):]]
+        package = where[len("pyargs:"):]
+        home = subprocess.run([python, "-c", f"import os, {package} as m; "
+                               "print(os.path.dirname(m.__file__))"],
+                              capture_output=True, text=True, check=True).stdout.strip()
+        args += [f"--ignore={os.path.join(home, f)}" for f in suite.ignore]  # not globbed there
+        args += ["--pyargs", package]
         cwd = os.path.dirname(python)
     else:
         args += [where]

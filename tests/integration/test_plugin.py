@@ -998,3 +998,32 @@ def test_a_session_that_cannot_track_says_so_and_checks_with_snapshots(suite):
                               "per test and no allocation stacks: no room (hint: load it "
                               "earlier)"])
     assert "#0 " not in res.stdout.str()                # no stack
+
+
+FIXTURE_LEAK = """
+import pytest
+import leakytools as leaky
+
+@pytest.fixture
+def leaky_fixture():
+    addr, size = leaky.leak(34650000)
+    print("FIXTURE LEAK", format(addr, "x"), size)
+    yield
+
+def test_uses_it(leaky_fixture):
+    pass
+
+def test_after():
+    pass
+"""
+
+
+def test_a_fixture_s_leak_fails_no_test_and_is_a_warning_with_its_report(suite):
+    suite.makepyfile(test_fixture_leak=FIXTURE_LEAK)
+    res = suite.runpytest_subprocess("--memunreachable", "-s", "test_fixture_leak.py")
+    res.assert_outcomes(passed=2, warnings=1)
+    out = res.stdout.str()
+    addr, size = re.search(r"FIXTURE LEAK ([0-9a-f]+) (\d+)", out).groups()
+    res.stdout.fnmatch_lines(["*PytestWarning: test_fixture_leak.py::test_uses_it: its fixtures "
+                              "(setup or teardown) leaked; no test fails for that:*"])
+    assert reported(out, addr, size) == 1
