@@ -38,6 +38,20 @@ class Block:
     size: int
 
 
+def handshake_line(parts, target) -> bool:
+    """Take one line of the ready handshake ("pid N", "block LABEL ADDR SIZE", "expect KEY N")
+    into target's pid, blocks and expect; False for any other line."""
+    if parts[:1] == ["pid"]:
+        target.pid = int(parts[1])
+    elif parts[:1] == ["block"]:
+        target.blocks[parts[1]] = Block(int(parts[2], 16), int(parts[3]))
+    elif parts[:1] == ["expect"]:
+        target.expect[parts[1]] = int(parts[2])
+    else:
+        return False
+    return True
+
+
 class FixtureError(AssertionError):
     pass
 

@@ -72,12 +72,7 @@ def start_run(cmd: List[str], *opts: str, env: Optional[dict] = None,
             if parts[:1] == ["ready"]:
                 assert t.pid, "the fixture did not print its pid"
                 return t
-            if parts[:1] == ["pid"]:
-                t.pid = int(parts[1])
-            elif parts[:1] == ["block"]:
-                t.blocks[parts[1]] = fixtures.Block(int(parts[2], 16), int(parts[3]))
-            elif parts[:1] == ["expect"]:
-                t.expect[parts[1]] = int(parts[2])
+            fixtures.handshake_line(parts, t)
         left = deadline - time.monotonic()
         r, _, _ = select.select([proc.stdout], [], [], max(left, 0))
         chunk = os.read(proc.stdout.fileno(), 65536) if r else b""

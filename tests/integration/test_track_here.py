@@ -82,13 +82,9 @@ class Session:
                 p = line.decode().split()
                 if p[:1] == ["ready"]:
                     return
-                if p[:1] == ["pid"]:
-                    self.pid = int(p[1])
-                elif p[:1] == ["block"]:
-                    self.blocks[p[1]] = fixtures.Block(int(p[2], 16), int(p[3]))
-                elif p[:1] == ["expect"]:
-                    self.expect[p[1]] = int(p[2])
-                elif p[:1] == ["got"]:
+                if fixtures.handshake_line(p, self):
+                    continue
+                if p[:1] == ["got"]:
                     self.words["got_" + p[1]] = int(p[2], 16)
                 elif p[:1] in (["wrapper"], ["real"]):
                     self.words[p[0]] = int(p[1], 16)
