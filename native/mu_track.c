@@ -783,11 +783,13 @@ static inline void track(void *p, size_t size)
         record(p, size, depth);
 }
 
-/* Native frames kept for a block of CPython's MEM and OBJ domains (the Python frames say
- * where it came from; the first native ones, which C function made the object). Unwinding
- * costs per frame, and a Python program allocates objects ten times as often as it calls
- * malloc: MEMUNREACHABLE_PY_STACK_DEPTH (0..32, default 8), read by mu_track_route_python. */
-static unsigned py_depth = 8;
+/* Native frames kept for a block of CPython's MEM and OBJ domains: MEMUNREACHABLE_PY_STACK_DEPTH
+ * (0..32, default 0: the Python frames alone), read by mu_track_route_python. A Python program
+ * allocates objects far more often than it calls malloc, and unwinding is the cost: 300,000
+ * rounds of a list, a dict and a str under pytest-deep recursion took 42 ms untracked, 68 ms
+ * with the table alone, 180 ms with the Python frames, 364 ms with 8 native frames too. With
+ * native frames, a leaked object shows which C function made it. */
+static unsigned py_depth = 0;
 
 static inline void track_py(void *p, size_t size)
 {
