@@ -421,6 +421,7 @@ class _Tracked:
         self.baseline = False           # the leaks before the first test are known
         self.baseline_error = None      # why they are not
         self.orphans: list = []         # (headline, report) of leaks no single test made
+        self.sweeps, self.sweep_seconds = 0, 0.0
 
     # -- epochs ---------------------------------------------------------------------------
     def begin(self, item) -> int:
@@ -483,10 +484,11 @@ class _Tracked:
 
     # -- sweeps -------------------------------------------------------------------------------
     def _check(self):
-        """A check of this process; None (reason kept for the stretch) when it cannot run."""
-        if self.config.stash.get(_COLLECT, True):
-            self.config.stash[_COLLECT] = False
-            _collect_garbage()
+        """(a check of this process, its leaks no check of the session reported). A stretch of
+        tests leaves cyclic garbage more often than not, and a check that finds some is
+        repeated after a gc.collect(): collecting first costs one collection, not a sweep."""
+        self.config.stash[_COLLECT] = False
+        _collect_garbage()
         nl = _nl()
         nl._scrub_stack()
         t0 = time.monotonic()
@@ -495,6 +497,8 @@ class _Tracked:
         finally:
             self.last_sweep = time.monotonic() - t0
             self.tests_seconds = 0.0
+            self.sweeps += 1
+            self.sweep_seconds += self.last_sweep
         new = _seen(self.config).new_leaks(info)
         _remember(self.config, nl.LeakBaseline.of(info.leaks))
         return info, new
@@ -579,7 +583,11 @@ def pytest_runtest_teardown_tracked(item, nextitem):
 
 def pytest_terminal_summary(terminalreporter, exitstatus, config):
     tracked = config.stash.get(_TRACKED, None)
-    if tracked is None or not tracked.orphans:
+    if tracked is None:
+        return
+    terminalreporter.write_line(f"memunreachable: {tracked.numbers} tests checked by "
+                                f"{tracked.sweeps} sweeps ({tracked.sweep_seconds:.2f} s)")
+    if not tracked.orphans:
         return
     from memunreachable.pytest_tracked import summary_lines
     terminalreporter.section("memunreachable: leaks no single test is blamed for", red=True)

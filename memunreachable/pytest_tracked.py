@@ -14,8 +14,8 @@ test whose body allocated it. What this module decides, on plain data:
   the per-test baseline had it; one allocated before the stretch (or before tracking began) was
   orphaned during it: the stretch's only test's, else the stretch's as a whole;
 - Pacing: when a sweep is due. A sweep costs 50-200 ms in a pytest process: the stretch
-  grows until the tests' own time since the last sweep is RATIO times what that sweep cost, so
-  sweeps take at most 1 / (RATIO + 1) of the session.
+  grows until the tests' own time since the last sweep is RATIO (8) times what that sweep cost,
+  so sweeps take at most a ninth of the session.
 """
 from __future__ import annotations
 
@@ -23,7 +23,7 @@ from typing import Dict, List, Optional, Sequence, Tuple
 
 OUTSIDE, SETUP, CALL, TEARDOWN = 0, 1, 2, 3
 PHASES = {SETUP: "setup", CALL: "call", TEARDOWN: "teardown"}
-RATIO = 4.0                 # tests' time : sweep time
+RATIO = 8.0                 # tests' time : sweep time
 MAX_EPOCH = (1 << 32) - 1   # the table's epochs are u32
 
 

@@ -538,15 +538,28 @@ static void unlock(uint32_t *l) { __atomic_store_n(l, 0, __ATOMIC_RELEASE); }
 
 /* ---- stack table ------------------------------------------------------------------------------ */
 
+/* Four independent lanes, mixed at the end: a stack of 16 Python frames is 32 words, and one
+ * multiply-shift chain over them was most of the cost of recording an object (perf: 70% of
+ * record() in the hash loop, each step waiting on the one before). */
 static uint64_t hash_words(const uint64_t *w, int n)
 {
-    uint64_t h = 0x9E3779B97F4A7C15ULL ^ (uint64_t)n;
-    for (int i = 0; i < n; i++) {
-        h ^= w[i];
-        h *= 0xff51afd7ed558ccdULL;
-        h ^= h >> 32;
+    const uint64_t k = 0xff51afd7ed558ccdULL;
+    uint64_t a = 0x9E3779B97F4A7C15ULL ^ (uint64_t)n, b = 0xC2B2AE3D27D4EB4FULL,
+             c = 0x165667B19E3779F9ULL, d = 0x27D4EB2F165667C5ULL;
+    int i = 0;
+    for (; i + 4 <= n; i += 4) {
+        a = (a ^ w[i]) * k;
+        b = (b ^ w[i + 1]) * k;
+        c = (c ^ w[i + 2]) * k;
+        d = (d ^ w[i + 3]) * k;
     }
-    return h;
+    for (; i < n; i++)
+        a = (a ^ w[i]) * k;
+    uint64_t h = a;
+    h = (h ^ (h >> 29) ^ b) * k;
+    h = (h ^ (h >> 29) ^ c) * k;
+    h = (h ^ (h >> 29) ^ d) * k;
+    return h ^ (h >> 32);
 }
 
 /* Stack id of words[0..nf+2*npy) (pcs, then code pointers, then offsets), interned;
@@ -745,8 +758,8 @@ static void live_remove(uint64_t addr)
 
 /* ---- recording -------------------------------------------------------------------------------- */
 
-/* Records block p with up to `want` native frames (and the Python frames). */
-static __attribute__((noinline)) void record(void *p, size_t size, unsigned want)
+/* Records block p with up to `want` native frames and `want_py` Python frames. */
+static __attribute__((noinline)) void record(void *p, size_t size, unsigned want, int want_py)
 {
     void *raw[MU_TRACK_MAX_DEPTH + 8];
     uint64_t words[MU_TRACK_MAX_DEPTH + 2 * MU_TRACK_MAX_PY];
@@ -765,7 +778,7 @@ static __attribute__((noinline)) void record(void *p, size_t size, unsigned want
     for (int i = 0; i < nf; i++)
         words[i] = (uint64_t)(uintptr_t)raw[first + i];
     uint64_t code[MU_TRACK_MAX_PY], off[MU_TRACK_MAX_PY];
-    int npy = python_frames(code, off, MU_TRACK_MAX_PY);
+    int npy = python_frames(code, off, want_py);
     for (int i = 0; i < npy; i++) {
         words[nf + i] = code[i];
         words[nf + npy + i] = off[i];
@@ -780,7 +793,7 @@ static __attribute__((noinline)) void record(void *p, size_t size, unsigned want
 static inline void track(void *p, size_t size)
 {
     if (LIKELY(p != NULL) && LIKELY(enabled) && !guard)
-        record(p, size, depth);
+        record(p, size, depth, MU_TRACK_MAX_PY);
 }
 
 /* Native frames kept for a block of CPython's MEM and OBJ domains: MEMUNREACHABLE_PY_STACK_DEPTH
@@ -791,10 +804,15 @@ static inline void track(void *p, size_t size)
  * native frames, a leaked object shows which C function made it. */
 static unsigned py_depth = 0;
 
+/* Python frames kept for such a block: the innermost ones, where the object was made (every
+ * frame more is one more step of the walk and two more words to hash and compare: 16 frames
+ * cost a quarter more than 8 per object). */
+#define PY_DOMAIN_FRAMES 8
+
 static inline void track_py(void *p, size_t size)
 {
     if (LIKELY(p != NULL) && LIKELY(enabled) && !guard)
-        record(p, size, py_depth);
+        record(p, size, py_depth, PY_DOMAIN_FRAMES);
 }
 
 static inline void untrack(void *p)

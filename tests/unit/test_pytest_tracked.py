@@ -39,8 +39,8 @@ def test_a_reused_object_is_blamed_by_the_newest_block_it_holds():
 
 def test_sweeps_are_paced_by_their_own_cost():
     due = pt.sweep_due
-    assert not due(3, None, 0.39, 0.1, False, False)    # tests ran 3.9x a sweep's cost
-    assert due(3, None, 0.40, 0.1, False, False)
+    assert not due(3, None, 0.79, 0.1, False, False)    # tests ran 7.9x a sweep's cost
+    assert due(3, None, 0.80, 0.1, False, False)
     assert due(1, None, 0.0, 0.1, True, False)          # the session's last test
     assert due(1, None, 0.0, 0.1, False, True)          # a failure: -x stops at once
     assert due(10, 10, 0.0, 0.1, False, False) and not due(9, 10, 0.0, 0.1, False, False)
