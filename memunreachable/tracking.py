@@ -39,15 +39,17 @@ F_ENABLED, F_PYTHON = 1, 2
 # py_linetable: the format of the bytes at co_linetable (MU_TRACK_LT_*)
 LT_LNOTAB, LT_310, LT_LOCATIONS = 1, 2, 3
 
-# struct mu_track_header (native/mu_track.h), 232 bytes; version 1 ended at generation
-HEADER = struct.Struct("<8sII QQQ IIII QQQ QQQ QQQ QQQQQ II IIIII III QQ II")
-HEADER_V1 = struct.Struct(HEADER.format[:-3])
+# struct mu_track_header (native/mu_track.h), 240 bytes; version 2 ended at epoch (then
+# `reserved`), version 1 at generation
+HEADER = struct.Struct("<8sII QQQ IIII QQQ QQQ QQQ QQQQQ II IIIII III QQ II Q")
+HEADER_V2 = struct.Struct(HEADER.format[:-2])
+HEADER_V1 = struct.Struct(HEADER.format[:-5])
 _FIELDS = ("magic version header_size self map_size budget max_depth max_py nshards flags "
            "shards_off sindex_off sindex_cap stack_arena_off stack_arena_size stack_arena_used "
            "live_arena_off live_arena_size live_arena_used stacks table_full_blocks "
            "dropped_blocks inserts removes py_version unwinder co_filename co_name co_qualname "
            "co_firstlineno co_linetable str_ascii_data str_compact_data str_state pid "
-           "generation py_linetable epoch").split()
+           "generation py_linetable epoch started").split()
 SHARD = struct.Struct("<QIIIIQ")        # table_off, log2cap, used, tombs, lock, seq
 ENTRY = struct.Struct("<QIII4x")        # addr, stack, size, epoch
 ENTRY_V2 = struct.Struct("<QII")        # versions 1 and 2: addr, stack, size
@@ -94,17 +96,21 @@ class Annotation(Fields):
 def parse_header(data: bytes) -> Optional[dict]:
     """The header as a dict, or None when data does not start with a valid version-3, 2 or 1
     header. A version-1 header gets py_linetable = LT_LOCATIONS (it recorded Python frames of
-    3.11+ only); versions 1 and 2 get epoch 0."""
+    3.11+ only); versions 1 and 2 get epoch 0 and started 0 (not known)."""
     if len(data) < HEADER_V1.size or data[:8] != MAGIC:
         return None
     version, size = struct.unpack_from("<II", data, 8)
     if version == 1 and size == HEADER_V1.size:
         h = dict(zip(_FIELDS, HEADER_V1.unpack_from(data)))
-        h.update(py_linetable=LT_LOCATIONS, epoch=0)
+        h.update(py_linetable=LT_LOCATIONS, epoch=0, started=0)
         return h
-    if version not in (2, VERSION) or size != HEADER.size or len(data) < HEADER.size:
+    layout = {2: HEADER_V2, VERSION: HEADER}.get(version)
+    if layout is None or size != layout.size or len(data) < layout.size:
         return None
-    h = dict(zip(_FIELDS, HEADER.unpack_from(data)))
+    h = dict(zip(_FIELDS, layout.unpack_from(data)))
+    h.setdefault("started", 0)
+    if version == 2:
+        h["epoch"] = 0                          # `reserved` then
     if h["flags"] & F_PYTHON and h["py_linetable"] not in LINE_DECODERS:
         return None
     return h
@@ -154,7 +160,7 @@ def find_table(mem, maps: Sequence[Mapping]) -> Optional["TrackingTable"]:
         try:
             if mem.read(m.begin, 8) != MAGIC:
                 continue
-            h = parse_header(mem.read(m.begin, HEADER.size))
+            h = parse_header(mem.read(m.begin, HEADER.size))  # the longest layout
         except (MemoryUnreadable, OSError):     # a page the snapshot cannot show: not ours
             continue
         if h is None or validate(h, m) is not None:
@@ -182,6 +188,9 @@ class TrackingTable:
         self._stacks: Dict[int, Tuple[Tuple[int, ...], List[Tuple[str, str, int]]]] = {}
         self._code: Dict[int, Tuple[str, str, int, bytes]] = {}
         self.entry = ENTRY if header["version"] >= 3 else ENTRY_V2
+        # recording stopped (track --stop, track_here.stop()): frees went past the table since,
+        # so its entries may be stale: no stack is read from it (it is still no root)
+        self.enabled = bool(header["flags"] & F_ENABLED)
 
     @property
     def cuts(self) -> List[Range]:
@@ -199,7 +208,10 @@ class TrackingTable:
                 "max_depth": h["max_depth"],
                 "unwinder": UNWINDERS.get(h["unwinder"], str(h["unwinder"])),
                 "python": (f"{h['py_version'] >> 24}.{(h['py_version'] >> 16) & 0xff}"
-                           if h["flags"] & F_PYTHON else None)}
+                           if h["flags"] & F_PYTHON else None),
+                "recording": self.enabled,
+                # when recording began (Unix time, s); None when the table does not say
+                "started": h["started"] / 1e9 if h["started"] else None}
 
     # -- live table ---------------------------------------------------------------------
     def _table(self, shard: int) -> Tuple[bytes, int]:
@@ -252,7 +264,7 @@ class TrackingTable:
         """Stack, status and requested size of the block at address (usable_size: its size
         in the heap; a recorded size larger than that is a stale entry, i.e. untracked). The
         table keeps the size the program asked for (u32: SIZE_UNKNOWN from 4 GiB up)."""
-        hit = self.lookup(address)
+        hit = self.lookup(address) if self.enabled else None
         if hit is None or hit[1] > usable_size:
             return Annotation()
         requested = hit[1] if hit[1] != SIZE_UNKNOWN else None

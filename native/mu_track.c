@@ -37,6 +37,7 @@
 #include <sys/mman.h>
 #include <sys/prctl.h>
 #include <sys/syscall.h>
+#include <time.h>
 #include <unistd.h>
 
 #include "mu_track.h"
@@ -110,6 +111,14 @@ static void resolve(void)
     real_usable = dlsym(in, "malloc_usable_size");
     __atomic_store_n(&real_free, (void (*)(void *))dlsym(in, "free"), __ATOMIC_RELEASE);
     resolving = 0;
+}
+
+/* Wall-clock time in ns (the header's `started`: when recording began). */
+static uint64_t now_ns(void)
+{
+    struct timespec ts;
+    clock_gettime(CLOCK_REALTIME, &ts);
+    return (uint64_t)ts.tv_sec * 1000000000ULL + (uint64_t)ts.tv_nsec;
 }
 
 /* ---- state ----------------------------------------------------------------------------- */
@@ -1727,6 +1736,7 @@ EXPORT int mu_track_route(void)
     if (!routed) {
         if (unrouted_once)
             live_reset();
+        H->started = now_ns();
         H->flags |= MU_TRACK_F_ENABLED;
         enabled = 1;
         __atomic_store_n(&routed, 1, __ATOMIC_RELAXED);
@@ -1937,6 +1947,7 @@ static int setup_table(void)
     h->live_arena_off = (off + h->stack_arena_size + 4095) & ~4095ULL;
     h->live_arena_size = budget - h->live_arena_off;
     h->pid = (uint64_t)getpid();
+    h->started = now_ns();
     shards = (struct mu_track_shard *)((char *)m + h->shards_off);
     sindex = (uint64_t *)((char *)m + h->sindex_off);
     sindex_mask = cap - 1;

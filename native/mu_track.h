@@ -35,7 +35,7 @@
 
 #define MU_TRACK_MAGIC "MUTRACK\0"
 #define MU_TRACK_VERSION 3u          /* 2: + py_linetable (CPython 3.8-3.10 frames);
-                                      * 3: + epoch (header and each live entry) */
+                                      * 3: + epoch (header and each live entry), started */
 #define MU_TRACK_HEADER_BYTES 4096u
 #define MU_TRACK_MAP_NAME "memunreachable-track"
 #define MU_TRACK_NSHARDS 256u
@@ -88,6 +88,7 @@ struct mu_track_header {
     uint32_t py_linetable;      /* 224 MU_TRACK_LT_*: format of co_linetable's bytes */
     uint32_t epoch;             /* 228 stored in each new live entry: set by whoever drives
                                  *     the process (the pytest plugin: the running test's number) */
+    uint64_t started;           /* 232 when recording last began (CLOCK_REALTIME, ns) */
 };
 
 #define MU_TRACK_F_ENABLED 1u       /* recording */

@@ -186,7 +186,7 @@ def _frames(leak: Leak) -> List[Line]:
 INDIRECT_ADDRESSES = 8
 
 
-def _indirect(leak: Leak, tracked: bool) -> List[Line]:
+def _indirect(leak: Leak, no_stack: Optional[str]) -> List[Line]:
     """The entry's indirect leaks (blocks only it reaches first), grouped by allocation
     stack, each group with its addresses and its stack (issue 23)."""
     by_stack: dict = {}
@@ -204,23 +204,35 @@ def _indirect(leak: Leak, tracked: bool) -> List[Line]:
         lines.append([("   indirect: ", "bold"), (f"{size} in {plural(len(blocks), 'allocation')}", ""),
                       (" at ", ""), (shown + more, "cyan")])
         lines.extend(_frames(blocks[0]))
-        lines.extend(_no_stack(blocks[0], tracked))
+        lines.extend(_no_stack(blocks[0], no_stack))
     unlisted = leak.entry_count - 1 - len(leak.indirect)
     if leak.indirect and unlisted > 0:
         lines.append([(f"   indirect: {plural(unlisted, 'more allocation')} not listed", "yellow")])
     return lines
 
 
-def _no_stack(leak: Leak, tracked: bool) -> List[Line]:
+def _no_stack(leak: Leak, no_stack: Optional[str]) -> List[Line]:
     if not leak.backtrace and leak.stack_status == "table_full":
         return [[(f"   {TABLE_FULL}", "yellow")]]
-    if not leak.backtrace and tracked:
-        return [[(f"   {NO_STACK}", "dim")]]
+    if not leak.backtrace and no_stack:
+        return [[(f"   {no_stack}", "dim")]]
     return []
 
 
+def no_stack_text(tracking: Optional[dict]) -> Optional[str]:
+    """What a leak without a stack says in a tracked process (None: untracked, nothing)."""
+    if tracking is None:
+        return None
+    started = tracking.get("started")
+    if not started:
+        return NO_STACK
+    import time
+    return (f"no stack recorded (allocated before tracking began, "
+            f"{time.strftime('%H:%M:%S', time.localtime(started))}, or not tracked)")
+
+
 def _entry(leak: Leak, contents: bool, group: Optional[LeakGroup] = None,
-           tracked: bool = False) -> List[Line]:
+           no_stack: Optional[str] = None) -> List[Line]:
     lines: List[Line] = [[("  ", ""), (_bytes(leak.requested_size, leak.size), "bold red"),
                           (" unreachable at ", ""), (f"{leak.address:x}", "cyan")]]
     if leak.python_type is not None:
@@ -244,8 +256,8 @@ def _entry(leak: Leak, contents: bool, group: Optional[LeakGroup] = None,
             lines.append([(f"   first {len(data)} bytes of contents:", "")])
         lines.extend(_hexdump(leak.address, data))
     lines.extend(_frames(leak))
-    lines.extend(_no_stack(leak, tracked))
-    lines.extend(_indirect(leak, tracked))
+    lines.extend(_no_stack(leak, no_stack))
+    lines.extend(_indirect(leak, no_stack))
     lines.append([])
     return lines
 
@@ -268,9 +280,9 @@ def iter_lines(info: UnreachableMemoryInfo, contents: bool = False,
                        f"{plural(info.num_leaks, 'unreachable allocation')}", "bold")])
         lines.append([(f"  ABI: '{ABI}'", "")])
     lines.append([])
-    tracked = info.tracking is not None
+    no_stack = no_stack_text(info.tracking)
     for group in _groups(info):
-        lines.extend(_entry(group.representative, contents, group, tracked))
+        lines.extend(_entry(group.representative, contents, group, no_stack))
     if info.truncated:
         more = _entries(info.truncated, "more entry")
         lines.append([(f"  ... {more} not shown; use --limit 0 to show all", "yellow")])

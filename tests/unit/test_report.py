@@ -158,6 +158,12 @@ def test_text_missing_stacks_on_a_tracked_target():
     ]
     # an untracked target (no table at all) keeps the plain report
     assert "no stack recorded (" not in format_text(info_for(leaks[:1]))
+    # a table that says when recording began (track PID, the plugin): the time, local
+    import time
+    began = time.mktime((2026, 11, 27, 15, 30, 1, 0, 0, -1))
+    since = info_for(leaks[:1], tracking={"version": 3, "started": began})
+    assert body(format_text(since))[1] == ("   no stack recorded (allocated before tracking "
+                                           "began, 15:30:01, or not tracked)")
 
 
 def test_text_python_and_unresolved_frames():

@@ -35,7 +35,7 @@ class Writer:
         self.live_used = 0
         self.log2cap = log2cap
         self.tables = {}
-        self.header = tracking.HEADER_V1 if version == 1 else tracking.HEADER
+        self.header = {1: tracking.HEADER_V1, 2: tracking.HEADER_V2}.get(version, tracking.HEADER)
         self.h = dict(magic=tracking.MAGIC, version=version, header_size=self.header.size,
                       self=base, map_size=size, budget=size, max_depth=32, max_py=16,
                       nshards=NSHARDS, flags=1, shards_off=self.shards_off,
@@ -47,7 +47,7 @@ class Writer:
                       py_version=0, unwinder=3, co_filename=112, co_name=120, co_qualname=128,
                       co_firstlineno=72, co_linetable=136, str_ascii_data=48,
                       str_compact_data=72, str_state=32, pid=1234, generation=0,
-                      py_linetable=tracking.LT_LOCATIONS, epoch=0)
+                      py_linetable=tracking.LT_LOCATIONS, epoch=0, started=0)
         self.h.update(extra)
         self.entry = tracking.ENTRY if version >= 3 else tracking.ENTRY_V2
 
@@ -123,8 +123,8 @@ def colliding(n, shard=5, first=0x555500000000):
     return out
 
 
-def test_header_layout_is_232_bytes_and_matches_the_c_offsets():
-    assert tracking.HEADER.size == 232 and tracking.HEADER_V1.size == 224
+def test_header_layout_is_240_bytes_and_matches_the_c_offsets():
+    assert (tracking.HEADER.size, tracking.HEADER_V2.size, tracking.HEADER_V1.size) == (240, 232, 224)
     # offsets written in native/mu_track.h's comments
     import re
     codes = re.findall(r"(8s|I|Q)", tracking.HEADER.format)
@@ -135,7 +135,7 @@ def test_header_layout_is_232_bytes_and_matches_the_c_offsets():
         off += 4 if code == "I" else 8
     assert (offs["self"], offs["stacks"], offs["py_version"], offs["co_filename"],
             offs["str_state"], offs["pid"], offs["generation"], offs["py_linetable"],
-            offs["epoch"]) == (16, 128, 168, 176, 204, 208, 216, 224, 228)
+            offs["epoch"], offs["started"]) == (16, 128, 168, 176, 204, 208, 216, 224, 228, 232)
     assert tracking.ENTRY.size == 24 and tracking.ENTRY_V2.size == 16
 
 
@@ -460,3 +460,19 @@ def test_the_table_s_mapping_is_known_by_name_or_by_its_magic():
     other = anon(0x10000, 0x10000 + SIZE)
     assert not tracking.holds_table(BufferMemory({0x10000: bytes(SIZE)}), other)
     assert not tracking.holds_table(mem, anon(BASE, BASE + SIZE, "rw-s"))
+
+
+def test_a_table_that_stopped_recording_gives_no_stacks_and_says_when_it_began():
+    w = Writer(started=1_795_000_000_123_456_789)
+    sid = w.stack([0x401234])
+    w.insert(0x555500002000, sid, 100, epoch=3)
+    t = tracking.find_table(w.memory(), [w.mapping])
+    assert t.annotate(0x555500002000, 104).status == "recorded"
+    assert t.summary()["started"] == 1_795_000_000.123456789 and t.summary()["recording"]
+    stopped = Writer(flags=0)               # track --stop: frees no longer reach the table
+    sid = stopped.stack([0x401234])
+    stopped.insert(0x555500002000, sid, 100)
+    t = tracking.find_table(stopped.memory(), [stopped.mapping])
+    assert t is not None and t.cuts == [stopped.mapping.range]      # still no root
+    assert t.annotate(0x555500002000, 104).status == "untracked"
+    assert t.summary()["recording"] is False and t.summary()["started"] is None
