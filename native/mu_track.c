@@ -1071,6 +1071,26 @@ EXPORT int mu_track_route_python(void)
     return 0;
 }
 
+static int route_python_pending(void *unused)
+{
+    (void)unused;
+    mu_track_route_python();
+    return 0;                   /* never an exception in the program: routing is best effort */
+}
+
+/* For a caller without the GIL (`track PID`'s injected call): asks the interpreter to route
+ * its domains itself, with the GIL, at its next check of pending calls (the main thread, within
+ * milliseconds while it runs Python code; when it next does, if it waits). 0, -ENOENT (no
+ * CPython here), -EAGAIN (its pending-call queue is full: try again). */
+EXPORT int mu_track_route_python_later(void)
+{
+    int (*add)(int (*)(void *), void *) =
+        (int (*)(int (*)(void *), void *))dlsym(RTLD_DEFAULT, "Py_AddPendingCall");
+    if (!add || !dlsym(RTLD_DEFAULT, "PyMem_SetAllocator"))
+        return -ENOENT;
+    return add(route_python_pending, NULL) == 0 ? 0 : -EAGAIN;
+}
+
 /* Gives each domain routed above its own allocator back, where it is still ours (the GIL
  * held). Blocks recorded meanwhile keep their (now stale) entries: harmless, a later insert at
  * the same address replaces one. 0 or -ENOENT. */

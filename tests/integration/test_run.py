@@ -786,8 +786,9 @@ def test_fork_while_threads_allocate(opts):
 DOMAINS_FIXTURE = os.path.join(fixtures.FIXTURE_DIR, "track_domains.py")
 
 
-@pytest.mark.parametrize("version", ["3.8", "3.11", "3.13"])
-def test_python_objects_get_stacks_and_epochs_once_the_domains_are_routed(version):
+@pytest.mark.parametrize("version, how", [("3.8", "now"), ("3.11", "now"), ("3.13", "now"),
+                                          ("3.11", "later"), ("3.13", "later")])
+def test_python_objects_get_stacks_and_epochs_once_the_domains_are_routed(version, how):
     """With CPython's default allocator (pymalloc), an object's block never passes through
     malloc: mu_track_route_python wraps the MEM and OBJ domains, and each leaked object then
     has its Python frames and the epoch set when it was allocated; after
@@ -795,7 +796,7 @@ def test_python_objects_get_stacks_and_epochs_once_the_domains_are_routed(versio
     python = python_exe(version)
     marks = markers(DOMAINS_FIXTURE)
     env = {k: v for k, v in os.environ.items() if k != "PYTHONMALLOC"}
-    t = start_run([python, DOMAINS_FIXTURE, TRACK_LIB], *PY_RUN_OPTS, env=env)
+    t = start_run([python, DOMAINS_FIXTURE, TRACK_LIB, how], *PY_RUN_OPTS, env=env)
     try:
         wait_in_read(t.pid)
         info = unreachable.check(t.pid)
