@@ -17,7 +17,6 @@ PYTHONMALLOC=malloc.
 from __future__ import annotations
 
 import functools
-import glob
 import json
 import os
 import shutil
@@ -28,6 +27,7 @@ import pytest
 
 import distros
 import fixtures
+from interpreters import pyenv_pythons
 from memunreachable.cpython.layout import LIST_ITEMS
 from memunreachable.unreachable import check
 from ptr_helpers import busy_cpus
@@ -39,8 +39,8 @@ MASK = (1 << 64) - 1
 
 
 def host_interpreters():
-    found = sorted(glob.glob("/root/.pyenv/versions/3.*/bin/python3.[0-9]*"))
-    found = [p for p in found if not p.endswith("-config") and _minor(p) >= 8]
+    found = [p for _, p in sorted(pyenv_pythons().items(),
+                                  key=lambda kv: int(kv[0].split(".")[1])) if _minor(p) >= 8]
     if os.path.exists("/usr/bin/python3"):
         found.append("/usr/bin/python3")
     return found

@@ -13,6 +13,8 @@ import textwrap
 
 import pytest
 
+import interpreters
+
 from memunreachable._types import merge_ranges
 from memunreachable.cpython import layout as L
 from memunreachable.cpython import obmalloc
@@ -22,16 +24,9 @@ from memunreachable.memory import ProcessMemory
 
 pytestmark = pytest.mark.ptrace
 
-PYENV = "/root/.pyenv/versions"
-PYTHONS = [
-    ("3.8", f"{PYENV}/3.8.18/bin/python3.8"),
-    ("3.9", f"{PYENV}/3.9.18/bin/python3.9"),
-    ("3.10", f"{PYENV}/3.10.13/bin/python3.10"),
-    ("3.11", f"{PYENV}/3.11.7/bin/python3.11"),
-    ("3.12", f"{PYENV}/3.12.1/bin/python3.12"),
-    ("3.13", f"{PYENV}/3.13.0/bin/python3.13"),
-    ("debian-3.11", "/usr/bin/python3"),
-]
+PYTHONS = [(v, interpreters.pyenv_pythons().get(v, f"pyenv's CPython {v} (pyenv install {v})"))
+           for v in ("3.8", "3.9", "3.10", "3.11", "3.12", "3.13")] + [
+    ("debian-3.11", "/usr/bin/python3")]
 IDS = [label for label, _ in PYTHONS]
 COUNT_SLACK = 8      # blocks allocated after the stats print (os.read's buffer, ...)
 

@@ -22,13 +22,13 @@ import sys
 import pytest
 
 import fixtures
+import interpreters
 from memunreachable._errors import IncompleteCheck
 from memunreachable.unreachable import check
 
 pytestmark = pytest.mark.ptrace
 pytest_plugins = ["pytester"]
 
-PY37 = "/root/.pyenv/versions/3.7.16/bin/python3.7"
 
 LEAK_LIB = r"""
 #include <malloc.h>
@@ -100,10 +100,7 @@ class Target:
 
 @pytest.fixture
 def py37(leak_lib):
-    if not os.path.exists(PY37):
-        pytest.fail(f"{PY37} is missing: this machine kind's image has pyenv 3.7-3.13 "
-                    "(`pyenv install 3.7.16` restores it)")
-    t = Target([PY37, "-c", TARGET, leak_lib])
+    t = Target([interpreters.python("3.7"), "-c", TARGET, leak_lib])
     yield t
     t.close()
 

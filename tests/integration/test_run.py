@@ -22,6 +22,7 @@ import pytest
 from elftools.elf.elffile import ELFFile
 
 import fixtures
+import interpreters
 from memunreachable import unreachable
 
 pytestmark = pytest.mark.ptrace
@@ -280,19 +281,7 @@ PYTHONS = ["3.8", "3.9", "3.10", "3.11", "3.12", "3.13", "debian"]
 
 def python_exe(version: str) -> str:
     """The interpreter for a PYTHONS entry (pyenv's newest 3.N.*, or /usr/bin/python3)."""
-    if version == "debian":
-        exe = "/usr/bin/python3"
-        assert os.path.exists(exe), "Debian's /usr/bin/python3 is missing (apt-get install python3)"
-        return exe
-    root = os.environ.get("PYENV_ROOT") or os.path.expanduser("~/.pyenv")
-    vdir = os.path.join(root, "versions")
-    found = [d for d in (os.listdir(vdir) if os.path.isdir(vdir) else [])
-             if d.startswith(version + ".") and d[len(version) + 1:].isdigit()
-             and os.path.exists(os.path.join(vdir, d, "bin", "python" + version))]
-    assert found, (f"no CPython {version} under {vdir}: the Python-frame tests need pyenv's "
-                   f"3.8-3.13 (pyenv install {version})")
-    best = max(found, key=lambda d: int(d.rsplit(".", 1)[1]))
-    return os.path.join(vdir, best, "bin", "python" + version)
+    return interpreters.python(version)
 
 
 # PYTHONMALLOC=malloc (as docs/cli.md advises for Python targets): with pymalloc, freed

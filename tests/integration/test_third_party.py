@@ -14,11 +14,13 @@ import subprocess
 
 import pytest
 
+from interpreters import pyenv_pythons
+
 from test_cpython_leaks import run_target
 
 pytestmark = [pytest.mark.ptrace, pytest.mark.slow]
 
-PYTHON = "/root/.pyenv/versions/3.11.7/bin/python3.11"
+PYTHON = pyenv_pythons().get("3.11", "pyenv's CPython 3.11 (pyenv install 3.11)")
 LIBS = ("numpy", "scipy", "yaml", "orjson", "regex", "markupsafe", "pydantic", "cryptography",
         "rpds", "networkx", "jinja2", "sympy")
 
