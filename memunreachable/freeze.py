@@ -858,6 +858,25 @@ class Frozen:
                 tr = self._tracees[r.tid] = _Tracee(r.tid, state="settling", signal=r.sig)
                 self._settle(tr, grace)
 
+    # Detaches every stopped thread but tid (a signal-delivery-stop's signal re-delivered), so
+    # that they run while a function call injected into tid runs (inject.py: a lock another
+    # thread holds is released, and the call never waits on a frozen thread). A thread whose
+    # detach fails is left to the thaw, which detaches tid too.
+    def release_others(self, tid: int) -> None:
+        self.check_owner()
+        with critical():
+            if self._fast:
+                prep = self._prep
+                for i in range(prep.args.n):
+                    r = prep.recs[i]
+                    if r.state == lib.MU_T_STOPPED and r.tid != tid and \
+                            lib.mu_ptrace(PTRACE_DETACH, r.tid, 0, r.sig) == 0:
+                        r.state = lib.MU_T_DETACHED
+            for tr in self._tracees.values():
+                if tr.state == "stopped" and tr.tid != tid and \
+                        lib.mu_ptrace(PTRACE_DETACH, tr.tid, 0, tr.signal) == 0:
+                    tr.state = "detached"
+
     def pending_tids(self) -> List[int]:
         """Threads the thaw could not detach (they had not stopped); see release_pending()."""
         return [t for t, tr in self._tracees.items() if tr.state == "pending"]
