@@ -402,6 +402,7 @@ class Frozen:
         self._extra: Dict[int, List[int]] = {}     # fast path: signals to tgkill after detach
         self.after_thaw: List[Callable[[], None]] = []  # run once every thread was detached
         self.pause_ms = 0.0
+        self.released_ms = 0.0          # release_others(): first seize -> others detached
         self.thawed = False
         self.passes = 0
         self.owner = threading.get_ident()
@@ -876,6 +877,8 @@ class Frozen:
                 if tr.state == "stopped" and tr.tid != tid and \
                         lib.mu_ptrace(PTRACE_DETACH, tr.tid, 0, tr.signal) == 0:
                     tr.state = "detached"
+            if self._started is not None:
+                self.released_ms = (time.monotonic() - self._started) * 1000.0
 
     def pending_tids(self) -> List[int]:
         """Threads the thaw could not detach (they had not stopped); see release_pending()."""

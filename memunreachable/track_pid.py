@@ -35,14 +35,15 @@ ROUTE_NAMES = ("mu_track_route", "mu_track_unroute", "mu_track_last_rc")
 
 class Result(Fields):
     """What start() or stop() did."""
-    __slots__ = ("pid", "name", "action", "started", "library", "tid", "pause_ms")
+    __slots__ = ("pid", "name", "action", "started", "library", "tid", "pause_ms", "others_ms")
 
     def __init__(self, pid: int, name: str,
                  action: str,               # started | already | stopped | not_tracked
                  started: Optional[float] = None,   # when recording began (Unix time, s)
                  library: str = "",         # the tracking library's path in the target
                  tid: int = 0,              # the thread the calls ran in
-                 pause_ms: float = 0.0):    # how long that thread was stopped
+                 pause_ms: float = 0.0,     # how long that thread was stopped for the calls
+                 others_ms: float = 0.0):   # how long the other threads were stopped
         self.pid = pid
         self.name = name
         self.action = action
@@ -50,6 +51,7 @@ class Result(Fields):
         self.library = library
         self.tid = tid
         self.pause_ms = pause_ms
+        self.others_ms = others_ms
 
 
 def loaded_library(maps: Sequence[Mapping]) -> str:
@@ -103,7 +105,9 @@ def _with_thread(pid: int, timeout: float, body):
             tid, restore_rt, refusals, busy = inject.choose_thread(fz)
             if tid:
                 fz.release_others(tid)
-                return body(fz, tid, restore_rt)
+                result = body(fz, tid, restore_rt)
+                result.others_ms = fz.released_ms
+                return result
         if not refusals and not busy:
             raise CollectionError(
                 f"no thread of process {pid} can take the call: none is at an interrupt stop "

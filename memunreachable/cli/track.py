@@ -21,17 +21,17 @@ def clock(started) -> str:
 def describe(result) -> str:
     """The line `track` prints for a track_pid.Result."""
     who = f"process {result.pid}" + (f" ({result.name})" if result.name else "")
+    paused = (f"thread {result.tid} paused {result.pause_ms:.1f} ms, the others "
+              f"{result.others_ms:.1f} ms")
     if result.action == "started":
         return (f"tracking allocations of {who} since {clock(result.started)}: `memunreachable "
                 f"check {result.pid}` shows the stack of each leak allocated from now on; "
-                f"`memunreachable track --stop {result.pid}` ends it (thread {result.tid} "
-                f"paused {result.pause_ms:.1f} ms)")
+                f"`memunreachable track --stop {result.pid}` ends it ({paused})")
     if result.action == "already":
         return f"{who} is already tracked (since {clock(result.started)}): nothing changed"
     if result.action == "stopped":
         return (f"stopped tracking allocations of {who}: every routed entry was put back (the "
-                f"library stays loaded, inert; thread {result.tid} paused "
-                f"{result.pause_ms:.1f} ms)")
+                f"library stays loaded, inert; {paused})")
     return f"{who} is not tracked: nothing to stop"
 
 

@@ -267,3 +267,17 @@ def test_refusals(tmp_path):
         track_pid.start(os.getpid())
     with pytest.raises(NoSuchProcess):
         track_pid.stop(4194304)
+
+
+def test_seccomp_filter_forbidding_openat_is_refused():
+    """A filter that answers openat with EACCES on the only thread: refused by name (the
+    thread, the rule), exit 3, with a hint; nothing was loaded and the target runs on."""
+    with fixtures.start("track_pid_seccomp", root=None) as fx:
+        r = track(str(fx.pid))
+        assert r.returncode == 3, (r.stdout, r.stderr)
+        assert f"error: no thread of process {fx.pid} may load a library under its seccomp " \
+               f"rules (thread {fx.pid}: its seccomp filter returns ERRNO(EACCES) for openat)" \
+               in r.stderr, r.stderr
+        assert "hint: the program's seccomp filter forbids what dlopen needs" in r.stderr
+        assert os.path.realpath(TRACK_LIB) not in mapped_objects(fx.pid)
+        assert_running(fx.pid)

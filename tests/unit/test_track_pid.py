@@ -49,10 +49,10 @@ def test_seccomp_rules_that_forbid_the_load():
 
 
 def test_lines_track_prints():
-    r = track_pid.Result(42, "svc", "started", 0.0, "/x/_track.so", 43, 1.25)
+    r = track_pid.Result(42, "svc", "started", 0.0, "/x/_track.so", 43, 1.25, 0.5)
     assert describe(r).startswith("tracking allocations of process 42 (svc) since an unknown "
                                   "time: `memunreachable check 42` shows")
-    assert describe(r).endswith("(thread 43 paused 1.2 ms)")
+    assert describe(r).endswith("(thread 43 paused 1.2 ms, the others 0.5 ms)")
     assert describe(track_pid.Result(42, "", "not_tracked")) == \
         "process 42 is not tracked: nothing to stop"
     assert describe(track_pid.Result(42, "svc", "already", None)) == \
