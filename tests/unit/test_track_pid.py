@@ -57,3 +57,50 @@ def test_lines_track_prints():
         "process 42 is not tracked: nothing to stop"
     assert describe(track_pid.Result(42, "svc", "already", None)) == \
         "process 42 (svc) is already tracked (since an unknown time): nothing changed"
+
+
+class FakeFrozen:
+    def __init__(self):
+        self.released_ms, self.released = 1.5, None
+
+    def release_others(self, tid):
+        self.released = tid
+
+
+def with_thread(monkeypatch, answers):
+    """Run track_pid._with_thread with frozen() and inject.choose_thread faked: each freeze
+    takes the next of answers (tid, refusals, busy); returns (result or exception, freezes)."""
+    from contextlib import contextmanager
+    freezes = []
+
+    @contextmanager
+    def frozen(pid, timeout):
+        freezes.append(FakeFrozen())
+        yield freezes[-1]
+
+    it = iter(answers)
+    monkeypatch.setattr(track_pid, "frozen", frozen)
+    monkeypatch.setattr(track_pid.inject, "choose_thread",
+                        lambda fz: (lambda a: (a[0], 0x7000, a[1], a[2]))(next(it)))
+    monkeypatch.setattr(track_pid.time, "sleep", lambda s: None)
+    try:
+        out = track_pid._with_thread(9, 1.0, lambda fz, tid, rt: track_pid.Result(9, "", "started", tid=tid))
+    except Exception as exc:    # noqa: BLE001 - the test looks at it
+        out = exc
+    return out, freezes
+
+
+def test_busy_threads_are_waited_for_then_refused(monkeypatch):
+    refused = sc.Verdict(12, 2, False, "its seccomp filter returns ERRNO(EACCES) for openat")
+    out, freezes = with_thread(monkeypatch, [(0, [], [10, 11])] * 3 + [(11, [], [10])])
+    assert (out.tid, out.others_ms, len(freezes), freezes[-1].released) == (11, 1.5, 4, 11)
+    out, freezes = with_thread(monkeypatch, [(0, [refused], [10])] * track_pid.ATTEMPTS)
+    assert len(freezes) == track_pid.ATTEMPTS and str(out) == (
+        f"every thread of process 9 was inside malloc/free, the dynamic loader or the tracking "
+        f"library at each of {track_pid.ATTEMPTS} tries (threads [10] the last time)")
+    out, freezes = with_thread(monkeypatch, [(0, [refused], [])])
+    assert isinstance(out, UnsupportedTarget) and len(freezes) == 1
+    assert str(out) == ("no thread of process 9 may load a library under its seccomp rules "
+                        "(thread 12: its seccomp filter returns ERRNO(EACCES) for openat)")
+    out, freezes = with_thread(monkeypatch, [(0, [], [])])
+    assert "none is at an interrupt stop" in str(out) and len(freezes) == 1
