@@ -595,6 +595,7 @@ int mu_inject_call(int tid, uint64_t func, uint64_t restore_rt, const uint64_t *
     rc = saved_regs(tid, frozen_regs, &saved);
     if (rc < 0)
         return rc;
+    out->restored = 1;                  /* untouched until the call's registers are set */
     top = saved.rsp - RED_ZONE;
     if (data_len) {
         struct iovec local = {(void *)data, data_len}, remote;
@@ -624,6 +625,7 @@ int mu_inject_call(int tid, uint64_t func, uint64_t restore_rt, const uint64_t *
     regs.rax = 0;                       /* no vector registers for a variadic callee */
     regs.orig_rax = (uint64_t)-1;
     regs.eflags &= ~(uint64_t)EFLAGS_DF;
+    out->restored = 0;
     if (ptrace(PTRACE_SETREGS, tid, 0, &regs) < 0) {
         rc = -errno;
         goto restore;
@@ -679,7 +681,9 @@ int mu_inject_call(int tid, uint64_t func, uint64_t restore_rt, const uint64_t *
     if (faulted)
         rc = -EFAULT;
 restore:
-    regs = restored_regs(&saved, 0);
+    /* after the frame's rt_sigreturn, restart_syscall would answer -EINTR: an interrupted
+     * sleep is issued again whole, as the frame itself does (restored_regs) */
+    regs = restored_regs(&saved, out->step >= MU_STEP_EXIT);
     if (ptrace(PTRACE_SETREGS, tid, 0, &regs) < 0)
         return rc ? rc : -errno;
     if (ptrace(PTRACE_SETOPTIONS, tid, 0, PTRACE_O_TRACECLONE) < 0)

@@ -63,8 +63,9 @@ int mu_inject_wait4(int tid, uint64_t syscall_insn, uint64_t restore_rt,
  * listed in out (re-deliver them); a fault (SIGSEGV, SIGBUS, SIGILL, SIGFPE) ends the call
  * through the frame: -EFAULT. Steps: MU_STEP_SETREGS the call started, MU_STEP_ENTER it
  * returned, MU_STEP_EXIT the frame's rt_sigreturn ran, MU_STEP_RESTORED.
- * Returns 0 (out->restored: tid's registers are exactly the saved ones, options
- * PTRACE_O_TRACECLONE), -ETIMEDOUT (the call had not returned by timeout_ms: tid is
+ * Returns 0 (out->restored: tid resumes as frozen, its FP/SIMD state and signal mask
+ * restored by the frame; an interrupted sleep is issued again whole, as after the guard;
+ * options PTRACE_O_TRACECLONE), -ETIMEDOUT (the call had not returned by timeout_ms: tid is
  * stopped inside it, out->restored 0; a detach lets it finish and resume through the
  * frame), -ESRCH (tid died), or another -errno (nothing was started: restored 1). */
 #define MU_CALL_NR -2         /* mu_test_die_at's nr for mu_inject_call */

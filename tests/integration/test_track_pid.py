@@ -21,11 +21,13 @@ import time
 import pytest
 
 import fixtures
-from ptr_helpers import assert_running, wait_until
+from ptr_helpers import assert_running, moves, wait_until
 from test_run import TRACK_LIB, frames_in, markers, resolve
 from test_track_here import FAMILY, Session, dynsym, family_gots, mapped_objects
-from memunreachable import procfs, track_pid, unreachable
-from memunreachable._errors import NoSuchProcess, UnsupportedTarget
+from memunreachable import detect, inject, procfs, track_pid, unreachable
+from memunreachable._errors import CollectionError, NoSuchProcess, UnsupportedTarget
+from memunreachable.freeze import frozen
+from memunreachable.snapshot import find_guard
 from memunreachable._ffi import lib
 
 pytestmark = pytest.mark.ptrace
@@ -281,3 +283,31 @@ def test_seccomp_filter_forbidding_openat_is_refused():
         assert "hint: the program's seccomp filter forbids what dlopen needs" in r.stderr
         assert os.path.realpath(TRACK_LIB) not in mapped_objects(fx.pid)
         assert_running(fx.pid)
+
+
+@pytest.mark.parametrize("who", ["spin", "sys"])
+def test_calls_leave_every_register_as_it_was(who):
+    """Calls injected into ptr_regs' spin thread (no syscall) and sys thread (in nanosleep),
+    the others released: memset on a copy of data on the thread's stack (it clobbers vector
+    registers), a call to address 0 (it crashes: abandoned through the frame), sleep(1) with a
+    0.2 s timeout (the thaw lets it finish). After each, the thread's counter moves; at quit
+    the fixture finds every general register, xmm/ymm and MXCSR of both threads intact and
+    no nanosleep that returned EINTR."""
+    with fixtures.start("ptr_regs", root=None) as fx:
+        tid, counter = fx.expect[f"{who}_tid"], fx.expect[f"{'spins' if who == 'spin' else 'sys'}_addr"]
+        maps = procfs.read_maps(fx.pid)
+        libc = inject.mapped_paths(maps, detect.is_libc)[0]
+        syms = inject.symbols(fx.pid, maps, libc, ["memset", "sleep"])
+        for func, args, data, timeout, raises in (
+                (syms["memset"], (0, 0x55, 256), b"x" * 256, 5.0, None),
+                (0, (), b"", 5.0, "the function crashed"),
+                (syms["sleep"], (1,), b"", 0.2, "did not return within 0.2 s")):
+            with frozen(fx.pid) as fz:
+                restore_rt = find_guard(fx.pid, fz.maps)[1]
+                fz.release_others(tid)
+                if raises is None:
+                    assert inject.call(fz, tid, func, restore_rt, args, data, timeout) > 0
+                else:
+                    with pytest.raises(CollectionError, match=raises):
+                        inject.call(fz, tid, func, restore_rt, args, data, timeout)
+            assert moves(fx.pid, counter), (who, func)
