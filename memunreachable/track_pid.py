@@ -61,6 +61,19 @@ def loaded_library(maps: Sequence[Mapping]) -> str:
     return paths[0] if paths else ""
 
 
+def library_path(pid: int) -> str:
+    """The path the target is to open the tracking library by: ours, or, when it runs in
+    another root (a chroot, a container's mount namespace), the same file through our
+    /proc/PID/root, which the kernel resolves to our root (if the target may read our /proc
+    entry)."""
+    try:
+        theirs, ours = os.stat(f"/proc/{pid}/root"), os.stat("/")
+        same = (theirs.st_dev, theirs.st_ino) == (ours.st_dev, ours.st_ino)
+    except OSError:
+        same = True
+    return track_here.LIBRARY if same else f"/proc/{os.getpid()}/root{track_here.LIBRARY}"
+
+
 def table_of(pid: int, maps: Sequence[Mapping]) -> Optional[tracking.TrackingTable]:
     """The target's tracking table, read live, or None."""
     with ProcessMemory(pid) as mem:
@@ -147,24 +160,25 @@ def start(pid: int, timeout: float = 2.0) -> Result:
                                          "still finds its leaks, without stacks")
 
         def load_and_route(fz, tid, restore_rt) -> Result:
-            lib_path = path or track_here.LIBRARY
             ms = 0.0
             if not path:
                 ms += inject.call(fz, tid, dlopen[0], restore_rt, (0, RTLD_NOW | RTLD_LOCAL),
-                                  data=os.fsencode(lib_path) + b"\0")
+                                  data=os.fsencode(library_path(pid)) + b"\0")
             now = procfs.read_maps(pid)
-            syms = inject.symbols(pid, now, lib_path, ROUTE_NAMES)
+            lib_path = loaded_library(now)      # as the target's maps name it
+            syms = inject.symbols(pid, now, lib_path, ROUTE_NAMES) if lib_path else {}
             if path and len(syms) != len(ROUTE_NAMES):
                 raise TrackingError(f"the tracking library loaded in process {pid} ({path}) "
                                     "is from another version of memunreachable",
                                     hint="stop tracking with that version's `track --stop`")
             if len(syms) != len(ROUTE_NAMES):
                 raise TrackingError(
-                    f"{dlopen[1]}({lib_path}) failed in process {pid}: the library is not "
-                    "mapped there",
-                    hint="the target must be able to open that path (the same mount "
-                         "namespace, no noexec mount); 'static TLS' errors: the library "
-                         "is loaded too late in this process")
+                    f"{dlopen[1]}({library_path(pid)}) failed in process {pid}: the library "
+                    "is not mapped there",
+                    hint="the target must be able to open that path (in another root or "
+                         "mount namespace: read memunreachable's /proc entry; no noexec "
+                         "mount); 'static TLS' errors: the library is loaded too late in "
+                         "this process")
             ms += inject.call(fz, tid, syms["mu_track_route"], restore_rt)
             rc = _read_int(pid, syms["mu_track_last_rc"])
             if rc != 0:     # undone already by the library; once more, to be sure

@@ -20,6 +20,7 @@ import time
 
 import pytest
 
+import distros
 import fixtures
 from ptr_helpers import assert_running, moves, wait_until
 from test_run import TRACK_LIB, frames_in, markers, resolve
@@ -311,3 +312,36 @@ def test_calls_leave_every_register_as_it_was(who):
                     with pytest.raises(CollectionError, match=raises):
                         inject.call(fz, tid, func, restore_rt, args, data, timeout)
             assert moves(fx.pid, counter), (who, func)
+
+
+@pytest.mark.distro
+@pytest.mark.parametrize("root", ["trixie", "sid"])
+def test_track_in_a_debian_root(root):
+    """A service running in a chroot of Debian trixie (glibc 2.41) or sid (2.43): the
+    library is opened through our /proc/PID/root; the leak made since has its frames, the
+    one before none; --stop puts libc's entries back."""
+    exe = fixtures.build("track_pid", root=root)
+    host = distros.root(root)
+    marks = markers(SRC)
+    s = Session(["chroot", host, exe])
+    try:
+        s.read_phase()
+        before = family_gots(s.pid, ("libc.so",))
+        r = track(str(s.pid))
+        assert r.returncode == 0, r.stderr
+        assert_routed(family_gots(s.pid, ("libc.so",)), s.pid)
+        s.send("leak a")
+        s.read_phase()
+        info = unreachable.check(s.pid, limit=None)
+        leaks = {l.address: l for l in info.leaks}
+        assert leaks[s.blocks["pre_malloc"].address].stack_status == "untracked"
+        leak = leaks[s.blocks["a_malloc"].address]
+        assert frames_in(leak, info.modules, host + exe)[:2] == [
+            ("leak_malloc", "track_pid.c", marks["p-malloc"]),
+            ("make_leaks", "track_pid.c", frames_in(leak, info.modules, host + exe)[1][2])]
+        assert track("--stop", str(s.pid)).returncode == 0
+        assert family_gots(s.pid, ("libc.so",)) == before
+        s.finish()
+    except BaseException:
+        s.kill()
+        raise
