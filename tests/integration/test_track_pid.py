@@ -23,7 +23,7 @@ import pytest
 import distros
 import fixtures
 from ptr_helpers import assert_running, moves, wait_until
-from test_run import TRACK_LIB, frames_in, markers, resolve
+from test_run import PY_ENV, TRACK_LIB, frames_in, markers, python_exe, resolve, wait_in_read
 from test_track_here import FAMILY, Session, dynsym, family_gots, mapped_objects
 from memunreachable import detect, inject, procfs, track_pid, unreachable
 from memunreachable._errors import CollectionError, NoSuchProcess, UnsupportedTarget
@@ -36,6 +36,7 @@ pytestmark = pytest.mark.ptrace
 CLI = [sys.executable, "-m", "memunreachable"]
 SRC = os.path.join(fixtures.FIXTURE_DIR, "track_pid.c")
 CPP_SRC = os.path.join(fixtures.FIXTURE_DIR, "track_pid_new.cc")
+PY_SRC = os.path.join(fixtures.FIXTURE_DIR, "track_pid_py.py")
 CALL_STEPS = {"call started": lib.MU_STEP_SETREGS, "call returned": lib.MU_STEP_ENTER,
               "thread state restored": lib.MU_STEP_EXIT, "restore": lib.MU_STEP_RESTORED}
 
@@ -156,6 +157,37 @@ def test_track_a_running_cpp_service():
             assert "libstdc++" in first[0] and first[1].startswith(op), first
             assert frames_in(leak, info.modules, exe)[0] == (fn, "track_pid_new.cc", marks[mark])
         assert track("--stop", str(s.pid)).returncode == 0
+        s.finish()
+    except BaseException:
+        s.kill()
+        raise
+
+
+@pytest.mark.parametrize("version", ["3.11", "debian"])
+def test_track_a_running_python(version):
+    """A CPython process started normally (PYTHONMALLOC=malloc): a block it mallocs through
+    ctypes after `track` has its exact Python frames (function, file, line of the call, its
+    caller, <module>) and a libffi frame; --stop puts libc's entries back."""
+    marks = markers(PY_SRC)
+    s = Session([python_exe(version), PY_SRC], env=PY_ENV)
+    try:
+        s.read_phase()
+        before = family_gots(s.pid, ("libc.so",))
+        r = track(str(s.pid))
+        assert r.returncode == 0, r.stderr
+        s.send("leak")
+        s.read_phase()
+        wait_in_read(s.pid)
+        info = unreachable.check(s.pid, limit=None)
+        leak = {l.address: l for l in info.leaks}.get(s.blocks["leak"].address)
+        assert leak is not None, fixtures.explain_misses(s.pid, [s.blocks["leak"].address])
+        assert leak.stack_status == "recorded"
+        assert leak.python_stack == [("leak_libc", PY_SRC, marks["pp-libc"]),
+                                     ("serve", PY_SRC, marks["pp-serve"]),
+                                     ("<module>", PY_SRC, marks["pp-module"])]
+        assert any("ffi" in resolve(pc, info.modules)[0] for pc in leak.stack[:4])
+        assert track("--stop", str(s.pid)).returncode == 0
+        assert family_gots(s.pid, ("libc.so",)) == before
         s.finish()
     except BaseException:
         s.kill()
