@@ -62,15 +62,22 @@ def load_calls(restore_rt: int) -> List[seccomp.Call]:
 
 
 # Returns the tids of fz's threads stopped where an injected call could deadlock on a lock
-# they hold: inside malloc/free (threads_in_allocator: glibc's code), the dynamic loader, or
-# the tracking library.
+# they hold: inside malloc/free (threads_in_allocator: glibc's code, a futex wait there
+# included: fork waits for each arena's lock holding the ones before), the dynamic loader,
+# the tracking library, or an unwinder (libgcc_s, libunwind: the tracking library's
+# wrappers unwind, and a thread throwing an exception holds the unwinder's locks).
 def busy_threads(fz: Frozen) -> List[int]:
     busy = set(threads_in_allocator(fz.threads, fz.maps, fz.pid, None))
-    code = [m.range for m in fz.maps if m.executable and (
-        detect.is_loader(detect.strip_deleted(m.path))
-        or os.path.basename(detect.strip_deleted(m.path)) == TRACK_LIBRARY)]
+    code = [m.range for m in fz.maps if m.executable and _holds_locks_we_take(
+        detect.strip_deleted(m.path))]
     busy.update(t.tid for t in fz.threads if any(r.contains(t.regs[16]) for r in code))
     return sorted(busy)
+
+
+def _holds_locks_we_take(path: str) -> bool:
+    name = os.path.basename(path)
+    return detect.is_loader(path) or name == TRACK_LIBRARY or \
+        name.startswith(("libgcc_s.", "libunwind.", "libunwind-"))
 
 
 # Returns (tid, restore_rt, refusals, busy): the first thread at an interrupt stop that is

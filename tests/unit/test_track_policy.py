@@ -104,3 +104,12 @@ def test_busy_threads_are_waited_for_then_refused(monkeypatch):
                         "(thread 12: its seccomp filter returns ERRNO(EACCES) for openat)")
     out, freezes = with_thread(monkeypatch, [(0, [], [])])
     assert "none is at an interrupt stop" in str(out) and len(freezes) == 1
+
+
+def test_code_where_a_stopped_thread_may_hold_what_the_call_needs():
+    holds = inject._holds_locks_we_take
+    assert holds(LD) and holds("/venv/memunreachable/_track.so")
+    assert holds("/usr/lib/x86_64-linux-gnu/libgcc_s.so.1")
+    assert holds("/usr/lib/x86_64-linux-gnu/libunwind.so.8")
+    assert holds("/usr/lib/x86_64-linux-gnu/libunwind-x86_64.so.8")
+    assert not holds("/usr/lib/x86_64-linux-gnu/libstdc++.so.6") and not holds("/usr/bin/prog")
