@@ -80,8 +80,9 @@ def table_of(pid: int, maps: Sequence[Mapping]) -> Optional[tracking.TrackingTab
         return tracking.find_table(mem, maps)
 
 
-# Raises UnsupportedTarget when the mappings show a program that cannot load the library:
-# musl, a static executable, no dynamic loader.
+# Raises UnsupportedTarget when the mappings show a program that cannot load the library
+# (musl, a static executable, no dynamic loader) or whose heap `check` cannot see (another
+# allocator: jemalloc, tcmalloc, ...).
 def refuse_unloadable(pid: int, maps: Sequence[Mapping]) -> None:
     scan = detect.scan_maps(list(maps), pid)
     where = ("`memunreachable check` still finds its leaks, without allocation stacks")
@@ -91,6 +92,10 @@ def refuse_unloadable(pid: int, maps: Sequence[Mapping]) -> None:
     if scan.static:
         raise UnsupportedTarget(f"process {pid} is a static executable ({scan.malloc_object}):"
                                 " no library can be loaded into it", hint=where)
+    if scan.foreign:
+        raise UnsupportedTarget(f"process {pid} allocates with {', '.join(scan.foreign)}, not "
+                                "glibc malloc: `memunreachable check` cannot see that heap",
+                                hint="allocation stacks need a program that uses glibc malloc")
     if not inject.mapped_paths(maps, detect.is_loader):
         raise UnsupportedTarget(f"process {pid} has no dynamic loader (ld-linux) mapped: no "
                                 "library can be loaded into it", hint=where)

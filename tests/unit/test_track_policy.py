@@ -25,6 +25,8 @@ def test_refusals_before_any_ptrace():
     assert e.value.hint == "`memunreachable check` still finds its leaks, without allocation stacks"
     with pytest.raises(UnsupportedTarget, match=r"is a static executable \(/usr/bin/prog\)"):
         track_pid.refuse_unloadable(0, maps())
+    with pytest.raises(UnsupportedTarget, match=r"allocates with libjemalloc.so.2, not glibc"):
+        track_pid.refuse_unloadable(0, maps(LIBC, LD, "/usr/lib/libjemalloc.so.2"))
     with pytest.raises(UnsupportedTarget, match=r"has no dynamic loader \(ld-linux\) mapped"):
         track_pid.refuse_unloadable(0, maps(LIBC))
     assert inject.mapped_paths(maps(LIBC, LD, LIBC), lambda p: "lib" in p) == [LIBC, LD]
