@@ -114,7 +114,7 @@ def _route_error(rc: int, what: str) -> TrackingError:
 
 # Runs body(fz, tid, restore_rt) with pid frozen, every thread but tid released, tid a thread
 # that may take the calls (inject.choose_thread); freezes again up to ATTEMPTS times while
-# every thread is busy (inside malloc, the loader, the tracking library). Returns the body's
+# every thread is busy (inject.busy_threads: inside malloc, the loader, ...). Returns the body's
 # result. Raises UnsupportedTarget (seccomp), CollectionError (always busy) and what the
 # body raises.
 def _with_thread(pid: int, timeout: float, body):
@@ -139,8 +139,9 @@ def _with_thread(pid: int, timeout: float, body):
                      "installs its filter")
         time.sleep(RETRY_WAIT)
     raise CollectionError(
-        f"every thread of process {pid} was inside malloc/free, the dynamic loader or the "
-        f"tracking library at each of {ATTEMPTS} tries (threads {busy} the last time)",
+        f"every thread of process {pid} was inside malloc/free, the dynamic loader, an "
+        f"unwinder or the tracking library at each of {ATTEMPTS} tries (threads {busy} the "
+        "last time)",
         hint="try again; a process that allocates without pause on every thread can be "
              "tracked from its start with `memunreachable run`")
 

@@ -98,8 +98,9 @@ def test_busy_threads_are_waited_for_then_refused(monkeypatch):
     assert (out.tid, out.others_ms, len(freezes), freezes[-1].released) == (11, 1.5, 4, 11)
     out, freezes = with_thread(monkeypatch, [(0, [refused], [10])] * track_pid.ATTEMPTS)
     assert len(freezes) == track_pid.ATTEMPTS and str(out) == (
-        f"every thread of process 9 was inside malloc/free, the dynamic loader or the tracking "
-        f"library at each of {track_pid.ATTEMPTS} tries (threads [10] the last time)")
+        f"every thread of process 9 was inside malloc/free, the dynamic loader, an unwinder "
+        f"or the tracking library at each of {track_pid.ATTEMPTS} tries (threads [10] the last "
+        "time)")
     out, freezes = with_thread(monkeypatch, [(0, [refused], [])])
     assert isinstance(out, UnsupportedTarget) and len(freezes) == 1
     assert str(out) == ("no thread of process 9 may load a library under its seccomp rules "
