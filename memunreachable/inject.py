@@ -1,19 +1,20 @@
 """inject.py: function calls injected into a thread of a frozen process (for `track PID`).
 
-    tid, refusals, busy = choose_thread(fz, calls)   # a thread that may make the call
+    tid, restore_rt, refusals, busy = choose_thread(fz)  # a thread that may make the call
     fz.release_others(tid)                           # the other threads run meanwhile
-    call(fz, tid, func, args=(), data=b"")           # func(args) in tid; tid restored
+    call(fz, tid, func, restore_rt, args, data)      # func(args) in tid; tid restored
     symbols(pid, maps, path, names)                  # {name: run-time address} of an object
     find_dlopen(pid, maps)                           # dlopen's address in the target
 
 The call (native/mu_ptrace.c mu_inject_call) runs on the chosen thread's own stack, below the
 guard's sigreturn frame (snapshot.find_guard: glibc's rt_sigreturn stub), which is also the
-function's return address: whether the checker lives or dies, the thread resumes exactly
-as it was frozen once the function returns. Only the chosen thread stays stopped during the
+function's return address: whether the checker lives or dies, the thread resumes as it
+was frozen once the function returns (registers, FP/SIMD state, signal mask; an
+interrupted sleep starts again whole). Only the chosen thread stays stopped during the
 call: the others were released, so a lock one of them holds cannot block the call for
 ever. The thread is never one stopped inside malloc/free (glibc's code), the dynamic
-loader or the tracking library: the call allocates and loads, and would deadlock on a
-lock that thread itself holds. A return value is lost (the stub loads rax): callees leave
+loader, an unwinder or the tracking library (busy_threads): the call allocates and loads,
+and would deadlock on a lock that thread itself holds. A return value is lost (the stub loads rax): callees leave
 their results in memory (mu_track_last_rc).
 """
 from __future__ import annotations
