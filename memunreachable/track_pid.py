@@ -43,7 +43,7 @@ class Result(Fields):
                  library: str = "",         # the tracking library's path in the target
                  tid: int = 0,              # the thread the calls ran in
                  pause_ms: float = 0.0,     # how long that thread was stopped for the calls
-                 others_ms: float = 0.0):   # how long the other threads were stopped
+                 others_ms: float = 0.0):   # how long every thread was stopped before
         self.pid = pid
         self.name = name
         self.action = action

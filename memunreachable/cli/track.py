@@ -21,8 +21,8 @@ def clock(started) -> str:
 def describe(result) -> str:
     """The line `track` prints for a track_pid.Result."""
     who = f"process {result.pid}" + (f" ({result.name})" if result.name else "")
-    paused = (f"thread {result.tid} paused {result.pause_ms:.1f} ms, the others "
-              f"{result.others_ms:.1f} ms")
+    paused = (f"every thread paused {result.others_ms:.1f} ms, then thread {result.tid} "
+              f"{result.pause_ms:.1f} ms for the calls")
     if result.action == "started":
         return (f"tracking allocations of {who} since {clock(result.started)}: `memunreachable "
                 f"check {result.pid}` shows the stack of each leak allocated from now on; "

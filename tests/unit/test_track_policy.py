@@ -54,7 +54,8 @@ def test_lines_track_prints():
     r = track_pid.Result(42, "svc", "started", 0.0, "/x/_track.so", 43, 1.25, 0.5)
     assert describe(r).startswith("tracking allocations of process 42 (svc) since an unknown "
                                   "time: `memunreachable check 42` shows")
-    assert describe(r).endswith("(thread 43 paused 1.2 ms, the others 0.5 ms)")
+    assert describe(r).endswith("(every thread paused 0.5 ms, then thread 43 1.2 ms for the "
+                                "calls)")
     assert describe(track_pid.Result(42, "", "not_tracked")) == \
         "process 42 is not tracked: nothing to stop"
     assert describe(track_pid.Result(42, "svc", "already", None)) == \
