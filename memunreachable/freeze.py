@@ -402,6 +402,7 @@ class Frozen:
         self._extra: Dict[int, List[int]] = {}     # fast path: signals to tgkill after detach
         self.after_thaw: List[Callable[[], None]] = []  # run once every thread was detached
         self.pause_ms = 0.0
+        self.released_ms = 0.0          # release_others(): first seize -> others detached
         self.thawed = False
         self.passes = 0
         self.owner = threading.get_ident()
@@ -857,6 +858,27 @@ class Frozen:
             if r.state == lib.MU_T_DETACH_FAILED:
                 tr = self._tracees[r.tid] = _Tracee(r.tid, state="settling", signal=r.sig)
                 self._settle(tr, grace)
+
+    # Detaches every stopped thread but tid (a signal-delivery-stop's signal re-delivered), so
+    # that they run while a function call injected into tid runs (inject.py: a lock another
+    # thread holds is released, and the call never waits on a frozen thread). A thread whose
+    # detach fails is left to the thaw, which detaches tid too.
+    def release_others(self, tid: int) -> None:
+        self.check_owner()
+        with critical():
+            if self._fast:
+                prep = self._prep
+                for i in range(prep.args.n):
+                    r = prep.recs[i]
+                    if r.state == lib.MU_T_STOPPED and r.tid != tid and \
+                            lib.mu_ptrace(PTRACE_DETACH, r.tid, 0, r.sig) == 0:
+                        r.state = lib.MU_T_DETACHED
+            for tr in self._tracees.values():
+                if tr.state == "stopped" and tr.tid != tid and \
+                        lib.mu_ptrace(PTRACE_DETACH, tr.tid, 0, tr.signal) == 0:
+                    tr.state = "detached"
+            if self._started is not None:
+                self.released_ms = (time.monotonic() - self._started) * 1000.0
 
     def pending_tids(self) -> List[int]:
         """Threads the thaw could not detach (they had not stopped); see release_pending()."""

@@ -253,15 +253,17 @@ static void frame_regs(mu_sigframe *f, const struct user_regs_struct *r)
     f->ss_flags = SS_KEEP;
 }
 
-/* Write the guard below tid's red zone: at *psp the frame that resumes tid as frozen (its
- * registers, signal mask and FP/SIMD state), and for a clone at *csp the child's frame,
- * which runs exit_group(0) at insn with every signal blocked. Returns 0, or -errno (no
- * room in the stack's mapping: -EFAULT); nothing is written then, *psp and *csp untouched. */
+/* Write the guard below top (tid's stack below its red zone, and below any data a call
+ * passes there): at *psp the frame that resumes tid as frozen (its registers, signal mask
+ * and FP/SIMD state), and for a clone at *csp the child's frame, which runs exit_group(0)
+ * at insn with every signal blocked. Returns 0, or -errno (no room in the stack's mapping:
+ * -EFAULT); nothing is written then, *psp and *csp untouched. */
 static int write_guard(int tid, const struct user_regs_struct *saved, uint64_t insn,
-                       uint64_t restore_rt, int is_clone, uint64_t *psp, uint64_t *csp)
+                       uint64_t restore_rt, int is_clone, uint64_t top, uint64_t *psp,
+                       uint64_t *csp)
 {
     static int xcap;
-    uint64_t sigmask = 0, top, fp_at, pf, cf;
+    uint64_t sigmask = 0, fp_at, pf, cf;
     uint32_t xsize = FX_SIZE;
     uint8_t *xs, *buf;
     mu_sigframe *f;
@@ -315,7 +317,6 @@ static int write_guard(int tid, const struct user_regs_struct *saved, uint64_t i
     /* from the top: the FP image, the child's frame, the thread's frame at the new rsp. A
      * signal handled at the gadget (the tracer gone, before the syscall) puts its own frame
      * below that rsp: it can touch neither the child's frame nor the FP image */
-    top = saved->rsp - RED_ZONE;
     fp_at = (top - xsize - 4) & ~(uint64_t)63;
     cf = is_clone ? ((fp_at - sizeof(mu_sigframe)) & ~(uint64_t)15) - 8 : fp_at;
     pf = ((cf - sizeof(mu_sigframe)) & ~(uint64_t)15) - 8;      /* as at a function entry */
@@ -382,6 +383,25 @@ static int restop(int tid, int64_t deadline)
     }
 }
 
+/* tid's registers as the injection saves them (its current ones; the frozen ones when an
+ * earlier injection of this freeze restored tid, see mu_inject_clone). 0 or -errno. */
+static int saved_regs(int tid, const uint64_t *frozen, struct user_regs_struct *saved)
+{
+    if (ptrace(PTRACE_GETREGS, tid, 0, saved) < 0)
+        return -errno;
+    if (frozen) {
+        /* an earlier injection of this freeze restored tid (it has not run since: its
+         * registers are exactly those restored): start again from the frozen state, which
+         * still knows the interrupted syscall (a frame must issue it again, section 6) */
+        struct user_regs_struct f, again;
+        memcpy(&f, frozen, sizeof f);
+        again = restored_regs(&f, 0);
+        if (memcmp(&again, saved, sizeof *saved) == 0)
+            *saved = f;
+    }
+    return 0;
+}
+
 static int inject(int tid, uint64_t insn, uint64_t restore_rt, const uint64_t *frozen,
                   uint64_t nr, const uint64_t args_in[6], int is_clone, int64_t timeout_ms,
                   mu_inject *out)
@@ -395,20 +415,12 @@ static int inject(int tid, uint64_t insn, uint64_t restore_rt, const uint64_t *f
     memset(out, 0, sizeof *out);
     memcpy(args, args_in, sizeof args);
     out->t_ns[MU_STEP_START] = now_ns();
-    if (ptrace(PTRACE_GETREGS, tid, 0, &saved) < 0)
-        return -errno;
-    if (frozen) {
-        /* an earlier injection of this freeze restored tid (it has not run since: its
-         * registers are exactly those restored): start again from the frozen state, which
-         * still knows the interrupted syscall (a frame must issue it again, section 6) */
-        struct user_regs_struct f, again;
-        memcpy(&f, frozen, sizeof f);
-        again = restored_regs(&f, 0);
-        if (memcmp(&again, &saved, sizeof saved) == 0)
-            saved = f;
-    }
+    rc = saved_regs(tid, frozen, &saved);
+    if (rc < 0)
+        return rc;
     psp = saved.rsp;
-    if (restore_rt && write_guard(tid, &saved, insn, restore_rt, is_clone, &psp, &csp) == 0) {
+    if (restore_rt && write_guard(tid, &saved, insn, restore_rt, is_clone,
+                                  saved.rsp - RED_ZONE, &psp, &csp) == 0) {
         out->guarded = 1;
         if (is_clone)
             args[1] = csp;              /* clone's stack argument: the child's rsp */
@@ -549,6 +561,138 @@ int mu_inject_wait4(int tid, uint64_t syscall_insn, uint64_t restore_rt,
     const uint64_t args[6] = {(uint64_t)(int64_t)child, 0, MU_WALL | WNOHANG, 0, 0, 0};
     return inject(tid, syscall_insn, restore_rt, frozen_regs, NR_WAIT4, args, 0, timeout_ms,
                   out);
+}
+
+/* ---- injected function calls (`track PID`, memunreachable/inject.py) ----
+ * The call runs on tid's own stack below the guard's frame, whose return address is the
+ * rt_sigreturn stub: when the function returns, the stub's rt_sigreturn puts tid back as it
+ * was frozen (registers, FP/SIMD state, signal mask), tracer or not. The tracer drives it
+ * with PTRACE_SYSCALL and knows the call returned at the stub's syscall-entry stop (rip
+ * after the stub, rsp just above the frame's return address). */
+
+#define NR_RT_SIGRETURN 15
+#define RESTORE_RT_LEN 9                /* mov $15, %rax; syscall */
+#define EFLAGS_DF 0x400                 /* the ABI wants the direction flag clear at a call */
+
+static int is_fault(int sig)
+{
+    return sig == SIGSEGV || sig == SIGBUS || sig == SIGILL || sig == SIGFPE;
+}
+
+int mu_inject_call(int tid, uint64_t func, uint64_t restore_rt, const uint64_t *frozen_regs,
+                   const uint64_t *args, const uint8_t *data, uint64_t data_len,
+                   int64_t timeout_ms, mu_inject *out)
+{
+    struct user_regs_struct saved, regs;
+    int64_t deadline = now_ns() + timeout_ms * 1000000;
+    uint64_t top, psp = 0, csp = 0, nr = (uint64_t)MU_CALL_NR;
+    int rc, status, kind, faulted = 0;
+
+    memset(out, 0, sizeof *out);
+    out->t_ns[MU_STEP_START] = now_ns();
+    if (!restore_rt)
+        return -EINVAL;
+    rc = saved_regs(tid, frozen_regs, &saved);
+    if (rc < 0)
+        return rc;
+    out->restored = 1;                  /* untouched until the call's registers are set */
+    top = saved.rsp - RED_ZONE;
+    if (data_len) {
+        struct iovec local = {(void *)data, data_len}, remote;
+        top = (top - data_len) & ~(uint64_t)15;
+        remote.iov_base = (void *)top;
+        remote.iov_len = data_len;
+        if (process_vm_writev(tid, &local, 1, &remote, 1, 0) != (ssize_t)data_len)
+            return -EFAULT;
+    }
+    rc = write_guard(tid, &saved, 0, restore_rt, 0, top, &psp, &csp);
+    if (rc < 0)
+        return rc;
+    out->guarded = 1;
+    /* no TRACECLONE while the call runs: a thread it creates is not ours to stop */
+    if (ptrace(PTRACE_SETOPTIONS, tid, 0, PTRACE_O_TRACESYSGOOD) < 0)
+        return -errno;
+    reached(out, nr, MU_STEP_OPTIONS);
+    regs = saved;
+    regs.rip = func;
+    regs.rsp = psp;
+    regs.rdi = data_len ? top : args[0];
+    regs.rsi = args[1];
+    regs.rdx = args[2];
+    regs.rcx = args[3];
+    regs.r8 = args[4];
+    regs.r9 = args[5];
+    regs.rax = 0;                       /* no vector registers for a variadic callee */
+    regs.orig_rax = (uint64_t)-1;
+    regs.eflags &= ~(uint64_t)EFLAGS_DF;
+    out->restored = 0;
+    if (ptrace(PTRACE_SETREGS, tid, 0, &regs) < 0) {
+        rc = -errno;
+        goto restore;
+    }
+    reached(out, nr, MU_STEP_SETREGS);
+    for (;;) {
+        int sig = 0, w;
+        if (ptrace(PTRACE_SYSCALL, tid, 0, 0) < 0)
+            return -errno;
+        w = wait_until(tid, deadline, &status);
+        if (w < 0)
+            return w;
+        if (w == 0) {
+            /* the call goes on (waiting for a lock?): leave it stopped where it is; the
+             * thaw's detach lets it finish, and its frame then resumes tid as frozen */
+            if (restop(tid, now_ns() + 1000000000LL) == 0)
+                (void)ptrace(PTRACE_SETOPTIONS, tid, 0, PTRACE_O_TRACECLONE);
+            return -ETIMEDOUT;
+        }
+        kind = kind_of(status);
+        if (kind == K_GONE)
+            return -ESRCH;
+        if (kind == K_SIGNAL) {
+            sig = WSTOPSIG(status);
+            if (is_fault(sig) && !faulted) {
+                /* the function crashed: return at once, through the frame */
+                faulted = 1;
+                if (ptrace(PTRACE_GETREGS, tid, 0, &regs) < 0)
+                    return -errno;
+                regs.rip = restore_rt;
+                regs.rsp = psp + 8;
+                if (ptrace(PTRACE_SETREGS, tid, 0, &regs) < 0)
+                    return -errno;
+            } else {
+                record_signal(out, sig);
+            }
+            continue;
+        }
+        if (kind != K_SYSCALL)
+            continue;
+        if (ptrace(PTRACE_GETREGS, tid, 0, &regs) < 0)
+            return -errno;
+        if (regs.orig_rax == NR_RT_SIGRETURN && regs.rip == restore_rt + RESTORE_RT_LEN &&
+            regs.rsp == psp + 8)
+            break;
+    }
+    reached(out, nr, MU_STEP_ENTER);
+    /* let the frame's rt_sigreturn run: it restores the FP/SIMD state and signal mask */
+    kind = resume_until_syscall(tid, deadline, out);
+    if (kind < 0)
+        return kind;
+    reached(out, nr, MU_STEP_EXIT);
+    if (faulted)
+        rc = -EFAULT;
+restore:
+    /* after the frame's rt_sigreturn, restart_syscall would answer -EINTR: an interrupted
+     * sleep is issued again whole, as the frame itself does (restored_regs) */
+    regs = restored_regs(&saved, out->step >= MU_STEP_EXIT);
+    if (ptrace(PTRACE_SETREGS, tid, 0, &regs) < 0)
+        return rc ? rc : -errno;
+    if (ptrace(PTRACE_SETOPTIONS, tid, 0, PTRACE_O_TRACECLONE) < 0)
+        return rc ? rc : -errno;
+    out->restored = 1;
+    out->t_ns[MU_STEP_RESTORED] = now_ns();
+    if (rc == 0)
+        reached(out, nr, MU_STEP_RESTORED);
+    return rc;
 }
 
 /* ---- freeze / thaw (ptrace-snapshot.md sections 2, 3, 9) ---- */

@@ -54,7 +54,27 @@ int mu_inject_clone(int tid, uint64_t syscall_insn, uint64_t restore_rt,
 int mu_inject_wait4(int tid, uint64_t syscall_insn, uint64_t restore_rt,
                     const uint64_t *frozen_regs, int child, int64_t timeout_ms, mu_inject *out);
 
-/* Tests only (fault injection): when an injection of syscall number nr (56 clone, 61 wait4)
+/* Make stopped thread tid call func(args[0..5]) (rdi = the copy of data instead, when
+ * data_len > 0: data is copied onto tid's stack below its red zone) and return: the guard's
+ * frame is written first (restore_rt required: the rt_sigreturn stub), and it is the
+ * function's return address, so that a tracer that dies at any step leaves tid resuming as
+ * frozen once the function returns. The function's return value is lost (the stub loads
+ * rax): the callee leaves its result in memory. Signals met meanwhile are suppressed and
+ * listed in out (re-deliver them); a fault (SIGSEGV, SIGBUS, SIGILL, SIGFPE) ends the call
+ * through the frame: -EFAULT. Steps: MU_STEP_SETREGS the call started, MU_STEP_ENTER it
+ * returned, MU_STEP_EXIT the frame's rt_sigreturn ran, MU_STEP_RESTORED.
+ * Returns 0 (out->restored: tid resumes as frozen, its FP/SIMD state and signal mask
+ * restored by the frame; an interrupted sleep is issued again whole, as after the guard;
+ * options PTRACE_O_TRACECLONE), -ETIMEDOUT (the call had not returned by timeout_ms: tid is
+ * stopped inside it, out->restored 0; a detach lets it finish and resume through the
+ * frame), -ESRCH (tid died), or another -errno (nothing was started: restored 1). */
+#define MU_CALL_NR -2         /* mu_test_die_at's nr for mu_inject_call */
+int mu_inject_call(int tid, uint64_t func, uint64_t restore_rt, const uint64_t *frozen_regs,
+                   const uint64_t *args, const uint8_t *data, uint64_t data_len,
+                   int64_t timeout_ms, mu_inject *out);
+
+/* Tests only (fault injection): when an injection of syscall number nr (56 clone, 61 wait4,
+ * MU_CALL_NR a function call)
  * reaches MU_STEP_* step, SIGKILL the calling process (child 0), or the clone's new child
  * (child 1, once: the hook then turns itself off); nr -1 turns it off. */
 void mu_test_die_at(int64_t nr, int step, int child);

@@ -1714,6 +1714,10 @@ static void route_setup(void)
     pthread_atfork(route_fork_prepare, route_fork_release, route_fork_release);
 }
 
+/* What the last mu_track_route or mu_track_unroute returned (1: neither ran yet): `track
+ * PID` calls them by injection (memunreachable/inject.py), where a return value is lost. */
+EXPORT int mu_track_last_rc = 1;
+
 /* The first call builds the table (as the constructor does when preloaded); every call
  * routes the objects not routed yet, so a second call changes nothing. 0 or -errno:
  * -ENOENT the malloc family is not in the global scope, -ELOOP this library is (it was
@@ -1722,10 +1726,10 @@ static void route_setup(void)
 EXPORT int mu_track_route(void)
 {
     if (preloaded)
-        return 0;
+        return mu_track_last_rc = 0;
     pthread_once(&route_once, route_setup);
     if (route_setup_rc < 0)
-        return route_setup_rc;
+        return mu_track_last_rc = route_setup_rc;
     pthread_mutex_lock(&route_lock);
     int r = 0;
     for (int i = 0; i < NROUTES; i++) {
@@ -1766,7 +1770,7 @@ EXPORT int mu_track_route(void)
         unroute_all();
 out:
     pthread_mutex_unlock(&route_lock);
-    return r;
+    return mu_track_last_rc = r;
 }
 
 /* Put back every entry mu_track_route changed that still holds our value and stop
@@ -1777,12 +1781,12 @@ out:
 EXPORT int mu_track_unroute(void)
 {
     if (preloaded)
-        return 0;
+        return mu_track_last_rc = 0;
     pthread_mutex_lock(&route_lock);
     if (routed)
         unroute_all();
     pthread_mutex_unlock(&route_lock);
-    return 0;
+    return mu_track_last_rc = 0;
 }
 
 /* ---- setup --------------------------------------------------------------------------------------- */

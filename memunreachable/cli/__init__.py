@@ -152,7 +152,8 @@ def cleandoc(doc: str) -> str:
 # imported only when it is listed or run (the command modules import this one).
 COMMANDS = {"check": ("memunreachable.cli.check", "Check"),
             "demo": ("memunreachable.cli.demo", "Demo"),
-            "run": ("memunreachable.cli.run", "Run")}
+            "run": ("memunreachable.cli.run", "Run"),
+            "track": ("memunreachable.cli.track", "Track")}
 
 
 def bounded_int(text: str, what: str, expected: str, lo: int, hi: Optional[int] = None) -> int:

@@ -110,7 +110,7 @@ def test_usage_errors_and_help_are_unchanged():
     proc = subprocess.run([sys.executable, "-m", "memunreachable", "chek", "1"],
                           capture_output=True, text=True)
     assert proc.returncode == 2
-    assert "invalid choice: 'chek' (choose from 'check', 'demo', 'run')" in proc.stderr
+    assert "invalid choice: 'chek' (choose from 'check', 'demo', 'run', 'track')" in proc.stderr
     proc = subprocess.run([sys.executable, "-m", "memunreachable", "--help"],
                           capture_output=True, text=True)
     assert proc.returncode == 0

@@ -155,7 +155,7 @@ def test_check_fills_comm_from_proc(engine, capsys):
                                         "3: 13 12 14 (run one check per process)"),
     ([], "memunreachable: error: a command is required"),
     (["frobnicate"], "memunreachable: error: argument COMMAND: invalid choice: 'frobnicate' "
-                     "(choose from 'check', 'demo', 'run')"),
+                     "(choose from 'check', 'demo', 'run', 'track')"),
 ])
 def test_usage_errors_exit_2(engine, capsys, argv, message):
     fake = engine(leaky_info())
@@ -336,6 +336,7 @@ def test_command_registry():
         ("check", "Find unreachable (leaked) heap blocks in a running process."),
         ("demo", "Check a bundled leaky example program and show the report."),
         ("run", "Run a program with allocation tracking: `check PID` then shows where leaks came from."),
+        ("track", "Start recording allocation stacks in a running process (no restart); --stop ends it."),
     ]
 
     class NoLeaksNow(cli.Command):
