@@ -7,9 +7,10 @@ start() does in the target what track_here.start() does in process: dlopen(_trac
 RTLD_NOW|RTLD_LOCAL), then mu_track_route() (native/mu_track.c, "routing"), each as a
 function call injected into one frozen thread (inject.py; the other threads run meanwhile).
 From then on `check PID` shows the stack of each block allocated, as for `run`. Only the
-malloc family is routed: CPython's object domains (pymalloc) need the GIL, which an
-injected call cannot take, so Python objects get no stack (PYTHONMALLOC=malloc gives them
-one). Refused by name, with a hint: static executables, no dynamic loader, musl, threads
+malloc family is routed by the injected calls; CPython's object domains (pymalloc) need the
+GIL, which an injected call cannot take: mu_track_route_python_later asks the interpreter to
+route them itself at its next pending-call check (Py_AddPendingCall), so Python objects get
+stacks from the moment the interpreter next runs Python code. Refused by name, with a hint: static executables, no dynamic loader, musl, threads
 whose seccomp rules forbid what loading needs. A target whose every thread sits inside
 malloc/free or the loader is frozen again a little later (ATTEMPTS times).
 """
@@ -30,12 +31,14 @@ from memunreachable.preflight import preflight
 ATTEMPTS = 20                   # freezes looking for a thread outside malloc and the loader
 RETRY_WAIT = 0.02               # seconds between them
 RTLD_NOW, RTLD_LOCAL = 2, 0
-ROUTE_NAMES = ("mu_track_route", "mu_track_unroute", "mu_track_last_rc")
+ROUTE_NAMES = ("mu_track_route", "mu_track_unroute", "mu_track_last_rc",
+               "mu_track_route_python_later", "mu_track_unroute_python_later")
 
 
 class Result(Fields):
     """What start() or stop() did."""
-    __slots__ = ("pid", "name", "action", "started", "library", "tid", "pause_ms", "others_ms")
+    __slots__ = ("pid", "name", "action", "started", "library", "tid", "pause_ms", "others_ms",
+                 "python")
 
     def __init__(self, pid: int, name: str,
                  action: str,               # started | already | stopped | not_tracked
@@ -43,7 +46,9 @@ class Result(Fields):
                  library: str = "",         # the tracking library's path in the target
                  tid: int = 0,              # the thread the calls ran in
                  pause_ms: float = 0.0,     # how long that thread was stopped for the calls
-                 others_ms: float = 0.0):   # how long every thread was stopped before
+                 others_ms: float = 0.0,    # how long every thread was stopped before
+                 python: bool = False):     # CPython's object domains asked to route too
+        self.python = python
         self.pid = pid
         self.name = name
         self.action = action
@@ -191,10 +196,12 @@ def start(pid: int, timeout: float = 2.0) -> Result:
                 inject.call(fz, tid, syms["mu_track_unroute"], restore_rt)
                 raise _route_error(rc, "routing the malloc family (mu_track_route)") if rc < 0 \
                     else TrackingError(f"mu_track_route did not run in process {pid}")
+            ms += inject.call(fz, tid, syms["mu_track_route_python_later"], restore_rt)
+            python = _read_int(pid, syms["mu_track_last_rc"]) == 0     # -ENOENT: no CPython
             table = table_of(pid, procfs.read_maps(pid))     # the table is new
             return Result(pid, target.name, "started",
                           table.summary()["started"] if table is not None else time.time(),
-                          lib_path, tid, ms)
+                          lib_path, tid, ms, python=python)
 
         return _with_thread(pid, timeout, load_and_route)
 
@@ -210,12 +217,15 @@ def stop(pid: int, timeout: float = 2.0) -> Result:
         table = table_of(pid, maps)
         if not path or table is None or not table.enabled:
             return Result(pid, target.name, "not_tracked", library=path)
-        syms = inject.symbols(pid, maps, path, ["mu_track_unroute"])
-        if not syms:
+        syms = inject.symbols(pid, maps, path, ["mu_track_unroute",
+                                                "mu_track_unroute_python_later"])
+        if "mu_track_unroute" not in syms:
             raise TrackingError(f"mu_track_unroute not found in {path} in process {pid}")
 
         def unroute(fz, tid, restore_rt) -> Result:
             ms = inject.call(fz, tid, syms["mu_track_unroute"], restore_rt)
+            if "mu_track_unroute_python_later" in syms:     # pymalloc's domains, with the GIL
+                ms += inject.call(fz, tid, syms["mu_track_unroute_python_later"], restore_rt)
             return Result(pid, target.name, "stopped", library=path, tid=tid, pause_ms=ms)
 
         result = _with_thread(pid, timeout, unroute)

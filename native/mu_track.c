@@ -1071,6 +1071,8 @@ EXPORT int mu_track_route_python(void)
     return 0;
 }
 
+extern int mu_track_last_rc;
+
 static int route_python_pending(void *unused)
 {
     (void)unused;
@@ -1082,13 +1084,34 @@ static int route_python_pending(void *unused)
  * its domains itself, with the GIL, at its next check of pending calls (the main thread, within
  * milliseconds while it runs Python code; when it next does, if it waits). 0, -ENOENT (no
  * CPython here), -EAGAIN (its pending-call queue is full: try again). */
-EXPORT int mu_track_route_python_later(void)
+static int unroute_python_pending(void *unused)
+{
+    (void)unused;
+    mu_track_unroute_python();
+    return 0;
+}
+
+/* Py_AddPendingCall(fn): 0, -ENOENT (no CPython in this process) or -EAGAIN (queue full).
+ * The result is also left in mu_track_last_rc (an injected call's return value is not). */
+static int python_later(int (*fn)(void *))
 {
     int (*add)(int (*)(void *), void *) =
         (int (*)(int (*)(void *), void *))dlsym(RTLD_DEFAULT, "Py_AddPendingCall");
     if (!add || !dlsym(RTLD_DEFAULT, "PyMem_SetAllocator"))
-        return -ENOENT;
-    return add(route_python_pending, NULL) == 0 ? 0 : -EAGAIN;
+        return mu_track_last_rc = -ENOENT;
+    return mu_track_last_rc = add(fn, NULL) == 0 ? 0 : -EAGAIN;
+}
+
+EXPORT int mu_track_route_python_later(void)
+{
+    return python_later(route_python_pending);
+}
+
+/* The same for mu_track_unroute_python (`track --stop`): meanwhile the wrappers pass every
+ * call through, recording nothing. */
+EXPORT int mu_track_unroute_python_later(void)
+{
+    return python_later(unroute_python_pending);
 }
 
 /* Gives each domain routed above its own allocator back, where it is still ours (the GIL

@@ -184,6 +184,11 @@ class OutputFile:
                                exit_code=EXIT_USAGE)
 
 
+# The text report of an untracked process with leaks ends with this line.
+TRACK_HINT = ("hint: process {pid} records no allocation stacks: `memunreachable track {pid}` "
+              "records them for what it allocates from now on")
+
+
 def emit_report(info: UnreachableMemoryInfo, args: argparse.Namespace,
                 output: Optional[OutputFile] = None) -> None:
     """Render info as text or JSON to stdout, or into the output file."""
@@ -266,4 +271,6 @@ class Check(Command):
             log.warning("-f/--force has no effect without -o FILE")
         info = run_engine(pid, args)
         emit_report(info, args, output)
+        if info.num_leaks and info.tracking is None and output is None and not args.json:
+            print(TRACK_HINT.format(pid=pid), flush=True)
         return exit_code_for(info)

@@ -24,9 +24,11 @@ def describe(result) -> str:
     paused = (f"every thread paused {result.others_ms:.1f} ms, then thread {result.tid} "
               f"{result.pause_ms:.1f} ms for the calls")
     if result.action == "started":
+        python = ("; Python objects too once the interpreter next runs Python code"
+                  if result.python else "")
         return (f"tracking allocations of {who} since {clock(result.started)}: `memunreachable "
-                f"check {result.pid}` shows the stack of each leak allocated from now on; "
-                f"`memunreachable track --stop {result.pid}` ends it ({paused})")
+                f"check {result.pid}` shows the stack of each leak allocated from now on"
+                f"{python}; `memunreachable track --stop {result.pid}` ends it ({paused})")
     if result.action == "already":
         return f"{who} is already tracked (since {clock(result.started)}): nothing changed"
     if result.action == "stopped":

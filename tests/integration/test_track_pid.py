@@ -194,6 +194,34 @@ def test_track_a_running_python(version):
         raise
 
 
+@pytest.mark.parametrize("version", ["3.11", "3.13"])
+def test_track_routes_a_running_python_s_object_allocator(version):
+    """Under CPython's default allocator (pymalloc), an object made after `track` (once the
+    interpreter ran Python code: it routes its domains at a pending-call check) has its Python
+    frame; `track --stop` has it route them back."""
+    marks = markers(PY_SRC)
+    env = {k: v for k, v in os.environ.items() if k != "PYTHONMALLOC"}
+    s = Session([python_exe(version), PY_SRC], env=env)
+    try:
+        s.read_phase()
+        r = track(str(s.pid))
+        assert r.returncode == 0, r.stderr
+        assert "Python objects too once the interpreter next runs Python code" in r.stdout
+        s.send("obj")
+        s.read_phase()
+        wait_in_read(s.pid)
+        info = unreachable.check(s.pid, limit=None)
+        leak = {l.address: l for l in info.leaks}.get(s.blocks["obj"].address)
+        assert leak is not None, fixtures.explain_misses(s.pid, [s.blocks["obj"].address])
+        assert (leak.python_type, leak.stack_status) == ("int", "recorded")
+        assert leak.python_stack[0] == ("leak_object", PY_SRC, marks["pp-obj"])
+        assert track("--stop", str(s.pid)).returncode == 0
+        s.finish()
+    except BaseException:
+        s.kill()
+        raise
+
+
 def ops(s: Session) -> int:
     """The fixture's operation count now."""
     s.send("ops")

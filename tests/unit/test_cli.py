@@ -15,6 +15,7 @@ import pytest
 
 import memunreachable
 from memunreachable import __version__, cli
+from memunreachable.cli import check as cli_check
 from memunreachable._errors import (AccessDenied, CollectionError, HeapWalkError,
                                     NoSuchProcess, SweepError, UnsupportedTarget,
                                     ZombieProcess)
@@ -78,8 +79,11 @@ def test_check_leaks_exit_23_and_text_report(engine, capsys):
     fake = engine(leaky_info())
     assert cli.main(["check", "4242"]) == 23
     out, err = capsys.readouterr()
-    assert out == format_text(leaky_info())
-    assert out.splitlines()[-1] == \
+    # an untracked process's report ends with a line saying how to get allocation stacks
+    assert out == format_text(leaky_info()) + (
+        "hint: process 4242 records no allocation stacks: `memunreachable track 4242` records "
+        "them for what it allocates from now on\n")
+    assert out.splitlines()[-2] == \
         "SUMMARY: memunreachable: 96 bytes leaked in 3 allocations, 2 report entries"
     assert err == ""
     assert fake.calls == [(4242, {"limit": 100})]
@@ -95,7 +99,9 @@ def test_check_clean_exit_0(engine, capsys):
 def test_check_contents_flag(engine, capsys):
     engine(leaky_info())
     assert cli.main(["check", "4242", "--contents"]) == 23
-    assert capsys.readouterr().out == format_text(leaky_info(), contents=True)
+    out = capsys.readouterr().out
+    assert out == format_text(leaky_info(), contents=True) + cli_check.TRACK_HINT.format(
+        pid=4242) + "\n"
 
 
 def test_check_json(engine, capsys):
