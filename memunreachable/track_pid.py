@@ -7,10 +7,11 @@ start() does in the target what track_here.start() does in process: dlopen(_trac
 RTLD_NOW|RTLD_LOCAL), then mu_track_route() (native/mu_track.c, "routing"), each as a
 function call injected into one frozen thread (inject.py; the other threads run meanwhile).
 From then on `check PID` shows the stack of each block allocated, as for `run`. Only the
-malloc family is routed by the injected calls; CPython's object domains (pymalloc) need the
-GIL, which an injected call cannot take: mu_track_route_python_later asks the interpreter to
-route them itself at its next pending-call check (Py_AddPendingCall), so Python objects get
-stacks from the moment the interpreter next runs Python code. Refused by name, with a hint: static executables, no dynamic loader, musl, threads
+malloc family is routed by the injected calls, as `run` does. With python_objects, CPython's
+object domains (pymalloc) too: they need the GIL, which an injected call cannot take, so
+mu_track_route_python_later asks the interpreter to route them itself at its next pending-call
+check (Py_AddPendingCall), and Python objects get stacks from the moment it next runs Python
+code (bench/bench_track_pid.py: a dict/str/list loop ran 1.6x slower, against 1.1x without). Refused by name, with a hint: static executables, no dynamic loader, musl, threads
 whose seccomp rules forbid what loading needs. A target whose every thread sits inside
 malloc/free or the loader is frozen again a little later (ATTEMPTS times).
 """
@@ -155,7 +156,7 @@ def _with_thread(pid: int, timeout: float, body):
 # (routed, or started under `run`) is left as it is (action "already"). Raises what
 # preflight raises, UnsupportedTarget (see refuse_unloadable, seccomp), TrackingError (the
 # library did not load, or routing failed: nothing stays routed), CollectionError.
-def start(pid: int, timeout: float = 2.0) -> Result:
+def start(pid: int, timeout: float = 2.0, python_objects: bool = False) -> Result:
     target = preflight(pid)
     with leftovers.guard(pid):
         maps = procfs.read_maps(pid)
@@ -196,8 +197,10 @@ def start(pid: int, timeout: float = 2.0) -> Result:
                 inject.call(fz, tid, syms["mu_track_unroute"], restore_rt)
                 raise _route_error(rc, "routing the malloc family (mu_track_route)") if rc < 0 \
                     else TrackingError(f"mu_track_route did not run in process {pid}")
-            ms += inject.call(fz, tid, syms["mu_track_route_python_later"], restore_rt)
-            python = _read_int(pid, syms["mu_track_last_rc"]) == 0     # -ENOENT: no CPython
+            python = False
+            if python_objects:      # -ENOENT: no CPython there
+                ms += inject.call(fz, tid, syms["mu_track_route_python_later"], restore_rt)
+                python = _read_int(pid, syms["mu_track_last_rc"]) == 0
             table = table_of(pid, procfs.read_maps(pid))     # the table is new
             return Result(pid, target.name, "started",
                           table.summary()["started"] if table is not None else time.time(),

@@ -24,7 +24,7 @@ def describe(result) -> str:
     paused = (f"every thread paused {result.others_ms:.1f} ms, then thread {result.tid} "
               f"{result.pause_ms:.1f} ms for the calls")
     if result.action == "started":
-        python = ("; Python objects too once the interpreter next runs Python code"
+        python = ("; Python objects' too once the interpreter next runs Python code"
                   if result.python else "")
         return (f"tracking allocations of {who} since {clock(result.started)}: `memunreachable "
                 f"check {result.pid}` shows the stack of each leak allocated from now on"
@@ -52,12 +52,19 @@ class Track(Command):
                             help="the process (a running, dynamically linked glibc program)")
         parser.add_argument("--stop", action="store_true",
                             help="stop tracking: put back every entry `track` routed")
+        parser.add_argument("--python-objects", action="store_true",
+                            help="CPython targets: record the stacks of Python objects too "
+                                 "(their object allocator is routed; costs more)")
         parser.add_argument("--timeout", type=timeout_type, default=2.0, metavar="SECONDS",
                             help="how long freezing the threads may take (default 2)")
 
     def run(self, args: argparse.Namespace) -> int:
         from memunreachable import track_pid
 
-        action = track_pid.stop if args.stop else track_pid.start
-        print(describe(action(args.pid, timeout=args.timeout)), flush=True)
+        if args.stop:
+            result = track_pid.stop(args.pid, timeout=args.timeout)
+        else:
+            result = track_pid.start(args.pid, timeout=args.timeout,
+                                     python_objects=args.python_objects)
+        print(describe(result), flush=True)
         return EXIT_OK

@@ -196,17 +196,17 @@ def test_track_a_running_python(version):
 
 @pytest.mark.parametrize("version", ["3.11", "3.13"])
 def test_track_routes_a_running_python_s_object_allocator(version):
-    """Under CPython's default allocator (pymalloc), an object made after `track` (once the
-    interpreter ran Python code: it routes its domains at a pending-call check) has its Python
-    frame; `track --stop` has it route them back."""
+    """Under CPython's default allocator (pymalloc), an object made after `track
+    --python-objects` (once the interpreter ran Python code: it routes its domains at a
+    pending-call check) has its Python frame; `track --stop` has it route them back."""
     marks = markers(PY_SRC)
     env = {k: v for k, v in os.environ.items() if k != "PYTHONMALLOC"}
     s = Session([python_exe(version), PY_SRC], env=env)
     try:
         s.read_phase()
-        r = track(str(s.pid))
+        r = track("--python-objects", str(s.pid))
         assert r.returncode == 0, r.stderr
-        assert "Python objects too once the interpreter next runs Python code" in r.stdout
+        assert "Python objects' too once the interpreter next runs Python code" in r.stdout
         s.send("obj")
         s.read_phase()
         wait_in_read(s.pid)
