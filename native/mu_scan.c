@@ -1068,20 +1068,13 @@ static int64_t sort_u32(uint32_t *a, uint32_t *tmp, uint64_t k)
     return 0;
 }
 
-/* Whether the bytes of allocation i (in region r) are covered by kept candidates (the pieces
- * it spans are all kept; scan_cands may still refuse a block: then it pends, read in a wave). */
-static int cands_cover(const mark_ctx *m, uint64_t r, uint64_t i)
+/* Whether the mark scans the bytes at address a of region reg from kept candidates (its
+ * piece's were kept, and no object rule needs the bytes). */
+static int cands_kept(const mark_ctx *m, const mu_region *reg, uint64_t a)
 {
-    const mu_cands *c = m->ix->heap[r].cands;
-    if (!c || !m->plain_rules)
-        return 0;
-    uint64_t b = m->ix->span[2 * i], e = m->ix->span[2 * i + 1];
-    if (b < c->base || e > c->base + c->len)
-        return 0;
-    for (uint64_t k = (b - c->base) >> MU_CAND_PIECE_SHIFT; k <= (e - 1 - c->base) >> MU_CAND_PIECE_SHIFT; k++)
-        if (__atomic_load_n(&c->p[k].state, __ATOMIC_ACQUIRE) != 1)
-            return 0;
-    return 1;
+    const mu_cands *c = reg->cands;
+    return c && m->plain_rules && a >= c->base && a < c->base + c->len
+           && __atomic_load_n(&c->p[(a - c->base) >> MU_CAND_PIECE_SHIFT].state, __ATOMIC_ACQUIRE) == 1;
 }
 
 /* The bytes a copy of the uncopied regions would read: their pieces whose candidates were not
@@ -1094,14 +1087,11 @@ static uint64_t copy_budget(const mark_ctx *m)
         const mu_region *reg = &ix->heap[r];
         if (!reg->uncopied)
             continue;
-        const mu_cands *c = m->plain_rules ? reg->cands : NULL;
-        bytes += reg->len;
-        for (uint64_t k = 0; c && k < c->npieces; k++)
-            if (__atomic_load_n(&c->p[k].state, __ATOMIC_ACQUIRE) == 1) {
-                uint64_t pb = c->base + (k << MU_CAND_PIECE_SHIFT), pe = pb + (1ull << MU_CAND_PIECE_SHIFT);
-                pe = pe < c->base + c->len ? pe : c->base + c->len;
-                bytes -= pe - pb;
-            }
+        for (uint64_t pb = reg->base; pb < reg->base + reg->len; pb += 1ull << MU_CAND_PIECE_SHIFT) {
+            uint64_t pe = pb + (1ull << MU_CAND_PIECE_SHIFT);
+            if (!cands_kept(m, reg, pb))
+                bytes += (pe < reg->base + reg->len ? pe : reg->base + reg->len) - pb;
+        }
     }
     return bytes;
 }
@@ -1117,7 +1107,8 @@ static void copy_free(mark_copy *cp, uint64_t nheap, const mu_region *heap)
 }
 
 /* Copies the pieces of the uncopied regions that hold the blocks still to scan: wave[0 .. k)
- * (pending) and every unmarked one, except those kept candidates cover. Reads runs of
+ * (pending) and every unmarked one, except the pieces whose candidates were kept (a block
+ * reaching into one, or that scan_cands refuses, is read in a wave). Reads runs of
  * adjacent pieces with mu_read (large reads, on several threads). Returns the copy (mark_copy
  * per region, NULL entries for regions not copied) or NULL with *err (-ENOMEM, -EIO, -errno);
  * *bytes: the bytes read. */
@@ -1145,11 +1136,11 @@ static mark_copy *copy_rest(const mark_ctx *m, const uint32_t *wave, uint64_t k,
             continue;
         uint64_t r = mu_scan_index_region_of(ix, i);
         const mu_region *reg = &ix->heap[r];
-        if (!reg->uncopied || cands_cover(m, r, i))
+        if (!reg->uncopied)
             continue;
         uint64_t b = ix->span[2 * i], e = wave_end(ix, r, i);
         for (uint64_t p = (b - reg->base) >> MU_CAND_PIECE_SHIFT; p <= (e - 1 - reg->base) >> MU_CAND_PIECE_SHIFT; p++)
-            cp[r].have[p] = 1;
+            cp[r].have[p] |= !cands_kept(m, reg, reg->base + (p << MU_CAND_PIECE_SHIFT));
     }
     for (uint64_t r = 0; !*err && r < ix->nheap; r++) {
         const mu_region *reg = &ix->heap[r];
