@@ -506,6 +506,7 @@ typedef struct {
     const struct mark_copy_s *copy;     /* nheap entries once the mark copied (else NULL) */
     uint64_t reads;         /* reads of the waves, and their bytes */
     uint64_t read_bytes;
+    uint64_t copied_bytes;  /* bytes read into the copy */
     int plain_rules;        /* dead has no object rules (types, dict_keys, debug_hooks,
                              * head_word) */
     int shared_marks;       /* other threads mark too: marked[] is set by atomic exchange */
@@ -800,30 +801,108 @@ static inline uint64_t wave_end(const mu_scan_index *ix, uint64_t r, uint64_t i)
     return e < re ? e : re;
 }
 
-/* The copy the low-memory mark made when its waves got small (mu_mark_policy): per uncopied
- * region, a private anonymous mapping of its length (only the pieces read are touched) and,
- * per 1 MiB piece (MU_CAND_PIECE_SHIFT, from the region's base), whether it was read. */
+/* Whether the mark scans the bytes at address a of region reg from kept candidates (its
+ * piece's were kept, and no object rule needs the bytes). */
+static int cands_kept(const mark_ctx *m, const mu_region *reg, uint64_t a)
+{
+    const mu_cands *c = reg->cands;
+    return c && m->plain_rules && a >= c->base && a < c->base + c->len
+           && __atomic_load_n(&c->p[(a - c->base) >> MU_CAND_PIECE_SHIFT].state, __ATOMIC_ACQUIRE) == 1;
+}
+
+/* The copy the low-memory mark makes once its waves get small (mu_mark_policy): per uncopied
+ * region, a private anonymous mapping of its length, filled a 1 MiB piece (MU_CAND_PIECE_SHIFT,
+ * from the region's base) at a time when a wave first needs a block there, and each piece
+ * released once every block touching it that was still to scan at the switch was scanned: a
+ * list walked in address order holds about one piece per list. Pieces whose candidates were
+ * kept are never copied (their blocks are scanned from the candidates). */
+enum { PIECE_KEPT = -1, PIECE_TODO = 0, PIECE_READY = 1, PIECE_READING = 2, PIECE_FREED = 3 };
 typedef struct mark_copy_s {
-    uint8_t *data;          /* NULL: nothing of this region copied */
-    uint8_t *have;
+    uint8_t *data;          /* NULL: not an uncopied region */
+    int32_t *state;         /* per piece: PIECE_* (atomic) */
+    uint32_t *left;         /* per piece: blocks touching it still to scan (atomic) */
 } mark_copy;
 
+/* The pieces [*p0, *p1] that a wave's read of allocation i (region r) touches. */
+static inline void pieces_of(const mu_scan_index *ix, uint64_t r, uint64_t i, uint64_t *p0,
+                             uint64_t *p1)
+{
+    uint64_t base = ix->heap[r].base;
+    *p0 = (ix->span[2 * i] - base) >> MU_CAND_PIECE_SHIFT;
+    *p1 = (wave_end(ix, r, i) - 1 - base) >> MU_CAND_PIECE_SHIFT;
+}
+
 /* The bytes of allocation i of uncopied region r in the mark's copy, from its start to the end
- * of the copied pieces (*avail bytes, at least up to wave_end), or NULL when not copied. */
+ * of the pieces it touches (*avail bytes, at least up to wave_end), or NULL when not copied. */
 static const uint8_t *copied_at(const mark_ctx *m, uint64_t r, uint64_t i, uint64_t *avail)
 {
     const mark_copy *c = m->copy ? &m->copy[r] : NULL;
     if (!c || !c->data)
         return NULL;
     const mu_region *reg = &m->ix->heap[r];
-    uint64_t b = m->ix->span[2 * i], e = wave_end(m->ix, r, i);
-    uint64_t k0 = (b - reg->base) >> MU_CAND_PIECE_SHIFT, k1 = (e - 1 - reg->base) >> MU_CAND_PIECE_SHIFT;
-    for (uint64_t k = k0; k <= k1; k++)
-        if (!c->have[k])
+    uint64_t p0, p1;
+    pieces_of(m->ix, r, i, &p0, &p1);
+    for (uint64_t p = p0; p <= p1; p++)
+        if (__atomic_load_n(&c->state[p], __ATOMIC_ACQUIRE) != PIECE_READY)
             return NULL;
-    uint64_t pe = reg->base + ((k1 + 1) << MU_CAND_PIECE_SHIFT), re = reg->base + reg->len;
+    uint64_t b = m->ix->span[2 * i];
+    uint64_t pe = reg->base + ((p1 + 1) << MU_CAND_PIECE_SHIFT), re = reg->base + reg->len;
     *avail = (pe < re ? pe : re) - b;
     return c->data + (b - reg->base);
+}
+
+/* Reads into the copy the pieces allocation i (region r) touches that nobody read yet.
+ * Returns 1 when they are all ready, 0 when one is kept, freed or being read by another
+ * thread (the caller reads the block itself), or when a read failed (m->err). */
+static int copy_fetch(mark_ctx *m, uint64_t r, uint64_t i)
+{
+    const mark_copy *c = &m->copy[r];
+    const mu_region *reg = &m->ix->heap[r];
+    uint64_t p0, p1;
+    if (!c->data)
+        return 0;
+    pieces_of(m->ix, r, i, &p0, &p1);
+    for (uint64_t p = p0; p <= p1; p++) {
+        int32_t st = __atomic_load_n(&c->state[p], __ATOMIC_ACQUIRE), todo = PIECE_TODO;
+        if (st == PIECE_READY)
+            continue;
+        if (st != PIECE_TODO || !__atomic_compare_exchange_n(&c->state[p], &todo, PIECE_READING, 0,
+                                                             __ATOMIC_ACQ_REL, __ATOMIC_ACQUIRE))
+            return 0;
+        uint64_t off = p << MU_CAND_PIECE_SHIFT, first_bad = 0;
+        uint64_t len = reg->len - off < (1ull << MU_CAND_PIECE_SHIFT) ? reg->len - off : 1ull << MU_CAND_PIECE_SHIFT;
+        int64_t rc = mu_read_serial(reg->fd, reg->base + off, c->data + off, len, &first_bad);
+        if (rc != 0) {
+            m->err = rc < 0 ? rc : -EIO;
+            return 0;
+        }
+        m->copied_bytes += len;
+        __atomic_store_n(&c->state[p], PIECE_READY, __ATOMIC_RELEASE);
+    }
+    return 1;
+}
+
+/* Allocation i of uncopied region r was scanned after the switch: the pieces it touches that
+ * no block still needs are released. */
+static void copy_done(const mark_ctx *m, uint64_t r, uint64_t i)
+{
+    const mark_copy *c = &m->copy[r];
+    const mu_region *reg = &m->ix->heap[r];
+    uint64_t p0, p1;
+    if (!c->data)
+        return;
+    pieces_of(m->ix, r, i, &p0, &p1);
+    for (uint64_t p = p0; p <= p1; p++) {
+        int32_t ready = PIECE_READY;
+        if (__atomic_load_n(&c->state[p], __ATOMIC_ACQUIRE) == PIECE_KEPT
+            || __atomic_sub_fetch(&c->left[p], 1, __ATOMIC_ACQ_REL) != 0
+            || !__atomic_compare_exchange_n(&c->state[p], &ready, PIECE_FREED, 0,
+                                            __ATOMIC_ACQ_REL, __ATOMIC_ACQUIRE))
+            continue;
+        uint64_t off = p << MU_CAND_PIECE_SHIFT;
+        uint64_t len = reg->len - off < (1ull << MU_CAND_PIECE_SHIFT) ? reg->len - off : 1ull << MU_CAND_PIECE_SHIFT;
+        madvise(c->data + off, len, MADV_DONTNEED);     /* advisory: an error keeps the pages */
+    }
 }
 
 /* Scans allocation i of the uncopied region reg from its kept candidates (mu_cands): returns
@@ -920,15 +999,20 @@ static void mark_loop(mark_ctx *m)
         uint32_t batch[SCAN_POP];
         const uint8_t *bdata[SCAN_POP];
         uint64_t bavail[SCAN_POP];     /* bytes readable from bdata[] */
+        uint64_t bunc[SCAN_POP];       /* the block's region when uncopied, else UINT64_MAX */
         uint64_t nb = 0;
         while (nb < SCAN_POP && m->sp) {
             uint64_t i = batch[nb] = m->stack[--m->sp];
             uint64_t r = nheap == 1 ? 0 : region_find(ix, ix->span[2 * i]);
             uint64_t b = ix->span[2 * i], len = ix->span[2 * i + 1] - b;
             const uint8_t *d;
+            bunc[nb] = heap[r].uncopied ? r : UINT64_MAX;
             if (heap[r].uncopied) {
-                if (scan_cands(m, i, &heap[r]))
+                if (scan_cands(m, i, &heap[r])) {
+                    if (m->copy)
+                        copy_done(m, r, i);
                     continue;
+                }
                 if (!(d = copied_at(m, r, i, &bavail[nb]))) {
                     m->pend[m->npend++] = (uint32_t)i; /* read and scanned in the next wave */
                     continue;
@@ -944,8 +1028,11 @@ static void mark_loop(mark_ctx *m)
                 __builtin_prefetch(d + o);
             __builtin_prefetch(d + len - 1);
         }
-        for (uint64_t k = 0; k < nb; k++)
+        for (uint64_t k = 0; k < nb; k++) {
             scan_block(m, batch[k], bdata[k], bavail[k]);
+            if (bunc[k] != UINT64_MAX)
+                copy_done(m, bunc[k], batch[k]);
+        }
     }
 }
 
@@ -977,8 +1064,13 @@ static void wave_batch(mark_ctx *m, const uint32_t *wave, uint64_t j0, uint64_t 
     while (j < j1 && !m->err) {
         uint64_t i = wave[j], r = mu_scan_index_region_of(ix, i), avail;
         const uint8_t *d = copied_at(m, r, i, &avail);
-        if (d) {                /* copied since it pended (mu_mark_policy) */
+        if (!d && m->copy && copy_fetch(m, r, i))
+            d = copied_at(m, r, i, &avail);
+        if (m->err)
+            return;
+        if (d) {                /* in the copy (mu_mark_policy) */
             scan_block(m, i, d, avail);
+            copy_done(m, r, i);
             mark_loop(m);
             j++;
             continue;
@@ -1014,6 +1106,8 @@ static void wave_batch(mark_ctx *m, const uint32_t *wave, uint64_t j0, uint64_t 
         for (uint64_t k = j; k < jj; k++) {
             uint64_t b2 = ix->span[2 * (uint64_t)wave[k]];
             scan_block(m, wave[k], buf + (b2 - rb), re - b2);
+            if (m->copy)
+                copy_done(m, r, wave[k]);
         }
         free(own);
         mark_loop(m);           /* what they reach: copied ones now, uncopied ones pend */
@@ -1068,15 +1162,6 @@ static int64_t sort_u32(uint32_t *a, uint32_t *tmp, uint64_t k)
     return 0;
 }
 
-/* Whether the mark scans the bytes at address a of region reg from kept candidates (its
- * piece's were kept, and no object rule needs the bytes). */
-static int cands_kept(const mark_ctx *m, const mu_region *reg, uint64_t a)
-{
-    const mu_cands *c = reg->cands;
-    return c && m->plain_rules && a >= c->base && a < c->base + c->len
-           && __atomic_load_n(&c->p[(a - c->base) >> MU_CAND_PIECE_SHIFT].state, __ATOMIC_ACQUIRE) == 1;
-}
-
 /* The bytes a copy of the uncopied regions would read: their pieces whose candidates were not
  * kept (all of them without candidates, or when object rules make candidates unusable). */
 static uint64_t copy_budget(const mark_ctx *m)
@@ -1101,82 +1186,49 @@ static void copy_free(mark_copy *cp, uint64_t nheap, const mu_region *heap)
     for (uint64_t r = 0; cp && r < nheap; r++) {
         if (cp[r].data)
             munmap(cp[r].data, heap[r].len);
-        free(cp[r].have);
+        free(cp[r].state);
+        free(cp[r].left);
     }
     free(cp);
 }
 
-/* Copies the pieces of the uncopied regions that hold the blocks still to scan: wave[0 .. k)
- * (pending) and every unmarked one, except the pieces whose candidates were kept (a block
- * reaching into one, or that scan_cands refuses, is read in a wave). Reads runs of
- * adjacent pieces with mu_read (large reads, on several threads). Returns the copy (mark_copy
- * per region, NULL entries for regions not copied) or NULL with *err (-ENOMEM, -EIO, -errno);
- * *bytes: the bytes read. */
-static mark_copy *copy_rest(const mark_ctx *m, const uint32_t *wave, uint64_t k, uint64_t *bytes,
-                            int64_t *err)
+/* The copy at the switch (mark_copy): nothing read yet; each piece not kept counts the blocks
+ * touching it that are still to scan: wave[0 .. k) (pending, ascending) and every unmarked
+ * one. Returns it, or NULL on -ENOMEM. */
+static mark_copy *copy_init(const mark_ctx *m, const uint32_t *wave, uint64_t k)
 {
     const mu_scan_index *ix = m->ix;
     mark_copy *cp = calloc(ix->nheap ? ix->nheap : 1, sizeof *cp);
-    *bytes = 0;
-    *err = cp ? 0 : -ENOMEM;
-    for (uint64_t r = 0; !*err && r < ix->nheap; r++) {
+    for (uint64_t r = 0; cp && r < ix->nheap; r++) {
         const mu_region *reg = &ix->heap[r];
         if (!reg->uncopied || !reg->len)
             continue;
         uint64_t np = ((reg->len - 1) >> MU_CAND_PIECE_SHIFT) + 1;
-        if (!(cp[r].have = calloc(np, 1)))
-            *err = -ENOMEM;
+        void *a = mmap(NULL, reg->len, PROT_READ | PROT_WRITE,
+                       MAP_PRIVATE | MAP_ANONYMOUS | MAP_NORESERVE, -1, 0);
+        cp[r].state = calloc(np, sizeof *cp[r].state);
+        cp[r].left = calloc(np, sizeof *cp[r].left);
+        cp[r].data = a == MAP_FAILED ? NULL : a;
+        if (!cp[r].data || !cp[r].state || !cp[r].left) {
+            copy_free(cp, ix->nheap, ix->heap);
+            return NULL;
+        }
+        for (uint64_t p = 0; p < np; p++)
+            if (cands_kept(m, reg, reg->base + (p << MU_CAND_PIECE_SHIFT)))
+                cp[r].state[p] = PIECE_KEPT;
     }
-    /* the pieces needed: the spans read in a wave (wave_end) of the blocks to scan */
     uint64_t j = 0;
-    for (uint64_t i = 0; !*err && i < ix->n; i++) {
+    for (uint64_t i = 0; cp && i < ix->n; i++) {
         int pending = j < k && wave[j] == i;
         j += pending;
         if (m->marked[i] && !pending)
             continue;
-        uint64_t r = mu_scan_index_region_of(ix, i);
-        const mu_region *reg = &ix->heap[r];
-        if (!reg->uncopied)
+        uint64_t r = mu_scan_index_region_of(ix, i), p0, p1;
+        if (!cp[r].data)
             continue;
-        uint64_t b = ix->span[2 * i], e = wave_end(ix, r, i);
-        for (uint64_t p = (b - reg->base) >> MU_CAND_PIECE_SHIFT; p <= (e - 1 - reg->base) >> MU_CAND_PIECE_SHIFT; p++)
-            cp[r].have[p] |= !cands_kept(m, reg, reg->base + (p << MU_CAND_PIECE_SHIFT));
-    }
-    for (uint64_t r = 0; !*err && r < ix->nheap; r++) {
-        const mu_region *reg = &ix->heap[r];
-        if (!cp[r].have)
-            continue;
-        uint64_t np = ((reg->len - 1) >> MU_CAND_PIECE_SHIFT) + 1;
-        for (uint64_t p = 0; p < np && !*err; ) {
-            if (!cp[r].have[p]) {
-                p++;
-                continue;
-            }
-            if (!cp[r].data) {
-                void *a = mmap(NULL, reg->len, PROT_READ | PROT_WRITE,
-                               MAP_PRIVATE | MAP_ANONYMOUS | MAP_NORESERVE, -1, 0);
-                if (a == MAP_FAILED) {
-                    *err = -ENOMEM;
-                    break;
-                }
-                cp[r].data = a;
-            }
-            uint64_t q = p;
-            while (q < np && cp[r].have[q])
-                q++;
-            uint64_t off = p << MU_CAND_PIECE_SHIFT, end = q << MU_CAND_PIECE_SHIFT;
-            end = end < reg->len ? end : reg->len;
-            uint64_t first_bad = 0;
-            int64_t rc = mu_read(reg->fd, reg->base + off, cp[r].data + off, end - off, &first_bad);
-            if (rc != 0)
-                *err = rc < 0 ? rc : -EIO;
-            *bytes += end - off;
-            p = q;
-        }
-    }
-    if (*err) {
-        copy_free(cp, ix->nheap, ix->heap);
-        return NULL;
+        pieces_of(ix, r, i, &p0, &p1);
+        for (uint64_t p = p0; p <= p1; p++)
+            cp[r].left[p] += cp[r].state[p] != PIECE_KEPT;
     }
     return cp;
 }
@@ -1219,8 +1271,10 @@ static int64_t mark_waves(mark_ctx *ms, int nt, uint64_t n, const mu_mark_policy
                                   + (unsigned __int128)reads * policy->read_cost;
             st->overhead = o > UINT64_MAX ? UINT64_MAX : (uint64_t)o;
             if (st->overhead >= st->copy_budget && (policy->wave_cost || policy->read_cost)) {
-                if (!(cp = copy_rest(&ms[0], wave, k, &st->copied_bytes, &err)))
+                if (!(cp = copy_init(&ms[0], wave, k))) {
+                    err = -ENOMEM;
                     break;
+                }
                 st->switch_wave = st->waves + 1;
                 for (int t = 0; t < nt; t++)
                     ms[t].copy = cp;
@@ -1260,6 +1314,7 @@ static int64_t mark_waves(mark_ctx *ms, int nt, uint64_t n, const mu_mark_policy
         ms[t].copy = NULL;
         st->reads += ms[t].reads;
         st->read_bytes += ms[t].read_bytes;
+        st->copied_bytes += ms[t].copied_bytes;
     }
     copy_free(cp, ms[0].ix->nheap, ms[0].ix->heap);
     free(wave);

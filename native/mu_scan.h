@@ -12,18 +12,19 @@ typedef struct {
     uint64_t read_bytes;     /* bytes they read */
     uint64_t copy_budget;    /* bytes a copy would read: the pieces whose candidates were not kept */
     uint64_t overhead;       /* the waves' and reads' cost charged (mu_mark_policy), in bytes */
-    uint64_t switch_wave;    /* the wave at which the mark copied the rest (1: the first), 0: never */
-    uint64_t copied_bytes;   /* bytes copied then */
+    uint64_t switch_wave;    /* the wave at which the mark switched to the copy (1: the first), 0: never */
+    uint64_t copied_bytes;   /* bytes read into the copy (1 MiB pieces) */
 } mu_mark_stats;
 
 /* When the low-memory mark stops reading on demand (mu_mark). A deep graph (a linked list) gives
  * waves of one block per list: a wave and a read per node. Each wave is charged wave_cost and
  * each read read_cost (byte equivalents of their fixed costs: sorting, thread starts, a pread's
  * syscall and page walk); before a wave, once the charges reach copy_budget (the bytes of the
- * uncopied regions' pieces whose candidates were not kept), the pieces still holding blocks to
- * scan (pending or unmarked, not covered by kept candidates) are copied in large reads, and the
- * rest of the mark scans them from that copy (ski rental: the reads' overhead stays within the
- * copy's bytes, whatever the graph's depth, and a shallow graph never copies). wave_cost 0 and
+ * uncopied regions' pieces whose candidates were not kept), the mark switches to a copy: a wave
+ * reads the whole 1 MiB piece of a block it needs (once), the rest of the mark scans blocks
+ * there without a read, and a piece is released once no block still to scan touches it (ski
+ * rental: the reads' overhead stays within the copy's bytes, whatever the graph's depth, the
+ * copy reads each piece at most once, and a shallow graph never switches). wave_cost 0 and
  * read_cost 0: never copy; wave_cost UINT64_MAX: copy before the first wave. NULL: never. */
 typedef struct {
     uint64_t wave_cost;

@@ -663,11 +663,12 @@ def test_a_deep_list_read_on_demand_copies_the_rest_and_marks_exactly():
     assert old.switch_wave == 0 and old.waves >= n - 2 and old.reads >= n - 2
     # auto: the charges reached the copy's bytes (the whole region: no candidates), then no read
     assert auto.copy_budget == len(h.buf)
-    assert 0 < auto.switch_wave < 100 and auto.waves == auto.switch_wave
+    # after the switch a wave per piece the list enters (three)
+    assert 0 < auto.switch_wave < 100 and auto.waves <= auto.switch_wave + 3
     assert auto.overhead >= auto.copy_budget
     assert auto.overhead - MARK_WAVE_COST - MARK_READ_COST * auto.reads < auto.copy_budget
     assert auto.copied_bytes <= len(h.buf)
-    assert first.switch_wave == 1 and first.reads == 0 and first.waves == 1
+    assert first.switch_wave == 1 and first.reads == 0 and first.waves <= 3
     assert auto.method(True)[0] == "on-demand, then copy"
     assert old.method(True) == ("on-demand", "MEMUNREACHABLE_MARK=on-demand: "
                                 f"{old.waves} waves, {old.reads} reads (2.1 MiB): overhead "
