@@ -16,7 +16,8 @@ only the head held), list1 (next only), tree (balanced binary trees), random2 (e
 2 random earlier ones, every block held from a table), flat (pointer-free blocks held from
 the table), vectors (4 KiB arrays of 500 pointers to small nodes).
 --old also runs each check with MEMUNREACHABLE_MARK=on-demand (the low-memory mark before
-issue 25: a wave per level of the graph), alternating with the default: before/after in one run.
+issue 25: a wave per level of the graph), alternating with the default (each first in turn):
+before/after in one run.
 Every check must find exactly the target's leaks. Heaps of 256 MiB and more take the
 low-memory sweep (unreachable.UNCOPIED_MIN_BYTES).
 """
@@ -80,7 +81,8 @@ def main():
         runs = {m: [] for m in methods}
         try:
             for i in range(args.runs):
-                for label, method in methods.items():
+                order = list(methods.items())       # alternating which goes first
+                for label, method in order[::-1] if i % 2 else order:
                     r = one_check(fx.pid, method)
                     ok = (r["num_leaks"], r["leak_bytes"]) == (fx.expect["num_leaks"],
                                                                fx.expect["leak_bytes"])

@@ -208,9 +208,11 @@ def dead_words(dead: "DeadWords", n: int):
 # environment).
 _EVERY_CPU = False
 
-# When the low-memory mark copies the rest (native mu_mark_policy, issue 25): the fixed costs
-# of a wave (its sort, its threads) and of a read (a pread of /proc/PID/mem: syscall, page
-# walk), in bytes of a large read. Measured (bench/bench_shapes.py):
+# When the low-memory mark switches to a copy (native mu_mark_policy, issue 25): the fixed
+# costs of a wave (its sort, its threads) and of a read (a pread of /proc/PID/mem: syscall,
+# page walk), in bytes of a large read. bench/bench_shapes.py's 256 MiB of linked lists read
+# on demand: 64,636 waves of about 8 reads in 9.4-9.9 s, 150 us a wave, what 1 MiB reads move
+# in 150-300 KB (0.9-2 GB/s); charged 64 KiB + 8 x 16 KiB = 192 KiB.
 MARK_WAVE_COST = 64 << 10
 MARK_READ_COST = 16 << 10
 # MEMUNREACHABLE_MARK=on-demand: never copy (the mark before issue 25); =copy: copy the rest
