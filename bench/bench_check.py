@@ -51,6 +51,8 @@ print(json.dumps({
     "num_leaks": info.num_leaks, "leak_bytes": info.leak_bytes, "entries": len(info.leaks),
     "bytes_scanned": info.bytes_scanned, "seconds": s.get("seconds", {}),
     "retries": info.retries, "checker_rss": self_kb * 1024, "sweeper_rss": child_kb * 1024,
+    "mark_method": s.get("mark_method"), "mark_waves": s.get("mark_waves"),
+    "mark_switch_reason": s.get("mark_switch_reason"),
 }))
 """
 
@@ -125,18 +127,23 @@ def _print_medians(name, runs):
     print(f"  snapshot lived   {med(lambda r: r['snapshot_ms']):8.1f} ms")
 
 
-def _lsan(args):
-    """LeakSanitizer's in-process check of the same heap (bench_target.c built -fsanitize=leak)."""
+def lsan_seconds(cc, target_args, runs):
+    """LeakSanitizer's in-process check of bench_target's heap (built -fsanitize=leak, timed
+    inside the target: __lsan_do_recoverable_leak_check() `runs` times): the seconds."""
     with tempfile.TemporaryDirectory() as tmp:
         exe = os.path.join(tmp, "bench_target_lsan")
-        subprocess.run([args.lsan_cc, "-O2", "-g", "-fsanitize=leak", "-DBENCH_LSAN",
+        subprocess.run([cc, "-O2", "-g", "-fsanitize=leak", "-DBENCH_LSAN",
                         "-I", os.path.join(ROOT, "fixtures"), "-o", exe,
                         os.path.join(HERE, "bench_target.c"), "-lpthread"], check=True)
-        env = dict(os.environ, LSAN_RUNS=str(args.runs))
-        out = subprocess.run([exe, str(args.blocks), str(args.threads), str(args.leaks),
-                              str(int(args.dense))], env=env,
-                             capture_output=True, text=True).stdout
-    secs = [float(line.split()[1]) for line in out.splitlines() if line.startswith("lsan_seconds")]
+        env = dict(os.environ, LSAN_RUNS=str(runs))
+        out = subprocess.run([exe, *target_args], env=env, capture_output=True, text=True).stdout
+    return [float(line.split()[1]) for line in out.splitlines() if line.startswith("lsan_seconds")]
+
+
+def _lsan(args):
+    """LeakSanitizer's in-process check of the same heap (bench_target.c built -fsanitize=leak)."""
+    secs = lsan_seconds(args.lsan_cc, [str(args.blocks), str(args.threads), str(args.leaks),
+                                       str(int(args.dense))], args.runs)
     print(f"\nLeakSanitizer's check of the same heap ({args.lsan_cc}): "
           f"{', '.join(f'{s:.2f}' for s in secs)} s, "
           f"median {statistics.median(secs):.2f} s")

@@ -15,6 +15,7 @@ import bisect
 import struct
 import dataclasses
 import errno
+import os
 import time
 from array import array
 from dataclasses import dataclass
@@ -37,6 +38,37 @@ class MarkResult:
     num_marked: int      # allocations reached (== marked.count(1))
     seconds: float       # wall time of the native mark
     stale: int = 0       # references to fresh allocations from unwritten memory ignored
+    # the low-memory mark (uncopied regions; native mu_mark_stats): waves run, reads of blocks
+    # on demand and their bytes, the bytes a copy would read, the waves' and reads' charged
+    # cost, the wave at which it copied the rest (0: never) and the bytes copied then
+    waves: int = 0
+    reads: int = 0
+    read_bytes: int = 0
+    copy_budget: int = 0
+    overhead: int = 0
+    switch_wave: int = 0
+    copied_bytes: int = 0
+    policy: str = "auto"     # the MARK_METHODS entry it ran with
+
+    def method(self, uncopied: bool) -> Tuple[str, str]:
+        """(mark_method, mark_switch_reason) for the sweep's stats: "copy" (the heap was
+        copied by the walk), "on-demand" (blocks read as reached), "on-demand, then copy"."""
+        mib = 1 << 20
+        if not uncopied:
+            return "copy", "the walk kept copies of the heaps"
+        forced = f"MEMUNREACHABLE_MARK={self.policy}: " if self.policy != "auto" else ""
+        if self.switch_wave and forced:
+            return "on-demand, then copy", f"{forced}{self.copied_bytes / mib:.1f} MiB copied"
+        if self.switch_wave:
+            return ("on-demand, then copy",
+                    f"before wave {self.switch_wave} ({self.reads} reads so far) the waves' "
+                    f"overhead ({self.overhead / mib:.1f} MiB charged) reached the "
+                    f"{self.copy_budget / mib:.1f} MiB a copy reads: "
+                    f"{self.copied_bytes / mib:.1f} MiB copied")
+        return ("on-demand",
+                f"{forced}{self.waves} waves, {self.reads} reads ({self.read_bytes / mib:.1f} MiB): "
+                f"overhead {self.overhead / mib:.1f} MiB charged, below the "
+                f"{self.copy_budget / mib:.1f} MiB a copy reads")
 
 
 @dataclass
@@ -172,8 +204,31 @@ def dead_words(dead: "DeadWords", n: int):
 # result equals the mark over a copy; MemoryUnreadable when those bytes cannot be read.
 # parallel: mark on one thread per CPU whatever the heap's size (by default only from 2^18
 # allocations on, or always after use_every_cpu()); the result is the same (the tests compare
-# the two).
+# the two). method: when the low-memory mark copies the rest (mark_policy; None: by the
+# environment).
 _EVERY_CPU = False
+
+# When the low-memory mark switches to a copy (native mu_mark_policy, issue 25): the fixed
+# costs of a wave (its sort, its threads) and of a read (a pread of /proc/PID/mem: syscall,
+# page walk), in bytes of a large read. bench/bench_shapes.py's 256 MiB of linked lists read
+# on demand: 64,636 waves of about 8 reads in 9.4-9.9 s, 150 us a wave, what 1 MiB reads move
+# in 150-300 KB (0.9-2 GB/s); charged 64 KiB + 8 x 16 KiB = 192 KiB.
+MARK_WAVE_COST = 64 << 10
+MARK_READ_COST = 16 << 10
+# MEMUNREACHABLE_MARK=on-demand: never copy (the mark before issue 25); =copy: copy the rest
+# before the first wave; unset or auto: by the charges.
+MARK_METHODS = ("auto", "on-demand", "copy")
+
+
+def mark_policy(method: Optional[str] = None) -> Tuple[str, int, int]:
+    """(method, wave_cost, read_cost) of mu_mark_policy for a method of MARK_METHODS (None:
+    the MEMUNREACHABLE_MARK environment variable, default auto). ValueError for another name."""
+    if method is None:
+        method = os.environ.get("MEMUNREACHABLE_MARK") or "auto"
+    if method not in MARK_METHODS:
+        raise ValueError(f"MEMUNREACHABLE_MARK={method!r}: one of {', '.join(MARK_METHODS)}")
+    return (method,) + {"auto": (MARK_WAVE_COST, MARK_READ_COST), "on-demand": (0, 0),
+                        "copy": (2**64 - 1, 0)}[method]
 
 
 def use_every_cpu() -> None:
@@ -186,7 +241,7 @@ def use_every_cpu() -> None:
 
 
 def mark(image: HeapImage, roots: Sequence[Tuple[int, object]], words: Sequence[int] = (),
-         dead=None, parallel: bool = False) -> MarkResult:
+         dead=None, parallel: bool = False, method: Optional[str] = None) -> MarkResult:
     begins, keep_b = u64_view(image.begins)
     sizes, keep_s = u64_view(image.sizes)
     n = len(begins)
@@ -199,10 +254,12 @@ def mark(image: HeapImage, roots: Sequence[Tuple[int, object]], words: Sequence[
     marked_c = ffi.from_buffer("uint8_t[]", marked) if n else ffi.NULL
     stats = ffi.new("mu_mark_stats *")
     dead_c, keep_d = dead_words(dead, n)
+    policy = ffi.new("mu_mark_policy *")
+    method, policy.wave_cost, policy.read_cost = mark_policy(method)
     t0 = time.perf_counter()
     rc = lib.mu_mark(begins, sizes, n, heap, len(image.regions), root_regions, len(roots),
                      word_arr, len(word_arr), marked_c, stats,
-                     lib.MU_MARK_PARALLEL if parallel or _EVERY_CPU else 0, dead_c)
+                     lib.MU_MARK_PARALLEL if parallel or _EVERY_CPU else 0, dead_c, policy)
     seconds = time.perf_counter() - t0
     if rc == -errno.EIO:
         raise MemoryUnreadable("the snapshot's heap could not be read during the mark (the "
@@ -211,7 +268,10 @@ def mark(image: HeapImage, roots: Sequence[Tuple[int, object]], words: Sequence[
     del keep_b, keep_s, keep_h, keep_r, keep_w, keep_d
     return MarkResult(marked=marked, root_bytes=stats.root_bytes, heap_bytes=stats.heap_bytes,
                       words=stats.words, num_marked=stats.marked, seconds=seconds,
-                      stale=stats.stale)
+                      stale=stats.stale, waves=stats.waves, reads=stats.reads,
+                      read_bytes=stats.read_bytes, copy_budget=stats.copy_budget,
+                      overhead=stats.overhead, switch_wave=stats.switch_wave,
+                      copied_bytes=stats.copied_bytes, policy=method)
 
 
 # Returns [(begin, memoryview or bytes)] of the words mark scans in each marked allocation of

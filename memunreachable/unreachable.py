@@ -875,6 +875,7 @@ def sweep(mem, maps, threads, pid: int, confirm: Optional[set] = None,
     t_fold = time.monotonic()
     # 8. Result
     leaked_mask = bytes(leak_flags).translate(_INVERT)
+    mark_method, mark_reason = marked.method(uncopied)
     num_leaks, all_bytes, leak_bytes = size_totals(sizes, leaked_mask)
     res = SweepResult(
         num_allocations=len(sizes),
@@ -929,6 +930,11 @@ def sweep(mem, maps, threads, pid: int, confirm: Optional[set] = None,
         "suspect_tids": suspect,
         "fresh_blocks": nfresh,
         "stale_words": marked.stale,
+        # which way the mark read the heap and why (issue 25; mark.MarkResult.method)
+        "mark_method": mark_method,
+        "mark_switch_reason": mark_reason,
+        "mark_waves": marked.waves,
+        "mark_reads": marked.reads,
     }
     if table is not None:
         res.meta["tracking"] = table.summary()

@@ -503,6 +503,10 @@ typedef struct {
     uint8_t *rbuf;          /* WAVE_READ bytes: one read of a wave */
     int64_t err;            /* the first read error (-errno; -EIO: bytes unreadable) */
     struct wave_shared_s *ws;
+    const struct mark_copy_s *copy;     /* nheap entries once the mark copied (else NULL) */
+    uint64_t reads;         /* reads of the waves, and their bytes */
+    uint64_t read_bytes;
+    uint64_t copied_bytes;  /* bytes read into the copy */
     int plain_rules;        /* dead has no object rules (types, dict_keys, debug_hooks,
                              * head_word) */
     int shared_marks;       /* other threads mark too: marked[] is set by atomic exchange */
@@ -789,6 +793,118 @@ static inline void scan_block(mark_ctx *m, uint64_t i, const uint8_t *d, uint64_
     m->heap_bytes += len;
 }
 
+/* Where a wave's read of allocation i (in region r) ends: its span and the next word (a last
+ * partial word is read whole, as from a copy), within the region. */
+static inline uint64_t wave_end(const mu_scan_index *ix, uint64_t r, uint64_t i)
+{
+    uint64_t e = ix->span[2 * i + 1] + 8, re = ix->heap[r].base + ix->heap[r].len;
+    return e < re ? e : re;
+}
+
+/* Whether the mark scans the bytes at address a of region reg from kept candidates (its
+ * piece's were kept, and no object rule needs the bytes). */
+static int cands_kept(const mark_ctx *m, const mu_region *reg, uint64_t a)
+{
+    const mu_cands *c = reg->cands;
+    return c && m->plain_rules && a >= c->base && a < c->base + c->len
+           && __atomic_load_n(&c->p[(a - c->base) >> MU_CAND_PIECE_SHIFT].state, __ATOMIC_ACQUIRE) == 1;
+}
+
+/* The copy the low-memory mark makes once its waves get small (mu_mark_policy): per uncopied
+ * region, a private anonymous mapping of its length, filled a 1 MiB piece (MU_CAND_PIECE_SHIFT,
+ * from the region's base) at a time when a wave first needs a block there, and each piece
+ * released once every block touching it that was still to scan at the switch was scanned: a
+ * list walked in address order holds about one piece per list. Pieces whose candidates were
+ * kept are never copied (their blocks are scanned from the candidates). */
+enum { PIECE_KEPT = -1, PIECE_TODO = 0, PIECE_READY = 1, PIECE_READING = 2, PIECE_FREED = 3 };
+typedef struct mark_copy_s {
+    uint8_t *data;          /* NULL: not an uncopied region */
+    int32_t *state;         /* per piece: PIECE_* (atomic) */
+    uint32_t *left;         /* per piece: blocks touching it still to scan (atomic) */
+} mark_copy;
+
+/* The pieces [*p0, *p1] that a wave's read of allocation i (region r) touches. */
+static inline void pieces_of(const mu_scan_index *ix, uint64_t r, uint64_t i, uint64_t *p0,
+                             uint64_t *p1)
+{
+    uint64_t base = ix->heap[r].base;
+    *p0 = (ix->span[2 * i] - base) >> MU_CAND_PIECE_SHIFT;
+    *p1 = (wave_end(ix, r, i) - 1 - base) >> MU_CAND_PIECE_SHIFT;
+}
+
+/* The bytes of allocation i of uncopied region r in the mark's copy, from its start to the end
+ * of the pieces it touches (*avail bytes, at least up to wave_end), or NULL when not copied. */
+static const uint8_t *copied_at(const mark_ctx *m, uint64_t r, uint64_t i, uint64_t *avail)
+{
+    const mark_copy *c = m->copy ? &m->copy[r] : NULL;
+    if (!c || !c->data)
+        return NULL;
+    const mu_region *reg = &m->ix->heap[r];
+    uint64_t p0, p1;
+    pieces_of(m->ix, r, i, &p0, &p1);
+    for (uint64_t p = p0; p <= p1; p++)
+        if (__atomic_load_n(&c->state[p], __ATOMIC_ACQUIRE) != PIECE_READY)
+            return NULL;
+    uint64_t b = m->ix->span[2 * i];
+    uint64_t pe = reg->base + ((p1 + 1) << MU_CAND_PIECE_SHIFT), re = reg->base + reg->len;
+    *avail = (pe < re ? pe : re) - b;
+    return c->data + (b - reg->base);
+}
+
+/* Reads into the copy the pieces allocation i (region r) touches that nobody read yet.
+ * Returns 1 when they are all ready, 0 when one is kept, freed or being read by another
+ * thread (the caller reads the block itself), or when a read failed (m->err). */
+static int copy_fetch(mark_ctx *m, uint64_t r, uint64_t i)
+{
+    const mark_copy *c = &m->copy[r];
+    const mu_region *reg = &m->ix->heap[r];
+    uint64_t p0, p1;
+    if (!c->data)
+        return 0;
+    pieces_of(m->ix, r, i, &p0, &p1);
+    for (uint64_t p = p0; p <= p1; p++) {
+        int32_t st = __atomic_load_n(&c->state[p], __ATOMIC_ACQUIRE), todo = PIECE_TODO;
+        if (st == PIECE_READY)
+            continue;
+        if (st != PIECE_TODO || !__atomic_compare_exchange_n(&c->state[p], &todo, PIECE_READING, 0,
+                                                             __ATOMIC_ACQ_REL, __ATOMIC_ACQUIRE))
+            return 0;
+        uint64_t off = p << MU_CAND_PIECE_SHIFT, first_bad = 0;
+        uint64_t len = reg->len - off < (1ull << MU_CAND_PIECE_SHIFT) ? reg->len - off : 1ull << MU_CAND_PIECE_SHIFT;
+        int64_t rc = mu_read_serial(reg->fd, reg->base + off, c->data + off, len, &first_bad);
+        if (rc != 0) {
+            m->err = rc < 0 ? rc : -EIO;
+            return 0;
+        }
+        m->copied_bytes += len;
+        __atomic_store_n(&c->state[p], PIECE_READY, __ATOMIC_RELEASE);
+    }
+    return 1;
+}
+
+/* Allocation i of uncopied region r was scanned after the switch: the pieces it touches that
+ * no block still needs are released. */
+static void copy_done(const mark_ctx *m, uint64_t r, uint64_t i)
+{
+    const mark_copy *c = &m->copy[r];
+    const mu_region *reg = &m->ix->heap[r];
+    uint64_t p0, p1;
+    if (!c->data)
+        return;
+    pieces_of(m->ix, r, i, &p0, &p1);
+    for (uint64_t p = p0; p <= p1; p++) {
+        int32_t ready = PIECE_READY;
+        if (__atomic_load_n(&c->state[p], __ATOMIC_ACQUIRE) == PIECE_KEPT
+            || __atomic_sub_fetch(&c->left[p], 1, __ATOMIC_ACQ_REL) != 0
+            || !__atomic_compare_exchange_n(&c->state[p], &ready, PIECE_FREED, 0,
+                                            __ATOMIC_ACQ_REL, __ATOMIC_ACQUIRE))
+            continue;
+        uint64_t off = p << MU_CAND_PIECE_SHIFT;
+        uint64_t len = reg->len - off < (1ull << MU_CAND_PIECE_SHIFT) ? reg->len - off : 1ull << MU_CAND_PIECE_SHIFT;
+        madvise(c->data + off, len, MADV_DONTNEED);     /* advisory: an error keeps the pages */
+    }
+}
+
 /* Scans allocation i of the uncopied region reg from its kept candidates (mu_cands): returns
  * 1 when done, 0 when it must be read (a piece not kept, a dead word or an object rule that may
  * apply, an unaligned or partial word). The candidates are the words of a byte scan that can
@@ -882,18 +998,30 @@ static void mark_loop(mark_ctx *m)
             share_work(m);
         uint32_t batch[SCAN_POP];
         const uint8_t *bdata[SCAN_POP];
-        uint64_t breg[SCAN_POP];
+        uint64_t bavail[SCAN_POP];     /* bytes readable from bdata[] */
+        uint64_t bunc[SCAN_POP];       /* the block's region when uncopied, else UINT64_MAX */
         uint64_t nb = 0;
         while (nb < SCAN_POP && m->sp) {
             uint64_t i = batch[nb] = m->stack[--m->sp];
-            uint64_t r = breg[nb] = nheap == 1 ? 0 : region_find(ix, ix->span[2 * i]);
-            if (heap[r].uncopied) {
-                if (!scan_cands(m, i, &heap[r]))
-                    m->pend[m->npend++] = (uint32_t)i; /* read and scanned in the next wave */
-                continue;
-            }
+            uint64_t r = nheap == 1 ? 0 : region_find(ix, ix->span[2 * i]);
             uint64_t b = ix->span[2 * i], len = ix->span[2 * i + 1] - b;
-            const uint8_t *d = bdata[nb++] = heap[r].data + (b - heap[r].base);
+            const uint8_t *d;
+            bunc[nb] = heap[r].uncopied ? r : UINT64_MAX;
+            if (heap[r].uncopied) {
+                if (scan_cands(m, i, &heap[r])) {
+                    if (m->copy)
+                        copy_done(m, r, i);
+                    continue;
+                }
+                if (!(d = copied_at(m, r, i, &bavail[nb]))) {
+                    m->pend[m->npend++] = (uint32_t)i; /* read and scanned in the next wave */
+                    continue;
+                }
+            } else {
+                d = heap[r].data + (b - heap[r].base);
+                bavail[nb] = heap[r].base + heap[r].len - b;
+            }
+            bdata[nb++] = d;
             if (len > SCAN_PREFETCH_BYTES)
                 len = SCAN_PREFETCH_BYTES;
             for (uint64_t o = 0; o < len; o += 64)
@@ -901,9 +1029,9 @@ static void mark_loop(mark_ctx *m)
             __builtin_prefetch(d + len - 1);
         }
         for (uint64_t k = 0; k < nb; k++) {
-            uint64_t i = batch[k];
-            uint64_t r = breg[k];
-            scan_block(m, i, bdata[k], heap[r].base + heap[r].len - ix->span[2 * i]);
+            scan_block(m, batch[k], bdata[k], bavail[k]);
+            if (bunc[k] != UINT64_MAX)
+                copy_done(m, bunc[k], batch[k]);
         }
     }
 }
@@ -928,21 +1056,25 @@ typedef struct wave_shared_s {
     uint64_t next;              /* next batch to take (atomic) */
 } wave_shared;
 
-/* Where a wave's read of allocation i (in region r) ends: its span and the next word (a last
- * partial word is read whole, as from a copy), within the region. */
-static inline uint64_t wave_end(const mu_scan_index *ix, uint64_t r, uint64_t i)
-{
-    uint64_t e = ix->span[2 * i + 1] + 8, re = ix->heap[r].base + ix->heap[r].len;
-    return e < re ? e : re;
-}
-
 /* Reads and scans wave[j0 .. j1) (ascending), then what it reaches; m->err on a failed read. */
 static void wave_batch(mark_ctx *m, const uint32_t *wave, uint64_t j0, uint64_t j1)
 {
     mu_scan_index *ix = m->ix;
     uint64_t j = j0;
     while (j < j1 && !m->err) {
-        uint64_t i = wave[j], r = mu_scan_index_region_of(ix, i);
+        uint64_t i = wave[j], r = mu_scan_index_region_of(ix, i), avail;
+        const uint8_t *d = copied_at(m, r, i, &avail);
+        if (!d && m->copy && copy_fetch(m, r, i))
+            d = copied_at(m, r, i, &avail);
+        if (m->err)
+            return;
+        if (d) {                /* in the copy (mu_mark_policy) */
+            scan_block(m, i, d, avail);
+            copy_done(m, r, i);
+            mark_loop(m);
+            j++;
+            continue;
+        }
         const mu_region *reg = &ix->heap[r];
         uint64_t rb = ix->span[2 * i], re = wave_end(ix, r, i), jj = j + 1;
         while (jj < j1) {       /* one read for neighbours closer than WAVE_GAP */
@@ -964,6 +1096,8 @@ static void wave_batch(mark_ctx *m, const uint32_t *wave, uint64_t j0, uint64_t 
         }
         uint64_t first_bad = 0;
         int64_t rc = mu_read_serial(reg->fd, rb, buf, re - rb, &first_bad);
+        m->reads++;
+        m->read_bytes += re - rb;
         if (rc != 0) {
             m->err = rc < 0 ? rc : -EIO;
             free(own);
@@ -972,6 +1106,8 @@ static void wave_batch(mark_ctx *m, const uint32_t *wave, uint64_t j0, uint64_t 
         for (uint64_t k = j; k < jj; k++) {
             uint64_t b2 = ix->span[2 * (uint64_t)wave[k]];
             scan_block(m, wave[k], buf + (b2 - rb), re - b2);
+            if (m->copy)
+                copy_done(m, r, wave[k]);
         }
         free(own);
         mark_loop(m);           /* what they reach: copied ones now, uncopied ones pend */
@@ -1026,8 +1162,81 @@ static int64_t sort_u32(uint32_t *a, uint32_t *tmp, uint64_t k)
     return 0;
 }
 
-/* Runs the waves until nothing pends. Returns 0 or the first error (-errno). */
-static int64_t mark_waves(mark_ctx *ms, int nt, uint64_t n)
+/* The bytes a copy of the uncopied regions would read: their pieces whose candidates were not
+ * kept (all of them without candidates, or when object rules make candidates unusable). */
+static uint64_t copy_budget(const mark_ctx *m)
+{
+    const mu_scan_index *ix = m->ix;
+    uint64_t bytes = 0;
+    for (uint64_t r = 0; r < ix->nheap; r++) {
+        const mu_region *reg = &ix->heap[r];
+        if (!reg->uncopied)
+            continue;
+        for (uint64_t pb = reg->base; pb < reg->base + reg->len; pb += 1ull << MU_CAND_PIECE_SHIFT) {
+            uint64_t pe = pb + (1ull << MU_CAND_PIECE_SHIFT);
+            if (!cands_kept(m, reg, pb))
+                bytes += (pe < reg->base + reg->len ? pe : reg->base + reg->len) - pb;
+        }
+    }
+    return bytes;
+}
+
+static void copy_free(mark_copy *cp, uint64_t nheap, const mu_region *heap)
+{
+    for (uint64_t r = 0; cp && r < nheap; r++) {
+        if (cp[r].data)
+            munmap(cp[r].data, heap[r].len);
+        free(cp[r].state);
+        free(cp[r].left);
+    }
+    free(cp);
+}
+
+/* The copy at the switch (mark_copy): nothing read yet; each piece not kept counts the blocks
+ * touching it that are still to scan: wave[0 .. k) (pending, ascending) and every unmarked
+ * one. Returns it, or NULL on -ENOMEM. */
+static mark_copy *copy_init(const mark_ctx *m, const uint32_t *wave, uint64_t k)
+{
+    const mu_scan_index *ix = m->ix;
+    mark_copy *cp = calloc(ix->nheap ? ix->nheap : 1, sizeof *cp);
+    for (uint64_t r = 0; cp && r < ix->nheap; r++) {
+        const mu_region *reg = &ix->heap[r];
+        if (!reg->uncopied || !reg->len)
+            continue;
+        uint64_t np = ((reg->len - 1) >> MU_CAND_PIECE_SHIFT) + 1;
+        void *a = mmap(NULL, reg->len, PROT_READ | PROT_WRITE,
+                       MAP_PRIVATE | MAP_ANONYMOUS | MAP_NORESERVE, -1, 0);
+        cp[r].state = calloc(np, sizeof *cp[r].state);
+        cp[r].left = calloc(np, sizeof *cp[r].left);
+        cp[r].data = a == MAP_FAILED ? NULL : a;
+        if (!cp[r].data || !cp[r].state || !cp[r].left) {
+            copy_free(cp, ix->nheap, ix->heap);
+            return NULL;
+        }
+        for (uint64_t p = 0; p < np; p++)
+            if (cands_kept(m, reg, reg->base + (p << MU_CAND_PIECE_SHIFT)))
+                cp[r].state[p] = PIECE_KEPT;
+    }
+    uint64_t j = 0;
+    for (uint64_t i = 0; cp && i < ix->n; i++) {
+        int pending = j < k && wave[j] == i;
+        j += pending;
+        if (m->marked[i] && !pending)
+            continue;
+        uint64_t r = mu_scan_index_region_of(ix, i), p0, p1;
+        if (!cp[r].data)
+            continue;
+        pieces_of(ix, r, i, &p0, &p1);
+        for (uint64_t p = p0; p <= p1; p++)
+            cp[r].left[p] += cp[r].state[p] != PIECE_KEPT;
+    }
+    return cp;
+}
+
+/* Runs the waves until nothing pends. Returns 0 or the first error (-errno). policy: when to
+ * copy the rest (mu_mark_policy; NULL: never); stats: the waves' figures. */
+static int64_t mark_waves(mark_ctx *ms, int nt, uint64_t n, const mu_mark_policy *policy,
+                          mu_mark_stats *st)
 {
     uint32_t *wave = big_alloc(n * sizeof(uint32_t));
     uint32_t *tmp = big_alloc(n * sizeof(uint32_t));
@@ -1040,6 +1249,8 @@ static int64_t mark_waves(mark_ctx *ms, int nt, uint64_t n)
         if (!(ms[t].rbuf = malloc(WAVE_READ)))
             err = -ENOMEM;
     }
+    mark_copy *cp = NULL;
+    st->copy_budget = copy_budget(&ms[0]);
     while (!err) {
         uint64_t k = 0;
         for (int t = 0; t < nt; t++) {
@@ -1051,6 +1262,25 @@ static int64_t mark_waves(mark_ctx *ms, int nt, uint64_t n)
             break;
         if ((err = sort_u32(wave, tmp, k)))
             break;
+        /* the charges so far and this wave's: past the copy's bytes, copy the rest */
+        uint64_t reads = 0;
+        for (int t = 0; t < nt; t++)
+            reads += ms[t].reads;
+        if (policy && !cp && st->copy_budget) {
+            unsigned __int128 o = (unsigned __int128)(st->waves + 1) * policy->wave_cost
+                                  + (unsigned __int128)reads * policy->read_cost;
+            st->overhead = o > UINT64_MAX ? UINT64_MAX : (uint64_t)o;
+            if (st->overhead >= st->copy_budget && (policy->wave_cost || policy->read_cost)) {
+                if (!(cp = copy_init(&ms[0], wave, k))) {
+                    err = -ENOMEM;
+                    break;
+                }
+                st->switch_wave = st->waves + 1;
+                for (int t = 0; t < nt; t++)
+                    ms[t].copy = cp;
+            }
+        }
+        st->waves++;
         /* batches of about WAVE_BATCH bytes of address space */
         const mu_scan_index *ix = ms[0].ix;
         uint64_t nb = 0, a0 = 0;
@@ -1081,7 +1311,12 @@ static int64_t mark_waves(mark_ctx *ms, int nt, uint64_t n)
     for (int t = 0; t < nt; t++) {
         free(ms[t].rbuf);
         ms[t].rbuf = NULL;
+        ms[t].copy = NULL;
+        st->reads += ms[t].reads;
+        st->read_bytes += ms[t].read_bytes;
+        st->copied_bytes += ms[t].copied_bytes;
     }
+    copy_free(cp, ms[0].ix->nheap, ms[0].ix->heap);
     free(wave);
     free(tmp);
     free(bstart);
@@ -1106,7 +1341,7 @@ static int64_t mark_once(const uint64_t *begin, const uint64_t *size, uint64_t n
                          const uint64_t *words, uint64_t nwords,
                          uint8_t *marked, mu_mark_stats *stats, uint32_t flags,
                          const mu_dead *dead, const mu_dead *fr, uint8_t *rejected,
-                         uint64_t nodedup)
+                         uint64_t nodedup, const mu_mark_policy *policy)
 {
     if ((n && !marked) || (nroots && !roots) || (nwords && !words))
         return -EINVAL;
@@ -1205,7 +1440,9 @@ static int64_t mark_once(const uint64_t *begin, const uint64_t *size, uint64_t n
             pthread_join(ms[t].tid, NULL);
             ms[t].running = 0;
         }
-    int64_t err = lazy ? mark_waves(ms, nt, n) : 0;
+    mu_mark_stats ws;
+    memset(&ws, 0, sizeof ws);
+    int64_t err = lazy ? mark_waves(ms, nt, n, policy, &ws) : 0;
     uint64_t heap_bytes = 0, nwords_all = 0, marks = 0, stale = 0;
     for (int t = 0; t < nt; t++) {
         heap_bytes += ms[t].heap_bytes;
@@ -1220,6 +1457,7 @@ static int64_t mark_once(const uint64_t *begin, const uint64_t *size, uint64_t n
         pthread_mutex_destroy(&sh.mu);
     }
     if (stats) {
+        *stats = ws;
         stats->root_bytes = root_bytes;
         stats->heap_bytes = heap_bytes;
         stats->words = nwords_all;
@@ -1242,7 +1480,8 @@ int64_t mu_mark(const uint64_t *begin, const uint64_t *size, uint64_t n,
                 const mu_region *heap, uint64_t nheap,
                 const mu_region *roots, uint64_t nroots,
                 const uint64_t *words, uint64_t nwords,
-                uint8_t *marked, mu_mark_stats *stats, uint32_t flags, const mu_dead *dead)
+                uint8_t *marked, mu_mark_stats *stats, uint32_t flags, const mu_dead *dead,
+                const mu_mark_policy *policy)
 {
     const mu_dead *fr = dead && dead->fresh && dead->nunwritten && n ? dead : NULL;
     if (dead && dead->nunwritten) {
@@ -1255,19 +1494,19 @@ int64_t mu_mark(const uint64_t *begin, const uint64_t *size, uint64_t n,
     }
     if (!fr)
         return mark_once(begin, size, n, heap, nheap, roots, nroots, words, nwords, marked,
-                         stats, flags, dead, NULL, NULL, 0);
+                         stats, flags, dead, NULL, NULL, 0, policy);
     uint8_t *rejected = calloc(n, 1);
     if (!rejected)
         return -ENOMEM;
     int64_t rc = mark_once(begin, size, n, heap, nheap, roots, nroots, words, nwords, marked,
-                           stats, flags, dead, fr, rejected, 0);
+                           stats, flags, dead, fr, rejected, 0, policy);
     int again = 0;
     for (uint64_t i = 0; rc >= 0 && i < n && !again; i++)
         again = rejected[i] && !marked[i];
     if (again) {
         memset(rejected, 0, n);
         rc = mark_once(begin, size, n, heap, nheap, roots, nroots, words, nwords, marked,
-                       stats, flags, dead, fr, rejected, 1);
+                       stats, flags, dead, fr, rejected, 1, policy);
     }
     free(rejected);
     return rc;

@@ -6,7 +6,30 @@ typedef struct {
     uint64_t words;          /* 8-byte words examined in total */
     uint64_t marked;         /* allocations reached */
     uint64_t stale;          /* references to fresh allocations ignored (mu_dead.fresh) */
+    /* the low-memory mark (uncopied regions): */
+    uint64_t waves;          /* waves run */
+    uint64_t reads;          /* reads of blocks on demand (one per run of neighbours) */
+    uint64_t read_bytes;     /* bytes they read */
+    uint64_t copy_budget;    /* bytes a copy would read: the pieces whose candidates were not kept */
+    uint64_t overhead;       /* the waves' and reads' cost charged (mu_mark_policy), in bytes */
+    uint64_t switch_wave;    /* the wave at which the mark switched to the copy (1: the first), 0: never */
+    uint64_t copied_bytes;   /* bytes read into the copy (1 MiB pieces) */
 } mu_mark_stats;
+
+/* When the low-memory mark stops reading on demand (mu_mark). A deep graph (a linked list) gives
+ * waves of one block per list: a wave and a read per node. Each wave is charged wave_cost and
+ * each read read_cost (byte equivalents of their fixed costs: sorting, thread starts, a pread's
+ * syscall and page walk); before a wave, once the charges reach copy_budget (the bytes of the
+ * uncopied regions' pieces whose candidates were not kept), the mark switches to a copy: a wave
+ * reads the whole 1 MiB piece of a block it needs (once), the rest of the mark scans blocks
+ * there without a read, and a piece is released once no block still to scan touches it (ski
+ * rental: the reads' overhead stays within the copy's bytes, whatever the graph's depth, the
+ * copy reads each piece at most once, and a shallow graph never switches). wave_cost 0 and
+ * read_cost 0: never copy; wave_cost UINT64_MAX: copy before the first wave. NULL: never. */
+typedef struct {
+    uint64_t wave_cost;
+    uint64_t read_cost;
+} mu_mark_policy;
 
 /* Allocations: begin[] strictly ascending, size[] usable sizes (a size of 0 counts as 1 byte),
  * non-overlapping, so allocation i covers [begin[i], begin[i] + max(size[i], 1)).
@@ -24,13 +47,15 @@ typedef struct {
  * Uncopied heap regions (mu_region.uncopied, the low-memory mark): their allocations are read
  * when marked, wave by wave (sorted by address, in reads of up to 8 MiB through the region's
  * fd, on one thread per CPU), and the read bytes are dropped once scanned; the result equals
- * that over copies. -EIO when some of their bytes cannot be read (the snapshot died), or the
- * read's -errno. */
+ * that over copies; policy (mu_mark_policy) says when the waves' overhead makes it copy the
+ * rest instead, and stats say which way it went. -EIO when some of their bytes cannot be read
+ * (the snapshot died), or the read's -errno. */
 int64_t mu_mark(const uint64_t *begin, const uint64_t *size, uint64_t n,
                 const mu_region *heap, uint64_t nheap,
                 const mu_region *roots, uint64_t nroots,
                 const uint64_t *words, uint64_t nwords,
-                uint8_t *marked, mu_mark_stats *stats, uint32_t flags, const mu_dead *dead);
+                uint8_t *marked, mu_mark_stats *stats, uint32_t flags, const mu_dead *dead,
+                const mu_mark_policy *policy);
 
 /* flags for mu_mark.
  * MU_MARK_PARALLEL: mark on one thread per CPU (up to 4) whatever the number of

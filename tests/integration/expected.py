@@ -36,6 +36,7 @@ EXPECTED: Dict[str, Shape] = {
     "clean": Shape(),
     "leak_one": Shape(single("leak"), contents={"leak": b"A" * 32}),
     "leak_chain": Shape((Head(("leak_a",), ("leak_b", "leak_c")),)),
+    "deep_list": Shape((Head(("leak_a",), ("leak_b",)), Head(("leak_x",)))),  # 100,000 nodes
     "ptr_regs": Shape((Head(("leak_a",), ("leak_b",)),)),   # threads that check their registers
     "leak_ring": Shape((Head(("leak_a", "leak_b", "leak_c")),)),
     "leak_diamond": Shape((Head(("leak_a",), ("leak_b", "leak_c", "leak_d")),)),

@@ -109,3 +109,33 @@ def test_snapshot_dying_after_a_lowmem_walk_is_retaken_and_exact(reads, tmp_path
         assert info.retake_counts == {"died": 1}
         assert_result(fx, EXPECTED["leak_chain"], info)
         assert_target_running(fx)
+
+
+@pytest.mark.parametrize("reads", ["candidates", "waves"])
+def test_a_deep_list_is_checked_exactly_and_copied_once_the_waves_get_small(reads, monkeypatch):
+    """Issue 25: a 100,000-node linked list read on demand meets one node per wave. The mark
+    copies the rest once the waves' charges reach the copy's bytes, and the leak table is the
+    fixture's, as with the copying sweep and with the wave-per-node mark (on-demand only)."""
+    shape = EXPECTED["deep_list"]
+    with fixtures.start("deep_list", timeout=120) as fx:
+        copying = check(fx.pid, limit=None)
+        assert copying.stats["mark_method"] == "copy"
+        monkeypatch.setattr(unreachable, "UNCOPIED_MIN_BYTES", 0)
+        if reads == "waves":
+            monkeypatch.setattr(walker, "CANDIDATE_BUDGET_DIVISOR", 1 << 62)
+        else:   # candidates for part of the heap only: the list crosses pieces not kept
+            monkeypatch.setattr(walker, "CANDIDATE_BUDGET_DIVISOR", 64)
+        runs = {}
+        for method in ("on-demand", "auto"):
+            monkeypatch.setenv("MEMUNREACHABLE_MARK", method)
+            runs[method] = check(fx.pid, limit=None)
+        assert_target_running(fx)
+    for info in (copying, *runs.values()):
+        assert_result(fx, shape, info)
+        assert table(info) == table(copying)
+        assert totals(info) == totals(copying)
+    old, auto = runs["on-demand"].stats, runs["auto"].stats
+    assert old["mark_method"] == "on-demand" and old["mark_waves"] > 10_000
+    assert auto["mark_method"] == "on-demand, then copy", auto["mark_switch_reason"]
+    assert auto["mark_waves"] < old["mark_waves"] // 10
+    assert auto["mark_reads"] < old["mark_reads"] // 10

@@ -615,3 +615,111 @@ def test_a_text_tail_is_no_reference_on_every_mark_path():
     from memunreachable.folding import fold
     by = {f.index: f for f in fold(h.image(), bytearray(17))}
     assert T1 in by and by[S0].referenced_count == 0
+
+
+# ---- issue 25: the low-memory mark copies the rest when its waves get small (mu_mark_policy) --
+# A linked list gives one block per wave: read on demand it costs a wave and a pread per node.
+# Each wave and read is charged (mark.MARK_WAVE_COST, MARK_READ_COST); once the charges reach
+# the bytes a copy reads (the pieces whose candidates were not kept), the pieces still holding
+# blocks to scan are copied and the rest of the mark scans them there. Every way gives the
+# same marked set and statistics as the mark over a copy.
+from memunreachable.mark import MARK_READ_COST, MARK_WAVE_COST, mark_policy
+
+
+def deep_list(n, size=104):
+    """   root -> B[n-1] -> B[n-2] -> ... -> B[0]       (each also -> the block after it)
+    plus one leak L (pointed at by nothing) in the middle of the heap."""
+    h = Heap([size] * n, base=UNCOPIED_BASE)
+    for i in range(1, n):
+        h.link(i, 0, i - 1)
+        if i + 1 < n:
+            h.link(i, 1, i + 1)
+    leak = n // 2
+    h.link(leak + 1, 0, leak - 1)               # the list skips L
+    h.point(leak - 1, 1, 0)
+    return h, [(ROOT, words_buffer(h.addrs[n - 1]))], leak
+
+
+def every_method(h, roots, cands=None):
+    fd = memfd_of(h.base, h.buf)
+    try:
+        img = h.image()
+        lazy = HeapImage(img.begins, img.sizes, [(h.base, Uncopied(len(h.buf), fd, cands))])
+        return mark(img, roots), {m: mark(lazy, roots, method=m) for m in
+                                  ("on-demand", "auto", "copy")}
+    finally:
+        os.close(fd)
+
+
+def test_a_deep_list_read_on_demand_copies_the_rest_and_marks_exactly():
+    n = 20_000                                  # 2.3 MiB: three pieces
+    h, roots, leak = deep_list(n)
+    copied, by = every_method(h, roots)
+    assert copied.num_marked == n - 1 and copied.marked[leak] == 0
+    for res in by.values():
+        assert stats(res) == stats(copied)
+    old, auto, first = by["on-demand"], by["auto"], by["copy"]
+    # on demand: a wave and a read per node
+    assert old.switch_wave == 0 and old.waves >= n - 2 and old.reads >= n - 2
+    # auto: the charges reached the copy's bytes (the whole region: no candidates), then no read
+    assert auto.copy_budget == len(h.buf)
+    # after the switch a wave per piece the list enters (three)
+    assert 0 < auto.switch_wave < 100 and auto.waves <= auto.switch_wave + 3
+    assert auto.overhead >= auto.copy_budget
+    assert auto.overhead - MARK_WAVE_COST - MARK_READ_COST * auto.reads < auto.copy_budget
+    assert auto.copied_bytes <= len(h.buf)
+    assert first.switch_wave == 1 and first.reads == 0 and first.waves <= 3
+    assert auto.method(True)[0] == "on-demand, then copy"
+    assert old.method(True) == ("on-demand", "MEMUNREACHABLE_MARK=on-demand: "
+                                f"{old.waves} waves, {old.reads} reads (2.1 MiB): overhead "
+                                "0.0 MiB charged, below the 2.4 MiB a copy reads")
+    assert first.method(True) == ("on-demand, then copy",
+                                  "MEMUNREACHABLE_MARK=copy: 2.4 MiB copied")
+    assert copied.method(False)[0] == "copy"
+
+
+def test_kept_candidates_are_not_copied():
+    # the first piece keeps its candidates: the copy reads the other pieces only
+    h, roots, leak = deep_list(30_000)           # 3.4 MiB: four pieces
+    c = cands_of(h.base, h.buf, h.base, h.base + len(h.buf), 2 * 10_100)
+    pieces = ffi.new("uint64_t *")
+    lib.mu_cands_words(c, pieces)
+    assert pieces[0] == 1
+    copied, by = every_method(h, roots, c)
+    for res in by.values():
+        assert stats(res) == stats(copied)
+    auto = by["auto"]
+    assert auto.copy_budget == len(h.buf) - (1 << 20)
+    assert auto.switch_wave and auto.copied_bytes <= auto.copy_budget
+    assert by["copy"].copied_bytes == len(h.buf) - (1 << 20)
+
+
+def test_a_shallow_tree_stays_on_demand():
+    # a balanced binary tree in breadth-first order (each level contiguous): 15 waves of few
+    # reads, charged far below the copy's 6 MiB
+    n = (1 << 15) - 1
+    h = Heap([184] * n, base=UNCOPIED_BASE)
+    for i in range(n // 2):
+        h.link(i, 0, 2 * i + 1)
+        h.link(i, 1, 2 * i + 2)
+    roots = [(ROOT, words_buffer(h.addrs[0]))]
+    copied, by = every_method(h, roots)
+    assert copied.num_marked == n
+    for res in by.values():
+        assert stats(res) == stats(copied)
+    auto = by["auto"]
+    assert auto.switch_wave == 0 and auto.copied_bytes == 0 and 10 <= auto.waves <= 16
+    assert auto.overhead < auto.copy_budget == len(h.buf)
+    assert auto.method(True)[0] == "on-demand"
+
+
+def test_mark_policy_by_name_and_environment(monkeypatch):
+    assert mark_policy("auto") == ("auto", MARK_WAVE_COST, MARK_READ_COST)
+    assert mark_policy("on-demand") == ("on-demand", 0, 0)
+    assert mark_policy("copy")[1] == 2**64 - 1
+    monkeypatch.setenv("MEMUNREACHABLE_MARK", "on-demand")
+    assert mark_policy() == ("on-demand", 0, 0)
+    monkeypatch.delenv("MEMUNREACHABLE_MARK")
+    assert mark_policy() == mark_policy("auto")
+    with pytest.raises(ValueError, match="MEMUNREACHABLE_MARK"):
+        mark_policy("lazy")
