@@ -163,6 +163,20 @@ def test_track_a_running_cpp_service():
         raise
 
 
+def python_leak_after_track(s: Session, request: str, *opts: str):
+    """`track [opts] PID` of track_pid_py.py's session s, then its leak `request`, checked:
+    (info, the leak, what track printed)."""
+    r = track(*opts, str(s.pid))
+    assert r.returncode == 0, r.stderr
+    s.send(request)
+    s.read_phase()
+    wait_in_read(s.pid)
+    info = unreachable.check(s.pid, limit=None)
+    leak = {l.address: l for l in info.leaks}.get(s.blocks[request].address)
+    assert leak is not None, fixtures.explain_misses(s.pid, [s.blocks[request].address])
+    return info, leak, r.stdout
+
+
 @pytest.mark.parametrize("version", ["3.11", "debian"])
 def test_track_a_running_python(version):
     """A CPython process started normally (PYTHONMALLOC=malloc): a block it mallocs through
@@ -173,14 +187,7 @@ def test_track_a_running_python(version):
     try:
         s.read_phase()
         before = family_gots(s.pid, ("libc.so",))
-        r = track(str(s.pid))
-        assert r.returncode == 0, r.stderr
-        s.send("leak")
-        s.read_phase()
-        wait_in_read(s.pid)
-        info = unreachable.check(s.pid, limit=None)
-        leak = {l.address: l for l in info.leaks}.get(s.blocks["leak"].address)
-        assert leak is not None, fixtures.explain_misses(s.pid, [s.blocks["leak"].address])
+        info, leak, _ = python_leak_after_track(s, "leak")
         assert leak.stack_status == "recorded"
         assert leak.python_stack == [("leak_libc", PY_SRC, marks["pp-libc"]),
                                      ("serve", PY_SRC, marks["pp-serve"]),
@@ -204,15 +211,8 @@ def test_track_routes_a_running_python_s_object_allocator(version):
     s = Session([python_exe(version), PY_SRC], env=env)
     try:
         s.read_phase()
-        r = track("--python-objects", str(s.pid))
-        assert r.returncode == 0, r.stderr
-        assert "Python objects' too once the interpreter next runs Python code" in r.stdout
-        s.send("obj")
-        s.read_phase()
-        wait_in_read(s.pid)
-        info = unreachable.check(s.pid, limit=None)
-        leak = {l.address: l for l in info.leaks}.get(s.blocks["obj"].address)
-        assert leak is not None, fixtures.explain_misses(s.pid, [s.blocks["obj"].address])
+        _, leak, said = python_leak_after_track(s, "obj", "--python-objects")
+        assert "Python objects' too once the interpreter next runs Python code" in said
         assert (leak.python_type, leak.stack_status) == ("int", "recorded")
         assert leak.python_stack[0] == ("leak_object", PY_SRC, marks["pp-obj"])
         assert track("--stop", str(s.pid)).returncode == 0
