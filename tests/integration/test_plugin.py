@@ -43,6 +43,11 @@ def reported(text: str, addr: str, usable) -> int:
                           rf"unreachable at {addr}\b", text, re.M))
 
 
+
+# the tracked session's own tests run under CPython's default allocator only (the README
+# command's budget): the malloc variants of the other tests cover PYTHONMALLOC=malloc
+ONE_ALLOCATOR = pytest.mark.parametrize("suite", ["pymalloc"], indirect=True)
+
 @pytest.fixture(params=["pymalloc", "malloc"])
 def suite(request, pytester, monkeypatch):
     monkeypatch.setenv("PYTHONPATH", build_leaky())
@@ -810,6 +815,7 @@ def test_bad_suppressions_ini_stops_the_run_with_the_line(suite):
         in res.stderr.str()
 
 
+@ONE_ALLOCATOR
 def test_suppressions_apply_to_the_stacks_a_tracked_session_records(suite):
     # a rule on the leaking function's name passes the leaky test; untracked, no stack is
     # recorded, no rule can match, and the leak still fails
@@ -891,6 +897,7 @@ def _line_of(path: str, needle: str) -> int:
 EXT_DIR = os.path.join(os.path.dirname(os.path.dirname(os.path.abspath(__file__))), "ext")
 
 
+@ONE_ALLOCATOR
 def test_a_failure_shows_the_leak_s_c_and_python_frames(suite):
     # the C frame that called malloc (leaky.c, the extension built -O2 without frame
     # pointers), then the Python frames down to the test's own line; nothing of pytest's
@@ -920,6 +927,7 @@ def test_tracemalloc_cycle():
 """
 
 
+@ONE_ALLOCATOR
 def test_cpython_s_tracemalloc_leak_is_named_by_its_stack(suite):
     # CPython 3.9-3.12 lose the tracebacks of a tracemalloc.start()/stop() cycle (valgrind:
     # "definitely lost ... in traceback_new"): the failure says whose leak it is
@@ -955,6 +963,7 @@ def test_d_clean():
 """
 
 
+@ONE_ALLOCATOR
 def test_an_orphaned_block_fails_the_test_that_dropped_it_with_a_sweep_after_each_test(suite):
     # allocated before the test, unreachable since it ran: with a sweep after every test the
     # test is known, and the report says the block is older than the test
@@ -971,6 +980,7 @@ def test_an_orphaned_block_fails_the_test_that_dropped_it_with_a_sweep_after_eac
     assert reported(section, addr, r"\d+") == 1
 
 
+@ONE_ALLOCATOR
 def test_a_block_orphaned_in_a_stretch_of_tests_fails_the_session_with_the_stretch(suite):
     # stretches of 2 tests ([a, b], [c, d]): the block test_a allocated becomes unreachable
     # in the second, where no test allocated it: the session fails and names the stretch
@@ -987,6 +997,7 @@ def test_a_block_orphaned_in_a_stretch_of_tests_fails_the_session_with_the_stret
     assert reported(section, addr, r"\d+") == 1
 
 
+@ONE_ALLOCATOR
 def test_a_session_that_cannot_track_says_so_and_checks_with_snapshots(suite):
     suite.makeconftest("from memunreachable import track_here\n"
                        "from memunreachable._errors import TrackingError\n"
@@ -1019,6 +1030,7 @@ def test_after():
 """
 
 
+@ONE_ALLOCATOR
 def test_a_fixture_s_leak_fails_no_test_and_is_a_warning_with_its_report(suite):
     suite.makepyfile(test_fixture_leak=FIXTURE_LEAK)
     res = suite.runpytest_subprocess("--memunreachable", "-s", "test_fixture_leak.py")

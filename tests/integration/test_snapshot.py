@@ -114,6 +114,7 @@ def test_release_before_thaw_reaps_through_the_frozen_thread():
         assert_running(fx.pid)
 
 
+@pytest.mark.slow       # ~12 s: the killed target's clone takes that long to go
 def test_target_killed_after_thaw_release_is_clean():
     fx = fixtures.start("ptr_busy")
     try:
