@@ -688,7 +688,9 @@ def pytest_runtest_call(item):
 # test's eval loop left, and leaves most of its spill slots unwritten).
 @pytest.hookimpl(trylast=True, specname="pytest_runtest_call")
 def pytest_runtest_call_scrub(item):
-    if _enabled(item) and _tracked(item) is None:
+    tracked = _tracked(item)
+    if _enabled(item) and (tracked is None or tracked.per_test
+                           or _runs_its_own_protocol(item)):   # a sweep follows the body
         nl = _nl()
         nl._scrub_stack()
         nl._scrub_frames()
