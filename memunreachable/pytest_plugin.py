@@ -24,6 +24,7 @@ fail a test. A file that cannot be read or parsed stops the run at start-up (usa
 from __future__ import annotations
 
 import contextlib
+import functools
 import gc
 import sys
 import time
@@ -859,6 +860,7 @@ def _leak_text(info, leaks, when: str = "during this test", number: Optional[int
     return f"{head}\n{format_text(new_info, True, brief=True)}"
 
 
+@functools.lru_cache(maxsize=1)
 def _runner_files() -> tuple:
     """Directories of the code that runs tests (pytest, pluggy, this plugin): its Python frames
     are in every stack and say nothing about the leak."""

@@ -81,3 +81,11 @@ def run_leak_script(script: str, ext_dir: str, *args: str, allocator=None, **env
     block = re.search(r"^block (\w+) (\d+)$", out, re.M)
     assert block, out
     return out, block.groups(), re.findall(r"^leak (\w+) (\d+) (.*)$", out, re.M)
+
+
+def reported(text: str, addr: str, usable) -> int:
+    """How often text reports the block at hex addr of `usable` bytes: "N bytes unreachable
+    at ADDR", or "R bytes (N usable) unreachable at ADDR" when the size asked for is known
+    (a tracked process)."""
+    return len(re.findall(rf"(?:^|\s)(?:{usable} bytes|\d+ bytes \({usable} usable\)) "
+                          rf"unreachable at {addr}\b", text, re.M))

@@ -7,7 +7,7 @@ import sys
 
 import pytest
 
-from inprocess_helpers import build_extension, build_leaky
+from inprocess_helpers import build_extension, build_leaky, reported
 from ptr_helpers import busy_cpus
 
 pytestmark = pytest.mark.ptrace
@@ -35,18 +35,10 @@ def test_fixture(memunreachable):
 """
 
 
-def reported(text: str, addr: str, usable) -> int:
-    """How often text reports the block at hex addr of `usable` bytes: "N bytes unreachable
-    at ADDR", or "R bytes (N usable) unreachable at ADDR" when the size asked for is known
-    (a tracked session)."""
-    return len(re.findall(rf"(?:^|\s)(?:{usable} bytes|\d+ bytes \({usable} usable\)) "
-                          rf"unreachable at {addr}\b", text, re.M))
-
-
-
 # the tracked session's own tests run under CPython's default allocator only (the README
 # command's budget): the malloc variants of the other tests cover PYTHONMALLOC=malloc
 ONE_ALLOCATOR = pytest.mark.parametrize("suite", ["pymalloc"], indirect=True)
+
 
 @pytest.fixture(params=["pymalloc", "malloc"])
 def suite(request, pytester, monkeypatch):
