@@ -550,17 +550,20 @@ static inline uint64_t mu_live_len_r(const mu_dead *d, const mu_rules *r, const 
                 continue;           /* not a stacktop we can trust: scan it all */
             return end;
         }
-        if (kind != MU_TYPE_FRAME || off + 32 > have)
+        if (kind != MU_TYPE_FRAME)
             continue;
+        uint64_t fo = off + ((code >> 16) & 0xffff);
+        if (fo < off + 32 || fo + MU_FRAME_SLOTS > have)
+            continue;               /* unreadable: scan it all */
         memcpy(&fr, p + off + 24, 8);
-        if (fr < b + off + 32 || (fr & 7) || fr + MU_FRAME_SLOTS > b + have)
-            continue;               /* the frame data lives elsewhere (a running frame) */
+        if (fr != b + fo)           /* the frame runs elsewhere: its inline data is unwritten */
+            return fo;
         int32_t top;
-        memcpy(&top, p + (fr - b) + MU_FRAME_STACKTOP, 4);
-        uint64_t end = fr + MU_FRAME_SLOTS + 8 * (uint64_t)(top < 0 ? 0 : top);
-        if (top < 0 || end > b + len)
+        memcpy(&top, p + fo + MU_FRAME_STACKTOP, 4);
+        uint64_t end = fo + MU_FRAME_SLOTS + 8 * (uint64_t)(top < 0 ? 0 : top);
+        if (top < 0 || end > len)
             continue;               /* not a stacktop we can trust: scan it all */
-        return end - b;
+        return end;
     }
     return len;
 }

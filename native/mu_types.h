@@ -49,10 +49,13 @@ typedef struct {
  *       until then);
  *   kind MU_TYPE_STR: the str is compact ASCII (state bits at off + 32): text only;
  * and is scanned only up to its live end for
- *   kind MU_TYPE_FRAME: a 3.11+ frame object that owns its frame data (f_frame, at off + 24,
- *       points inside the allocation): the words above the data's stacktop (int at f_frame +
- *       64, slots from f_frame + 72) are dead: CPython copies a frame only up to its
- *       stacktop and never clears the slots above (cpython-memory.md section 5);
+ *   kind MU_TYPE_FRAME: a 3.11+ frame object, its inline frame data at object offset fo
+ *       (bits 16-31 of code; tp_basicsize - 72): when it owns that data (f_frame, at off + 24,
+ *       points at it) the words above the data's stacktop (int at fo + 64, slots from fo + 72)
+ *       are dead: CPython copies a frame only up to its stacktop and never clears the slots
+ *       above (cpython-memory.md section 5); while its frame runs elsewhere (a thread's data
+ *       stack, a generator) the inline data is never written: only the head up to fo is live
+ *       (a pytest frame object's slot 14 kept a leaked block's address);
  *   kind MU_TYPE_SIZED: an object of a fixed-size type whose size (tp_basicsize) is in bits
  *       16-47 of code: the allocator's rounding slack after it holds only stale words;
  *   kind MU_TYPE_VARSIZED: an object whose items follow its header inline (a tuple): the

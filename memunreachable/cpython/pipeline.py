@@ -436,7 +436,12 @@ def value_types(mem, cp: CPythonMap, statics: Dict[str, int]) -> List[Tuple[int,
             continue
         code = reader.object_offset(t) | getattr(lib, kind) << 8
         shape = L.VALUE_SHAPES.get(kind)
-        if shape is not None:
+        if kind == "MU_TYPE_FRAME":
+            fo = inline_frame_offset(reader, t)
+            if fo is None:
+                continue                    # another shape: no rule
+            code |= fo << 16
+        elif shape is not None:
             w = reader.type_words(t)
             if w is None or (w[2], w[3]) != shape[:2]:
                 code = code & 0xff | lib.MU_TYPE_OPAQUE << 8    # another shape: not read
@@ -509,13 +514,22 @@ def generator_types(mem, cp: CPythonMap, statics: Dict[str, int]) -> List[Tuple[
     out = []
     for sym in GENERATOR_TYPES:
         t = statics.get(sym)
-        w = reader.type_words(t) if t else None
-        off = reader.object_offset(t) if w else None
-        if w is None or off is None or off > 48 or w[3] != 8 \
-                or not FRAME_SLOTS + 24 <= w[2] <= FRAME_SLOTS + 256:
+        fo = inline_frame_offset(reader, t) if t else None
+        off = reader.object_offset(t) if fo else None
+        if fo is None or off is None or off > 48:
             continue
-        out.append((t, off | lib.MU_TYPE_GEN_FRAME << 8 | (w[2] - FRAME_SLOTS) << 16))
+        out.append((t, off | lib.MU_TYPE_GEN_FRAME << 8 | fo << 16))
     return sorted(out)
+
+
+# Returns the object offset of the frame data that objects of type t (a generator or frame
+# type, 3.11-3.13) hold inline: tp_basicsize is that offset plus the data's localsplus offset,
+# and tp_itemsize one slot (genobject.c, frameobject.c); None for a type of another shape.
+def inline_frame_offset(reader, t: int) -> Optional[int]:
+    w = reader.type_words(t)
+    if w is None or w[3] != 8 or not FRAME_SLOTS + 24 <= w[2] <= FRAME_SLOTS + 256:
+        return None
+    return w[2] - FRAME_SLOTS
 
 
 # Returns the (type address, code) of a MU_TYPE_VARSIZED rule for type t (a static type of the

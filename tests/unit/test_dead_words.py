@@ -224,25 +224,27 @@ FRAME = lib.MU_TYPE_FRAME << 8
 
 
 @pytest.mark.parametrize("stacktop, owned, kept", [
-    (2, True, [1, 1, 0]),     # slots 0-1 live (block 1), slot 5 above stacktop: stale
-    (6, True, [1, 1, 1]),     # stacktop covers slot 5: both live
-    (2, False, [1, 1, 1]),    # the frame data lives elsewhere: the block is scanned whole
-    (-1, True, [1, 1, 1]),    # an impossible stacktop: scanned whole
+    (2, True, [1, 1, 0, 1]),     # slots 0-1 live (block 1), slot 5 above stacktop: stale
+    (6, True, [1, 1, 1, 1]),     # stacktop covers slot 5: both live
+    (2, False, [1, 0, 0, 1]),    # the frame runs elsewhere: its inline data is unwritten
+    (-1, True, [1, 1, 1, 1]),    # an impossible stacktop: scanned whole
 ])
 def test_frame_object_scanned_up_to_its_stacktop(stacktop, owned, kept):
     # a 3.11+ frame object (GC head at 0, object at 16) owning its frame data at object + 48:
-    # the data's stacktop (int at +64) bounds the live slots (from +72)
-    h = Heap([256, 16, 16])
+    # the data's stacktop (int at +64) bounds the live slots (from +72); f_back (+16, block 3)
+    # is live in every case
+    h = Heap([256, 16, 16, 16])
     data = h.addrs[0] + 16 + 48
     for slot, w in enumerate([0, 0, 1, FRAME_TYPE, 0, data if owned else BASE + 0x9000]):
         h.point(0, slot, w)
     struct.pack_into("<i", h.buf, data + 64 - h.base, stacktop)
     h.link(0, (data + 72 - h.addrs[0]) // 8, 1)           # slot 0
     h.link(0, (data + 72 - h.addrs[0]) // 8 + 5, 2)       # slot 5
-    dead = DeadWords(types=[(FRAME_TYPE, 16 | FRAME)])
+    h.link(0, 4, 3)                                       # f_back
+    dead = DeadWords(types=[(FRAME_TYPE, 16 | FRAME | 48 << 16)])
     res = mark(h.image(), [], [h.addrs[0]], dead=dead)
     assert list(res.marked) == kept
-    folded = fold(h.image(), bytearray(3), dead=dead)
+    folded = fold(h.image(), bytearray(4), dead=dead)
     assert folded[0].referenced_count == sum(kept) - 1
 
 
