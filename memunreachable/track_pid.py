@@ -22,12 +22,15 @@ import os
 import time
 from typing import Optional, Sequence
 
-from memunreachable import detect, inject, leftovers, procfs, tracking, track_here
+from memunreachable.sweep import detect
+from memunreachable.collect import inject, leftovers, procfs
+from memunreachable.stacks import tracking
+from memunreachable import track_here
 from memunreachable._errors import CollectionError, TrackingError, UnsupportedTarget
 from memunreachable._types import Fields, Mapping
-from memunreachable.freeze import frozen
-from memunreachable.memory import ProcessMemory
-from memunreachable.preflight import preflight
+from memunreachable.collect.freeze import frozen
+from memunreachable.collect.memory import ProcessMemory
+from memunreachable.collect.preflight import preflight
 
 ATTEMPTS = 20                   # freezes looking for a thread outside malloc and the loader
 RETRY_WAIT = 0.02               # seconds between them

@@ -4,9 +4,9 @@ import sys
 
 import pytest
 
-from memunreachable import diagnose, preflight
+from memunreachable.collect import diagnose, preflight
 from memunreachable._errors import AccessDenied, NoSuchProcess, UnsupportedTarget, ZombieProcess
-from memunreachable.procfs import PF_KTHREAD, Stat, Status
+from memunreachable.collect.procfs import PF_KTHREAD, Stat, Status
 
 PID = 4321
 

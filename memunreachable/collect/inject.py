@@ -23,11 +23,13 @@ import errno
 import os
 from typing import Dict, List, Sequence, Tuple
 
-from memunreachable import detect, diagnose, elf as E, procfs, seccomp, snapshot
+from memunreachable.sweep import detect
+from memunreachable.collect import diagnose, procfs, seccomp, snapshot
+from memunreachable.stacks import elf as E
 from memunreachable._errors import CollectionError, NoSuchProcess, UnsupportedTarget
 from memunreachable._ffi import ffi, lib
 from memunreachable._types import Mapping
-from memunreachable.freeze import Frozen
+from memunreachable.collect.freeze import Frozen
 from memunreachable.unreachable import threads_in_allocator
 
 CALL_TIMEOUT = 5.0              # seconds a call may take (dlopen of a library: milliseconds)

@@ -11,7 +11,7 @@ import os
 import struct
 from typing import List, Optional
 
-from memunreachable import procfs
+from memunreachable.collect import procfs
 from memunreachable._types import Fields, Mapping
 
 # Matched with str methods, not regexes: compiling these was 0.5 ms of every check (issue 10).
@@ -164,7 +164,7 @@ def malloc_interposers(maps: List[Mapping], scan: AllocatorScan, pid: Optional[i
     malloc call away from glibc's arenas. Looked up in each object's .dynsym (elf.py), so
     this costs a few ms even for a process with many libraries.
     """
-    from memunreachable.elf import ElfError, ElfFile
+    from memunreachable.stacks.elf import ElfError, ElfFile
 
     found: List[str] = []
     seen = set()

@@ -17,7 +17,7 @@ import pwd
 import sys
 from typing import Optional
 
-from memunreachable import procfs
+from memunreachable.collect import procfs
 from memunreachable._errors import AccessDenied, MemunreachableError, NoSuchProcess, ZombieProcess
 from memunreachable._types import FrozenFields, set_fields
 
@@ -95,7 +95,7 @@ def _yama_scope() -> Optional[int]:
 
 def _target_elf(pid: int) -> str:
     try:
-        from memunreachable.elf import ElfFile
+        from memunreachable.stacks.elf import ElfFile
         with open(f"/proc/{pid}/exe", "rb") as f:
             elf = ElfFile(f)
             return f"{elf.machine_name}/{elf.elfclass}"

@@ -154,7 +154,7 @@ def parse_stat(text: str) -> Stat:
 
 
 def _gone(pid: int) -> NoSuchProcess:
-    from memunreachable.diagnose import hint_no_process     # diagnose imports this module
+    from memunreachable.collect.diagnose import hint_no_process     # diagnose imports this module
     return NoSuchProcess(pid, "no such process", hint=hint_no_process(pid))
 
 
