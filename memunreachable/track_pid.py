@@ -23,7 +23,7 @@ import time
 from typing import Optional, Sequence
 
 from memunreachable.sweep import detect
-from memunreachable.collect import inject, leftovers, procfs
+from memunreachable.collect import diagnose, inject, leftovers, procfs
 from memunreachable.stacks import tracking
 from memunreachable import track_here
 from memunreachable._errors import CollectionError, TrackingError, UnsupportedTarget
@@ -159,6 +159,7 @@ def _with_thread(pid: int, timeout: float, body):
 # (routed, or started under `run`) is left as it is (action "already"). Raises what
 # preflight raises, UnsupportedTarget (see refuse_unloadable, seccomp), TrackingError (the
 # library did not load, or routing failed: nothing stays routed), CollectionError.
+@diagnose.hinted()
 def start(pid: int, timeout: float = 2.0, python_objects: bool = False) -> Result:
     target = preflight(pid)
     with leftovers.guard(pid):
@@ -215,6 +216,7 @@ def start(pid: int, timeout: float = 2.0, python_objects: bool = False) -> Resul
 # Stops tracking in pid: mu_track_unroute() injected like start()'s calls. A process that
 # is not tracked is left alone (action "not_tracked"). Raises like start(); TrackingError
 # for a process started under `run` (the preloaded library cannot be taken out).
+@diagnose.hinted()
 def stop(pid: int, timeout: float = 2.0) -> Result:
     target = preflight(pid)
     with leftovers.guard(pid):

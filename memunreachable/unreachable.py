@@ -70,6 +70,7 @@ RETAKE_WORDS = {"inflight": "a thread was inside malloc/free",
                 "died": "the snapshot process died during the sweep"}
 
 
+@diagnose.hinted()      # a process gone under a /proc read: the hint
 @leftovers.guarded     # signals, per-target lock, no snapshot process left (leftovers.py)
 def check(pid: int, *, limit: Optional[int] = 100, timeout: float = 2.0,
           sweep_timeout: float = 600.0, allow_direct: bool = True,
@@ -198,6 +199,7 @@ def _pending_plan(fz, snap, info) -> Tuple[SnapshotPlan, Optional[str]]:
     return plan, None
 
 
+@diagnose.hinted()
 def check_later(pid: int, *, timeout: float = 2.0, allow_seccomp: bool = False,
                 dead_ranges: Sequence[Tuple[int, int]] = (),
                 waiting_tids: Sequence[int] = (), tracker=None,
@@ -242,7 +244,7 @@ def _take_pending(pid: int, info: UnreachableMemoryInfo, guard, timeout: float,
         keep = False
         try:
             # any futex in the allocator's code counts: the arenas are not known yet
-            if snap.mode != "clone" or threads_in_allocator(fz.threads, fz.maps, pid, None):
+            if snap.mode != "clone" or detect.threads_in_allocator(fz.threads, fz.maps, pid, None):
                 return None
             epoch = _look_at_writes(tracker)
             fz.thaw()
@@ -265,6 +267,7 @@ def _take_pending(pid: int, info: UnreachableMemoryInfo, guard, timeout: float,
     return Pending(info, fz, snap, plan, dead_ranges, guard, waiting_tids, tracker, epoch)
 
 
+@diagnose.hinted()
 def sweep_pending(pending: Pending, *, limit: Optional[int] = 100, symbolize: bool = True,
                   suppressions=None, partial: bool = False) -> UnreachableMemoryInfo:
     """Steps 4-10 of check() over a check_later() snapshot, then its release. No retake is
@@ -587,32 +590,6 @@ def _judge_unreadable(pid: int, fz, snap, st: _Attempts, exc: MemoryUnreadable) 
              f"/proc/{pid}/smaps") from None
 
 
-# syscalls glibc malloc/free make while a chunk may be in flight (futex: see below)
-_ALLOCATOR_SYSCALLS = {9, 10, 11, 12, 25, 28}   # mmap mprotect munmap brk mremap madvise
-SYS_FUTEX = 202
-
-
-def threads_in_allocator(threads, maps, pid: int, arena_mutexes) -> list:
-    """tids that may hold a chunk in flight: stopped inside the code of the object that holds
-    malloc (libc, or a static executable) while running user code, or in a syscall malloc
-    makes, or waiting on an arena's mutex (futex on the arena's first word); [] when none.
-    A thread parked in any other futex (condition variables, barriers) is not suspect;
-    arena_mutexes None (not known yet): any futex in that code counts."""
-    scan = detect.scan_maps(maps, pid)
-    text = [m.range for m in maps if m.executable and scan.malloc_object
-            and detect.strip_deleted(m.path) == scan.malloc_object]
-    mutexes = set(arena_mutexes or ())
-    out = []
-    for t in threads:
-        rip, orig_rax, rdi = t.regs[16], t.regs[15], t.regs[14]
-        if not any(r.contains(rip) for r in text):
-            continue
-        if (orig_rax == 0xFFFFFFFFFFFFFFFF or orig_rax in _ALLOCATOR_SYSCALLS
-                or (orig_rax == SYS_FUTEX and (arena_mutexes is None or rdi in mutexes))):
-            out.append(t.tid)
-    return out
-
-
 def _sweep_snapshot(snap, fz, st: _Attempts, sweep_timeout: float, confirm, overlays,
                     plan: SnapshotPlan, unseen: List[Range], here: bool = False,
                     dead_ranges: Sequence[Tuple[int, int]] = (),
@@ -774,9 +751,9 @@ def sweep(mem, maps, threads, pid: int, confirm: Optional[set] = None,
     try:
         hw = walk_heap(mem, maps, threads, pid, uncopied_from=uncopied_from)
     except HeapInconsistent as exc:
-        exc.suspect_tids = threads_in_allocator(threads, maps, pid, ())
+        exc.suspect_tids = detect.threads_in_allocator(threads, maps, pid, ())
         raise
-    suspect = threads_in_allocator(threads, maps, pid, hw.stats.get("arena_addresses", ()))
+    suspect = detect.threads_in_allocator(threads, maps, pid, hw.stats.get("arena_addresses", ()))
     # 4b. CPython: pymalloc blocks are allocations, its arenas and dead memory are not roots,
     # GC links are not references (cpython/pipeline.py)
     # what the walk copied is not read again; the data mappings are read once, here

@@ -30,7 +30,6 @@ from memunreachable._errors import CollectionError, NoSuchProcess, UnsupportedTa
 from memunreachable._ffi import ffi, lib
 from memunreachable._types import Mapping
 from memunreachable.collect.freeze import Frozen
-from memunreachable.unreachable import threads_in_allocator
 
 CALL_TIMEOUT = 5.0              # seconds a call may take (dlopen of a library: milliseconds)
 TRACK_LIBRARY = "_track.so"
@@ -70,7 +69,7 @@ def load_calls(restore_rt: int) -> List[seccomp.Call]:
 # the tracking library, or an unwinder (libgcc_s, libunwind: the tracking library's
 # wrappers unwind, and a thread throwing an exception holds the unwinder's locks).
 def busy_threads(fz: Frozen) -> List[int]:
-    busy = set(threads_in_allocator(fz.threads, fz.maps, fz.pid, None))
+    busy = set(detect.threads_in_allocator(fz.threads, fz.maps, fz.pid, None))
     code = [m.range for m in fz.maps if m.executable and _holds_locks_we_take(
         detect.strip_deleted(m.path))]
     busy.update(t.tid for t in fz.threads if any(r.contains(t.regs[16]) for r in code))
