@@ -40,7 +40,7 @@ ONE_CHECK = r"""
 import json, resource, sys, time
 from memunreachable.unreachable import check
 info = check(int(sys.argv[1]), limit=None)
-from memunreachable.sweeper import join_reapers
+from memunreachable.sweep.sweeper import join_reapers
 join_reapers()      # the sweeper is reaped in the background: its peak RSS counts only then
 self_kb = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss
 child_kb = resource.getrusage(resource.RUSAGE_CHILDREN).ru_maxrss

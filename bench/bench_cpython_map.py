@@ -14,10 +14,10 @@ import statistics
 import subprocess
 import time
 
-from memunreachable.cpython import obmalloc
-from memunreachable.cpython.walker import walk_cpython
-from memunreachable.freeze import frozen
-from memunreachable.memory import ProcessMemory
+from memunreachable.heaps.cpython import obmalloc
+from memunreachable.heaps.cpython.walker import walk_cpython
+from memunreachable.collect.freeze import frozen
+from memunreachable.collect.memory import ProcessMemory
 
 PYENV = "/root/.pyenv/versions"
 DEFAULT = [f"{PYENV}/{v}/bin/python{v.rsplit('.', 1)[0]}"

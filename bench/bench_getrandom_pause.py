@@ -21,7 +21,8 @@ HERE = os.path.dirname(os.path.abspath(__file__))
 sys.path.insert(0, os.path.join(os.path.dirname(HERE), "tests"))
 
 import fixtures  # noqa: E402
-from memunreachable import memory, unreachable  # noqa: E402
+from memunreachable.collect import memory  # noqa: E402
+from memunreachable import unreachable
 
 MODES = ("none", "getrandom", "wipe")
 

@@ -28,8 +28,8 @@ from array import array
 import numpy as np
 
 from memunreachable._types import HeapImage
-from memunreachable.folding import fold
-from memunreachable.mark import mark
+from memunreachable.sweep.folding import fold
+from memunreachable.sweep.mark import mark
 
 BASE = 0x7F3A_0000_0000
 

@@ -36,7 +36,8 @@ import fixtures  # noqa: E402
 # One worker per checkout: reads a pid per line, runs one check, prints one JSON line.
 WORKER = r"""
 import json, sys, time
-from memunreachable import freeze, unreachable
+from memunreachable.collect import freeze
+from memunreachable import unreachable
 seen = {}
 _thaw = freeze.Frozen.thaw
 def thaw(self):

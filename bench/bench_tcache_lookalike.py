@@ -17,9 +17,9 @@ HERE = os.path.dirname(os.path.abspath(__file__))
 sys.path.insert(0, os.path.join(os.path.dirname(HERE), "tests"))
 
 import fixtures  # noqa: E402
-from memunreachable.freeze import frozen  # noqa: E402
-from memunreachable.glibc.walker import walk_heap  # noqa: E402
-from memunreachable.memory import ProcessMemory  # noqa: E402
+from memunreachable.collect.freeze import frozen  # noqa: E402
+from memunreachable.heaps.glibc.walker import walk_heap  # noqa: E402
+from memunreachable.collect.memory import ProcessMemory  # noqa: E402
 
 
 def time_walk(blocks: int, runs: int):

@@ -19,7 +19,7 @@ _LAZY = {
     "memunreachable.noleaks": ("LeakBaseline", "NoLeaks", "assert_no_leaks",
                                "get_unreachable_memory", "get_unreachable_memory_string",
                                "leak_baseline", "log_unreachable_memory", "no_new_leaks"),
-    "memunreachable.report": ("Leak", "UnreachableMemoryInfo"),
+    "memunreachable.reporters.report": ("Leak", "UnreachableMemoryInfo"),
     "memunreachable.signal_dump": ("disable_signal_dump", "enable_signal_dump"),
 }
 _WHERE = {name: module for module, names in _LAZY.items() for name in names}

@@ -50,7 +50,7 @@ def main(argv=None) -> int:
     ap.add_argument("--uffd", type=int, default=-1)
     args = ap.parse_args(argv)
     _keep_freed_memory()
-    from memunreachable.mark import use_every_cpu
+    from memunreachable.sweep.mark import use_every_cpu
     use_every_cpu()             # the caller waits idle while we sweep: its CPU is free
     tracker = _tracker(args.pid, args.uffd)
     warm = _Warmer(args.pid)
@@ -80,8 +80,8 @@ def _tracker(pid: int, uffd: int):
     if uffd < 0:
         return None
     try:
-        from memunreachable import procfs
-        from memunreachable.written import WriteTracker
+        from memunreachable.collect import procfs
+        from memunreachable.sweep.written import WriteTracker
         tracker = WriteTracker(pid, uffd)
     except OSError:
         os.close(uffd)
@@ -146,7 +146,7 @@ def await_wait(pid: int, tid: int, limit: float = WAIT_LIMIT) -> bool:
     it running in 63 of 112 checks, its registers and fresh stack holding whatever that code
     left. False when it did not get there in time or cannot be seen (the check goes on)."""
     import time
-    from memunreachable.classify import WAIT_SYSCALLS      # select is pselect6 in glibc
+    from memunreachable.sweep.classify import WAIT_SYSCALLS      # select is pselect6 in glibc
     deadline = time.monotonic() + limit
     while True:
         try:
@@ -258,7 +258,7 @@ class _Warmer:
 
 
 def _rules(supp: bytes):
-    from memunreachable.suppressions import parse
+    from memunreachable.stacks.suppressions import parse
     return parse(bytes.fromhex(supp.decode()).decode()) if supp != b"-" else None
 
 
@@ -317,7 +317,7 @@ def _warm(pid: int) -> None:
     request (the caller may have started us early: this overlaps with its own work). Only
     caches are filled; a failure here shows up, if it matters, in the first check."""
     try:
-        from memunreachable import procfs
+        from memunreachable.collect import procfs
         from memunreachable.unreachable import _warm_caches
         _warm_caches(procfs.read_maps(pid), pid)
     except Exception:  # noqa: BLE001 - a cache that stays cold is only slower

@@ -32,7 +32,7 @@ from typing import TYPE_CHECKING, Iterator, Optional
 from memunreachable._errors import LeaksDetected, SweepError
 
 if TYPE_CHECKING:       # imported when a result is unpickled: after the helper started
-    from memunreachable.report import UnreachableMemoryInfo
+    from memunreachable.reporters.report import UnreachableMemoryInfo
 
 log = logging.getLogger("memunreachable")
 
@@ -49,13 +49,13 @@ def get_unreachable_memory(limit: Optional[int] = 100, pid: Optional[int] = None
     """Check process `pid` (None: this process); keep at most `limit` entries (None: all).
 
     suppressions: None, the path of an LSan suppressions file ('leak:PATTERN' lines) or rules
-    from memunreachable.suppressions.parse(); suppressed leaks are not reported nor counted
+    from memunreachable.stacks.suppressions.parse(); suppressed leaks are not reported nor counted
     (a bad file raises SuppressionsError before anything is checked).
     symbolize: False shows allocation stacks as module+offset with build-ids only.
     partial: when part of the process could not be seen, return what could be checked
     (info.complete False, info.incomplete the reasons) instead of raising IncompleteCheck."""
     from memunreachable._errors import IncompleteCheck
-    from memunreachable.suppressions import as_rules
+    from memunreachable.stacks.suppressions import as_rules
     rules = as_rules(suppressions)
     try:
         if pid is not None and pid != os.getpid():
@@ -189,7 +189,7 @@ def no_new_leaks(log_contents: bool = True, *, suppressions=None,
                  symbolize: bool = True) -> Iterator[LeakBaseline]:
     """Fail (LeaksDetected) if unreachable blocks appear inside the with-block (leaks a
     suppression matches never fail it)."""
-    from memunreachable.suppressions import as_rules
+    from memunreachable.stacks.suppressions import as_rules
     rules = as_rules(suppressions)
     base = leak_baseline(rules)
     yield base
@@ -203,7 +203,7 @@ def no_new_leaks(log_contents: bool = True, *, suppressions=None,
 def _only(info: UnreachableMemoryInfo, leaks: list) -> UnreachableMemoryInfo:
     """info reduced to `leaks` (counts, groups and the limit recomputed)."""
     import dataclasses
-    from memunreachable.report import group_leaks
+    from memunreachable.reporters.report import group_leaks
     total = sum(l.entry_count for l in leaks)
     size = sum(l.entry_size for l in leaks)
     groups, _ = group_leaks(leaks)
@@ -259,7 +259,7 @@ def _tracking_fd() -> int:
     kernel has none to give or MEMUNREACHABLE_WRITE_TRACKING=0."""
     if os.environ.get("MEMUNREACHABLE_WRITE_TRACKING", "1") == "0":
         return -1
-    from memunreachable.written import open_fd
+    from memunreachable.sweep.written import open_fd
     fd, why = open_fd()
     if fd < 0:
         log.debug("%s", why)
@@ -300,7 +300,7 @@ class _Helper:
             raise
         # the replies' classes, imported while the helper starts (before its first check:
         # an import's cyclic garbage is then seen by that check, not by a later one)
-        from memunreachable import report  # noqa: F401
+        from memunreachable.reporters import report  # noqa: F401
 
     def alive(self) -> bool:
         return self.proc.poll() is None and self.owner == os.getpid()
@@ -536,7 +536,7 @@ def deferred_baseline(suppressions=None, timeout: float = 2.0,
     tests' bodies are such snapshots). Raises MemunreachableError when the snapshot cannot be
     taken."""
     from memunreachable._tracer import format_ranges
-    from memunreachable.suppressions import as_rules
+    from memunreachable.stacks.suppressions import as_rules
     rules = as_rules(suppressions)
     _scrub_frames()         # the frames of the check below start clean
     with _HELPER_LOCK:

@@ -87,7 +87,7 @@ def _load_rules(config) -> list:
             path = os.path.join(str(base), path)
     if not path:
         return []
-    from memunreachable.suppressions import load
+    from memunreachable.stacks.suppressions import load
     try:
         return load(path)
     except MemunreachableError as exc:

@@ -22,12 +22,15 @@ import os
 import time
 from typing import Optional, Sequence
 
-from memunreachable import detect, inject, leftovers, procfs, tracking, track_here
+from memunreachable.sweep import detect
+from memunreachable.collect import diagnose, inject, leftovers, procfs
+from memunreachable.stacks import tracking
+from memunreachable import track_here
 from memunreachable._errors import CollectionError, TrackingError, UnsupportedTarget
 from memunreachable._types import Fields, Mapping
-from memunreachable.freeze import frozen
-from memunreachable.memory import ProcessMemory
-from memunreachable.preflight import preflight
+from memunreachable.collect.freeze import frozen
+from memunreachable.collect.memory import ProcessMemory
+from memunreachable.collect.preflight import preflight
 
 ATTEMPTS = 20                   # freezes looking for a thread outside malloc and the loader
 RETRY_WAIT = 0.02               # seconds between them
@@ -156,6 +159,7 @@ def _with_thread(pid: int, timeout: float, body):
 # (routed, or started under `run`) is left as it is (action "already"). Raises what
 # preflight raises, UnsupportedTarget (see refuse_unloadable, seccomp), TrackingError (the
 # library did not load, or routing failed: nothing stays routed), CollectionError.
+@diagnose.hinted()
 def start(pid: int, timeout: float = 2.0, python_objects: bool = False) -> Result:
     target = preflight(pid)
     with leftovers.guard(pid):
@@ -212,6 +216,7 @@ def start(pid: int, timeout: float = 2.0, python_objects: bool = False) -> Resul
 # Stops tracking in pid: mu_track_unroute() injected like start()'s calls. A process that
 # is not tracked is left alone (action "not_tracked"). Raises like start(); TrackingError
 # for a process started under `run` (the preloaded library cannot be taken out).
+@diagnose.hinted()
 def stop(pid: int, timeout: float = 2.0) -> Result:
     target = preflight(pid)
     with leftovers.guard(pid):

@@ -29,24 +29,28 @@ import time
 from itertools import compress
 from typing import Dict, List, Optional, Sequence, Tuple
 
-from memunreachable import detect, diagnose, leftovers, libstate, procfs, tracking
-from memunreachable import preflight as preflight_stage
+from memunreachable.sweep import detect
+from memunreachable.collect import diagnose, leftovers, procfs
+from memunreachable.heaps import libstate
+from memunreachable.stacks import tracking
+from memunreachable.collect import preflight as preflight_stage
 from memunreachable._errors import (CollectionError, HeapCorrupt, HeapWalkError, IncompleteCheck,
                                     MemoryUnreadable, MemunreachableError, NoSuchProcess)
 from memunreachable._types import Fields, HeapImage, Range, merge_ranges, subtract_ranges
-from memunreachable.classify import classify, data_ranges, loaded_objects, waiting
-from memunreachable.cpython import probe
-from memunreachable.folding import FoldedLeak, fold, size_totals
-from memunreachable.freeze import frozen
-from memunreachable.glibc import linkmaps, locate
-from memunreachable.glibc.walker import HeapInconsistent, is_uncopied, walk_heap
-from memunreachable.mark import DeadWords, mark, with_dead_ranges
-from memunreachable.memory import (CopiedMemory, ProcessMemory, SnapshotPlan, capture,
-                                   lacking_in_fork, read_copies, mapped_file_size, plan_snapshot,
-                                   unwritten_file_pages)
-from memunreachable.report import Leak, UnreachableMemoryInfo, group_leaks, members, sort_and_limit
-from memunreachable.snapshot import prepare as prepare_snapshot, take_snapshot
-from memunreachable.sweeper import SweepEntry, SweepResult, retain_list, run_here, run_sweeper
+from memunreachable.sweep.classify import classify, data_ranges, loaded_objects, waiting
+from memunreachable.heaps.cpython import probe
+from memunreachable.sweep.folding import FoldedLeak, fold, size_totals
+from memunreachable.collect.freeze import frozen
+from memunreachable.heaps.glibc import linkmaps, locate
+from memunreachable.heaps.glibc.walker import HeapInconsistent, is_uncopied, walk_heap
+from memunreachable.sweep.mark import DeadWords, mark, with_dead_ranges
+from memunreachable.collect.memory import (CopiedMemory, ProcessMemory, SnapshotPlan, capture,
+                                           lacking_in_fork, read_copies, mapped_file_size, plan_snapshot,
+                                           unwritten_file_pages)
+from memunreachable.reporters.report import (Leak, UnreachableMemoryInfo, group_leaks, members,
+                                            sort_and_limit)
+from memunreachable.collect.snapshot import prepare as prepare_snapshot, take_snapshot
+from memunreachable.sweep.sweeper import SweepEntry, SweepResult, retain_list, run_here, run_sweeper
 
 log = logging.getLogger("memunreachable")
 
@@ -66,6 +70,7 @@ RETAKE_WORDS = {"inflight": "a thread was inside malloc/free",
                 "died": "the snapshot process died during the sweep"}
 
 
+@diagnose.hinted()      # a process gone under a /proc read: the hint
 @leftovers.guarded     # signals, per-target lock, no snapshot process left (leftovers.py)
 def check(pid: int, *, limit: Optional[int] = 100, timeout: float = 2.0,
           sweep_timeout: float = 600.0, allow_direct: bool = True,
@@ -194,6 +199,7 @@ def _pending_plan(fz, snap, info) -> Tuple[SnapshotPlan, Optional[str]]:
     return plan, None
 
 
+@diagnose.hinted()
 def check_later(pid: int, *, timeout: float = 2.0, allow_seccomp: bool = False,
                 dead_ranges: Sequence[Tuple[int, int]] = (),
                 waiting_tids: Sequence[int] = (), tracker=None,
@@ -238,7 +244,7 @@ def _take_pending(pid: int, info: UnreachableMemoryInfo, guard, timeout: float,
         keep = False
         try:
             # any futex in the allocator's code counts: the arenas are not known yet
-            if snap.mode != "clone" or threads_in_allocator(fz.threads, fz.maps, pid, None):
+            if snap.mode != "clone" or detect.threads_in_allocator(fz.threads, fz.maps, pid, None):
                 return None
             epoch = _look_at_writes(tracker)
             fz.thaw()
@@ -261,6 +267,7 @@ def _take_pending(pid: int, info: UnreachableMemoryInfo, guard, timeout: float,
     return Pending(info, fz, snap, plan, dead_ranges, guard, waiting_tids, tracker, epoch)
 
 
+@diagnose.hinted()
 def sweep_pending(pending: Pending, *, limit: Optional[int] = 100, symbolize: bool = True,
                   suppressions=None, partial: bool = False) -> UnreachableMemoryInfo:
     """Steps 4-10 of check() over a check_later() snapshot, then its release. No retake is
@@ -308,7 +315,7 @@ def record_allocations(pending: Pending) -> bool:
         hw = walk_heap(mem, fz.maps, fz.threads, snap.pid)
         image = hw.image
         if probe.may_hold_runtime(fz.maps, snap.pid):
-            from memunreachable.cpython import pipeline
+            from memunreachable.heaps.cpython import pipeline
             image = pipeline.allocations(CopiedMemory(mem, list(hw.image.regions) + hw.spare),
                                          fz.maps, fz.threads, snap.pid, image)
         tracker.swept(pending.epoch, image.begins, full=False)
@@ -583,32 +590,6 @@ def _judge_unreadable(pid: int, fz, snap, st: _Attempts, exc: MemoryUnreadable) 
              f"/proc/{pid}/smaps") from None
 
 
-# syscalls glibc malloc/free make while a chunk may be in flight (futex: see below)
-_ALLOCATOR_SYSCALLS = {9, 10, 11, 12, 25, 28}   # mmap mprotect munmap brk mremap madvise
-SYS_FUTEX = 202
-
-
-def threads_in_allocator(threads, maps, pid: int, arena_mutexes) -> list:
-    """tids that may hold a chunk in flight: stopped inside the code of the object that holds
-    malloc (libc, or a static executable) while running user code, or in a syscall malloc
-    makes, or waiting on an arena's mutex (futex on the arena's first word); [] when none.
-    A thread parked in any other futex (condition variables, barriers) is not suspect;
-    arena_mutexes None (not known yet): any futex in that code counts."""
-    scan = detect.scan_maps(maps, pid)
-    text = [m.range for m in maps if m.executable and scan.malloc_object
-            and detect.strip_deleted(m.path) == scan.malloc_object]
-    mutexes = set(arena_mutexes or ())
-    out = []
-    for t in threads:
-        rip, orig_rax, rdi = t.regs[16], t.regs[15], t.regs[14]
-        if not any(r.contains(rip) for r in text):
-            continue
-        if (orig_rax == 0xFFFFFFFFFFFFFFFF or orig_rax in _ALLOCATOR_SYSCALLS
-                or (orig_rax == SYS_FUTEX and (arena_mutexes is None or rdi in mutexes))):
-            out.append(t.tid)
-    return out
-
-
 def _sweep_snapshot(snap, fz, st: _Attempts, sweep_timeout: float, confirm, overlays,
                     plan: SnapshotPlan, unseen: List[Range], here: bool = False,
                     dead_ranges: Sequence[Tuple[int, int]] = (),
@@ -726,7 +707,8 @@ def _warm_caches(maps, pid: int) -> None:
         locate.read_image(scan.object_mappings, pid)
     libstate.warm(maps, pid)
     if probe.may_hold_runtime(maps, pid):   # else the CPython stages are never loaded
-        from memunreachable.cpython import locate as cpython_locate, pipeline, objects  # noqa: F401
+        from memunreachable.heaps.cpython import (locate as cpython_locate, pipeline,  # noqa: F401
+                                                  objects)
         cpython_locate.warm(maps, pid)
     _WARMED = key
 
@@ -769,9 +751,9 @@ def sweep(mem, maps, threads, pid: int, confirm: Optional[set] = None,
     try:
         hw = walk_heap(mem, maps, threads, pid, uncopied_from=uncopied_from)
     except HeapInconsistent as exc:
-        exc.suspect_tids = threads_in_allocator(threads, maps, pid, ())
+        exc.suspect_tids = detect.threads_in_allocator(threads, maps, pid, ())
         raise
-    suspect = threads_in_allocator(threads, maps, pid, hw.stats.get("arena_addresses", ()))
+    suspect = detect.threads_in_allocator(threads, maps, pid, hw.stats.get("arena_addresses", ()))
     # 4b. CPython: pymalloc blocks are allocations, its arenas and dead memory are not roots,
     # GC links are not references (cpython/pipeline.py)
     # what the walk copied is not read again; the data mappings are read once, here
@@ -848,8 +830,8 @@ def sweep(mem, maps, threads, pid: int, confirm: Optional[set] = None,
     t_mark = time.monotonic()
     explained = _explain_addresses() if os.environ.get("MEMUNREACHABLE_EXPLAIN") else []
     if explained:                       # diagnostic: explain.py (no address yet: no cost)
-        from memunreachable.explain import explain
-        from memunreachable.mark import scanned_blocks
+        from memunreachable.sweep.explain import explain
+        from memunreachable.sweep.mark import scanned_blocks
         blocks = functools.lru_cache(1)(lambda: scanned_blocks(image, marked.marked, dead))
         lines = [line for addr in explained
                  for line in explain(addr, image, root_buffers, marked.marked,
@@ -886,7 +868,7 @@ def sweep(mem, maps, threads, pid: int, confirm: Optional[set] = None,
     )
     objects = py.objects if py is not None else {}
     if py is not None:      # a short repr only for the objects that head an entry
-        from memunreachable.cpython.objects import with_repr
+        from memunreachable.heaps.cpython.objects import with_repr
         for f in list(folded) + list(garbage):
             if f.index in objects:
                 objects[f.index] = with_repr(py.reader, objects[f.index],
@@ -901,8 +883,8 @@ def sweep(mem, maps, threads, pid: int, confirm: Optional[set] = None,
         # recorded the pointer the hooks hand out (the domains are routed around them)
         debug = False
         if cps.cpython is not None and cps.cpython.found:
-            from memunreachable.cpython.pipeline import has_debug_hooks
-            from memunreachable.cpython.layout import DEBUG_HOOK_PREFIX
+            from memunreachable.heaps.cpython.pipeline import has_debug_hooks
+            from memunreachable.heaps.cpython.layout import DEBUG_HOOK_PREFIX
             debug = has_debug_hooks(cps.cpython)
         for e in res.entries + res.cyclic_garbage:
             for b in [e] + e.indirect:
@@ -971,7 +953,7 @@ def _see_through_cpython(mem, maps, threads, pid, image):
     the CPython map must never turn into a wrong answer."""
     if not probe.may_hold_runtime(maps, pid):
         return _NoCPython(image)    # what pipeline.prepare gives, without loading it
-    from memunreachable.cpython import pipeline
+    from memunreachable.heaps.cpython import pipeline
     try:
         return pipeline.prepare(mem, maps, threads, pid, image)
     except (OSError, ValueError, MemoryUnreadable, struct.error) as exc:
@@ -1023,8 +1005,8 @@ class _PythonLeaks(Fields):
 def _python_objects(mem, cps, image, marked, contents) -> _PythonLeaks:
     """Name the unreachable Python objects and split off the cyclic garbage
     (cpython/objects.py)."""
-    from memunreachable.cpython import objects as O
-    from memunreachable.cpython.pipeline import object_reader
+    from memunreachable.heaps.cpython import objects as O
+    from memunreachable.heaps.cpython.pipeline import object_reader
     reader = object_reader(mem, cps.cpython)
     begins, sizes = image.begins, image.sizes
     unmarked = _unmarked(marked)
@@ -1154,7 +1136,7 @@ def _rules(suppressions) -> list:
     """suppressions.as_rules(suppressions)."""
     if suppressions is None:
         return []
-    from memunreachable import suppressions as suppressions_stage
+    from memunreachable.stacks import suppressions as suppressions_stage
     return suppressions_stage.as_rules(suppressions)
 
 
@@ -1165,7 +1147,7 @@ def _symbolize_and_group(info: UnreachableMemoryInfo, leaks: List[Leak], limit: 
     t0 = time.monotonic()
     opts = dict(resolve=resolve, pid=info.pid)
     if rules:
-        from memunreachable import suppressions as suppressions_stage
+        from memunreachable.stacks import suppressions as suppressions_stage
         _backtraces(info, leaks, opts)
         leaks, gone = suppressions_stage.apply(rules, leaks)
         info.num_suppressed = sum(l.entry_count for l in gone)
@@ -1187,7 +1169,7 @@ def _backtraces(info: UnreachableMemoryInfo, leaks: List[Leak], opts: dict) -> N
     every backtrace stays []."""
     if not any(leak.stack or leak.python_stack for leak in leaks):
         return
-    from memunreachable import symbolize as symbolize_stage
+    from memunreachable.stacks import symbolize as symbolize_stage
     try:
         symbolize_stage.symbolize_leaks(leaks, info.modules, **opts)
     except Exception as exc:  # noqa: BLE001 - a symbolizer bug must not lose the leaks

@@ -1,4 +1,4 @@
-/* mu_cpython.h: array passes of the CPython pipeline stage (memunreachable/cpython/pipeline.py)
+/* mu_cpython.h: array passes of the CPython pipeline stage (memunreachable/heaps/cpython/pipeline.py)
  * over the sweep's allocation arrays: loops over 100k+ pymalloc blocks that Python ran slice by
  * slice. Plain ascending uint64 arrays in, caller-provided arrays out. */
 

@@ -563,7 +563,7 @@ int mu_inject_wait4(int tid, uint64_t syscall_insn, uint64_t restore_rt,
                   out);
 }
 
-/* ---- injected function calls (`track PID`, memunreachable/inject.py) ----
+/* ---- injected function calls (`track PID`, memunreachable/collect/inject.py) ----
  * The call runs on tid's own stack below the guard's frame, whose return address is the
  * rt_sigreturn stub: when the function returns, the stub's rt_sigreturn puts tid back as it
  * was frozen (registers, FP/SIMD state, signal mask), tracer or not. The tracer drives it

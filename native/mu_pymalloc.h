@@ -2,7 +2,7 @@
  * The pool header (48 bytes: count u32 +0, freeblock +8, nextpool +16, prevpool +24,
  * arenaindex u32 +32, szidx u32 +36, nextoffset u32 +40, maxnextoffset u32 +44) and the block
  * sizes 16*(szidx+1), szidx < 32, are the same in CPython 3.8-3.13 (cpython-memory.md section 2);
- * pool sizes come from memunreachable/cpython/layout.py. */
+ * pool sizes come from memunreachable/heaps/cpython/layout.py. */
 
 /* Why mu_pymalloc_blocks rejected a pool (mu_pymalloc_result.bad_reason). */
 enum {

@@ -5,7 +5,7 @@
  * running at allocation time when the program is CPython 3.8-3.15 (3.13+: the offsets the
  * runtime publishes in _PyRuntime.debug_offsets, so patch releases need no table). The table lives in one
  * private anonymous mapping whose layout is native/mu_track.h; the checker reads it from
- * the fork snapshot (memunreachable/tracking.py). No dependency on Python or cffi.
+ * the fork snapshot (memunreachable/stacks/tracking.py). No dependency on Python or cffi.
  *
  * Environment (read once, in the constructor):
  *   MEMUNREACHABLE_TRACK_BUDGET   bytes of the whole table (default 64 MiB; suffix k/m/g)
@@ -325,7 +325,7 @@ static const struct pylayout pylayouts[] = {
 /* CPython 3.13+ publishes, as the first member of _PyRuntime, a _Py_DebugOffsets: the cookie
  * "xdebugpy", u64 PY_VERSION_HEX, u64 free_threaded, then blocks of u64 offsets whose order
  * is fixed within a minor version (Include/internal/pycore_runtime.h in 3.13,
- * pycore_debug_offsets.h from 3.14; memunreachable/cpython/layout.py parses the same).
+ * pycore_debug_offsets.h from 3.14; memunreachable/heaps/cpython/layout.py parses the same).
  * Below: where the fields used here sit inside it, per minor version, checked with
  * offsetof(_Py_DebugOffsets, ...) against the headers of 3.13.0 (pyenv), 3.13.5 (trixie),
  * 3.13.18, 3.14.10 and 3.15.2 (sid): sizeof 584, 584, 584, 760, 888. The values read there
@@ -1738,7 +1738,7 @@ static void route_setup(void)
 }
 
 /* What the last mu_track_route or mu_track_unroute returned (1: neither ran yet): `track
- * PID` calls them by injection (memunreachable/inject.py), where a return value is lost. */
+ * PID` calls them by injection (memunreachable/collect/inject.py), where a return value is lost. */
 EXPORT int mu_track_last_rc = 1;
 
 /* The first call builds the table (as the constructor does when preloaded); every call

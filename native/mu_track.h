@@ -6,7 +6,7 @@
  * the mapping without symbols (named "[anon:memunreachable-track]" where the kernel names
  * anonymous mappings, else by the magic at the start of an anonymous mapping), validates
  * this header and reads the table out of the fork snapshot with no lock
- * (memunreachable/tracking.py mirrors this file: change both, bump MU_TRACK_VERSION).
+ * (memunreachable/stacks/tracking.py mirrors this file: change both, bump MU_TRACK_VERSION).
  *
  * This header is NOT part of cffi's cdef (native/ffi_build.py leaves mu_track.* out): the
  * tracking library depends on neither Python nor cffi.

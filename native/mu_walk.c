@@ -1,5 +1,5 @@
 /* mu_walk.c: the glibc chunk walker (our malloc_iterate): hot loops over local copies of
- * heap memory. Layout policy (where runs start, which offsets) lives in memunreachable/glibc. */
+ * heap memory. Layout policy (where runs start, which offsets) lives in memunreachable/heaps/glibc. */
 #include "mu_core_impl.h"
 #include <pthread.h>
 #include <sys/mman.h>

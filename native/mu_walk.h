@@ -1,5 +1,5 @@
 /* mu_walk.h: the glibc chunk walker (our malloc_iterate), glibc-heap.md sections 2, 9, 10.
- * Layout facts that vary by glibc release come from memunreachable/glibc/layout.py; the chunk
+ * Layout facts that vary by glibc release come from memunreachable/heaps/glibc/layout.py; the chunk
  * format below (16-byte headers, flag bits 1/2/4) is the same in glibc 2.26-2.43 on x86_64
  * (mmapped chunks changed in 2.43: mu_walk_mmapped takes their format). */
 

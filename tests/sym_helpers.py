@@ -14,8 +14,8 @@ import shutil
 import subprocess
 from typing import Dict, List, Optional
 
-from memunreachable import procfs
-from memunreachable.symbolize import modules_from_maps
+from memunreachable.collect import procfs
+from memunreachable.stacks.symbolize import modules_from_maps
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 FIXTURE_DIR = os.path.join(ROOT, "fixtures")

@@ -20,7 +20,7 @@ from memunreachable.cli import (EXIT_CANNOT_CHECK, EXIT_LEAKS, EXIT_OK, EXIT_USA
                                 bounded_int)
 
 if TYPE_CHECKING:
-    from memunreachable.report import UnreachableMemoryInfo
+    from memunreachable.reporters.report import UnreachableMemoryInfo
 
 log = logging.getLogger("memunreachable")
 
@@ -83,7 +83,7 @@ def load_suppressions(args: argparse.Namespace) -> list:
     path = getattr(args, "suppressions", None)
     if path is None:
         return []
-    from memunreachable import suppressions
+    from memunreachable.stacks import suppressions
     from memunreachable._errors import SuppressionsError
 
     try:

@@ -22,7 +22,7 @@ from typing import Dict, List, Optional
 from memunreachable._errors import CommandError
 from memunreachable.cli import EXIT_CANNOT_CHECK, EXIT_INTERNAL, PROG, Command
 from memunreachable.cli.check import DEFAULT_LIMIT, exit_code_for, run_engine, timeout_type
-from memunreachable.report import UnreachableMemoryInfo
+from memunreachable.reporters.report import UnreachableMemoryInfo
 from memunreachable.reporters import render_text
 from memunreachable.reporters.text import plural
 

@@ -42,7 +42,8 @@ from __future__ import annotations
 import json
 from typing import IO, Any, Dict, Optional
 
-from memunreachable.report import SCHEMA_VERSION, Leak, LeakGroup, UnreachableMemoryInfo, group_leaks
+from memunreachable.reporters.report import (SCHEMA_VERSION, Leak, LeakGroup, UnreachableMemoryInfo,
+                                            group_leaks)
 
 CONTENTS_BYTES = 32
 
@@ -167,7 +168,7 @@ def _groups_to_json(info: UnreachableMemoryInfo) -> list:
 
 
 def _frame(d):
-    from memunreachable.symbolize import Frame      # only to read a report back (issue 10)
+    from memunreachable.stacks.symbolize import Frame      # only to read a report back (issue 10)
     return d if isinstance(d, str) else Frame.from_dict(d)
 
 

@@ -49,7 +49,7 @@ from __future__ import annotations
 import os
 from typing import IO, List, Optional, Tuple
 
-from memunreachable.report import Leak, LeakGroup, UnreachableMemoryInfo, group_leaks
+from memunreachable.reporters.report import Leak, LeakGroup, UnreachableMemoryInfo, group_leaks
 
 BYTES_PER_LINE = 16
 CONTENTS_BYTES = 32               # at most this many bytes are shown (libmemunreachable)
@@ -170,7 +170,7 @@ def _bytes(requested: Optional[int], usable: int) -> str:
 
 def _frames(leak: Leak) -> List[Line]:
     if leak.backtrace:      # symbolize.py loads only for a report with stacks (issue 10)
-        from memunreachable.symbolize import format_frame
+        from memunreachable.stacks.symbolize import format_frame
     lines: List[Line] = []
     n = 0
     for frame in leak.backtrace:
@@ -290,7 +290,7 @@ def iter_lines(info: UnreachableMemoryInfo, contents: bool = False,
     lines.extend(_uncertain(info, contents))
     lines.extend(_cyclic_garbage(info))
     if info.suppressions_used:
-        from memunreachable.suppressions import format_used
+        from memunreachable.stacks.suppressions import format_used
         lines.extend([[(text, "")] for text in format_used(info.suppressions_used)] + [[]])
     lines.append([(summary_line(info), "bold")])
     return lines

@@ -7,7 +7,7 @@ import memunreachable  # noqa: F401
 import memunreachable.noleaks  # noqa: F401
 import memunreachable.reporters.text  # noqa: F401
 from memunreachable._ffi import lib as _lib  # noqa: F401 - _cffi_backend, the C core
-from memunreachable.report import Address
+from memunreachable.reporters.report import Address
 
 MASK = (1 << 64) - 1
 

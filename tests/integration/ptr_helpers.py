@@ -5,7 +5,7 @@ import subprocess
 import sys
 import time
 
-from memunreachable import procfs
+from memunreachable.collect import procfs
 from memunreachable._errors import NoSuchProcess
 
 

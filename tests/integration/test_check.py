@@ -203,8 +203,9 @@ def _state(pid: int) -> str:
 def test_readline_and_terminfo_state_found_in_a_real_process():
     # what libstate.py finds from the libraries' exported symbols (Debian's libreadline and
     # libtinfo) is exactly what the fixture itself says is there
-    from memunreachable import libstate, procfs
-    from memunreachable.memory import ProcessMemory
+    from memunreachable.heaps import libstate
+    from memunreachable.collect import procfs
+    from memunreachable.collect.memory import ProcessMemory
     with fixtures.start("leak_keymap_stale") as fx:
         mem = ProcessMemory(fx.pid)
         try:

@@ -8,7 +8,7 @@ import struct
 import pytest
 
 import fixtures
-from memunreachable import procfs
+from memunreachable.collect import procfs
 from memunreachable.unreachable import check, check_later, sweep_pending
 from ptr_helpers import wait_until
 from test_check import assert_target_running, children_of

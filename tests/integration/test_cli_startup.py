@@ -27,21 +27,22 @@ RUN = ("import json, sys\n"
 NOT_FOR_A_C_TARGET = (
     "rich", "elftools", "ptrace", "pytest", "_pytest", "symbolic",
     "memunreachable.noleaks", "memunreachable.signal_dump", "memunreachable.cli.demo",
-    "memunreachable.cli.run", "memunreachable.reporters.json", "memunreachable.cpython.layout",
-    "memunreachable.cpython.locate", "memunreachable.cpython.pipeline",
-    "memunreachable.cpython.walker", "memunreachable.cpython.objects",
-    "memunreachable.cpython.obmalloc", "memunreachable.explain",
+    "memunreachable.cli.run", "memunreachable.reporters.json", "memunreachable.heaps.cpython.layout",
+    "memunreachable.heaps.cpython.locate", "memunreachable.heaps.cpython.pipeline",
+    "memunreachable.heaps.cpython.walker", "memunreachable.heaps.cpython.objects",
+    "memunreachable.heaps.cpython.obmalloc", "memunreachable.sweep.explain",
     # issue 10, fast start: no stack to name, no suppressions file
-    "memunreachable.symbolize", "memunreachable.demangle", "memunreachable.suppressions",
+    "memunreachable.stacks.symbolize", "memunreachable.stacks.demangle",
+    "memunreachable.stacks.suppressions",
     "ctypes.util", "subprocess",
     # nor argparse's shutil (cli.HelpFormatter), nor pickle (the sweeper's errors only)
     "shutil", "bz2", "lzma", "pickle")
 # The @dataclass classes a check may create at import (each costs ~1 ms: the others are
 # _types.Fields classes): report.py's public ones, and the sweep's (mark.py, memory.py).
 DATACLASSES_OF_A_CHECK = {
-    "memunreachable.report.Leak", "memunreachable.report.LeakGroup",
-    "memunreachable.report.UnreachableMemoryInfo", "memunreachable.mark.DeadWords",
-    "memunreachable.mark.MarkResult", "memunreachable.memory.SnapshotPlan"}
+    "memunreachable.reporters.report.Leak", "memunreachable.reporters.report.LeakGroup",
+    "memunreachable.reporters.report.UnreachableMemoryInfo", "memunreachable.sweep.mark.DeadWords",
+    "memunreachable.sweep.mark.MarkResult", "memunreachable.collect.memory.SnapshotPlan"}
 
 
 def _check(*argv):
@@ -63,9 +64,9 @@ def test_check_of_a_c_process_imports_only_the_check():
                         or m in NOT_FOR_A_C_TARGET)
         assert loaded == []
         assert {"memunreachable.unreachable", "memunreachable.reporters.text",
-                "memunreachable.cpython.probe", "memunreachable.elf"} <= modules
+                "memunreachable.heaps.cpython.probe", "memunreachable.stacks.elf"} <= modules
         assert proc.dataclasses <= DATACLASSES_OF_A_CHECK
-        assert "memunreachable.report.UnreachableMemoryInfo" in proc.dataclasses
+        assert "memunreachable.reporters.report.UnreachableMemoryInfo" in proc.dataclasses
 
 
 def test_suppressions_load_only_with_a_file(tmp_path):
@@ -76,7 +77,7 @@ def test_suppressions_load_only_with_a_file(tmp_path):
         assert proc.returncode == 23, proc.stderr
         leak = fx.block_list("leak")[0]
         assert f"{leak.size} bytes unreachable at {leak.address:x}" in proc.stdout
-        assert "memunreachable.suppressions" in modules
+        assert "memunreachable.stacks.suppressions" in modules
 
 
 def test_json_report_loads_only_the_json_reporter():
@@ -98,7 +99,8 @@ def test_a_python_target_still_loads_the_cpython_stages():
         assert target.stdout.readline().strip() == "ready"
         proc, modules = _check("check", "--json", str(target.pid))
         assert proc.returncode in (0, 23), proc.stderr
-        assert {"memunreachable.cpython.pipeline", "memunreachable.cpython.locate"} <= modules
+        assert {"memunreachable.heaps.cpython.pipeline",
+                "memunreachable.heaps.cpython.locate"} <= modules
         assert json.loads(proc.stdout)["pid"] == target.pid
     finally:
         target.kill()

@@ -12,10 +12,10 @@ import textwrap
 import pytest
 
 import distros
-from memunreachable.cpython import obmalloc
-from memunreachable.cpython.walker import walk_cpython
-from memunreachable.freeze import frozen
-from memunreachable.memory import ProcessMemory
+from memunreachable.heaps.cpython import obmalloc
+from memunreachable.heaps.cpython.walker import walk_cpython
+from memunreachable.collect.freeze import frozen
+from memunreachable.collect.memory import ProcessMemory
 
 pytestmark = [pytest.mark.ptrace, pytest.mark.distro]
 

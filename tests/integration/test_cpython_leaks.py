@@ -28,7 +28,7 @@ import pytest
 import distros
 import fixtures
 from interpreters import pyenv_pythons
-from memunreachable.cpython.layout import LIST_ITEMS
+from memunreachable.heaps.cpython.layout import LIST_ITEMS
 from memunreachable.unreachable import check
 from ptr_helpers import busy_cpus
 

@@ -16,11 +16,11 @@ import pytest
 import interpreters
 
 from memunreachable._types import merge_ranges
-from memunreachable.cpython import layout as L
-from memunreachable.cpython import obmalloc
-from memunreachable.cpython.walker import walk_cpython
-from memunreachable.freeze import frozen
-from memunreachable.memory import ProcessMemory
+from memunreachable.heaps.cpython import layout as L
+from memunreachable.heaps.cpython import obmalloc
+from memunreachable.heaps.cpython.walker import walk_cpython
+from memunreachable.collect.freeze import frozen
+from memunreachable.collect.memory import ProcessMemory
 
 pytestmark = pytest.mark.ptrace
 
@@ -311,7 +311,7 @@ def symtab_arena_array(path, maps):
     """The 3.8-3.11 statics `arenas`, `maxarenas`, `narenas_currently_allocated` of
     Objects/obmalloc.c, from an unstripped libpython's .symtab (pyenv builds keep it)."""
     from elftools.elf.elffile import ELFFile
-    from memunreachable.cpython import locate
+    from memunreachable.heaps.cpython import locate
     with open(path, "rb") as f:
         elf = ELFFile(f)
         symtab = elf.get_section_by_name(".symtab")

@@ -15,7 +15,7 @@ pytestmark = pytest.mark.ptrace
 
 SCRIPT = r"""
 import sys, debugslack, memunreachable
-from memunreachable.report import Address      # an int would be the block's handle
+from memunreachable.reporters.report import Address      # an int would be the block's handle
 addr, usable = debugslack.plant(int(sys.argv[1]), sys.argv[2], int(sys.argv[3]))
 addr = Address(addr)
 info = memunreachable.get_unreachable_memory(limit=None)

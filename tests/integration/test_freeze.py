@@ -6,10 +6,10 @@ import time
 import pytest
 
 import fixtures
-from memunreachable import freeze, procfs
+from memunreachable.collect import freeze, procfs
 from memunreachable._errors import CollectionError, NoSuchProcess
-from memunreachable.freeze import FreezeInterrupted, frozen
-from memunreachable.snapshot import take_snapshot
+from memunreachable.collect.freeze import FreezeInterrupted, frozen
+from memunreachable.collect.snapshot import take_snapshot
 from ptr_helpers import assert_running, moves, peek, states, wait_until
 
 pytestmark = pytest.mark.ptrace

@@ -7,9 +7,9 @@ import os
 import pytest
 
 import fixtures
-from memunreachable import freeze, procfs
+from memunreachable.collect import freeze, procfs
 from memunreachable._types import REG_NAMES
-from memunreachable.freeze import frozen
+from memunreachable.collect.freeze import frozen
 from ptr_helpers import assert_running, moves, states, wait_until
 from ptrace.binding.func import ptrace
 

@@ -8,8 +8,8 @@ from __future__ import annotations
 import pytest
 
 import fixtures
-from memunreachable import procfs
-from memunreachable.memory import is_getrandom_state
+from memunreachable.collect import procfs
+from memunreachable.collect.memory import is_getrandom_state
 from memunreachable.unreachable import check, check_later, sweep_pending
 from test_check import assert_target_running
 

@@ -9,12 +9,12 @@ import os
 import pytest
 
 import fixtures
-from memunreachable import detect
-from memunreachable.freeze import frozen
-from memunreachable.glibc import layout as L
-from memunreachable.glibc import locate
-from memunreachable.glibc.walker import walk_heap
-from memunreachable.memory import ProcessMemory
+from memunreachable.sweep import detect
+from memunreachable.collect.freeze import frozen
+from memunreachable.heaps.glibc import layout as L
+from memunreachable.heaps.glibc import locate
+from memunreachable.heaps.glibc.walker import walk_heap
+from memunreachable.collect.memory import ProcessMemory
 from memunreachable.unreachable import check
 
 pytestmark = [pytest.mark.distro, pytest.mark.ptrace]

@@ -37,7 +37,7 @@ import fixtures
 from expected import EXPECTED, Shape, single
 from ptr_helpers import assert_running, children, states, wait_until
 from test_check import assert_result, assert_target_running
-from memunreachable import leftovers
+from memunreachable.collect import leftovers
 from memunreachable._errors import CollectionError
 from memunreachable.reporters.json import load_json
 from memunreachable.unreachable import check
@@ -381,8 +381,8 @@ def test_clone_born_in_a_recorded_injection_window_is_reaped():
     # a checker killed between the clone and the record update left only the window: make
     # that state for real (a clone snapshot taken outside any check, killed like EXITKILL
     # does, never reaped in the target), with a record naming a dead checker
-    from memunreachable.freeze import frozen
-    from memunreachable.snapshot import _kill_child, take_snapshot
+    from memunreachable.collect.freeze import frozen
+    from memunreachable.collect.snapshot import _kill_child, take_snapshot
     with fixtures.start("own_clone") as fx:
         own = fx.expect["own_child"]
         assert wait_until(lambda: leftovers.read_stat(own).state == "Z")

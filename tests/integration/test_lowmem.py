@@ -13,8 +13,8 @@ import pytest
 import fixtures
 from expected import EXPECTED
 from memunreachable import unreachable
-from memunreachable.glibc import walker
-from memunreachable.glibc.walker import is_uncopied
+from memunreachable.heaps.glibc import walker
+from memunreachable.heaps.glibc.walker import is_uncopied
 from memunreachable.unreachable import check
 from test_check import assert_result, assert_target_running
 
@@ -66,7 +66,7 @@ def test_lowmem_equals_copying(name, reads, monkeypatch):
 
 def walk_both(fx):
     """The fixture (SIGSTOPped) walked keeping copies and without: (copying, low-memory)."""
-    from memunreachable.glibc.walker import walk_heap
+    from memunreachable.heaps.glibc.walker import walk_heap
     from test_walker import read_maps, stopped_memory
     with stopped_memory(fx.pid) as mem:
         return [walk_heap(mem, read_maps(fx.pid), [], fx.pid, uncopied_from=u)

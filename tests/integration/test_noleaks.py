@@ -11,8 +11,8 @@ import pytest
 from inprocess_helpers import build_leaky, python_env, run_python
 from memunreachable import noleaks
 from memunreachable._errors import LeaksDetected
-from memunreachable.leftovers import children_of
-from memunreachable.sweeper import join_reapers
+from memunreachable.collect.leftovers import children_of
+from memunreachable.sweep.sweeper import join_reapers
 
 pytestmark = pytest.mark.ptrace
 
@@ -254,7 +254,7 @@ import leakytools as leaky
 from memunreachable import noleaks
 from memunreachable._errors import MemunreachableError
 from memunreachable._tracer import MAX_PENDING
-from memunreachable.leftovers import children_of
+from memunreachable.collect.leftovers import children_of
 old, _ = leaky.leak(34604008)
 b1 = noleaks.deferred_baseline()
 print("waiting", b1.waiting, len(children_of(os.getpid())))
@@ -380,7 +380,7 @@ else:
 def _wait_depth(how: str) -> int:
     """How far below the top of its stack a child's thread waits (/proc/PID/syscall's SP)."""
     import subprocess
-    from memunreachable.classify import WAIT_SYSCALLS
+    from memunreachable.sweep.classify import WAIT_SYSCALLS
     waits = {str(n) for n in WAIT_SYSCALLS}
     proc = subprocess.Popen([sys.executable, "-c", WAIT_DEPTH, how], stdout=subprocess.PIPE)
     try:

@@ -10,10 +10,10 @@ import threading
 import pytest
 
 import fixtures
-from memunreachable import diagnose, preflight, procfs
+from memunreachable.collect import diagnose, preflight, procfs
 from memunreachable._errors import AccessDenied, NoSuchProcess, UnsupportedTarget, ZombieProcess
-from memunreachable.freeze import frozen
-from memunreachable.snapshot import take_snapshot
+from memunreachable.collect.freeze import frozen
+from memunreachable.collect.snapshot import take_snapshot
 from ptr_helpers import assert_running, wait_until
 
 pytestmark = pytest.mark.ptrace

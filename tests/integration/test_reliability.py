@@ -20,7 +20,8 @@ import time
 import pytest
 
 import fixtures
-from memunreachable import leftovers, unreachable
+from memunreachable.collect import leftovers
+from memunreachable import unreachable
 from memunreachable._errors import CollectionError, HeapCorrupt, IncompleteCheck
 from memunreachable.unreachable import check
 from test_check import assert_target_running, children_of

@@ -228,7 +228,7 @@ def test_usage_errors():
 def _table_words(pid: int) -> set:
     """Every 8-byte word of the tracking table's live-block tables in process pid."""
     import struct
-    from memunreachable import tracking
+    from memunreachable.stacks import tracking
     with open(f"/proc/{pid}/maps") as f:
         lines = f.read().splitlines()
     with open(f"/proc/{pid}/mem", "rb") as mem:
@@ -381,7 +381,7 @@ def test_old_line_tables_match_the_interpreter(version):
     line the interpreter's own PyCode_Addr2Line gives (-1 = no line = None): ~1000
     instructions per version."""
     import json
-    from memunreachable import tracking
+    from memunreachable.stacks import tracking
     decode = tracking.linetable310_line if version == "3.10" else tracking.lnotab_line
     out = subprocess.run([python_exe(version), "-c", _LINES_PROBE], capture_output=True,
                          text=True, timeout=60)
@@ -732,8 +732,9 @@ def test_every_allocation_function_from_threads():
     memalign, valloc and pvalloc, made by 4 threads that churned concurrently: the table of
     the running process holds each with its leak_<fn> frame at the marked line, then the
     thread's worker; nothing was dropped, and every churned block that was freed is gone."""
-    from memunreachable import procfs, tracking
-    from memunreachable.memory import ProcessMemory
+    from memunreachable.collect import procfs
+    from memunreachable.stacks import tracking
+    from memunreachable.collect.memory import ProcessMemory
     exe = fixtures.build("track_family", NO_FP)
     marks = markers(os.path.join(fixtures.FIXTURE_DIR, "track_family.c"))
     t = start_run([exe])

@@ -16,7 +16,8 @@ import subprocess
 import pytest
 
 import distros
-from memunreachable import tracking, unreachable
+from memunreachable.stacks import tracking
+from memunreachable import unreachable
 from test_run import (PY_ENV, PY_FIXTURE, PY_RUN_OPTS, TRACK_LIB, _LINES_PROBE, markers,
                       start_run, wait_in_read)
 

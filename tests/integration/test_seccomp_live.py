@@ -18,10 +18,11 @@ import sys
 import pytest
 
 import fixtures
-from memunreachable import cli, diagnose, procfs
+from memunreachable import cli
+from memunreachable.collect import diagnose, procfs
 from memunreachable._errors import UnsupportedTarget
-from memunreachable.freeze import frozen
-from memunreachable.snapshot import take_snapshot
+from memunreachable.collect.freeze import frozen
+from memunreachable.collect.snapshot import take_snapshot
 from memunreachable.unreachable import check
 from ptr_helpers import assert_running, children, wait_until
 
@@ -232,7 +233,7 @@ def test_a_filter_on_rt_sigreturn_decides_the_guard(sigreturn):
     # the guard (docs/how-it-works.md) makes the thread run rt_sigreturn (and the child
     # exit_group) only if the checker dies; a filter that would refuse it gets the legacy
     # sequence, never a guard that would kill the target when it is needed
-    from memunreachable.snapshot import choose_thread
+    from memunreachable.collect.snapshot import choose_thread
     with fixtures.start("sec_filter", "allow", "allow", "all", sigreturn) as fx:
         with frozen(fx.pid) as fz:
             tid, insn, restore_rt, refusals = choose_thread(fz)

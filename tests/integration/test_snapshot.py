@@ -6,10 +6,10 @@ import time
 import pytest
 
 import fixtures
-from memunreachable import procfs
+from memunreachable.collect import procfs
 from memunreachable._errors import UnsupportedTarget
-from memunreachable.freeze import frozen
-from memunreachable.snapshot import take_snapshot
+from memunreachable.collect.freeze import frozen
+from memunreachable.collect.snapshot import take_snapshot
 from ptr_helpers import assert_running, children, moves, peek, states, wait_until
 
 pytestmark = pytest.mark.ptrace

@@ -4,9 +4,9 @@ on every path."""
 import pytest
 
 import fixtures
-from memunreachable import leftovers
-from memunreachable.freeze import frozen
-from memunreachable.snapshot import prepare, take_snapshot
+from memunreachable.collect import leftovers
+from memunreachable.collect.freeze import frozen
+from memunreachable.collect.snapshot import prepare, take_snapshot
 from ptr_helpers import assert_running, children
 
 pytestmark = pytest.mark.ptrace
@@ -71,7 +71,7 @@ def test_direct_mode_closes_the_window_noted_ahead():
 
 
 def test_syscall_instruction_check_by_peek_matches_proc_mem():
-    from memunreachable.snapshot import SYSCALL_INSN, _after_syscall_insn, _read_target
+    from memunreachable.collect.snapshot import SYSCALL_INSN, _after_syscall_insn, _read_target
     with fixtures.start("ptr_busy") as fx:
         with frozen(fx.pid) as fz:
             seen = {}
@@ -84,8 +84,8 @@ def test_syscall_instruction_check_by_peek_matches_proc_mem():
 
 
 def test_the_candidate_mu_freeze_found_is_the_first_the_search_would_take():
-    from memunreachable.snapshot import (RESTORE_RT, SYSCALL_INSN, SYSCALL_RET, _read_target,
-                                         _signed, choose_thread)
+    from memunreachable.collect.snapshot import (RESTORE_RT, SYSCALL_INSN, SYSCALL_RET, _read_target,
+                                                 _signed, choose_thread)
     with fixtures.start("ptr_busy", "4") as fx:
         for _ in range(5):
             with frozen(fx.pid) as fz:
@@ -108,8 +108,8 @@ def test_the_candidate_mu_freeze_found_is_the_first_the_search_would_take():
     ("errno", "main", "other"),             # the main thread's filter refuses clone
 ])
 def test_candidate_under_seccomp_filters(clone_action, scope, want_tid):
-    from memunreachable import procfs
-    from memunreachable.snapshot import choose_thread
+    from memunreachable.collect import procfs
+    from memunreachable.collect.snapshot import choose_thread
     with fixtures.start("sec_filter", clone_action, "allow", scope) as fx:
         other = fx.expect["other_tid"]
         with frozen(fx.pid) as fz:

@@ -9,8 +9,8 @@ import textwrap
 
 import pytest
 
-from memunreachable import procfs
-from memunreachable.glibc import linkmaps
+from memunreachable.collect import procfs
+from memunreachable.heaps.glibc import linkmaps
 from memunreachable.unreachable import check
 
 pytestmark = pytest.mark.ptrace

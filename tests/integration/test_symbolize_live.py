@@ -16,9 +16,11 @@ import sys
 import pytest
 
 import fixtures
-from memunreachable import procfs, suppressions, unreachable
+from memunreachable.collect import procfs
+from memunreachable.stacks import suppressions
+from memunreachable import unreachable
 from memunreachable.reporters import format_text, render_json
-from memunreachable.symbolize import SymbolCache
+from memunreachable.stacks.symbolize import SymbolCache
 from sym_helpers import SymProcess, build_sym, lines_marked, source
 
 pytestmark = pytest.mark.ptrace
@@ -29,7 +31,7 @@ CLI = [sys.executable, "-m", "memunreachable", "check"]
 @pytest.fixture(autouse=True)
 def private_symbol_cache(tmp_path, monkeypatch):
     """Step 9 uses the process-wide cache: give it a fresh one whose disk cache is private."""
-    from memunreachable import symbolize
+    from memunreachable.stacks import symbolize
     monkeypatch.setattr(symbolize, "DEFAULT_CACHE", SymbolCache(disk_dir=str(tmp_path / "sc")))
 
 

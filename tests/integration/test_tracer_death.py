@@ -19,10 +19,10 @@ import pytest
 import fixtures
 from ptr_helpers import assert_running, children, moves, peek, wait_until
 from test_leftovers_live import assert_clean, assert_exact
-from memunreachable import leftovers
+from memunreachable.collect import leftovers
 from memunreachable._ffi import lib
-from memunreachable.freeze import frozen
-from memunreachable.snapshot import find_guard, prepare, stack_takes_frames, take_snapshot
+from memunreachable.collect.freeze import frozen
+from memunreachable.collect.snapshot import find_guard, prepare, stack_takes_frames, take_snapshot
 from memunreachable.unreachable import check
 
 pytestmark = pytest.mark.ptrace

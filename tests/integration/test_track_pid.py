@@ -25,10 +25,12 @@ import fixtures
 from ptr_helpers import assert_running, moves, wait_until
 from test_run import PY_ENV, TRACK_LIB, frames_in, markers, python_exe, resolve, wait_in_read
 from test_track_here import FAMILY, Session, dynsym, family_gots, mapped_objects
-from memunreachable import detect, inject, procfs, track_pid, unreachable
+from memunreachable.sweep import detect
+from memunreachable.collect import inject, procfs
+from memunreachable import track_pid, unreachable
 from memunreachable._errors import CollectionError, NoSuchProcess, UnsupportedTarget
-from memunreachable.freeze import frozen
-from memunreachable.snapshot import find_guard
+from memunreachable.collect.freeze import frozen
+from memunreachable.collect.snapshot import find_guard
 from memunreachable._ffi import lib
 
 pytestmark = pytest.mark.ptrace

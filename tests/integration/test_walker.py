@@ -10,10 +10,10 @@ import pytest
 
 import fixtures
 from memunreachable._types import Mapping
-from memunreachable.glibc import layout as L
-from memunreachable.glibc.walker import walk_heap
-from memunreachable.memory import ProcessMemory, plan_snapshot
-from memunreachable.procfs import read_smaps_flags
+from memunreachable.heaps.glibc import layout as L
+from memunreachable.heaps.glibc.walker import walk_heap
+from memunreachable.collect.memory import ProcessMemory, plan_snapshot
+from memunreachable.collect.procfs import read_smaps_flags
 
 pytestmark = pytest.mark.ptrace
 
@@ -166,8 +166,8 @@ def test_static_heap_range_starts_at_sbrk_base():
 
 @pytest.mark.parametrize("flags", [[], ["-static"]])
 def test_memory_scan_locator_agrees_with_file_image(flags):
-    from memunreachable import detect
-    from memunreachable.glibc import locate
+    from memunreachable.sweep import detect
+    from memunreachable.heaps.glibc import locate
     with fixtures.start("walk_basic", extra_flags=flags) as fx:
         maps = read_maps(fx.pid)
         scan = detect.scan_maps(maps, fx.pid)
@@ -182,7 +182,7 @@ def test_memory_scan_locator_agrees_with_file_image(flags):
 
 def frozen_walk(pid):
     """Freeze pid with ptrace (threads with fs_base, maps), walk its heap, thaw."""
-    from memunreachable.freeze import frozen
+    from memunreachable.collect.freeze import frozen
     with frozen(pid) as fz:
         with memory_of(pid) as mem:
             hw = walk_heap(mem, fz.maps, fz.threads, pid)

@@ -15,7 +15,7 @@ pytest_plugins = ["pytester"]
 
 SCRIPT = r"""
 import sys, stale, memunreachable
-from memunreachable.report import Address      # an int would be the block's handle
+from memunreachable.reporters.report import Address      # an int would be the block's handle
 n = int(sys.argv[1])
 p = Address(stale.forget(n))
 memunreachable.get_unreachable_memory(limit=None)          # the earlier check

@@ -2,7 +2,7 @@
 import struct
 
 from memunreachable._types import Mapping, Range, ThreadState
-from memunreachable.classify import RED_ZONE, classify, classify_mapping, register_words
+from memunreachable.sweep.classify import RED_ZONE, classify, classify_mapping, register_words
 
 
 def m(begin, end, perms, path="", inode=0, offset=0):
@@ -101,7 +101,7 @@ def test_fp_state_of_a_thread_inside_a_system_call_is_no_root():
 def test_data_ranges_follow_new_maps_and_unwritten_ranges():
     # the answers are kept for the same inputs (the plugin's helper): a mapping added
     # (dlopen) or another unwritten set must give the new answer, not the kept one
-    from memunreachable.classify import data_ranges, mapping_classes
+    from memunreachable.sweep.classify import data_ranges, mapping_classes
     first = data_ranges(MAPS, [])
     assert first == [Range(0x1000, 0x2000), Range(0x3000, 0x4000), Range(0x51000, 0x53000)]
     assert data_ranges(MAPS, []) == first
@@ -116,7 +116,7 @@ def test_data_ranges_follow_new_maps_and_unwritten_ranges():
 
 def test_a_thread_waiting_for_the_check_keeps_only_the_registers_a_call_preserves():
     from memunreachable._types import REG_NAMES
-    from memunreachable.classify import waiting
+    from memunreachable.sweep.classify import waiting
     names = ("rbx", "rbp", "r12", "r13", "r14", "r15", "rax", "rcx", "rdx", "rsi", "rdi",
              "r8", "r9", "r10", "r11")
     def thread(tid, orig_rax):
@@ -141,7 +141,7 @@ def test_a_thread_waiting_for_the_check_keeps_only_the_registers_a_call_preserve
 
 
 def test_a_block_only_a_vector_register_holds_is_live_in_user_code_and_leaked_in_a_syscall():
-    from memunreachable.mark import mark
+    from memunreachable.sweep.mark import mark
     from tests.unit.test_mark import Heap
     h = Heap([32, 32])
     fp = struct.pack("<2Q", 0, h.addrs[1])

@@ -20,7 +20,7 @@ from memunreachable._errors import (AccessDenied, CollectionError, HeapWalkError
                                     NoSuchProcess, SweepError, UnsupportedTarget,
                                     ZombieProcess)
 from memunreachable.cli import demo as demo_mod
-from memunreachable.report import Leak, UnreachableMemoryInfo
+from memunreachable.reporters.report import Leak, UnreachableMemoryInfo
 from memunreachable.reporters import format_text, render_json
 
 ROOT = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))

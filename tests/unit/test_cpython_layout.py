@@ -1,4 +1,4 @@
-"""Unit tests of memunreachable/cpython on in-memory images (BufferMemory): the layout
+"""Unit tests of memunreachable/heaps/cpython on in-memory images (BufferMemory): the layout
 tables, the pymalloc pool/block walk (native/mu_pymalloc.c), the arenas walk, data stacks,
 free lists and the interpreter/thread-state validation."""
 import struct
@@ -8,8 +8,8 @@ import pytest
 
 from memunreachable._ffi import ffi, lib
 from memunreachable._types import BufferMemory, Mapping, Range, ThreadState
-from memunreachable.cpython import layout as L
-from memunreachable.cpython import locate, obmalloc, walker
+from memunreachable.heaps.cpython import layout as L
+from memunreachable.heaps.cpython import locate, obmalloc, walker
 
 PS = 16384                       # 3.10+ pool size
 BASE = 0x7F0000000000            # an arena-aligned address
@@ -349,7 +349,7 @@ def test_interpreter_walk_validates_the_layout(case, ok):
 
 def test_runtime_candidates_are_python_objects_not_extension_modules():
     from memunreachable._types import Mapping
-    from memunreachable.cpython.locate import _candidates
+    from memunreachable.heaps.cpython.locate import _candidates
     paths = ["/usr/lib/x86_64-linux-gnu/libc.so.6",
              "/opt/py/lib/python3.11/lib-dynload/_bisect.cpython-311-x86_64-linux-gnu.so",
              "/opt/py/lib/python3.11/site-packages/numpy/core/_multiarray_umath.cpython-311-x86_64-linux-gnu.so",
@@ -366,7 +366,7 @@ def test_free_list_chains_followed_natively_in_the_copies_give_the_same_answers(
     # read_freelists follows the float and tuple chains in the sweep's copies natively
     # (mu_follow_chain) and the rest through mem: a chain wholly, partly or not at all in the
     # copies gives the same dead blocks and the same errors
-    from memunreachable.memory import CopiedMemory
+    from memunreachable.collect.memory import CopiedMemory
     lay = L.LAYOUTS[(3, 11)]
     interp, floats = 0x100000, [0x50000, 0x50100, 0x50200, 0x50300]
     def mem_of(blocks):

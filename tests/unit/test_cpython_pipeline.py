@@ -8,9 +8,9 @@ import pytest
 
 from memunreachable._ffi import lib
 from memunreachable._types import BufferMemory, HeapImage, Range
-from memunreachable.cpython import layout as L
-from memunreachable.cpython import objects as O
-from memunreachable.cpython import pipeline as P
+from memunreachable.heaps.cpython import layout as L
+from memunreachable.heaps.cpython import objects as O
+from memunreachable.heaps.cpython import pipeline as P
 
 A = 0x5555_0000_0000
 POOL = 0x7F00_0000_0000

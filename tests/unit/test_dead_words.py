@@ -11,8 +11,8 @@ from array import array
 import pytest
 
 from memunreachable._ffi import ffi, lib
-from memunreachable.folding import FoldedLeak, fold
-from memunreachable.mark import DeadWords, mark
+from memunreachable.sweep.folding import FoldedLeak, fold
+from memunreachable.sweep.mark import DeadWords, mark
 from tests.unit.test_mark import BASE, ROOT, Heap, words_buffer
 
 

@@ -4,7 +4,7 @@ import shutil
 
 import pytest
 
-from memunreachable import demangle as S
+from memunreachable.stacks import demangle as S
 
 
 @pytest.mark.parametrize("mangled, plain", [

@@ -1,5 +1,5 @@
 """Unit tests of allocator detection on synthetic maps (no process needed)."""
-from memunreachable import detect
+from memunreachable.sweep import detect
 from memunreachable._types import Mapping
 
 

@@ -10,7 +10,7 @@ import pytest
 from elftools.elf.elffile import ELFFile
 from elftools.elf.relocation import RelocationSection
 
-from memunreachable import elf as E
+from memunreachable.stacks import elf as E
 
 CANDIDATES = ["/lib/x86_64-linux-gnu/libc.so.6", "/lib64/ld-linux-x86-64.so.2",
               os.path.realpath(sys.executable)] + sorted(

@@ -1,6 +1,6 @@
 """explain.py: the referrer chain of a reachable block, on in-memory data."""
-from memunreachable.explain import explain
-from memunreachable.mark import mark, scanned_blocks
+from memunreachable.sweep.explain import explain
+from memunreachable.sweep.mark import mark, scanned_blocks
 from tests.unit.test_mark import BASE, ROOT, Heap, words_buffer
 
 
@@ -51,7 +51,7 @@ def test_unreachable_and_outside_blocks_say_so():
 
 def test_scanned_blocks_follow_the_type_rules():
     from memunreachable._ffi import lib
-    from memunreachable.mark import DeadWords
+    from memunreachable.sweep.mark import DeadWords
     from tests.unit.test_dead_words import INT_TYPE, SIZED
     h = Heap([80, 16])
     for slot, w in enumerate([0, 0, 1, INT_TYPE]):
@@ -108,7 +108,7 @@ def test_a_root_word_in_a_file_mapping_names_the_file_and_offset():
 
 def test_a_root_word_is_named_by_its_file_or_the_bss_after_it():
     from memunreachable._types import Mapping
-    from memunreachable.explain import _in_file
+    from memunreachable.sweep.explain import _in_file
     lib = "/usr/lib/libpython3.11.so.1.0"
     maps = [Mapping(0x1000, 0x3000, "r--p", 0, "08:01", 7, lib),
             Mapping(0x3000, 0x4000, "rw-p", 0x2000, "08:01", 7, lib),

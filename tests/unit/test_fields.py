@@ -8,10 +8,11 @@ import pytest
 
 from memunreachable._types import Fields, FrozenFields, Mapping, Range, ThreadState, record, set_fields
 
-MODULES = ("classify", "detect", "diagnose", "elf", "folding", "freeze", "leftovers", "preflight",
-           "procfs", "seccomp", "snapshot", "suppressions", "sweeper", "symbolize", "tracking",
-           "unreachable", "glibc.freelists", "glibc.layout", "glibc.locate", "glibc.validate",
-           "glibc.walker")
+MODULES = ("sweep.classify", "sweep.detect", "collect.diagnose", "stacks.elf", "sweep.folding",
+           "collect.freeze", "collect.leftovers", "collect.preflight", "collect.procfs",
+           "collect.seccomp", "collect.snapshot", "stacks.suppressions", "sweep.sweeper",
+           "stacks.symbolize", "stacks.tracking", "unreachable", "heaps.glibc.freelists",
+           "heaps.glibc.layout", "heaps.glibc.locate", "heaps.glibc.validate", "heaps.glibc.walker")
 
 
 def _all_fields_classes():
@@ -58,7 +59,7 @@ def test_frozen_fields_refuse_assignment_and_pickle_by_value():
 
 
 def test_mutable_fields_are_unhashable_and_get_fresh_defaults():
-    from memunreachable.sweeper import SweepEntry, SweepResult
+    from memunreachable.sweep.sweeper import SweepEntry, SweepResult
     r1, r2 = SweepResult(), SweepResult()
     r1.entries.append(SweepEntry(0x10, 32, 0, 0, b"x"))
     assert r2.entries == [] and r1 != r2
@@ -77,7 +78,7 @@ def test_range_orders_like_its_tuple():
 
 
 def test_private_fields_are_left_out_of_the_repr():
-    from memunreachable.snapshot import Snapshot
+    from memunreachable.collect.snapshot import Snapshot
     snap = Snapshot(pid=12, target_pid=11, mode="clone")
     assert repr(snap).startswith("Snapshot(pid=12, target_pid=11, mode='clone', reason=''")
     assert "_fz" not in repr(snap) and snap._created > 0

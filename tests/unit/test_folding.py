@@ -13,8 +13,8 @@ from array import array
 import pytest
 
 from memunreachable._types import HeapImage
-from memunreachable.folding import FoldedLeak, fold
-from memunreachable.mark import mark
+from memunreachable.sweep.folding import FoldedLeak, fold
+from memunreachable.sweep.mark import mark
 
 BASE = 0x7F3A_0000_1000
 W = 8
@@ -366,7 +366,7 @@ def test_fold_follows_a_word_at_a_blocks_last_8_bytes():
 
 def test_size_totals_counts_and_sums_the_flagged():
     from array import array
-    from memunreachable.folding import size_totals
+    from memunreachable.sweep.folding import size_totals
     assert size_totals(array("Q", [8, 24, 40, 56]), bytes([1, 0, 1, 0])) == (2, 128, 48)
     assert size_totals(array("Q"), b"") == (0, 0, 0)
 

@@ -3,9 +3,9 @@ real tcaches (glibc's own evidence, never shape alone)."""
 import struct
 
 from memunreachable._types import BufferMemory, FS_BASE_INDEX, Mapping, Range, REG_NAMES, ThreadState
-from memunreachable.glibc import layout as L
-from memunreachable.glibc.freelists import TcacheContext
-from memunreachable.glibc.walker import _Walker
+from memunreachable.heaps.glibc import layout as L
+from memunreachable.heaps.glibc.freelists import TcacheContext
+from memunreachable.heaps.glibc.walker import _Walker
 from test_walk import Run, in_use, tcache_struct
 
 HEAP, LIBC_DATA, TLS = 0x10000000, 0x7F0000001000, 0x7F0000100000

@@ -15,7 +15,7 @@ import pytest
 import memunreachable
 from memunreachable import cli
 from memunreachable._errors import IncompleteCheck, UnsupportedTarget
-from memunreachable.report import Leak, UnreachableMemoryInfo
+from memunreachable.reporters.report import Leak, UnreachableMemoryInfo
 from memunreachable.reporters import format_text, load_json, render_json
 
 REASON = ("CPython runtime at 0x7f00 in /usr/bin/python3.14 is 3.14, which has no known memory "
@@ -149,8 +149,8 @@ def test_an_unusable_runtime_is_a_blind_spot_unless_it_has_no_interpreter(
     # a runtime before Py_Initialize or after Py_Finalize (a check at exit) has no Python
     # objects to see: its warning stays, but the check is complete
     from memunreachable._types import HeapImage
-    from memunreachable.cpython import pipeline
-    from memunreachable.cpython.walker import CPythonMap
+    from memunreachable.heaps.cpython import pipeline
+    from memunreachable.heaps.cpython.walker import CPythonMap
     cp = CPythonMap(found=True, no_interpreter=no_interpreter, warnings=[REASON])
     monkeypatch.setattr(pipeline, "walk_cpython", lambda *a, **k: cp)
     image = HeapImage.__new__(HeapImage)

@@ -3,10 +3,10 @@ import struct
 
 import pytest
 
-from memunreachable import detect
+from memunreachable.sweep import detect
 from memunreachable._types import Mapping
-from memunreachable.glibc import layout as L
-from memunreachable.glibc import locate
+from memunreachable.heaps.glibc import layout as L
+from memunreachable.heaps.glibc import locate
 
 
 def test_first_chunk_of_heaps():

@@ -1,6 +1,6 @@
 """noleaks.LeakBaseline: which leaks of a check are new, on in-memory reports."""
 from memunreachable.noleaks import LeakBaseline
-from memunreachable.report import Leak, UnreachableMemoryInfo
+from memunreachable.reporters.report import Leak, UnreachableMemoryInfo
 
 
 def _info(*addresses):

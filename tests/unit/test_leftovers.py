@@ -1,6 +1,6 @@
 """Unit tests of leftovers.py's pure parts: /proc stat fields, the record, leftover matching."""
-from memunreachable.leftovers import PAGE, Clone, Record, decode_record, match_leftovers
-from memunreachable.procfs import Stat, parse_stat
+from memunreachable.collect.leftovers import PAGE, Clone, Record, decode_record, match_leftovers
+from memunreachable.collect.procfs import Stat, parse_stat
 
 
 def ProcStat(pid, state, ppid, start, exit_signal):  # noqa: N802 - the fields leftovers uses

@@ -4,7 +4,7 @@ given;
 readline's line buffer; terminfo's string tables."""
 import struct
 
-from memunreachable import libstate as K
+from memunreachable.heaps import libstate as K
 from memunreachable._errors import MemoryUnreadable
 from memunreachable._types import BufferMemory
 

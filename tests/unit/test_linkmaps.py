@@ -3,8 +3,8 @@ object's l_gnu_chain_zero from its GNU hash header, and the link-map words equal
 import struct
 
 from memunreachable._types import BufferMemory
-from memunreachable.glibc import linkmaps as LM
-from memunreachable.procfs import parse_auxv
+from memunreachable.heaps.glibc import linkmaps as LM
+from memunreachable.collect.procfs import parse_auxv
 
 BIAS = 0x555500000000                   # the executable's load bias
 PHDR = BIAS + 0x40

@@ -11,7 +11,7 @@ from array import array
 import pytest
 
 from memunreachable._types import HeapImage
-from memunreachable.mark import mark
+from memunreachable.sweep.mark import mark
 
 BASE = 0x7F3A_0000_1000
 
@@ -397,8 +397,8 @@ def test_parallel_mark_matches_a_graph_search(seed):
 import os
 
 from memunreachable._ffi import ffi, lib
-from memunreachable.glibc.walker import Uncopied
-from memunreachable.mark import DeadWords
+from memunreachable.heaps.glibc.walker import Uncopied
+from memunreachable.sweep.mark import DeadWords
 
 UNCOPIED_BASE = 1 << 32         # page aligned (mu_cands)
 
@@ -555,7 +555,7 @@ def test_candidates_keep_the_words_in_range_within_the_budget():
 
 def test_merge_pairs_is_merge_ranges_over_tuples():
     from memunreachable._types import Range, merge_ranges
-    from memunreachable.mark import merge_pairs
+    from memunreachable.sweep.mark import merge_pairs
     rng = random.Random(7)
     for _ in range(200):
         pairs = []
@@ -612,7 +612,7 @@ def test_a_text_tail_is_no_reference_on_every_mark_path():
     for res in all_ways(h, roots):
         assert list(res.marked) == [1, 0, 1, 1, 1, 1, 1, 0, 1, 1, 1, 1, 0, 1, 1, 1, 1]
     # the fold: a leaked block's text tail is no edge either (S0 and T1 stay two leaks)
-    from memunreachable.folding import fold
+    from memunreachable.sweep.folding import fold
     by = {f.index: f for f in fold(h.image(), bytearray(17))}
     assert T1 in by and by[S0].referenced_count == 0
 
@@ -623,7 +623,7 @@ def test_a_text_tail_is_no_reference_on_every_mark_path():
 # the bytes a copy reads (the pieces whose candidates were not kept), the pieces still holding
 # blocks to scan are copied and the rest of the mark scans them there. Every way gives the
 # same marked set and statistics as the mark over a copy.
-from memunreachable.mark import MARK_READ_COST, MARK_WAVE_COST, mark_policy
+from memunreachable.sweep.mark import MARK_READ_COST, MARK_WAVE_COST, mark_policy
 
 
 def deep_list(n, size=104):

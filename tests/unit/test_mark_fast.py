@@ -16,7 +16,7 @@ import pytest
 
 from memunreachable._ffi import ffi, lib
 from memunreachable._types import HeapImage
-from memunreachable.mark import DeadWords, dead_words, mark
+from memunreachable.sweep.mark import DeadWords, dead_words, mark
 
 GRANULE = 1 << 16
 ALIAS = GRANULE << 13           # two granules this far apart share a slot of the smallest map

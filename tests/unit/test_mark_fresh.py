@@ -7,7 +7,7 @@ from array import array
 import pytest
 
 from memunreachable._types import HeapImage
-from memunreachable.mark import DeadWords, mark
+from memunreachable.sweep.mark import DeadWords, mark
 
 BASE = 0x7F3A_0000_0000         # page aligned
 ROOT = 0x5555_0000_0000

@@ -8,7 +8,8 @@ import pytest
 
 from memunreachable._errors import MemoryUnreadable
 from memunreachable._types import Mapping, Range
-from memunreachable.memory import PAGE, ProcessMemory, SnapshotPlan, lacking_in_fork, plan_snapshot
+from memunreachable.collect.memory import (PAGE, ProcessMemory, SnapshotPlan, lacking_in_fork,
+                                           plan_snapshot)
 
 libc = ctypes.CDLL(None, use_errno=True)
 libc.mmap.restype = ctypes.c_void_p
@@ -177,7 +178,7 @@ VmFlags: rd wr mr mw me ac wf
 
 
 def test_smaps_flags_mark_mappings_with_anonymous_or_swapped_pages_written():
-    from memunreachable.procfs import parse_smaps_flags
+    from memunreachable.collect.procfs import parse_smaps_flags
     rows = parse_smaps_flags(SMAPS)
     assert [(mp.begin, "written" in f) for mp, f in rows] == [
         (0x7f0000000000, False), (0x7f0000002000, True), (0x7f0000003000, True),
@@ -186,7 +187,7 @@ def test_smaps_flags_mark_mappings_with_anonymous_or_swapped_pages_written():
 
 
 def test_plan_cuts_only_private_file_mappings_never_written():
-    from memunreachable.procfs import parse_smaps_flags
+    from memunreachable.collect.procfs import parse_smaps_flags
     rows = parse_smaps_flags(SMAPS)
     plan = plan_snapshot([mp for mp, _ in rows], rows)
     # the untouched r--p piece only: written (resident or swapped) pieces, shared file
@@ -196,7 +197,7 @@ def test_plan_cuts_only_private_file_mappings_never_written():
 
 def test_copied_memory_serves_reads_inside_one_copy_and_delegates_the_rest():
     from memunreachable._types import BufferMemory
-    from memunreachable.memory import CopiedMemory
+    from memunreachable.collect.memory import CopiedMemory
     backing = BufferMemory({0x1000: bytes(range(256)) * 32})
     copy = bytearray(b"\xaa" * 0x100)          # differs from the backing: shows which served
     mem = CopiedMemory(backing, [(0x1400, copy)])
@@ -213,7 +214,7 @@ def test_copied_memory_serves_each_address_from_the_last_copy_at_or_below_it():
     # view() tries the copy of its last hit first; the copy it uses must stay the one a
     # search gives (the last one beginning at or below the address), whatever came before
     from memunreachable._types import BufferMemory
-    from memunreachable.memory import CopiedMemory
+    from memunreachable.collect.memory import CopiedMemory
     backing = BufferMemory({0x1000: bytes(0x1000)})
     a, b, c = bytearray(b"a" * 0x200), bytearray(b"b" * 0x40), bytearray(b"c" * 0x40)
     mem = CopiedMemory(backing, [(0x1100, b), (0x1000, a), (0x1100, c)])    # c after b
@@ -228,7 +229,7 @@ def test_copied_memory_serves_each_address_from_the_last_copy_at_or_below_it():
 
 def test_local_copy_views_a_held_copy_and_reads_the_rest():
     from memunreachable._types import BufferMemory
-    from memunreachable.memory import CopiedMemory, local_copy
+    from memunreachable.collect.memory import CopiedMemory, local_copy
     backing = BufferMemory({0x1000: bytes(range(256)) * 32})
     copy = bytearray(b"\xaa" * 0x100)
     mem = CopiedMemory(backing, [(0x1400, copy)])
@@ -244,7 +245,7 @@ def test_local_copy_views_a_held_copy_and_reads_the_rest():
 
 
 def test_read_copies_skips_unreadable_ranges_only_when_asked(three_pages_middle_unreadable):
-    from memunreachable.memory import read_copies
+    from memunreachable.collect.memory import read_copies
     base, _ = three_pages_middle_unreadable
     # 64 bytes each: local buffers below a page are bytearrays, so no mmap of ours can land
     # in the hole
@@ -259,7 +260,7 @@ def test_read_copies_skips_unreadable_ranges_only_when_asked(three_pages_middle_
 
 def test_read_many_fills_every_buffer_and_names_each_unreadable_one(three_pages_middle_unreadable):
     from memunreachable._types import local_buffer
-    from memunreachable.memory import read_many
+    from memunreachable.collect.memory import read_many
     base, _ = three_pages_middle_unreadable
     # 5 MiB of known bytes (more than one 1 MiB piece, read on several threads), a small
     # range, and one range over the hole
@@ -278,7 +279,7 @@ def test_read_many_fills_every_buffer_and_names_each_unreadable_one(three_pages_
 
 
 def test_read_many_reads_tolerated_ranges_as_read_into_does(three_pages_middle_unreadable):
-    from memunreachable.memory import read_many
+    from memunreachable.collect.memory import read_many
     base, _ = three_pages_middle_unreadable
     pairs = [(base, bytearray(3 * PAGE)), (base + 2 * PAGE, bytearray(PAGE))]
     with ProcessMemory(os.getpid(), tolerated=[Range(base + PAGE, base + 2 * PAGE)]) as mem:
@@ -299,7 +300,7 @@ def test_heap_buffers_are_zeroed_bytearrays_once_asked(monkeypatch):
 
 def test_uncleared_heap_buffers_are_filled_whole_by_reads(monkeypatch):
     from memunreachable import _types
-    from memunreachable.memory import read_copies
+    from memunreachable.collect.memory import read_copies
     monkeypatch.setattr(_types, "_HEAP_BUFFERS", True)
     data = bytearray(os.urandom(3 << 20))
     with ProcessMemory(os.getpid()) as mem:
@@ -312,7 +313,7 @@ def test_uncleared_heap_buffers_are_filled_whole_by_reads(monkeypatch):
 
 def test_copied_memory_small_reads_outside_copies_come_from_cached_pages(
         three_pages_middle_unreadable):
-    from memunreachable.memory import CopiedMemory
+    from memunreachable.collect.memory import CopiedMemory
     base, _ = three_pages_middle_unreadable
     with ProcessMemory(os.getpid()) as pm:
         mem = CopiedMemory(pm, [])
@@ -330,7 +331,7 @@ def test_copied_memory_small_reads_outside_copies_come_from_cached_pages(
 
 
 def test_unwritten_file_pages_are_the_unwritten_parts_of_file_mappings():
-    from memunreachable.memory import unwritten_file_pages
+    from memunreachable.collect.memory import unwritten_file_pages
     text = Mapping(0xf000, 0x10000, "r-xp", 0x1000, "08:01", 77, "/lib/x.so")
     lib = Mapping(0x10000, 0x14000, "r--p", 0x2000, "08:01", 77, "/lib/x.so")
     data = Mapping(0x14000, 0x16000, "rw-p", 0x6000, "08:01", 77, "/lib/x.so")
@@ -347,7 +348,7 @@ def test_copied_memory_keeps_file_pages_between_sweeps_by_file_identity():
     # the same file page at another address (another process, another sweep) is served from
     # the first read; a page of another file, or outside file_pages, is read from memory
     from memunreachable._types import BufferMemory
-    from memunreachable import memory as M
+    from memunreachable.collect import memory as M
 
     class Plain(BufferMemory):          # read from the fd alone, as a ProcessMemory says
         __slots__ = ()
@@ -378,7 +379,7 @@ def resident_pages(buf) -> list:
 
 
 def test_sparse_reads_release_the_pages_read_as_zeros():
-    from memunreachable.memory import read_many
+    from memunreachable.collect.memory import read_many
     from memunreachable._types import local_buffer
     src = mmap.mmap(-1, 64 * PAGE, flags=mmap.MAP_PRIVATE | mmap.MAP_ANONYMOUS)
     for page in (0, 7, 8, 63):
@@ -395,7 +396,7 @@ def test_sparse_reads_release_the_pages_read_as_zeros():
 
 
 def test_plan_of_the_same_inputs_is_kept_and_other_inputs_plan_again():
-    from memunreachable.procfs import parse_smaps_flags
+    from memunreachable.collect.procfs import parse_smaps_flags
     rows = parse_smaps_flags(SMAPS)
     target = [mp for mp, _ in rows]
     size = {0x7f0000000000: 0x10000}
@@ -417,7 +418,7 @@ def test_copied_memory_reads_only_what_no_copy_holds():
     # untouched end pages the walk did not copy): the copies' parts come from them, and only
     # the gaps are read from the snapshot
     from memunreachable._types import BufferMemory
-    from memunreachable.memory import CopiedMemory
+    from memunreachable.collect.memory import CopiedMemory
     data = bytes(range(256)) * 32
     reads = []
 
@@ -468,7 +469,7 @@ GETRANDOM_PAGE = Range(0x7f60a3d06000, 0x7f60a3d07000)
 def _target_and_snapshot(text: str):
     """(the target's maps, the snapshot's smaps rows) for smaps text: the snapshot lacks the
     mappings marked dc, as a fork does."""
-    from memunreachable.procfs import parse_smaps_flags
+    from memunreachable.collect.procfs import parse_smaps_flags
     rows = parse_smaps_flags(text)
     return [mp for mp, _ in rows], [(mp, f) for mp, f in rows if "dc" not in f]
 
@@ -516,7 +517,7 @@ GR_FLAGS = frozenset("rd wr mr mw me nr wf dd dp".split())
     (Mapping(0x1000, 0x2000, "rw-p", 0, "fe:00", 42, "/tmp/f"), GR_FLAGS, False),
 ])
 def test_is_getrandom_state(mapping, flags, state):
-    from memunreachable.memory import is_getrandom_state
+    from memunreachable.collect.memory import is_getrandom_state
     assert is_getrandom_state(mapping, frozenset(flags)) is state
 
 
@@ -531,7 +532,7 @@ def test_other_wipeonfork_memory_is_still_missing(flags):
 
 def test_getrandom_state_is_cut_from_the_roots():
     # the plan's unwritten ranges are what sweep() cuts from the roots (classify's cuts)
-    from memunreachable.classify import classify
+    from memunreachable.sweep.classify import classify
     target, snap = _target_and_snapshot(GETRANDOM_SMAPS.split("7f60a3e00000")[0])
     plan = plan_snapshot(target, snap)
     roots = classify(target, [], [], [], plan.unwritten)

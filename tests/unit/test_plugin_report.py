@@ -1,6 +1,6 @@
 """The pytest plugin's failure text: a headline per test, no lines about the batch's check."""
 from memunreachable.pytest_plugin import _leak_text, headline
-from memunreachable.report import Leak, UnreachableMemoryInfo
+from memunreachable.reporters.report import Leak, UnreachableMemoryInfo
 
 
 def _info(leaks, **kw):

@@ -4,9 +4,9 @@ import sys
 
 import pytest
 
-from memunreachable import diagnose, preflight
+from memunreachable.collect import diagnose, preflight
 from memunreachable._errors import AccessDenied, NoSuchProcess, UnsupportedTarget, ZombieProcess
-from memunreachable.procfs import PF_KTHREAD, Stat, Status
+from memunreachable.collect.procfs import PF_KTHREAD, Stat, Status
 
 PID = 4321
 
@@ -298,3 +298,27 @@ def test_zombie_leader_is_not_an_exited_process():
     err = diagnose.diagnose(PID, errno.EPERM, facts(status=status(state="Z", threads=2),
                                                      live_threads=1, cap_sys_ptrace=True))
     assert not isinstance(err, ZombieProcess)
+
+
+def test_a_process_gone_under_a_proc_read_gets_its_hint_from_the_check(monkeypatch):
+    """procfs raises NoSuchProcess bare (it cannot ask diagnose, which reads /proc through it);
+    the orchestrator that catches it adds the hint: check() of a process that vanishes
+    between preflight and the freeze."""
+    from memunreachable import unreachable
+    from memunreachable.collect import procfs
+    gone = 4194305                      # above the largest possible pid_max (2^22)
+    with pytest.raises(NoSuchProcess) as ei:
+        procfs.read_status(gone)
+    assert ei.value.hint is None
+    monkeypatch.setattr(unreachable.preflight_stage, "preflight",
+                        lambda pid: preflight.Target(pid, "gone", 0, 0))
+    with pytest.raises(NoSuchProcess) as ei:
+        unreachable.check(gone)
+    assert ei.value.hint == diagnose.hint_no_process(gone)
+    # a hint already given, and a zombie's (preflight words its own), stay as they are
+    with pytest.raises(NoSuchProcess) as ei, diagnose.hinted():
+        raise NoSuchProcess(7, "gone", hint="mine")
+    assert ei.value.hint == "mine"
+    with pytest.raises(ZombieProcess) as ei, diagnose.hinted():
+        raise ZombieProcess(7, "zombie")
+    assert ei.value.hint is None

@@ -3,7 +3,7 @@ import struct
 
 import pytest
 
-from memunreachable import procfs
+from memunreachable.collect import procfs
 from memunreachable._types import Mapping
 
 MAPS = """\
@@ -179,14 +179,14 @@ def test_parse_smaps_flags_equals_the_line_model_on_this_process():
 
 
 def test_rss_anon_bytes_of_a_status_text():
-    from memunreachable.procfs import rss_anon_bytes
+    from memunreachable.collect.procfs import rss_anon_bytes
     text = "Name:\tpython\nVmRSS:\t   30892 kB\nRssAnon:\t    2002 kB\nRssFile:\t 28890 kB\n"
     assert rss_anon_bytes(text) == 2002 * 1024
     assert rss_anon_bytes("Name:\tkthreadd\nState:\tS (sleeping)\n") == 0
 
 
 def test_runs_in_use_from_pagemap_entries():
-    from memunreachable.procfs import runs_in_use
+    from memunreachable.collect.procfs import runs_in_use
     present, swapped, none = (1 << 63) | 1234, 1 << 62, 0
     base = 0x7f0000000000
     pages = [present, present, none, none, none, swapped, none, present] + [none] * 8 + [present]

@@ -3,9 +3,9 @@ backtraces, missing stacks and suppressions (issue 9)."""
 import io
 import json
 
-from memunreachable.report import Leak, UnreachableMemoryInfo, group_leaks, members, stack_key
+from memunreachable.reporters.report import Leak, UnreachableMemoryInfo, group_leaks, members, stack_key
 from memunreachable.reporters import format_text, load_json, render_json, write_json
-from memunreachable.symbolize import Frame
+from memunreachable.stacks.symbolize import Frame
 
 S1 = [0x401234, 0x401300]
 S2 = [0x401999]
@@ -293,7 +293,7 @@ def test_a_leaks_address_is_an_int_that_holds_nothing():
     # an exact int holding a native block's address is its handle (mu_types.h MU_TYPE_INT):
     # a report kept through the next in-process check must not keep its leaks reachable
     import pickle
-    from memunreachable.report import Address
+    from memunreachable.reporters.report import Address
     leak = Leak(0x7F00_0000_1000, 64)
     assert type(leak.address) is Address and leak.address == 0x7F00_0000_1000
     assert type(pickle.loads(pickle.dumps(leak)).address) is Address

@@ -7,7 +7,7 @@ import re
 import pytest
 
 from memunreachable import __version__
-from memunreachable.report import SCHEMA_VERSION, Leak, UnreachableMemoryInfo
+from memunreachable.reporters.report import SCHEMA_VERSION, Leak, UnreachableMemoryInfo
 from memunreachable.reporters import (format_text, human_size, load_json, render_json,
                                       render_text, summary_line, write_json)
 from memunreachable.reporters.text import use_color
@@ -329,7 +329,7 @@ def test_load_json_rejects_other_schema():
 
 
 def test_uncertain_blocks_are_listed_apart_and_not_in_the_summary():
-    from memunreachable.report import Leak, UnreachableMemoryInfo
+    from memunreachable.reporters.report import Leak, UnreachableMemoryInfo
     from memunreachable.reporters.text import format_text
     info = UnreachableMemoryInfo(pid=7, num_leaks=1, leak_bytes=200,
                                  leaks=[Leak(0x1000, 200)], num_uncertain=3, uncertain_bytes=216,
@@ -343,7 +343,7 @@ def test_uncertain_blocks_are_listed_apart_and_not_in_the_summary():
 
 
 def test_json_carries_uncertain_blocks_and_round_trips():
-    from memunreachable.report import Leak, UnreachableMemoryInfo
+    from memunreachable.reporters.report import Leak, UnreachableMemoryInfo
     info = UnreachableMemoryInfo(pid=7, num_uncertain=2, uncertain_bytes=144,
                                  uncertain=[Leak(0x2000, 72, contents=b"ab"), Leak(0x3000, 72)],
                                  retries=1, retake_counts={"capture": 1})

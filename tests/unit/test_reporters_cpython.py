@@ -3,9 +3,9 @@ cyclic garbage list, in the text and JSON reporters (additive fields), and throu
 sweeper's pipe."""
 import json
 
-from memunreachable.report import Leak, UnreachableMemoryInfo
+from memunreachable.reporters.report import Leak, UnreachableMemoryInfo
 from memunreachable.reporters import format_text, load_json, render_json
-from memunreachable.sweeper import SweepEntry, SweepResult, decode, encode_result
+from memunreachable.sweep.sweeper import SweepEntry, SweepResult, decode, encode_result
 
 
 def info():

@@ -5,10 +5,10 @@ import struct
 
 import pytest
 
-from memunreachable import seccomp as sc
-from memunreachable.seccomp import (Insn, RET_ALLOW, RET_ERRNO, RET_KILL_PROCESS,
-                                    RET_KILL_THREAD, RET_LOG, RET_TRACE, RET_TRAP,
-                                    RET_USER_NOTIF)
+from memunreachable.collect import seccomp as sc
+from memunreachable.collect.seccomp import (Insn, RET_ALLOW, RET_ERRNO, RET_KILL_PROCESS,
+                                            RET_KILL_THREAD, RET_LOG, RET_TRACE, RET_TRAP,
+                                            RET_USER_NOTIF)
 
 # <linux/filter.h> BPF_STMT / BPF_JUMP and the codes a seccomp filter uses
 LD_W_ABS, LD_W_LEN, LDX_W_LEN, LD_IMM, LDX_IMM, LD_MEM, LDX_MEM = 0x20, 0x80, 0x81, 0x00, 0x01, 0x60, 0x61

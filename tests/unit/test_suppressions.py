@@ -3,10 +3,10 @@ matched, hit counts and bytes, and the "Suppressions used:" block."""
 import pytest
 
 from memunreachable._errors import SuppressionsError
-from memunreachable.report import Leak
-from memunreachable.suppressions import (Suppression, apply, as_rules, format_used, load, match,
-                                         parse, template_match, used)
-from memunreachable.symbolize import Frame
+from memunreachable.reporters.report import Leak
+from memunreachable.stacks.suppressions import (Suppression, apply, as_rules, format_used, load, match,
+                                                parse, template_match, used)
+from memunreachable.stacks.symbolize import Frame
 
 
 def test_parse_lsan_syntax():

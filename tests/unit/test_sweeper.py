@@ -5,9 +5,9 @@ import signal
 import pytest
 
 from memunreachable._errors import SweepError, UnsupportedTarget
-from memunreachable.leftovers import children_of
-from memunreachable.sweeper import (HEADER, SweepEntry, SweepResult, decode, encode_error,
-                                    encode_result, run_here, run_sweeper)
+from memunreachable.collect.leftovers import children_of
+from memunreachable.sweep.sweeper import (HEADER, SweepEntry, SweepResult, decode, encode_error,
+                                          encode_result, run_here, run_sweeper)
 
 
 def sample():
@@ -108,7 +108,7 @@ def test_sweeper_timeout_kills_child():
 def test_sweeper_that_sent_its_result_is_reaped_in_the_background():
     import time
 
-    from memunreachable import sweeper
+    from memunreachable.sweep import sweeper
 
     def work():
         sweeper.retain_list().append(bytearray(64 << 20))   # kept until the sweeper exits

@@ -13,8 +13,8 @@ import shutil
 
 import pytest
 
-from memunreachable import symbolize as S
-from memunreachable.symbolize import Frame, SymbolCache, format_frame, merge_python, symbolize
+from memunreachable.stacks import symbolize as S
+from memunreachable.stacks.symbolize import Frame, SymbolCache, format_frame, merge_python, symbolize
 from sym_helpers import (addr2line, build_id_of, build_sym, ensure_libc_debug, libc_path,
                                lines_marked, run, source, SymProcess)
 
@@ -324,7 +324,7 @@ def test_cpython_python_frames_in_place_of_the_eval_frame(tmp_path):
     eval loop frame is found by name and replaced by the Python frames that ran in it."""
     import subprocess
     import sys
-    from memunreachable import procfs
+    from memunreachable.collect import procfs
     script = tmp_path / "leaky_app.py"
     script.write_text(PY_SCRIPT)
     marks = {m: n for n, text in enumerate(PY_SCRIPT.split("\n"), 1)

@@ -1,6 +1,6 @@
 """_tracer's "go" line: the DEAD ranges word, on in-memory text."""
 from memunreachable._tracer import format_ranges, parse_ranges
-from memunreachable.mark import DeadWords, with_dead_ranges
+from memunreachable.sweep.mark import DeadWords, with_dead_ranges
 
 
 def test_dead_ranges_round_trip_aligned_inwards():

@@ -4,7 +4,8 @@ from __future__ import annotations
 
 import pytest
 
-from memunreachable import inject, seccomp as sc, track_pid
+from memunreachable.collect import inject, seccomp as sc
+from memunreachable import track_pid
 from memunreachable._errors import UnsupportedTarget
 from memunreachable._types import Mapping
 from memunreachable.cli.track import describe

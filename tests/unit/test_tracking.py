@@ -7,10 +7,10 @@ running interpreter's own code objects (co_lines()).
 """
 import struct
 
-from memunreachable import tracking
+from memunreachable.stacks import tracking
 from memunreachable._types import BufferMemory, Mapping, Range
-from memunreachable.classify import classify
-from memunreachable.sweeper import SweepEntry, SweepResult, decode, encode_result
+from memunreachable.sweep.classify import classify
+from memunreachable.sweep.sweeper import SweepEntry, SweepResult, decode, encode_result
 
 BASE = 0x7f0000000000
 SIZE = 2 << 20

@@ -270,7 +270,7 @@ def scan(tab, n, r, tc, active=64, max_count=7, cap=16, want=0):
 
 
 def test_tcache_scan_prefilter_and_keys():
-    from memunreachable.glibc.layout import TCACHE_U16 as tc
+    from memunreachable.heaps.glibc.layout import TCACHE_U16 as tc
     r = Run(size=1 << 16)
     n0 = r.chunk(0x20)              # bin 0 chunk
     n1 = r.chunk(0x30)              # bin 1 chunk
@@ -299,7 +299,7 @@ def test_tcache_scan_prefilter_and_keys():
 
 
 def test_tcache_scan_is_linear_for_many_lookalikes():
-    from memunreachable.glibc.layout import TCACHE_U16 as tc
+    from memunreachable.heaps.glibc.layout import TCACHE_U16 as tc
     n = 20000
     r = Run(size=n * (tc.chunk_size + 0x20) + 0x1000)
     for _ in range(n):
@@ -383,7 +383,7 @@ def test_five_million_chunks_walk_fast():
 # ---- validate.py: verdicts on free lists and hard inconsistencies (pure policy) -------------
 
 def test_tcache_bin_verdicts():
-    from memunreachable.glibc import validate as V
+    from memunreachable.heaps.glibc import validate as V
     v = V.Verdict()
     t = 0x5000
     assert V.judge_tcache_bin(v, t, 3, 72, 3, V.CHAIN_NULL, 3, 0, 0x7010, 0, False) == (3, False)
@@ -406,7 +406,7 @@ def test_tcache_bin_verdicts():
 
 
 def test_fastbin_verdicts():
-    from memunreachable.glibc import validate as V
+    from memunreachable.heaps.glibc import validate as V
     v = V.Verdict()
     assert V.judge_fastbin(v, 0xa000, 4, 88, V.CHAIN_NULL, 5, 0, 0, 0) == 5 and v.soft == []
     assert V.judge_fastbin(v, 0xa000, 4, 88, V.CHAIN_CYCLE, 2, 0, 0x7010, 0x7110) == 2
@@ -426,7 +426,7 @@ def test_fastbin_verdicts():
 
 def test_heap_inconsistent_carries_first_bad_and_pickles():
     import pickle
-    from memunreachable.glibc import validate as V
+    from memunreachable.heaps.glibc import validate as V
 
     def verdict():
         v = V.Verdict()
@@ -570,7 +570,7 @@ def uncopied_regions(fd, *runs):
 
 
 def test_list_walks_read_uncopied_regions_as_copies():
-    from memunreachable.glibc.layout import TCACHE_U16 as tc
+    from memunreachable.heaps.glibc.layout import TCACHE_U16 as tc
     r = Run(size=1 << 16)
     nodes = [r.chunk(0x50) for _ in range(6)]
     n0 = r.chunk(0x20)
@@ -666,7 +666,7 @@ def test_read_walk_drop_releases_the_copy_and_keeps_the_candidates():
 
 
 def test_chunk_lookalikes_are_told_apart_by_mp_s_counters_only_when_unambiguous():
-    from memunreachable.glibc import validate as V
+    from memunreachable.heaps.glibc import validate as V
     real = {0x1010: 1925120, 0x2010: 294912, 0x3010: 135168, 0x4010: 266240}
     total = sum(real.values())
     # a page of a pymalloc arena that began 0, 0x2002: one 8 KiB chunk too many
@@ -689,8 +689,8 @@ def test_chunk_lookalikes_are_told_apart_by_mp_s_counters_only_when_unambiguous(
 def test_glibc_243_mp_counts_16_bytes_more_per_mremap_for_good():
     # glibc 2.43 mremap_chunk: mmapped_mem += new_size - size - offset, the mapping's change
     # + CHUNK_HDR_SZ since mmap_size() = offset + size + 16; munmap_chunk subtracts mmap_size
-    from memunreachable.glibc import layout as L
-    from memunreachable.glibc import validate as V
+    from memunreachable.heaps.glibc import layout as L
+    from memunreachable.heaps.glibc import validate as V
     over = L.MMAP_CHUNK_243.mremap_overcount
     assert over == 16 and L.MMAP_CHUNK_227.mremap_overcount == 0
     real = {0x1010: 3149824, 0x2010: 3149824}
@@ -716,7 +716,7 @@ def test_glibc_243_mp_counts_16_bytes_more_per_mremap_for_good():
 # ---- glibc 2.42+ / 2.43 (issue 22) --------------------------------------------------------
 def test_mmapped_scan_243_layout_keeps_a_header_after_the_chunk():
     # 2.43: size = mapping - offset - 16, usable = size - 8; prev_size bit 0 = MMAP_HP
-    from memunreachable.glibc.layout import MMAP_CHUNK_243 as f
+    from memunreachable.heaps.glibc.layout import MMAP_CHUNK_243 as f
     buf = bytearray(0x40000)
     base = 0x7f0000000000
     struct.pack_into("<QQ", buf, 0, 0, (0x5000 - 16) | M)                  # plain chunk
@@ -787,7 +787,7 @@ def tcache76_struct(r, tc, counts, heads, max_count=16):
 
 
 def test_tcache_scan_reads_num_slots_as_room_left_and_large_bin_ranges():
-    from memunreachable.glibc.layout import TCACHE_76 as tc
+    from memunreachable.heaps.glibc.layout import TCACHE_76 as tc
     r = Run(size=1 << 16)
     small, large = r.chunk(0x20), r.chunk(0x600)
     key = 0x1234567890ABCDEF
@@ -813,7 +813,7 @@ def test_tcache_scan_reads_num_slots_as_room_left_and_large_bin_ranges():
 def test_tcache_scan_accepts_a_struct_16_bytes_larger():
     # malloc hands out a whole bin chunk when the rest would be below MINSIZE: a static 2.43
     # program's tcache (allocated at its first free) sat in a 0x310 chunk
-    from memunreachable.glibc.layout import TCACHE_76 as tc
+    from memunreachable.heaps.glibc.layout import TCACHE_76 as tc
     r = Run(size=1 << 16)
     node = r.chunk(0x20)
     structs = []

@@ -6,11 +6,11 @@ import os
 
 import pytest
 
-from memunreachable import procfs
+from memunreachable.collect import procfs
 from array import array
 
-from memunreachable.written import (WriteTracker, fresh_levels, merged, open_fd, subtracted,
-                                    trackable, unwritten_levels)
+from memunreachable.sweep.written import (WriteTracker, fresh_levels, merged, open_fd, subtracted,
+                                          trackable, unwritten_levels)
 
 P = 4096
 

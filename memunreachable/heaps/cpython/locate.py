@@ -17,13 +17,13 @@ import struct
 from dataclasses import dataclass, field
 from typing import Dict, List, Optional, Sequence, Tuple
 
-from memunreachable import elf as E
-from memunreachable import procfs
+from memunreachable.stacks import elf as E
+from memunreachable.collect import procfs
 from memunreachable._errors import MemoryUnreadable
 from memunreachable._types import Mapping, ThreadState
-from memunreachable.cpython import layout as L
-from memunreachable.cpython import probe
-from memunreachable.cpython.probe import ANY_PYTHON, EXECUTABLE, LIBPYTHON  # noqa: F401
+from memunreachable.heaps.cpython import layout as L
+from memunreachable.heaps.cpython import probe
+from memunreachable.heaps.cpython.probe import ANY_PYTHON, EXECUTABLE, LIBPYTHON  # noqa: F401
 
 PAGE = 4096
 MAX_INTERPRETERS = 256

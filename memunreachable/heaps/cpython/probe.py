@@ -14,9 +14,9 @@ import re
 import struct
 from typing import Dict, List, Optional, Sequence, Tuple
 
-from memunreachable import procfs
+from memunreachable.collect import procfs
 from memunreachable._types import Mapping
-from memunreachable.elf import ElfError, ElfFile
+from memunreachable.stacks.elf import ElfError, ElfFile
 
 LIBPYTHON = re.compile(r"^libpython(\d)\.(\d+)[a-z]*\.so")
 EXECUTABLE = re.compile(r"^python(\d)\.(\d+)[a-z]*$")

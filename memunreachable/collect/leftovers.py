@@ -38,10 +38,10 @@ import time
 from contextlib import contextmanager
 from typing import Dict, Iterator, List, Optional, Tuple
 
-from memunreachable import procfs
+from memunreachable.collect import procfs
 from memunreachable._errors import CollectionError, NoSuchProcess
 from memunreachable._types import Fields, FrozenFields, set_fields
-from memunreachable.freeze import critical, interruptible
+from memunreachable.collect.freeze import critical, interruptible
 
 log = logging.getLogger("memunreachable")
 

@@ -26,10 +26,10 @@ from typing import List, Optional, Sequence, Tuple
 
 from memunreachable._errors import MemoryUnreadable
 from memunreachable._types import Mapping, Range, ThreadState, merge_ranges
-from memunreachable.cpython import layout as L
-from memunreachable.cpython import locate, obmalloc
-from memunreachable.cpython.locate import InterpreterInfo, LayoutMismatch, Runtime
-from memunreachable.memory import CopiedMemory
+from memunreachable.heaps.cpython import layout as L
+from memunreachable.heaps.cpython import locate, obmalloc
+from memunreachable.heaps.cpython.locate import InterpreterInfo, LayoutMismatch, Runtime
+from memunreachable.collect.memory import CopiedMemory
 
 MAX_CHUNKS = 1 << 16
 MAX_CHUNK_BYTES = 1 << 30

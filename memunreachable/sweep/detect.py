@@ -3,7 +3,9 @@
 Input: the target's mappings (and its pid, for /proc/PID/exe). Output: an AllocatorScan naming
 the object that contains glibc malloc (libc, or the executable when glibc is linked statically),
 plus any other allocator mapped. Messages for refusals come from here, so the wording is
-tested in one place.
+tested in one place. threads_in_allocator(threads, maps, pid, arena_mutexes): the threads
+stopped inside that object's code (a chunk may be in flight: the sweep confirms, the retake
+judges, an injected call avoids them).
 """
 from __future__ import annotations
 
@@ -11,7 +13,7 @@ import os
 import struct
 from typing import List, Optional
 
-from memunreachable import procfs
+from memunreachable.collect import procfs
 from memunreachable._types import Fields, Mapping
 
 # Matched with str methods, not regexes: compiling these was 0.5 ms of every check (issue 10).
@@ -164,7 +166,7 @@ def malloc_interposers(maps: List[Mapping], scan: AllocatorScan, pid: Optional[i
     malloc call away from glibc's arenas. Looked up in each object's .dynsym (elf.py), so
     this costs a few ms even for a process with many libraries.
     """
-    from memunreachable.elf import ElfError, ElfFile
+    from memunreachable.stacks.elf import ElfError, ElfFile
 
     found: List[str] = []
     seen = set()
@@ -193,3 +195,29 @@ def interposer_message(paths: List[str]) -> str:
 def unused_arenas_message() -> str:
     return ("unsupported allocator: glibc's malloc was initialised but its arenas hold no memory; "
             "the process probably uses another allocator (linked in statically?): nothing was checked")
+
+
+# syscalls glibc malloc/free make while a chunk may be in flight (futex: see below)
+_ALLOCATOR_SYSCALLS = {9, 10, 11, 12, 25, 28}   # mmap mprotect munmap brk mremap madvise
+SYS_FUTEX = 202
+
+
+def threads_in_allocator(threads, maps, pid: int, arena_mutexes) -> list:
+    """tids that may hold a chunk in flight: stopped inside the code of the object that holds
+    malloc (libc, or a static executable) while running user code, or in a syscall malloc
+    makes, or waiting on an arena's mutex (futex on the arena's first word); [] when none.
+    A thread parked in any other futex (condition variables, barriers) is not suspect;
+    arena_mutexes None (not known yet): any futex in that code counts."""
+    scan = scan_maps(maps, pid)
+    text = [m.range for m in maps if m.executable and scan.malloc_object
+            and strip_deleted(m.path) == scan.malloc_object]
+    mutexes = set(arena_mutexes or ())
+    out = []
+    for t in threads:
+        rip, orig_rax, rdi = t.regs[16], t.regs[15], t.regs[14]
+        if not any(r.contains(rip) for r in text):
+            continue
+        if (orig_rax == 0xFFFFFFFFFFFFFFFF or orig_rax in _ALLOCATOR_SYSCALLS
+                or (orig_rax == SYS_FUTEX and (arena_mutexes is None or rdi in mutexes))):
+            out.append(t.tid)
+    return out

@@ -28,7 +28,7 @@ from __future__ import annotations
 import struct
 from typing import Dict, List, NamedTuple, Optional, Tuple
 
-from memunreachable import procfs
+from memunreachable.collect import procfs
 from memunreachable._errors import MemoryUnreadable, NoSuchProcess
 
 AT_PHDR, AT_PHNUM = 3, 5

@@ -14,11 +14,11 @@ import os
 import struct
 from typing import Iterator, List, Optional, Tuple
 
-from memunreachable import elf as E
+from memunreachable.stacks import elf as E
 from memunreachable._errors import MemoryUnreadable
-from memunreachable import procfs
+from memunreachable.collect import procfs
 from memunreachable._types import FrozenFields, Mapping, set_fields
-from memunreachable.glibc import layout as L
+from memunreachable.heaps.glibc import layout as L
 
 R_X86_64_RELATIVE = 8
 

@@ -23,15 +23,16 @@ import errno
 import os
 from typing import Dict, List, Optional, Sequence, Tuple
 
-from memunreachable import detect, diagnose, elf as E, procfs, seccomp, snapshot
+from memunreachable.sweep import detect
+from memunreachable.collect import diagnose, procfs, seccomp, snapshot
+from memunreachable.collect.memory import ProcessMemory
+from memunreachable.heaps.glibc.walker import arena_addresses
+from memunreachable.stacks import elf as E
 from memunreachable._errors import (CollectionError, MemunreachableError, NoSuchProcess,
                                     UnsupportedTarget)
 from memunreachable._ffi import ffi, lib
 from memunreachable._types import Mapping
-from memunreachable.freeze import Frozen
-from memunreachable.glibc.walker import arena_addresses
-from memunreachable.memory import ProcessMemory
-from memunreachable.unreachable import threads_in_allocator
+from memunreachable.collect.freeze import Frozen
 
 CALL_TIMEOUT = 5.0              # seconds a call may take (dlopen of a library: milliseconds)
 TRACK_LIBRARY = "_track.so"
@@ -73,7 +74,7 @@ def load_calls(restore_rt: int) -> List[seccomp.Call]:
 # throwing an exception holds the unwinder's locks). A thread waiting on a condition
 # variable, a join or another mutex is not busy: an idle thread pool waits only there.
 def busy_threads(fz: Frozen) -> List[int]:
-    busy = set(threads_in_allocator(fz.threads, fz.maps, fz.pid, _arena_mutexes(fz)))
+    busy = set(detect.threads_in_allocator(fz.threads, fz.maps, fz.pid, _arena_mutexes(fz)))
     code = [m.range for m in fz.maps if m.executable and _holds_locks_we_take(
         detect.strip_deleted(m.path))]
     busy.update(t.tid for t in fz.threads if any(r.contains(t.regs[16]) for r in code))

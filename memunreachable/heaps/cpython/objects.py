@@ -24,7 +24,7 @@ from array import array
 from dataclasses import dataclass
 from typing import Dict, List, Optional, Sequence, Set, Tuple
 
-from memunreachable.cpython import layout as L
+from memunreachable.heaps.cpython import layout as L
 
 MAX_NAME = 120
 MAX_REPR = 40

@@ -48,7 +48,7 @@ import time
 from contextlib import contextmanager
 from typing import Callable, Dict, Iterator, List, Optional, Tuple
 
-from memunreachable import diagnose, procfs
+from memunreachable.collect import diagnose, procfs
 from memunreachable._errors import CollectionError, NoSuchProcess
 from memunreachable._ffi import ffi, lib
 from memunreachable._types import REG_NAMES, Fields, Mapping, ThreadState

@@ -5,7 +5,8 @@ Parsers (pure, unit-tested on literal text):
     parse_status(text) -> Status            /proc/PID/status (State, Tgid, Uid, TracerPid, Seccomp,
                                             Seccomp_filters, CapEff)
     parse_stat(text)   -> Stat              /proc/PID/stat (comm may hold spaces and parentheses)
-Readers (one open+read each; a vanished process raises NoSuchProcess):
+Readers (one open+read each; a vanished process raises NoSuchProcess without a hint: the
+orchestrator that catches it adds one, diagnose.hinted(), which reads /proc through here):
     read_maps(pid), read_status(pid), read_stat(pid), list_tasks(pid), read_comm(pid)
 
 Never psutil.memory_maps() during a pause: it reads smaps (24 ms at 1 GiB) where parsing
@@ -154,8 +155,7 @@ def parse_stat(text: str) -> Stat:
 
 
 def _gone(pid: int) -> NoSuchProcess:
-    from memunreachable.diagnose import hint_no_process     # diagnose imports this module
-    return NoSuchProcess(pid, "no such process", hint=hint_no_process(pid))
+    return NoSuchProcess(pid, "no such process")
 
 
 def _read(path: str, pid: int) -> str:

@@ -57,8 +57,8 @@ import os
 import struct
 from typing import Dict, List, Optional, Sequence, Tuple
 
-from memunreachable import procfs
-from memunreachable import elf as E
+from memunreachable.collect import procfs
+from memunreachable.stacks import elf as E
 from memunreachable._errors import MemoryUnreadable
 from memunreachable._types import Fields, Mapping, set_fields
 

@@ -26,7 +26,7 @@ import errno
 import struct
 from typing import List, Optional, Sequence, Tuple
 
-from memunreachable import procfs
+from memunreachable.collect import procfs
 from memunreachable._errors import NoSuchProcess
 from memunreachable._types import FrozenFields, set_fields
 
@@ -299,7 +299,7 @@ class _Sockfilter(ctypes.Structure):
 
 
 def _ptrace(req: int, tid: int, addr: int, data: int) -> int:
-    from memunreachable.freeze import PtraceError, ptrace
+    from memunreachable.collect.freeze import PtraceError, ptrace
     try:
         return ptrace(req, tid, addr, data)
     except PtraceError as exc:

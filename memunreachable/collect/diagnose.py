@@ -5,19 +5,21 @@ gather_facts(pid) reads cheap /proc and /sys facts into Facts; the hint_* functi
 user-facing wording (landscape.md section 5); diagnose(pid, err) turns an errno from
 PTRACE_SEIZE (or opening /proc/PID/mem) into the first explanation that applies, in the
 order of landscape.md section 5. The decision functions are pure and unit-tested with
-synthetic Facts.
+synthetic Facts. hinted() gives the NoSuchProcess that procfs raises its hint, around the
+orchestrators (procfs cannot ask this module: this module reads /proc through it).
 References: ptrace(2) "ptrace access mode checking"; kernel kernel/ptrace.c
 (__ptrace_may_access), security/yama/yama_lsm.c; proc(5).
 """
 from __future__ import annotations
 
+import contextlib
 import errno as errno_mod
 import os
 import pwd
 import sys
 from typing import Optional
 
-from memunreachable import procfs
+from memunreachable.collect import procfs
 from memunreachable._errors import AccessDenied, MemunreachableError, NoSuchProcess, ZombieProcess
 from memunreachable._types import FrozenFields, set_fields
 
@@ -95,7 +97,7 @@ def _yama_scope() -> Optional[int]:
 
 def _target_elf(pid: int) -> str:
     try:
-        from memunreachable.elf import ElfFile
+        from memunreachable.stacks.elf import ElfFile
         with open(f"/proc/{pid}/exe", "rb") as f:
             elf = ElfFile(f)
             return f"{elf.machine_name}/{elf.elfclass}"
@@ -172,6 +174,18 @@ def _user_name(uid: int) -> str:
 def hint_no_process(pid: int) -> str:
     return (f"No process has PID {pid} now: it may have exited. Find its current PID with "
             "`pgrep NAME` or `pidof NAME` and check that one.")
+
+
+@contextlib.contextmanager
+def hinted():
+    """Around a check (usable as a decorator): a NoSuchProcess raised without a hint (procfs:
+    the process vanished under a /proc read) leaves with hint_no_process."""
+    try:
+        yield
+    except NoSuchProcess as exc:
+        if exc.hint is None and not isinstance(exc, ZombieProcess):
+            exc.hint = hint_no_process(exc.pid)
+        raise
 
 
 def hint_other_namespace(pid: int) -> str:

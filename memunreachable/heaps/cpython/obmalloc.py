@@ -25,8 +25,8 @@ from typing import List, Sequence, Tuple
 from memunreachable._errors import MemoryUnreadable
 from memunreachable._ffi import check, ffi, lib
 from memunreachable._types import Mapping, Range, merge_ranges
-from memunreachable.memory import local_copy
-from memunreachable.cpython import layout as L
+from memunreachable.collect.memory import local_copy
+from memunreachable.heaps.cpython import layout as L
 
 SCAN_WINDOW = 16 << 20          # pool scan reads anonymous memory in windows of this size
 MAX_ARENAS = 1 << 22

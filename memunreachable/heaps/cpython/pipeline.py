@@ -28,9 +28,9 @@ from typing import Dict, List, Optional, Sequence, Tuple
 from memunreachable._errors import MemoryUnreadable
 from memunreachable._ffi import check, ffi, lib, region_array, u64_view
 from memunreachable._types import HeapImage, Range, local_buffer, merge_ranges, subtract_ranges
-from memunreachable.cpython import layout as L
-from memunreachable.cpython.walker import CPythonMap, walk_cpython
-from memunreachable.mark import DeadWords, FlatPairs, merge_pairs
+from memunreachable.heaps.cpython import layout as L
+from memunreachable.heaps.cpython.walker import CPythonMap, walk_cpython
+from memunreachable.sweep.mark import DeadWords, FlatPairs, merge_pairs
 
 MAX_GC_NODES = 1 << 28
 MAX_TYPES = 1 << 16
@@ -403,7 +403,7 @@ def object_reader(mem, cp: CPythonMap):
     """An ObjectReader for cp's objects (the debug hooks' 2-word prefix when they are on).
     One per (cp, mem): its type cache serves every stage of a sweep (the same ~100 types were
     read 4-5 times a check: sized_types, metatypes, object_types, the leaks' names)."""
-    from memunreachable.cpython.objects import ObjectReader
+    from memunreachable.heaps.cpython.objects import ObjectReader
     prefix = L.DEBUG_HOOK_PREFIX if has_debug_hooks(cp) else 0
     cached = cp.__dict__.get("_reader")
     if cached is not None and cached.mem is mem and cached.prefix == prefix:
@@ -780,7 +780,7 @@ def static_types(mem, maps, pid, cp: CPythonMap, wanted: Dict[str, str]) -> Dict
 # Returns {symbol: run-time address} of locate.FACT_SYMBOLS that the runtime's ELF file
 # exports; {} when it cannot be read.
 def runtime_symbols(maps, pid, cp: CPythonMap) -> Dict[str, int]:
-    from memunreachable.cpython import locate
+    from memunreachable.heaps.cpython import locate
     mappings = [m for m in maps if m.path == cp.runtime.object_path]
     key = tuple([(m.begin, m.end, m.offset, m.dev, m.inode, m.path) for m in mappings])
     known = _RUNTIME_FACTS.get(key)

@@ -20,17 +20,19 @@ import struct
 from array import array
 from typing import Dict, List, Optional, Tuple
 
-from memunreachable import detect, procfs, tracking
+from memunreachable.sweep import detect
+from memunreachable.collect import procfs
+from memunreachable.stacks import tracking
 from memunreachable._errors import MemoryUnreadable, UnsupportedTarget
 from memunreachable._ffi import check, ffi, lib
 from memunreachable._types import (Allocator, Fields, HeapImage, Mapping, Range, ThreadState,
                                    local_buffer, merge_ranges, subtract_ranges)
-from memunreachable.glibc import layout as L
-from memunreachable.glibc import locate
-from memunreachable.glibc import validate as V
-from memunreachable.glibc.freelists import FreeListsMixin, tcache_context
-from memunreachable.glibc.validate import HeapInconsistent
-from memunreachable.memory import plain_page, read_many
+from memunreachable.heaps.glibc import layout as L
+from memunreachable.heaps.glibc import locate
+from memunreachable.heaps.glibc import validate as V
+from memunreachable.heaps.glibc.freelists import FreeListsMixin, tcache_context
+from memunreachable.heaps.glibc.validate import HeapInconsistent
+from memunreachable.collect.memory import plain_page, read_many
 
 __all__ = ["walk_heap", "HeapWalk", "HeapInconsistent"]
 

@@ -46,7 +46,7 @@ from collections import OrderedDict
 from typing import Dict, Iterable, List, Optional, Sequence, Tuple
 
 from memunreachable._types import FrozenFields, set_fields
-from memunreachable.demangle import CLONE_SUFFIX, demangle
+from memunreachable.stacks.demangle import CLONE_SUFFIX, demangle
 
 log = logging.getLogger("memunreachable")
 

@@ -16,9 +16,9 @@ from typing import List, Optional
 
 from memunreachable._errors import NoSuchProcess, UnsupportedTarget, ZombieProcess
 from memunreachable._types import Fields
-from memunreachable.diagnose import (Facts, _definite_denial, _name, gather_facts, hint_kernel_thread,
-                                     hint_no_process, hint_self, hint_zombie,
-                                     hint_zombie_leader)
+from memunreachable.collect.diagnose import (Facts, _definite_denial, _name, gather_facts,
+                                             hint_kernel_thread, hint_no_process, hint_self, hint_zombie,
+                                             hint_zombie_leader)
 
 
 class Target(Fields):

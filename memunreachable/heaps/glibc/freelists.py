@@ -17,12 +17,12 @@ import struct
 from array import array
 from typing import List, Optional, Tuple
 
-from memunreachable import detect
+from memunreachable.sweep import detect
 from memunreachable._ffi import check, ffi, lib
 from memunreachable._types import Fields, Mapping, Range, ThreadState
-from memunreachable.glibc import layout as L
-from memunreachable.glibc import locate
-from memunreachable.glibc import validate as V
+from memunreachable.heaps.glibc import layout as L
+from memunreachable.heaps.glibc import locate
+from memunreachable.heaps.glibc import validate as V
 
 
 def _alloc_q(n: int) -> array:

@@ -18,7 +18,7 @@ import struct
 from typing import List, Optional, Sequence, Tuple
 
 from memunreachable._types import Range, merge_ranges
-from memunreachable.classify import fp_words
+from memunreachable.sweep.classify import fp_words
 
 MAX_STEPS = 6
 

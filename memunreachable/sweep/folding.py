@@ -15,7 +15,7 @@ from typing import List, Tuple
 
 from memunreachable._ffi import check, ffi, lib, region_array, u64_view
 from memunreachable._types import FrozenFields, HeapImage, set_fields
-from memunreachable.mark import dead_words
+from memunreachable.sweep.mark import dead_words
 
 
 # output arrays are written by mu_fold up to its return value: no need to zero them first

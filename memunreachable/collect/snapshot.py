@@ -33,13 +33,13 @@ import signal
 import time
 from typing import Dict, List, Optional, Tuple
 
-from memunreachable import diagnose, leftovers, procfs, seccomp
+from memunreachable.collect import diagnose, leftovers, procfs, seccomp
 from memunreachable._errors import (AccessDenied, CollectionError, NoSuchProcess,
                                     UnsupportedTarget)
 from memunreachable._ffi import ffi, lib
 from memunreachable._types import FS_BASE_INDEX, REG_NAMES, RSP_INDEX, Fields
-from memunreachable.freeze import Frozen, critical, frozen
-from memunreachable.memory import ProcessMemory
+from memunreachable.collect.freeze import Frozen, critical, frozen
+from memunreachable.collect.memory import ProcessMemory
 
 log = logging.getLogger("memunreachable")
 
