@@ -37,7 +37,7 @@ from memunreachable.collect import preflight as preflight_stage
 from memunreachable._errors import (CollectionError, HeapCorrupt, HeapWalkError, IncompleteCheck,
                                     MemoryUnreadable, MemunreachableError, NoSuchProcess)
 from memunreachable._types import Fields, HeapImage, Range, merge_ranges, subtract_ranges
-from memunreachable.sweep.classify import classify, data_ranges, loaded_objects, waiting
+from memunreachable.sweep.classify import classify, data_ranges, loaded_objects, stack_maps, waiting
 from memunreachable.heaps.cpython import probe
 from memunreachable.sweep.folding import FoldedLeak, fold, size_totals
 from memunreachable.collect.freeze import frozen
@@ -778,7 +778,8 @@ def sweep(mem, maps, threads, pid: int, confirm: Optional[set] = None,
     # 5. Roots
     roots = classify(maps, threads, hw.heap_ranges, hw.metadata_ranges,
                      list(cps.root_cuts) + list(unwritten) + list(hw.holes)
-                     + (table.cuts if table is not None else []))
+                     + (table.cuts if table is not None else []),
+                     procfs.read_guard_runs(pid, stack_maps(maps, threads)))
     root_buffers = []
     for r in roots.ranges:
         buf = mem.view(r.begin, r.size)
