@@ -91,8 +91,9 @@ def python_process(repeat: int) -> int:
     import sys
 
     from memunreachable import unreachable
+    from memunreachable.sweep import steps
     kept = []
-    real = unreachable.mark
+    real = steps.mark
 
     def keep(image, roots, words=(), dead=None):
         if not kept:            # copies: the check releases its buffers when it returns
@@ -105,10 +106,10 @@ def python_process(repeat: int) -> int:
                               text=True)
     try:
         target.stdout.readline()
-        unreachable.mark = keep
+        steps.mark = keep
         unreachable.check(target.pid, sweep_here=True)
     finally:
-        unreachable.mark = real
+        steps.mark = real
         target.kill()
         target.wait()
     image, roots, words, dead = kept[0]

@@ -19,7 +19,7 @@ the table), vectors (4 KiB arrays of 500 pointers to small nodes).
 issue 25: a wave per level of the graph), alternating with the default (each first in turn):
 before/after in one run.
 Every check must find exactly the target's leaks. Heaps of 256 MiB and more take the
-low-memory sweep (unreachable.UNCOPIED_MIN_BYTES).
+low-memory sweep (sweep/steps.py UNCOPIED_MIN_BYTES).
 """
 import argparse
 import json

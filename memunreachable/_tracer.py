@@ -318,8 +318,8 @@ def _warm(pid: int) -> None:
     caches are filled; a failure here shows up, if it matters, in the first check."""
     try:
         from memunreachable.collect import procfs
-        from memunreachable.unreachable import _warm_caches
-        _warm_caches(procfs.read_maps(pid), pid)
+        from memunreachable.sweep.steps import warm_caches
+        warm_caches(procfs.read_maps(pid), pid)
     except Exception:  # noqa: BLE001 - a cache that stays cold is only slower
         pass
 

@@ -6,6 +6,7 @@ from __future__ import annotations
 
 import bisect
 import mmap
+import struct
 from operator import attrgetter
 from typing import List, Optional, Protocol, Sequence, Tuple
 
@@ -217,6 +218,14 @@ class Memory(Protocol):
     def read_into(self, addr: int, buf) -> int:
         """Fill the writable buffer buf with [addr, addr+len(buf)); return unreadable byte count."""
         ...
+
+
+_Q = struct.Struct("<Q")
+
+
+def read_u64(mem: Memory, addr: int) -> int:
+    """The little-endian 8-byte word at addr of mem (unreadable: as mem.read says)."""
+    return _Q.unpack(mem.read(addr, 8))[0]
 
 
 class BufferMemory(Fields):

@@ -40,7 +40,7 @@ Found without debug symbols, from the libraries' exported symbols (cached by fil
 - terminfo: cur_term's first words are its TERMTYPE (term_names, str_table, ..., ext_str_table
   at word 5); taken only when term_names equals str_table (the names open the table) and the
   table starts with a printable name.
-The caller clips each "tail" to the allocation it starts (block_tails in unreachable.py).
+The caller clips each "tail" to the allocation it starts (block_tails in sweep/steps.py).
 
     of_process(mem, maps, pid)      LibState of process pid: dead ranges, dead allocation tails
     runtime_keymaps(mem, ...)       readline's run-time keymaps and their dead ranges (pure)

@@ -171,10 +171,10 @@ def test_repeated_checks_agree():
 def test_snapshot_is_killed_once_the_sweep_has_copied_what_it_reads(tmp_path, monkeypatch):
     """For a target without a CPython runtime or tracking table the sweeper kills the snapshot
     process right after reading the roots (before the mark), and the result is exact."""
-    from memunreachable import unreachable
+    from memunreachable.sweep import steps
 
     seen = tmp_path / "released"
-    real = unreachable._early_release
+    real = steps._early_release
 
     def recording(snap):
         release = real(snap)
@@ -184,7 +184,7 @@ def test_snapshot_is_killed_once_the_sweep_has_copied_what_it_reads(tmp_path, mo
                 f.write(f"{snap.pid} {_state(snap.pid)}")
             release()
         return wrapped if release is not None else None
-    monkeypatch.setattr(unreachable, "_early_release", recording)
+    monkeypatch.setattr(steps, "_early_release", recording)
     with fixtures.start("leak_five") as fx:
         info = check(fx.pid, limit=None)
         assert_result(fx, EXPECTED["leak_five"], info)

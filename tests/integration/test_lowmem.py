@@ -1,4 +1,4 @@
-"""The low-memory sweep (unreachable.UNCOPIED_MIN_BYTES): heaps walked without keeping copies,
+"""The low-memory sweep (steps.UNCOPIED_MIN_BYTES): heaps walked without keeping copies,
 blocks read from the snapshot by the mark as it reaches them. The same fixtures run through
 both paths: the copying one (the fixtures' heaps are far below the threshold) and the
 low-memory one (threshold forced to 0; the sweeper is forked from this process, so it sees
@@ -12,7 +12,7 @@ import pytest
 
 import fixtures
 from expected import EXPECTED
-from memunreachable import unreachable
+from memunreachable.sweep import steps
 from memunreachable.heaps.glibc import walker
 from memunreachable.heaps.glibc.walker import is_uncopied
 from memunreachable.unreachable import check
@@ -46,7 +46,7 @@ def test_lowmem_equals_copying(name, reads, monkeypatch):
     with fixtures.start(name, timeout=120) as fx:
         copying = check(fx.pid, limit=None)
         assert not copying.stats["stats"].get("uncopied_bytes")
-        monkeypatch.setattr(unreachable, "UNCOPIED_MIN_BYTES", 0)
+        monkeypatch.setattr(steps, "UNCOPIED_MIN_BYTES", 0)
         if reads == "waves":        # no candidate kept: the mark reads every block it reaches
             monkeypatch.setattr(walker, "CANDIDATE_BUDGET_DIVISOR", 1 << 62)
         lowmem = check(fx.pid, limit=None)
@@ -98,11 +98,11 @@ def test_snapshot_dying_after_a_lowmem_walk_is_retaken_and_exact(reads, tmp_path
     retake (MemoryUnreadable, never zeros), and the retaken check is exact."""
     from test_check import assert_result
     from test_reliability import _killing_walk
-    monkeypatch.setattr(unreachable, "UNCOPIED_MIN_BYTES", 0)
+    monkeypatch.setattr(steps, "UNCOPIED_MIN_BYTES", 0)
     if reads == "waves":
         monkeypatch.setattr(walker, "CANDIDATE_BUDGET_DIVISOR", 1 << 62)
     marker = tmp_path / "kills"
-    monkeypatch.setattr(unreachable, "walk_heap", _killing_walk(str(marker), 1, after=True))
+    monkeypatch.setattr(steps, "walk_heap", _killing_walk(str(marker), 1, after=True))
     with fixtures.start("leak_chain") as fx:
         info = check(fx.pid, limit=None)
         assert marker.read_text() == "k"
@@ -120,7 +120,7 @@ def test_a_deep_list_is_checked_exactly_and_copied_once_the_waves_get_small(read
     with fixtures.start("deep_list", timeout=120) as fx:
         copying = check(fx.pid, limit=None)
         assert copying.stats["mark_method"] == "copy"
-        monkeypatch.setattr(unreachable, "UNCOPIED_MIN_BYTES", 0)
+        monkeypatch.setattr(steps, "UNCOPIED_MIN_BYTES", 0)
         if reads == "waves":
             monkeypatch.setattr(walker, "CANDIDATE_BUDGET_DIVISOR", 1 << 62)
         else:   # candidates for part of the heap only: the list crosses pieces not kept

@@ -21,7 +21,7 @@ import pytest
 
 import fixtures
 from memunreachable.collect import leftovers
-from memunreachable import unreachable
+from memunreachable.sweep import retake, steps
 from memunreachable._errors import CollectionError, HeapCorrupt, IncompleteCheck
 from memunreachable.unreachable import check
 from test_check import assert_target_running, children_of
@@ -48,7 +48,7 @@ def snapshot_children(pid: int) -> list:
 def _killing_walk(marker: str, times: int, after: bool = False):
     """A walk_heap that SIGKILLs the snapshot process first (after=True: once it has walked),
     for the first `times` sweeps (counted in a file: each sweep runs in its own forked process)."""
-    real = unreachable.walk_heap
+    real = steps.walk_heap
 
     def kill(pid):
         with open(marker, "a+") as f:
@@ -73,7 +73,7 @@ def _killing_walk(marker: str, times: int, after: bool = False):
 
 
 def test_snapshot_killed_once_is_retaken_and_exact(tmp_path, monkeypatch):
-    monkeypatch.setattr(unreachable, "walk_heap", _killing_walk(str(tmp_path / "kills"), 1))
+    monkeypatch.setattr(steps, "walk_heap", _killing_walk(str(tmp_path / "kills"), 1))
     with fixtures.start("leak_chain") as fx:
         info = check(fx.pid, limit=None)
         assert (tmp_path / "kills").read_text() == "k"
@@ -85,7 +85,7 @@ def test_snapshot_killed_once_is_retaken_and_exact(tmp_path, monkeypatch):
 
 
 def test_snapshot_killed_twice_is_an_error_not_a_report(tmp_path, monkeypatch):
-    monkeypatch.setattr(unreachable, "walk_heap", _killing_walk(str(tmp_path / "kills"), 2))
+    monkeypatch.setattr(steps, "walk_heap", _killing_walk(str(tmp_path / "kills"), 2))
     with fixtures.start("leak_chain") as fx:
         with pytest.raises(CollectionError) as ei:
             check(fx.pid, limit=None)
@@ -224,7 +224,7 @@ def test_every_check_of_a_process_with_dontfork_memory_takes_one_snapshot():
 def test_memory_a_fork_lacks_unforeseen_before_the_freeze_is_copied_by_a_retake(monkeypatch):
     # madvise(MADV_DONTFORK) between the smaps read and the freeze: the snapshot's own smaps
     # show the range missing, and a second snapshot copies it during its pause
-    monkeypatch.setattr(unreachable, "_lacking_before_clone", lambda pid: [])
+    monkeypatch.setattr(retake, "lacking_before_clone", lambda pid: [])
     with fixtures.start("dontfork", "dontfork", "64") as fx:
         info = check(fx.pid, limit=None)
         assert leak_set(info) == fixture_leaks(fx)
@@ -234,7 +234,7 @@ def test_memory_a_fork_lacks_unforeseen_before_the_freeze_is_copied_by_a_retake(
 
 
 def test_memory_too_large_to_copy_makes_every_unreachable_block_uncertain(monkeypatch):
-    monkeypatch.setattr(unreachable, "MAX_CAPTURE_BYTES", 0)
+    monkeypatch.setattr(retake, "MAX_CAPTURE_BYTES", 0)
     with fixtures.start("dontfork") as fx:
         # no verdict (issue 22): the check is incomplete, and says what it could not see
         with pytest.raises(IncompleteCheck) as e:

@@ -20,7 +20,7 @@ from typing import Dict, List, Optional, Sequence, Tuple
 from memunreachable.stacks import elf as E
 from memunreachable.collect import procfs
 from memunreachable._errors import MemoryUnreadable
-from memunreachable._types import Mapping, ThreadState
+from memunreachable._types import Mapping, ThreadState, read_u64
 from memunreachable.heaps.cpython import layout as L
 from memunreachable.heaps.cpython import probe
 from memunreachable.heaps.cpython.probe import ANY_PYTHON, EXECUTABLE, LIBPYTHON  # noqa: F401
@@ -52,10 +52,6 @@ class ThreadInfo:
 class InterpreterInfo:
     address: int                         # PyInterpreterState *
     threads: List[ThreadInfo] = field(default_factory=list)
-
-
-def _u64(mem, addr: int) -> int:
-    return struct.unpack("<Q", mem.read(addr, 8))[0]
 
 
 def _u32(mem, addr: int) -> int:
@@ -190,7 +186,7 @@ def find_runtime(mem, maps: Sequence[Mapping], pid: Optional[int] = None) -> Opt
                 vhex = _u32(mem, bias + syms["Py_Version"])
                 version, vsource = (vhex >> 24, (vhex >> 16) & 0xFF), "Py_Version"
             elif mem.read(runtime + L.DEBUG.cookie, 8) == L.DEBUG_COOKIE:
-                vhex = _u64(mem, runtime + L.DEBUG.version)
+                vhex = read_u64(mem, runtime + L.DEBUG.version)
                 version, vsource = (vhex >> 24, (vhex >> 16) & 0xFF), "_Py_DebugOffsets"
         except MemoryUnreadable:
             pass
@@ -304,7 +300,7 @@ def resolve_gc(mem, lay: L.Layout, interps: Sequence["InterpreterInfo"]) -> L.La
     try:
         for i in interps:
             state = i.address + gc.offset
-            found.add(_u64(mem, state + gc.generation0) - state)
+            found.add(read_u64(mem, state + gc.generation0) - state)
     except MemoryUnreadable as exc:
         raise LayoutMismatch(f"GC state unreadable at {exc.address:#x}") from None
     if len(found) != 1 or not found <= set(gc.generations_choices):
@@ -328,8 +324,8 @@ def walk_interpreters(mem, maps: Sequence[Mapping], rt: Runtime, lay: L.Layout,
             _check_debug_offsets(mem, rt, lay)
         if not _mapped(maps, rt.runtime, lay.runtime_size):
             raise LayoutMismatch(f"_PyRuntime at {rt.runtime:#x} + {lay.runtime_size} is not mapped")
-        head = _u64(mem, rt.runtime + lay.interpreters_head)
-        main = _u64(mem, rt.runtime + lay.interpreters_main)
+        head = read_u64(mem, rt.runtime + lay.interpreters_head)
+        main = read_u64(mem, rt.runtime + lay.interpreters_main)
         out: List[InterpreterInfo] = []
         seen = set()
         interp = head
@@ -340,23 +336,23 @@ def walk_interpreters(mem, maps: Sequence[Mapping], rt: Runtime, lay: L.Layout,
                 raise LayoutMismatch(f"interpreter {interp:#x} is not in readable memory")
             seen.add(interp)
             info = InterpreterInfo(interp)
-            ts = _u64(mem, interp + lay.interp_threads_head)
+            ts = read_u64(mem, interp + lay.interp_threads_head)
             tseen = set()
             while ts:
                 if ts in tseen or len(tseen) >= MAX_THREADS:
                     raise LayoutMismatch(f"the thread list of interpreter {interp:#x} does not end")
                 if ts % 8 or not _mapped(maps, ts, lay.tstate_size):
                     raise LayoutMismatch(f"thread state {ts:#x} is not in readable memory")
-                if _u64(mem, ts + lay.tstate_interp) != interp:
+                if read_u64(mem, ts + lay.tstate_interp) != interp:
                     raise LayoutMismatch(f"thread state {ts:#x} does not point back to "
                                          f"interpreter {interp:#x}")
                 tseen.add(ts)
-                native = (_u64(mem, ts + lay.tstate_native_thread_id)
+                native = (read_u64(mem, ts + lay.tstate_native_thread_id)
                           if lay.tstate_native_thread_id is not None else None)
-                info.threads.append(ThreadInfo(ts, _u64(mem, ts + lay.tstate_thread_id), native))
-                ts = _u64(mem, ts + lay.tstate_next)
+                info.threads.append(ThreadInfo(ts, read_u64(mem, ts + lay.tstate_thread_id), native))
+                ts = read_u64(mem, ts + lay.tstate_next)
             out.append(info)
-            interp = _u64(mem, interp + lay.interp_next)
+            interp = read_u64(mem, interp + lay.interp_next)
     except MemoryUnreadable as exc:
         raise LayoutMismatch(f"unreadable memory at {exc.address:#x}") from None
     if not out:

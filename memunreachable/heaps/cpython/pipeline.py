@@ -27,7 +27,8 @@ from typing import Dict, List, Optional, Sequence, Tuple
 
 from memunreachable._errors import MemoryUnreadable
 from memunreachable._ffi import check, ffi, lib, region_array, u64_view
-from memunreachable._types import HeapImage, Range, local_buffer, merge_ranges, subtract_ranges
+from memunreachable._types import (HeapImage, Range, local_buffer, merge_ranges, read_u64,
+                                    subtract_ranges)
 from memunreachable.heaps.cpython import layout as L
 from memunreachable.heaps.cpython.walker import CPythonMap, walk_cpython
 from memunreachable.sweep.mark import DeadWords, FlatPairs, merge_pairs
@@ -56,10 +57,6 @@ class CPythonSweep:
         """A part of CPython's memory that could not be understood: a warning and a blind spot."""
         self.warnings.append(reason)
         self.blind.append(reason)
-
-
-def _u64(mem, addr: int) -> int:
-    return struct.unpack("<Q", mem.read(addr, 8))[0]
 
 
 # Returns the CPythonSweep of the snapshot; never raises for CPython's sake (a problem leaves
@@ -388,7 +385,7 @@ def gc_heads(mem, cp: CPythonMap) -> Optional[List[Tuple[int, int, int]]]:
     try:
         for s in states:
             for o in offs:
-                out.append((s + o, _u64(mem, s + o), _u64(mem, s + o + 8)))
+                out.append((s + o, read_u64(mem, s + o), read_u64(mem, s + o + 8)))
     except MemoryUnreadable:
         return []
     return out
@@ -1109,9 +1106,9 @@ def frame_types(mem, cp: CPythonMap) -> List[int]:
     for interp in cp.interpreters:
         for t in interp.threads:
             try:
-                f = _u64(mem, t.address + L.TSTATE_FRAME)
+                f = read_u64(mem, t.address + L.TSTATE_FRAME)
                 if f:
-                    out.append(_u64(mem, f + L.OB_TYPE))
+                    out.append(read_u64(mem, f + L.OB_TYPE))
             except MemoryUnreadable:
                 continue
     return out

@@ -30,6 +30,7 @@ from typing import Dict, List, NamedTuple, Optional, Tuple
 
 from memunreachable.collect import procfs
 from memunreachable._errors import MemoryUnreadable, NoSuchProcess
+from memunreachable._types import read_u64
 
 AT_PHDR, AT_PHNUM = 3, 5
 PT_DYNAMIC, PT_PHDR = 2, 6
@@ -45,10 +46,6 @@ ORIGIN_SEARCH = (32, 1400)  # where l_origin may lie in struct link_map (byte of
 class Found(NamedTuple):
     words: List[int]                    # link-map words holding l_gnu_chain_zero, ascending
     string_tails: List[Tuple[int, int]] # (block, strlen + 1) of each l_name and l_origin
-
-
-def _u64(mem, addr: int) -> int:
-    return struct.unpack("<Q", mem.read(addr, 8))[0]
 
 
 # Returns the address of r_debug from the executable's DT_DEBUG, or None (static, or ld.so
@@ -167,7 +164,7 @@ def computed_words(mem, auxv: Dict[int, int], memo: Optional[Memo] = None) -> Fo
                 memo.r_debug, memo.have_r_debug = start, True
         if start is None:
             return Found([], [])
-        lm = _u64(mem, start + 8)                       # r_debug.r_map
+        lm = read_u64(mem, start + 8)                       # r_debug.r_map
     except (MemoryUnreadable, struct.error):
         return Found([], [])
     out, seen, maps = [], set(), []
@@ -278,7 +275,7 @@ def _printable(text: bytes) -> bool:
 def _still_hold(mem, words: List[Tuple[int, int]]) -> bool:
     """Every (address, value) of words reads as that value in mem."""
     try:
-        return all(_u64(mem, addr) == value for addr, value in words)
+        return all(read_u64(mem, addr) == value for addr, value in words)
     except (MemoryUnreadable, struct.error):
         return False
 
