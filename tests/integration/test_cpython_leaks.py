@@ -576,7 +576,7 @@ sys.stdin.read(1)
 #             object's try-block stack, scalar fields' padding and slots above f_stacktop;
 #   finished  a finished generator's released slots and the slack after them (3.11+);
 #   frame     the inline frame data of a frame object whose frame runs elsewhere: never
-#             written (3.11-3.13: a suspended generator's frame object);
+#             written (3.11+: a suspended generator's frame object);
 #   deque     empty deques' blocks (their items would start in the middle), malloc's slack
 #             after a block's 528 bytes;
 #   regex     the bytes after a compiled pattern's last code unit;
@@ -735,7 +735,7 @@ def stale_parts(at):
             kept[at + i] = g
         at += 1000
         scrub()
-    if (3, 11) <= V < (3, 14):
+    if V >= (3, 11):
         # frame objects of running frames (a suspended generator's, made by sys._getframe):
         # the frame data lives in the generator; the object's inline copy is never written
         plant(leak("frame"), range(256, 512, 16), 100)
@@ -774,7 +774,7 @@ sys.stdin.read(1)
 
 
 # parts a 3.14/3.15 check may miss (found on sid's 3.14.10 and 3.15.2, 2026-11-27)
-KNOWN_MISSES_314 = {"pymalloc": {"gen", "str"}, "malloc": {"gen", "finished", "regex"}}
+KNOWN_MISSES_314 = {"pymalloc": {"str"}, "malloc": {"regex"}}
 
 
 @pytest.mark.slow
@@ -794,7 +794,7 @@ def _stale_parts_made(python: str, allocator: str) -> list:
     minor = _minor(python) if ("/versions/" in python or ":" in python) else 11
     return (["set", "str", "gen", "deque", "regex", "text", "environ"]
             + (["values"] if minor in (11, 12) else [])
-            + (["finished"] if minor >= 11 else []) + (["frame"] if 11 <= minor < 14 else [])
+            + (["finished", "frame"] if minor >= 11 else [])
             + (["lru"] if minor >= 10 and allocator == "pymalloc" else []))
 
 
