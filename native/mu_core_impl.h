@@ -529,7 +529,7 @@ static inline uint64_t mu_live_len_r(const mu_dead *d, const mu_rules *r, const 
         if (!mu_plausible_refcnt(rc))
             continue;
         uint64_t kind = (code >> 8) & 0xff;
-        if (kind == MU_TYPE_SIZED) {        /* the header (16 bytes, read by the search) only */
+        if (kind == MU_TYPE_SIZED || kind == MU_TYPE_DICT) {    /* the header (16 bytes) only */
             uint64_t end = b + off + (((code >> 16) + 7) & ~7ull);
             return end < b + len ? end - b : len;
         }
@@ -599,11 +599,23 @@ static inline uint64_t mu_live_len(const mu_dead *d, const uint8_t *p, uint64_t 
     return mu_live_len_r(d, &r, p, b, len, avail);
 }
 
-/* The GC-link words of allocation i (0, 0 when none). */
-static inline void mu_live_head(const mu_dead *d, uint64_t i, uint64_t b, uint64_t *hb, uint64_t *he)
+/* The GC-link words of allocation i (0, 0 when none), and with rules r (NULL: none) a dict's
+ * header words after them (MU_TYPE_DICT at object offset 16 with the GC head, or 0 without). */
+static inline void mu_live_head(const mu_dead *d, const mu_rules *r, uint64_t i, uint64_t b,
+                                uint64_t *hb, uint64_t *he)
 {
     uint8_t hw = (d && d->head_word) ? d->head_word[i] : 0;
     *hb = hw ? b + 8 * (uint64_t)(hw - 1) : 0;
     *he = hw ? *hb + 16 : 0;
+    for (uint32_t f = r ? r->found : 0; f; f &= f - 1) {
+        uint64_t k = (uint64_t)__builtin_ctz(f), off = 16 * k;
+        if (((r->code[k] >> 8) & 0xff) != MU_TYPE_DICT || !mu_plausible_refcnt(r->rc[k])
+            || (hw && *he != b + off) || off + 32 > r->have)
+            continue;
+        if (!hw)
+            *hb = b + off;
+        *he = b + off + 32;
+        return;
+    }
 }
 #endif

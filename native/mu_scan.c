@@ -787,7 +787,7 @@ static inline void scan_block(mark_ctx *m, uint64_t i, const uint8_t *d, uint64_
         }
     }
     len = mu_live_len_r(dead, r, d, b, len, avail);
-    mu_live_head(dead, i, b, &hb, &he);
+    mu_live_head(dead, r, i, b, &hb, &he);
     const mu_dead *dr = m->dead_in && !(m->dead_in[i >> 6] >> (i & 63) & 1) ? NULL : ix->dead;
     scan_range(m, d, b, len, avail, hb, he, dr);
     m->heap_bytes += len;

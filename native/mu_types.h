@@ -59,6 +59,11 @@ typedef struct {
  *       inline data is never written: only the head up to fo is live;
  *   kind MU_TYPE_SIZED: an object of a fixed-size type whose size (tp_basicsize) is in bits
  *       16-47 of code: the allocator's rounding slack after it holds only stale words;
+ *   kind MU_TYPE_DICT: a dict (PyDict_Type itself), as MU_TYPE_SIZED, whose header words
+ *       (refcount, the static type, ma_used and the version tag at object offset 24:
+ *       ma_version_tag, a global counter stepped by 4096 on 3.12/3.13, _ma_watcher_tag from
+ *       3.14) are integers: not scanned, with the GC head before them (a version tag can equal
+ *       a heap address of a non-PIE interpreter's brk heap, below 4 GiB);
  *   kind MU_TYPE_VARSIZED: an object whose items follow its header inline (a tuple): the
  *       header's size in bits 16-47 of code, an item's in bits 48-55, the item count at
  *       off + 16 (ob_size): scanned up to header + count * item (the allocator's rounding
@@ -123,7 +128,8 @@ typedef struct {
 #define MU_TYPE_INT 8
 #define MU_TYPE_FLOAT 9
 #define MU_TYPE_BYTES 10
-#define MU_TYPE_LAST 10          /* the highest kind */
+#define MU_TYPE_DICT 11
+#define MU_TYPE_LAST 11          /* the highest kind */
 
 #define MU_FRAME_FLAVOUR_311 0   /* MU_TYPE_FRAME/GEN_FRAME's frame data: 3.11-3.13 */
 #define MU_FRAME_FLAVOUR_314 1   /* 3.14: a stackpointer, slots from 80 */

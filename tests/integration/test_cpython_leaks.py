@@ -773,6 +773,71 @@ sys.stdin.read(1)
 """.replace("@RESERVE@", RESERVE).replace("@LIBC@", LIBC)
 
 
+# A dict's version tag (3.12/3.13: a global counter stepped by 4096 at every dict change) made
+# equal to an address inside a leaked 64 KiB block: Debian's interpreters are non-PIE, their
+# brk heap (where the block lies) below 4 GiB, so a few thousand dict changes reach it. The
+# counter is stepped by one dict (probe) up to the page before, then the kept dict changes
+# once (the premise: its tag is that address). Then the counter itself (the interpreter's, a
+# root) is stepped past the block.
+DICT_TAG = r"""import ctypes, json, sys
+@LIBC@
+libc.malloc.restype = ctypes.c_void_p
+libc.malloc.argtypes = [ctypes.c_size_t]
+print("baseline", flush=True)
+sys.stdin.readline()
+kept, made = [], {}
+SIZE = 120 << 10                        # below the mmap threshold: on the brk heap
+
+def tag(d):
+    return ctypes.c_uint64.from_address(id(d) + 24).value
+
+def plant():
+    # a block whose pages lie above the counter (blocks below it are kept, in a ctypes array)
+    probe, pads = {}, (ctypes.c_void_p * 256)()
+    for k in range(256):
+        p = libc.malloc(SIZE)
+        probe[0] = -1 - k
+        if (p + 8191) & ~4095 > tag(probe) + 8192:
+            break
+        pads[k] = p
+    else:
+        return "no block above the counter"
+    kept.append(pads)
+    ctypes.memset(p, 0, SIZE)
+    made["tag"] = [f"{p:#x}", libc.malloc_usable_size(p)]
+    page = (p + 8191) & ~4095
+    del p
+    d = {}                              # (a new dict takes a version too)
+    probe[0] = None                     # its tag: the counter now
+    for i in range((page - tag(probe)) // 4096 - 1):
+        probe[0] = i                    # each change steps the counter (the same value not)
+    d[0] = 0
+    if tag(d) != page:
+        return "the counter moved elsewhere"
+    kept.append(d)
+    for i in range(SIZE // 4096 + 4):   # the interpreter's counter (a root) past the block
+        probe[0] = -i
+    return "planted"
+
+made["premise"] = plant()
+print(json.dumps(made))
+print("ready", flush=True)
+sys.stdin.read(1)
+""".replace("@LIBC@", LIBC)
+
+
+@pytest.mark.distro
+@pytest.mark.parametrize("allocator", ["pymalloc", "malloc"])
+@pytest.mark.parametrize("python", [p for p in distros.python_specs()
+                                    if _minor(p) in (12, 13)])
+def test_a_dict_version_tag_equal_to_a_leaked_blocks_address_keeps_nothing(python, allocator):
+    made, info, _ = run_target(python, DICT_TAG, allocator,
+                               expect=lambda made: [int(made["tag"][0], 16)])
+    assert made["premise"] == "planted", made
+    leak = {l.address: l for l in info.leaks}[int(made["tag"][0], 16)]
+    assert leak.size == made["tag"][1]
+
+
 # parts a 3.14/3.15 check may miss (found on sid's 3.14.10 and 3.15.2, 2026-11-27)
 KNOWN_MISSES_314 = {"pymalloc": {"str"}, "malloc": {"regex"}}
 

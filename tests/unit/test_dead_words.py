@@ -249,6 +249,29 @@ def test_frame_object_scanned_up_to_its_stacktop(stacktop, owned, kept):
 
 
 SIZED = lib.MU_TYPE_SIZED << 8
+DICT_TYPE = 0x7F00_0000_5000
+DICT_CODE = 16 | lib.MU_TYPE_DICT << 8 | 48 << 16
+
+
+@pytest.mark.parametrize("tracked", [True, False])
+@pytest.mark.parametrize("code, kept", [
+    (DICT_CODE, [1, 0, 1, 0]),                  # the version tag (object + 24) is an integer
+    (16 | SIZED | 48 << 16, [1, 1, 1, 0]),      # a sized type's header words are scanned
+])
+def test_a_dicts_version_tag_is_no_reference(tracked, code, kept):
+    # a dict (GC head at 0, object at 16: refcount, type, ma_used, version tag, ma_keys,
+    # ma_values); the allocator's slack after its 48 bytes is dead either way
+    h = Heap([80, 16, 16, 16])
+    for slot, w in enumerate([0, 0, 1, DICT_TYPE, 3]):
+        h.point(0, slot, w)
+    h.link(0, 5, 1)                     # the version tag
+    h.link(0, 6, 2)                     # ma_keys
+    h.link(0, 8, 3)                     # block offset 64: slack
+    dead = DeadWords(types=[(DICT_TYPE, code)],
+                     head_word=bytearray([1, 0, 0, 0]) if tracked else None)
+    assert list(mark(h.image(), [], [h.addrs[0] + 16], dead=dead).marked) == kept
+    folded = fold(h.image(), bytearray(4), dead=dead)
+    assert folded[0].referenced_count == sum(kept) - 1
 
 
 @pytest.mark.parametrize("basic, kept", [

@@ -107,7 +107,7 @@ _FACTS: Dict[tuple, Optional[ElfFacts]] = {}
 FACT_SYMBOLS = ("_PyRuntime", "Py_Version", "PyList_Type", "PyFrame_Type", "PyCode_Type",
                 "PyTuple_Type", "PyType_GenericAlloc", "PySet_Type", "PyFrozenSet_Type",
                 "PyGen_Type", "PyCoro_Type", "PyAsyncGen_Type", "PyMemoryView_Type",
-                "PyType_Type") \
+                "PyType_Type", "PyDict_Type") \
     + tuple(L.VALUE_TYPES)
 
 

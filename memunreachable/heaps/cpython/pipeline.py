@@ -95,7 +95,7 @@ def _prepare(mem, maps, threads, pid: Optional[int], image: HeapImage) -> CPytho
                                                     PyTuple_Type="tuple", PySet_Type="set",
                                                     PyFrozenSet_Type="frozenset",
                                                     PyMemoryView_Type="memoryview",
-                                                    PyFrame_Type="frame",
+                                                    PyFrame_Type="frame", PyDict_Type="dict",
                                                     **GENERATOR_TYPES))
     heads = gc_heads(mem, cp)
     if heads is None:
@@ -156,7 +156,7 @@ def _prepare(mem, maps, threads, pid: Optional[int], image: HeapImage) -> CPytho
         known = sorted(set(types) | set(statics_all))
         sized = sized_types(mem, maps, cp, known) + class_types(mem, maps, pid, cp, types) \
             + regex_types(mem, maps, cp, known)
-        dead_types = with_sizes(dead_types, sized)
+        dead_types = dict_headers(with_sizes(dead_types, sized), statics.get("PyDict_Type"))
         out.stats["sized_types"] = len(sized)
     # code objects (every version): the bytecode after the header holds no references, and
     # a stale pointer's high bytes in the rounding slack after it (glued to the last code
@@ -644,6 +644,16 @@ def sized_types(mem, maps, cp: CPythonMap, types, header_only: bool = False) -> 
     rule = ("sized", header_only, reader.prefix)
     codes = [(t, _judged(reader, t, rule, judge)) for t in types]
     return [(t, code) for t, code in codes if code is not None]
+
+
+# Returns dead_types with dict's MU_TYPE_SIZED rule (t: PyDict_Type) made MU_TYPE_DICT: its
+# header's version tag is an integer that may equal a heap address (3.12/3.13 step it by 4096
+# per dict change; Debian's non-PIE interpreters keep their brk heap below 4 GiB).
+def dict_headers(dead_types, t: Optional[int]):
+    kind = 0xff << 8
+    return [(u, code & ~kind | lib.MU_TYPE_DICT << 8
+             if u == t and code & kind == lib.MU_TYPE_SIZED << 8 else code)
+            for u, code in dead_types]
 
 
 # Returns [(type address, code)] of MU_TYPE_SIZED rules for the heap types among `types` whose
