@@ -322,7 +322,7 @@ def sweep(mem, maps, threads, pid: int, confirm: Optional[set] = None,
         # recorded the pointer the hooks hand out (the domains are routed around them)
         debug = False
         if cps.cpython is not None and cps.cpython.found:
-            from memunreachable.heaps.cpython.pipeline import has_debug_hooks
+            from memunreachable.heaps.cpython.typerules import has_debug_hooks
             from memunreachable.heaps.cpython.layout import DEBUG_HOOK_PREFIX
             debug = has_debug_hooks(cps.cpython)
         for e in res.entries + res.cyclic_garbage:
@@ -445,7 +445,7 @@ def _python_objects(mem, cps, image, marked, contents) -> _PythonLeaks:
     """Name the unreachable Python objects and split off the cyclic garbage
     (cpython/objects.py)."""
     from memunreachable.heaps.cpython import objects as O
-    from memunreachable.heaps.cpython.pipeline import object_reader
+    from memunreachable.heaps.cpython.typerules import object_reader
     reader = object_reader(mem, cps.cpython)
     begins, sizes = image.begins, image.sizes
     unmarked = _unmarked(marked)
