@@ -38,7 +38,8 @@ from memunreachable._errors import (AccessDenied, CollectionError, NoSuchProcess
                                     UnsupportedTarget)
 from memunreachable._ffi import ffi, lib
 from memunreachable._types import FS_BASE_INDEX, REG_NAMES, RSP_INDEX, Fields
-from memunreachable.collect.freeze import Frozen, critical, frozen
+from memunreachable.collect.freeze import Frozen, frozen
+from memunreachable.collect.interrupts import critical
 from memunreachable.collect.memory import ProcessMemory
 
 log = logging.getLogger("memunreachable")
@@ -315,7 +316,7 @@ class Snapshot(Fields):
 
     # Kills and reaps the child (clone mode); a no-op in direct mode. Idempotent. Never
     # raises for cleanup trouble (it lands in .warnings / .zombie_left); a signal that
-    # arrives meanwhile is deferred (freeze.critical) and raised as FreezeInterrupted after
+    # arrives meanwhile is deferred (interrupts.critical) and raised as FreezeInterrupted after
     # the cleanup. A child left as a zombie stays in the check record (leftovers.py), so the
     # next check of the target reaps it.
     def release(self) -> None:
