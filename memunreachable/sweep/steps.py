@@ -31,7 +31,8 @@ from memunreachable.collect import diagnose
 from memunreachable.heaps import libstate
 from memunreachable.heaps.cpython import probe
 from memunreachable.heaps.glibc import linkmaps, locate
-from memunreachable.heaps.glibc.walker import HeapInconsistent, is_uncopied, walk_heap
+from memunreachable.heaps.glibc.copies import is_uncopied
+from memunreachable.heaps.glibc.walker import HeapInconsistent, walk_heap
 from memunreachable.stacks import tracking
 from memunreachable.sweep import detect, retake
 from memunreachable._errors import CollectionError, MemoryUnreadable, NoSuchProcess
