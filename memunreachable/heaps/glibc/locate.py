@@ -10,7 +10,6 @@ bin slots (vmware/chap's method). References: glibc malloc/malloc.c, malloc/aren
 from __future__ import annotations
 
 import mmap
-import os
 import struct
 from typing import Iterator, List, Optional, Tuple
 
@@ -72,27 +71,17 @@ _FACTS_CACHE_MAX = 16
 
 
 def _file_facts(f) -> Optional[_FileFacts]:
-    st = os.fstat(f.fileno())
-    key = (st.st_dev, st.st_ino, st.st_size, st.st_mtime_ns)
-    if key in _FACTS_CACHE:
-        return _FACTS_CACHE[key]
-    facts = None
-    try:
-        elf = E.ElfFile(f)
+    def read(elf):
         first_load = elf.first_load() if elf.machine_name == "EM_X86_64" else None
-        if first_load is not None:
-            rw = [(s.p_vaddr, elf.data(s.p_offset, s.p_filesz)) for s in elf.segments()
-                  if s.p_type == E.PT_LOAD and s.p_flags & 2]
-            relative = elf.rela_relative()
-            with mmap.mmap(f.fileno(), st.st_size, prot=mmap.PROT_READ) as mm:
-                version = L.find_version(mm)
-            facts = _FileFacts(first_load, rw, relative, version)
-    except (E.ElfError, OSError, ValueError, struct.error):    # malformed or truncated ELF
-        facts = None
-    if len(_FACTS_CACHE) >= _FACTS_CACHE_MAX:
-        _FACTS_CACHE.clear()
-    _FACTS_CACHE[key] = facts
-    return facts
+        if first_load is None:
+            return None
+        rw = [(s.p_vaddr, elf.data(s.p_offset, s.p_filesz)) for s in elf.segments()
+              if s.p_type == E.PT_LOAD and s.p_flags & 2]
+        relative = elf.rela_relative()
+        with mmap.mmap(f.fileno(), 0, prot=mmap.PROT_READ) as mm:     # the whole file
+            version = L.find_version(mm)
+        return _FileFacts(first_load, rw, relative, version)
+    return E.cached_by_file(_FACTS_CACHE, f, read, most=_FACTS_CACHE_MAX)
 
 
 def read_image(mappings: List[Mapping], pid: Optional[int]) -> Optional[_Image]:
