@@ -418,6 +418,7 @@ class _Tracked:
         self.config, self.track, self.cap, self.per_test = config, track_here, cap, per_test
         self.numbers = 0
         self.stretch: dict = {}         # number -> item, since the last sweep
+        self.nodeids: dict = {}         # number -> nodeid, every test begun (orphans' makers)
         self.held: list = []            # (item, reports) not logged yet
         self.tests_seconds = 0.0        # the stretch's own time
         self.last_sweep = 0.0           # what the last sweep cost (s)
@@ -437,6 +438,7 @@ class _Tracked:
         self.numbers += 1
         item.stash[_NUMBER] = self.numbers
         self.stretch[self.numbers] = item
+        self.nodeids[self.numbers] = item.nodeid
         return self.numbers
 
     def phase(self, item, phase: int):
@@ -534,7 +536,8 @@ class _Tracked:
         items = list(stretch.values())
         if len(items) == 1:
             own = items[0].stash.get(_VERDICT, (None, ""))
-            text = _leak_text(info, att.orphans, "during this test, allocated before it")
+            text = _leak_text(info, att.orphans, "during this test, allocated before it",
+                              makers=self.nodeids)
             items[0].stash[_VERDICT] = ("leaks", (own[1] + "\n" if own[0] == "leaks" else "")
                                         + text)
         else:
@@ -834,16 +837,22 @@ EARLIER = ("(allocated before this test, or handed out again from one of CPython
            "lists; where it was first allocated:)")
 
 
-def _leak_text(info, leaks, when: str = "during this test", number: Optional[int] = None) -> str:
+def _leak_text(info, leaks, when: str = "during this test", number: Optional[int] = None,
+               makers: Optional[dict] = None) -> str:
     """The failure text of these leaks of check `info`. number: the tracked test's number; a
-    block recorded with another test's epoch (or none) was reused, its stack is not this one."""
+    block recorded with another test's epoch (or none) was reused, its stack is not this one.
+    makers: {test number: nodeid}, for orphans (blocks an earlier test allocated): each
+    block's stack then names the test that allocated it."""
     from memunreachable.pytest_tracked import split
     from memunreachable.reporters.text import format_text
     new_info = _nl()._only(info, leaks)
     for leak in new_info.leaks:
         for b in [leak] + list(leak.indirect):
             frames = _test_frames(b.backtrace)
-            if number is None or split(b.epoch)[0] == number:
+            maker = (makers or {}).get(split(b.epoch)[0])
+            if maker is not None:
+                b.backtrace = [f"(allocated during {maker}:)"] + frames
+            elif number is None or split(b.epoch)[0] == number:
                 b.backtrace = frames
             elif b.python_type:
                 b.backtrace = [REUSED]

@@ -415,9 +415,37 @@ static inline int mu_dead_object(const mu_dead *d, const uint8_t *p, uint64_t le
 /* The live length of allocation [b, b+len) (bytes at p, avail readable): len, or less when it
  * holds an object whose words past some point are dead (mu_dead kinds MU_TYPE_FRAME,
  * GEN_FRAME, SIZED, VARSIZED). */
-#define MU_FRAME_STACKTOP 64
-#define MU_FRAME_SLOTS 72
-#define MU_GEN_CLEARED 4          /* FRAME_CLEARED, 3.11-3.13 */
+#define MU_FRAME_STACKTOP 64      /* 3.11-3.13: int stacktop; 3.14+: _PyStackRef *stackpointer */
+
+/* The block offset where frame data at block offset fo (of flavour fl, MU_FRAME_FLAVOUR_*)
+ * begins its slots. */
+static inline uint64_t mu_frame_slots(uint64_t fo, unsigned fl)
+{
+    return fo + (fl == MU_FRAME_FLAVOUR_311 ? 72 : 80);
+}
+
+/* The block offset where the live slots of the frame data at block offset fo end (its stack
+ * top), in allocation [b, b+len) (bytes at p, fo + 80 readable); 0 when the top is not one to
+ * trust. */
+static inline uint64_t mu_frame_top(const uint8_t *p, uint64_t b, uint64_t fo, uint64_t len,
+                                    unsigned fl)
+{
+    uint64_t slots = mu_frame_slots(fo, fl), end;
+    if (fl == MU_FRAME_FLAVOUR_311) {
+        int32_t top;
+        memcpy(&top, p + fo + MU_FRAME_STACKTOP, 4);
+        if (top < 0)
+            return 0;
+        end = slots + 8 * (uint64_t)top;
+    } else {
+        uint64_t sp;
+        memcpy(&sp, p + fo + MU_FRAME_STACKTOP, 8);
+        if (sp < b + slots || (sp - b - slots) % 8)
+            return 0;
+        end = sp - b;
+    }
+    return end <= len ? end : 0;
+}
 
 /* The size of the dict key table at p (len bytes, avail readable) as new_keys_object allocated
  * it, when every header field is consistent and the allocation exceeds it by 8-15 bytes (an
@@ -529,38 +557,34 @@ static inline uint64_t mu_live_len_r(const mu_dead *d, const mu_rules *r, const 
             uint64_t end = off + head + 8 * (uint64_t)(sub ? count : count / 3 * 2);
             return end < len ? end : len;
         }
-        if (kind == MU_TYPE_GEN_FRAME) {
-            uint64_t fo = off + ((code >> 16) & 0xffff);
-            int32_t top;
-            int64_t slots;
-            if (fo < off + 16 || fo + MU_FRAME_SLOTS > have)
+        if (kind == MU_TYPE_GEN_FRAME || kind == MU_TYPE_FRAME) {
+            uint64_t fo = off + ((code >> 16) & 0xffff), end;
+            unsigned fl = (unsigned)(code >> 32) & 0xff;
+            if (fo < off + 32 || mu_frame_slots(fo, fl) > have)
                 continue;           /* unreadable: scan it all */
-            int8_t state = (int8_t)p[fo - 5];
-            if (state == MU_GEN_CLEARED)    /* finished: its slots were released, not zeroed */
-                return fo + MU_FRAME_SLOTS;
-            if (state >= 0) {       /* running or completing: its slots (ob_size), not the slack */
-                memcpy(&slots, p + off + 16, 8);
-                if (slots < 0 || fo + MU_FRAME_SLOTS + 8 * (uint64_t)slots > len)
-                    continue;
-                return fo + MU_FRAME_SLOTS + 8 * (uint64_t)slots;
+            if (kind == MU_TYPE_FRAME) {
+                memcpy(&fr, p + off + 24, 8);
+                if (fr != b + fo)   /* the frame runs elsewhere: its inline data is unwritten */
+                    return fo;
+            } else {
+                int8_t state = (int8_t)p[fo - 5];
+                int suspended = fl == MU_FRAME_FLAVOUR_315 ? state >= 0 && state <= 3 : state < 0;
+                if (state == (fl == MU_FRAME_FLAVOUR_315 ? 5 : 4))
+                    return mu_frame_slots(fo, fl);  /* cleared: slots released, not zeroed */
+                if (!suspended) {   /* running or completing: its slots (ob_size), not the slack */
+                    int64_t slots;
+                    memcpy(&slots, p + off + 16, 8);
+                    end = mu_frame_slots(fo, fl) + 8 * (uint64_t)slots;
+                    if (fl != MU_FRAME_FLAVOUR_311 || slots < 0 || end > len)
+                        continue;
+                    return end;
+                }
             }
-            memcpy(&top, p + fo + MU_FRAME_STACKTOP, 4);
-            uint64_t end = fo + MU_FRAME_SLOTS + 8 * (uint64_t)(top < 0 ? 0 : top);
-            if (top < 0 || end > len)
-                continue;           /* not a stacktop we can trust: scan it all */
+            end = mu_frame_top(p, b, fo, len, fl);
+            if (!end)
+                continue;           /* not a stack top we can trust: scan it all */
             return end;
         }
-        if (kind != MU_TYPE_FRAME || off + 32 > have)
-            continue;
-        memcpy(&fr, p + off + 24, 8);
-        if (fr < b + off + 32 || (fr & 7) || fr + MU_FRAME_SLOTS > b + have)
-            continue;               /* the frame data lives elsewhere (a running frame) */
-        int32_t top;
-        memcpy(&top, p + (fr - b) + MU_FRAME_STACKTOP, 4);
-        uint64_t end = fr + MU_FRAME_SLOTS + 8 * (uint64_t)(top < 0 ? 0 : top);
-        if (top < 0 || end > b + len)
-            continue;               /* not a stacktop we can trust: scan it all */
-        return end - b;
     }
     return len;
 }

@@ -49,10 +49,14 @@ typedef struct {
  *       until then);
  *   kind MU_TYPE_STR: the str is compact ASCII (state bits at off + 32): text only;
  * and is scanned only up to its live end for
- *   kind MU_TYPE_FRAME: a 3.11+ frame object that owns its frame data (f_frame, at off + 24,
- *       points inside the allocation): the words above the data's stacktop (int at f_frame +
- *       64, slots from f_frame + 72) are dead: CPython copies a frame only up to its
- *       stacktop and never clears the slots above (cpython-memory.md section 5);
+ *   kind MU_TYPE_FRAME: a 3.11+ frame object, its inline frame data at object offset fo
+ *       (bits 16-31 of code; tp_basicsize minus the data's slots offset), of flavour bits
+ *       32-39 (MU_FRAME_FLAVOUR_*: 3.11-3.13 an int stacktop at fo + 64 and slots from fo + 72;
+ *       3.14+ a stackpointer at fo + 64 and slots from fo + 80): when it owns that data
+ *       (f_frame, at off + 24, points at it) the slots above the stack top are dead: CPython
+ *       copies a frame only up to its top and never clears the slots above (cpython-memory.md
+ *       section 5); while its frame runs elsewhere (a thread's data stack, a generator) the
+ *       inline data is never written: only the head up to fo is live;
  *   kind MU_TYPE_SIZED: an object of a fixed-size type whose size (tp_basicsize) is in bits
  *       16-47 of code: the allocator's rounding slack after it holds only stale words;
  *   kind MU_TYPE_VARSIZED: an object whose items follow its header inline (a tuple): the
@@ -63,14 +67,14 @@ typedef struct {
  *       size of 0: a fixed-size type (as MU_TYPE_SIZED, no count read) with the dead-at-zero
  *       rule too (3.8-3.10 give every GC type that rule, and a type has one code).
  *   kind MU_TYPE_GEN_FRAME: a 3.11+ generator, coroutine or async generator, whose frame data
- *       lies inline at object offset fo (bits 16-31 of code; tp_basicsize - 72): while it is
- *       not running (its int8 frame state at fo - 5 negative: created or suspended) the slots
- *       above the frame's stacktop (int at fo + 64, slots from fo + 72) are dead, as in a
- *       frame object's (a suspended pluggy hook wrapper's slot 10 kept a leaked block's
- *       address); cleared (state 4, FRAME_CLEARED: finished, its slots released but not
- *       zeroed) only its frame's head; running or completing: its ob_size slots, not the
- *       allocator's slack after them (a finished generator's last word, offset 248 of a
- *       256-byte block, kept a leaked 34 MB block's address).
+ *       lies inline at object offset fo (bits 16-31 of code, flavour bits 32-39, as for
+ *       MU_TYPE_FRAME): while it is not running (its int8 frame state at fo - 5: created or
+ *       suspended, negative before 3.15, 0-3 from 3.15) the slots above the frame's stack top
+ *       are dead, as in a frame object's (a suspended pluggy hook wrapper's slot 10 kept a
+ *       leaked block's address); cleared (FRAME_CLEARED, 4 before 3.15, 5 from 3.15: its slots
+ *       released but not zeroed) only its frame's head; running or completing (3.11-3.13): its
+ *       ob_size slots, not the allocator's slack after them (a finished generator's last word,
+ *       offset 248 of a 256-byte block, kept a leaked 34 MB block's address); 3.14+: all.
  *   kind MU_TYPE_MEMORYVIEW: a memoryview, tp_basicsize in bits 16-47 of code: its ob_size
  *       (3 * ndim) Py_ssize_t follow the header (shape, strides, suboffsets); when its
  *       view.suboffsets (at off + basicsize - 24) is NULL the suboffsets third is never
@@ -120,6 +124,10 @@ typedef struct {
 #define MU_TYPE_FLOAT 9
 #define MU_TYPE_BYTES 10
 #define MU_TYPE_LAST 10          /* the highest kind */
+
+#define MU_FRAME_FLAVOUR_311 0   /* MU_TYPE_FRAME/GEN_FRAME's frame data: 3.11-3.13 */
+#define MU_FRAME_FLAVOUR_314 1   /* 3.14: a stackpointer, slots from 80 */
+#define MU_FRAME_FLAVOUR_315 2   /* 3.15: as 3.14, frame states renumbered */
 
 #define MU_INT_OB_SIZE 0         /* MU_TYPE_INT's parameter: its size word's meaning */
 #define MU_INT_LV_TAG 1

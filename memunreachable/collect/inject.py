@@ -21,12 +21,15 @@ from __future__ import annotations
 
 import errno
 import os
-from typing import Dict, List, Sequence, Tuple
+from typing import Dict, List, Optional, Sequence, Tuple
 
 from memunreachable.sweep import detect
 from memunreachable.collect import diagnose, procfs, seccomp, sites
+from memunreachable.collect.memory import ProcessMemory
+from memunreachable.heaps.glibc.walker import arena_addresses
 from memunreachable.stacks import elf as E
-from memunreachable._errors import CollectionError, NoSuchProcess, UnsupportedTarget
+from memunreachable._errors import (CollectionError, MemunreachableError, NoSuchProcess,
+                                    UnsupportedTarget)
 from memunreachable._ffi import ffi, lib
 from memunreachable._types import Mapping
 from memunreachable.collect.freeze import Frozen
@@ -64,16 +67,27 @@ def load_calls(restore_rt: int) -> List[seccomp.Call]:
 
 
 # Returns the tids of fz's threads stopped where an injected call could deadlock on a lock
-# they hold: inside malloc/free (threads_in_allocator: glibc's code, a futex wait there
-# included: fork waits for each arena's lock holding the ones before), the dynamic loader,
-# the tracking library, or an unwinder (libgcc_s, libunwind: the tracking library's
-# wrappers unwind, and a thread throwing an exception holds the unwinder's locks).
+# they hold: inside malloc/free (threads_in_allocator: glibc's code, or a futex wait there on
+# an arena's lock: fork waits for each arena's lock holding the ones before; any futex wait
+# in glibc's code when the arenas cannot be read), the dynamic loader, the tracking library,
+# or an unwinder (libgcc_s, libunwind: the tracking library's wrappers unwind, and a thread
+# throwing an exception holds the unwinder's locks). A thread waiting on a condition
+# variable, a join or another mutex is not busy: an idle thread pool waits only there.
 def busy_threads(fz: Frozen) -> List[int]:
-    busy = set(detect.threads_in_allocator(fz.threads, fz.maps, fz.pid, None))
+    busy = set(detect.threads_in_allocator(fz.threads, fz.maps, fz.pid, _arena_mutexes(fz)))
     code = [m.range for m in fz.maps if m.executable and _holds_locks_we_take(
         detect.strip_deleted(m.path))]
     busy.update(t.tid for t in fz.threads if any(r.contains(t.regs[16]) for r in code))
     return sorted(busy)
+
+
+def _arena_mutexes(fz: Frozen) -> Optional[List[int]]:
+    """The addresses of fz's arena locks; None when they cannot be read."""
+    try:
+        with ProcessMemory(fz.pid) as mem:
+            return arena_addresses(mem, fz.maps, fz.pid)
+    except (OSError, MemunreachableError):
+        return None
 
 
 def _holds_locks_we_take(path: str) -> bool:

@@ -420,6 +420,28 @@ def runs_in_use(entries: bytes, begin: int, min_hole: int) -> List[Tuple[int, in
 # Returns {(begin, end): runs_in_use of it} for each page-aligned range, read from
 # /proc/PID/pagemap; None when it cannot be read (a range's pages then all count as in use).
 def read_runs_in_use(pid: int, ranges, min_hole: int) -> Optional[dict]:
+    return _per_range(pid, ranges, lambda entries, b: runs_in_use(entries, b, min_hole))
+
+
+# pagemap(5) bit 58 (PM_GUARD_REGION, in an entry's last byte): a MADV_GUARD_INSTALL guard page.
+_GUARD = bytes(1 if b & 0x04 else 0 for b in range(256))
+
+
+# Returns the runs of [begin, end) that are guard pages, from its pagemap entries.
+def guard_runs(entries: bytes, begin: int) -> List[Tuple[int, int]]:
+    mask = entries[7::8].translate(_GUARD)
+    return [(begin + m.start() * PAGE, begin + m.end() * PAGE)
+            for m in re.finditer(b"\x01+", mask)]
+
+
+# Returns {(begin, end): guard_runs of it} for each page-aligned range, read from
+# /proc/PID/pagemap (empty runs where the kernel does not report guards); None when it cannot
+# be read.
+def read_guard_runs(pid: int, ranges) -> Optional[dict]:
+    return _per_range(pid, ranges, guard_runs)
+
+
+def _per_range(pid: int, ranges, parse) -> Optional[dict]:
     out = {}
     try:
         with open(f"/proc/{pid}/pagemap", "rb", buffering=0) as f:
@@ -427,7 +449,7 @@ def read_runs_in_use(pid: int, ranges, min_hole: int) -> Optional[dict]:
                 entries = os.pread(f.fileno(), (e - b) // PAGE * 8, b // PAGE * 8)
                 if len(entries) != (e - b) // PAGE * 8:
                     return None
-                out[(b, e)] = runs_in_use(entries, b, min_hole)
+                out[(b, e)] = parse(entries, b)
     except OSError:
         return None
     return out

@@ -26,7 +26,7 @@ from __future__ import annotations
 
 import bisect
 import struct
-from typing import Dict, List, Optional, Sequence
+from typing import Dict, List, Optional, Sequence, Tuple
 
 from memunreachable._types import (REG_NAMES, Fields, Mapping, Range, RangeCutter, ThreadState,
                                    merge_ranges, subtract_ranges)
@@ -183,19 +183,29 @@ def fp_words(t: ThreadState) -> List[int]:
 # as a 280-byte leak on sid (glibc 2.43, fixtures/ptr_regs.c's "carved" thread). A block ends
 # at the page end after its TCB (fs_base: nptl's allocate_stack puts struct pthread, smaller
 # than a page, at the block's top), so a dead stack stops at the end of the highest block
-# below its SP whose thread is known. Blocks of no thread (cached stacks of exited threads)
-# there stay cut out, as the whole mapping below the lowest SP was before.
-def stack_pieces(m: Mapping, starts: Sequence[tuple], ends: Sequence[int]) -> List[tuple]:
+# below its SP whose thread is known, or at the guard pages below its SP when the kernel
+# shows them (pagemap bit 58, PM_GUARD_REGION): a block begins with its guard, so the
+# highest guard below an SP is that thread's own, and a cached stack of an exited thread
+# between two live ones keeps its TCB, whose DTV it still owns (a 280-byte false leak on sid
+# for a program that joined one thread while two others ran). Without guard positions, blocks
+# of no thread there stay cut out.
+def stack_pieces(m: Mapping, starts: Sequence[tuple], ends: Sequence[int],
+                 guards: Sequence[Tuple[int, int]] = ()) -> List[tuple]:
     """[(range, "stack" | "anon")] of a mapping holding thread stacks, in order: "stack" for
     the pieces that begin at a live SP, "anon" for other blocks. starts: (SP, live stack
-    start) of every thread, sorted; ends: every thread's block end (after its fs_base), sorted."""
+    start) of every thread, sorted; ends: every thread's block end (after its fs_base), sorted;
+    guards: the runs of guard pages in m, sorted."""
     lo = bisect.bisect_left(starts, (m.begin,))
     hi = bisect.bisect_left(starts, (m.end,))
+    guard_ends = [e for _, e in guards]
     live, dead = [], []
     for sp, start in starts[lo:hi]:
         start = max(m.begin, start)
         k = bisect.bisect_right(ends, start)
         bottom = max(m.begin, ends[k - 1]) if k else m.begin
+        g = bisect.bisect_right(guard_ends, start)
+        if g:
+            bottom = max(bottom, guard_ends[g - 1])
         live.append(start)
         if bottom < start:
             dead.append(Range(bottom, start))
@@ -203,11 +213,20 @@ def stack_pieces(m: Mapping, starts: Sequence[tuple], ends: Sequence[int]) -> Li
     return [(r, "stack" if any(r.begin <= s < r.end for s in live) else "anon") for r in pieces]
 
 
+def stack_maps(maps: Sequence[Mapping], threads: Sequence[ThreadState]) -> List[Tuple[int, int]]:
+    """(begin, end) of the anonymous mappings holding a thread's SP (glibc's thread stacks)."""
+    sps = sorted(t.sp for t in threads if t.sp)
+    return [(m.begin, m.end) for m in maps if not m.path
+            and bisect.bisect_left(sps, m.begin) < bisect.bisect_left(sps, m.end)]
+
+
 def classify(maps: Sequence[Mapping], threads: Sequence[ThreadState],
              heap_ranges: Sequence[Range], metadata_ranges: Sequence[Range],
-             extra_cuts: Sequence[Range] = ()) -> RootSet:
+             extra_cuts: Sequence[Range] = (), guards: Optional[dict] = None) -> RootSet:
     """Return the RootSet: root ranges (minus heap, allocator metadata and extra_cuts: other
-    allocators' heaps and dead memory, e.g. CPythonSweep.root_cuts) and root words."""
+    allocators' heaps and dead memory, e.g. CPythonSweep.root_cuts) and root words. guards:
+    {(begin, end): runs of guard pages} of the mappings that hold thread stacks (stack_maps),
+    where known."""
     starts = sorted((t.sp, live_stack_start(t)) for t in threads if t.sp)
     ends = sorted((t.fs_base | (PAGE - 1)) + 1 for t in threads if t.fs_base)
     candidates: List[tuple] = []
@@ -215,7 +234,7 @@ def classify(maps: Sequence[Mapping], threads: Sequence[ThreadState],
         k = bisect.bisect_left(starts, (m.begin,))
         if k < len(starts) and starts[k][0] < m.end:
             # thread stacks: live from each SP (- red zone) up, other threads' blocks whole
-            candidates.extend(stack_pieces(m, starts, ends))
+            candidates.extend(stack_pieces(m, starts, ends, (guards or {}).get((m.begin, m.end), ())))
             continue
         kind = "data" if cls == "data" else "anon"
         if m.path.startswith("[stack"):

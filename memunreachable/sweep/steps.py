@@ -27,7 +27,7 @@ from array import array
 from itertools import compress
 from typing import List, Optional, Sequence, Tuple
 
-from memunreachable.collect import diagnose
+from memunreachable.collect import diagnose, procfs
 from memunreachable.heaps import libstate
 from memunreachable.heaps.cpython import probe
 from memunreachable.heaps.glibc import linkmaps, locate
@@ -37,7 +37,7 @@ from memunreachable.stacks import tracking
 from memunreachable.sweep import detect, retake
 from memunreachable._errors import CollectionError, MemoryUnreadable, NoSuchProcess
 from memunreachable._types import Fields, HeapImage, Range
-from memunreachable.sweep.classify import classify, data_ranges, waiting
+from memunreachable.sweep.classify import classify, data_ranges, stack_maps, waiting
 from memunreachable.sweep.folding import FoldedLeak, fold, size_totals
 from memunreachable.sweep.mark import DeadWords, mark, with_dead_ranges
 from memunreachable.collect.memory import (CopiedMemory, ProcessMemory, SnapshotPlan, read_copies,
@@ -218,7 +218,8 @@ def sweep(mem, maps, threads, pid: int, confirm: Optional[set] = None,
     # 5. Roots
     roots = classify(maps, threads, hw.heap_ranges, hw.metadata_ranges,
                      list(cps.root_cuts) + list(unwritten) + list(hw.holes)
-                     + (table.cuts if table is not None else []))
+                     + (table.cuts if table is not None else []),
+                     procfs.read_guard_runs(pid, stack_maps(maps, threads)))
     root_buffers = []
     for r in roots.ranges:
         buf = mem.view(r.begin, r.size)

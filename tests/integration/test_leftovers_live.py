@@ -60,7 +60,16 @@ def own_children(fx) -> list:
 
 
 def spawn(pid: int) -> subprocess.Popen:
-    return subprocess.Popen(CHECKER + [str(pid)], stdout=subprocess.PIPE, stderr=subprocess.PIPE)
+    # the checker starts with the signals at their defaults, as from a terminal: a suite run
+    # as a background job (nohup, `cmd &` in a script) begins with SIGINT or SIGHUP ignored,
+    # which the checker rightly keeps ignored
+    return subprocess.Popen(CHECKER + [str(pid)], stdout=subprocess.PIPE, stderr=subprocess.PIPE,
+                            preexec_fn=default_signals)
+
+
+def default_signals() -> None:
+    for sig in SIGNALS:
+        signal.signal(sig, signal.SIG_DFL)
 
 
 def read_until(proc: subprocess.Popen, marker: bytes, timeout: float = 60.0) -> bytes:

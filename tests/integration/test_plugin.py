@@ -970,6 +970,9 @@ def test_an_orphaned_block_fails_the_test_that_dropped_it_with_a_sweep_after_eac
     assert section.startswith("_ test_c_orphans _") and "\n1 block leaked during this test, " \
         "allocated before it (" in section
     assert reported(section, addr, r"\d+") == 1
+    # its stack names the test that allocated it, then that test's line
+    stack = section[section.index("(allocated during test_orphan.py::test_a_allocates:)"):]
+    assert re.search(r"#\d+ test_a_allocates .*test_orphan\.py:\d+ \(Python\)", stack), stack
 
 
 @ONE_ALLOCATOR

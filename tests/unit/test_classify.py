@@ -2,7 +2,9 @@
 import struct
 
 from memunreachable._types import Mapping, Range, ThreadState
-from memunreachable.sweep.classify import RED_ZONE, classify, classify_mapping, register_words
+from memunreachable.collect.procfs import guard_runs
+from memunreachable.sweep.classify import (RED_ZONE, classify, classify_mapping, register_words,
+                                           stack_maps)
 
 
 def m(begin, end, perms, path="", inode=0, offset=0):
@@ -167,6 +169,29 @@ def test_stacks_merged_in_one_mapping_keep_each_block_whole_but_the_dead_stack_b
                             Range(0x13c000, 0x140000),
                             Range(0x201000 - RED_ZONE, 0x202000)]
     assert [roots.kinds[r] for r in roots.ranges] == ["anon", "stack", "stack", "stack"]
+
+
+def test_guard_pages_bound_each_dead_stack_and_keep_a_cached_block_between_live_ones():
+    # the same mapping with the kernel's guard positions (a page at each block's start): the
+    # cached block at 0x110000 lies below thread 2's SP; its TCB holds the DTV it still owns
+    maps = [m(0x100000, 0x140000, "rw-p", ""), m(0x200000, 0x202000, "rw-p", "")]
+    threads = [ThreadState(1, regs(0x201000, fs_base=0x10f700)),
+               ThreadState(2, regs(0x128000, fs_base=0x12f700)),
+               ThreadState(3, regs(0x13c000, fs_base=0x13f700, orig_rax=0))]
+    assert stack_maps(maps, threads) == [(0x100000, 0x140000), (0x200000, 0x202000)]
+    guards = {(0x100000, 0x140000): [(b, b + 0x1000) for b in range(0x100000, 0x140000, 0x10000)]}
+    roots = classify(maps, threads, [], [], guards=guards)
+    assert roots.ranges == [Range(0x100000, 0x121000),                 # carved and cached whole
+                            Range(0x128000 - RED_ZONE, 0x131000),      # to the next guard's end
+                            Range(0x13c000, 0x140000),
+                            Range(0x201000 - RED_ZONE, 0x202000)]
+    assert [roots.kinds[r] for r in roots.ranges] == ["anon", "stack", "stack", "stack"]
+
+
+def test_pagemap_guard_bits_give_the_guard_runs():
+    entries = b"".join(struct.pack("<Q", v) for v in
+                       [1 << 58, 1 << 58 | 0, 1 << 63, 0, 1 << 58 | 1 << 63, 1 << 62])
+    assert guard_runs(entries, 0x10000) == [(0x10000, 0x12000), (0x14000, 0x15000)]
 
 
 def test_a_lone_thread_stack_is_cut_below_its_sp_as_before():

@@ -562,6 +562,8 @@ def test_a_signal_while_the_handlers_are_restored_ends_the_process_by_it():
     import sys
     code = ("import os, signal\n"
             "from memunreachable import cli\n"
+            "for s in (signal.SIGTERM, signal.SIGHUP):\n"     # as from a terminal (not nohup)
+            "    signal.signal(s, signal.SIG_DFL)\n"
             "old = cli._catch_signals()\n"
             "assert set(old) == {signal.SIGTERM, signal.SIGHUP}\n"
             "cli._RESTORING[0] = True\n"

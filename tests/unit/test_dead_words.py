@@ -224,25 +224,27 @@ FRAME = lib.MU_TYPE_FRAME << 8
 
 
 @pytest.mark.parametrize("stacktop, owned, kept", [
-    (2, True, [1, 1, 0]),     # slots 0-1 live (block 1), slot 5 above stacktop: stale
-    (6, True, [1, 1, 1]),     # stacktop covers slot 5: both live
-    (2, False, [1, 1, 1]),    # the frame data lives elsewhere: the block is scanned whole
-    (-1, True, [1, 1, 1]),    # an impossible stacktop: scanned whole
+    (2, True, [1, 1, 0, 1]),     # slots 0-1 live (block 1), slot 5 above stacktop: stale
+    (6, True, [1, 1, 1, 1]),     # stacktop covers slot 5: both live
+    (2, False, [1, 0, 0, 1]),    # the frame runs elsewhere: its inline data is unwritten
+    (-1, True, [1, 1, 1, 1]),    # an impossible stacktop: scanned whole
 ])
 def test_frame_object_scanned_up_to_its_stacktop(stacktop, owned, kept):
     # a 3.11+ frame object (GC head at 0, object at 16) owning its frame data at object + 48:
-    # the data's stacktop (int at +64) bounds the live slots (from +72)
-    h = Heap([256, 16, 16])
+    # the data's stacktop (int at +64) bounds the live slots (from +72); f_back (+16, block 3)
+    # is live in every case
+    h = Heap([256, 16, 16, 16])
     data = h.addrs[0] + 16 + 48
     for slot, w in enumerate([0, 0, 1, FRAME_TYPE, 0, data if owned else BASE + 0x9000]):
         h.point(0, slot, w)
     struct.pack_into("<i", h.buf, data + 64 - h.base, stacktop)
     h.link(0, (data + 72 - h.addrs[0]) // 8, 1)           # slot 0
     h.link(0, (data + 72 - h.addrs[0]) // 8 + 5, 2)       # slot 5
-    dead = DeadWords(types=[(FRAME_TYPE, 16 | FRAME)])
+    h.link(0, 4, 3)                                       # f_back
+    dead = DeadWords(types=[(FRAME_TYPE, 16 | FRAME | 48 << 16)])
     res = mark(h.image(), [], [h.addrs[0]], dead=dead)
     assert list(res.marked) == kept
-    folded = fold(h.image(), bytearray(3), dead=dead)
+    folded = fold(h.image(), bytearray(4), dead=dead)
     assert folded[0].referenced_count == sum(kept) - 1
 
 
@@ -489,6 +491,53 @@ def test_a_generators_inline_frame_is_scanned_up_to_its_stacktop(state, top, slo
     assert list(mark(h.image(), [], [h.addrs[0]], dead=dead).marked) == kept
     folded = fold(h.image(), bytearray(4), dead=dead)
     assert folded[0].referenced_count == sum(kept) - 1
+
+
+@pytest.mark.parametrize("flavour, state, top, kept", [
+    (lib.MU_FRAME_FLAVOUR_314, -2, 1, [1, 1, 0, 0]),  # suspended: slot 1 above the pointer
+    (lib.MU_FRAME_FLAVOUR_314, -3, 2, [1, 1, 1, 0]),  # created, 2 slots live
+    (lib.MU_FRAME_FLAVOUR_314, 4, 1, [1, 0, 0, 0]),   # cleared: the head only
+    (lib.MU_FRAME_FLAVOUR_314, 0, 1, [1, 1, 1, 1]),   # running: scanned whole
+    (lib.MU_FRAME_FLAVOUR_314, -2, None, [1, 1, 1, 1]),  # a pointer off the slots: whole
+    (lib.MU_FRAME_FLAVOUR_315, 1, 1, [1, 1, 0, 0]),   # 3.15 suspended (1)
+    (lib.MU_FRAME_FLAVOUR_315, 0, 2, [1, 1, 1, 0]),   # 3.15 created (0)
+    (lib.MU_FRAME_FLAVOUR_315, 5, 1, [1, 0, 0, 0]),   # 3.15 cleared (5)
+    (lib.MU_FRAME_FLAVOUR_315, 4, 1, [1, 1, 1, 1]),   # 3.15 executing (4): whole
+])
+def test_a_314_generators_frame_is_scanned_up_to_its_stackpointer(flavour, state, top, kept):
+    # 3.14+: the frame's stackpointer (at +64) points past its last live slot; slots from +80
+    h = Heap([256, 16, 16, 16])         # GC head, then the generator at 16; frame at 96
+    for slot, w in enumerate([0, 0, 1, GEN, 2]):
+        h.point(0, slot, w)
+    frame = 16 + 80
+    slots = h.addrs[0] + frame + 80
+    struct.pack_into("<b", h.buf, h.addrs[0] - h.base + frame - 5, state)
+    struct.pack_into("<Q", h.buf, h.addrs[0] - h.base + frame + 64,
+                     slots + 8 * top if top is not None else slots + 4)
+    h.link(0, (frame + 80) // 8, 1)     # localsplus[0]
+    h.link(0, (frame + 88) // 8, 2)     # localsplus[1]
+    h.link(0, (frame + 96) // 8, 3)     # localsplus[2]: never live here
+    dead = DeadWords(types=[(GEN, GEN_CODE | flavour << 32)])
+    assert list(mark(h.image(), [], [h.addrs[0]], dead=dead).marked) == kept
+    folded = fold(h.image(), bytearray(4), dead=dead)
+    assert folded[0].referenced_count == sum(kept) - 1
+
+
+@pytest.mark.parametrize("owned, kept", [(True, [1, 1, 0, 1]), (False, [1, 0, 0, 1])])
+def test_a_314_frame_object_is_scanned_up_to_its_stackpointer(owned, kept):
+    # 3.14+: a frame object owning its data at object + 64 (stackpointer at +64 of the data,
+    # slots from +80): slot 0 live, slot 5 above; f_back (+16) always live
+    h = Heap([256, 16, 16, 16])
+    data = h.addrs[0] + 16 + 64
+    for slot, w in enumerate([0, 0, 1, FRAME_TYPE, 0, data if owned else BASE + 0x9000]):
+        h.point(0, slot, w)
+    struct.pack_into("<Q", h.buf, data + 64 - h.base, data + 80 + 8)
+    h.link(0, (data + 80 - h.addrs[0]) // 8, 1)           # slot 0
+    h.link(0, (data + 80 - h.addrs[0]) // 8 + 5, 2)       # slot 5
+    h.link(0, 4, 3)                                       # f_back
+    code = 16 | FRAME | 64 << 16 | lib.MU_FRAME_FLAVOUR_314 << 32
+    res = mark(h.image(), [], [h.addrs[0]], dead=DeadWords(types=[(FRAME_TYPE, code)]))
+    assert list(res.marked) == kept
 
 
 MV = INT_TYPE + 0x600

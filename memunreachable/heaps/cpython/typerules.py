@@ -67,7 +67,12 @@ def value_types(mem, cp: CPythonMap, statics: Dict[str, int]) -> List[Tuple[int,
             continue
         code = reader.object_offset(t) | getattr(lib, kind) << 8
         shape = L.VALUE_SHAPES.get(kind)
-        if shape is not None:
+        if kind == "MU_TYPE_FRAME":
+            fo = inline_frame_offset(reader, t, cp.layout.frame_localsplus)
+            if fo is None:
+                continue                    # another shape: no rule
+            code |= fo << 16 | frame_flavour(cp) << 32
+        elif shape is not None:
             w = reader.type_words(t)
             if w is None or (w[2], w[3]) != shape[:2]:
                 code = code & 0xff | lib.MU_TYPE_OPAQUE << 8    # another shape: not read
@@ -82,12 +87,24 @@ def value_types(mem, cp: CPythonMap, statics: Dict[str, int]) -> List[Tuple[int,
 def type_rules(cp: CPythonMap) -> Dict[str, Tuple[str, str]]:
     """{symbol: (tp_name, mu_dead kind)} of the static types with a rule on this version."""
     rules = dict(L.VALUE_TYPES)
-    # frame objects own a copy of their frame data (MU_TYPE_FRAME): the native rule reads
-    # 3.11-3.13's _PyInterpreterFrame (int stacktop at 64, localsplus at 72); 3.14 keeps a
-    # stackpointer there and its slots from 80 (layout.frame_localsplus): no rule
-    if (3, 11) <= cp.version and cp.layout.frame_localsplus == FRAME_SLOTS:
+    # frame objects hold a copy of their frame data inline (MU_TYPE_FRAME)
+    if frame_flavour(cp) is not None:
         rules["PyFrame_Type"] = ("frame", "MU_TYPE_FRAME")
     return rules
+
+
+# _PyInterpreterFrame's slots offset (layout.frame_localsplus, from _Py_DebugOffsets on
+# 3.13+) and stack top by flavour: 3.11-3.13 an int stacktop at 64, slots from 72; 3.14 and 3.15
+# a stackpointer at 64, slots from 80 (3.15 renumbered the generators' frame states).
+FRAME_FLAVOURS = {((3, 11), 72): "MU_FRAME_FLAVOUR_311", ((3, 12), 72): "MU_FRAME_FLAVOUR_311",
+                  ((3, 13), 72): "MU_FRAME_FLAVOUR_311", ((3, 14), 80): "MU_FRAME_FLAVOUR_314",
+                  ((3, 15), 80): "MU_FRAME_FLAVOUR_315"}
+
+
+def frame_flavour(cp: CPythonMap) -> Optional[int]:
+    """The native MU_FRAME_FLAVOUR_* of this runtime's frames; None: no frame rule."""
+    name = FRAME_FLAVOURS.get((tuple(cp.version[:2]), cp.layout.frame_localsplus))
+    return None if name is None else getattr(lib, name)
 
 
 def has_debug_hooks(cp: CPythonMap) -> bool:
@@ -110,7 +127,6 @@ MEMORYVIEW_SHAPE = (0, 8)   # PyMemoryViewObject: ob_size = 3 * ndim Py_ssize_t 
                             # suboffsets) after a header whose size changed across versions
 GENERATOR_TYPES = {"PyGen_Type": "generator", "PyCoro_Type": "coroutine",
                    "PyAsyncGen_Type": "async_generator"}
-FRAME_SLOTS = 72            # _PyInterpreterFrame.localsplus (3.11-3.13), native MU_FRAME_SLOTS
 
 
 BLOCKSTACK = 240            # 3.8-3.10 PyFrameObject.f_blockstack (native MU_BLOCKSTACK)
@@ -134,19 +150,29 @@ def old_frame_rule(mem, cp: CPythonMap, statics: Dict[str, int]) -> Tuple[int, i
 # statics (3.11+): tp_basicsize is the inline frame's offset plus its localsplus offset, and
 # tp_itemsize one slot (genobject.c); a type of another shape gets no rule.
 def generator_types(mem, cp: CPythonMap, statics: Dict[str, int]) -> List[Tuple[int, int]]:
-    if cp.version < (3, 11) or cp.layout.frame_localsplus != FRAME_SLOTS:
-        return []                   # 3.14+: another frame (see type_rules)
+    flavour = frame_flavour(cp)
+    if flavour is None:
+        return []
     reader = object_reader(mem, cp)
     out = []
     for sym in GENERATOR_TYPES:
         t = statics.get(sym)
-        w = reader.type_words(t) if t else None
-        off = reader.object_offset(t) if w else None
-        if w is None or off is None or off > 48 or w[3] != 8 \
-                or not FRAME_SLOTS + 24 <= w[2] <= FRAME_SLOTS + 256:
+        fo = inline_frame_offset(reader, t, cp.layout.frame_localsplus) if t else None
+        off = reader.object_offset(t) if fo else None
+        if fo is None or off is None or off > 48:
             continue
-        out.append((t, off | lib.MU_TYPE_GEN_FRAME << 8 | (w[2] - FRAME_SLOTS) << 16))
+        out.append((t, off | lib.MU_TYPE_GEN_FRAME << 8 | fo << 16 | flavour << 32))
     return sorted(out)
+
+
+# Returns the object offset of the frame data that objects of type t (a generator or frame
+# type, 3.11+) hold inline: tp_basicsize is that offset plus the data's slots offset (slots),
+# and tp_itemsize one slot (genobject.c, frameobject.c); None for a type of another shape.
+def inline_frame_offset(reader, t: int, slots: int) -> Optional[int]:
+    w = reader.type_words(t)
+    if w is None or w[3] != 8 or not slots + 24 <= w[2] <= slots + 256:
+        return None
+    return w[2] - slots
 
 
 # Returns the (type address, code) of a MU_TYPE_VARSIZED rule for type t (a static type of the

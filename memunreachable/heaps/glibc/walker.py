@@ -483,6 +483,14 @@ def _find_objects(mem, maps, pid) -> Tuple[detect.AllocatorScan, locate.Located]
     return scan, loc
 
 
+# Returns the addresses of the glibc arenas in mem (each arena's mutex is its first word): a
+# frozen live process's memory will do. Raises UnsupportedTarget as walk_heap does when malloc
+# is not glibc's or the arena ring does not close.
+def arena_addresses(mem, maps: List[Mapping], pid: int) -> List[int]:
+    _scan, loc = _find_objects(mem, maps, pid)
+    return _Walker(mem, maps, pid).arenas(loc.main_arena, loc.layout)
+
+
 # Returns the walk of the snapshot's glibc heap. threads: every thread's registers (their
 # fs_base locates the static TLS that holds each thread's `tcache` pointer; [] is allowed).
 # Never reports a free chunk as in use silently: a broken or in-transit tcache bin or fastbin
