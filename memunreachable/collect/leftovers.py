@@ -348,7 +348,7 @@ def guard(pid: int, lock_wait: Optional[float] = None) -> Iterator[Optional[Sess
                 return
             _SESSIONS[pid] = sess
         # else nested in an open guard of this thread (a check, or another snapshot, while
-        # snapshots of unreachable.check_later wait): its lock and record serve, and the
+        # snapshots of deferred.check_later wait): its lock and record serve, and the
         # last guard to end closes it, whichever opened it
         sess.holders += 1
         try:

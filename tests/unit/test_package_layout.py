@@ -13,7 +13,7 @@ PACKAGE = pathlib.Path(memunreachable.__file__).parent
 STAGES = ("collect", "heaps", "sweep", "stacks", "reporters")
 # the faces and orchestrators: they import the stages, never the other way round
 FACES = ("cli", "noleaks", "_tracer", "pytest_plugin", "pytest_tracked", "signal_dump",
-         "track_here", "track_pid", "unreachable")
+         "track_here", "track_pid", "unreachable", "deferred")
 
 
 def _modules() -> dict:
