@@ -51,12 +51,12 @@ def u64_view(values):
 
 
 # Returns a mu_region[] over (base, buffer) pairs and the objects to keep alive with it. A
-# buffer with an uncopied_fd (glibc/walker.Uncopied) gives an uncopied region (mu_types.h).
+# buffer with an uncopied_fd (glibc/copies.Uncopied) gives an uncopied region (mu_types.h).
 def region_array(pairs: Sequence[Tuple[int, object]]):
     regions = ffi.new("mu_region[]", max(len(pairs), 1))
     keep = [regions]
     for k, (base, buf) in enumerate(pairs):
-        fd = getattr(buf, "uncopied_fd", None)      # glibc/walker.Uncopied: read on demand
+        fd = getattr(buf, "uncopied_fd", None)      # glibc/copies.Uncopied: read on demand
         if fd is not None:
             regions[k].base, regions[k].len = base, buf.nbytes
             regions[k].uncopied, regions[k].fd = 1, fd

@@ -12,14 +12,14 @@ u64 little-endian length, then the pickled ("ok", VALUE) or ("error", Memunreach
         suppressions text, "-" for none; DEAD "BEGIN-END,..." in hex: ranges of the caller that
         hold no references (its idle alternate signal stack).
     snap TIMEOUT DEAD [RECORD]
-        a snapshot now, its sweep left for later (unreachable.check_later): VALUE ("later",
+        a snapshot now, its sweep left for later (deferred.check_later): VALUE ("later",
         TOKEN); or, when the snapshot could need a retake, a full check's UnreachableMemoryInfo.
         RECORD 1: once the reply is sent, its allocations are recorded with the write tracker
-        (unreachable.record_allocations: the sweeps after it count their fresh rule from it).
+        (deferred.record_allocations: the sweeps after it count their fresh rule from it).
         Up to MAX_PENDING snapshots wait at once (the pytest plugin's batches); a snap beyond
         that releases the oldest.
     base TOKEN LIMIT SYMBOLIZE SUPPRESSIONS
-        the sweep of that waiting snapshot (unreachable.sweep_pending), then its release.
+        the sweep of that waiting snapshot (deferred.sweep_pending), then its release.
     drop [TOKEN[,TOKEN...] [later]]
         release those snapshots (no TOKEN: every one) if they still wait (VALUE None); with
         "later", once the reply is sent: their processes' teardown (1 ms each) then overlaps
@@ -169,7 +169,7 @@ class _Pending:
     a newer one releases the oldest). Each gets a token, which its "base" and "drop" name."""
 
     def __init__(self, tracker=None) -> None:
-        self.pending: Dict[int, object] = {}        # token -> unreachable.Pending, oldest first
+        self.pending: Dict[int, object] = {}        # token -> deferred.Pending, oldest first
         self.token = self.recorded_token = 0
         self.tracker = tracker
         self.lacks_memory = False       # a snapshot lacked memory: plan the next ones at once
@@ -177,9 +177,10 @@ class _Pending:
 
     def take(self, pid: int, timeout: float, dead, waiting=(), record: bool = False) -> object:
         """("later", token) when the snapshot waits for a sweep; else the result of a full
-        check (the snapshot could need a retake: unreachable.check_later). record: its
+        check (the snapshot could need a retake: deferred.check_later). record: its
         allocations are to be recorded (after_reply)."""
-        from memunreachable.unreachable import check, check_later
+        from memunreachable.deferred import check_later
+        from memunreachable.unreachable import check
         while len(self.pending) >= MAX_PENDING:
             self.drop([next(iter(self.pending))])
         # the session's first is planned at once: a process whose snapshots lack memory
@@ -209,7 +210,7 @@ class _Pending:
         taken = self.pending.get(self.token)
         if taken is None or self.token == self.recorded_token:
             return
-        from memunreachable.unreachable import record_allocations
+        from memunreachable.deferred import record_allocations
         self.recorded_token = self.token
         record_allocations(taken)
         if taken.lacking is not None:
@@ -217,7 +218,7 @@ class _Pending:
 
     def sweep(self, token: int, limit, symbolize: bool, rules):
         from memunreachable._errors import CollectionError
-        from memunreachable.unreachable import sweep_pending
+        from memunreachable.deferred import sweep_pending
         pending = self.pending.pop(token, None)
         if pending is None:
             raise CollectionError("that snapshot is gone: it was dropped, or more snapshots "

@@ -313,7 +313,7 @@ class HeapImage(Fields):
     begins: array('Q') of user addresses, strictly ascending; sizes: array('Q') of usable
     sizes (malloc_usable_size); regions: [(base, buffer)] sorted and disjoint, whose bytes
     cover every allocation (buffers are bytearray or mmap objects; after a low-memory walk a
-    heap's buffer is a glibc/walker.Uncopied, read on demand: only mark() accepts those).
+    heap's buffer is a glibc/copies.Uncopied, read on demand: only mark() accepts those).
     """
     __slots__ = ("begins", "sizes", "regions")
 

@@ -16,28 +16,25 @@ error at once), memory the snapshot lacks (MADV_DONTFORK: known from the target'
 the clone and copied during the same pause; a retake copies what appeared in between), a
 snapshot process that died during the sweep (once). Docs: docs/reliability.md.
 
-check_later() takes steps 1-3 now and leaves 4-10 to sweep_pending() (the in-process checks'
-batches: a baseline swept only when the check after it finds a leak).
+deferred.py takes steps 1-3 now and leaves 4-10 for later (the in-process checks' batches: a
+baseline swept only when the check after it finds a leak); it shares steps 9-10 with check().
 """
 from __future__ import annotations
 
 import logging
-import struct
 import time
 from typing import List, Optional, Sequence, Tuple
 
-from memunreachable.collect import diagnose, leftovers, procfs
+from memunreachable.collect import diagnose, leftovers
 from memunreachable.collect import preflight as preflight_stage
 from memunreachable.collect.freeze import frozen
-from memunreachable.collect.memory import CopiedMemory, ProcessMemory, SnapshotPlan, capture
+from memunreachable.collect.memory import capture
 from memunreachable.collect.snapshot import prepare as prepare_snapshot, take_snapshot
-from memunreachable.heaps.cpython import probe
-from memunreachable.heaps.glibc.walker import HeapInconsistent, walk_heap
+from memunreachable.heaps.glibc.walker import HeapInconsistent
 from memunreachable.stacks import tracking
-from memunreachable.sweep import detect, retake, steps
+from memunreachable.sweep import retake, steps
 from memunreachable.sweep.sweeper import SweepEntry, SweepResult
-from memunreachable._errors import (CollectionError, HeapWalkError, IncompleteCheck,
-                                    MemoryUnreadable, MemunreachableError)
+from memunreachable._errors import CollectionError, HeapWalkError, IncompleteCheck, MemoryUnreadable
 from memunreachable._types import merge_ranges, subtract_ranges
 from memunreachable.reporters.report import (Leak, UnreachableMemoryInfo, group_leaks, members,
                                             sort_and_limit)
@@ -45,7 +42,6 @@ from memunreachable.reporters.report import (Leak, UnreachableMemoryInfo, group_
 log = logging.getLogger("memunreachable")
 
 MAX_RETRIES = 20
-DEFER_MAX_RSS = 256 << 20       # check_later: larger processes are swept at once
 
 
 @diagnose.hinted()      # a process gone under a /proc read: the hint
@@ -79,7 +75,7 @@ def check(pid: int, *, limit: Optional[int] = 100, timeout: float = 2.0,
     Raises MemunreachableError subclasses when the check cannot be done.
     """
     started = time.monotonic()
-    rules = _rules(suppressions)            # a bad file fails before any pause
+    rules = suppression_rules(suppressions)            # a bad file fails before any pause
     # 1. Preflight
     target = preflight_stage.preflight(pid)
     info = UnreachableMemoryInfo(pid=pid, comm=target.name)
@@ -103,8 +99,8 @@ def check(pid: int, *, limit: Optional[int] = 100, timeout: float = 2.0,
     for kind, n in sorted(info.retake_counts.items()):
         info.warnings.append(f"snapshot retaken {n} time(s): {retake.RETAKE_WORDS[kind]}")
     # 9. Symbolize, suppress, group
-    leaks = _fill(info, result, limit)
-    _symbolize_and_group(info, leaks, limit, symbolize, rules)
+    leaks = fill_info(info, result, limit)
+    symbolize_and_group(info, leaks, limit, symbolize, rules)
     # 10. Report: a verdict only when the whole process was seen
     info.duration_ms = (time.monotonic() - started) * 1000.0
     log.info("check done in %.1f ms: %d bytes in %d unreachable allocations",
@@ -125,207 +121,6 @@ def verdict(info: UnreachableMemoryInfo, partial: bool = False) -> UnreachableMe
         hint="`memunreachable check --partial PID` (API: partial=True) reports what could be "
              "checked, marked incomplete; docs/supported-environments.md lists what is "
              "supported", reasons=reasons, info=info)
-
-
-class Pending:
-    """A snapshot taken now, swept later or never (check_later, sweep_pending): the baseline
-    of an in-process check whose sweep is only needed when the check after it finds a leak.
-    The target runs meanwhile; the snapshot process (a copy-on-write clone, stopped) and the
-    per-target lock are held until release()."""
-
-    def __init__(self, info: UnreachableMemoryInfo, fz, snap, plan: Optional[SnapshotPlan],
-                 dead_ranges, guard, waiting_tids=(), tracker=None,
-                 epoch: Optional[int] = None) -> None:
-        self.info, self.fz, self.snap, self.plan = info, fz, snap, plan
-        self.dead_ranges, self._guard = tuple(dead_ranges), guard
-        self.waiting_tids = tuple(waiting_tids)
-        self.tracker, self.epoch = tracker, epoch   # the write look of its freeze (written.py)
-        self.lacking: Optional[str] = None          # why it cannot be swept (complete())
-
-    def complete(self) -> bool:
-        """Reads the snapshot's plan if check_later(plan_later=True) left it (its smaps: 2 ms
-        the caller need not wait for); False, with `lacking` set, when the snapshot lacks
-        memory (MADV_DONTFORK, MADV_WIPEONFORK: a retake could have copied it during the
-        pause, a later sweep cannot) or could not be planned."""
-        if self.plan is None and self.lacking is None:
-            try:
-                plan, self.lacking = _pending_plan(self.fz, self.snap, self.info)
-            except (retake.Retake, MemunreachableError) as exc:
-                self.lacking = str(getattr(exc, "reason", exc))
-                return False
-            if self.lacking is None:
-                self.plan = plan
-        return self.lacking is None
-
-    def release(self) -> None:
-        """Kill and reap the snapshot process, drop the lock. Idempotent."""
-        guard, self._guard = self._guard, None
-        if guard is not None:
-            try:
-                self.snap.release()
-                self.info.pause_ms += self.snap.reap_pause_ms
-            finally:
-                guard.close()
-
-
-def _pending_plan(fz, snap, info) -> Tuple[SnapshotPlan, Optional[str]]:
-    """(the plan of a snapshot that is to wait for its sweep, what it lacks or None: memory a
-    later sweep cannot copy); raises what retake.plan_reads raises."""
-    plan, unseen = retake.plan_reads(fz, snap, [], retake.Attempts(), info)
-    if unseen or plan.missing:
-        return plan, plan.why_missing() or "memory the snapshot lacks"
-    return plan, None
-
-
-@diagnose.hinted()
-def check_later(pid: int, *, timeout: float = 2.0, allow_seccomp: bool = False,
-                dead_ranges: Sequence[Tuple[int, int]] = (),
-                waiting_tids: Sequence[int] = (), tracker=None,
-                plan_later: bool = False) -> Optional[Pending]:
-    """Steps 1-3 now (the pause is the same as check()'s), the sweep left to sweep_pending().
-    None when this snapshot could need a retake or a confirmation that a later sweep could not
-    take (no clone, a thread that may be inside malloc/free, memory the snapshot lacks): the
-    caller runs check() instead; None too for a process of more than DEFER_MAX_RSS resident
-    anonymous bytes: while the snapshot waits, each page the target writes is copied once
-    (a test that rewrites a large array would pay for the copy in time and memory).
-    plan_later: the snapshot's plan (whether it lacks memory) is left to Pending.complete(),
-    which a sweep calls first (the helper calls it once its reply is sent). Raises what
-    check() raises for steps 1-3."""
-    import contextlib
-    target = preflight_stage.preflight(pid)
-    if procfs.read_rss_anon(pid) > DEFER_MAX_RSS:
-        return None
-    info = UnreachableMemoryInfo(pid=pid, comm=target.name)
-    info.warnings.extend(target.warnings)
-    guard = contextlib.ExitStack()
-    guard.enter_context(leftovers.guard(pid))
-    pending = None
-    try:
-        pending = _take_pending(pid, info, guard, timeout, allow_seccomp, dead_ranges,
-                                waiting_tids, tracker, plan_later)
-    except CollectionError as exc:
-        if not getattr(exc, "snapshot_lost", False):
-            raise
-    finally:
-        if pending is None:
-            guard.close()
-    return pending
-
-
-def _take_pending(pid: int, info: UnreachableMemoryInfo, guard, timeout: float,
-                  allow_seccomp: bool, dead_ranges, waiting_tids, tracker,
-                  plan_later: bool = False) -> Optional[Pending]:
-    prepare_snapshot(pid, timeout)
-    info.snapshots += 1
-    with frozen(pid, timeout=timeout) as fz:
-        snap = take_snapshot(fz, allow_seccomp=allow_seccomp)
-        keep = False
-        try:
-            # any futex in the allocator's code counts: the arenas are not known yet
-            if snap.mode != "clone" or detect.threads_in_allocator(fz.threads, fz.maps, pid, None):
-                return None
-            epoch = _look_at_writes(tracker)
-            fz.thaw()
-            _track_new_mappings(tracker, fz)
-            info.modules = tracking.modules(fz.maps)
-            plan = None
-            if not plan_later:
-                try:
-                    plan, lacking = _pending_plan(fz, snap, info)
-                except retake.Retake:
-                    return None
-                if lacking is not None:
-                    return None
-            keep = True
-        finally:
-            if not keep:            # reaped while still frozen when it can be
-                snap.release()
-    info.pause_ms += fz.pause_ms
-    info.snapshot_mode, info.threads = snap.mode, len(fz.threads)
-    return Pending(info, fz, snap, plan, dead_ranges, guard, waiting_tids, tracker, epoch)
-
-
-@diagnose.hinted()
-def sweep_pending(pending: Pending, *, limit: Optional[int] = 100, symbolize: bool = True,
-                  suppressions=None, partial: bool = False) -> UnreachableMemoryInfo:
-    """Steps 4-10 of check() over a check_later() snapshot, then its release. No retake is
-    possible: a snapshot process that died or a heap caught mid-update (no thread was inside
-    the allocator when it was taken: a corrupt heap, or a writer behind malloc's back) raise
-    CollectionError or HeapWalkError. A block in flight in malloc/free cannot be confirmed
-    either: it counts as unreachable (a baseline then errs toward more leaks, never fewer)."""
-    started = time.monotonic()
-    rules = _rules(suppressions)
-    info, fz, snap = pending.info, pending.fz, pending.snap
-    try:
-        result = _sweep_pending(pending)
-    except retake.Retake as r:
-        raise CollectionError(f"the snapshot of process {fz.pid} could not be swept "
-                              f"({r.reason}); nothing was reported", hint="try again") from None
-    finally:
-        pending.release()
-    info.snapshot_ms += snap.lifetime_ms
-    info.warnings.extend(w for w in snap.warnings if w not in info.warnings)
-    leaks = _fill(info, result, limit)
-    _symbolize_and_group(info, leaks, limit, symbolize, rules)
-    info.duration_ms = (time.monotonic() - started) * 1000.0
-    return verdict(info, partial)
-
-
-def record_allocations(pending: Pending) -> bool:
-    """Record the allocations of a waiting snapshot with its write tracker (written.py), as a
-    sweep of it would: the fresh rule of the sweeps after it then counts from its moment too
-    (the pytest plugin's batches sweep one snapshot in ten, and a stale copy of an address
-    freed during the batch, hidden in memory unwritten since, would point into a block that
-    leaked at that address later in it). Only the walks, about a third of a sweep. False when
-    nothing was recorded (no tracker, a walk that failed: the rule counts from an earlier
-    snapshot then, as without tracking)."""
-    tracker, fz, snap = pending.tracker, pending.fz, pending.snap
-    if tracker is None or pending.epoch is None or snap.released or not retake.alive(snap.pid):
-        return False
-    plan = pending.plan         # None: not planned (complete()), read as it is
-    try:
-        mem = ProcessMemory(snap.pid, overlays=[], tolerated=plan.tolerated if plan else [],
-                            guarded=plan.guarded if plan else [])
-    except OSError:
-        return False
-    try:
-        steps.warm_caches(fz.maps, fz.pid)
-        hw = walk_heap(mem, fz.maps, fz.threads, snap.pid)
-        image = hw.image
-        if probe.may_hold_runtime(fz.maps, snap.pid):
-            from memunreachable.heaps.cpython import pipeline
-            image = pipeline.allocations(CopiedMemory(mem, list(hw.image.regions) + hw.spare),
-                                         fz.maps, fz.threads, snap.pid, image)
-        tracker.swept(pending.epoch, image.begins, full=False)
-        return True
-    except MemoryUnreadable as exc:     # memory the snapshot lacks? complete() tells
-        pending.complete()
-        log.info("allocations of a waiting snapshot not recorded: %s", exc)
-        return False
-    except (MemunreachableError, OSError, ValueError, struct.error) as exc:
-        log.info("allocations of a waiting snapshot not recorded: %s", exc)
-        return False
-    finally:
-        mem.close()
-
-
-def _sweep_pending(pending: Pending) -> SweepResult:
-    fz, snap = pending.fz, pending.snap
-    if not retake.alive(snap.pid):
-        raise retake.Retake("died", "the snapshot process died before its sweep")
-    if not pending.complete():
-        raise retake.Retake("lacking", f"it lacks memory ({pending.lacking})")
-    try:
-        return steps.sweep_snapshot(snap, fz, retake.Attempts(), 600.0, None, [], pending.plan, [],
-                                    True, pending.dead_ranges, pending.waiting_tids,
-                                    _since(pending.tracker, pending.epoch))
-    except HeapInconsistent as exc:
-        raise HeapWalkError(f"the heap of process {fz.pid} was inconsistent in a snapshot taken "
-                            f"with no thread inside malloc/free ({exc}); nothing was reported",
-                            hint="the heap may be corrupt; run the program under valgrind or "
-                                 "with MALLOC_CHECK_=3") from None
-    except MemoryUnreadable as exc:
-        retake.judge_unreadable(fz.pid, fz, snap, retake.Attempts(), exc)      # raises
 
 
 def _snapshot_and_sweep(pid: int, info: UnreachableMemoryInfo, confirm, **opts) -> SweepResult:
@@ -382,10 +177,10 @@ def _one_snapshot(pid: int, info: UnreachableMemoryInfo, confirm, st: retake.Att
                 overlays = capture(pid, subtract_ranges(to_copy, subtract_ranges(
                     to_copy, [m.range for m in fz.maps if m.readable])))
             # 3c. The pages written since the last look, at the snapshot's instant (written.py)
-            epoch = _look_at_writes(tracker)
+            epoch = look_at_writes(tracker)
             if snap.mode == "clone":
                 fz.thaw()
-                _track_new_mappings(tracker, fz)
+                track_new_mappings(tracker, fz)
             elif not any(w.startswith("no snapshot") for w in info.warnings):
                 info.warnings.append(f"no snapshot ({snap.reason}): the target stayed "
                                      "stopped for the whole sweep")
@@ -396,7 +191,7 @@ def _one_snapshot(pid: int, info: UnreachableMemoryInfo, confirm, st: retake.Att
             try:
                 return steps.sweep_snapshot(snap, fz, st, sweep_timeout, confirm, overlays, plan,
                                             unseen, sweep_here, dead_ranges, waiting_tids,
-                                            _since(tracker, epoch))
+                                            written_since(tracker, epoch))
             except HeapInconsistent as exc:
                 log.info("heap was mid-update (%s)", exc)
                 raise retake.Retake("inflight", str(exc), exc) from None
@@ -413,7 +208,7 @@ def _one_snapshot(pid: int, info: UnreachableMemoryInfo, confirm, st: retake.Att
             info.warnings.extend(w for w in snap.warnings if w not in info.warnings)
 
 
-def _look_at_writes(tracker) -> Optional[int]:
+def look_at_writes(tracker) -> Optional[int]:
     """The tracker's look at the pages written since its last one (target frozen); its epoch,
     None without a tracker or when the look failed (the sweep then has no fresh rule)."""
     if tracker is None:
@@ -425,7 +220,7 @@ def _look_at_writes(tracker) -> Optional[int]:
         return None
 
 
-def _track_new_mappings(tracker, fz) -> None:
+def track_new_mappings(tracker, fz) -> None:
     """After the thaw: the tracker registers the mappings it does not track yet."""
     if tracker is not None:
         try:
@@ -434,7 +229,7 @@ def _track_new_mappings(tracker, fz) -> None:
             log.info("no write tracking of new mappings: %s", exc)
 
 
-def _since(tracker, epoch):
+def written_since(tracker, epoch):
     return tracker.since(epoch) if tracker is not None and epoch is not None else None
 
 
@@ -463,7 +258,7 @@ def _leak(e: SweepEntry) -> Leak:
 
 
 # suppressions.py and symbolize.py load only when a check needs them (issue 10, fast start)
-def _rules(suppressions) -> list:
+def suppression_rules(suppressions) -> list:
     """suppressions.as_rules(suppressions)."""
     if suppressions is None:
         return []
@@ -471,8 +266,8 @@ def _rules(suppressions) -> list:
     return suppressions_stage.as_rules(suppressions)
 
 
-def _symbolize_and_group(info: UnreachableMemoryInfo, leaks: List[Leak], limit: Optional[int],
-                         resolve: bool, rules) -> None:
+def symbolize_and_group(info: UnreachableMemoryInfo, leaks: List[Leak], limit: Optional[int],
+                        resolve: bool, rules) -> None:
     """Step 9: backtraces for the leaks (all of them when suppressions must see them, else only
     the groups kept), suppressed leaks out of the counts, groups by stack, the limit."""
     t0 = time.monotonic()
@@ -511,7 +306,7 @@ def _backtraces(info: UnreachableMemoryInfo, leaks: List[Leak], opts: dict) -> N
 
 
 # Returns every leak entry of the sweep as a Leak (unsorted); fills the rest of info.
-def _fill(info: UnreachableMemoryInfo, res: SweepResult, limit: Optional[int]) -> List[Leak]:
+def fill_info(info: UnreachableMemoryInfo, res: SweepResult, limit: Optional[int]) -> List[Leak]:
     info.allocator_name = res.meta.get("allocator", {}).get("name", "glibc")
     info.allocator_version = res.meta.get("allocator", {}).get("version")
     info.num_allocations = res.num_allocations

@@ -8,19 +8,15 @@ Leaving the block thaws on every path (exception, KeyboardInterrupt). SIGINT/SIG
 that arrive while the guard is active raise FreezeInterrupted(signum) (deferred while a ptrace
 sequence runs), so the thaw in `finally` always runs; the caller re-raises the signal.
 
-Signals (shared by the whole check, not only the freeze): `interruptible()` installs the
-handlers for as long as its outermost block runs (leftovers.guard() wraps a whole check in
-it; frozen() nests one), `critical()` defers them while a sequence that must not be cut
-runs (a ptrace injection, a kill + reap, a fork). The first signal raises once; later ones
-are only recorded, so the unwinding path (thaw, snapshot release, sweeper kill) is never
-cut by a second exception. Signals set to SIG_IGN (nohup, background jobs) stay ignored.
+Signals during a check: interrupts.py (interruptible(), critical()). The ptrace requests, the
+buffers prepared before the pause and the registry of threads left seized: tracees.py.
 
 Mechanics (ptrace-snapshot.md sections 2, 3, 9): PTRACE_SEIZE(TRACECLONE) + PTRACE_INTERRUPT
 for every tid of /proc/PID/task, then collect the stops with waitpid(tid, __WALL|WNOHANG)
 per tid (never waitpid(-1): the caller may have other children), re-listing until a pass
 finds nothing new. The pause (issue 10): everything that reads /proc text, parses or
 allocates runs before the first SEIZE (the leader's status, the maps, parsed, the C
-buffers: _Prepared); then one C call, mu_freeze (native/mu_ptrace.c), seizes, interrupts,
+buffers: Prepared); then one C call, mu_freeze (native/mu_ptrace.c), seizes, interrupts,
 collects, captures the registers, re-lists and reads the maps text again (parsed again,
 after the thaw, only if it changed); mu_thaw detaches. ThreadStates are built from its records on first use. What mu_freeze
 leaves to policy (a refused SEIZE, a thread slow to stop, more threads than records, the
@@ -48,344 +44,24 @@ import time
 from contextlib import contextmanager
 from typing import Callable, Dict, Iterator, List, Optional, Tuple
 
-from memunreachable.collect import diagnose, procfs
+from memunreachable.collect import diagnose, interrupts, procfs
+from memunreachable.collect.interrupts import critical, interruptible, raise_pending
+from memunreachable.collect.tracees import (
+    PENDING, PTRACE_DETACH, PTRACE_EVENT_STOP, PTRACE_GETEVENTMSG, PTRACE_GETREGS,
+    PTRACE_INTERRUPT, PTRACE_O_TRACECLONE, PTRACE_SEIZE, Prepared, PtraceError, Tracee, errno_of,
+    get_fpregs, kind_of, ptrace, release_pending, waitpid)
 from memunreachable._errors import CollectionError, NoSuchProcess
 from memunreachable._ffi import ffi, lib
-from memunreachable._types import REG_NAMES, Fields, Mapping, ThreadState
+from memunreachable._types import REG_NAMES, Mapping, ThreadState
 
 log = logging.getLogger("memunreachable")
 
-# <sys/ptrace.h>, <linux/elf.h>, <sys/wait.h> (x86_64)
-PTRACE_GETREGS = 12
-PTRACE_GETFPREGS = 14
-PTRACE_DETACH = 17
-PTRACE_SETOPTIONS = 0x4200
-PTRACE_GETEVENTMSG = 0x4201
-PTRACE_GETREGSET = 0x4204
-PTRACE_SEIZE = 0x4206
-PTRACE_INTERRUPT = 0x4207
-PTRACE_O_TRACECLONE = 0x8
-PTRACE_EVENT_CLONE = 3
-PTRACE_EVENT_STOP = 128
-NT_X86_XSTATE = 0x202
-WALL = 0x40000000               # __WALL: threads are not ordinary children
-XSTATE_MAX = 16384              # AMX tiles make the xsave area ~11 KiB
-FXSAVE_SIZE = 512               # user_fpregs_struct
-JOB_CONTROL_SIGNALS = (signal.SIGSTOP, signal.SIGTSTP, signal.SIGTTIN, signal.SIGTTOU)
 SETTLE_GRACE = 0.5              # seconds a thaw waits for a stop that is still on its way
-FAST_WAIT = 0.05                # seconds mu_freeze waits for stops before Python takes over
 INTERRUPT_STATUS = PTRACE_EVENT_STOP << 8 | signal.SIGTRAP     # status >> 8 of an interrupt stop
 ORIG_RAX, RIP = REG_NAMES.index("orig_rax"), REG_NAMES.index("rip")
-MAPS_SLACK = 64 << 10           # room for maps that grew between the read and the freeze
-_XSTATE_STRIDE = 0              # bytes per thread for the FP/SIMD area (CPUID), set on first use
-
 STATE_WORDS = {"D": "uninterruptible sleep: I/O, vfork or a frozen cgroup",
                "T": "stopped by job control", "t": "traced", "Z": "zombie", "R": "running",
                "S": "sleeping"}
-
-
-class PtraceError(OSError):
-    """A ptrace request failed (.errno)."""
-
-
-def ptrace(request: int, tid: int, addr: int = 0, data: int = 0) -> int:
-    """ptrace(2) through the C core (python-ptrace costs ~20 ms of start-up: issue 10)."""
-    rc = lib.mu_ptrace(request, tid, addr, data)
-    if rc < 0:
-        raise PtraceError(-rc, os.strerror(-rc), f"ptrace({request:#x}, {tid})")
-    return rc
-
-
-class FreezeInterrupted(KeyboardInterrupt):
-    """SIGINT, SIGTERM or SIGHUP arrived during a check (or a freeze); everything was released.
-
-    The caller should re-raise `signum` (with its original disposition) once it cleaned up."""
-
-    def __init__(self, signum: int):
-        super().__init__(f"interrupted by {signal.Signals(signum).name}")
-        self.signum = signum
-
-
-CheckInterrupted = FreezeInterrupted    # the name used outside the freeze stage
-INTERRUPT_SIGNALS = (signal.SIGINT, signal.SIGTERM, signal.SIGHUP)
-# job control (Ctrl-Z, a background job's terminal I/O): stopping the checker while the target
-# is frozen would keep the target stopped as long as the checker is; deferred until the thaw
-STOP_SIGNALS = (signal.SIGTSTP, signal.SIGTTIN, signal.SIGTTOU)
-
-
-class _Signals:
-    """Process-wide signal state of the running check (handlers run in the main thread)."""
-    depth = 0           # nesting of interruptible(); handlers installed while > 0
-    critical = 0        # nesting of critical(): a signal is only recorded
-    pending = 0         # the first signal caught, 0 when none
-    raised = False      # FreezeInterrupted was raised for it: never raise again
-    old: Dict[int, object] = {}
-    frozen = 0          # targets frozen by this process now (Frozen, until its thaw)
-    stop_pending = 0    # a STOP_SIGNALS signal that arrived while one was frozen
-
-
-def _on_signal(signum, frame):
-    if not _Signals.pending:
-        _Signals.pending = signum
-    if _Signals.critical or _Signals.raised:
-        return
-    _Signals.raised = True
-    raise FreezeInterrupted(_Signals.pending)
-
-
-def _on_stop_signal(signum, frame):
-    _Signals.stop_pending = signum
-    _stop_if_pending()          # now, or at the thaw while a target is frozen
-
-
-def _stop_if_pending() -> None:
-    """Stop this process now (what the deferred job-control signal would have done), once no
-    target is frozen by it any more."""
-    if _Signals.stop_pending and not _Signals.frozen:
-        _Signals.stop_pending = 0
-        os.kill(os.getpid(), signal.SIGSTOP)
-
-
-def raise_pending() -> None:
-    """Raise FreezeInterrupted for a signal deferred by critical() (no-op inside one, or once
-    it was raised already)."""
-    if _Signals.pending and not _Signals.raised and not _Signals.critical and _Signals.depth:
-        _Signals.raised = True
-        raise FreezeInterrupted(_Signals.pending)
-
-
-def interrupted() -> int:
-    """The signal caught during the current check, or 0."""
-    return _Signals.pending
-
-
-# Installs the SIGINT/SIGTERM/SIGHUP handlers for the outermost block (main thread only; in
-# another thread, or for a signal set to SIG_IGN or handled outside Python, nothing changes).
-# Raises FreezeInterrupted(signum) at the first signal (after any critical() block ends);
-# on leaving the outermost block the previous handlers come back and a signal still pending
-# is raised.
-@contextmanager
-def interruptible() -> Iterator[None]:
-    if threading.current_thread() is not threading.main_thread():
-        yield
-        return
-    outer = _Signals.depth == 0
-    if outer:
-        _Signals.pending, _Signals.raised, _Signals.old = 0, False, {}
-        for signum in INTERRUPT_SIGNALS:
-            old = signal.getsignal(signum)
-            if old is None or old is signal.SIG_IGN:
-                continue
-            _Signals.old[signum] = old
-            signal.signal(signum, _on_signal)
-        for signum in STOP_SIGNALS:         # only where they would stop us (SIG_DFL)
-            if signal.getsignal(signum) is signal.SIG_DFL:
-                _Signals.old[signum] = signal.SIG_DFL
-                signal.signal(signum, _on_stop_signal)
-    _Signals.depth += 1
-    ok = False
-    try:
-        yield
-        ok = True
-    finally:
-        _Signals.critical += 1      # first statement: nothing may raise while restoring
-        _Signals.depth -= 1
-        pending = _Signals.pending
-        if outer:
-            for signum, old in _Signals.old.items():
-                signal.signal(signum, old)
-            _Signals.old, _Signals.pending, _Signals.raised = {}, 0, False
-        _Signals.critical -= 1
-    if ok and outer and pending:
-        raise FreezeInterrupted(pending)
-
-
-@contextmanager
-def critical() -> Iterator[None]:
-    """Defer SIGINT/SIGTERM/SIGHUP while the body runs; raise FreezeInterrupted at its end."""
-    _Signals.critical += 1
-    ok = False
-    try:
-        yield
-        ok = True
-    finally:
-        _Signals.critical -= 1
-    if ok:
-        raise_pending()
-
-
-class _IOVec(ctypes.Structure):
-    _fields_ = [("base", ctypes.c_void_p), ("len", ctypes.c_size_t)]
-
-
-class _Tracee(Fields):
-    __slots__ = ("tid", "state", "kind", "signal", "extra_signals")
-
-    def __init__(self, tid: int,
-                 # seizing -> interrupted -> stopped | gone
-                 state: str = "seizing",
-                 # interrupt | group | signal | clone | event
-                 kind: str = "",
-                 # re-delivered at detach (signal-delivery-stop)
-                 signal: int = 0,
-                 extra_signals: Optional[List[int]] = None):  # tgkill'ed after detach
-        self.tid = tid
-        self.state = state
-        self.kind = kind
-        self.signal = signal
-        self.extra_signals = [] if extra_signals is None else extra_signals
-
-
-def _kind_of(status: int) -> str:
-    """interrupt | group | signal | clone | event: the kind of a ptrace-stop's wait status."""
-    event, sig = status >> 16, os.WSTOPSIG(status)
-    if event == PTRACE_EVENT_STOP:
-        return "interrupt" if sig == signal.SIGTRAP else (
-            "group" if sig in JOB_CONTROL_SIGNALS else "event")
-    if event == PTRACE_EVENT_CLONE:
-        return "clone"
-    return "signal" if event == 0 else "event"
-
-
-def record_capacity(threads: int) -> int:
-    """Records mu_freeze gets for a process that had `threads` threads just before: room for
-    the threads created meanwhile (more continue in Python: MU_FREEZE_OVERFLOW)."""
-    return max(64, 2 * threads + 32)
-
-
-class _Prepared:
-    """What mu_freeze needs, made before the stop: the records (the live threads, or the
-    first one), the FP/SIMD areas, /proc/PID/task and /proc/PID/maps open, the maps text
-    and its parse, the on_attach callback. Closes its descriptors when collected."""
-
-    def __init__(self, pid: int, leader: procfs.Status, one_thread: bool,
-                 on_attach: Optional[Callable[[int], None]]):
-        global _XSTATE_STRIDE
-        if not _XSTATE_STRIDE:
-            _XSTATE_STRIDE = (lib.mu_xstate_size() + 63) // 64 * 64
-        self.hook_error: Optional[BaseException] = None
-        self.status_fd = -1
-        self.maps: List[Mapping] = []
-        self._fds: List[int] = []
-        cap = record_capacity(leader.threads) if not one_thread else 1
-        self.recs = ffi.new("mu_thread[]", cap)
-        self.fp = ffi.new("uint8_t[]", cap * _XSTATE_STRIDE)
-        a = self.args = ffi.new("mu_freeze_args *")
-        a.pid, a.cap, a.wait_ms = pid, cap, int(FAST_WAIT * 1000)
-        a.fp, a.fp_stride = self.fp, _XSTATE_STRIDE
-        self.order = ffi.new("int32_t[]", cap)
-        a.order = self.order
-        a.task_fd = a.maps_fd = -1
-        if one_thread:
-            a.flags = lib.MU_FREEZE_NO_RELIST
-            live = [t for t in procfs.list_tasks(pid)
-                    if procfs.task_state(pid, t) not in ("Z", "X", "")][:1]
-            for tid in live:
-                self._add(tid, lib.MU_T_NEW)
-        else:
-            if leader.state == "Z":
-                self._add(pid, lib.MU_T_SKIP)   # a zombie leader never stops: never seized
-            a.task_fd = self._open(f"/proc/{pid}/task", os.O_DIRECTORY)
-            # the leader's seccomp mode is read while stopped (Frozen.leader_seccomp_mode)
-            self.status_fd = self._open(f"/proc/{pid}/task/{pid}/status")
-            a.maps_fd = self._open(f"/proc/{pid}/maps")
-            text = _read_all(a.maps_fd)
-            self.maps = procfs.parse_maps(text.decode(errors="replace"))
-            self._before = ffi.from_buffer(text)
-            self._text = text
-            a.maps_before, a.maps_before_len = self._before, len(text)
-            a.maps_cap = len(text) + MAPS_SLACK
-            self.maps_buf = ffi.new("uint8_t[]", a.maps_cap)
-            a.maps_buf = self.maps_buf
-        if on_attach is not None:
-            def hook(tid):
-                try:
-                    on_attach(tid)
-                    return 0
-                except BaseException as exc:    # raised again once the records are Python's
-                    self.hook_error = exc
-                    return 1
-            self._hook = ffi.callback("int(int)", hook)
-            a.on_attach = self._hook
-
-    def _add(self, tid: int, state: int) -> None:
-        r = self.recs[self.args.n]
-        r.tid, r.state = tid, state
-        self.args.n += 1
-
-    def _open(self, path: str, flags: int = 0) -> int:
-        try:
-            fd = os.open(path, os.O_RDONLY | os.O_CLOEXEC | flags)
-        except (FileNotFoundError, ProcessLookupError) as exc:
-            raise NoSuchProcess(int(path.split("/")[2]), "process exited",
-                                hint=diagnose.hint_no_process(int(path.split("/")[2]))) from exc
-        self._fds.append(fd)
-        return fd
-
-    def fpregs(self, i: int, n: int) -> bytes:
-        return ffi.buffer(self.fp + i * self.args.fp_stride, n)[:] if n > 0 else b""
-
-    def close(self) -> None:
-        for fd in self._fds:
-            os.close(fd)
-        self._fds = []
-
-    def __del__(self):
-        self.close()
-
-
-def _read_all(fd: int) -> bytes:
-    """The whole text of a /proc file open at fd, from offset 0."""
-    parts, off = [], 0
-    while True:
-        chunk = os.pread(fd, 65536, off)
-        if not chunk:
-            return b"".join(parts)
-        parts.append(chunk)
-        off += len(chunk)
-
-
-# Threads that were seized but had not stopped when their thaw gave up (a D-state thread):
-# tid -> (pid, tracer thread ident). release_pending() detaches them once they stop.
-_PENDING: Dict[int, tuple] = {}
-
-
-def _errno_of(exc: BaseException) -> int:
-    return getattr(exc, "errno", None) or 0
-
-
-def _waitpid(tid: int) -> Optional[int]:
-    """Status of tid if it changed, None if not; ECHILD (not ours / gone) reads as exited."""
-    try:
-        r, status = os.waitpid(tid, WALL | os.WNOHANG)
-    except ChildProcessError:
-        return 0            # WIFEXITED with code 0: nothing left to do for it
-    return status if r == tid else None
-
-
-# Returns the number of threads still pending (seized by this thread, not yet stopped).
-# Detaches every pending thread (of this tracer thread) that has stopped by now.
-def release_pending(timeout: float = 0.0) -> int:
-    me = threading.get_ident()
-    deadline = time.monotonic() + timeout
-    while True:
-        for tid, (pid, owner) in list(_PENDING.items()):
-            if owner != me:
-                continue
-            status = _waitpid(tid)
-            if status is None:
-                continue
-            if os.WIFSTOPPED(status):
-                sig = os.WSTOPSIG(status) if status >> 16 == 0 else 0
-                try:
-                    ptrace(PTRACE_DETACH, tid, 0, sig)
-                except PtraceError:
-                    pass
-            del _PENDING[tid]
-        left = sum(1 for _, owner in _PENDING.values() if owner == me)
-        if not left or time.monotonic() >= deadline:
-            return left
-        time.sleep(0.001)
 
 
 class Frozen:
@@ -398,7 +74,7 @@ class Frozen:
         self._threads: Optional[List[ThreadState]] = None
         self._maps: Optional[List[Mapping]] = None
         self._fast = False              # mu_freeze completed: the records hold the state
-        self._prep: Optional[_Prepared] = None
+        self._prep: Optional[Prepared] = None
         self._extra: Dict[int, List[int]] = {}     # fast path: signals to tgkill after detach
         self.after_thaw: List[Callable[[], None]] = []  # run once every thread was detached
         self.pause_ms = 0.0
@@ -407,9 +83,9 @@ class Frozen:
         self.passes = 0
         self.owner = threading.get_ident()
         self.tracer_tid = threading.get_native_id()
-        self._tracees: Dict[int, _Tracee] = {}
+        self._tracees: Dict[int, Tracee] = {}
         self._started: Optional[float] = None
-        _Signals.frozen += 1            # until the thaw: job-control stops wait for it
+        interrupts.Signals.frozen += 1            # until the thaw: job-control stops wait for it
 
     # ---- signals: see interruptible()/critical() above
 
@@ -423,7 +99,7 @@ class Frozen:
         """interrupt | group | signal | clone | event, or "" for a thread not stopped."""
         if self._fast:
             r = self._rec(tid)
-            return _kind_of(r.status) if r is not None and r.state == lib.MU_T_STOPPED else ""
+            return kind_of(r.status) if r is not None and r.state == lib.MU_T_STOPPED else ""
         tr = self._tracees.get(tid)
         return tr.kind if tr is not None and tr.state == "stopped" else ""
 
@@ -455,12 +131,12 @@ class Frozen:
     # ---- freeze
 
     def _seize(self, tid: int) -> None:
-        tr = self._tracees[tid] = _Tracee(tid)
+        tr = self._tracees[tid] = Tracee(tid)
         try:
             ptrace(PTRACE_SEIZE, tid, 0, PTRACE_O_TRACECLONE)
             log.debug("PTRACE_SEIZE pid=%d tid=%d: ok", self.pid, tid)
         except PtraceError as exc:
-            self._seize_failed(tr, _errno_of(exc))
+            self._seize_failed(tr, errno_of(exc))
             return
         tr.state = "interrupted"
         if self.on_attach is not None:
@@ -469,11 +145,11 @@ class Frozen:
             ptrace(PTRACE_INTERRUPT, tid)
         except PtraceError as exc:
             # it exited meanwhile: waitpid reports it
-            log.debug("PTRACE_INTERRUPT tid=%d: %s", tid, errno.errorcode.get(_errno_of(exc), exc))
+            log.debug("PTRACE_INTERRUPT tid=%d: %s", tid, errno.errorcode.get(errno_of(exc), exc))
 
     # PTRACE_SEIZE of tr answered err: gone (ESRCH, an exiting thread), already ours
     # (auto-attached by TRACECLONE: "interrupted"), or raises AccessDenied/CollectionError.
-    def _seize_failed(self, tr: _Tracee, err: int) -> None:
+    def _seize_failed(self, tr: Tracee, err: int) -> None:
         tid = tr.tid
         log.debug("PTRACE_SEIZE pid=%d tid=%d: %s", self.pid, tid, errno.errorcode.get(err, err))
         if err == errno.ESRCH:
@@ -501,30 +177,30 @@ class Frozen:
         except (NoSuchProcess, OSError, ValueError):
             return None
 
-    def _capture(self, tr: _Tracee) -> None:
+    def _capture(self, tr: Tracee) -> None:
         regs = (ctypes.c_uint64 * len(REG_NAMES))()
         ptrace(PTRACE_GETREGS, tr.tid, 0, ctypes.addressof(regs))
         self._regs[tr.tid] = tuple(regs)
-        self._fpregs[tr.tid] = _get_fpregs(tr.tid)
+        self._fpregs[tr.tid] = get_fpregs(tr.tid)
 
-    def _on_status(self, tr: _Tracee, status: int) -> None:
+    def _on_status(self, tr: Tracee, status: int) -> None:
         if not os.WIFSTOPPED(status):
             tr.state = "gone"
             return
-        tr.kind = _kind_of(status)
+        tr.kind = kind_of(status)
         if tr.kind == "clone":
             msg = ctypes.c_ulong()
             ptrace(PTRACE_GETEVENTMSG, tr.tid, 0, ctypes.addressof(msg))
             if msg.value and msg.value not in self._tracees:
                 # auto-attached by TRACECLONE; it reports its own PTRACE_EVENT_STOP
-                self._tracees[msg.value] = _Tracee(msg.value, state="interrupted")
+                self._tracees[msg.value] = Tracee(msg.value, state="interrupted")
         elif tr.kind == "signal":
             tr.signal = os.WSTOPSIG(status)
         tr.state = "stopped"
         try:
             self._capture(tr)
         except PtraceError as exc:
-            if _errno_of(exc) != errno.ESRCH:
+            if errno_of(exc) != errno.ESRCH:
                 raise
             tr.state = "gone"       # killed while stopped (SIGKILL ends any stop)
 
@@ -536,7 +212,7 @@ class Frozen:
                 return
             progressed = False
             for tr in pending:
-                status = _waitpid(tr.tid)
+                status = waitpid(tr.tid)
                 if status is not None:
                     self._on_status(tr, status)
                     progressed = True
@@ -548,7 +224,7 @@ class Frozen:
                 for tr in pending:
                     if tr.tid == self.pid and procfs.task_state(self.pid, tr.tid) == "Z":
                         tr.state = "pending"    # traced but never stopping: release_pending()
-                        _PENDING[tr.tid] = (self.pid, self.owner)
+                        PENDING[tr.tid] = (self.pid, self.owner)
                 pending = [tr for tr in pending if tr.state == "interrupted"]
                 if not pending:
                     continue
@@ -583,7 +259,7 @@ class Frozen:
         leader = procfs.read_status(self.pid)
         if leader.state in ("Z", "X") and leader.threads <= 1:
             raise diagnose.diagnose(self.pid, errno.ESRCH)
-        prep = _Prepared(self.pid, leader, one_thread, self.on_attach)
+        prep = Prepared(self.pid, leader, one_thread, self.on_attach)
         self._prep = prep
         with self.critical():
             self._started = time.monotonic()
@@ -627,7 +303,7 @@ class Frozen:
             tid, state = r.tid, r.state
             if state == lib.MU_T_NEW:
                 continue                # never seized: the next listing finds it
-            tr = self._tracees[tid] = _Tracee(tid)
+            tr = self._tracees[tid] = Tracee(tid)
             if state == lib.MU_T_SKIP:
                 tr.state = "zombie"
             elif state == lib.MU_T_SEIZED:
@@ -637,7 +313,7 @@ class Frozen:
             elif state == lib.MU_T_SEIZE_FAILED:
                 failed.append((tr, r.err))
             elif state in (lib.MU_T_STOPPED, lib.MU_T_CAPTURE_FAILED):
-                tr.state, tr.kind = "stopped", _kind_of(r.status)
+                tr.state, tr.kind = "stopped", kind_of(r.status)
                 tr.signal = r.sig
                 if state == lib.MU_T_STOPPED:
                     self._regs[tid] = tuple(r.regs)
@@ -645,13 +321,13 @@ class Frozen:
                 else:
                     failed.append((tr, -1))
                 if r.event_msg and r.event_msg not in self._tracees:
-                    self._tracees.setdefault(r.event_msg, _Tracee(r.event_msg, state="interrupted"))
+                    self._tracees.setdefault(r.event_msg, Tracee(r.event_msg, state="interrupted"))
         for tr, err in failed:
             if err == -1:
                 try:
                     self._capture(tr)
                 except PtraceError as exc:
-                    if _errno_of(exc) != errno.ESRCH:
+                    if errno_of(exc) != errno.ESRCH:
                         raise
                     tr.state = "gone"
             else:
@@ -670,7 +346,7 @@ class Frozen:
             new = [t for t in tids if t not in self._tracees]
             for tid in new:
                 if tid == self.pid and procfs.task_state(self.pid, tid) == "Z":
-                    self._tracees[tid] = _Tracee(tid, state="zombie")
+                    self._tracees[tid] = Tracee(tid, state="zombie")
                     continue
                 self._seize(tid)
             if not new:
@@ -773,10 +449,10 @@ class Frozen:
 
     # ---- thaw
 
-    def _settle(self, tr: _Tracee, deadline: float) -> None:
+    def _settle(self, tr: Tracee, deadline: float) -> None:
         """tr may still be on its way to a stop: wait for it (until deadline), then detach."""
         while True:
-            status = _waitpid(tr.tid)
+            status = waitpid(tr.tid)
             if status is not None:
                 if not os.WIFSTOPPED(status):
                     tr.state = "gone"
@@ -789,7 +465,7 @@ class Frozen:
                 except PtraceError:
                     continue
             if time.monotonic() >= deadline:
-                _PENDING[tr.tid] = (self.pid, self.owner)
+                PENDING[tr.tid] = (self.pid, self.owner)
                 tr.state = "pending"
                 return
             time.sleep(0.0002)
@@ -802,7 +478,7 @@ class Frozen:
         if self.thawed:
             return self.pause_ms
         self.check_owner()
-        _Signals.critical += 1
+        interrupts.Signals.critical += 1
         try:
             grace = time.monotonic() + SETTLE_GRACE
             if self._fast:
@@ -839,10 +515,10 @@ class Frozen:
             if self._started is not None and (not self._fast or self._tracees):
                 self.pause_ms = (time.monotonic() - self._started) * 1000.0
             self.thawed = True
-            _Signals.frozen -= 1
+            interrupts.Signals.frozen -= 1
         finally:
-            _Signals.critical -= 1
-        _stop_if_pending()
+            interrupts.Signals.critical -= 1
+        interrupts.stop_if_pending()
         raise_pending()
         return self.pause_ms
 
@@ -856,7 +532,7 @@ class Frozen:
         for i in range(prep.args.n):
             r = prep.recs[i]
             if r.state == lib.MU_T_DETACH_FAILED:
-                tr = self._tracees[r.tid] = _Tracee(r.tid, state="settling", signal=r.sig)
+                tr = self._tracees[r.tid] = Tracee(r.tid, state="settling", signal=r.sig)
                 self._settle(tr, grace)
 
     # Detaches every stopped thread but tid (a signal-delivery-stop's signal re-delivered), so
@@ -883,21 +559,6 @@ class Frozen:
     def pending_tids(self) -> List[int]:
         """Threads the thaw could not detach (they had not stopped); see release_pending()."""
         return [t for t, tr in self._tracees.items() if tr.state == "pending"]
-
-
-def _get_fpregs(tid: int) -> bytes:
-    """The xsave area (NT_X86_XSTATE: xmm + upper ymm/zmm halves), else the 512-byte fxsave."""
-    buf = ctypes.create_string_buffer(XSTATE_MAX)
-    iov = _IOVec(ctypes.cast(buf, ctypes.c_void_p), XSTATE_MAX)
-    try:
-        ptrace(PTRACE_GETREGSET, tid, NT_X86_XSTATE, ctypes.addressof(iov))
-        return buf.raw[:iov.len]
-    except PtraceError as exc:
-        if _errno_of(exc) == errno.ESRCH:
-            raise
-    fx = ctypes.create_string_buffer(FXSAVE_SIZE)
-    ptrace(PTRACE_GETFPREGS, tid, 0, ctypes.addressof(fx))
-    return fx.raw
 
 
 # Yields a Frozen with every thread of pid stopped (one_thread: only the first live thread,

@@ -7,7 +7,7 @@
     find_dlopen(pid, maps)                           # dlopen's address in the target
 
 The call (native/mu_ptrace.c mu_inject_call) runs on the chosen thread's own stack, below the
-guard's sigreturn frame (snapshot.find_guard: glibc's rt_sigreturn stub), which is also the
+guard's sigreturn frame (sites.find_guard: glibc's rt_sigreturn stub), which is also the
 function's return address: whether the checker lives or dies, the thread resumes as it
 was frozen once the function returns (registers, FP/SIMD state, signal mask; an
 interrupted sleep starts again whole). Only the chosen thread stays stopped during the
@@ -24,7 +24,7 @@ import os
 from typing import Dict, List, Optional, Sequence, Tuple
 
 from memunreachable.sweep import detect
-from memunreachable.collect import diagnose, procfs, seccomp, snapshot
+from memunreachable.collect import diagnose, procfs, seccomp, sites
 from memunreachable.collect.memory import ProcessMemory
 from memunreachable.heaps.glibc.walker import arena_addresses
 from memunreachable.stacks import elf as E
@@ -97,13 +97,13 @@ def _holds_locks_we_take(path: str) -> bool:
 
 
 # Returns (tid, restore_rt, refusals, busy): the first thread at an interrupt stop that is
-# not busy (busy_threads), whose stack takes the guard's frames (snapshot.stack_takes_frames)
+# not busy (busy_threads), whose stack takes the guard's frames (sites.stack_takes_frames)
 # and whose seccomp rules allow calls(restore_rt); tid 0 when none (refusals: the
 # seccomp.Verdicts of the threads refused for their rules). Raises UnsupportedTarget when
 # the guard cannot be used (no rt_sigreturn stub readable, or a shadow stack).
 def choose_thread(fz: Frozen, calls=load_calls, allow_unreadable: bool = False
                   ) -> Tuple[int, int, List[seccomp.Verdict], List[int]]:
-    restore_rt = snapshot.find_guard(fz.pid, fz.maps)[1]
+    restore_rt = sites.find_guard(fz.pid, fz.maps)[1]
     if not restore_rt:
         raise UnsupportedTarget(
             f"no call can be injected safely into process {fz.pid}: it runs with a shadow "
@@ -112,7 +112,7 @@ def choose_thread(fz: Frozen, calls=load_calls, allow_unreadable: bool = False
     busy = busy_threads(fz)
     refusals: List[seccomp.Verdict] = []
     for tid, _, _ in list(fz.interrupt_stops()):
-        if tid in busy or not snapshot.stack_takes_frames(fz, tid):
+        if tid in busy or not sites.stack_takes_frames(fz, tid):
             continue
         verdict = seccomp.thread_verdict(fz.pid, tid, calls(restore_rt), allow_unreadable)
         if verdict.ok:

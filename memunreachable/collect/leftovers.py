@@ -1,7 +1,7 @@
 """leftovers.py: no snapshot process left behind: the per-target lock and the clone record.
 
 One check of process P runs inside `with guard(P):` (unreachable.check()). The guard
-  1. catches SIGINT/SIGTERM/SIGHUP for the whole check (freeze.interruptible()): a signal
+  1. catches SIGINT/SIGTERM/SIGHUP for the whole check (interrupts.interruptible()): a signal
      becomes FreezeInterrupted, which unwinds through every release (thaw, snapshot kill +
      reap, sweeper kill); the CLI then dies by that signal;
   2. takes the per-target lock: flock(LOCK_EX) on RUN_DIR/<P>-<start>.json, where <start> is
@@ -41,7 +41,7 @@ from typing import Dict, Iterator, List, Optional, Tuple
 from memunreachable.collect import procfs
 from memunreachable._errors import CollectionError, NoSuchProcess
 from memunreachable._types import Fields, FrozenFields, set_fields
-from memunreachable.collect.freeze import critical, interruptible
+from memunreachable.collect.interrupts import critical, interruptible
 
 log = logging.getLogger("memunreachable")
 
@@ -348,7 +348,7 @@ def guard(pid: int, lock_wait: Optional[float] = None) -> Iterator[Optional[Sess
                 return
             _SESSIONS[pid] = sess
         # else nested in an open guard of this thread (a check, or another snapshot, while
-        # snapshots of unreachable.check_later wait): its lock and record serve, and the
+        # snapshots of deferred.check_later wait): its lock and record serve, and the
         # last guard to end closes it, whichever opened it
         sess.holders += 1
         try:

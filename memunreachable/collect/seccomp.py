@@ -299,7 +299,7 @@ class _Sockfilter(ctypes.Structure):
 
 
 def _ptrace(req: int, tid: int, addr: int, data: int) -> int:
-    from memunreachable.collect.freeze import PtraceError, ptrace
+    from memunreachable.collect.tracees import PtraceError, ptrace
     try:
         return ptrace(req, tid, addr, data)
     except PtraceError as exc:

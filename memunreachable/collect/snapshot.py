@@ -16,10 +16,11 @@ milliseconds); in direct mode it keeps the target frozen for the whole sweep.
 seccomp (issue 7, seccomp.py): a syscall is injected only into a thread whose seccomp rules
 ALLOW/LOG both injected syscalls (clone, wait4); a strict-mode thread never gets one.
 Mechanics (ptrace-snapshot.md sections 4-7, 10, 12): clone(flags=0) injected by
-native/mu_ptrace.c, guarded (find_guard: a `syscall; ret` pair and an rt_sigreturn stub of
-ld.so or libc; the sigreturn frames on the thread's stack make a checker's death at any
+native/mu_ptrace.c, guarded (sites.find_guard: a `syscall; ret` pair and an rt_sigreturn stub
+of ld.so or libc; the sigreturn frames on the thread's stack make a checker's death at any
 step harmless), else at a `syscall` instruction (rip-2 of a thread stopped in a syscall, else
-one found in [vdso] or another executable mapping); never a code write. exit_signal 0: no
+one found in [vdso] or another executable mapping); never a code write. Where and in which
+thread: sites.py (choose_thread). exit_signal 0: no
 SIGCHLD reaches the target and only waitpid(__WALL) sees the child.
 References: clone(2), wait4(2), ptrace(2); kernel kernel/exit.c (wait_task_zombie hands a
 traced child back to its real parent after the tracer collected it).
@@ -33,218 +34,23 @@ import signal
 import time
 from typing import Dict, List, Optional, Tuple
 
-from memunreachable.collect import diagnose, leftovers, procfs, seccomp
+from memunreachable.collect import diagnose, leftovers, procfs, seccomp, sites
 from memunreachable._errors import (AccessDenied, CollectionError, NoSuchProcess,
                                     UnsupportedTarget)
 from memunreachable._ffi import ffi, lib
-from memunreachable._types import FS_BASE_INDEX, REG_NAMES, RSP_INDEX, Fields
-from memunreachable.collect.freeze import Frozen, critical, frozen
+from memunreachable._types import REG_NAMES, Fields
+from memunreachable.collect.freeze import Frozen, frozen
+from memunreachable.collect.interrupts import critical
 from memunreachable.collect.memory import ProcessMemory
 
 log = logging.getLogger("memunreachable")
 
-SYSCALL_INSN = b"\x0f\x05"
-SYSCALL_RET = b"\x0f\x05\xc3"                          # syscall; ret
-RESTORE_RT = b"\x48\xc7\xc0\x0f\x00\x00\x00\x0f\x05"    # mov $15, %rax; syscall
 RIP, ORIG_RAX = REG_NAMES.index("rip"), REG_NAMES.index("orig_rax")
 REFUSALS = (errno.EPERM, errno.EAGAIN, errno.ENOMEM, errno.ENOSYS, errno.EACCES)
 STEP_NAMES = {lib.MU_STEP_START: "start", lib.MU_STEP_OPTIONS: "set options",
               lib.MU_STEP_SETREGS: "set registers", lib.MU_STEP_ENTER: "syscall entry",
               lib.MU_STEP_EVENT: "clone event", lib.MU_STEP_EXIT: "syscall exit",
               lib.MU_STEP_RESTORED: "restore", lib.MU_STEP_PARKED: "park child"}
-
-
-def _signed(word: int) -> int:
-    return word - (1 << 64) if word >= 1 << 63 else word
-
-
-def _read_target(pid: int, addr: int, size: int) -> bytes:
-    """Bytes of the (traced) target, b"" when unreadable."""
-    try:
-        fd = os.open(f"/proc/{pid}/mem", os.O_RDONLY | os.O_CLOEXEC)
-    except OSError:
-        return b""
-    try:
-        return os.pread(fd, size, addr)
-    except OSError:
-        return b""
-    finally:
-        os.close(fd)
-
-
-def _after_syscall_insn(pid: int, tid: int, rip: int) -> bool:
-    """The two bytes before rip in stopped tracee tid are a `syscall` instruction. One
-    PTRACE_PEEKDATA (a few us while the target is stopped), else /proc/PID/mem."""
-    word = ffi.new("uint64_t *")
-    if lib.mu_peek(tid, rip - 2, word) == 0:
-        return word[0] & 0xFFFF == int.from_bytes(SYSCALL_INSN, "little")
-    return _read_target(pid, rip - 2, 2) == SYSCALL_INSN   # rip-2 near the end of a mapping
-
-
-# Returns, for each needle, the address of its first occurrence in the code of mappings
-# (searched in that order, at most limit bytes each), 0 where none is readable.
-def _find_in_code(pid: int, mappings, needles: Tuple[bytes, ...], limit: int) -> List[int]:
-    found = [0] * len(needles)
-    for m in mappings:
-        data = _read_target(pid, m.begin, min(m.end - m.begin, limit))
-        for i, needle in enumerate(needles):
-            if not found[i] and (at := data.find(needle)) >= 0:
-                found[i] = m.begin + at
-        if all(found):
-            break
-    return found
-
-
-# Returns the address of a `syscall` instruction in an executable mapping of pid ([vdso]
-# first), or 0 when none is readable. Any 0f 05 pair works: execution starts at it, and the
-# thread is stopped at the syscall exit before it could run the bytes that follow.
-def find_syscall_insn(pid: int, maps) -> int:
-    ranked = sorted((m for m in maps if m.executable and m.readable),
-                    key=lambda m: (m.path != "[vdso]", m.begin))
-    return _find_in_code(pid, ranked[:8], (SYSCALL_INSN,), 1 << 20)[0]
-
-
-# Returns (gadget, restore_rt) for the guard of native/mu_ptrace.c: the address of a
-# `syscall; ret` pair and of an rt_sigreturn stub (`mov $15, %rax; syscall`, glibc's
-# __restore_rt) in ld.so's, else libc's (or a static executable's) code, read from the
-# target; (0, 0) when one is missing, or when the target runs with a shadow stack
-# (x86_Thread_features: shstk: a `ret` into the stub would fault). Cached per pid and
-# mapping: a later check of the same process reads nothing (prepare() fills the cache before
-# the freeze).
-def find_guard(pid: int, maps) -> Tuple[int, int]:
-    code = [m for m in maps if m.executable and m.readable and m.path.startswith("/")]
-    ranked = sorted(code, key=lambda m: (not os.path.basename(m.path).startswith("ld-"),
-                                         not os.path.basename(m.path).startswith("libc."),
-                                         m.begin))[:3]
-    key = (pid, tuple((m.begin, m.end, m.path) for m in ranked))
-    found = _GUARDS.get(key)
-    if found is None:
-        found = (0, 0) if _shadow_stack(pid) else _search_guard(pid, ranked)
-        _GUARDS.clear()             # one target at a time (the plugin: the same one)
-        _GUARDS[key] = found
-    return found
-
-
-_GUARDS: Dict[tuple, Tuple[int, int]] = {}
-
-
-def _shadow_stack(pid: int) -> bool:
-    try:
-        with open(f"/proc/{pid}/status", "rb") as f:
-            return shadow_stack_in(f.read())
-    except OSError:
-        return True                 # unknown: no guard rather than a fault
-
-
-def shadow_stack_in(status: bytes) -> bool:
-    """A /proc/PID/status text says the process runs with a user shadow stack (x86 CET:
-    `x86_Thread_features: shstk ...`, Linux 6.6+)."""
-    for line in status.splitlines():
-        if line.startswith(b"x86_Thread_features:"):
-            return b"shstk" in line.split()[1:]
-    return False
-
-
-def _search_guard(pid: int, mappings) -> Tuple[int, int]:
-    gadget, restore_rt = _find_in_code(pid, mappings, (SYSCALL_RET, RESTORE_RT), 8 << 20)
-    return (gadget, restore_rt) if gadget and restore_rt else (0, 0)
-
-
-# True when tid's stack pointer lies in a stack that glibc or the kernel made: the main
-# thread's [stack], or the mapping that holds the thread's own TCB (fs_base: glibc puts it at
-# the top of each pthread stack, a user-supplied one included). Only there may the guard
-# write below the red zone, as a signal would: a stack that a runtime carves out of its heap
-# (Go's goroutines, coroutine libraries) may have another one right below it, and such
-# runtimes take their signals on an alternate stack for that reason.
-# maps: those to judge by (default fz.maps; a one-thread freeze reads none: the snapshot's).
-def stack_takes_frames(fz: Frozen, tid: int, maps=None) -> bool:
-    regs = fz.regs_at_freeze(tid)
-    if regs == ffi.NULL:
-        return False
-    sp, fs_base = regs[RSP_INDEX], regs[FS_BASE_INDEX]
-    for m in fz.maps if maps is None else maps:
-        if m.begin <= sp < m.end:
-            return m.path == "[stack]" or m.begin <= fs_base < m.end
-    return False
-
-
-# Returns the guard (gadget, restore_rt) that thread tid of fz may take: the pair given,
-# when there is one and tid's stack takes its frames (stack_takes_frames, judged by maps);
-# else (0, 0).
-def _guard_for(fz: Frozen, tid: int, gadget: int, restore_rt: int,
-               maps=None) -> Tuple[int, int]:
-    return (gadget, restore_rt) if restore_rt and stack_takes_frames(fz, tid, maps) else (0, 0)
-
-
-# Returns (insn, restore_rt, None) of the first of tries, [(insn, restore_rt)] (insn 0:
-# skipped), whose calls(insn, restore_rt) thread tid's seccomp rules allow, else (0, 0, the
-# last refusal: a seccomp.Verdict, None when nothing was tried).
-def _first_allowed(pid: int, tid: int, tries, calls, allow_unreadable: bool) -> tuple:
-    verdict = None
-    for insn, rt in tries:
-        if insn:
-            verdict = seccomp.thread_verdict(pid, tid, calls(insn, rt), allow_unreadable)
-            if verdict.ok:
-                return insn, rt, None
-    return 0, 0, verdict
-
-
-# Returns (tid, syscall instruction address, restore_rt, refusals) for the injection: the
-# first thread at an interrupt stop whose seccomp state allows every injected syscall
-# (seccomp.py: clone, and the wait4 that reaps the child) at that address. Guarded first
-# (restore_rt non-zero: find_guard's pair, with the guard's own syscalls allowed too), else
-# preferring a thread stopped right after a `syscall` instruction (rip-2), else one found in
-# [vdso] or another executable mapping. (0, 0, 0, refusals) when no thread qualifies:
-# refusals holds the seccomp.Verdict of each thread that was considered and refused ([]
-# when no thread sits at an interrupt stop: all in group-stop or signal-delivery-stop, leave
-# them as found). A thread in seccomp strict mode, or whose filters would not ALLOW/LOG a
-# call, is never chosen; one whose filters cannot be read only with allow_unreadable
-# (--allow-seccomp-target).
-# tid: only consider that thread (tests inject into each kind of waiting thread).
-# guarded: False to take the legacy sequence (tests).
-def choose_thread(fz: Frozen, tid: Optional[int] = None, allow_unreadable: bool = False,
-                  guarded: bool = True) -> Tuple[int, int, int, List[seccomp.Verdict]]:
-    gadget, restore_rt = find_guard(fz.pid, fz.maps) if guarded else (0, 0)
-    refusals: List[seccomp.Verdict] = []
-
-    def allowed(t: int, own: int) -> Tuple[int, int]:
-        """(insn, restore_rt) that thread t may run, guarded first; (0, 0) and the refusal
-        recorded when none."""
-        insn, rt, refusal = _first_allowed(
-            fz.pid, t, (_guard_for(fz, t, gadget, restore_rt), (own, 0)),
-            lambda i, r: seccomp.injected_calls(i, restore_rt=r), allow_unreadable)
-        if refusal is not None:
-            refusals.append(refusal)
-        return insn, rt
-
-    first = fz.syscall_candidate() if tid is None else None
-    if first is not None:
-        # the first pass's first candidate, found by mu_freeze: most often the answer;
-        # seccomp mode 0 (the leader's status is open since before the freeze: one pread)
-        # is the verdict "ok" without building the calls
-        t, own = first
-        if t == fz.pid and fz.leader_seccomp_mode() == 0:
-            guard = _guard_for(fz, t, gadget, restore_rt)
-            return (t, *guard, []) if guard[1] else (t, own, 0, [])
-        insn, rt = allowed(t, own)
-        if insn:
-            return t, insn, rt, refusals
-        refusals.clear()
-    candidates = (c for c in fz.interrupt_stops() if tid is None or c[0] == tid)
-    others = []
-    for t, orig_rax, rip in candidates:     # first pass: threads right after a `syscall`
-        if _signed(orig_rax) >= 0 and _after_syscall_insn(fz.pid, t, rip):
-            insn, rt = allowed(t, rip - 2)
-            if insn:
-                return t, insn, rt, refusals
-        else:
-            others.append(t)
-    own = find_syscall_insn(fz.pid, fz.maps) if others and not restore_rt else gadget
-    for t in others if own else ():
-        insn, rt = allowed(t, own)
-        if insn:
-            return t, insn, rt, refusals
-    return 0, 0, 0, refusals
 
 
 class Snapshot(Fields):
@@ -315,7 +121,7 @@ class Snapshot(Fields):
 
     # Kills and reaps the child (clone mode); a no-op in direct mode. Idempotent. Never
     # raises for cleanup trouble (it lands in .warnings / .zombie_left); a signal that
-    # arrives meanwhile is deferred (freeze.critical) and raised as FreezeInterrupted after
+    # arrives meanwhile is deferred (interrupts.critical) and raised as FreezeInterrupted after
     # the cleanup. A child left as a zombie stays in the check record (leftovers.py), so the
     # next check of the target reaps it.
     def release(self) -> None:
@@ -380,13 +186,13 @@ class Snapshot(Fields):
         maps = fz.maps or (self._fz.maps if self._fz is not None else [])
         for t in sorted(fz.threads, key=lambda t: t.tid != prefer):
             own = self.syscall_insn
-            if _signed(t.regs[ORIG_RAX]) >= 0 and \
-                    _after_syscall_insn(fz.pid, t.tid, t.regs[RIP]):
+            if sites.signed(t.regs[ORIG_RAX]) >= 0 and \
+                    sites.after_syscall_insn(fz.pid, t.tid, t.regs[RIP]):
                 own = t.regs[RIP] - 2
-            insn, rt, refusal = _first_allowed(
-                fz.pid, t.tid,
-                (_guard_for(fz, t.tid, self.syscall_insn, self.restore_rt, maps), (own, 0)),
-                lambda i, r: seccomp.reap_calls(i, self.pid, r), self.allow_seccomp)
+            insn, rt, refusal = sites.first_allowed(
+                     fz.pid, t.tid,
+                     (sites.guard_for(fz, t.tid, self.syscall_insn, self.restore_rt, maps), (own, 0)),
+                     lambda i, r: seccomp.reap_calls(i, self.pid, r), self.allow_seccomp)
             if insn:
                 return t.tid, insn, rt, ""
             refusals.append(refusal)
@@ -491,7 +297,7 @@ def reap_leftovers(fz: Frozen, allow_seccomp: bool = False) -> List[str]:
     pids = [p for p, _ in found]
     left = [leftovers.Clone(p, st.start) for p, st in found]
     why = ""
-    tid, insn, restore_rt, refusals = choose_thread(fz, allow_unreadable=allow_seccomp)
+    tid, insn, restore_rt, refusals = sites.choose_thread(fz, allow_unreadable=allow_seccomp)
     if not tid or not insn:
         why = ("; ".join(f"thread {r.tid}: {r.reason}"
                          for r in refusals) if refusals else
@@ -549,17 +355,17 @@ def _kill_leftover(pid: int, timeout: float = 1.0) -> None:
 # Called before frozen(), so that the pause pays neither for the check record's write nor
 # for first-time costs: records in pid's check record (leftovers.note_injection) that a clone
 # injection may happen from now until the freeze (at most timeout) and the injection (at most
-# timeout) ended, and reads once what choose_thread() reads while the target is stopped (the
+# timeout) ended, and reads once what sites.choose_thread() reads while the target is stopped (the
 # guard's gadgets, cached; the leader's seccomp state: its /proc entries are then cached; a
 # first lookup cost 60-100 us).
 def prepare(pid: int, timeout: float) -> None:
     leftovers.note_injection(pid, 2 * timeout + 1.0)
     try:
-        if not any(key[0] == pid for key in _GUARDS):   # a repeated check: cached already
-            find_guard(pid, procfs.read_maps(pid))  # 0.2-0.4 ms the pause no longer pays
+        if not any(key[0] == pid for key in sites.GUARDS):   # a repeated check: cached already
+            sites.find_guard(pid, procfs.read_maps(pid))  # 0.2-0.4 ms the pause no longer pays
         procfs.read_seccomp(pid, pid)
         seccomp.injected_calls(0)
-        _read_target(pid, 0, 0)
+        sites.read_target(pid, 0, 0)
     except (NoSuchProcess, OSError):
         pass                # the freeze says what is wrong
 
@@ -600,7 +406,7 @@ def _take_snapshot(fz: Frozen, allow_direct: bool = True, allow_seccomp: bool = 
     if fz.thawed:
         raise CollectionError(f"process {fz.pid} must be frozen to take a snapshot")
     # (a target killed meanwhile fails the injection with ESRCH: _raise_inject names it)
-    tid, insn, restore_rt, refusals = choose_thread(fz, tid, allow_unreadable=allow_seccomp,
+    tid, insn, restore_rt, refusals = sites.choose_thread(fz, tid, allow_unreadable=allow_seccomp,
                                                     guarded=guarded)
     if refusals and not tid:
         return _direct(fz, "no thread can run the injected clone and wait4 under its seccomp "

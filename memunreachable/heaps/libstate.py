@@ -99,21 +99,12 @@ def _library(path: str) -> Optional[str]:
 # Returns (first_load, {symbol: (value, size)}) of the library file f, cached by file identity
 # (a long-lived checker sees the same library at every check); None when unusable.
 def _symbols(f, names: Sequence[str]) -> Optional[Tuple[Tuple[int, int], Dict[str, Tuple[int, int]]]]:
-    st = os.fstat(f.fileno())
-    key = (st.st_dev, st.st_ino, st.st_size, st.st_mtime_ns)
-    if key not in _SYMBOLS:
-        facts = None
-        try:
-            elf = E.ElfFile(f)
-            first = elf.first_load()
-            if first is not None and elf.machine_name == "EM_X86_64":
-                facts = (first, elf.dynsym_symbols(names))
-        except (E.ElfError, OSError, ValueError, struct.error):
-            facts = None
-        if len(_SYMBOLS) >= 64:
-            _SYMBOLS.clear()
-        _SYMBOLS[key] = facts
-    return _SYMBOLS[key]
+    def read(elf):
+        first = elf.first_load()
+        if first is None or elf.machine_name != "EM_X86_64":
+            return None
+        return first, elf.dynsym_symbols(names)
+    return E.cached_by_file(_SYMBOLS, f, read, most=64)
 
 
 def _libraries(maps: Sequence[Mapping], pid: Optional[int]):

@@ -16,6 +16,7 @@ parsing libc's relocations with it ~100 ms per fresh process; these reads take a
     .dynsym_symbols(names)  {name: (st_value, st_size)} of the same
     .defines_function(name) a defined STT_FUNC/STT_GNU_IFUNC in .dynsym
     .rela_relative()        {r_offset: r_addend} of every R_X86_64_RELATIVE in SHT_RELA sections
+cached_by_file(cache, f, read, most)   read(ElfFile(f)), remembered by the file's identity
 References: the System V gABI "Object Files" chapter; elf(5); glibc elf/elf.h.
 """
 from __future__ import annotations
@@ -194,3 +195,21 @@ class ElfFile:
                 if info & 0xFFFFFFFF == R_X86_64_RELATIVE:
                     out[off] = addend
         return out
+
+
+# Returns read(ElfFile(f)) for the open file f, remembered in cache by the file's identity
+# (st_dev, st_ino, st_size, st_mtime_ns: a long-lived checker meets the same files at every
+# check, and a file replaced on disk is read again); on_error when f is not a usable ELF file
+# (malformed, truncated). A cache holding `most` entries is emptied before the next one.
+def cached_by_file(cache: dict, f, read, most: int, on_error=None):
+    st = os.fstat(f.fileno())
+    key = (st.st_dev, st.st_ino, st.st_size, st.st_mtime_ns)
+    if key not in cache:
+        try:
+            facts = read(ElfFile(f))
+        except (ElfError, OSError, ValueError, struct.error):    # malformed or truncated
+            facts = on_error
+        if len(cache) >= most:
+            cache.clear()
+        cache[key] = facts
+    return cache[key]

@@ -114,7 +114,7 @@ def unseen_reason(plan: SnapshotPlan, unseen: List[Range]) -> str:
 
 
 # (pid, start time) -> whether the last snapshot of that process lacked memory; one process at
-# a time (the plugin checks the same one after every test), like snapshot._GUARDS
+# a time (the plugin checks the same one after every test), like sites.GUARDS
 _LACKED: Dict[Tuple[int, int], bool] = {}
 
 

@@ -31,7 +31,8 @@ from memunreachable.collect import diagnose, procfs
 from memunreachable.heaps import libstate
 from memunreachable.heaps.cpython import probe
 from memunreachable.heaps.glibc import linkmaps, locate
-from memunreachable.heaps.glibc.walker import HeapInconsistent, is_uncopied, walk_heap
+from memunreachable.heaps.glibc.copies import is_uncopied
+from memunreachable.heaps.glibc.walker import HeapInconsistent, walk_heap
 from memunreachable.stacks import tracking
 from memunreachable.sweep import detect, retake
 from memunreachable._errors import CollectionError, MemoryUnreadable, NoSuchProcess
@@ -323,7 +324,7 @@ def sweep(mem, maps, threads, pid: int, confirm: Optional[set] = None,
         # recorded the pointer the hooks hand out (the domains are routed around them)
         debug = False
         if cps.cpython is not None and cps.cpython.found:
-            from memunreachable.heaps.cpython.pipeline import has_debug_hooks
+            from memunreachable.heaps.cpython.typerules import has_debug_hooks
             from memunreachable.heaps.cpython.layout import DEBUG_HOOK_PREFIX
             debug = has_debug_hooks(cps.cpython)
         for e in res.entries + res.cyclic_garbage:
@@ -446,7 +447,7 @@ def _python_objects(mem, cps, image, marked, contents) -> _PythonLeaks:
     """Name the unreachable Python objects and split off the cyclic garbage
     (cpython/objects.py)."""
     from memunreachable.heaps.cpython import objects as O
-    from memunreachable.heaps.cpython.pipeline import object_reader
+    from memunreachable.heaps.cpython.typerules import object_reader
     reader = object_reader(mem, cps.cpython)
     begins, sizes = image.begins, image.sizes
     unmarked = _unmarked(marked)

@@ -40,7 +40,7 @@ from typing import Callable, List, Optional, Tuple
 
 from memunreachable._errors import MemunreachableError, SweepError
 from memunreachable._types import Fields
-from memunreachable.collect.freeze import critical
+from memunreachable.collect.interrupts import critical
 
 log = logging.getLogger("memunreachable")
 

@@ -18,7 +18,7 @@ suite). So:
   in snapshot f >= u: the word predates the block. More levels than one: a check that finds
   a leak confirms it with a second snapshot, whose last swept one already holds the leak; and
   the pytest plugin's batches sweep one snapshot in ten, the others only walked for their
-  allocations (unreachable.record_allocations), so a leak of a batch's first test is fresh
+  allocations (deferred.record_allocations), so a leak of a batch's first test is fresh
   for the sweep at its end only through the level of the snapshot before that test.
 Anything not tracked counts as written (the rule then changes nothing): memory mapped since,
 a mapping replaced under a tracked range, a look that failed. Not for the CLI: another
@@ -222,7 +222,7 @@ class WriteTracker:
 
     def swept(self, epoch: int, begins, full: bool = True) -> None:
         """Keep the allocations of epoch's snapshot, swept (full) or only walked for them
-        (unreachable.record_allocations); drop what no later sweep can use: the records
+        (deferred.record_allocations); drop what no later sweep can use: the records
         before the last but two swept snapshots (a batch's sweeps of its waiting snapshots
         look back past the last), at most KEEP_SWEPT, and the looks before the oldest kept."""
         self.swept_begins[epoch] = array("Q", begins)

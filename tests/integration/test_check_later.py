@@ -1,4 +1,4 @@
-"""unreachable.check_later / sweep_pending: a snapshot taken now, swept later or never (the
+"""deferred.check_later / sweep_pending: a snapshot taken now, swept later or never (the
 plugin's deferred baselines). The fixture's memory is changed between the two through
 /proc/PID/mem, so the sweep must show the moment of the snapshot, not the present."""
 from __future__ import annotations
@@ -9,7 +9,8 @@ import pytest
 
 import fixtures
 from memunreachable.collect import procfs
-from memunreachable.unreachable import check, check_later, sweep_pending
+from memunreachable.deferred import check_later, sweep_pending
+from memunreachable.unreachable import check
 from ptr_helpers import wait_until
 from test_check import assert_target_running, children_of
 
@@ -89,14 +90,14 @@ def test_a_snapshot_never_swept_is_released_whole():
 def test_a_process_above_the_size_limit_is_not_deferred(monkeypatch):
     # each page the target writes while a snapshot waits is copied: past DEFER_MAX_RSS of
     # resident anonymous memory the caller sweeps at once (check_later says None)
-    import memunreachable.unreachable as unreachable
+    from memunreachable import deferred
     with fixtures.start("leak_five") as fx:
         rss = procfs.read_rss_anon(fx.pid)
         assert rss > 0
-        monkeypatch.setattr(unreachable, "DEFER_MAX_RSS", rss - 1)
+        monkeypatch.setattr(deferred, "DEFER_MAX_RSS", rss - 1)
         assert check_later(fx.pid) is None
         assert_target_running(fx)
-        monkeypatch.setattr(unreachable, "DEFER_MAX_RSS", rss + (64 << 20))
+        monkeypatch.setattr(deferred, "DEFER_MAX_RSS", rss + (64 << 20))
         pending = _deferred(fx.pid)
         assert pending is not None
         pending.release()

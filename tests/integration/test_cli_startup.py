@@ -27,8 +27,10 @@ RUN = ("import json, sys\n"
 NOT_FOR_A_C_TARGET = (
     "rich", "elftools", "ptrace", "pytest", "_pytest", "symbolic",
     "memunreachable.noleaks", "memunreachable.signal_dump", "memunreachable.cli.demo",
-    "memunreachable.cli.run", "memunreachable.reporters.json", "memunreachable.heaps.cpython.layout",
-    "memunreachable.heaps.cpython.locate", "memunreachable.heaps.cpython.pipeline",
+    "memunreachable.cli.run", "memunreachable.reporters.json",
+    "memunreachable.heaps.cpython.layout", "memunreachable.heaps.cpython.locate",
+    "memunreachable.heaps.cpython.pipeline", "memunreachable.heaps.cpython.merge",
+    "memunreachable.heaps.cpython.gclists", "memunreachable.heaps.cpython.typerules",
     "memunreachable.heaps.cpython.walker", "memunreachable.heaps.cpython.objects",
     "memunreachable.heaps.cpython.obmalloc", "memunreachable.sweep.explain",
     # issue 10, fast start: no stack to name, no suppressions file

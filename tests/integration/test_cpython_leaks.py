@@ -564,7 +564,7 @@ sys.stdin.read(1)
 """.replace("@RESERVE@", RESERVE).replace("@LIBC@", LIBC)
 
 
-# Stale parts of live objects that hold no references (pipeline.gc_stale_parts and the
+# Stale parts of live objects that hold no references (gclists.gc_stale_parts and the
 # generator rule): the target leaks one block per part and leaves its address there, in
 # freed blocks (array buffers: raw words) that the objects then reuse:
 #   set       the hash of a discarded int key (an int's hash is its value) in the smalltable

@@ -6,9 +6,10 @@ import time
 import pytest
 
 import fixtures
-from memunreachable.collect import freeze, procfs
+from memunreachable.collect import procfs, tracees
 from memunreachable._errors import CollectionError, NoSuchProcess
-from memunreachable.collect.freeze import FreezeInterrupted, frozen
+from memunreachable.collect.freeze import frozen
+from memunreachable.collect.interrupts import FreezeInterrupted
 from memunreachable.collect.snapshot import take_snapshot
 from ptr_helpers import assert_running, moves, peek, states, wait_until
 
@@ -160,7 +161,7 @@ def test_thread_in_vfork_times_out_and_is_released_later():
         assert procfs.task_state(fx.pid, fx.pid) == "S"       # the main thread runs again
         assert procfs.read_status(fx.pid, fx.pid).tracer_pid == 0
         # the forker stops once its vfork child exits; release_pending() lets it go
-        assert freeze.release_pending(timeout=10.0) == 0
+        assert tracees.release_pending(timeout=10.0) == 0
         assert_running(fx.pid)
 
 

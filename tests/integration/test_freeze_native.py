@@ -7,7 +7,7 @@ import os
 import pytest
 
 import fixtures
-from memunreachable.collect import freeze, procfs
+from memunreachable.collect import procfs, tracees
 from memunreachable._types import REG_NAMES
 from memunreachable.collect.freeze import frozen
 from ptr_helpers import assert_running, moves, states, wait_until
@@ -20,8 +20,8 @@ def _python_regs(tid):
     """Registers and FP/SIMD area of a stopped thread, read with python-ptrace (the old path)."""
     import ctypes
     regs = (ctypes.c_uint64 * len(REG_NAMES))()
-    ptrace(freeze.PTRACE_GETREGS, tid, 0, ctypes.addressof(regs))
-    return tuple(regs), freeze._get_fpregs(tid)
+    ptrace(tracees.PTRACE_GETREGS, tid, 0, ctypes.addressof(regs))
+    return tuple(regs), tracees.get_fpregs(tid)
 
 
 def test_native_freeze_captures_what_ptrace_reads():
@@ -113,10 +113,10 @@ def test_threads_created_during_the_native_freeze():
 def test_overflow_continues_in_python(monkeypatch):
     # records for 3 threads only: mu_freeze stops at the 4th and the Python state machine
     # freezes the rest; registers still equal what ptrace reads
-    monkeypatch.setattr(freeze, "record_capacity", lambda threads: 3)
+    monkeypatch.setattr(tracees, "record_capacity", lambda threads: 3)
     with fixtures.start("ptr_busy") as fx:
         with frozen(fx.pid) as fz:
-            assert not fz._fast and fz._prep.args.result == freeze.lib.MU_FREEZE_OVERFLOW
+            assert not fz._fast and fz._prep.args.result == tracees.lib.MU_FREEZE_OVERFLOW
             assert [t.tid for t in fz.threads] == procfs.list_tasks(fx.pid)
             assert len(fz.threads) == 6
             assert set(states(fx.pid).values()) == {"t"}
@@ -170,7 +170,7 @@ def test_pause_is_first_seize_to_last_detach():
 def test_listing_failure_continues_in_python(monkeypatch):
     # /proc/PID/task cannot be listed by mu_freeze (here: not a directory): the records it
     # made stay valid and the Python state machine lists, seizes and collects the rest
-    init = freeze._Prepared.__init__
+    init = tracees.Prepared.__init__
 
     def broken_listing(self, *args, **kwargs):
         init(self, *args, **kwargs)
@@ -179,10 +179,10 @@ def test_listing_failure_continues_in_python(monkeypatch):
             self._fds.append(fd)
             self.args.task_fd = fd
 
-    monkeypatch.setattr(freeze._Prepared, "__init__", broken_listing)
+    monkeypatch.setattr(tracees.Prepared, "__init__", broken_listing)
     with fixtures.start("ptr_busy") as fx:
         with frozen(fx.pid) as fz:
-            assert fz._prep.args.result == freeze.lib.MU_FREEZE_LISTING
+            assert fz._prep.args.result == tracees.lib.MU_FREEZE_LISTING
             assert fz._prep.args.list_err == errno.ENOTDIR and not fz._fast
             assert [t.tid for t in fz.threads] == procfs.list_tasks(fx.pid)
             assert set(states(fx.pid).values()) == {"t"}

@@ -10,7 +10,8 @@ import pytest
 import fixtures
 from memunreachable.collect import procfs
 from memunreachable.collect.memory import is_getrandom_state
-from memunreachable.unreachable import check, check_later, sweep_pending
+from memunreachable.deferred import check_later, sweep_pending
+from memunreachable.unreachable import check
 from test_check import assert_target_running
 
 pytestmark = [pytest.mark.ptrace, pytest.mark.distro]

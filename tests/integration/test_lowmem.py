@@ -14,7 +14,7 @@ import fixtures
 from expected import EXPECTED
 from memunreachable.sweep import steps
 from memunreachable.heaps.glibc import walker
-from memunreachable.heaps.glibc.walker import is_uncopied
+from memunreachable.heaps.glibc.copies import is_uncopied
 from memunreachable.unreachable import check
 from test_check import assert_result, assert_target_running
 

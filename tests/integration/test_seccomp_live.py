@@ -233,7 +233,7 @@ def test_a_filter_on_rt_sigreturn_decides_the_guard(sigreturn):
     # the guard (docs/how-it-works.md) makes the thread run rt_sigreturn (and the child
     # exit_group) only if the checker dies; a filter that would refuse it gets the legacy
     # sequence, never a guard that would kill the target when it is needed
-    from memunreachable.collect.snapshot import choose_thread
+    from memunreachable.collect.sites import choose_thread
     with fixtures.start("sec_filter", "allow", "allow", "all", sigreturn) as fx:
         with frozen(fx.pid) as fz:
             tid, insn, restore_rt, refusals = choose_thread(fz)

@@ -71,34 +71,34 @@ def test_direct_mode_closes_the_window_noted_ahead():
 
 
 def test_syscall_instruction_check_by_peek_matches_proc_mem():
-    from memunreachable.collect.snapshot import SYSCALL_INSN, _after_syscall_insn, _read_target
+    from memunreachable.collect.sites import SYSCALL_INSN, after_syscall_insn, read_target
     with fixtures.start("ptr_busy") as fx:
         with frozen(fx.pid) as fz:
             seen = {}
             for tid, _orig_rax, rip in fz.interrupt_stops():
-                seen[tid] = _after_syscall_insn(fx.pid, tid, rip)
-                assert seen[tid] == (_read_target(fx.pid, rip - 2, 2) == SYSCALL_INSN)
+                seen[tid] = after_syscall_insn(fx.pid, tid, rip)
+                assert seen[tid] == (read_target(fx.pid, rip - 2, 2) == SYSCALL_INSN)
             assert seen[fx.pid]                                 # main: in read(0)
             assert not seen[fx.expect["busy_tid"]]              # busy: never in a syscall
         assert_running(fx.pid)
 
 
 def test_the_candidate_mu_freeze_found_is_the_first_the_search_would_take():
-    from memunreachable.collect.snapshot import (RESTORE_RT, SYSCALL_INSN, SYSCALL_RET, _read_target,
-                                                 _signed, choose_thread)
+    from memunreachable.collect.sites import (RESTORE_RT, SYSCALL_INSN, SYSCALL_RET, choose_thread,
+                                              read_target, signed)
     with fixtures.start("ptr_busy", "4") as fx:
         for _ in range(5):
             with frozen(fx.pid) as fz:
                 want = next((t, rip - 2) for t, orig_rax, rip in fz.interrupt_stops()
-                            if _signed(orig_rax) >= 0
-                            and _read_target(fx.pid, rip - 2, 2) == SYSCALL_INSN)
+                            if signed(orig_rax) >= 0
+                            and read_target(fx.pid, rip - 2, 2) == SYSCALL_INSN)
                 assert fz.syscall_candidate() == want
                 assert choose_thread(fz, guarded=False) == (want[0], want[1], 0, [])
                 # guarded: the same thread, at ld.so's `syscall; ret` with its rt_sigreturn
                 tid, gadget, restore_rt, refusals = choose_thread(fz)
                 assert (tid, refusals) == (want[0], [])
-                assert _read_target(fx.pid, gadget, 3) == SYSCALL_RET
-                assert _read_target(fx.pid, restore_rt, 9) == RESTORE_RT
+                assert read_target(fx.pid, gadget, 3) == SYSCALL_RET
+                assert read_target(fx.pid, restore_rt, 9) == RESTORE_RT
                 assert any(m.begin <= gadget < m.end and "/ld-linux" in m.path for m in fz.maps)
             assert_running(fx.pid)
 
@@ -109,7 +109,7 @@ def test_the_candidate_mu_freeze_found_is_the_first_the_search_would_take():
 ])
 def test_candidate_under_seccomp_filters(clone_action, scope, want_tid):
     from memunreachable.collect import procfs
-    from memunreachable.collect.snapshot import choose_thread
+    from memunreachable.collect.sites import choose_thread
     with fixtures.start("sec_filter", clone_action, "allow", scope) as fx:
         other = fx.expect["other_tid"]
         with frozen(fx.pid) as fz:

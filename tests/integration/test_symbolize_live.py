@@ -67,7 +67,7 @@ def test_step9_groups_same_stack_and_names_frames(chain):
     info, blocks = checked_leak_five()
     leaks = with_stacks(info, sp, 3)
     recorded = leaks[:3]
-    unreachable._symbolize_and_group(info, leaks, None, True, [])
+    unreachable.symbolize_and_group(info, leaks, None, True, [])
     # one group for the three leaks with the stack (largest total first), two single leaks
     sizes = {b.address: b.size for b in blocks}
     group = next(g for g in info.groups if g.num_entries == 3)
@@ -104,7 +104,7 @@ def test_step9_suppression_removes_leaks_from_counts(chain):
     before_n, before_bytes = info.num_leaks, info.leak_bytes
     suppressed_bytes = sum(l.size for l in leaks[:3])
     rules = suppressions.parse("# the chain's middle function\nleak:outer\nleak:never\n")
-    unreachable._symbolize_and_group(info, leaks, None, True, rules)
+    unreachable.symbolize_and_group(info, leaks, None, True, rules)
     assert sorted(l.address for l in info.leaks) == sorted(l.address for l in leaks[3:])
     assert (info.num_leaks, info.leak_bytes) == (before_n - 3, before_bytes - suppressed_bytes)
     assert (info.num_suppressed, info.suppressed_bytes) == (3, suppressed_bytes)
@@ -118,7 +118,7 @@ def test_step9_module_rule_matches_without_symbols(chain):
     info, _ = checked_leak_five()
     leaks = with_stacks(info, sp, 5)
     rules = suppressions.parse(f"leak:^{exe}$\n")
-    unreachable._symbolize_and_group(info, leaks, None, False, rules)
+    unreachable.symbolize_and_group(info, leaks, None, False, rules)
     assert info.leaks == [] and info.num_leaks == 0 and info.suppressions_used[0][1] == 5
 
 

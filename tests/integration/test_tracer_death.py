@@ -22,7 +22,8 @@ from test_leftovers_live import assert_clean, assert_exact
 from memunreachable.collect import leftovers
 from memunreachable._ffi import lib
 from memunreachable.collect.freeze import frozen
-from memunreachable.collect.snapshot import find_guard, prepare, stack_takes_frames, take_snapshot
+from memunreachable.collect.sites import find_guard, stack_takes_frames
+from memunreachable.collect.snapshot import prepare, take_snapshot
 from memunreachable.unreachable import check
 
 pytestmark = pytest.mark.ptrace

@@ -30,7 +30,7 @@ from memunreachable.collect import inject, procfs
 from memunreachable import track_pid, unreachable
 from memunreachable._errors import CollectionError, NoSuchProcess, UnsupportedTarget
 from memunreachable.collect.freeze import frozen
-from memunreachable.collect.snapshot import find_guard
+from memunreachable.collect.sites import find_guard
 from memunreachable._ffi import lib
 
 pytestmark = pytest.mark.ptrace

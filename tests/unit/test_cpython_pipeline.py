@@ -1,4 +1,5 @@
-"""Unit tests of cpython/pipeline.py (merging pymalloc into the allocations) and
+"""Unit tests of heaps/cpython merge.py (pymalloc into the allocations), gclists.py and
+typerules.py (dead words of GC objects and the types that get them) and
 cpython/objects.py (naming objects, telling cyclic garbage from leaks), on in-memory data."""
 import struct
 from array import array
@@ -10,7 +11,7 @@ from memunreachable._ffi import lib
 from memunreachable._types import BufferMemory, HeapImage, Range
 from memunreachable.heaps.cpython import layout as L
 from memunreachable.heaps.cpython import objects as O
-from memunreachable.heaps.cpython import pipeline as P
+from memunreachable.heaps.cpython import gclists as G, merge as M, typerules as T
 
 A = 0x5555_0000_0000
 POOL = 0x7F00_0000_0000
@@ -23,7 +24,7 @@ def image(begins, sizes, regions):
 def test_merge_disjoint_regions_in_address_order():
     glibc = image([A + 16, A + 64], [40, 24], [(A, bytearray(128))])
     py = image([POOL + 48, POOL + 64], [16, 16], [(POOL, bytearray(4096))])
-    m = P.merge_images(glibc, py)
+    m = M.merge_images(glibc, py)
     assert list(m.begins) == [A + 16, A + 64, POOL + 48, POOL + 64]
     assert list(m.sizes) == [40, 24, 16, 16]
     assert [b for b, _ in m.regions] == [A, POOL]
@@ -33,12 +34,12 @@ def test_merge_overlapping_copies_of_one_mapping():
     # glibc copied a whole anonymous mapping that also holds a pymalloc arena
     glibc = image([A + 16], [40], [(A, bytearray(b"g" * 0x3000))])
     py = image([A + 0x1030, A + 0x1040], [16, 16], [(A + 0x1000, bytearray(b"p" * 0x1000))])
-    m = P.merge_images(glibc, py)
+    m = M.merge_images(glibc, py)
     assert list(m.begins) == [A + 16, A + 0x1030, A + 0x1040]
     assert len(m.regions) == 1 and m.regions[0][0] == A       # the covering copy is kept
     # neither covers the other: one new copy of the union, both parts in it
     glibc = image([A + 16], [40], [(A, bytearray(b"g" * 0x1800))])
-    m = P.merge_images(glibc, py)
+    m = M.merge_images(glibc, py)
     (base, buf), = m.regions
     assert base == A and len(buf) == 0x2000
     assert bytes(buf[:4]) == b"gggg" and bytes(buf[0x1fff:0x2000]) == b"p"
@@ -48,7 +49,7 @@ def test_merge_rejects_overlapping_allocations():
     glibc = image([A + 0x1020], [64], [(A, bytearray(0x3000))])
     py = image([A + 0x1030], [16], [(A + 0x1000, bytearray(0x1000))])
     with pytest.raises(ValueError):
-        P.merge_images(glibc, py)
+        M.merge_images(glibc, py)
 
 
 def test_pools_overlapping_glibc_allocations_are_dropped():
@@ -57,16 +58,16 @@ def test_pools_overlapping_glibc_allocations_are_dropped():
                          sizes=array("Q", [16, 16, 32]),
                          heap_ranges=[Range(POOL, POOL + 2 * ps)])
     glibc = image([POOL + ps + 16], [400], [(POOL + ps, bytearray(ps))])    # inside pool 2
-    blocks, sizes, kept, dropped = P.drop_overlapping(cp, glibc, ps)
+    blocks, sizes, kept, dropped = M.drop_overlapping(cp, glibc, ps)
     assert (list(blocks), list(sizes), dropped) == ([POOL + 48, POOL + 64], [16, 16], 1)
     assert kept == [Range(POOL, POOL + ps)]
-    blocks, _, kept, dropped = P.drop_overlapping(cp, image([A], [16], [(A, bytearray(16))]), ps)
+    blocks, _, kept, dropped = M.drop_overlapping(cp, image([A], [16], [(A, bytearray(16))]), ps)
     assert dropped == 0 and list(blocks) == list(cp.blocks)
 
 
 def test_drop_blocks():
     img = image([A, A + 32, A + 64, A + 96], [16, 16, 16, 16], [(A, bytearray(128))])
-    out, n = P.drop_blocks(img, [A + 32, A + 96, A + 8])
+    out, n = M.drop_blocks(img, [A + 32, A + 96, A + 8])
     assert (list(out.begins), n) == ([A, A + 64], 2)
 
 
@@ -216,10 +217,10 @@ def test_type_docs_are_the_heap_types_docstring_blocks():
     sizes = [216] * len(blocks) + [40, 40, 40, 40]
     img = HeapImage(array("Q", begins), array("Q", sizes), [(0x1000, data)])
     head_word = bytes([1] * len(blocks) + [0] * len(docs))
-    assert P.type_docs(img, head_word, [META]) == [Range(0x2000, 0x2028)]
-    assert P.type_docs(img, head_word, [META, OTHER_META]) == [Range(0x2000, 0x2028),
+    assert G.type_docs(img, head_word, [META]) == [Range(0x2000, 0x2028)]
+    assert G.type_docs(img, head_word, [META, OTHER_META]) == [Range(0x2000, 0x2028),
                                                                Range(0x2100, 0x2128)]
-    assert P.type_docs(img, head_word, []) == []
+    assert G.type_docs(img, head_word, []) == []
 
 
 def test_list_slack_is_the_item_array_above_ob_size():
@@ -239,8 +240,8 @@ def test_list_slack_is_the_item_array_above_ob_size():
     img = HeapImage(array("Q", [b for b, _ in blocks]), array("Q", [56] * len(blocks)),
                     [(0x1000, data)])
     head_word = bytes([1] * len(blocks))               # each block starts with a GC head
-    assert P.list_slack(img, head_word, LIST) == [Range(0x2010, 0x2028), Range(0x2300, 0x2310)]
-    assert P.list_slack(img, bytes(len(blocks)), LIST) == []     # no GC objects known
+    assert G.list_slack(img, head_word, LIST) == [Range(0x2010, 0x2028), Range(0x2300, 0x2310)]
+    assert G.list_slack(img, bytes(len(blocks)), LIST) == []     # no GC objects known
     # with the item arrays as allocations of the image: the allocator's slack after the
     # `allocated` slots is stale too (a full list's as well); an array smaller than its
     # `allocated` slots is not trusted past them
@@ -249,7 +250,7 @@ def test_list_slack_is_the_item_array_above_ob_size():
     img = HeapImage(array("Q", [b for b, _ in alloc]), array("Q", [z for _, z in alloc]),
                     [(0x1000, data + bytes(0x1400))])
     head_word = bytes(1 if b < 0x2000 else 0 for b, _ in alloc)
-    assert P.list_slack(img, head_word, LIST) == [Range(0x2010, 0x2038), Range(0x2120, 0x2128),
+    assert G.list_slack(img, head_word, LIST) == [Range(0x2010, 0x2038), Range(0x2120, 0x2128),
                                                   Range(0x2300, 0x2310)]
 
 
@@ -272,8 +273,8 @@ def test_io_buffers_are_the_blocks_of_buffered_objects_buffer_field():
     sizes = [168] * len(blocks) + [4104] * len(bufs)
     img = HeapImage(array("Q", begins), array("Q", sizes), [(0x1000, data)])
     head_word = bytes([1] * len(blocks) + [0] * len(bufs))
-    assert P.io_buffers(img, head_word, [WRITER]) == [Range(0x3000, 0x3000 + 4104)]
-    assert P.io_buffers(img, head_word, []) == []
+    assert G.io_buffers(img, head_word, [WRITER]) == [Range(0x3000, 0x3000 + 4104)]
+    assert G.io_buffers(img, head_word, []) == []
 
 
 # --- the native array passes against the Python they replaced --------------------------------
@@ -338,22 +339,22 @@ def test_merge_dropping_equals_the_python_model_on_random_images():
         every = list(glibc.begins) + list(py.begins)
         drop = rng.sample(every, 25) + [A + 8, A + 0x7FFF8]        # two that match nothing
         begins, sizes, removed = _ref_merge(glibc, py, drop)
-        out, n = P.merge_dropping(glibc, py, drop)
+        out, n = M.merge_dropping(glibc, py, drop)
         assert (list(out.begins), list(out.sizes), n) == (begins, sizes, removed)
-        assert list(P.merge_images(glibc, py).begins) == _ref_merge(glibc, py, [])[0]
+        assert list(M.merge_images(glibc, py).begins) == _ref_merge(glibc, py, [])[0]
 
 
 def test_merge_dropping_rejects_overlap_between_the_images_only():
     glibc = image([A + 0x100, A + 0x110], [0x20, 0x20], [(A, bytearray(0x1000))])  # overlap
     py = image([A + 0x200], [16], [(A, bytearray(0x1000))])
-    out, _ = P.merge_dropping(glibc, py, [])        # within one image: not this stage's test
+    out, _ = M.merge_dropping(glibc, py, [])        # within one image: not this stage's test
     assert list(out.begins) == [A + 0x100, A + 0x110, A + 0x200]
     py = image([A + 0x118], [16], [(A, bytearray(0x1000))])
     with pytest.raises(ValueError, match=hex(A + 0x118)):
-        P.merge_dropping(glibc, py, [])
+        M.merge_dropping(glibc, py, [])
     zero = image([A + 0x300], [0], [(A, bytearray(0x1000))])     # a 0-byte block spans 1
     with pytest.raises(ValueError):
-        P.merge_dropping(zero, image([A + 0x300], [16], [(A, bytearray(0x1000))]), [])
+        M.merge_dropping(zero, image([A + 0x300], [16], [(A, bytearray(0x1000))]), [])
 
 
 def test_overlapping_pools_equal_the_python_loop():
@@ -369,9 +370,9 @@ def test_overlapping_pools_equal_the_python_loop():
             gs.append(rng.choice([0, 16, rng.randrange(16, 2 * ps, 8)]))
             x += gs[-1]
         want = _ref_overlapping_pools(blocks, ps, gb, gs)
-        assert P._overlapping_pools(array("Q", blocks), ps, array("Q", gb), array("Q", gs)) == want
+        assert M._overlapping_pools(array("Q", blocks), ps, array("Q", gb), array("Q", gs)) == want
     many = array("Q", [POOL + k * ps + 48 for k in range(200)])     # more than the first cap
-    assert P._overlapping_pools(many, ps, array("Q", [POOL]), array("Q", [200 * ps])) == \
+    assert M._overlapping_pools(many, ps, array("Q", [POOL]), array("Q", [200 * ps])) == \
         [POOL + k * ps for k in range(200)]
 
 
@@ -408,10 +409,10 @@ def test_gc_dead_ranges_equals_the_three_passes_on_random_objects():
     hw = bytes(head)
     for list_type, metas, buffered in [(LIST, [META], [BUF]), (0, [META, OTHER_META], []),
                                        (LIST, [], [BUF, META]), (LIST, [META], [META])]:
-        slack = P.list_slack(img, hw, list_type) if list_type else []
-        docs = P.type_docs(img, hw, metas)
-        bufs = P.io_buffers(img, hw, buffered)
-        pairs, counts = P.gc_dead_ranges(img, hw, list_type, metas, buffered)
+        slack = G.list_slack(img, hw, list_type) if list_type else []
+        docs = G.type_docs(img, hw, metas)
+        bufs = G.io_buffers(img, hw, buffered)
+        pairs, counts = G.gc_dead_ranges(img, hw, list_type, metas, buffered)
         assert counts == (len(slack), len(docs), len(bufs))
         assert sorted(pairs) == sorted((r.begin, r.end) for r in slack + docs + bufs)
         assert sum(counts) > 5
@@ -424,7 +425,7 @@ def test_with_sizes_adds_size_rules_and_merges_them_with_dead_at_zero_rules():
              (0x1000, 16 | lib.MU_TYPE_SIZED << 8 | 24 << 16),      # dead-at-zero: both
              (0x2000, 16 | lib.MU_TYPE_SIZED << 8 | 24 << 16),      # opaque: left opaque
              (0x4000, 32 | lib.MU_TYPE_SIZED << 8 | 24 << 16)]      # another offset: left
-    rules = P.with_sizes([(0x1000, dead_at_zero), (0x2000, opaque), (0x4000, dead_at_zero)], sized)
+    rules = T.with_sizes([(0x1000, dead_at_zero), (0x2000, opaque), (0x4000, dead_at_zero)], sized)
     assert rules == [(0x1000, 16 | lib.MU_TYPE_VARSIZED << 8 | 24 << 16), (0x2000, opaque),
                      (0x3000, sized[0][1]), (0x4000, dead_at_zero)]
 
@@ -455,7 +456,7 @@ def test_stale_set_smalltables_are_dead_once_the_table_moved():
               (0x1100, setobj(SET, 0x1100 + 16 + 64)),  # still in its smalltable: live
               (0x1200, setobj(OTHER, 0x2000))]          # not a set
     img, hw = _image_of(blocks, [(0x2000, 512)])
-    pairs, counts = P.gc_stale_parts(img, hw, (3, 11), [SET], [], 0, 0, [], [], [])
+    pairs, counts = G.gc_stale_parts(img, hw, (3, 11), [SET], [], 0, 0, [], [], [])
     assert pairs == [(0x1000 + 16 + 64, 0x1000 + 16 + 192)] and counts == (1, 0, 0, 0, 0, 0)
 
 
@@ -491,7 +492,7 @@ def test_dict_values_prefix_and_unused_slots_are_dead(version, field, tag):
                                  (0x2200, 8, [1], 7)]:
         blk = values_block(prefix, order, n)
         data[at - 0x1000:at - 0x1000 + len(blk)] = blk
-    pairs, counts = P.gc_stale_parts(img, hw, version, [], [CLS], field, getattr(lib, tag), [],
+    pairs, counts = G.gc_stale_parts(img, hw, version, [], [CLS], field, getattr(lib, tag), [],
                                      [DICT], [])
     # instance: 3 slots in use of 7; dict: slot 4 the highest of 14; the third's word points
     # 8 bytes past its array (its prefix byte then reads as a slot: 0xee, not a prefix size)
@@ -500,7 +501,7 @@ def test_dict_values_prefix_and_unused_slots_are_dead(version, field, tag):
     # an order index beyond the slots: not an array we can read; nothing dead
     blk = values_block(8, [0, 9], 7)
     data[0x1000:0x1000 + len(blk)] = blk
-    assert P.gc_stale_parts(img, hw, version, [], [CLS], field, getattr(lib, tag), [], [],
+    assert G.gc_stale_parts(img, hw, version, [], [CLS], field, getattr(lib, tag), [], [],
                             [])[0] == []
 
 
@@ -521,7 +522,7 @@ def test_non_compact_str_subclass_buffers_are_text(version):
               (0x1300, strobj(OTHER, 0xc4, 0x2400, 0x2400))]
     img, hw = _image_of(blocks, [(a, 16) for a in (0x2000, 0x2100, 0x2200, 0x2300, 0x2400)],
                         heads={b: 5 for b, _ in blocks})    # the object after 32 + 16 bytes
-    pairs, counts = P.gc_stale_parts(img, hw, version, [], [], 0, 0, [], [], [STR])
+    pairs, counts = G.gc_stale_parts(img, hw, version, [], [], 0, 0, [], [], [STR])
     assert pairs == [(0x2000, 0x2010), (0x2100, 0x2110), (0x2200, 0x2210)]
     assert counts == (0, 0, 2, 0, 0, 0)
 
@@ -541,7 +542,7 @@ def test_heap_types_name_copies_are_text():
               (0x1200, typeobj(META, 0, 0x2200)),           # a static type: .rodata
               (0x1300, typeobj(OTHER, HEAP, 0x2300))]       # not a metatype's instance
     img, hw = _image_of(blocks, [(0x2000, 16), (0x2100, 48), (0x2200, 16), (0x2300, 16)])
-    pairs, counts = P.gc_stale_parts(img, hw, (3, 13), [], [], 0, 0, [], [], [], metas=[META])
+    pairs, counts = G.gc_stale_parts(img, hw, (3, 13), [], [], 0, 0, [], [], [], metas=[META])
     assert pairs == [(0x2000, 0x2010)] and counts == (0, 0, 0, 0, 1, 0)
 
 
@@ -563,14 +564,14 @@ def test_old_frames_scalars_block_stack_and_slots_above_the_top_are_dead(mode, b
     img, hw = _image_of([(0x1000, frame((-1, 1)))])
     end = 0x1000 + 16 + local + 48
     obj = 0x1010
-    pairs, counts = P.gc_stale_parts(img, hw, (3, 9), [], [], 0, 0, [], [], [],
+    pairs, counts = G.gc_stale_parts(img, hw, (3, 9), [], [], 0, 0, [], [], [],
                                      frame=(FRAME, blocks, getattr(lib, mode)))
     assert pairs == [(obj + blocks - 32, obj + blocks - 24), (obj + blocks - 16, obj + local),
                      (obj + local + 24, end)]
     assert counts == (0, 0, 0, 0, 0, 1)
     if mode == "MU_FRAME_310":          # running: its depth is stale, the stack is scanned
         img, hw = _image_of([(0x1000, frame((0, 1)))])
-        pairs, _ = P.gc_stale_parts(img, hw, (3, 10), [], [], 0, 0, [], [], [],
+        pairs, _ = G.gc_stale_parts(img, hw, (3, 10), [], [], 0, 0, [], [], [],
                                     frame=(FRAME, blocks, getattr(lib, mode)))
         assert pairs == [(obj + blocks - 32, obj + blocks - 24), (obj + blocks - 16, obj + local)]
 
@@ -594,7 +595,7 @@ def _deque_image(objects, blocks):
     return img, bytes(1 if b in gc else 0 for b, _ in alloc)
 
 
-@pytest.mark.parametrize("free_off", [0, P.DEQUE_FREE])
+@pytest.mark.parametrize("free_off", [0, T.DEQUE_FREE])
 def test_deque_blocks_words_outside_the_items_are_dead(free_off):
     DEQ, OTHER = 0x9000, 0x9100
     objects = [
@@ -610,7 +611,7 @@ def test_deque_blocks_words_outside_the_items_are_dead(free_off):
     blocks = [(0x1400, 560, 0x1800), (0x1800, 528, 0), (0x1c00, 544, 0), (0x2400, 528, 0),
               (0x2800, 528, 0)]
     img, hw = _deque_image(objects, blocks)
-    pairs, count = P.deque_dead_ranges(img, hw, [DEQ], free_off)
+    pairs, count = G.deque_dead_ranges(img, hw, [DEQ], free_off)
     first = [(0x1400, 0x1400 + 8 + 8 * 60), (0x1800 + 16 + 8 * 5, 0x1800 + 528),
              (0x1400 + 528, 0x1400 + 560)]
     empty = [(0x1c00, 0x1c00 + 8 + 8 * 32), (0x1c00 + 16 + 8 * 31, 0x1c00 + 528),
@@ -622,7 +623,7 @@ def test_deque_blocks_words_outside_the_items_are_dead(free_off):
     # a chain that does not reach rightblock: that deque gives nothing
     blocks[0] = (0x1400, 560, 0x2400)
     img, hw = _deque_image(objects, blocks)
-    pairs, count = P.deque_dead_ranges(img, hw, [DEQ], free_off)
+    pairs, count = G.deque_dead_ranges(img, hw, [DEQ], free_off)
     assert sorted(pairs) == sorted(empty) and count == 1
 
 
@@ -642,10 +643,10 @@ def test_value_types_read_ints_floats_and_bytes_for_addresses(version, int_param
                          layout=SimpleNamespace(frame_localsplus=80))
     statics = {"PyLong_Type": INT_TYPE, "PyFloat_Type": FLOAT, "PyBytes_Type": BYTES,
                "PyUnicode_Type": STR_TYPE}
-    assert sorted(P.value_types(mem, cp, statics)) == sorted([
+    assert sorted(T.value_types(mem, cp, statics)) == sorted([
         (INT_TYPE, lib.MU_TYPE_INT << 8 | int_param << 16),
         (FLOAT, lib.MU_TYPE_FLOAT << 8),
         (BYTES, lib.MU_TYPE_BYTES << 8 | 32 << 16),
         (STR_TYPE, lib.MU_TYPE_STR << 8)])
     # 15-bit digits (uint16, a --enable-big-digits=15 build): not read, never scanned
-    assert P.value_types(mem, cp, {"PyLong_Type": INT15}) == [(INT15, lib.MU_TYPE_OPAQUE << 8)]
+    assert T.value_types(mem, cp, {"PyLong_Type": INT15}) == [(INT15, lib.MU_TYPE_OPAQUE << 8)]

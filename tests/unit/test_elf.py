@@ -86,3 +86,37 @@ def test_32_bit_header():
         e = E.ElfFile(f)
         assert (e.machine_name, e.elfclass) == ("EM_386", 32)
         assert e.segments() == [] and e.first_load() is None and e.sections() == []
+
+
+def test_cached_by_file_reads_each_file_once_until_it_changes(tmp_path):
+    """The facts of an open ELF file are remembered by the file's identity (device, inode,
+    size, mtime): the same file is parsed once, a rewritten one again; a file that is not
+    ELF gives on_error; a full cache starts over."""
+    reads = []
+
+    def read(elf):
+        reads.append(elf.machine_name)
+        return elf.first_load()
+
+    cache = {}
+    libc = "/lib/x86_64-linux-gnu/libc.so.6"
+    with open(libc, "rb") as f:
+        first = E.cached_by_file(cache, f, read, most=2)
+        assert E.cached_by_file(cache, f, read, most=2) == first == E.ElfFile(f).first_load()
+    assert reads == ["EM_X86_64"] and len(cache) == 1
+    script = tmp_path / "script"
+    script.write_bytes(b"#!/bin/sh\necho hi\n")
+    with open(script, "rb") as f:
+        assert E.cached_by_file(cache, f, read, most=2, on_error=False) is False
+    assert reads == ["EM_X86_64"] and len(cache) == 2
+    copy = tmp_path / "libc"
+    copy.write_bytes(open(libc, "rb").read())
+    with open(copy, "rb") as f:
+        assert E.cached_by_file(cache, f, read, most=2) == first
+    assert reads == ["EM_X86_64"] * 2 and len(cache) == 1     # full at 2: emptied first
+    with open(copy, "r+b") as f:                                # rewritten: read again
+        f.seek(0, os.SEEK_END)
+        f.write(b"\0" * 8)
+        f.flush()
+        assert E.cached_by_file(cache, f, read, most=2) == first
+    assert reads == ["EM_X86_64"] * 3

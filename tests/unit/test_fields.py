@@ -11,8 +11,8 @@ from memunreachable._types import Fields, FrozenFields, Mapping, Range, ThreadSt
 MODULES = ("sweep.classify", "sweep.detect", "collect.diagnose", "stacks.elf", "sweep.folding",
            "collect.freeze", "collect.leftovers", "collect.preflight", "collect.procfs",
            "collect.seccomp", "collect.snapshot", "stacks.suppressions", "sweep.sweeper",
-           "stacks.symbolize", "stacks.tracking", "unreachable", "sweep.retake", "sweep.steps",
-           "heaps.glibc.freelists", "heaps.glibc.layout", "heaps.glibc.locate",
+           "stacks.symbolize", "stacks.tracking", "unreachable", "deferred", "sweep.retake",
+           "sweep.steps", "heaps.glibc.freelists", "heaps.glibc.layout", "heaps.glibc.locate",
            "heaps.glibc.validate", "heaps.glibc.walker")
 
 

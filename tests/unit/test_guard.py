@@ -1,7 +1,7 @@
 """The guard's pure parts (snapshot.py, seccomp.py): when it is refused, what it makes the
 thread run. The guard itself is tested live in tests/integration/test_tracer_death.py."""
 from memunreachable.collect import seccomp as sc
-from memunreachable.collect.snapshot import RESTORE_RT, SYSCALL_RET, shadow_stack_in
+from memunreachable.collect.sites import RESTORE_RT, SYSCALL_RET, shadow_stack_in
 
 STATUS = (b"Name:\tprog\nState:\tS (sleeping)\nSeccomp:\t0\n"
           b"x86_Thread_features:\t%s\nx86_Thread_features_locked:\tshstk wrss\n")

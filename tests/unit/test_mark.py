@@ -397,7 +397,7 @@ def test_parallel_mark_matches_a_graph_search(seed):
 import os
 
 from memunreachable._ffi import ffi, lib
-from memunreachable.heaps.glibc.walker import Uncopied
+from memunreachable.heaps.glibc.copies import Uncopied
 from memunreachable.sweep.mark import DeadWords
 
 UNCOPIED_BASE = 1 << 32         # page aligned (mu_cands)

@@ -7,7 +7,8 @@ pycore_interp.h, Include/cpython/pystate.h, pycore_frame.h, pycore_obmalloc.h, p
 against the installed headers of 3.8.18, 3.9.18, 3.10.13, 3.11.7, 3.12.1 and 3.13.0
 (Debian's 3.11.2 headers gave the same values). See /work/shared/notes/cpython-memory.md.
 A layout is only a claim: locate.py validates it against the target before anything is
-trusted. No offset literal may appear outside this module (style.md rule 7).
+trusted. No offset literal may appear outside this module (style.md rule 7): it is one module
+of tables, one per version, however long they grow.
 """
 from __future__ import annotations
 

@@ -114,24 +114,16 @@ FACT_SYMBOLS = ("_PyRuntime", "Py_Version", "PyList_Type", "PyFrame_Type", "PyCo
 # Returns the ElfFacts of the open file f (FACT_SYMBOLS looked up), or None when it is not a
 # usable ELF file (malformed, no PT_LOAD).
 def elf_facts(f) -> Optional[ElfFacts]:
-    st = os.fstat(f.fileno())
-    key = (st.st_dev, st.st_ino, st.st_size, st.st_mtime_ns)
-    if key not in _FACTS:
-        facts = None
-        try:
-            elf = E.ElfFile(f)
-            first = elf.first_load()
-            if first is not None:
-                sec = elf.section(".PyRuntime")
-                facts = ElfFacts(elf.machine_name == "EM_X86_64", first,
-                                 elf.dynsym_values(FACT_SYMBOLS),
-                                 sec.sh_addr if sec is not None else 0, elf.shared)
-        except (E.ElfError, OSError, ValueError, struct.error):    # malformed or truncated
-            facts = None
-        if len(_FACTS) >= 256:
-            _FACTS.clear()
-        _FACTS[key] = facts
-    return _FACTS[key]
+    return E.cached_by_file(_FACTS, f, _read_facts, most=256)
+
+
+def _read_facts(elf: E.ElfFile) -> Optional[ElfFacts]:
+    first = elf.first_load()
+    if first is None:
+        return None
+    sec = elf.section(".PyRuntime")
+    return ElfFacts(elf.machine_name == "EM_X86_64", first, elf.dynsym_values(FACT_SYMBOLS),
+                    sec.sh_addr if sec is not None else 0, elf.shared)
 
 
 def facts_bias(facts: ElfFacts, mappings: List[Mapping]) -> Optional[int]:

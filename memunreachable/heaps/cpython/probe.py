@@ -11,12 +11,11 @@ from __future__ import annotations
 
 import os
 import re
-import struct
 from typing import Dict, List, Optional, Sequence, Tuple
 
 from memunreachable.collect import procfs
 from memunreachable._types import Mapping
-from memunreachable.stacks.elf import ElfError, ElfFile
+from memunreachable.stacks.elf import cached_by_file
 
 LIBPYTHON = re.compile(r"^libpython(\d)\.(\d+)[a-z]*\.so")
 EXECUTABLE = re.compile(r"^python(\d)\.(\d+)[a-z]*$")
@@ -49,18 +48,8 @@ def candidates(maps: Sequence[Mapping], pid: Optional[int]) -> List[Tuple[str, L
 
 
 def _holds_runtime(f) -> bool:
-    st = os.fstat(f.fileno())
-    key = (st.st_dev, st.st_ino, st.st_size, st.st_mtime_ns)
-    if key not in _HOLDS:
-        try:
-            e = ElfFile(f)
-            _HOLDS[key] = e.machine_name == "EM_X86_64" and bool(
-                e.dynsym_values(["_PyRuntime"]) or e.section(".PyRuntime"))
-        except (ElfError, OSError, ValueError, struct.error):
-            _HOLDS[key] = False
-        if len(_HOLDS) > 256:
-            _HOLDS.clear()
-    return _HOLDS[key]
+    return cached_by_file(_HOLDS, f, lambda e: e.machine_name == "EM_X86_64" and bool(
+        e.dynsym_values(["_PyRuntime"]) or e.section(".PyRuntime")), most=256, on_error=False)
 
 
 # may_hold_runtime's last answer: ((executable, the file mappings' (path, dev, inode)),

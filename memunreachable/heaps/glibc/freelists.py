@@ -23,10 +23,7 @@ from memunreachable._types import Fields, Mapping, Range, ThreadState
 from memunreachable.heaps.glibc import layout as L
 from memunreachable.heaps.glibc import locate
 from memunreachable.heaps.glibc import validate as V
-
-
-def _alloc_q(n: int) -> array:
-    return array("Q", (0,)) * n
+from memunreachable.heaps.glibc.copies import alloc_q
 
 
 class TcacheContext(Fields):
@@ -108,7 +105,7 @@ class FreeListsMixin:
         res = ffi.new("mu_chain_result *")
         pu, pz = ffi.from_buffer("uint64_t[]", user), ffi.from_buffer("uint64_t[]", usable)
         while True:
-            out = _alloc_q(cap)
+            out = alloc_q(cap)
             n = check(lib.mu_walk_chain(tab, ntab, pu, pz, len(user), head, bias, int(mangled), size,
                                         size if size_max is None else size_max, arena, max_nodes,
                                         ffi.from_buffer("uint64_t[]", out), cap, res),

@@ -10,7 +10,6 @@ bin slots (vmware/chap's method). References: glibc malloc/malloc.c, malloc/aren
 from __future__ import annotations
 
 import mmap
-import os
 import struct
 from typing import Iterator, List, Optional, Tuple
 
@@ -72,27 +71,17 @@ _FACTS_CACHE_MAX = 16
 
 
 def _file_facts(f) -> Optional[_FileFacts]:
-    st = os.fstat(f.fileno())
-    key = (st.st_dev, st.st_ino, st.st_size, st.st_mtime_ns)
-    if key in _FACTS_CACHE:
-        return _FACTS_CACHE[key]
-    facts = None
-    try:
-        elf = E.ElfFile(f)
+    def read(elf):
         first_load = elf.first_load() if elf.machine_name == "EM_X86_64" else None
-        if first_load is not None:
-            rw = [(s.p_vaddr, elf.data(s.p_offset, s.p_filesz)) for s in elf.segments()
-                  if s.p_type == E.PT_LOAD and s.p_flags & 2]
-            relative = elf.rela_relative()
-            with mmap.mmap(f.fileno(), st.st_size, prot=mmap.PROT_READ) as mm:
-                version = L.find_version(mm)
-            facts = _FileFacts(first_load, rw, relative, version)
-    except (E.ElfError, OSError, ValueError, struct.error):    # malformed or truncated ELF
-        facts = None
-    if len(_FACTS_CACHE) >= _FACTS_CACHE_MAX:
-        _FACTS_CACHE.clear()
-    _FACTS_CACHE[key] = facts
-    return facts
+        if first_load is None:
+            return None
+        rw = [(s.p_vaddr, elf.data(s.p_offset, s.p_filesz)) for s in elf.segments()
+              if s.p_type == E.PT_LOAD and s.p_flags & 2]
+        relative = elf.rela_relative()
+        with mmap.mmap(f.fileno(), 0, prot=mmap.PROT_READ) as mm:     # the whole file
+            version = L.find_version(mm)
+        return _FileFacts(first_load, rw, relative, version)
+    return E.cached_by_file(_FACTS_CACHE, f, read, most=_FACTS_CACHE_MAX)
 
 
 def read_image(mappings: List[Mapping], pid: Optional[int]) -> Optional[_Image]:
@@ -118,27 +107,34 @@ def _words(vaddr: int, data: bytes) -> Tuple[int, memoryview]:
     return vaddr + skip, memoryview(data)[skip:skip + 8 * n].cast("Q")
 
 
+def _iter_word(img: _Image, value: int) -> Iterator[Tuple[int, memoryview, bytes, int]]:
+    """(address of words[0], words, their bytes, byte offset) of every 8-aligned word equal to
+    value in the image's writable segments."""
+    pat = struct.pack("<Q", value)
+    for vaddr, data in img.rw:
+        base, w = _words(vaddr, data)
+        raw = w.tobytes()
+        pos = raw.find(pat)
+        while pos >= 0:
+            if pos % 8 == 0:
+                yield base, w, raw, pos
+            pos = raw.find(pat, pos + 1)
+
+
 def iter_main_arena_images(img: _Image, state: L.MallocState) -> Iterator[int]:
     """Link-time addresses a of a file-image main_arena: attached_threads == 1, next == a (in
     place, RELR builds, or as a RELATIVE addend), every other word zero."""
     nw = state.sizeof // 8
     i_next, i_att = state.next // 8, state.attached_threads // 8
-    one = struct.pack("<Q", L.MAIN_ARENA_IMAGE_ATTACHED)
-    for vaddr, data in img.rw:
-        base, w = _words(vaddr, data)
-        raw = w.tobytes()
-        pos = raw.find(one)
-        while pos >= 0:
-            if pos % 8 == 0:
-                j = pos // 8 - i_att
-                a = base + 8 * j
-                if j >= 0 and j + nw <= len(w):
-                    nxt = w[j + i_next]
-                    if nxt == a or (nxt == 0 and img.relative.get(a + state.next) == a):
-                        block = w[j:j + nw]
-                        if sum(1 for x in block if x) == (2 if nxt else 1):
-                            yield a
-            pos = raw.find(one, pos + 1)
+    for base, w, _raw, pos in _iter_word(img, L.MAIN_ARENA_IMAGE_ATTACHED):
+        j = pos // 8 - i_att
+        a = base + 8 * j
+        if j >= 0 and j + nw <= len(w):
+            nxt = w[j + i_next]
+            if nxt == a or (nxt == 0 and img.relative.get(a + state.next) == a):
+                block = w[j:j + nw]
+                if sum(1 for x in block if x) == (2 if nxt else 1):
+                    yield a
 
 
 def _i32(data, off: int) -> int:
@@ -152,26 +148,19 @@ def _u64(data, off: int) -> int:
 def iter_mp_images(img: _Image) -> Iterator[Tuple[int, L.MallocPar]]:
     """Link-time (address, family) of a file-image mp_: the static initialiser of malloc.c,
     whose tcache fields tell 2.35-2.41 (1032, 7) from 2.42 (0x410, 7) and 2.43 (0x411, 16)."""
-    pat = struct.pack("<Q", L.MP_INIT_THRESHOLD)
-    for vaddr, data in img.rw:
-        base, w = _words(vaddr, data)
-        raw = w.tobytes()
-        pos = raw.find(pat)
-        while pos >= 0:
-            if pos % 8 == 0:
-                for par in L.MALLOC_PARS:
-                    if pos + par.sizeof > len(raw):
-                        continue
-                    if (_u64(raw, pos + par.mmap_threshold) == L.MP_INIT_THRESHOLD and
-                            _u64(raw, pos + par.arena_test) == L.MP_INIT_ARENA_TEST and
-                            _i32(raw, pos + par.n_mmaps_max) == L.MP_INIT_N_MMAPS_MAX and
-                            (par.thp_mode is None or
-                             _i32(raw, pos + par.thp_mode) == L.MP_INIT_THP_MODE) and
-                            _u64(raw, pos + par.tcache_bins) == L.MP_INIT_TCACHE_BINS and
-                            _u64(raw, pos + par.tcache_max_bytes) == par.init_tcache_max_bytes and
-                            _u64(raw, pos + par.tcache_count) == par.init_tcache_count):
-                        yield base + pos, par
-            pos = raw.find(pat, pos + 1)
+    for base, _w, raw, pos in _iter_word(img, L.MP_INIT_THRESHOLD):
+        for par in L.MALLOC_PARS:
+            if pos + par.sizeof > len(raw):
+                continue
+            if (_u64(raw, pos + par.mmap_threshold) == L.MP_INIT_THRESHOLD and
+                    _u64(raw, pos + par.arena_test) == L.MP_INIT_ARENA_TEST and
+                    _i32(raw, pos + par.n_mmaps_max) == L.MP_INIT_N_MMAPS_MAX and
+                    (par.thp_mode is None or
+                     _i32(raw, pos + par.thp_mode) == L.MP_INIT_THP_MODE) and
+                    _u64(raw, pos + par.tcache_bins) == L.MP_INIT_TCACHE_BINS and
+                    _u64(raw, pos + par.tcache_max_bytes) == par.init_tcache_max_bytes and
+                    _u64(raw, pos + par.tcache_count) == par.init_tcache_count):
+                yield base + pos, par
 
 
 def locate_in_file(mappings: List[Mapping], pid: Optional[int], path: str) -> Optional[Located]:

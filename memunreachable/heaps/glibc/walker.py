@@ -8,31 +8,30 @@ glibc's metadata ranges (main_arena, mp_), soft issues, the block sizes a broken
 makes uncertain, and counters.
 Steps (glibc-heap.md section 1): detect the allocator, locate main_arena/mp_, follow the arena
 ring, walk the main arena's runs (across adjacent [heap] VMAs) and every thread arena's heaps,
-scan anonymous memory for mmapped chunks, subtract the verified tcache and fastbin chains
-(freelists.py), validate. Each region is read once in bulk; the chunk loops run in
-native/mu_walk.c. References: glibc malloc/malloc.c, arena.c (2.27-2.43).
+scan anonymous memory for mmapped chunks (mmapped.py), subtract the verified tcache and
+fastbin chains (freelists.py), validate. Each region is read once in bulk into a local copy
+(copies.py); the chunk loops run in native/mu_walk.c. References: glibc malloc/malloc.c, arena.c (2.27-2.43).
 """
 from __future__ import annotations
 
 import bisect
-import mmap
 import struct
 from array import array
 from typing import Dict, List, Optional, Tuple
 
 from memunreachable.sweep import detect
-from memunreachable.collect import procfs
-from memunreachable.stacks import tracking
-from memunreachable._errors import MemoryUnreadable, UnsupportedTarget
+from memunreachable._errors import UnsupportedTarget
 from memunreachable._ffi import check, ffi, lib
 from memunreachable._types import (Allocator, Fields, HeapImage, Mapping, Range, ThreadState,
-                                   local_buffer, merge_ranges, subtract_ranges)
+                                   local_buffer, merge_ranges)
 from memunreachable.heaps.glibc import layout as L
 from memunreachable.heaps.glibc import locate
 from memunreachable.heaps.glibc import validate as V
+from memunreachable.heaps.glibc.copies import WORD, Copy, Piece, alloc_q, is_uncopied
 from memunreachable.heaps.glibc.freelists import FreeListsMixin, tcache_context
+from memunreachable.heaps.glibc.mmapped import MmappedMixin
 from memunreachable.heaps.glibc.validate import HeapInconsistent
-from memunreachable.collect.memory import plain_page, read_many
+from memunreachable.collect.memory import plain_page
 
 __all__ = ["walk_heap", "HeapWalk", "HeapInconsistent"]
 
@@ -44,7 +43,6 @@ RUN_START_TRIES = 64        # candidate run starts tried after a main-arena doub
 # 16: a 271 MiB pointer-dense heap peaked at 0.46x the scanned bytes (0.55x with 8), no slower
 # (docs/performance.md); a sparse heap's candidates, about 12 bytes a block, fit either.
 CANDIDATE_BUDGET_DIVISOR = 16
-WORD = struct.Struct("<Q")
 PAGE_SIZE = 4096
 
 
@@ -77,101 +75,13 @@ class HeapWalk(Fields):
         self.holes = [] if holes is None else holes
 
 
-class Uncopied:
-    """The buffer of a region the walk did not keep (walk_heap(uncopied_from=...)): its bytes
-    are read on demand through fd, a /proc/<pid>/mem fd of the snapshot (mu_region.uncopied:
-    mu_mark and the free-list walks accept it; _ffi.region_array builds it)."""
-
-    def __init__(self, size: int, fd: int, cands=None):
-        self.nbytes = size
-        self.uncopied_fd = fd
-        self.cands = cands          # mu_cands * kept by the walk (freed with this object), or None
-
-    def kept(self) -> Tuple[int, int]:
-        """(candidate words kept, 1 MiB pieces kept) of its mu_cands."""
-        if self.cands is None:
-            return 0, 0
-        pieces = ffi.new("uint64_t *")
-        return lib.mu_cands_words(self.cands, pieces), pieces[0]
-
-    def __len__(self) -> int:
-        return self.nbytes
-
-
-def is_uncopied(buf) -> bool:
-    return isinstance(buf, Uncopied)
-
-
-class _Copy:
-    """A local copy of [base, base+len) of target memory (or, once dropped, an Uncopied)."""
-
-    def __init__(self, mem, base: int, size: int, read: bool = True, private: bool = False):
-        self.base = base
-        self.size = size
-        # read whole, here or by run_jobs; private: a private anonymous mapping (zeros)
-        self.buf = (mmap.mmap(-1, size, flags=mmap.MAP_PRIVATE | mmap.MAP_ANONYMOUS) if private
-                    else local_buffer(size, zeroed=False))
-        if read:
-            mem.read_into(base, self.buf)
-        self.ptr = ffi.cast("uint8_t *", ffi.from_buffer(self.buf))
-        self.used = False
-
-    def private_mapping(self, fresh: bool = False) -> None:
-        """Make buf a private anonymous mapping (mu_read_job.drop releases its pages); fresh:
-        a new one (after a drop read, a fallback reads the whole copy again)."""
-        if fresh or not isinstance(self.buf, mmap.mmap):
-            self.close()
-            self.buf = mmap.mmap(-1, self.size, flags=mmap.MAP_PRIVATE | mmap.MAP_ANONYMOUS)
-            self.ptr = ffi.cast("uint8_t *", ffi.from_buffer(self.buf))
-
-    def drop(self, fd: int, cands=None) -> None:
-        """Release the copy: the region is read through fd (or its cands) from now on."""
-        cands = cands or getattr(self, "cands", None)
-        self.cands = cands
-        self.close()
-        self.ptr = None
-        self.buf = Uncopied(self.size, fd, cands)
-
-    def restore(self, mem) -> None:
-        """Read a dropped copy again (a rare walk step needs the whole run: drop it after)."""
-        self.buf = local_buffer(self.size, zeroed=False)
-        mem.read_into(self.base, self.buf)
-        self.ptr = ffi.cast("uint8_t *", ffi.from_buffer(self.buf))
-
-    @property
-    def end(self) -> int:
-        return self.base + self.size
-
-    def u64(self, addr: int) -> int:
-        return WORD.unpack_from(self.buf, addr - self.base)[0]
-
-    def close(self) -> None:
-        if isinstance(self.buf, mmap.mmap):
-            self.ptr = None
-            self.buf.close()
-
-
-HOLE_MIN = 256 << 10     # untouched runs shorter than this are read (and scanned) as before
-
-
-class _Piece(Fields):
-    """In-use chunks of one run, heap or mapping: ascending user addresses inside [lo, hi)
-    (arrays, or 'Q' memoryviews of run_jobs' scratch)."""
-    __slots__ = ("lo", "user", "usable")
-
-    def __init__(self, lo: int, user: object, usable: object):
-        self.lo = lo
-        self.user = user
-        self.usable = usable
-
-
 class _Job(Fields):
     """A copy to read and the run to walk from `first` in it (_Walker.run_jobs)."""
     __slots__ = ("cp", "first", "top", "non_main", "res", "piece", "cap", "off", "arena", "heap",
                  "holds_top", "heap_end")
 
-    def __init__(self, cp: "_Copy", first: int, top: int, non_main: bool, res: object = None,
-                 piece: Optional[_Piece] = None, cap: int = 0, off: int = 0, arena: int = 0,
+    def __init__(self, cp: "Copy", first: int, top: int, non_main: bool, res: object = None,
+                 piece: Optional[Piece] = None, cap: int = 0, off: int = 0, arena: int = 0,
                  heap: int = 0, holds_top: bool = False, heap_end: int = 0):
         self.cp = cp
         self.first = first
@@ -187,12 +97,7 @@ class _Job(Fields):
         self.heap_end = heap_end
 
 
-def _alloc_q(n: int) -> array:
-    """A zeroed array('Q') of n entries (repetition: no temporary bytes object)."""
-    return array("Q", (0,)) * n
-
-
-class _Walker(FreeListsMixin):
+class _Walker(FreeListsMixin, MmappedMixin):
     def __init__(self, mem, maps: List[Mapping], pid: int):
         self.holes: List[Range] = []    # anonymous pages never touched, in no chunk (anonymous())
         self.mem = mem
@@ -200,8 +105,8 @@ class _Walker(FreeListsMixin):
         self.map_begins = [m.begin for m in self.maps]
         self.pid = pid
         self.v = V.Verdict()
-        self.copies: List[_Copy] = []
-        self.pieces: List[_Piece] = []
+        self.copies: List[Copy] = []
+        self.pieces: List[Piece] = []
         self.heap_ranges: List[Range] = []
         self.stats: Dict[str, object] = dict(arenas=0, heaps=0, main_runs=0, chunks=0, in_use=0,
                                              free_chunks=0, tcache_free=0, fastbin_free=0,
@@ -236,8 +141,8 @@ class _Walker(FreeListsMixin):
                 return data[addr - page:addr - page + size]
         return self.mem.read(addr, size)
 
-    def copy(self, base: int, size: int, read: bool = True, private: bool = False) -> _Copy:
-        c = _Copy(self.mem, base, size, read, private)
+    def copy(self, base: int, size: int, read: bool = True, private: bool = False) -> Copy:
+        c = Copy(self.mem, base, size, read, private)
         self.copies.append(c)
         return c
 
@@ -309,8 +214,8 @@ class _Walker(FreeListsMixin):
                     self.mem.read_into(j.cp.base, j.cp.buf)
                 j.res, j.piece = self.walk_run(j.cp, j.first, j.top, j.non_main)
                 continue
-            j.res, j.piece = res, _Piece(j.first, mu[j.off:j.off + t.stored],
-                                         mv[j.off:j.off + t.stored])
+            j.res, j.piece = res, Piece(j.first, mu[j.off:j.off + t.stored],
+                                        mv[j.off:j.off + t.stored])
         if drop:
             for j in jobs:
                 j.cp.drop(self.mem.fd, cands[id(j)])
@@ -344,12 +249,12 @@ class _Walker(FreeListsMixin):
             end = self.maps[k].end
         return end
 
-    def walk_run(self, cp: _Copy, first: int, top: int, non_main: bool):
+    def walk_run(self, cp: Copy, first: int, top: int, non_main: bool):
         """(result, piece) of one run; the piece's arrays are trimmed to the in-use count."""
         res = ffi.new("mu_walk_result *")
         cap = max(256, (cp.end - first) // 192)
         while True:
-            user, usable = _alloc_q(cap), _alloc_q(cap)
+            user, usable = alloc_q(cap), alloc_q(cap)
             n = check(lib.mu_walk_run(cp.ptr, cp.base, cp.size, first, top, int(non_main),
                                       ffi.from_buffer("uint64_t[]", user),
                                       ffi.from_buffer("uint64_t[]", usable), cap, res), "walk run")
@@ -358,9 +263,9 @@ class _Walker(FreeListsMixin):
             cap = res.in_use
         del user[n:]
         del usable[n:]
-        return res, _Piece(first, user, usable)
+        return res, Piece(first, user, usable)
 
-    def accept(self, arena: int, res, piece: _Piece) -> None:
+    def accept(self, arena: int, res, piece: Piece) -> None:
         self.pieces.append(piece)
         self.stats["chunks"] += res.chunks
         self.stats["free_chunks"] += res.free_chunks
@@ -418,10 +323,10 @@ class _Walker(FreeListsMixin):
                         (V.WALK_TOP, V.WALK_FENCE2))
             return False
 
-    def next_run_start(self, cp: _Copy, after: int, top: int) -> Optional[int]:
+    def next_run_start(self, cp: Copy, after: int, top: int) -> Optional[int]:
         """After a foreign sbrk: the first {0, S|PREV_INUSE} header from which a run ends exactly."""
         cap = RUN_START_TRIES
-        out = _alloc_q(cap)
+        out = alloc_q(cap)
         n = check(lib.mu_walk_find_headers(cp.ptr + (after - cp.base), after, cp.end - after,
                                            L.CHUNK_HDR, L.PREV_INUSE, L.MINSIZE, L.CHUNK_HDR,
                                            ffi.from_buffer("uint64_t[]", out), cap), "find headers")
@@ -500,182 +405,6 @@ class _Walker(FreeListsMixin):
             if m.begin <= end < m.end and m.readable:
                 end = min(m.end, hi)
         return max(end, lo)
-
-    # -- step 6b and 9: anonymous memory: NONCONTIGUOUS main runs and mmapped chunks ----
-    def anonymous_ranges(self) -> List[Range]:
-        """Private anonymous memory not claimed yet, adjacent mappings merged (an mprotect or
-        madvise inside an mmapped chunk or a NONCONTIGUOUS run splits its VMA: read-only
-        pieces count too)."""
-        cands = [m.range for m in self.maps
-                 if m.readable and not m.shared and m.anonymous and
-                 (not m.path.startswith("[") or m.path.startswith("[anon:"))
-                 and not tracking.holds_table(self.mem, m)]
-        claimed = list(self.heap_ranges) + [Range(c.base, c.end) for c in self.copies]
-        return [r for r in subtract_ranges(cands, claimed) if r.begin % L.PAGE == 0]
-
-    def anonymous(self, arena: int, top: int, need_runs: bool,
-                  expect: Tuple[int, int] = (-1, -1),
-                  fmt: L.MmapChunk = L.MMAP_CHUNK_227) -> Tuple[int, int, bool]:
-        """Scan anonymous memory; returns (mmapped count, mmapped bytes, top reached).
-        expect: mp_'s n_mmaps and mmapped_mem, which lookalikes() reconciles the scan with.
-        Runs of pages never touched (pagemap: neither present nor swapped out) are zeros:
-        they are not read, and no chunk header starts there (one may span them: a calloc'd
-        chunk's untouched pages); those outside every chunk are left in self.holes."""
-        ranges = self.anonymous_ranges()
-        runs = None if need_runs else self.runs_in_use(ranges)
-        cps, limits = self.read_anonymous(ranges, runs)
-        scanned, top_reached = self.scan_anonymous(cps, limits, arena, top, need_runs, fmt)
-        found, found_bytes, kept = self.keep_mmapped(scanned, expect, fmt)
-        if runs is not None:
-            self.join_spanned(cps, kept)
-            have = merge_ranges([Range(cp.base, cp.end) for cp in self.copies if cp.ptr is not None]
-                                + [r for _, r in kept])
-            self.holes = subtract_ranges(ranges, have)
-            self.stats["untouched_bytes"] = sum(r.size for r in self.holes)
-        return found, found_bytes, top_reached
-
-    def read_anonymous(self, ranges: List[Range], runs: Optional[dict]) -> Tuple[List[_Copy], list]:
-        """(a copy of each part of ranges in use (runs: runs_in_use's, None: all of each range),
-        read; the end of each copy's range, where a chunk found in it must end)."""
-        parts = []                      # (begin, end) to copy, the end of its range
-        for r in ranges:
-            got = runs.get((r.begin, r.end)) if runs is not None else None
-            parts += [(b, e, r.end) for b, e in got] if got is not None else [(r.begin, r.end, r.end)]
-        cps = [self.copy(b, e - b, read=False) for b, e, _ in parts]
-        for err in read_many(self.mem, [(cp.base, cp.buf) for cp in cps], sparse=True):
-            if err is not None:
-                raise err           # the first unreadable range, as reading one by one
-        return cps, [limit for _, _, limit in parts]
-
-    def scan_anonymous(self, cps: List[_Copy], limits: List[int], arena: int, top: int,
-                       need_runs: bool, fmt: L.MmapChunk = L.MMAP_CHUNK_227) -> Tuple[list, bool]:
-        """([(copy, span begin, user, usable)] of the mmapped-chunk look-alikes each copy's
-        spans hold, top reached). need_runs: the main arena is NONCONTIGUOUS; its runs are
-        found first (page starts that walk to the top or a fencepost) and accepted, and only
-        the memory between them is scanned for mmapped chunks."""
-        top_reached = False
-        scanned = []
-        res_m = ffi.new("mu_mmap_result *")
-        skip = 0                        # the end of the last chunk found: the next scans start there
-        for cp, limit in zip(cps, limits):
-            spans = [Range(cp.base, cp.end)]
-            if need_runs:
-                spans = []
-                cursor = cp.base
-                for start in self.page_run_starts(cp):
-                    if start < cursor:
-                        continue
-                    res, piece = self.walk_run(cp, start, top, False)
-                    if res.status in (V.WALK_TOP, V.WALK_FENCE2):
-                        self.accept(arena, res, piece)
-                        self.heap_ranges.append(Range(start, res.end))
-                        self.stats["main_runs"] += 1
-                        cp.used = True
-                        spans.append(Range(cursor, start))
-                        cursor = (res.end + L.PAGE - 1) & ~(L.PAGE - 1)
-                        top_reached |= res.status == V.WALK_TOP
-                spans.append(Range(cursor, cp.end))
-            for s in spans:
-                s = Range(max(s.begin, skip), s.end) if s.end > skip else None
-                if s is None or s.size < L.PAGE:
-                    continue
-                cap = max(16, s.size // (64 * L.PAGE))
-                while True:
-                    user, usable = _alloc_q(cap), _alloc_q(cap)
-                    n = check(lib.mu_walk_mmapped(cp.ptr + (s.begin - cp.base), s.begin, s.size,
-                                                  limit - s.begin, L.PAGE, fmt.tail,
-                                                  fmt.usable_delta, fmt.prev_flags,
-                                                  ffi.from_buffer("uint64_t[]", user),
-                                                  ffi.from_buffer("uint64_t[]", usable), cap, res_m),
-                              "scan mmapped")
-                    if res_m.found <= cap:
-                        break
-                    cap = res_m.found
-                if n:
-                    del user[n:]
-                    del usable[n:]
-                    scanned.append((cp, s.begin, user, usable))
-                    self.stats["mmapped_moved"] += res_m.moved
-                    skip = max(skip, user[n - 1] + usable[n - 1] + fmt.usable_delta + fmt.tail -
-                               L.CHUNK_HDR)
-        return scanned, top_reached
-
-    def keep_mmapped(self, scanned: list, expect: Tuple[int, int],
-                     fmt: L.MmapChunk = L.MMAP_CHUNK_227):
-        """(count, bytes, [(copy, extent)]) of the mmapped chunks scan_anonymous found, less
-        the page starts lookalikes() drops; each kept chunk is an allocation of its copy."""
-        found = found_bytes = 0
-        spans = {}                      # user address -> its span's bytes (the memalign header too)
-        for cp, _b, user, usable in scanned:
-            for u, us in zip(user, usable):
-                chunk = u - L.CHUNK_HDR
-                spans[u] = (chunk - (self.moved_offset(cp, chunk) & ~fmt.prev_flags),
-                            chunk + us + fmt.usable_delta + fmt.tail)
-        drop = V.lookalikes({u: e - b for u, (b, e) in spans.items()}, *expect,
-                            fmt.mremap_overcount, L.PAGE)
-        if drop:
-            self.stats["mmapped_lookalikes"] = len(drop)
-        kept = []
-        for cp, begin, user, usable in scanned:
-            keep = [k for k, u in enumerate(user) if u not in drop]
-            if not keep:
-                continue
-            self.pieces.append(_Piece(begin, array("Q", [user[k] for k in keep]),
-                                      array("Q", [usable[k] for k in keep])))
-            cp.used = True
-            for k in keep:
-                found += 1
-                found_bytes += spans[user[k]][1] - spans[user[k]][0]
-                kept.append((cp, Range(*spans[user[k]])))
-                self.heap_ranges.append(kept[-1][1])    # with a stale memalign header
-        return found, found_bytes, kept
-
-    def runs_in_use(self, ranges: List[Range]) -> Optional[dict]:
-        """procfs.read_runs_in_use of the snapshot for the ranges of at least HOLE_MIN bytes
-        read from it alone (None without a pid, or when pagemap cannot be read: every page is
-        then read). Memory the snapshot lacks (MADV_DONTFORK, MADV_WIPEONFORK: copied from the
-        target during the pause, ProcessMemory.overlays) is absent from its pagemap: read."""
-        pid, plain = getattr(self.mem, "pid", None), getattr(self.mem, "plain", None)
-        big = [(r.begin, r.end) for r in ranges
-               if r.size >= HOLE_MIN and plain is not None and plain(r.begin, r.size)]
-        if pid is None or not big:
-            return None
-        return procfs.read_runs_in_use(pid, big, HOLE_MIN)
-
-    def join_spanned(self, cps: List[_Copy], kept: List[Tuple[_Copy, Range]]) -> None:
-        """Give each chunk that spans untouched pages past its copy one copy of its own
-        extent: the copies it spans are copied into a zeroed buffer of that size (the untouched
-        pages stay zeros, never written), then replaced by it (one region per allocation)."""
-        spans = sorted(r for _, r in kept)
-        for cp, span in kept:
-            if span.end <= cp.end or cp.ptr is None:
-                continue
-            end, grown = span.end, True
-            while grown:                # the copies and chunks that start before the end
-                parts = [c for c in cps if c.ptr is not None and c.base < end and c.end > cp.base]
-                new_end = max([end] + [c.end for c in parts]
-                              + [r.end for r in spans if cp.base <= r.begin < end])
-                grown, end = new_end > end, new_end
-            joined = self.copy(cp.base, end - cp.base, read=False, private=True)   # zeros
-            for c in parts:
-                joined.buf[c.base - joined.base:c.end - joined.base] = memoryview(c.buf)[:c.size]
-                c.close()
-                c.ptr = None
-                self.copies.remove(c)
-            joined.used = True
-
-    @staticmethod
-    def moved_offset(cp: _Copy, chunk: int) -> int:
-        """prev_size of an mmapped chunk: its offset from the mapping start (memalign)."""
-        return cp.u64(chunk)
-
-    def page_run_starts(self, cp: _Copy) -> List[int]:
-        cap = max(16, cp.size // L.PAGE)
-        out = _alloc_q(cap)
-        n = check(lib.mu_walk_find_headers(cp.ptr, cp.base, cp.size, L.PAGE, L.PREV_INUSE,
-                                           L.MINSIZE, L.CHUNK_HDR,
-                                           ffi.from_buffer("uint64_t[]", out), cap), "find headers")
-        return list(out[:min(n, cap)])
 
     # -- step 8: tcache and fastbins ----------------------------------------------------
     def regions_table(self):
