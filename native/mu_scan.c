@@ -53,9 +53,19 @@ static inline uint64_t alloc_len(uint64_t size)
     return size ? size : 1;
 }
 
+/* Allocation i of the index: its first byte and the end of its span. */
+static inline uint64_t ix_begin(const mu_scan_index *ix, uint64_t i)
+{
+    return ix->begin[i];
+}
+
+static inline uint64_t ix_end(const mu_scan_index *ix, uint64_t i)
+{
+    return ix->begin[i] + alloc_len(ix->size[i]);
+}
+
 void mu_scan_index_free(mu_scan_index *ix)
 {
-    free(ix->span);
     free(ix->first_alloc);
     free(ix->page_off);
     free(ix->page);
@@ -155,10 +165,11 @@ int64_t mu_scan_index_init(mu_scan_index *ix, const uint64_t *begin, const uint6
     ix->n = n;
     ix->heap = heap;
     ix->nheap = nheap;
-    ix->span = big_alloc((n + 1) * 2 * sizeof(uint64_t));
+    ix->begin = begin;
+    ix->size = size;
     ix->first_alloc = malloc((nheap + 1) * sizeof(uint64_t));
     ix->page_off = malloc((nheap ? nheap : 1) * sizeof(uint64_t));
-    if (!ix->span || !ix->first_alloc || !ix->page_off) {
+    if (!ix->first_alloc || !ix->page_off) {
         mu_scan_index_free(ix);
         return -ENOMEM;
     }
@@ -179,24 +190,21 @@ int64_t mu_scan_index_init(mu_scan_index *ix, const uint64_t *begin, const uint6
         }
         if (b < rb || e > re)
             goto invalid;
-        ix->span[2 * i] = b;
-        ix->span[2 * i + 1] = e;
         prev_end = e;
     }
     /* Allocations of region k: [first_alloc[k], first_alloc[k+1]). */
     uint64_t i = 0;
     for (uint64_t k = 0; k < nheap; k++) {
-        while (i < n && ix->span[2 * i] < heap[k].base)
+        while (i < n && begin[i] < heap[k].base)
             i++;
         ix->first_alloc[k] = i;
     }
     ix->first_alloc[nheap] = n;
-    ix->span[2 * n] = ix->span[2 * n + 1] = UINT64_MAX;   /* a sentinel: past every value */
-    ix->lo = n ? ix->span[0] : 0;
-    ix->hi = n ? ix->span[2 * n - 1] : 0;
+    ix->lo = n ? begin[0] : 0;
+    ix->hi = n ? ix_end(ix, n - 1) : 0;
 
     /* Page tables: the granule is the smallest power of two >= 16 bytes giving at most about
-     * one page per allocation (so a lookup is one table load and one span load). */
+     * one page per allocation (so a lookup is one table load, a begin and a size load). */
     uint32_t shift = SCAN_MIN_SHIFT;
     uint64_t total;
     for (;;) {
@@ -220,9 +228,10 @@ int64_t mu_scan_index_init(mu_scan_index *ix, const uint64_t *begin, const uint6
         ix->page_off[k] = off;
         for (uint64_t p = 0; p <= np; p++) {
             uint64_t start = heap[k].base + (p << shift);
-            while (i < end_i && ix->span[2 * i + 1] <= start)
+            while (i < end_i && ix_end(ix, i) <= start)
                 i++;
-            ix->page[off + p] = (uint32_t)i;
+            /* n (none ends after start) is stored as n - 1, which ends before v: not taken */
+            ix->page[off + p] = (uint32_t)(i == n && n ? n - 1 : i);
         }
         off += np + 1;
     }
@@ -258,12 +267,12 @@ static inline uint64_t region_find(mu_scan_index *ix, uint64_t v)
 
 /* Finishes a lookup of v (inside a heap region) once its page entry pg is (about to be) cached:
  * returns the allocation containing v, or -1. The answer is among pg[0] .. pg[1] (allocations of
- * the next regions or the sentinel at n begin above v, so they are never taken).
- * sp: the index's span; hw: the dead words' head_word or NULL. Any word into [begin, end) is a
+ * the next regions begin above v, so they are never taken).
+ * hw: the dead words' head_word or NULL. Any word into [begin, end) is a
  * reference, a block's last 8 bytes included (a struct linked through its last member): glibc's
  * own pointers to the next chunk's header (top, bins) lie in its metadata, which is never
  * scanned (glibc-heap.md section 12). */
-static inline int64_t page_search(const uint64_t *sp, const uint8_t *hw,
+static inline int64_t page_search(const mu_scan_index *ix, const uint8_t *hw,
                                   const uint32_t *pg, uint64_t v)
 {
     uint64_t lo = pg[0];
@@ -271,10 +280,10 @@ static inline int64_t page_search(const uint64_t *sp, const uint8_t *hw,
      * branch-free halving: which half holds it is a coin toss */
     for (uint64_t n = pg[1] - lo + 1; n > 1;) {
         uint64_t half = n >> 1;
-        lo = sp[2 * (lo + half)] <= v ? lo + half : lo;
+        lo = ix->begin[lo + half] <= v ? lo + half : lo;
         n -= half;
     }
-    uint64_t b = sp[2 * lo], end = sp[2 * lo + 1];
+    uint64_t b = ix->begin[lo], end = b + alloc_len(ix->size[lo]);
     if (b > v || v >= end)
         return -1;
     if (hw && hw[lo] && v < b + 8 * (uint64_t)hw[lo] + 8)
@@ -294,12 +303,12 @@ static inline const uint32_t *page_of(const mu_scan_index *ix, uint64_t r, uint6
 }
 
 /* Looks up nv <= SCAN_BATCH values that passed the [lo, hi) filter, in stages so that their
- * cache misses overlap: page entries, then span entries, then the searches.
+ * cache misses overlap: page entries, then begin and size entries, then the searches.
  * out[k] = allocation index or -1. */
 static inline void find_batch(mu_scan_index *ix, const uint64_t *vals, uint64_t nv, int64_t *out)
 {
     const uint32_t *pg[SCAN_BATCH];
-    const uint64_t nheap = ix->nheap, *sp = ix->span;
+    const uint64_t nheap = ix->nheap;
     const uint8_t *hw = head_words(ix);
     for (uint64_t k = 0; k < nv; k++) {
         uint64_t r = region_find(ix, vals[k]);
@@ -308,13 +317,14 @@ static inline void find_batch(mu_scan_index *ix, const uint64_t *vals, uint64_t 
     }
     for (uint64_t k = 0; k < nv; k++) {
         if (pg[k]) {
-            __builtin_prefetch(&sp[2 * (uint64_t)pg[k][0]]);
+            __builtin_prefetch(&ix->begin[pg[k][0]]);
+            __builtin_prefetch(&ix->size[pg[k][0]]);
             if (hw)
                 __builtin_prefetch(&hw[pg[k][0]]);
         }
     }
     for (uint64_t k = 0; k < nv; k++)
-        out[k] = pg[k] ? page_search(sp, hw, pg[k], vals[k]) : -1;
+        out[k] = pg[k] ? page_search(ix, hw, pg[k], vals[k]) : -1;
 }
 
 int64_t mu_scan_index_find(mu_scan_index *ix, uint64_t v)
@@ -324,7 +334,7 @@ int64_t mu_scan_index_find(mu_scan_index *ix, uint64_t v)
     uint64_t r = region_find(ix, v);
     if (r == ix->nheap)
         return -1;
-    return page_search(ix->span, head_words(ix), page_of(ix, r, v), v);
+    return page_search(ix, head_words(ix), page_of(ix, r, v), v);
 }
 
 int mu_value_target_native(mu_scan_index *ix, const mu_dead *d, uint64_t v)
@@ -336,7 +346,7 @@ int mu_value_target_native(mu_scan_index *ix, const mu_dead *d, uint64_t v)
         return 0;
     if (d->head_word && d->head_word[a])
         return 0;               /* a GC object */
-    uint64_t b = ix->span[2 * a], len = ix->span[2 * a + 1] - b;
+    uint64_t b = ix_begin(ix, a), len = ix_end(ix, a) - b;
     const mu_region *reg = &ix->heap[region_find(ix, b)];
     uint8_t buf[64];
     const uint8_t *p = buf;
@@ -846,7 +856,7 @@ static inline void scan_block(mark_ctx *m, uint64_t i, const uint8_t *d, uint64_
 {
     const mu_scan_index *ix = m->ix;
     const mu_dead *dead = m->dead;
-    uint64_t b = ix->span[2 * i], len = ix->span[2 * i + 1] - b;
+    uint64_t b = ix_begin(ix, i), len = ix_end(ix, i) - b;
     if (len == 1)
         len = m->size[i];       /* 0 or 1: a zero-size allocation has no words */
     uint64_t hb, he;
@@ -873,7 +883,7 @@ static inline void scan_block(mark_ctx *m, uint64_t i, const uint8_t *d, uint64_
  * partial word is read whole, as from a copy), within the region. */
 static inline uint64_t wave_end(const mu_scan_index *ix, uint64_t r, uint64_t i)
 {
-    uint64_t e = ix->span[2 * i + 1] + 8, re = ix->heap[r].base + ix->heap[r].len;
+    uint64_t e = ix_end(ix, i) + 8, re = ix->heap[r].base + ix->heap[r].len;
     return e < re ? e : re;
 }
 
@@ -904,7 +914,7 @@ static inline void pieces_of(const mu_scan_index *ix, uint64_t r, uint64_t i, ui
                              uint64_t *p1)
 {
     uint64_t base = ix->heap[r].base;
-    *p0 = (ix->span[2 * i] - base) >> MU_CAND_PIECE_SHIFT;
+    *p0 = (ix_begin(ix, i) - base) >> MU_CAND_PIECE_SHIFT;
     *p1 = (wave_end(ix, r, i) - 1 - base) >> MU_CAND_PIECE_SHIFT;
 }
 
@@ -921,7 +931,7 @@ static const uint8_t *copied_at(const mark_ctx *m, uint64_t r, uint64_t i, uint6
     for (uint64_t p = p0; p <= p1; p++)
         if (__atomic_load_n(&c->state[p], __ATOMIC_ACQUIRE) != PIECE_READY)
             return NULL;
-    uint64_t b = m->ix->span[2 * i];
+    uint64_t b = ix_begin(m->ix, i);
     uint64_t pe = reg->base + ((p1 + 1) << MU_CAND_PIECE_SHIFT), re = reg->base + reg->len;
     *avail = (pe < re ? pe : re) - b;
     return c->data + (b - reg->base);
@@ -992,7 +1002,7 @@ static int scan_cands(mark_ctx *m, uint64_t i, const mu_region *reg)
     if (!c || !m->plain_rules)
         return 0;
     const mu_scan_index *ix = m->ix;
-    uint64_t b = ix->span[2 * i], len = ix->span[2 * i + 1] - b;
+    uint64_t b = ix_begin(ix, i), len = ix_end(ix, i) - b;
     if (len == 1)
         len = m->size[i];
     if (!len)
@@ -1042,11 +1052,17 @@ static uint64_t *dead_in_init(const mu_scan_index *ix, const mu_dead *d, int64_t
         *err = -ENOMEM;
         return NULL;
     }
-    const uint64_t *sp = ix->span;
     for (uint64_t k = 0; k < d->nranges; k++) {
         uint64_t rb = d->ranges[2 * k], re = d->ranges[2 * k + 1];
-        uint64_t lo = mu_first_ending_after(sp, ix->n, 2, rb);  /* first allocation after rb */
-        for (uint64_t i = lo; i < ix->n && sp[2 * i] < re; i++)
+        uint64_t lo = 0, hi = ix->n;        /* the first allocation ending after rb */
+        while (lo < hi) {
+            uint64_t mid = (lo + hi) >> 1;
+            if (ix_end(ix, mid) <= rb)
+                lo = mid + 1;
+            else
+                hi = mid;
+        }
+        for (uint64_t i = lo; i < ix->n && ix_begin(ix, i) < re; i++)
             bits[i >> 6] |= 1ull << (i & 63);
     }
     return bits;
@@ -1079,8 +1095,8 @@ static void mark_loop(mark_ctx *m)
         uint64_t nb = 0;
         while (nb < SCAN_POP && m->sp) {
             uint64_t i = batch[nb] = m->stack[--m->sp];
-            uint64_t r = nheap == 1 ? 0 : region_find(ix, ix->span[2 * i]);
-            uint64_t b = ix->span[2 * i], len = ix->span[2 * i + 1] - b;
+            uint64_t r = nheap == 1 ? 0 : region_find(ix, ix_begin(ix, i));
+            uint64_t b = ix_begin(ix, i), len = ix_end(ix, i) - b;
             const uint8_t *d;
             bunc[nb] = heap[r].uncopied ? r : UINT64_MAX;
             if (heap[r].uncopied) {
@@ -1154,10 +1170,10 @@ static void wave_batch(mark_ctx *m, const pend_set *wave, uint64_t j0, uint64_t 
             continue;
         }
         const mu_region *reg = &ix->heap[r];
-        uint64_t rb = ix->span[2 * i], re = wave_end(ix, r, i);
+        uint64_t rb = ix_begin(ix, i), re = wave_end(ix, r, i);
         uint64_t i2 = pend_next(wave, i + 1, j1);      /* the first one not in this read */
         while (i2 < j1) {       /* one read for neighbours closer than WAVE_GAP */
-            uint64_t b2 = ix->span[2 * i2];
+            uint64_t b2 = ix_begin(ix, i2);
             if (b2 >= reg->base + reg->len || b2 > re + WAVE_GAP)
                 break;
             uint64_t e2 = wave_end(ix, r, i2);
@@ -1183,7 +1199,7 @@ static void wave_batch(mark_ctx *m, const pend_set *wave, uint64_t j0, uint64_t 
             return;
         }
         for (uint64_t k = i; k < i2; k = pend_next(wave, k + 1, i2)) {
-            uint64_t b2 = ix->span[2 * k];
+            uint64_t b2 = ix_begin(ix, k);
             scan_block(m, k, buf + (b2 - rb), re - b2);
             if (m->copy)
                 copy_done(m, r, k);
@@ -1324,7 +1340,7 @@ static int64_t mark_waves(mark_ctx *ms, int nt, uint64_t n, pend_set *spare,
         const mu_scan_index *ix = ms[0].ix;
         uint64_t nb = 0, a0 = 0;
         for (uint64_t i = pend_next(wave, 0, n); i < n; i = pend_next(wave, i + 1, n)) {
-            uint64_t b = ix->span[2 * i];
+            uint64_t b = ix_begin(ix, i);
             if (nb == 0 || b - a0 > WAVE_BATCH) {
                 bstart[nb++] = i;
                 a0 = b;

@@ -165,11 +165,11 @@ class _Piece(Fields):
 
 class _Job(Fields):
     """A copy to read and the run to walk from `first` in it (_Walker.run_jobs)."""
-    __slots__ = ("cp", "first", "top", "non_main", "res", "piece", "cap", "off", "arena", "heap",
+    __slots__ = ("cp", "first", "top", "non_main", "res", "piece", "cap", "arena", "heap",
                  "holds_top", "heap_end")
 
     def __init__(self, cp: "_Copy", first: int, top: int, non_main: bool, res: object = None,
-                 piece: Optional[_Piece] = None, cap: int = 0, off: int = 0, arena: int = 0,
+                 piece: Optional[_Piece] = None, cap: int = 0, arena: int = 0,
                  heap: int = 0, holds_top: bool = False, heap_end: int = 0):
         self.cp = cp
         self.first = first
@@ -178,7 +178,6 @@ class _Job(Fields):
         self.res = res
         self.piece = piece
         self.cap = cap
-        self.off = off
         self.arena = arena
         self.heap = heap
         self.holds_top = holds_top
@@ -275,25 +274,24 @@ class _Walker(FreeListsMixin):
         # copy); else an estimate (a copy kept is walked again cheaply)
         for j in jobs:
             j.cap = max(256, (j.cp.end - j.first) // (L.MINSIZE if drop else 192) + 1)
-        # the chunks found go to two scratch mappings (zeroed lazily, only the pages written
-        # cost anything), each job at its own offset; assemble() copies them once
-        total = sum(j.cap for j in jobs)
-        su, sv = local_buffer(8 * total, zeroed=False), local_buffer(8 * total, zeroed=False)
-        pu, pv = ffi.from_buffer("uint64_t[]", su), ffi.from_buffer("uint64_t[]", sv)
-        off = 0
+        # the chunks found go to two scratch mappings per job (zeroed lazily, only the pages
+        # written cost anything); assemble() copies them once, releasing each job's as it goes
+        scratch, keep = [], []
         for k, j in enumerate(jobs):
+            su, sv = local_buffer(8 * j.cap, zeroed=False), local_buffer(8 * j.cap, zeroed=False)
+            scratch.append((memoryview(su).cast("Q"), memoryview(sv).cast("Q")))
+            keep += [ffi.from_buffer("uint64_t[]", su), ffi.from_buffer("uint64_t[]", sv)]
             t = tab[k]
             t.addr, t.len, t.buf = j.cp.base, j.cp.size, j.cp.ptr
             t.first, t.top, t.non_main = j.first, j.top, int(j.non_main)
             t.drop = lib.MU_READ_DROP if drop else 0
-            t.user, t.usable, t.cap = pu + off, pv + off, j.cap
+            t.user, t.usable, t.cap = keep[-2], keep[-1], j.cap
             t.cands = cands.get(id(j), ffi.NULL)
-            j.off = off
-            off += j.cap
         check(lib.mu_read_walk(self.mem.fd, tab, len(jobs)), "read and walk heaps",
               pid=self.mem.pid)
-        mu, mv = memoryview(su).cast("Q"), memoryview(sv).cast("Q")
+        del keep
         for k, j in enumerate(jobs):
+            mu, mv = scratch[k]
             t = tab[k]
             if t.bad:
                 # unreadable pages (or an error): the reader's own path decides (tolerated
@@ -313,8 +311,7 @@ class _Walker(FreeListsMixin):
                     self.stats["heaps_read_again"] += 1
                 j.res, j.piece = self.walk_run(j.cp, j.first, j.top, j.non_main)
                 continue
-            j.res, j.piece = res, _Piece(j.first, mu[j.off:j.off + t.stored],
-                                         mv[j.off:j.off + t.stored])
+            j.res, j.piece = res, _Piece(j.first, mu[:t.stored], mv[:t.stored])
         if drop:
             for j in jobs:
                 j.cp.drop(self.mem.fd, cands[id(j)])
@@ -723,6 +720,7 @@ class _Walker(FreeListsMixin):
                 continue
             user.frombytes(memoryview(p.user).cast("B"))   # an array, or a view of the scratch
             usable.frombytes(memoryview(p.usable).cast("B"))
+            p.user = p.usable = None    # its scratch is released (the last view of it)
         self.pieces = []
         return user, usable
 
