@@ -39,9 +39,12 @@ MAX_HEAPS_PER_ARENA = 1 << 16
 RUN_START_TRIES = 64        # candidate run starts tried after a main-arena double fencepost
 # A low-memory walk keeps the reference candidates (mu_cands: 12 bytes per word that may point
 # at an allocation) of at most 1/DIVISOR of the bytes of each heap; the mark reads the rest.
-# 16: a 271 MiB pointer-dense heap peaked at 0.46x the scanned bytes (0.55x with 8), no slower
-# (docs/performance.md); a sparse heap's candidates, about 12 bytes a block, fit either.
-CANDIDATE_BUDGET_DIVISOR = 16
+# 4 (issue 25; 16 before the index and the walk stopped copying 32 bytes a block): at 256 MiB,
+# doubly linked lists keep every candidate (2.4 M words, no wave) and peak at 0.36x the bytes
+# scanned instead of 0.60x, mark 0.11-0.20 s instead of 0.21-0.26 s (613 waves); 4 KiB
+# pointer arrays (5.7 M words) 0.86x instead of 0.68x, mark 0.22 s instead of 0.36-0.39 s
+# (247 MiB read again). A pointer-dense heap's candidates stop at 0.25x.
+CANDIDATE_BUDGET_DIVISOR = 4
 WORD = struct.Struct("<Q")
 PAGE_SIZE = 4096
 
