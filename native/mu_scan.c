@@ -1026,9 +1026,17 @@ static int scan_cands(mark_ctx *m, uint64_t i, const mu_region *reg)
         uint64_t pb = c->base + (k << MU_CAND_PIECE_SHIFT);
         uint64_t lo = b > pb ? b - pb : 0;
         uint64_t hi = e - pb < (1ull << MU_CAND_PIECE_SHIFT) ? e - pb : (1ull << MU_CAND_PIECE_SHIFT);
-        uint64_t j = p->sub[lo >> MU_CAND_SUB_SHIFT];
-        while (j < p->n && p->off[j] < lo)
-            j++;
+        /* the first candidate at lo or after, by halving inside lo's sub-page (a 4 KiB
+         * array of 500 pointers has as many candidates in one: a walk through them for each
+         * of the small blocks after it was most of a mark of such arrays) */
+        uint64_t j = p->sub[lo >> MU_CAND_SUB_SHIFT], je = p->sub[(lo >> MU_CAND_SUB_SHIFT) + 1];
+        while (j < je) {
+            uint64_t mid = (j + je) >> 1;
+            if (p->off[mid] < lo)
+                j = mid + 1;
+            else
+                je = mid;
+        }
         for (; j < p->n && p->off[j] < hi; j++)
             if (!(p->off[j] & 1) || pb + p->off[j] - 1 == b)
                 /* not a text tail after a word of this block */
