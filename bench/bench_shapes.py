@@ -11,7 +11,7 @@ slowest shape's check against the fastest's.
 
     python bench/bench_shapes.py [--sizes 256,1024] [--huge] [--threads 8] [--runs 3]
                                  [--shapes list2,list1,...] [--old] [--no-lsan] [--lsan-cc CC]
-                                 [--python PYTHON]
+                                 [--python PYTHON] [--compare OTHER_CHECKOUT]
 
 --huge adds 4096 MiB (about 10 minutes a shape; the machine needs twice that in RAM).
 C shapes (bench_target.c, one leaked noise block every 1,000 allocations, up to --leaks):
@@ -27,6 +27,8 @@ liblsan preloaded (LeakSanitizer sees no pymalloc object: its arenas are mmapped
 cannot be compared; both Python rows are compared with the malloc heap's check).
 --old also runs each check with MEMUNREACHABLE_MARK=on-demand (the low-memory mark before
 issue 25: a wave per level of the graph), alternating with the default (each first in turn).
+--compare runs each check with another checkout as well (its C core built in place, see
+bench_pause.py), alternating the same way: before/after against the same targets.
 Every check must find exactly the target's leaks. Heaps of 256 MiB and more take the
 low-memory sweep (unreachable.UNCOPIED_MIN_BYTES); a Python process is swept from copies.
 """
@@ -121,14 +123,14 @@ def read_once(pid):
     return time.monotonic() - t0, total
 
 
-def one_check(pid, method):
-    env = dict(os.environ, PYTHONPATH=ROOT)
+def one_check(pid, method, root=ROOT):
+    env = dict(os.environ, PYTHONPATH=root)
     if method:
         env["MEMUNREACHABLE_MARK"] = method
     else:
         env.pop("MEMUNREACHABLE_MARK", None)
     out = subprocess.run([sys.executable, "-c", ONE_CHECK, str(pid)], check=True,
-                         capture_output=True, text=True, cwd=ROOT, env=env).stdout
+                         capture_output=True, text=True, cwd=root, env=env).stdout
     return json.loads(out)
 
 
@@ -163,8 +165,8 @@ def bench_shape(shape, size, args, methods):
         print(f"  heap read once: {read_s:.2f} s ({reads[0][1] / 2**20:.0f} MiB)", flush=True)
         for i in range(args.runs):
             order = list(methods.items())       # alternating which goes first
-            for label, method in order[::-1] if i % 2 else order:
-                r = one_check(fx.pid, method)
+            for label, (method, root) in order[::-1] if i % 2 else order:
+                r = one_check(fx.pid, method, root)
                 ok = (r["num_leaks"], r["leak_bytes"]) == (fx.expect["num_leaks"],
                                                            fx.expect["leak_bytes"])
                 d = row(r)
@@ -172,7 +174,7 @@ def bench_shape(shape, size, args, methods):
                       f"{d['walk']:.2f}, mark {d['mark']:.2f}, pause {d['pause']:.1f} ms, "
                       f"peak {d['rss']:.0f} MiB ({d['rss'] / d['scanned']:.2f}x of "
                       f"{d['scanned']:.0f} scanned), {r['mark_method']} "
-                      f"({r['mark_waves']} waves), leaks {r['num_leaks']} "
+                      f"({r.get('mark_waves')} waves), leaks {r['num_leaks']} "
                       f"{'ok' if ok else '!= expected'}", flush=True)
                 if not ok:
                     raise SystemExit(f"{shape}: wrong leaks {r['num_leaks']} "
@@ -222,11 +224,16 @@ def main():
     ap.add_argument("--no-lsan", action="store_true")
     ap.add_argument("--lsan-cc", default="cc")
     ap.add_argument("--python", default="/usr/bin/python3", help="the Python shapes' target")
+    ap.add_argument("--compare", help="another checkout of memunreachable (built in place)")
     args = ap.parse_args()
     fixtures.FIXTURE_DIR = HERE  # bench_target.c lives here
     fixtures.CFLAGS[0] = "-O2"
     fixtures.CFLAGS[-1] = os.path.join(ROOT, "fixtures")
-    methods = {"": None} if not args.old else {"": None, "on-demand": "on-demand"}
+    methods = {"": (None, ROOT)}
+    if args.old:
+        methods["on-demand"] = ("on-demand", ROOT)
+    if args.compare:
+        methods["compare"] = (None, os.path.abspath(args.compare))
     sizes = [int(s) for s in args.sizes.split(",")] + ([4096] if args.huge else [])
     tables = {}
     for size in sizes:
