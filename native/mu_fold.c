@@ -180,6 +180,7 @@ int64_t mu_fold(const uint64_t *begin, const uint64_t *size, uint64_t n,
     int sub = nleak * 4 < n && !(dead && dead->head_word);
     mu_scan_index ix;
     int64_t rc;
+    uint64_t *sub_begin = NULL, *sub_size = NULL;
     if (sub) {
         rc = mu_scan_index_check(begin, size, n, heap, nheap);
         if (rc < 0)
@@ -197,8 +198,13 @@ int64_t mu_fold(const uint64_t *begin, const uint64_t *size, uint64_t n,
                 ls[k++] = size[i];
             }
         rc = mu_scan_index_init(&ix, lb, ls, nleak, heap, nheap, 0);
-        free(lb);                       /* the index keeps its own spans */
-        free(ls);
+        if (rc < 0) {
+            free(lb);
+            free(ls);
+        } else {
+            sub_begin = lb;             /* the index reads them: freed with it */
+            sub_size = ls;
+        }
     } else {
         rc = mu_scan_index_init(&ix, begin, size, n, heap, nheap, 0);
     }
@@ -207,6 +213,8 @@ int64_t mu_fold(const uint64_t *begin, const uint64_t *size, uint64_t n,
     rc = mu_scan_index_set_dead(&ix, dead);
     if (rc < 0) {
         mu_scan_index_free(&ix);
+        free(sub_begin);
+        free(sub_size);
         return rc;
     }
 
@@ -513,6 +521,8 @@ done:
     free(g.stack);
     free(g.deferred);
     mu_scan_index_free(&ix);
+    free(sub_begin);
+    free(sub_size);
     return out;
 }
 

@@ -53,9 +53,19 @@ static inline uint64_t alloc_len(uint64_t size)
     return size ? size : 1;
 }
 
+/* Allocation i of the index: its first byte and the end of its span. */
+static inline uint64_t ix_begin(const mu_scan_index *ix, uint64_t i)
+{
+    return ix->begin[i];
+}
+
+static inline uint64_t ix_end(const mu_scan_index *ix, uint64_t i)
+{
+    return ix->begin[i] + alloc_len(ix->size[i]);
+}
+
 void mu_scan_index_free(mu_scan_index *ix)
 {
-    free(ix->span);
     free(ix->first_alloc);
     free(ix->page_off);
     free(ix->page);
@@ -155,10 +165,11 @@ int64_t mu_scan_index_init(mu_scan_index *ix, const uint64_t *begin, const uint6
     ix->n = n;
     ix->heap = heap;
     ix->nheap = nheap;
-    ix->span = big_alloc((n + 1) * 2 * sizeof(uint64_t));
+    ix->begin = begin;
+    ix->size = size;
     ix->first_alloc = malloc((nheap + 1) * sizeof(uint64_t));
     ix->page_off = malloc((nheap ? nheap : 1) * sizeof(uint64_t));
-    if (!ix->span || !ix->first_alloc || !ix->page_off) {
+    if (!ix->first_alloc || !ix->page_off) {
         mu_scan_index_free(ix);
         return -ENOMEM;
     }
@@ -179,24 +190,21 @@ int64_t mu_scan_index_init(mu_scan_index *ix, const uint64_t *begin, const uint6
         }
         if (b < rb || e > re)
             goto invalid;
-        ix->span[2 * i] = b;
-        ix->span[2 * i + 1] = e;
         prev_end = e;
     }
     /* Allocations of region k: [first_alloc[k], first_alloc[k+1]). */
     uint64_t i = 0;
     for (uint64_t k = 0; k < nheap; k++) {
-        while (i < n && ix->span[2 * i] < heap[k].base)
+        while (i < n && begin[i] < heap[k].base)
             i++;
         ix->first_alloc[k] = i;
     }
     ix->first_alloc[nheap] = n;
-    ix->span[2 * n] = ix->span[2 * n + 1] = UINT64_MAX;   /* a sentinel: past every value */
-    ix->lo = n ? ix->span[0] : 0;
-    ix->hi = n ? ix->span[2 * n - 1] : 0;
+    ix->lo = n ? begin[0] : 0;
+    ix->hi = n ? ix_end(ix, n - 1) : 0;
 
     /* Page tables: the granule is the smallest power of two >= 16 bytes giving at most about
-     * one page per allocation (so a lookup is one table load and one span load). */
+     * one page per allocation (so a lookup is one table load, a begin and a size load). */
     uint32_t shift = SCAN_MIN_SHIFT;
     uint64_t total;
     for (;;) {
@@ -220,9 +228,10 @@ int64_t mu_scan_index_init(mu_scan_index *ix, const uint64_t *begin, const uint6
         ix->page_off[k] = off;
         for (uint64_t p = 0; p <= np; p++) {
             uint64_t start = heap[k].base + (p << shift);
-            while (i < end_i && ix->span[2 * i + 1] <= start)
+            while (i < end_i && ix_end(ix, i) <= start)
                 i++;
-            ix->page[off + p] = (uint32_t)i;
+            /* n (none ends after start) is stored as n - 1, which ends before v: not taken */
+            ix->page[off + p] = (uint32_t)(i == n && n ? n - 1 : i);
         }
         off += np + 1;
     }
@@ -258,12 +267,12 @@ static inline uint64_t region_find(mu_scan_index *ix, uint64_t v)
 
 /* Finishes a lookup of v (inside a heap region) once its page entry pg is (about to be) cached:
  * returns the allocation containing v, or -1. The answer is among pg[0] .. pg[1] (allocations of
- * the next regions or the sentinel at n begin above v, so they are never taken).
- * sp: the index's span; hw: the dead words' head_word or NULL. Any word into [begin, end) is a
+ * the next regions begin above v, so they are never taken).
+ * hw: the dead words' head_word or NULL. Any word into [begin, end) is a
  * reference, a block's last 8 bytes included (a struct linked through its last member): glibc's
  * own pointers to the next chunk's header (top, bins) lie in its metadata, which is never
  * scanned (glibc-heap.md section 12). */
-static inline int64_t page_search(const uint64_t *sp, const uint8_t *hw,
+static inline int64_t page_search(const mu_scan_index *ix, const uint8_t *hw,
                                   const uint32_t *pg, uint64_t v)
 {
     uint64_t lo = pg[0];
@@ -271,10 +280,10 @@ static inline int64_t page_search(const uint64_t *sp, const uint8_t *hw,
      * branch-free halving: which half holds it is a coin toss */
     for (uint64_t n = pg[1] - lo + 1; n > 1;) {
         uint64_t half = n >> 1;
-        lo = sp[2 * (lo + half)] <= v ? lo + half : lo;
+        lo = ix->begin[lo + half] <= v ? lo + half : lo;
         n -= half;
     }
-    uint64_t b = sp[2 * lo], end = sp[2 * lo + 1];
+    uint64_t b = ix->begin[lo], end = b + alloc_len(ix->size[lo]);
     if (b > v || v >= end)
         return -1;
     if (hw && hw[lo] && v < b + 8 * (uint64_t)hw[lo] + 8)
@@ -294,12 +303,12 @@ static inline const uint32_t *page_of(const mu_scan_index *ix, uint64_t r, uint6
 }
 
 /* Looks up nv <= SCAN_BATCH values that passed the [lo, hi) filter, in stages so that their
- * cache misses overlap: page entries, then span entries, then the searches.
+ * cache misses overlap: page entries, then begin and size entries, then the searches.
  * out[k] = allocation index or -1. */
 static inline void find_batch(mu_scan_index *ix, const uint64_t *vals, uint64_t nv, int64_t *out)
 {
     const uint32_t *pg[SCAN_BATCH];
-    const uint64_t nheap = ix->nheap, *sp = ix->span;
+    const uint64_t nheap = ix->nheap;
     const uint8_t *hw = head_words(ix);
     for (uint64_t k = 0; k < nv; k++) {
         uint64_t r = region_find(ix, vals[k]);
@@ -308,13 +317,14 @@ static inline void find_batch(mu_scan_index *ix, const uint64_t *vals, uint64_t 
     }
     for (uint64_t k = 0; k < nv; k++) {
         if (pg[k]) {
-            __builtin_prefetch(&sp[2 * (uint64_t)pg[k][0]]);
+            __builtin_prefetch(&ix->begin[pg[k][0]]);
+            __builtin_prefetch(&ix->size[pg[k][0]]);
             if (hw)
                 __builtin_prefetch(&hw[pg[k][0]]);
         }
     }
     for (uint64_t k = 0; k < nv; k++)
-        out[k] = pg[k] ? page_search(sp, hw, pg[k], vals[k]) : -1;
+        out[k] = pg[k] ? page_search(ix, hw, pg[k], vals[k]) : -1;
 }
 
 int64_t mu_scan_index_find(mu_scan_index *ix, uint64_t v)
@@ -324,7 +334,7 @@ int64_t mu_scan_index_find(mu_scan_index *ix, uint64_t v)
     uint64_t r = region_find(ix, v);
     if (r == ix->nheap)
         return -1;
-    return page_search(ix->span, head_words(ix), page_of(ix, r, v), v);
+    return page_search(ix, head_words(ix), page_of(ix, r, v), v);
 }
 
 int mu_value_target_native(mu_scan_index *ix, const mu_dead *d, uint64_t v)
@@ -336,7 +346,7 @@ int mu_value_target_native(mu_scan_index *ix, const mu_dead *d, uint64_t v)
         return 0;
     if (d->head_word && d->head_word[a])
         return 0;               /* a GC object */
-    uint64_t b = ix->span[2 * a], len = ix->span[2 * a + 1] - b;
+    uint64_t b = ix_begin(ix, a), len = ix_end(ix, a) - b;
     const mu_region *reg = &ix->heap[region_find(ix, b)];
     uint8_t buf[64];
     const uint8_t *p = buf;
@@ -460,6 +470,82 @@ static inline void rules_hash(const type_hash *th, const uint8_t *p, uint64_t ha
     }
 }
 
+/* The allocations of uncopied regions that pend for the next wave of the low-memory mark: a
+ * bit per allocation and a summary bit per 64 of them, so that a wave visits them in ascending
+ * order (their address order) in time proportional to their number, without a sort and at
+ * n / 8 bytes (a list of them and its sort took 12 bytes per pending allocation: 69 MB of the
+ * sweeper's peak for 5.7 M pending nodes of 4 KiB pointer arrays). */
+typedef struct {
+    uint64_t *bit;          /* (n + 63) / 64 words */
+    uint64_t *sum;          /* bit w: bit[w] may be nonzero */
+    uint64_t nsum;
+} pend_set;
+
+static int pend_init(pend_set *s, uint64_t n)
+{
+    uint64_t nw = (n + 63) / 64;
+    s->nsum = (nw + 63) / 64;
+    s->bit = calloc(nw ? nw : 1, sizeof *s->bit);
+    s->sum = calloc(s->nsum ? s->nsum : 1, sizeof *s->sum);
+    return s->bit && s->sum ? 0 : -ENOMEM;
+}
+
+static void pend_free(pend_set *s)
+{
+    free(s->bit);
+    free(s->sum);
+}
+
+/* Adds allocation i (atomic: several mark threads add at once). */
+static inline void pend_add(pend_set *s, uint64_t i)
+{
+    uint64_t w = i >> 6;
+    __atomic_fetch_or(&s->bit[w], 1ull << (i & 63), __ATOMIC_RELAXED);
+    __atomic_fetch_or(&s->sum[w >> 6], 1ull << (w & 63), __ATOMIC_RELAXED);
+}
+
+/* The first member >= i and < end, or end (nobody adds meanwhile). */
+static uint64_t pend_next(const pend_set *s, uint64_t i, uint64_t end)
+{
+    if (i >= end)
+        return end;
+    uint64_t w = i >> 6, m = s->bit[w] >> (i & 63);
+    if (m)
+        return i + __builtin_ctzll(m) < end ? i + __builtin_ctzll(m) : end;
+    uint64_t last = (end - 1) >> 6;     /* the last word that may hold a member below end */
+    for (w++; w <= last;) {
+        uint64_t sm = s->sum[w >> 6] >> (w & 63);
+        if (!sm) {
+            w = (w | 63) + 1;
+            continue;
+        }
+        w += __builtin_ctzll(sm);
+        if (w > last)
+            break;
+        if (s->bit[w]) {
+            uint64_t j = 64 * w + __builtin_ctzll(s->bit[w]);
+            return j < end ? j : end;
+        }
+        w++;
+    }
+    return end;
+}
+
+static inline int pend_has(const pend_set *s, uint64_t i)
+{
+    return s->bit[i >> 6] >> (i & 63) & 1;
+}
+
+/* Empties s (the words its summary names). */
+static void pend_clear(pend_set *s)
+{
+    for (uint64_t k = 0; k < s->nsum; k++) {
+        for (uint64_t sm = s->sum[k]; sm; sm &= sm - 1)
+            s->bit[64 * k + __builtin_ctzll(sm)] = 0;
+        s->sum[k] = 0;
+    }
+}
+
 /* Work shared by the mark threads: a pool of allocations to scan (under mu), fed by a thread
  * whose own stack is deep while another waits for work. The mark ends when every thread waits
  * and the pool is empty. */
@@ -498,8 +584,8 @@ typedef struct {
     pthread_t tid;
     int running;            /* tid was started and must be joined */
     /* low-memory mark: allocations of uncopied regions marked, scanned in the next wave */
-    uint32_t *pend;
-    uint64_t npend;
+    pend_set *pend;         /* the next wave (shared by the threads) */
+    uint64_t npend;         /* allocations this thread added to it */
     uint8_t *rbuf;          /* WAVE_READ bytes: one read of a wave */
     int64_t err;            /* the first read error (-errno; -EIO: bytes unreadable) */
     struct wave_shared_s *ws;
@@ -770,7 +856,7 @@ static inline void scan_block(mark_ctx *m, uint64_t i, const uint8_t *d, uint64_
 {
     const mu_scan_index *ix = m->ix;
     const mu_dead *dead = m->dead;
-    uint64_t b = ix->span[2 * i], len = ix->span[2 * i + 1] - b;
+    uint64_t b = ix_begin(ix, i), len = ix_end(ix, i) - b;
     if (len == 1)
         len = m->size[i];       /* 0 or 1: a zero-size allocation has no words */
     uint64_t hb, he;
@@ -797,7 +883,7 @@ static inline void scan_block(mark_ctx *m, uint64_t i, const uint8_t *d, uint64_
  * partial word is read whole, as from a copy), within the region. */
 static inline uint64_t wave_end(const mu_scan_index *ix, uint64_t r, uint64_t i)
 {
-    uint64_t e = ix->span[2 * i + 1] + 8, re = ix->heap[r].base + ix->heap[r].len;
+    uint64_t e = ix_end(ix, i) + 8, re = ix->heap[r].base + ix->heap[r].len;
     return e < re ? e : re;
 }
 
@@ -828,7 +914,7 @@ static inline void pieces_of(const mu_scan_index *ix, uint64_t r, uint64_t i, ui
                              uint64_t *p1)
 {
     uint64_t base = ix->heap[r].base;
-    *p0 = (ix->span[2 * i] - base) >> MU_CAND_PIECE_SHIFT;
+    *p0 = (ix_begin(ix, i) - base) >> MU_CAND_PIECE_SHIFT;
     *p1 = (wave_end(ix, r, i) - 1 - base) >> MU_CAND_PIECE_SHIFT;
 }
 
@@ -845,7 +931,7 @@ static const uint8_t *copied_at(const mark_ctx *m, uint64_t r, uint64_t i, uint6
     for (uint64_t p = p0; p <= p1; p++)
         if (__atomic_load_n(&c->state[p], __ATOMIC_ACQUIRE) != PIECE_READY)
             return NULL;
-    uint64_t b = m->ix->span[2 * i];
+    uint64_t b = ix_begin(m->ix, i);
     uint64_t pe = reg->base + ((p1 + 1) << MU_CAND_PIECE_SHIFT), re = reg->base + reg->len;
     *avail = (pe < re ? pe : re) - b;
     return c->data + (b - reg->base);
@@ -916,7 +1002,7 @@ static int scan_cands(mark_ctx *m, uint64_t i, const mu_region *reg)
     if (!c || !m->plain_rules)
         return 0;
     const mu_scan_index *ix = m->ix;
-    uint64_t b = ix->span[2 * i], len = ix->span[2 * i + 1] - b;
+    uint64_t b = ix_begin(ix, i), len = ix_end(ix, i) - b;
     if (len == 1)
         len = m->size[i];
     if (!len)
@@ -940,9 +1026,17 @@ static int scan_cands(mark_ctx *m, uint64_t i, const mu_region *reg)
         uint64_t pb = c->base + (k << MU_CAND_PIECE_SHIFT);
         uint64_t lo = b > pb ? b - pb : 0;
         uint64_t hi = e - pb < (1ull << MU_CAND_PIECE_SHIFT) ? e - pb : (1ull << MU_CAND_PIECE_SHIFT);
-        uint64_t j = p->sub[lo >> MU_CAND_SUB_SHIFT];
-        while (j < p->n && p->off[j] < lo)
-            j++;
+        /* the first candidate at lo or after, by halving inside lo's sub-page (a 4 KiB
+         * array of 500 pointers has as many candidates in one: a walk through them for each
+         * of the small blocks after it was most of a mark of such arrays) */
+        uint64_t j = p->sub[lo >> MU_CAND_SUB_SHIFT], je = p->sub[(lo >> MU_CAND_SUB_SHIFT) + 1];
+        while (j < je) {
+            uint64_t mid = (j + je) >> 1;
+            if (p->off[mid] < lo)
+                j = mid + 1;
+            else
+                je = mid;
+        }
         for (; j < p->n && p->off[j] < hi; j++)
             if (!(p->off[j] & 1) || pb + p->off[j] - 1 == b)
                 /* not a text tail after a word of this block */
@@ -966,11 +1060,17 @@ static uint64_t *dead_in_init(const mu_scan_index *ix, const mu_dead *d, int64_t
         *err = -ENOMEM;
         return NULL;
     }
-    const uint64_t *sp = ix->span;
     for (uint64_t k = 0; k < d->nranges; k++) {
         uint64_t rb = d->ranges[2 * k], re = d->ranges[2 * k + 1];
-        uint64_t lo = mu_first_ending_after(sp, ix->n, 2, rb);  /* first allocation after rb */
-        for (uint64_t i = lo; i < ix->n && sp[2 * i] < re; i++)
+        uint64_t lo = 0, hi = ix->n;        /* the first allocation ending after rb */
+        while (lo < hi) {
+            uint64_t mid = (lo + hi) >> 1;
+            if (ix_end(ix, mid) <= rb)
+                lo = mid + 1;
+            else
+                hi = mid;
+        }
+        for (uint64_t i = lo; i < ix->n && ix_begin(ix, i) < re; i++)
             bits[i >> 6] |= 1ull << (i & 63);
     }
     return bits;
@@ -1003,8 +1103,8 @@ static void mark_loop(mark_ctx *m)
         uint64_t nb = 0;
         while (nb < SCAN_POP && m->sp) {
             uint64_t i = batch[nb] = m->stack[--m->sp];
-            uint64_t r = nheap == 1 ? 0 : region_find(ix, ix->span[2 * i]);
-            uint64_t b = ix->span[2 * i], len = ix->span[2 * i + 1] - b;
+            uint64_t r = nheap == 1 ? 0 : region_find(ix, ix_begin(ix, i));
+            uint64_t b = ix_begin(ix, i), len = ix_end(ix, i) - b;
             const uint8_t *d;
             bunc[nb] = heap[r].uncopied ? r : UINT64_MAX;
             if (heap[r].uncopied) {
@@ -1014,7 +1114,8 @@ static void mark_loop(mark_ctx *m)
                     continue;
                 }
                 if (!(d = copied_at(m, r, i, &bavail[nb]))) {
-                    m->pend[m->npend++] = (uint32_t)i; /* read and scanned in the next wave */
+                    pend_add(m->pend, i);   /* read and scanned in the next wave */
+                    m->npend++;
                     continue;
                 }
             } else {
@@ -1050,19 +1151,20 @@ static void *mark_thread(void *arg)
  * scanned once, with the same bytes: the marked set and the statistics equal mu_mark's over
  * copies. */
 typedef struct wave_shared_s {
-    const uint32_t *wave;
-    const uint64_t *bstart;     /* batch b is wave[bstart[b] .. bstart[b + 1]) */
+    const pend_set *wave;
+    const uint64_t *bstart;     /* batch b: the wave's allocations in [bstart[b], bstart[b + 1]) */
     uint64_t nbatch;
     uint64_t next;              /* next batch to take (atomic) */
 } wave_shared;
 
-/* Reads and scans wave[j0 .. j1) (ascending), then what it reaches; m->err on a failed read. */
-static void wave_batch(mark_ctx *m, const uint32_t *wave, uint64_t j0, uint64_t j1)
+/* Reads and scans the wave's allocations in [j0, j1) (ascending), then what they reach;
+ * m->err on a failed read. */
+static void wave_batch(mark_ctx *m, const pend_set *wave, uint64_t j0, uint64_t j1)
 {
     mu_scan_index *ix = m->ix;
-    uint64_t j = j0;
-    while (j < j1 && !m->err) {
-        uint64_t i = wave[j], r = mu_scan_index_region_of(ix, i), avail;
+    uint64_t i = pend_next(wave, j0, j1);
+    while (i < j1 && !m->err) {
+        uint64_t r = mu_scan_index_region_of(ix, i), avail;
         const uint8_t *d = copied_at(m, r, i, &avail);
         if (!d && m->copy && copy_fetch(m, r, i))
             d = copied_at(m, r, i, &avail);
@@ -1072,20 +1174,21 @@ static void wave_batch(mark_ctx *m, const uint32_t *wave, uint64_t j0, uint64_t 
             scan_block(m, i, d, avail);
             copy_done(m, r, i);
             mark_loop(m);
-            j++;
+            i = pend_next(wave, i + 1, j1);
             continue;
         }
         const mu_region *reg = &ix->heap[r];
-        uint64_t rb = ix->span[2 * i], re = wave_end(ix, r, i), jj = j + 1;
-        while (jj < j1) {       /* one read for neighbours closer than WAVE_GAP */
-            uint64_t i2 = wave[jj], b2 = ix->span[2 * i2];
+        uint64_t rb = ix_begin(ix, i), re = wave_end(ix, r, i);
+        uint64_t i2 = pend_next(wave, i + 1, j1);      /* the first one not in this read */
+        while (i2 < j1) {       /* one read for neighbours closer than WAVE_GAP */
+            uint64_t b2 = ix_begin(ix, i2);
             if (b2 >= reg->base + reg->len || b2 > re + WAVE_GAP)
                 break;
             uint64_t e2 = wave_end(ix, r, i2);
             if (e2 - rb > WAVE_READ)
                 break;
             re = e2 > re ? e2 : re;
-            jj++;
+            i2 = pend_next(wave, i2 + 1, j1);
         }
         uint8_t *buf = m->rbuf, *own = NULL;
         if (re - rb > WAVE_READ) {      /* one allocation larger than the buffer */
@@ -1103,15 +1206,15 @@ static void wave_batch(mark_ctx *m, const uint32_t *wave, uint64_t j0, uint64_t 
             free(own);
             return;
         }
-        for (uint64_t k = j; k < jj; k++) {
-            uint64_t b2 = ix->span[2 * (uint64_t)wave[k]];
-            scan_block(m, wave[k], buf + (b2 - rb), re - b2);
+        for (uint64_t k = i; k < i2; k = pend_next(wave, k + 1, i2)) {
+            uint64_t b2 = ix_begin(ix, k);
+            scan_block(m, k, buf + (b2 - rb), re - b2);
             if (m->copy)
-                copy_done(m, r, wave[k]);
+                copy_done(m, r, k);
         }
         free(own);
         mark_loop(m);           /* what they reach: copied ones now, uncopied ones pend */
-        j = jj;
+        i = i2;
     }
 }
 
@@ -1125,41 +1228,6 @@ static void *wave_thread(void *arg)
             return NULL;
         wave_batch(m, ws->wave, ws->bstart[b], ws->bstart[b + 1]);
     }
-}
-
-static int cmp_u32(const void *a, const void *b)
-{
-    uint32_t x = *(const uint32_t *)a, y = *(const uint32_t *)b;
-    return x < y ? -1 : x > y;
-}
-
-/* Sorts a[0 .. k) ascending (tmp: k entries of scratch). Returns 0 or -ENOMEM. */
-static int64_t sort_u32(uint32_t *a, uint32_t *tmp, uint64_t k)
-{
-    if (k < 65536) {
-        qsort(a, k, sizeof *a, cmp_u32);
-        return 0;
-    }
-    uint64_t *cnt = malloc(65536 * sizeof *cnt);
-    if (!cnt)
-        return -ENOMEM;
-    for (int pass = 0; pass < 2; pass++) {     /* LSD radix, 16 bits a pass */
-        uint32_t *src = pass ? tmp : a, *dst = pass ? a : tmp;
-        int sh = 16 * pass;
-        memset(cnt, 0, 65536 * sizeof *cnt);
-        for (uint64_t j = 0; j < k; j++)
-            cnt[(src[j] >> sh) & 0xffff]++;
-        uint64_t sum = 0;
-        for (uint64_t d = 0; d < 65536; d++) {
-            uint64_t c = cnt[d];
-            cnt[d] = sum;
-            sum += c;
-        }
-        for (uint64_t j = 0; j < k; j++)
-            dst[cnt[(src[j] >> sh) & 0xffff]++] = src[j];
-    }
-    free(cnt);
-    return 0;
 }
 
 /* The bytes a copy of the uncopied regions would read: their pieces whose candidates were not
@@ -1193,9 +1261,9 @@ static void copy_free(mark_copy *cp, uint64_t nheap, const mu_region *heap)
 }
 
 /* The copy at the switch (mark_copy): nothing read yet; each piece not kept counts the blocks
- * touching it that are still to scan: wave[0 .. k) (pending, ascending) and every unmarked
- * one. Returns it, or NULL on -ENOMEM. */
-static mark_copy *copy_init(const mark_ctx *m, const uint32_t *wave, uint64_t k)
+ * touching it that are still to scan: the wave's (pending) and every unmarked one. Returns
+ * it, or NULL on -ENOMEM. */
+static mark_copy *copy_init(const mark_ctx *m, const pend_set *wave)
 {
     const mu_scan_index *ix = m->ix;
     mark_copy *cp = calloc(ix->nheap ? ix->nheap : 1, sizeof *cp);
@@ -1217,11 +1285,8 @@ static mark_copy *copy_init(const mark_ctx *m, const uint32_t *wave, uint64_t k)
             if (cands_kept(m, reg, reg->base + (p << MU_CAND_PIECE_SHIFT)))
                 cp[r].state[p] = PIECE_KEPT;
     }
-    uint64_t j = 0;
     for (uint64_t i = 0; cp && i < ix->n; i++) {
-        int pending = j < k && wave[j] == i;
-        j += pending;
-        if (m->marked[i] && !pending)
+        if (m->marked[i] && !pend_has(wave, i))
             continue;
         uint64_t r = mu_scan_index_region_of(ix, i), p0, p1;
         if (!cp[r].data)
@@ -1233,16 +1298,15 @@ static mark_copy *copy_init(const mark_ctx *m, const uint32_t *wave, uint64_t k)
     return cp;
 }
 
-/* Runs the waves until nothing pends. Returns 0 or the first error (-errno). policy: when to
- * copy the rest (mu_mark_policy; NULL: never); stats: the waves' figures. */
-static int64_t mark_waves(mark_ctx *ms, int nt, uint64_t n, const mu_mark_policy *policy,
-                          mu_mark_stats *st)
+/* Runs the waves until nothing pends (in ms[0].pend, which every thread adds to; spare: an
+ * empty set, the one they add to during a wave). Returns 0 or the first error (-errno).
+ * policy: when to copy the rest (mu_mark_policy; NULL: never); stats: the waves' figures. */
+static int64_t mark_waves(mark_ctx *ms, int nt, uint64_t n, pend_set *spare,
+                          const mu_mark_policy *policy, mu_mark_stats *st)
 {
-    uint32_t *wave = big_alloc(n * sizeof(uint32_t));
-    uint32_t *tmp = big_alloc(n * sizeof(uint32_t));
-    uint64_t *bstart = big_alloc((n + 1) * sizeof(uint64_t));
+    uint64_t *bstart = big_alloc((n + 1) * sizeof(uint64_t));   /* touched: one per batch */
     int64_t err = 0;
-    if (!wave || !tmp || !bstart)
+    if (!bstart)
         err = -ENOMEM;
     for (int t = 0; !err && t < nt; t++) {
         ms[t].sh = NULL;
@@ -1253,14 +1317,13 @@ static int64_t mark_waves(mark_ctx *ms, int nt, uint64_t n, const mu_mark_policy
     st->copy_budget = copy_budget(&ms[0]);
     while (!err) {
         uint64_t k = 0;
+        pend_set *wave = ms[0].pend;
         for (int t = 0; t < nt; t++) {
-            memcpy(wave + k, ms[t].pend, ms[t].npend * sizeof(uint32_t));
             k += ms[t].npend;
             ms[t].npend = 0;
+            ms[t].pend = spare;         /* what this wave reaches pends for the next */
         }
         if (!k)
-            break;
-        if ((err = sort_u32(wave, tmp, k)))
             break;
         /* the charges so far and this wave's: past the copy's bytes, copy the rest */
         uint64_t reads = 0;
@@ -1271,7 +1334,7 @@ static int64_t mark_waves(mark_ctx *ms, int nt, uint64_t n, const mu_mark_policy
                                   + (unsigned __int128)reads * policy->read_cost;
             st->overhead = o > UINT64_MAX ? UINT64_MAX : (uint64_t)o;
             if (st->overhead >= st->copy_budget && (policy->wave_cost || policy->read_cost)) {
-                if (!(cp = copy_init(&ms[0], wave, k))) {
+                if (!(cp = copy_init(&ms[0], wave))) {
                     err = -ENOMEM;
                     break;
                 }
@@ -1284,14 +1347,14 @@ static int64_t mark_waves(mark_ctx *ms, int nt, uint64_t n, const mu_mark_policy
         /* batches of about WAVE_BATCH bytes of address space */
         const mu_scan_index *ix = ms[0].ix;
         uint64_t nb = 0, a0 = 0;
-        for (uint64_t j = 0; j < k; j++) {
-            uint64_t b = ix->span[2 * (uint64_t)wave[j]];
-            if (j == 0 || b - a0 > WAVE_BATCH) {
-                bstart[nb++] = j;
+        for (uint64_t i = pend_next(wave, 0, n); i < n; i = pend_next(wave, i + 1, n)) {
+            uint64_t b = ix_begin(ix, i);
+            if (nb == 0 || b - a0 > WAVE_BATCH) {
+                bstart[nb++] = i;
                 a0 = b;
             }
         }
-        bstart[nb] = k;
+        bstart[nb] = n;
         wave_shared ws = {wave, bstart, nb, 0};
         int run = nb > 1 ? nt : 1;
         for (int t = 0; t < run; t++)
@@ -1307,6 +1370,8 @@ static int64_t mark_waves(mark_ctx *ms, int nt, uint64_t n, const mu_mark_policy
         for (int t = 0; t < nt; t++)
             if (ms[t].err && !err)
                 err = ms[t].err;
+        pend_clear(wave);
+        spare = wave;
     }
     for (int t = 0; t < nt; t++) {
         free(ms[t].rbuf);
@@ -1317,8 +1382,6 @@ static int64_t mark_waves(mark_ctx *ms, int nt, uint64_t n, const mu_mark_policy
         st->copied_bytes += ms[t].copied_bytes;
     }
     copy_free(cp, ms[0].ix->nheap, ms[0].ix->heap);
-    free(wave);
-    free(tmp);
     free(bstart);
     return err;
 }
@@ -1374,16 +1437,19 @@ static int64_t mark_once(const uint64_t *begin, const uint64_t *size, uint64_t n
     int ok = ms != NULL && !dead_err && (!dead || !dead->ntypes || type_hash_init(&th, dead) == 0);
     /* a thread's stack and the pool each hold at most n entries (each allocation is pushed
      * once); pages never touched cost nothing */
+    pend_set pend[2];           /* the low-memory mark's waves: the next one and a spare */
+    memset(pend, 0, sizeof pend);
     for (int t = 0; ok && t < nt; t++)
-        ok = (ms[t].stack = big_alloc(n * sizeof(uint32_t))) != NULL &&
-             (!lazy || (ms[t].pend = big_alloc(n * sizeof(uint32_t))) != NULL);
+        ok = (ms[t].stack = big_alloc(n * sizeof(uint32_t))) != NULL;
     if (ok && nt > 1)
         ok = (sh.pool = big_alloc(n * sizeof(uint32_t))) != NULL;
+    if (ok && lazy)
+        ok = pend_init(&pend[0], n) == 0 && pend_init(&pend[1], n) == 0;
     if (!ok) {
-        for (int t = 0; ms && t < nt; t++) {
+        for (int t = 0; ms && t < nt; t++)
             free(ms[t].stack);
-            free(ms[t].pend);
-        }
+        pend_free(&pend[0]);
+        pend_free(&pend[1]);
         free(ms);
         free(sh.pool);
         free(th.slot);
@@ -1408,6 +1474,7 @@ static int64_t mark_once(const uint64_t *begin, const uint64_t *size, uint64_t n
         ms[t].fr = fr;
         ms[t].rejected = rejected;
         ms[t].nodedup = nodedup;
+        ms[t].pend = &pend[0];
         memset(ms[t].seen, 0xff, sizeof ms[t].seen);
     }
     if (nt > 1) {
@@ -1442,7 +1509,7 @@ static int64_t mark_once(const uint64_t *begin, const uint64_t *size, uint64_t n
         }
     mu_mark_stats ws;
     memset(&ws, 0, sizeof ws);
-    int64_t err = lazy ? mark_waves(ms, nt, n, policy, &ws) : 0;
+    int64_t err = lazy ? mark_waves(ms, nt, n, &pend[1], policy, &ws) : 0;
     uint64_t heap_bytes = 0, nwords_all = 0, marks = 0, stale = 0;
     for (int t = 0; t < nt; t++) {
         heap_bytes += ms[t].heap_bytes;
@@ -1450,8 +1517,9 @@ static int64_t mark_once(const uint64_t *begin, const uint64_t *size, uint64_t n
         marks += ms[t].marks;
         stale += ms[t].stale;
         free(ms[t].stack);
-        free(ms[t].pend);
     }
+    pend_free(&pend[0]);
+    pend_free(&pend[1]);
     if (nt > 1) {
         pthread_cond_destroy(&sh.cv);
         pthread_mutex_destroy(&sh.mu);

@@ -66,13 +66,14 @@ int64_t mu_mark(const uint64_t *begin, const uint64_t *size, uint64_t n,
  * An address -> allocation lookup: a [lo, hi) filter, a region map (the heap region holding each
  * 64 KiB granule, by the granule number's low bits; a binary search over the regions when two
  * share a slot), then per region a page table (first allocation ending after each page start; the granule
- * gives about one page per allocation) and a short binary search over span[] = {begin, end}
- * pairs. Fields are private to mu_scan.c. */
+ * gives about one page per allocation) and a short binary search over the caller's begin[]
+ * (which must outlive the index), the end from size[]. Fields are private to mu_scan.c. */
 typedef struct {
     uint64_t n;
     uint64_t lo;             /* min begin */
     uint64_t hi;             /* max end */
-    uint64_t *span;          /* 2n: begin[i], begin[i] + max(size[i], 1) */
+    const uint64_t *begin;   /* the caller's arrays: allocation i is [begin[i], begin[i] + */
+    const uint64_t *size;    /* max(size[i], 1)) (no copy: 16 bytes a block) */
     const mu_region *heap;
     uint64_t nheap;
     uint64_t *first_alloc;   /* nheap+1: allocations of region r are [first_alloc[r], first_alloc[r+1]) */

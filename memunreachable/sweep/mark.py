@@ -52,10 +52,15 @@ class MarkResult:
 
     def method(self, uncopied: bool) -> Tuple[str, str]:
         """(mark_method, mark_switch_reason) for the sweep's stats: "copy" (the heap was
-        copied by the walk), "on-demand" (blocks read as reached), "on-demand, then copy"."""
+        copied by the walk), "candidates" (no block read: each one reached was scanned from
+        the walk's kept candidates), "on-demand" (blocks read as reached), "on-demand, then
+        copy"."""
         mib = 1 << 20
         if not uncopied:
             return "copy", "the walk kept copies of the heaps"
+        if not self.waves:
+            return ("candidates", "every block reached was scanned from the walk's kept "
+                    "candidates: nothing read")
         forced = f"MEMUNREACHABLE_MARK={self.policy}: " if self.policy != "auto" else ""
         if self.switch_wave and forced:
             return "on-demand, then copy", f"{forced}{self.copied_bytes / mib:.1f} MiB copied"

@@ -139,3 +139,15 @@ def test_a_deep_list_is_checked_exactly_and_copied_once_the_waves_get_small(read
     assert auto["mark_method"] == "on-demand, then copy", auto["mark_switch_reason"]
     assert auto["mark_waves"] < old["mark_waves"] // 10
     assert auto["mark_reads"] < old["mark_reads"] // 10
+
+
+def test_lowmem_walk_reads_a_heap_of_small_chunks_once():
+    """Issue 25: the low-memory walk drops each piece of a heap once walked, so a heap with
+    more chunks than its room was read a second time (deep_list: 100,000 chunks of 48-144
+    bytes, more than one per 192 bytes). It has room for every chunk a heap can hold."""
+    with fixtures.start("deep_list", timeout=120) as fx:
+        copying, lowmem = walk_both(fx)
+    assert list(lowmem.image.begins) == list(copying.image.begins)
+    assert lowmem.stats["in_use"] == copying.stats["in_use"] > 100_000
+    assert lowmem.stats["uncopied_bytes"] > 0
+    assert lowmem.stats["heaps_read_again"] == 0

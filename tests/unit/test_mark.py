@@ -694,6 +694,22 @@ def test_kept_candidates_are_not_copied():
     assert by["copy"].copied_bytes == len(h.buf) - (1 << 20)
 
 
+def test_a_mark_from_every_candidate_reads_nothing_and_says_so():
+    # every piece keeps its candidates: no wave, no read, and the stats name the candidates
+    h, roots, leak = deep_list(30_000)
+    c = cands_of(h.base, h.buf, h.base, h.base + len(h.buf), 1 << 30)
+    pieces = ffi.new("uint64_t *")
+    lib.mu_cands_words(c, pieces)
+    assert pieces[0] == 4
+    copied, by = every_method(h, roots, c)
+    for res in by.values():
+        assert stats(res) == stats(copied)
+        assert (res.waves, res.reads, res.copied_bytes) == (0, 0, 0)
+    assert by["auto"].method(True) == (
+        "candidates", "every block reached was scanned from the walk's kept candidates: "
+        "nothing read")
+
+
 def test_a_shallow_tree_stays_on_demand():
     # a balanced binary tree in breadth-first order (each level contiguous): 15 waves of few
     # reads, charged far below the copy's 6 MiB

@@ -40,9 +40,12 @@ MAX_HEAPS_PER_ARENA = 1 << 16
 RUN_START_TRIES = 64        # candidate run starts tried after a main-arena double fencepost
 # A low-memory walk keeps the reference candidates (mu_cands: 12 bytes per word that may point
 # at an allocation) of at most 1/DIVISOR of the bytes of each heap; the mark reads the rest.
-# 16: a 271 MiB pointer-dense heap peaked at 0.46x the scanned bytes (0.55x with 8), no slower
-# (docs/performance.md); a sparse heap's candidates, about 12 bytes a block, fit either.
-CANDIDATE_BUDGET_DIVISOR = 16
+# 4 (issue 25; 16 before the index and the walk stopped copying 32 bytes a block): at 256 MiB,
+# doubly linked lists keep every candidate (2.4 M words, no wave) and peak at 0.36x the bytes
+# scanned instead of 0.60x, mark 0.11-0.20 s instead of 0.21-0.26 s (613 waves); 4 KiB
+# pointer arrays (5.7 M words) 0.86x instead of 0.68x, mark 0.22 s instead of 0.36-0.39 s
+# (247 MiB read again). A pointer-dense heap's candidates stop at 0.25x.
+CANDIDATE_BUDGET_DIVISOR = 4
 PAGE_SIZE = 4096
 
 
@@ -77,11 +80,11 @@ class HeapWalk(Fields):
 
 class _Job(Fields):
     """A copy to read and the run to walk from `first` in it (_Walker.run_jobs)."""
-    __slots__ = ("cp", "first", "top", "non_main", "res", "piece", "cap", "off", "arena", "heap",
+    __slots__ = ("cp", "first", "top", "non_main", "res", "piece", "cap", "arena", "heap",
                  "holds_top", "heap_end")
 
     def __init__(self, cp: "Copy", first: int, top: int, non_main: bool, res: object = None,
-                 piece: Optional[Piece] = None, cap: int = 0, off: int = 0, arena: int = 0,
+                 piece: Optional[Piece] = None, cap: int = 0, arena: int = 0,
                  heap: int = 0, holds_top: bool = False, heap_end: int = 0):
         self.cp = cp
         self.first = first
@@ -90,7 +93,6 @@ class _Job(Fields):
         self.res = res
         self.piece = piece
         self.cap = cap
-        self.off = off
         self.arena = arena
         self.heap = heap
         self.holds_top = holds_top
@@ -165,6 +167,7 @@ class _Walker(FreeListsMixin, MmappedMixin):
         drop = uncopied_from is not None and sum(j.cp.size for j in jobs) >= uncopied_from
         cands = {}
         if drop:
+            self.stats["heaps_read_again"] = 0      # dropped copies read twice (no room)
             spans = array("Q", [a for r in self.allocation_ranges(jobs) for a in (r.begin, r.end)])
             for j in jobs:
                 j.cp.private_mapping()
@@ -175,27 +178,30 @@ class _Walker(FreeListsMixin, MmappedMixin):
                       "reference candidates")
                 cands[id(j)] = ffi.gc(out[0], lib.mu_cands_free)
         tab = ffi.new("mu_read_job[]", len(jobs))
+        # room for every chunk a run can hold when the copies are dropped (a run past its
+        # room is walked again from a fresh copy of its heap: 4 KiB arrays of 500 pointers to
+        # 32-48 byte nodes walked 314 MiB twice, 1.1 s instead of 0.5, and peaked at a full
+        # copy); else an estimate (a copy kept is walked again cheaply)
         for j in jobs:
-            j.cap = max(256, (j.cp.end - j.first) // 192)
-        # the chunks found go to two scratch mappings (zeroed lazily, only the pages written
-        # cost anything), each job at its own offset; assemble() copies them once
-        total = sum(j.cap for j in jobs)
-        su, sv = local_buffer(8 * total), local_buffer(8 * total)
-        pu, pv = ffi.from_buffer("uint64_t[]", su), ffi.from_buffer("uint64_t[]", sv)
-        off = 0
+            j.cap = max(256, (j.cp.end - j.first) // (L.MINSIZE if drop else 192) + 1)
+        # the chunks found go to two scratch mappings per job (zeroed lazily, only the pages
+        # written cost anything); assemble() copies them once, releasing each job's as it goes
+        scratch, keep = [], []
         for k, j in enumerate(jobs):
+            su, sv = local_buffer(8 * j.cap, zeroed=False), local_buffer(8 * j.cap, zeroed=False)
+            scratch.append((memoryview(su).cast("Q"), memoryview(sv).cast("Q")))
+            keep += [ffi.from_buffer("uint64_t[]", su), ffi.from_buffer("uint64_t[]", sv)]
             t = tab[k]
             t.addr, t.len, t.buf = j.cp.base, j.cp.size, j.cp.ptr
             t.first, t.top, t.non_main = j.first, j.top, int(j.non_main)
             t.drop = lib.MU_READ_DROP if drop else 0
-            t.user, t.usable, t.cap = pu + off, pv + off, j.cap
+            t.user, t.usable, t.cap = keep[-2], keep[-1], j.cap
             t.cands = cands.get(id(j), ffi.NULL)
-            j.off = off
-            off += j.cap
         check(lib.mu_read_walk(self.mem.fd, tab, len(jobs)), "read and walk heaps",
               pid=self.mem.pid)
-        mu, mv = memoryview(su).cast("Q"), memoryview(sv).cast("Q")
+        del keep
         for k, j in enumerate(jobs):
+            mu, mv = scratch[k]
             t = tab[k]
             if t.bad:
                 # unreadable pages (or an error): the reader's own path decides (tolerated
@@ -212,10 +218,10 @@ class _Walker(FreeListsMixin, MmappedMixin):
                 if drop:                    # (its pieces were released: read them again)
                     j.cp.private_mapping(fresh=True)
                     self.mem.read_into(j.cp.base, j.cp.buf)
+                    self.stats["heaps_read_again"] += 1
                 j.res, j.piece = self.walk_run(j.cp, j.first, j.top, j.non_main)
                 continue
-            j.res, j.piece = res, Piece(j.first, mu[j.off:j.off + t.stored],
-                                        mv[j.off:j.off + t.stored])
+            j.res, j.piece = res, Piece(j.first, mu[:t.stored], mv[:t.stored])
         if drop:
             for j in jobs:
                 j.cp.drop(self.mem.fd, cands[id(j)])
@@ -448,6 +454,7 @@ class _Walker(FreeListsMixin, MmappedMixin):
                 continue
             user.frombytes(memoryview(p.user).cast("B"))   # an array, or a view of the scratch
             usable.frombytes(memoryview(p.usable).cast("B"))
+            p.user = p.usable = None    # its scratch is released (the last view of it)
         self.pieces = []
         return user, usable
 
