@@ -12,11 +12,14 @@ import argparse
 import os
 import statistics
 import subprocess
+import sys
 
+sys.path.insert(0, os.path.join(os.path.dirname(os.path.dirname(os.path.abspath(__file__))), "tests"))
+from interpreters import pyenv_pythons  # noqa: E402
 from memunreachable.unreachable import check
 
-PYENV = "/root/.pyenv/versions"
-DEFAULT = [f"{PYENV}/3.12.1/bin/python3.12", f"{PYENV}/3.10.13/bin/python3.10", "/usr/bin/python3"]
+PYTHONS = pyenv_pythons()          # {"3.N": pyenv's newest 3.N.x} (tests/interpreters.py)
+DEFAULT = [PYTHONS[v] for v in ("3.12", "3.10") if v in PYTHONS] + ["/usr/bin/python3"]
 
 TARGET = r"""
 import os, sys

@@ -12,16 +12,20 @@ import argparse
 import os
 import statistics
 import subprocess
+import sys
 import time
 
+
+sys.path.insert(0, os.path.join(os.path.dirname(os.path.dirname(os.path.abspath(__file__))), "tests"))
+from interpreters import pyenv_pythons  # noqa: E402
 from memunreachable.heaps.cpython import obmalloc
 from memunreachable.heaps.cpython.walker import walk_cpython
 from memunreachable.collect.freeze import frozen
 from memunreachable.collect.memory import ProcessMemory
 
-PYENV = "/root/.pyenv/versions"
-DEFAULT = [f"{PYENV}/{v}/bin/python{v.rsplit('.', 1)[0]}"
-           for v in ("3.8.18", "3.9.18", "3.10.13", "3.11.7", "3.12.1", "3.13.0")] + ["/usr/bin/python3"]
+PYTHONS = pyenv_pythons()          # {"3.N": pyenv's newest 3.N.x} (tests/interpreters.py)
+DEFAULT = [PYTHONS[v] for v in sorted(PYTHONS, key=lambda v: int(v.split(".")[1]))
+           if int(v.split(".")[1]) >= 8] + ["/usr/bin/python3"]
 
 TARGET = r"""
 import os, sys
