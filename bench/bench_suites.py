@@ -8,8 +8,9 @@ then the median ratio over the suites. The venvs live in --cache (default
 ~/.cache/memunreachable/bench-suites) and are reused; this checkout is installed in each one
 (editable), so a change of the plugin needs no rebuild of the suites.
 Needs PyPI (pip download) and, for pyyaml's C extension, libyaml-dev (apt-get).
+--workers N runs every mode with pytest-xdist's `-n N` (installed in the suites' venvs).
 Usage: python bench/bench_suites.py [--runs N] [--suites msgpack,ujson,...]
-       [--modes plain,memunreachable,memray] [--extra-args '...'] [--cache DIR]
+       [--modes plain,memunreachable,memray] [--extra-args '...'] [--workers N] [--cache DIR]
 """
 from __future__ import annotations
 
@@ -114,19 +115,23 @@ def main(argv: Optional[List[str]] = None) -> int:
     ap.add_argument("--suites", default=",".join(SUITES))
     ap.add_argument("--modes", default=",".join(MODES))
     ap.add_argument("--extra-args", default="", help="added to every --memunreachable session")
+    ap.add_argument("--workers", type=int, default=0, help="pytest-xdist workers in every mode")
     ap.add_argument("--cache", default=os.path.expanduser("~/.cache/memunreachable/bench-suites"))
     a = ap.parse_args(argv)
+    every = ["-n", str(a.workers)] if a.workers else []
     modes = a.modes.split(",")
     ratios = {m: [] for m in modes if m != "plain"}
     print(f"{'suite':<12} {'mode':<15} {'median s':>9} {'ratio':>7} {'passed':>7} {'failed':>7}")
     for name in a.suites.split(","):
         suite = SUITES[name]
         python, where = prepare(name, suite, a.cache)
+        if a.workers:
+            sh([python, "-m", "pip", "install", "-q", "pytest-xdist"])
         walls = {m: [] for m in modes}
         outcome = {}
         for _ in range(a.runs):                 # modes alternate: they see the same load
             for m in modes:
-                extra = a.extra_args.split() if m == "memunreachable" else []
+                extra = every + (a.extra_args.split() if m == "memunreachable" else [])
                 wall, passed, failed = session(python, where, suite, MODES[m], extra)
                 walls[m].append(wall)
                 outcome[m] = (passed, failed)
