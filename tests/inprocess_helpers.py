@@ -50,7 +50,7 @@ def build_leaky() -> str:
 
 def python_env(ext_dir: str, pymalloc: bool = False) -> dict:
     """Environment for a child interpreter that can import leakytools. By default it runs with
-    PYTHONMALLOC=malloc, the setting docs/api.md recommends: freed Python objects then become
+    PYTHONMALLOC=malloc: freed Python objects then become
     free glibc chunks (never scanned) instead of stale words in pymalloc arenas (roots)."""
     env = dict(os.environ)
     if not pymalloc:

@@ -81,7 +81,7 @@ class Frame(FrozenFields):
         set_fields(self, pc, module, build_id, offset, function, file, line, inlined, python)
 
     def to_dict(self) -> dict:
-        """The JSON form (docs/cli.md): every field; "python" only on Python frames."""
+        """The JSON form (docs/json.md): every field; "python" only on Python frames."""
         d = dict(zip(self._fields, self._astuple()))
         if not self.python:
             del d["python"]

@@ -204,7 +204,7 @@ def dead_words(dead: "DeadWords", n: int):
 # Returns MarkResult; raises OSError(EINVAL) for unsorted/overlapping allocations, an
 # allocation outside every heap region or overlapping regions, or bad dead words; OSError(ENOMEM)
 # when out of memory. dead: DeadWords (GC links, dead slots) ignored by the scan, or None.
-# A region of image whose buffer is a glibc/walker.Uncopied is read on demand through its fd
+# A region of image whose buffer is a heaps/glibc/copies.Uncopied is read on demand through its fd
 # (the low-memory mark: the blocks reached there are read wave by wave, then dropped); the
 # result equals the mark over a copy; MemoryUnreadable when those bytes cannot be read.
 # parallel: mark on one thread per CPU whatever the heap's size (by default only from 2^18

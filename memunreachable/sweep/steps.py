@@ -47,9 +47,9 @@ from memunreachable.sweep.sweeper import SweepEntry, SweepResult, retain_list, r
 log = logging.getLogger("memunreachable")
 
 CONTENTS_BYTES = 32
-# The low-memory sweep (docs/performance.md, issue 10): heaps of at least this many bytes are
-# walked without keeping copies, and the mark reads the blocks it reaches from the snapshot
-# (mark.py, glibc/walker.py walk_heap(uncopied_from=...)). Not for a process with a CPython
+# The low-memory sweep (docs/internals/performance-record.md, issue 10): heaps of at least this
+# many bytes are walked without keeping copies, and the mark reads the blocks it reaches from
+# the snapshot (mark.py, heaps/glibc/walker.py walk_heap(uncopied_from=...)). Not for a CPython
 # runtime (its stages read object headers from the copies) nor under MEMUNREACHABLE_EXPLAIN.
 UNCOPIED_MIN_BYTES = 256 << 20
 

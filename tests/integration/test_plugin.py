@@ -704,7 +704,7 @@ def test_cyclic_garbage():
 # and freed memory, so no stale word of an earlier block's life can keep a leak reachable and
 # the outcome is the same in every run. Under the plain allocators a stale word in a live
 # block (a raw buffer's unwritten tail, say) hides a leak in some runs: the measured rates are
-# in docs/pytest.md (bench/bench_plugin_detection.py).
+# in docs/internals/pytest-plugin-record.md (bench/bench_plugin_detection.py).
 @pytest.fixture(params=["pymalloc_debug", "malloc_debug"])
 def real_suite(request, pytester, monkeypatch):
     return _real(pytester, monkeypatch, request.param)
