@@ -120,7 +120,7 @@ def test_unknown_interpreter_cli_exits_3_with_the_reason(py37):
 
 def test_unknown_interpreter_partial_finds_the_native_leak_and_says_incomplete(py37):
     res = cli(str(py37.proc.pid), "--partial", "--json")
-    assert res.returncode == 23, res.stderr
+    assert res.returncode == 23, res.stderr + fixtures.explain_misses(py37.proc.pid, [py37.address])
     data = json.loads(res.stdout)
     assert data["complete"] is False
     assert len(data["incomplete"]) == 1 and "is 3.7, which has no known" in data["incomplete"][0]
