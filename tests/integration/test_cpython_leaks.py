@@ -390,7 +390,9 @@ def test_ctypes_format_strings_and_shapes_hold_no_references(python, allocator):
     # (PyMem_Malloc): text and integers, whose slack keeps stale words of earlier users ("X{}"
     # and a bin link's high half read as an address inside a leaked list in an xdist worker).
     # Here each block's second word holds the only pointer to a 64-byte block: both are leaks.
-    made, info, before = run_target(python, CTYPES_FORMAT, allocator)
+    made, info, before = run_target(                  # a miss shows what held the block
+        python, CTYPES_FORMAT, allocator,
+        expect=lambda made: [~int(made[n][1], 16) & ((1 << 64) - 1) for n in ("format", "shape")])
     leaks = {l.address: l for l in info.leaks if l.address not in before}
     for name in ("format", "shape"):
         holder, hidden, size = (int(x, 16) for x in made[name])
