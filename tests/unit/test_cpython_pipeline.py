@@ -650,3 +650,21 @@ def test_value_types_read_ints_floats_and_bytes_for_addresses(version, int_param
         (STR_TYPE, lib.MU_TYPE_STR << 8)])
     # 15-bit digits (uint16, a --enable-big-digits=15 build): not read, never scanned
     assert T.value_types(mem, cp, {"PyLong_Type": INT15}) == [(INT15, lib.MU_TYPE_OPAQUE << 8)]
+
+
+def test_a_broken_gc_list_retakes_the_snapshot_while_a_thread_runs_user_code():
+    # a thread stopped in user code may be linking an object into a GC list: retake (the
+    # glibc heap's in-flight path); every thread inside a system call: nothing was moving
+    from memunreachable._types import ThreadState
+    from memunreachable.heaps.cpython.pipeline import retake_if_moving
+    from memunreachable.heaps.glibc.validate import HeapInconsistent
+    in_syscall = [0] * 27
+    in_syscall[15] = 0          # read(2)
+    in_user = list(in_syscall)
+    in_user[15] = 0xFFFFFFFFFFFFFFFF
+    waiting = ThreadState(7, tuple(in_syscall))
+    retake_if_moving("has a back link that does not match", [waiting])    # no raise
+    with pytest.raises(HeapInconsistent) as e:
+        retake_if_moving("has a back link that does not match",
+                         [waiting, ThreadState(8, tuple(in_user))])
+    assert e.value.suspect_tids == [8] and "back link" in str(e.value)

@@ -37,6 +37,7 @@ from memunreachable.heaps.cpython.typerules import (
     stale_part_types, static_types, type_rules, value_types, varsized_type, with_sizes,
     dict_headers)
 from memunreachable.heaps.cpython.walker import CPythonMap, walk_cpython
+from memunreachable.heaps.glibc.validate import HeapInconsistent
 from memunreachable.sweep.mark import DeadWords, merge_pairs
 
 
@@ -67,6 +68,18 @@ def prepare(mem, maps, threads, pid: Optional[int], image: HeapImage) -> CPython
         return _prepare(mem, maps, threads, pid, image)
     finally:
         gclists.IMAGE_ARGS.clear()
+
+
+# Raises HeapInconsistent (the snapshot is retaken, as a glibc heap caught mid-update) when a
+# thread was stopped in user code: it may have been linking an object into a GC list or out
+# of it (a Python thread that has the GIL while the one that asked for an in-process check
+# waits). With every thread inside a system call nothing was in flight: the list is broken.
+def retake_if_moving(problem: str, threads) -> None:
+    moving = [t.tid for t in threads if t.regs[15] == 0xFFFFFFFFFFFFFFFF]     # orig_rax -1
+    if moving:
+        exc = HeapInconsistent(problem)
+        exc.suspect_tids = moving
+        raise exc
 
 
 def _prepare(mem, maps, threads, pid: Optional[int], image: HeapImage) -> CPythonSweep:
@@ -105,6 +118,7 @@ def _prepare(mem, maps, threads, pid: Optional[int], image: HeapImage) -> CPytho
     else:
         head_word, nodes, types, problem = walk_gc_lists(merged, heads)
         if problem:
+            retake_if_moving(f"CPython's GC generation list {problem}", threads)
             out.cannot_see(f"CPython's GC generation list {problem}: GC links count as "
                                 "references (leaked Python objects are missed)")
             head_word = None
