@@ -849,10 +849,11 @@ def _leak_text(info, leaks, when: str = "during this test", number: Optional[int
     for leak in new_info.leaks:
         for b in [leak] + list(leak.indirect):
             frames = _test_frames(b.backtrace)
-            maker = (makers or {}).get(split(b.epoch)[0])
+            allocated_by = split(b.epoch)[0]
+            maker = (makers or {}).get(allocated_by)
             if maker is not None:
                 b.backtrace = [f"(allocated during {maker}:)"] + frames
-            elif number is None or split(b.epoch)[0] == number:
+            elif number is None or allocated_by == number:
                 b.backtrace = frames
             elif b.python_type:
                 b.backtrace = [REUSED]

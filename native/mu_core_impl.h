@@ -571,11 +571,14 @@ static inline uint64_t mu_live_len_r(const mu_dead *d, const mu_rules *r, const 
                 int suspended = fl == MU_FRAME_FLAVOUR_315 ? state >= 0 && state <= 3 : state < 0;
                 if (state == (fl == MU_FRAME_FLAVOUR_315 ? 5 : 4))
                     return mu_frame_slots(fo, fl);  /* cleared: slots released, not zeroed */
-                if (!suspended) {   /* running or completing: its slots (ob_size), not the slack */
+                if (!suspended) {   /* running or completing: 3.11-3.13 its slots (ob_size),
+                                     * not the slack; 3.14+ scanned whole */
                     int64_t slots;
+                    if (fl != MU_FRAME_FLAVOUR_311)
+                        continue;
                     memcpy(&slots, p + off + 16, 8);
                     end = mu_frame_slots(fo, fl) + 8 * (uint64_t)slots;
-                    if (fl != MU_FRAME_FLAVOUR_311 || slots < 0 || end > len)
+                    if (slots < 0 || end > len)
                         continue;
                     return end;
                 }

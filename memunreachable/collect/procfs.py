@@ -403,11 +403,9 @@ PAGE = 4096
 # hole splits it, and later stages view that one copy (an arena's untouched alignment slack at a
 # mapping's ends had made the pool scan assemble its window from the copy and a read).
 def runs_in_use(entries: bytes, begin: int, min_hole: int) -> List[Tuple[int, int]]:
-    mask = entries[7::8].translate(_IN_USE)
-    end = begin + len(mask) * PAGE
+    end = begin + len(entries) // 8 * PAGE
     runs: List[Tuple[int, int]] = []
-    for m in re.finditer(b"\x01+", mask):
-        b, e = begin + m.start() * PAGE, begin + m.end() * PAGE
+    for b, e in _page_runs(entries, begin, _IN_USE):
         if runs and b - runs[-1][1] < min_hole:
             runs[-1] = (runs[-1][0], e)
         else:
@@ -429,9 +427,14 @@ _GUARD = bytes(1 if b & 0x04 else 0 for b in range(256))
 
 # Returns the runs of [begin, end) that are guard pages, from its pagemap entries.
 def guard_runs(entries: bytes, begin: int) -> List[Tuple[int, int]]:
-    mask = entries[7::8].translate(_GUARD)
+    return _page_runs(entries, begin, _GUARD)
+
+
+# Returns the runs of the pages whose entry's last byte `table` maps to 1, from the pagemap
+# entries of the range at begin.
+def _page_runs(entries: bytes, begin: int, table: bytes) -> List[Tuple[int, int]]:
     return [(begin + m.start() * PAGE, begin + m.end() * PAGE)
-            for m in re.finditer(b"\x01+", mask)]
+            for m in re.finditer(b"\x01+", entries[7::8].translate(table))]
 
 
 # Returns {(begin, end): guard_runs of it} for each page-aligned range, read from

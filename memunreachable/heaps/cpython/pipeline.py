@@ -38,6 +38,7 @@ from memunreachable.heaps.cpython.typerules import (
     dict_headers)
 from memunreachable.heaps.cpython.walker import CPythonMap, walk_cpython
 from memunreachable.heaps.glibc.validate import HeapInconsistent
+from memunreachable.sweep.classify import in_syscall
 from memunreachable.sweep.mark import DeadWords, merge_pairs
 
 
@@ -75,7 +76,7 @@ def prepare(mem, maps, threads, pid: Optional[int], image: HeapImage) -> CPython
 # of it (a Python thread that has the GIL while the one that asked for an in-process check
 # waits). With every thread inside a system call nothing was in flight: the list is broken.
 def retake_if_moving(problem: str, threads) -> None:
-    moving = [t.tid for t in threads if t.regs[15] == 0xFFFFFFFFFFFFFFFF]     # orig_rax -1
+    moving = [t.tid for t in threads if not in_syscall(t)]
     if moving:
         exc = HeapInconsistent(problem)
         exc.suspect_tids = moving
