@@ -794,14 +794,20 @@ def tag(d):
     return ctypes.c_uint64.from_address(id(d) + 24).value
 
 def plant():
-    # a block whose pages lie above the counter (blocks below it are kept, in a ctypes array)
-    probe, pads = {}, (ctypes.c_void_p * 256)()
-    for k in range(256):
+    # a block whose pages lie above the counter: blocks below it are kept (in a ctypes array),
+    # each with a pad from the brk heap that lifts the next block past the counter (the
+    # counter may lie tens of MiB above the heap's start; the mmap threshold is raised so that
+    # the pad is not mmapped, and its untouched pages are never read)
+    libc.mallopt(-3, 1 << 30)           # M_MMAP_THRESHOLD
+    probe, pads = {}, (ctypes.c_void_p * 32)()
+    for k in range(16):
         p = libc.malloc(SIZE)
         probe[0] = -1 - k
-        if (p + 8191) & ~4095 > tag(probe) + 8192:
+        gap = tag(probe) + 8192 - ((p + 8191) & ~4095)
+        if gap < 0:
             break
-        pads[k] = p
+        pads[2 * k], pads[2 * k + 1] = p, libc.malloc(gap + (1 << 20))
+        del gap
     else:
         return "no block above the counter"
     kept.append(pads)
