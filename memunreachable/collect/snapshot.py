@@ -31,6 +31,7 @@ import errno
 import logging
 import os
 import signal
+import threading
 import time
 from typing import Dict, List, Optional, Tuple
 
@@ -236,6 +237,31 @@ def _kill_child(child: int, timeout: float) -> None:
             return
 
 
+def kill_unseen_clones(target: int, born_after: int, timeout: float) -> List[int]:
+    """Kill the clones this thread traces whose birth was never reported: a target killed
+    after clone() made the child but before its clone event (a dying thread skips the event
+    stop) leaves the child in its first stop, traced by this thread, with exit_signal 0 and
+    its parent gone, its pid unknown. Found by a scan of /proc (this error path only): traced
+    by this thread, exit_signal 0, born at or after born_after (stat ticks); killed and
+    collected as any clone (its new parent reaps it). Returns their pids."""
+    me, found = threading.get_native_id(), []
+    try:
+        pids = [int(e) for e in os.listdir("/proc") if e.isdigit() and int(e) != target]
+    except OSError:
+        return found
+    for pid in pids:
+        st = leftovers.read_stat(pid)
+        if st is None or st.exit_signal != 0 or st.state in ("Z", "X") or \
+                (st.start or 0) < born_after or leftovers.tracer_of(pid) != me:
+            continue
+        _kill_child(pid, timeout)
+        found.append(pid)
+    if found:
+        log.warning("killed snapshot process(es) %s of process %d, whose birth was never "
+                    "reported (the target died during the clone)", found, target)
+    return found
+
+
 def _raise_inject(fz: Frozen, tid: int, rc: int, out, what: str):
     err = -rc
     if err == errno.ESRCH:
@@ -423,7 +449,7 @@ def _take_snapshot(fz: Frozen, allow_direct: bool = True, allow_seccomp: bool = 
         with fz.critical():
             if not _injection_noted(fz.pid, fz.timeout):
                 leftovers.note_injection(fz.pid, fz.timeout)    # before the clone can exist
-            t0 = time.monotonic()
+            t0, born_after = time.monotonic(), leftovers.now_ticks() - 1
             rc = lib.mu_inject_clone(tid, insn, restore_rt, fz.regs_at_freeze(tid),
                                      int(fz.timeout * 1000), out)
             inject_ms = (time.monotonic() - t0) * 1000.0
@@ -445,6 +471,8 @@ def _take_snapshot(fz: Frozen, allow_direct: bool = True, allow_seccomp: bool = 
                     snap.release()
                 elif snap is not None:
                     _kill_child(snap.pid, fz.timeout)
+                else:
+                    kill_unseen_clones(fz.pid, born_after, fz.timeout)
                 _raise_inject(fz, tid, rc, out, "clone")
             if out.ret < 0:
                 err = -out.ret

@@ -9,7 +9,8 @@ import fixtures
 from memunreachable.collect import procfs
 from memunreachable._errors import UnsupportedTarget
 from memunreachable.collect.freeze import frozen
-from memunreachable.collect.snapshot import take_snapshot
+from memunreachable.collect import leftovers
+from memunreachable.collect.snapshot import kill_unseen_clones, take_snapshot
 from ptr_helpers import assert_running, children, moves, peek, states, wait_until
 
 pytestmark = pytest.mark.ptrace
@@ -110,6 +111,32 @@ def test_release_before_thaw_reaps_through_the_frozen_thread():
                 with take_snapshot(fz) as snap:
                     raise RuntimeError("sweep failed")
         assert snap.released and not snap.zombie_left and snap.reap_pause_ms == 0
+        assert_no_child_left(fx.pid, snap.pid)
+        assert_running(fx.pid)
+
+
+def test_a_clone_whose_birth_was_never_reported_is_found_and_killed():
+    """A target killed between clone()'s child and its clone event leaves a child whose pid
+    the injection never learnt: traced by this thread, exit_signal 0. kill_unseen_clones finds
+    it by those facts alone (here a real clone, treated as unseen) and leaves everything else
+    (the target, a clone born before the window) alone."""
+    with fixtures.start("ptr_busy") as fx:
+        with frozen(fx.pid) as fz:
+            old = take_snapshot(fz)
+            born_after = leftovers.read_stat(old.pid).start + 1
+            while leftovers.now_ticks() <= born_after:
+                time.sleep(0.005)
+            snap = take_snapshot(fz)
+            fz.thaw()
+        try:
+            assert kill_unseen_clones(fx.pid, born_after, 2.0) == [snap.pid]
+            st = leftovers.read_stat(snap.pid)
+            assert st is not None and st.state == "Z" and st.ppid == fx.pid   # the target reaps it
+            assert leftovers.read_stat(old.pid).state == "t"                  # born before
+            assert_running(fx.pid)
+        finally:
+            snap.release()
+            old.release()
         assert_no_child_left(fx.pid, snap.pid)
         assert_running(fx.pid)
 
