@@ -567,6 +567,26 @@ def test_merge_pairs_is_merge_ranges_over_tuples():
     assert merge_pairs([(16, 32), (0, 8), (8, 16), (40, 48), (44, 46)]) == [(0, 32), (40, 48)]
 
 
+@pytest.mark.parametrize("spread", [12, 30, 47, 64])
+def test_merge_pairs_of_many_ranges_is_merge_ranges(spread):
+    """Past 4,096 pairs the sort is a radix sort (digits every begin shares are skipped):
+    begins spread over 2**spread bytes above a high base, sorted runs, duplicates, empty and
+    reversed pairs; the result equals merge_ranges'."""
+    from memunreachable._types import Range, merge_ranges
+    from memunreachable.sweep.mark import merge_pairs
+    rng = random.Random(spread)
+    base = 0x7f00_0000_0000 if spread < 48 else 0
+    for n in (4095, 4096, 20_000):
+        pairs = []
+        for _ in range(n):
+            b = base + (rng.getrandbits(spread) & ~7)
+            pairs.append((b, max(0, min(b + rng.randrange(-2, 40) * 8, 2**64 - 1))))
+        pairs += sorted(pairs[:500]) + pairs[:50]           # a sorted run, duplicates
+        want = [(r.begin, r.end) for r in merge_ranges([Range(b, e) for b, e in pairs])]
+        assert merge_pairs(pairs) == want
+        assert merge_pairs(sorted(pairs)) == want           # already sorted
+
+
 TEXT = int.from_bytes(b"AES-128-", "little")       # a word of 8 printable bytes
 
 
