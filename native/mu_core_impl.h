@@ -191,15 +191,53 @@ static inline uint64_t mu_find_sorted(const uint64_t *a, uint64_t n, uint64_t v)
     }
     return lo < n && a[lo] == v ? lo : n;
 }
+/* mu_find_sorted from a finger: gallops from *hint towards v, then bisects the bracket;
+ * *hint becomes where v is or would go. A pass whose values mostly ascend (the item arrays
+ * of lists made one after the other) pays a few steps a lookup instead of a bisection of
+ * the whole array (4 M lists of a Python process: 0.5 s of cache misses). */
+static inline uint64_t mu_find_sorted_near(const uint64_t *a, uint64_t n, uint64_t v,
+                                           uint64_t *hint)
+{
+    if (!n)
+        return 0;
+    uint64_t h = *hint < n ? *hint : n - 1, lo, hi, step = 1;
+    if (a[h] < v) {                 /* the answer (first a[x] >= v) lies above h */
+        lo = h + 1;
+        while (h + step < n && a[h + step] < v) {
+            lo = h + step + 1;
+            step <<= 1;
+        }
+        hi = h + step < n ? h + step + 1 : n;
+    } else {                        /* at h or below */
+        hi = h + 1;
+        while (step <= h && a[h - step] >= v) {
+            hi = h - step + 1;
+            step <<= 1;
+        }
+        lo = step <= h ? h - step + 1 : 0;
+    }
+    while (lo < hi) {
+        uint64_t mid = (lo + hi) >> 1;
+        if (a[mid] < v)
+            lo = mid + 1;
+        else
+            hi = mid;
+    }
+    *hint = lo;
+    return lo < n && a[lo] == v ? lo : n;
+}
+
 /* A list's dead item slots (mu_list_slack): from item + 8 * ob_size to the end of the item
  * array's allocation (its `allocated` slots, and the allocator's slack after them, when the
- * image has an allocation starting at item that holds them); 0 when the fields do not agree. */
+ * image has an allocation starting at item that holds them); 0 when the fields do not agree.
+ * *hint: mu_find_sorted_near's finger, carried from list to list. */
 static inline uint64_t mu_list_dead_end(const uint64_t *begin, const uint64_t *size, uint64_t n,
-                                        uint64_t n_size, uint64_t item, uint64_t alloc)
+                                        uint64_t n_size, uint64_t item, uint64_t alloc,
+                                        uint64_t *hint)
 {
     if (!item || (item & 7) || (int64_t)n_size < 0 || n_size > alloc || alloc > (1ull << 40))
         return 0;
-    uint64_t end = item + 8 * alloc, k = mu_find_sorted(begin, n, item);
+    uint64_t end = item + 8 * alloc, k = mu_find_sorted_near(begin, n, item, hint);
     if (k < n && 8 * alloc <= size[k])
         end = begin[k] + size[k];
     return end > item + 8 * n_size ? end : 0;

@@ -170,7 +170,7 @@ int64_t mu_gc_dead_ranges(const uint64_t *begin, const uint64_t *size, uint64_t 
         || doc_field < 16 || (doc_field & 7) || doc_field > 4096 || (flag_off & 7)
         || flag_off > 4096 || buf_field < 16 || (buf_field & 7) || buf_field > 4096)
         return -EINVAL;
-    uint64_t found = 0, cur = 0;
+    uint64_t found = 0, cur = 0, hint = 0;
     counts[0] = counts[1] = counts[2] = 0;
     for (uint64_t i = 0; i < n; i++) {
         const uint8_t *o;
@@ -188,7 +188,7 @@ int64_t mu_gc_dead_ranges(const uint64_t *begin, const uint64_t *size, uint64_t 
                 memcpy(&n_size, o + 16, 8);
                 memcpy(&item, o + 24, 8);
                 memcpy(&alloc, o + 32, 8);
-                uint64_t end = mu_list_dead_end(begin, size, n, n_size, item, alloc);
+                uint64_t end = mu_list_dead_end(begin, size, n, n_size, item, alloc, &hint);
                 if (end) {
                     pair[0][0] = item + 8 * n_size;
                     pair[0][1] = end;

@@ -123,7 +123,7 @@ int64_t mu_list_slack(const uint64_t *begin, const uint64_t *size, uint64_t n,
 {
     if ((n && (!begin || !size || !head_word)) || (nheap && !heap) || (cap && !out))
         return -EINVAL;
-    uint64_t found = 0;
+    uint64_t found = 0, hint = 0;
     for (uint64_t i = 0; i < n; i++) {
         if (!head_word[i])
             continue;
@@ -137,7 +137,7 @@ int64_t mu_list_slack(const uint64_t *begin, const uint64_t *size, uint64_t n,
         memcpy(&n_size, o + 16, 8);
         memcpy(&item, o + 24, 8);
         memcpy(&alloc, o + 32, 8);
-        uint64_t end = tp == list_type ? mu_list_dead_end(begin, size, n, n_size, item, alloc) : 0;
+        uint64_t end = tp == list_type ? mu_list_dead_end(begin, size, n, n_size, item, alloc, &hint) : 0;
         if (!end)
             continue;
         if (found < cap) {
