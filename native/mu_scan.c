@@ -1615,15 +1615,39 @@ static int cmp_pair(const void *a, const void *b)
  * took 0.42 s in qsort. Falls back to qsort when the scratch cannot be had. */
 static void sort_pairs(uint64_t *pairs, uint64_t n)
 {
+    if (n < 2)
+        return;
     uint64_t *tmp = n >= RADIX_MIN ? malloc(n * 2 * sizeof *tmp) : NULL;
     if (!tmp) {
         qsort(pairs, n, 2 * sizeof *pairs, cmp_pair);
         return;
     }
-    uint64_t sorted = 1, lo = pairs[0], hi = pairs[0];
+    uint64_t run = 1;                           /* the sorted prefix */
+    while (run < n && pairs[2 * run] >= pairs[2 * run - 2])
+        run++;
+    if (run == n) {
+        free(tmp);
+        return;
+    }
+    if (n - run <= n / 8) {
+        /* a sorted array with a few pairs added at its end (a sweep's dead ranges and an
+         * in-process check's own): sort the tail, then merge the two runs */
+        uint64_t *t = pairs + 2 * run, nt = n - run, i = 0, j = 0, k = 0;
+        sort_pairs(t, nt);
+        while (i < run || j < nt) {
+            const uint64_t *from = j >= nt || (i < run && pairs[2 * i] <= t[2 * j])
+                                   ? &pairs[2 * i++] : &t[2 * j++];
+            tmp[2 * k] = from[0];
+            tmp[2 * k + 1] = from[1];
+            k++;
+        }
+        memcpy(pairs, tmp, n * 2 * sizeof *pairs);
+        free(tmp);
+        return;
+    }
+    uint64_t sorted = 0, lo = pairs[0], hi = pairs[0];
     for (uint64_t i = 1; i < n; i++) {
         uint64_t b = pairs[2 * i];
-        sorted &= b >= pairs[2 * i - 2];
         lo = b < lo ? b : lo;
         hi = b > hi ? b : hi;
     }

@@ -585,6 +585,8 @@ def test_merge_pairs_of_many_ranges_is_merge_ranges(spread):
         want = [(r.begin, r.end) for r in merge_ranges([Range(b, e) for b, e in pairs])]
         assert merge_pairs(pairs) == want
         assert merge_pairs(sorted(pairs)) == want           # already sorted
+        tail = pairs[:n // 10]
+        assert merge_pairs(sorted(pairs[n // 10:]) + tail) == want  # a sorted run, a tail
 
 
 TEXT = int.from_bytes(b"AES-128-", "little")       # a word of 8 printable bytes

@@ -141,7 +141,8 @@ def gc_dead_ranges(image: HeapImage, head_word, list_type: int, metas: Sequence[
     m, b = array("Q", metas), array("Q", buffered)
     args = _image_args(image) + (ffi.from_buffer("uint8_t[]", head_word),)
     counts = ffi.new("uint64_t[3]")
-    cap = 4096
+    # room for a range per GC object (a list's slack, most often), so that one pass does
+    cap = 4096 + len(head_word) - head_word.count(0)
     while True:
         out = array("Q", bytes(16 * cap))
         rc = lib.mu_gc_dead_ranges(*args, list_type, ffi.from_buffer("uint64_t[]", m), len(m),
