@@ -225,7 +225,11 @@ class WriteTracker:
         (deferred.record_allocations); drop what no later sweep can use: the records
         before the last but two swept snapshots (a batch's sweeps of its waiting snapshots
         look back past the last), at most KEEP_SWEPT, and the looks before the oldest kept."""
-        self.swept_begins[epoch] = array("Q", begins)
+        if isinstance(begins, (array, memoryview)):         # a walk's: copied as bytes
+            kept = self.swept_begins[epoch] = array("Q")
+            kept.frombytes(memoryview(begins).cast("B"))
+        else:
+            self.swept_begins[epoch] = array("Q", begins)
         if full:
             self.full.add(epoch)
         fulls = sorted(e for e in self.full if e in self.swept_begins)

@@ -827,3 +827,76 @@ def test_tcache_scan_accepts_a_struct_16_bytes_larger():
     r.finish_top()
     tab, keep = regions(r)
     assert [g[0] for g in scan(tab, 1, r, tc, active=64, max_count=16)] == structs[:1]
+
+
+# --- assemble: run_jobs' pieces compacted in their scratch ----------------------------------
+def _scratch_with(caps, outputs):
+    """A walker._Scratch for jobs of the given caps (bases ascending), job k's chunks
+    outputs[k] (user addresses; usable = address // 16) written at its offset, and its Pieces."""
+    from memunreachable.heaps.glibc.copies import Piece
+    from memunreachable.heaps.glibc.walker import _Scratch
+
+    class Job:
+        def __init__(self, base, cap):
+            self.cp, self.cap = type("Cp", (), {"base": base})(), cap
+    jobs = [Job(0x1000_0000 * (k + 1), c) for k, c in enumerate(caps)]
+    sc = _Scratch(jobs)
+    pieces = []
+    for k, out in enumerate(outputs):
+        at = sc.at[k]
+        for i, u in enumerate(out):
+            sc.user_q[at + i], sc.usable_q[at + i] = u, u // 16
+        pieces.append(Piece(jobs[k].cp.base, sc.user_q[at:at + len(out)],
+                            sc.usable_q[at:at + len(out)], at))
+    return sc, pieces
+
+
+def _arr(addrs):
+    from memunreachable.heaps.glibc.copies import Piece
+    return Piece(addrs[0], array("Q", addrs), array("Q", [a // 16 for a in addrs]))
+
+
+def test_assemble_compacts_the_scratch_in_place_with_other_pieces_between():
+    """run_jobs' pieces move down to the scratch's start, arrays (mmapped chunks, runs walked
+    again) are written in the room before the next piece: the result is every chunk in
+    address order, as views of the scratch, and its tail pages are released."""
+    from memunreachable.heaps.glibc.walker import _Walker
+    rng = random.Random(3)
+    outs = [sorted(0x1000_0000 * (k + 1) + 16 * rng.randrange(1, 1 << 20) for _ in range(n))
+            for k, n in enumerate([3000, 0, 700, 5000])]
+    outs = [sorted(set(o)) for o in outs]
+    sc, pieces = _scratch_with([6000, 100, 2000, 9000], outs)
+    w = _Walker(None, [], 0)
+    extra = [_arr([0x0800_0000 + 16 * i for i in range(50)]),          # below every job
+             _arr([0x1800_0000 + 16 * i for i in range(900)]),         # between jobs 0 and 1
+             _arr([0x5000_0000 + 16 * i for i in range(10)])]          # after the last
+    want = sorted([a for o in outs for a in o] + [a for p in extra for a in p.user])
+    w.pieces, w.scratch = pieces + extra, sc
+    user, usable = w.assemble()
+    assert isinstance(user, memoryview) and list(user) == want
+    assert list(usable) == [a // 16 for a in want]
+    assert w.v.hard == [] and w.scratch is None and w.pieces == []
+
+
+def test_assemble_copies_when_an_array_does_not_fit_before_the_next_piece():
+    from memunreachable.heaps.glibc.walker import _Walker
+    outs = [[0x1000_0000 + 16 * i for i in range(100)], [0x2000_0000 + 16 * i for i in range(100)]]
+    sc, pieces = _scratch_with([100, 100], outs)
+    w = _Walker(None, [], 0)
+    # more than the front room and job 0's: no room before job 1's piece
+    big = _arr([0x1800_0000 + 16 * i for i in range(sc.FRONT + 101)])
+    want = sorted(outs[0] + outs[1] + list(big.user))
+    w.pieces, w.scratch = pieces + [big], sc
+    user, usable = w.assemble()
+    assert isinstance(user, array) and list(user) == want and list(usable) == [a // 16 for a in want]
+
+
+def test_assemble_leaves_out_a_piece_that_overlaps_the_one_before():
+    from memunreachable.heaps.glibc.walker import _Walker
+    outs = [[0x1000_0000 + 16 * i for i in range(100)], [0x2000_0000 + 16 * i for i in range(10)]]
+    sc, pieces = _scratch_with([200, 200], outs)
+    w = _Walker(None, [], 0)
+    w.pieces, w.scratch = pieces + [_arr([0x1000_0000 + 16 * 50, 0x1000_0000 + 16 * 51])], sc
+    user, _ = w.assemble()
+    assert list(user) == outs[0] + outs[1]
+    assert any("overlapping chunk runs" in m for m in w.v.hard)

@@ -98,12 +98,14 @@ class Copy:
 class Piece(Fields):
     """In-use chunks of one run, heap or mapping: ascending user addresses inside [lo, hi)
     (arrays, or 'Q' memoryviews of run_jobs' scratch)."""
-    __slots__ = ("lo", "user", "usable")
+    __slots__ = ("lo", "user", "usable", "at")
 
-    def __init__(self, lo: int, user: object, usable: object):
+    def __init__(self, lo: int, user: object, usable: object,
+                 at: int = -1):     # run_jobs' pieces: where in the scratch they start
         self.lo = lo
         self.user = user
         self.usable = usable
+        self.at = at
 
 
 def alloc_q(n: int) -> array:
