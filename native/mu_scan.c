@@ -1010,7 +1010,8 @@ static int scan_cands(mark_ctx *m, uint64_t i, const mu_region *reg)
     uint64_t e = b + len;
     if ((b & 7) || (len & 7) || b < c->base || e > c->base + c->len)
         return 0;
-    if (m->dead && m->dead->nranges) {  /* a dead word inside: the byte scan decides */
+    if (m->dead && m->dead->nranges &&  /* a dead word inside: the byte scan decides */
+        !(m->dead_in && !(m->dead_in[i >> 6] >> (i & 63) & 1))) {   /* (none meets it) */
         mu_live_iter it;
         uint64_t rb, re;
         mu_live_init(&it, m->dead, b, e, 0, 0);
