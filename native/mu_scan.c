@@ -1633,8 +1633,17 @@ static void sort_pairs(uint64_t *pairs, uint64_t n)
     if (n - run <= n / 8) {
         /* a sorted array with a few pairs added at its end (a sweep's dead ranges and an
          * in-process check's own): sort the tail, then merge the two runs */
-        uint64_t *t = pairs + 2 * run, nt = n - run, i = 0, j = 0, k = 0;
+        uint64_t *t = pairs + 2 * run, nt = n - run, j = 0, k = 0;
         sort_pairs(t, nt);
+        uint64_t lo = 0, hi = run;      /* the prefix before the tail's first begin stays */
+        while (lo < hi) {
+            uint64_t mid = (lo + hi) >> 1;
+            if (pairs[2 * mid] <= t[0])
+                lo = mid + 1;
+            else
+                hi = mid;
+        }
+        uint64_t i = lo;
         while (i < run || j < nt) {
             const uint64_t *from = j >= nt || (i < run && pairs[2 * i] <= t[2 * j])
                                    ? &pairs[2 * i++] : &t[2 * j++];
@@ -1642,7 +1651,7 @@ static void sort_pairs(uint64_t *pairs, uint64_t n)
             tmp[2 * k + 1] = from[1];
             k++;
         }
-        memcpy(pairs, tmp, n * 2 * sizeof *pairs);
+        memcpy(pairs + 2 * lo, tmp, k * 2 * sizeof *pairs);
         free(tmp);
         return;
     }

@@ -587,6 +587,10 @@ def test_merge_pairs_of_many_ranges_is_merge_ranges(spread):
         assert merge_pairs(sorted(pairs)) == want           # already sorted
         tail = pairs[:n // 10]
         assert merge_pairs(sorted(pairs[n // 10:]) + tail) == want  # a sorted run, a tail
+        run = sorted(pairs[n // 10:])
+        for part in (sorted(tail)[-20:], sorted(tail)[:20]):        # a tail above, below
+            assert merge_pairs(run + part) == [
+                (r.begin, r.end) for r in merge_ranges([Range(b, e) for b, e in run + part])]
 
 
 TEXT = int.from_bytes(b"AES-128-", "little")       # a word of 8 printable bytes
