@@ -15,7 +15,7 @@ from array import array
 from typing import List, Sequence, Tuple
 
 from memunreachable._ffi import check, ffi, lib, u64_view
-from memunreachable._types import HeapImage, Range, local_buffer, subtract_ranges
+from memunreachable._types import HeapImage, Range, local_buffer, subtract_ranges, u64_scratch
 from memunreachable.heaps.cpython.walker import CPythonMap
 
 
@@ -34,13 +34,18 @@ def drop_overlapping(cp: CPythonMap, image: HeapImage, pool_size: int):
     lo = 0
     for p in bad:                       # keep the runs of blocks between the bad pools
         cut, hi = _slice(cp.blocks, p, p + pool_size)
-        blocks.extend(cp.blocks[lo:cut])
-        sizes.extend(cp.sizes[lo:cut])
+        _extend(blocks, cp.blocks[lo:cut])
+        _extend(sizes, cp.sizes[lo:cut])
         lo = hi
-    blocks.extend(cp.blocks[lo:])
-    sizes.extend(cp.sizes[lo:])
+    _extend(blocks, cp.blocks[lo:])
+    _extend(sizes, cp.sizes[lo:])
     holes = [Range(p, p + pool_size) for p in bad]
     return blocks, sizes, subtract_ranges(cp.heap_ranges, holes), len(bad)
+
+
+def _extend(out: array, values) -> None:
+    """out += values (an array or a 'Q' memoryview), as bytes."""
+    out.frombytes(memoryview(values).cast("B"))
 
 
 def _overlapping_pools(blocks, pool_size: int, gbegins, gsizes) -> List[int]:
@@ -93,7 +98,7 @@ def merge_dropping(a: HeapImage, b: HeapImage, drop: Sequence[int]) -> Tuple[Hea
         flat = array("Q", [x for s in spans for x in s])
     dropped = array("Q", sorted(drop))
     total = len(a.begins) + len(b.begins)
-    begins, sizes = _zeros_q(total), _zeros_q(total)
+    begins, sizes = u64_scratch(total), u64_scratch(total)
     ab, k1 = u64_view(a.begins)
     asz, k2 = u64_view(a.sizes)
     bb, k3 = u64_view(b.begins)
@@ -109,13 +114,7 @@ def merge_dropping(a: HeapImage, b: HeapImage, drop: Sequence[int]) -> Tuple[Hea
     if n == -errno.ERANGE:
         raise ValueError(f"allocations overlap at {st.overlap_at:#x}")
     check(n, "merge allocations")
-    del begins[n:]
-    del sizes[n:]
-    return HeapImage(begins, sizes, regions), st.removed
-
-
-def _zeros_q(n: int) -> array:
-    return array("Q", (0,)) * n
+    return HeapImage(begins[:n], sizes[:n], regions), st.removed
 
 
 def _merge_regions(pairs) -> Tuple[list, List[Tuple[int, int]]]:

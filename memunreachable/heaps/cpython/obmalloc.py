@@ -24,7 +24,7 @@ from typing import List, Sequence, Tuple
 
 from memunreachable._errors import MemoryUnreadable
 from memunreachable._ffi import check, ffi, lib
-from memunreachable._types import Mapping, Range, merge_ranges
+from memunreachable._types import Mapping, Range, merge_ranges, u64_scratch
 from memunreachable.collect.memory import local_copy
 from memunreachable.heaps.cpython import layout as L
 
@@ -127,7 +127,7 @@ class _Acc:
         # sized once and filled by slices (memcpy): growing by extend reallocated and copied
         # the arrays over and over (117k blocks: 6 ms -> under 1 ms)
         total = sum(len(a) for _, a, _ in self.pieces)
-        blocks, sizes = _zeros(total), _zeros(total)
+        blocks, sizes = u64_scratch(total), u64_scratch(total)     # every entry written below
         off = 0
         for _, a, s in sorted(self.pieces, key=lambda p: p[0]):
             blocks[off:off + len(a)] = a
