@@ -178,10 +178,9 @@ static inline int mu_text_tail(uint64_t prev, uint64_t v)
  * /sys/devices/system/cpu/online at each call, 12 times in a pytest process's check. */
 long mu_online_cpus(void);
 
-/* The index of v in the ascending array a[0..n), or n. */
-static inline uint64_t mu_find_sorted(const uint64_t *a, uint64_t n, uint64_t v)
+/* The first index in [lo, hi) of the ascending array a whose value is >= v, or hi. */
+static inline uint64_t mu_lower_bound(const uint64_t *a, uint64_t lo, uint64_t hi, uint64_t v)
 {
-    uint64_t lo = 0, hi = n;
     while (lo < hi) {
         uint64_t mid = (lo + hi) >> 1;
         if (a[mid] < v)
@@ -189,8 +188,16 @@ static inline uint64_t mu_find_sorted(const uint64_t *a, uint64_t n, uint64_t v)
         else
             hi = mid;
     }
+    return lo;
+}
+
+/* The index of v in the ascending array a[0..n), or n. */
+static inline uint64_t mu_find_sorted(const uint64_t *a, uint64_t n, uint64_t v)
+{
+    uint64_t lo = mu_lower_bound(a, 0, n, v);
     return lo < n && a[lo] == v ? lo : n;
 }
+
 /* mu_find_sorted from a finger: gallops from *hint towards v, then bisects the bracket;
  * *hint becomes where v is or would go. A pass whose values mostly ascend (the item arrays
  * of lists made one after the other) pays a few steps a lookup instead of a bisection of
@@ -216,13 +223,7 @@ static inline uint64_t mu_find_sorted_near(const uint64_t *a, uint64_t n, uint64
         }
         lo = step <= h ? h - step + 1 : 0;
     }
-    while (lo < hi) {
-        uint64_t mid = (lo + hi) >> 1;
-        if (a[mid] < v)
-            lo = mid + 1;
-        else
-            hi = mid;
-    }
+    lo = mu_lower_bound(a, lo, hi, v);
     *hint = lo;
     return lo < n && a[lo] == v ? lo : n;
 }
