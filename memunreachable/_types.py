@@ -310,8 +310,9 @@ class RangeCutter:
 class HeapImage(Fields):
     """The snapshot's allocations plus local copies of the memory that holds them.
 
-    begins: array('Q') of user addresses, strictly ascending; sizes: array('Q') of usable
-    sizes (malloc_usable_size); regions: [(base, buffer)] sorted and disjoint, whose bytes
+    begins: user addresses, strictly ascending; sizes: usable sizes (malloc_usable_size);
+    each an array('Q') or a 'Q' memoryview (the glibc walk's arrays compacted in place, a
+    merged image's: u64_scratch), read-only for their users; regions: [(base, buffer)] sorted and disjoint, whose bytes
     cover every allocation (buffers are bytearray or mmap objects; after a low-memory walk a
     heap's buffer is a glibc/copies.Uncopied, read on demand: only mark() accepts those).
     """

@@ -125,6 +125,29 @@ def test_gc_walk_marks_every_head():
     assert gc_walk(h, [head])[0] == 0
 
 
+def test_gc_walk_lists_each_type_once():
+    """The types of the GC objects, ascending, each once: runs of one type, types that share
+    a slot of the walk's cache of recent types, and the all-ones and zero words."""
+    import random
+    rng = random.Random(9)
+    pool = [0x7000_0000 + 0x1000 * k for k in range(600)]
+    kinds = [(1 << 64) - 1, 0] + [t for t in rng.choices(pool, k=3000)      # each first once
+                                  for _ in range(rng.randrange(1, 4))]
+    h, head = gc_heap(len(kinds))
+    for a, tp in zip(h.addrs, kinds):
+        struct.pack_into("<Q", h.buf, a + 24 - h.base, tp)
+    img = h.image()
+    hw, out = bytearray(len(img.begins)), array("Q", bytes(8 * 1000))
+    st = ffi.new("mu_gc_walk_stats *")
+    flat = array("Q", head)
+    rc = lib.mu_gc_walk(ffi.from_buffer("uint64_t[]", img.begins), ffi.from_buffer("uint64_t[]", img.sizes),
+                        len(img.begins), *_regions(img), ffi.from_buffer("uint64_t[]", flat), 1,
+                        1 << 20, ffi.from_buffer("uint8_t[]", hw), ffi.from_buffer("uint64_t[]", out),
+                        len(out), st)
+    assert rc == len(kinds)
+    assert list(out[:st.ntypes]) == sorted(set(kinds))
+
+
 def test_gc_walk_rejects_broken_lists():
     h, head = gc_heap(4)
     assert gc_walk(h, [head], max_nodes=3)[0] == -errno.ELOOP
