@@ -7,6 +7,7 @@ from __future__ import annotations
 import bisect
 import mmap
 import struct
+from array import array
 from operator import attrgetter
 from typing import List, Optional, Protocol, Sequence, Tuple
 
@@ -342,6 +343,15 @@ def u64_scratch(n: int) -> memoryview:
     pass writes before anything reads it (no zero fill of the whole length: 2 x 12 M entries
     of a Python process's merged image took 0.1 s of zeroing)."""
     return memoryview(local_buffer(8 * n, zeroed=False)).cast("Q")
+
+
+def extend_u64(out: array, values) -> None:
+    """out += values: as bytes for an array('Q') or a 'Q' memoryview (array.extend would read
+    a memoryview entry by entry), else entry by entry."""
+    if isinstance(values, (array, memoryview)):
+        out.frombytes(memoryview(values).cast("B"))
+    else:
+        out.extend(values)
 
 
 def local_buffer(size: int, zeroed: bool = True):

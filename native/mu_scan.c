@@ -605,6 +605,13 @@ typedef struct {
     uint64_t stale;             /* hits ignored by the rule */
 } mark_ctx;
 
+/* Whether a dead range may meet allocation i: its bit in dead_in (always when there is no
+ * bitmap). A block without it is scanned without a search of the ranges. */
+static inline int dead_may_meet(const mark_ctx *m, uint64_t i)
+{
+    return !m->dead_in || (m->dead_in[i >> 6] >> (i & 63) & 1);
+}
+
 /* The slot of the cache of values met (mark_ctx.seen) that value v maps to. */
 static inline uint64_t *seen_slot(uint64_t *seen, uint64_t v)
 {
@@ -874,7 +881,7 @@ static inline void scan_block(mark_ctx *m, uint64_t i, const uint8_t *d, uint64_
     }
     len = mu_live_len_r(dead, r, d, b, len, avail);
     mu_live_head(dead, r, i, b, &hb, &he);
-    const mu_dead *dr = m->dead_in && !(m->dead_in[i >> 6] >> (i & 63) & 1) ? NULL : ix->dead;
+    const mu_dead *dr = dead_may_meet(m, i) ? ix->dead : NULL;
     scan_range(m, d, b, len, avail, hb, he, dr);
     m->heap_bytes += len;
 }
@@ -1010,8 +1017,7 @@ static int scan_cands(mark_ctx *m, uint64_t i, const mu_region *reg)
     uint64_t e = b + len;
     if ((b & 7) || (len & 7) || b < c->base || e > c->base + c->len)
         return 0;
-    if (m->dead && m->dead->nranges &&  /* a dead word inside: the byte scan decides */
-        !(m->dead_in && !(m->dead_in[i >> 6] >> (i & 63) & 1))) {   /* (none meets it) */
+    if (m->dead && m->dead->nranges && dead_may_meet(m, i)) {  /* the byte scan decides */
         mu_live_iter it;
         uint64_t rb, re;
         mu_live_init(&it, m->dead, b, e, 0, 0);
@@ -1655,7 +1661,7 @@ static void sort_pairs(uint64_t *pairs, uint64_t n)
         free(tmp);
         return;
     }
-    uint64_t sorted = 0, lo = pairs[0], hi = pairs[0];
+    uint64_t lo = pairs[0], hi = pairs[0];
     for (uint64_t i = 1; i < n; i++) {
         uint64_t b = pairs[2 * i];
         lo = b < lo ? b : lo;
@@ -1663,7 +1669,7 @@ static void sort_pairs(uint64_t *pairs, uint64_t n)
     }
     uint64_t count[1u << RADIX_BITS];          /* 16 KiB */
     uint64_t *src = pairs, *dst = tmp;
-    for (unsigned shift = 0; !sorted && shift < 64; shift += RADIX_BITS) {
+    for (unsigned shift = 0; shift < 64; shift += RADIX_BITS) {
         const uint64_t mask = (1u << RADIX_BITS) - 1;
         if (((lo ^ hi) >> shift) == 0)
             break;                              /* every begin shares the digits left */
@@ -1696,8 +1702,7 @@ int64_t mu_merge_pairs(uint64_t *pairs, uint64_t n)
 {
     if (n && !pairs)
         return -EINVAL;
-    if (n)
-        sort_pairs(pairs, n);
+    sort_pairs(pairs, n);
     uint64_t k = 0;
     for (uint64_t i = 0; i < n; i++) {
         uint64_t b = pairs[2 * i], e = pairs[2 * i + 1];

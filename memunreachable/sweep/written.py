@@ -41,6 +41,7 @@ from array import array
 from typing import Dict, List, Optional, Sequence, Tuple
 
 from memunreachable._ffi import ffi, lib, u64_view
+from memunreachable._types import extend_u64
 
 MAX_MAPPING = 1 << 30       # larger writable mappings stay untracked (pte markers per page)
 KEEP_SWEPT = 32             # recorded snapshots whose allocations are kept, at most (the
@@ -225,11 +226,8 @@ class WriteTracker:
         (deferred.record_allocations); drop what no later sweep can use: the records
         before the last but two swept snapshots (a batch's sweeps of its waiting snapshots
         look back past the last), at most KEEP_SWEPT, and the looks before the oldest kept."""
-        if isinstance(begins, (array, memoryview)):         # a walk's: copied as bytes
-            kept = self.swept_begins[epoch] = array("Q")
-            kept.frombytes(memoryview(begins).cast("B"))
-        else:
-            self.swept_begins[epoch] = array("Q", begins)
+        kept = self.swept_begins[epoch] = array("Q")
+        extend_u64(kept, begins)
         if full:
             self.full.add(epoch)
         fulls = sorted(e for e in self.full if e in self.swept_begins)

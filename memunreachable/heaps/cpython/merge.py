@@ -15,7 +15,8 @@ from array import array
 from typing import List, Sequence, Tuple
 
 from memunreachable._ffi import check, ffi, lib, u64_view
-from memunreachable._types import HeapImage, Range, local_buffer, subtract_ranges, u64_scratch
+from memunreachable._types import (HeapImage, Range, extend_u64, local_buffer, subtract_ranges,
+                                   u64_scratch)
 from memunreachable.heaps.cpython.walker import CPythonMap
 
 
@@ -34,18 +35,13 @@ def drop_overlapping(cp: CPythonMap, image: HeapImage, pool_size: int):
     lo = 0
     for p in bad:                       # keep the runs of blocks between the bad pools
         cut, hi = _slice(cp.blocks, p, p + pool_size)
-        _extend(blocks, cp.blocks[lo:cut])
-        _extend(sizes, cp.sizes[lo:cut])
+        extend_u64(blocks, cp.blocks[lo:cut])
+        extend_u64(sizes, cp.sizes[lo:cut])
         lo = hi
-    _extend(blocks, cp.blocks[lo:])
-    _extend(sizes, cp.sizes[lo:])
+    extend_u64(blocks, cp.blocks[lo:])
+    extend_u64(sizes, cp.sizes[lo:])
     holes = [Range(p, p + pool_size) for p in bad]
     return blocks, sizes, subtract_ranges(cp.heap_ranges, holes), len(bad)
-
-
-def _extend(out: array, values) -> None:
-    """out += values (an array or a 'Q' memoryview), as bytes."""
-    out.frombytes(memoryview(values).cast("B"))
 
 
 def _overlapping_pools(blocks, pool_size: int, gbegins, gsizes) -> List[int]:

@@ -24,7 +24,7 @@ from memunreachable.sweep import detect
 from memunreachable._errors import UnsupportedTarget
 from memunreachable._ffi import check, ffi, lib
 from memunreachable._types import (Allocator, Fields, HeapImage, Mapping, Range, ThreadState,
-                                   local_buffer, merge_ranges)
+                                   extend_u64, local_buffer, merge_ranges)
 from memunreachable.heaps.glibc import layout as L
 from memunreachable.heaps.glibc import locate
 from memunreachable.heaps.glibc import validate as V
@@ -123,7 +123,7 @@ class _Scratch:
         room before the next piece still to move. False, with nothing moved, when some piece
         would not fit there (the caller copies them all instead)."""
         starts = [p.at for p in pieces if p.at >= 0]
-        d, nxt, total = 0, 0, sum(len(p.user) for p in pieces)
+        d, nxt = 0, 0
         for p in pieces:                            # the plan: every move fits
             if p.at >= 0:
                 if d > p.at:
@@ -132,6 +132,7 @@ class _Scratch:
             elif d + len(p.user) > (starts[nxt] if nxt < len(starts) else len(self.user_q)):
                 return False
             d += len(p.user)
+        total = d
         bu, bv = ffi.from_buffer("uint64_t[]", self.user), ffi.from_buffer("uint64_t[]", self.usable)
         d = 0
         for p in pieces:
@@ -525,8 +526,8 @@ class _Walker(FreeListsMixin, MmappedMixin):
             return sc.user_q[:sc.n], sc.usable_q[:sc.n]
         user, usable = array("Q"), array("Q")
         for p in kept:
-            user.frombytes(memoryview(p.user).cast("B"))   # an array, or a view of the scratch
-            usable.frombytes(memoryview(p.usable).cast("B"))
+            extend_u64(user, p.user)        # an array, or a view of the scratch
+            extend_u64(usable, p.usable)
         return user, usable
 
     # Returns (the HeapImage, [(base, buffer)] of the copies that hold no allocation).
