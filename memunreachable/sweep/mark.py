@@ -25,7 +25,7 @@ from collections.abc import Sequence as _SequenceABC
 
 from memunreachable._errors import MemoryUnreadable
 from memunreachable._ffi import check, ffi, lib, region_array, u64_view
-from memunreachable._types import HeapImage
+from memunreachable._types import HeapImage, u64_scratch
 
 
 @dataclass
@@ -151,13 +151,16 @@ def merge_pairs(*sources) -> FlatPairs:
     """_types.merge_ranges over (begin, end) pairs (sequences of tuples, or FlatPairs): sorted,
     coalesced, empty ones dropped, in one native pass (mu_merge_pairs): a test process's
     ~12,000 dead ranges took 5 ms as sorted tuples."""
-    flat = array("Q")
-    for pairs in sources:
-        flat.extend(_flat(pairs))
+    flats = [_flat(pairs) for pairs in sources]
+    # sized once and filled by slices: extend grew the array by reallocation (8 M pairs of a
+    # Python process's dead ranges: 0.06 s)
+    flat, off = u64_scratch(sum(len(f) for f in flats)), 0
+    for f in flats:
+        flat[off:off + len(f)] = f if isinstance(f, memoryview) else memoryview(f)
+        off += len(f)
     n = check(lib.mu_merge_pairs(ffi.from_buffer("uint64_t[]", flat), len(flat) // 2)
-              if flat else 0, "merge dead ranges")
-    del flat[2 * n:]
-    return FlatPairs(flat)
+              if len(flat) else 0, "merge dead ranges")
+    return FlatPairs(flat[:2 * n])
 
 
 # Returns (mu_dead * or NULL, objects to keep alive) for a DeadWords over n allocations.

@@ -245,6 +245,35 @@ def test_arenas_walk_checks_nfreepools_and_the_arena_count(nfree, narenas, ok):
     assert w.stats["empty_pools"] == 1 and w.stats["arenas"] == 1
 
 
+def test_arenas_listed_out_of_address_order_give_ascending_blocks():
+    # the arenas array's order is not the arenas' address order: entry 0 is the higher arena.
+    # Each arena's blocks are written after the ones before; the whole is sorted at the end
+    lay = L.LAYOUTS[(3, 12)]
+    hi, lo = BASE + (4 << 20), BASE
+    mem = BufferMemory({hi: pool(hi, 2, 7, free=(3,)), lo: pool(lo, 0, 5) + pool(lo + PS, 1, 2),
+                        **arena_state(lay, 0x5000, 0x9000,
+                                      [(hi, hi + PS, 63, 64), (lo, lo + 2 * PS, 62, 64)], 2)})
+    w = obmalloc.walk_arenas(mem, lay, [0x5000])
+    assert w.problems == []
+    want = ([lo + 48 + 16 * i for i in range(5)] + [lo + PS + 48 + 32 * i for i in range(2)]
+            + [hi + 48 + 48 * i for i in range(7) if i != 3])
+    assert list(w.blocks) == want
+    assert list(w.sizes) == [16] * 5 + [32] * 2 + [48] * 6
+
+
+def test_the_pool_scan_grows_its_output_and_keeps_every_window_s_blocks(monkeypatch):
+    # one window per pool and room for 1 block at first: the outputs double again and again
+    monkeypatch.setattr(obmalloc, "SCAN_WINDOW", PS)
+    monkeypatch.setattr(obmalloc, "ESTIMATE_BLOCK", 1 << 40)
+    lay = L.LAYOUTS[(3, 11)]
+    pools = [pool(BASE + k * PS, k % 3, 100 + k, free=(k,)) for k in range(6)]
+    w = obmalloc.scan_pools(BufferMemory({BASE: b"".join(pools)}), [anon(BASE, BASE + 6 * PS)],
+                            lay)
+    want = [(BASE + k * PS + 48 + 16 * (k % 3 + 1) * i, 16 * (k % 3 + 1))
+            for k in range(6) for i in range(100 + k) if i != k]
+    assert list(zip(w.blocks, w.sizes)) == want and w.problems == [] and w.warnings == []
+
+
 def test_arenas_walk_without_arenas_is_pymalloc_unused():
     lay = L.LAYOUTS[(3, 13)]
     w = obmalloc.walk_arenas(BufferMemory(arena_state(lay, 0x5000, 0, [], 0)), lay, [0x5000])

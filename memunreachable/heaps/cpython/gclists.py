@@ -21,7 +21,7 @@ from typing import List, Optional, Sequence, Tuple
 
 from memunreachable._errors import MemoryUnreadable
 from memunreachable._ffi import ffi, lib, region_array, u64_view
-from memunreachable._types import HeapImage, Range, read_u64
+from memunreachable._types import HeapImage, Range, read_u64, u64_scratch
 from memunreachable.heaps.cpython import layout as L
 from memunreachable.heaps.cpython.walker import CPythonMap
 from memunreachable.sweep.mark import FlatPairs
@@ -144,7 +144,7 @@ def gc_dead_ranges(image: HeapImage, head_word, list_type: int, metas: Sequence[
     # room for a range per GC object (a list's slack, most often), so that one pass does
     cap = 4096 + len(head_word) - head_word.count(0)
     while True:
-        out = array("Q", bytes(16 * cap))
+        out = u64_scratch(2 * cap)      # not zeroed: 4 M lists' room took 0.04 s to zero
         rc = lib.mu_gc_dead_ranges(*args, list_type, ffi.from_buffer("uint64_t[]", m), len(m),
                                    L.TP_DOC, L.TP_FLAGS, L.TPFLAGS_HEAPTYPE,
                                    ffi.from_buffer("uint64_t[]", b), len(b), L.BUFFERED_BUFFER,
@@ -154,8 +154,7 @@ def gc_dead_ranges(image: HeapImage, head_word, list_type: int, metas: Sequence[
         cap = rc
     if rc < 0:
         return [], (0, 0, 0)
-    del out[2 * rc:]
-    return FlatPairs(out), (counts[0], counts[1], counts[2])
+    return FlatPairs(out[:2 * rc]), (counts[0], counts[1], counts[2])
 
 
 # Returns the (begin, end) pairs of mu_gc_stale_parts over the GC objects and its counts (set
