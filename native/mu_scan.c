@@ -347,6 +347,8 @@ int mu_value_target_native(mu_scan_index *ix, const mu_dead *d, uint64_t v)
     if (d->head_word && d->head_word[a])
         return 0;               /* a GC object */
     uint64_t b = ix_begin(ix, a), len = ix_end(ix, a) - b;
+    if (v - b > MU_HANDLE_SLACK)
+        return 0;               /* deep inside a block: a number, no handle (mu_types.h) */
     const mu_region *reg = &ix->heap[region_find(ix, b)];
     uint8_t buf[64];
     const uint8_t *p = buf;

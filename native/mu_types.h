@@ -38,6 +38,11 @@ typedef struct {
  *       or a PyGC_Head tells: an int equal to an object's address is its id()): ctypes'
  *       c_void_p results, cffi's int(ffi.cast("uintptr_t", p)) and numpy's
  *       __array_interface__ hold a block's address as an int, struct.pack("P", p) as bytes.
+ *       A value is a handle only at most MU_HANDLE_SLACK bytes into its block: what an
+ *       allocator hands out (the block; CPython's debug hooks' 16-byte prefix, C++ new[]'s
+ *       8-byte count before it). Ints are counters, sizes and constants too: under a non-PIE
+ *       interpreter (Debian's) the brk heap lies at 16 MiB-1 GiB, where 1 << 29 or 10 ** 8
+ *       fall inside a large block;
  *       MU_TYPE_INT: the value of a positive int of 1-3 30-bit digits (uint32 each at
  *       off + 24, within the block) below 2**64; bits 16-23 of code say what its size word
  *       (off + 16) is: MU_INT_OB_SIZE (3.8-3.11: ob_size = +-ndigits) or MU_INT_LV_TAG (3.12+:
@@ -128,6 +133,7 @@ typedef struct {
 #define MU_TYPE_INT 8
 #define MU_TYPE_FLOAT 9
 #define MU_TYPE_BYTES 10
+#define MU_HANDLE_SLACK 16
 #define MU_TYPE_DICT 11
 #define MU_TYPE_LAST 11          /* the highest kind */
 

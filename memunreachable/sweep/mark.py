@@ -285,8 +285,8 @@ def mark(image: HeapImage, roots: Sequence[Tuple[int, object]], words: Sequence[
 # Returns [(begin, memoryview or bytes)] of the words mark scans in each marked allocation of
 # image: none for a dead or reference-free object, a typed object up to its live end
 # (mu_scanned_len), else the whole allocation; and each value object's handles (an int's
-# value, a float's or short bytes' words: mu_value_words) as 8 bytes at the address it was
-# read from (an int's digits). For diagnostics (explain.py): one Python step per allocation.
+# value, a float's or short bytes' words: mu_value_words, at most MU_HANDLE_SLACK bytes into
+# a block) as 8 bytes at the address it was read from (an int's digits). For diagnostics (explain.py): one Python step per allocation.
 def scanned_blocks(image: HeapImage, marked, dead: Optional["DeadWords"] = None) -> list:
     begins, sizes = image.begins, image.sizes
     dc, keep = dead_words(dead, len(begins))
@@ -304,6 +304,8 @@ def scanned_blocks(image: HeapImage, marked, dead: Optional["DeadWords"] = None)
         if n:
             out.append((begins[j], view[:n]))
         for h in range(lib.mu_value_words(dc, data, begins[j], sizes[j], len(view), vals, at)):
-            out.append((at[h], struct.pack("<Q", vals[h])))
+            k = bisect.bisect_right(begins, vals[h]) - 1     # a handle: near a block's start
+            if k >= 0 and vals[h] - begins[k] <= lib.MU_HANDLE_SLACK:
+                out.append((at[h], struct.pack("<Q", vals[h])))
     del keep
     return out

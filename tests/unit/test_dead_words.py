@@ -647,7 +647,10 @@ def int_heap(value, layout, size=32, immortal=False, target=64):
 @pytest.mark.parametrize("layout", ["ob_size", "lv_tag"])
 @pytest.mark.parametrize("value, kept", [
     (lambda h: h.addrs[1], 1),              # the block's address: 2 digits (47-bit address)
-    (lambda h: h.addrs[1] + 40, 1),         # inside it
+    (lambda h: h.addrs[1] + 8, 1),          # C++ new[]'s count before the array
+    (lambda h: h.addrs[1] + 16, 1),         # CPython's debug hooks' prefix (MU_HANDLE_SLACK)
+    (lambda h: h.addrs[1] + 24, 0),         # deeper inside: a number (1 << 29 inside a large
+    (lambda h: h.addrs[1] + 40, 0),         # block of a non-PIE interpreter's brk heap)
     (lambda h: h.addrs[1] + 64, 0),         # one past its end (the gap after it)
     (lambda h: -h.addrs[1], 0),             # negative: no address
     (0, 0),

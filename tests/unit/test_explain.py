@@ -1,4 +1,5 @@
 """explain.py: the referrer chain of a reachable block, on in-memory data."""
+import pytest
 from memunreachable.sweep.explain import explain
 from memunreachable.sweep.mark import mark, scanned_blocks
 from tests.unit.test_mark import BASE, ROOT, Heap, words_buffer
@@ -138,3 +139,17 @@ def test_a_block_held_by_a_register_names_the_register_or_the_fp_state_offset():
         "<- register rbx of thread 5")
     assert explain(h.addrs[1], h.image(), [], res.marked, (), [], [t])[1].endswith(
         "<- FP/SIMD state +0x40 of thread 5")
+
+
+@pytest.mark.parametrize("into, listed", [(0, True), (16, True), (24, False), (40, False)])
+def test_scanned_blocks_list_an_ints_value_only_where_the_mark_takes_it_as_a_handle(into, listed):
+    # an int's value is a handle at most MU_HANDLE_SLACK bytes into a block, as in mu_mark
+    import struct
+    from memunreachable.sweep.mark import DeadWords
+    from tests.unit.test_dead_words import INT_CODE, INT_TYPE, int_heap
+    h = int_heap(lambda h: h.addrs[1] + into, "lv_tag")
+    dead = DeadWords(types=[(INT_TYPE, INT_CODE["lv_tag"])])
+    blocks = scanned_blocks(h.image(), bytes([1, 1]), dead)
+    values = [struct.unpack("<Q", v)[0] for b, v in blocks if b != h.addrs[1]]
+    assert values == ([h.addrs[1] + into] if listed else [])
+    assert list(mark(h.image(), [], [h.addrs[0]], dead=dead).marked) == [1, int(listed)]
