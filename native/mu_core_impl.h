@@ -642,13 +642,22 @@ static inline uint64_t mu_live_len(const mu_dead *d, const uint8_t *p, uint64_t 
 }
 
 /* The GC-link words of allocation i (0, 0 when none), and with rules r (NULL: none) a dict's
- * header words after them (MU_TYPE_DICT at object offset 16 with the GC head, or 0 without). */
+ * header words after them (MU_TYPE_DICT at object offset 16 with the GC head, or 0 without);
+ * or, for an allocation that is a dict key table (mu_dict_keys_len over its p, len, avail),
+ * the table's header: counts, sizes and, 3.11+, a padding byte (0x40 seen: 0x40010606, a
+ * number inside a non-PIE interpreter's heap), 3.8-3.10 its lookup function. */
 static inline void mu_live_head(const mu_dead *d, const mu_rules *r, uint64_t i, uint64_t b,
+                                const uint8_t *p, uint64_t len, uint64_t avail,
                                 uint64_t *hb, uint64_t *he)
 {
     uint8_t hw = (d && d->head_word) ? d->head_word[i] : 0;
     *hb = hw ? b + 8 * (uint64_t)(hw - 1) : 0;
     *he = hw ? *hb + 16 : 0;
+    if (!hw && d && d->dict_keys && mu_dict_keys_len(d->dict_keys, p, len, avail)) {
+        *hb = b;            /* a dict key table's header: counts, sizes, a padding byte */
+        *he = b + (d->dict_keys == MU_DICT_KEYS_38 ? 40 : 32);
+        return;
+    }
     for (uint32_t f = r ? r->found : 0; f; f &= f - 1) {
         uint64_t k = (uint64_t)__builtin_ctz(f), off = 16 * k;
         if (((r->code[k] >> 8) & 0xff) != MU_TYPE_DICT || !mu_plausible_refcnt(r->rc[k])

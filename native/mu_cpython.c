@@ -171,15 +171,15 @@ int64_t mu_gc_dead_ranges(const uint64_t *begin, const uint64_t *size, uint64_t 
         || flag_off > 4096 || buf_field < 16 || (buf_field & 7) || buf_field > 4096)
         return -EINVAL;
     uint64_t found = 0, cur = 0, hint = 0;
-    counts[0] = counts[1] = counts[2] = 0;
+    counts[0] = counts[1] = counts[2] = counts[3] = 0;
     for (uint64_t i = 0; i < n; i++) {
         const uint8_t *o;
         uint64_t obj = gc_object(begin, size, head_word, heap, nheap, &cur, i, 16, &o);
         if (!obj)
             continue;
-        uint64_t tp, k, pair[3][2];
+        uint64_t tp, k, pair[4][2];
         memcpy(&tp, o + 8, 8);
-        int hit[3] = {0, 0, 0};
+        int hit[4] = {0, 0, 0, 0};
         if (list_type && tp == list_type) {         /* mu_list_slack */
             int64_t q = obj + 40 <= begin[i] + size[i] ? region_from(heap, nheap, &cur, obj, 40)
                                                        : -1;
@@ -196,9 +196,9 @@ int64_t mu_gc_dead_ranges(const uint64_t *begin, const uint64_t *size, uint64_t 
                 }
             }
         }
-        if (nmetas && mu_find_sorted(metas, nmetas, tp) < nmetas
-            && field_block(begin, size, n, heap, nheap, &cur, i, obj, doc_field, flag_off,
-                           flag_mask, &k)) {
+        int meta = nmetas && mu_find_sorted(metas, nmetas, tp) < nmetas;
+        if (meta && field_block(begin, size, n, heap, nheap, &cur, i, obj, doc_field, flag_off,
+                                flag_mask, &k)) {
             pair[1][0] = begin[k];
             pair[1][1] = begin[k] + size[k];
             hit[1] = 1;
@@ -209,7 +209,12 @@ int64_t mu_gc_dead_ranges(const uint64_t *begin, const uint64_t *size, uint64_t 
             pair[2][1] = begin[k] + size[k];
             hit[2] = 1;
         }
-        for (int rule = 0; rule < 3; rule++) {
+        if (meta && flag_off >= 16 && obj + flag_off + 8 <= begin[i] + size[i]) {
+            pair[3][0] = obj + flag_off;            /* a number, no reference */
+            pair[3][1] = obj + flag_off + 8;
+            hit[3] = 1;
+        }
+        for (int rule = 0; rule < 4; rule++) {
             if (!hit[rule])
                 continue;
             if (found < cap) {

@@ -32,16 +32,19 @@ int64_t mu_pools_overlapping(const uint64_t *blocks, uint64_t n, uint64_t pool_s
                              uint64_t *out, uint64_t cap);
 
 /* One pass over the GC objects of the image (head_word[i] != 0: mu_gc_walk) storing the
- * (begin, end) pairs three rules find, as mu_list_slack, mu_field_blocks(metas, doc_field,
+ * (begin, end) pairs four rules find, as mu_list_slack, mu_field_blocks(metas, doc_field,
  * flag_off, flag_mask) and mu_field_blocks(buffered, buf_field, 0, 0) would one after the
- * other (an object two rules apply to gives both pairs, list slack first):
+ * other, then type flags (an object two rules apply to gives both pairs, in this order):
  *   list slack   objects of type list_type (0: none): [item + 8*ob_size, the item array's
  *                end) (mu_list_slack)
  *   type docs    objects whose type is in metas[] (ascending) and whose word at flag_off has a
  *                bit of flag_mask: the block their word at doc_field points at
  *   io buffers   objects whose type is in buffered[] (ascending): the block their word at
  *                buf_field points at
- * Pairs go to out (2 words each, up to cap pairs) in object order; counts[0..2] get how many
+ *   type flags   objects whose type is in metas[] (a type object): their word at flag_off
+ *                (tp_flags: 1 << 24 and up for the subclasses of int, list, dict,
+ *                BaseException..., a number inside a non-PIE interpreter's heap)
+ * Pairs go to out (2 words each, up to cap pairs) in object order; counts[0..3] get how many
  * each rule found. Returns the number of pairs found (may exceed cap), or -EINVAL. */
 int64_t mu_gc_dead_ranges(const uint64_t *begin, const uint64_t *size, uint64_t n,
                           const mu_region *heap, uint64_t nheap, const uint8_t *head_word,

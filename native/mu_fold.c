@@ -275,9 +275,9 @@ int64_t mu_fold(const uint64_t *begin, const uint64_t *size, uint64_t n,
                 }
                 continue;
             }
+            uint64_t whole = len, hb, he, rb, re;
             len = mu_live_len_r(dead, rr, base, b, len, avail);
-            uint64_t hb, he, rb, re;
-            mu_live_head(dead, rr, i, b, &hb, &he);
+            mu_live_head(dead, rr, i, b, base, whole, avail, &hb, &he);
             mu_live_iter it;
             mu_live_init(&it, dead, b + skip, b + len, hb, he);
             while (mu_live_next(&it, &rb, &re)) {

@@ -846,6 +846,73 @@ def test_a_dict_version_tag_equal_to_a_leaked_blocks_address_keeps_nothing(pytho
     assert leak.size == made["tag"][1]
 
 
+TYPE_FLAGS = r"""import ctypes, json, sys
+@LIBC@
+libc.malloc.restype = ctypes.c_void_p
+libc.malloc.argtypes = [ctypes.c_size_t]
+libc.memset.argtypes = [ctypes.c_void_p, ctypes.c_int, ctypes.c_size_t]
+print("baseline", flush=True)
+sys.stdin.readline()
+pads, made, classes = (ctypes.c_void_p * 128)(), {}, []
+
+def flags(t):
+    return ctypes.c_ulong.from_address(id(t) + 168).value
+
+def plant():
+    # a block of the brk heap (Debian's non-PIE interpreters: placed at random in its first
+    # GiB) over the tp_flags of a static type (int's 0x01xxxxxx, str's 0x10xxxxxx ... type's
+    # 0x80xxxxxx: the lowest above the heap) and of a class derived from it (a heap type: a
+    # GC object); pads from the brk heap lift it there (the mmap threshold raised: the pads
+    # are not mmapped, and their untouched pages are never read)
+    libc.mallopt(-3, 32 << 20)          # M_MMAP_THRESHOLD: its most (64-bit glibc)
+    here = libc.malloc(64)
+    base = min((t for t in (int, list, tuple, bytes, str, dict, BaseException, type)
+                if flags(t) > here + (64 << 20)), key=flags)
+    classes.append(type("Derived", (base,), {}))
+    lo, hi = sorted((flags(base), flags(classes[0])))
+    made["flags"] = [base.__name__, f"{lo:#x}", f"{hi:#x}"]
+    # the block starts a page below the lower flags (the round numbers below them, 1 << 30
+    # under BaseException's, are constants of the interpreter's data too) and ends a page
+    # past the higher, or 160 KiB past the lower (no free chunk that large: from the top)
+    size = max(hi - lo + 8192, 160 << 10)
+    end = libc.malloc(256 << 10) + (256 << 10)     # from the top chunk: where the heap ends
+    for k in range(len(pads)):          # pads of at most 30 MiB (below the mmap threshold)
+        step = min(lo - 4096 - end - 16, 30 << 20)
+        if step <= 0:
+            return f"the heap's end {end:#x} lies above the flags"
+        pads[k] = libc.malloc(step)
+        end = pads[k] + step
+        if end + 16 >= lo - 4096:
+            break
+    p = libc.malloc(size)
+    if not p <= lo <= hi < p + size:
+        return f"the block at {p:#x} missed the flags"
+    libc.memset(p, 0, size)
+    made["block"] = [f"{p:#x}", libc.malloc_usable_size(p)]
+    return "planted"
+
+made["premise"] = plant()
+print(json.dumps(made))
+print("ready", flush=True)
+sys.stdin.read(1)
+""".replace("@LIBC@", LIBC)
+
+
+@pytest.mark.parametrize("allocator", ["pymalloc", "malloc"])
+@pytest.mark.parametrize("python", ["/usr/bin/python3"] + [
+    pytest.param(p, marks=pytest.mark.distro) for p in distros.python_specs()], ids=_ident)
+def test_a_types_flags_are_no_reference_to_the_block_under_them(python, allocator):
+    # Debian's interpreters are non-PIE: their brk heap lies in the first GiB, where the static
+    # types' tp_flags (str's: 0x10xxxxxx) and their subclasses' are numbers inside the heap
+    made, info, _ = run_target(python, TYPE_FLAGS, allocator,
+                               expect=lambda made: [int(made["block"][0], 16)]
+                               if "block" in made else [])
+    assert made["premise"] == "planted", made
+    lo, hi, block = int(made["flags"][1], 16), int(made["flags"][2], 16), int(made["block"][0], 16)
+    assert block <= lo <= hi < block + made["block"][1]
+    assert {l.address: l.size for l in info.leaks}[block] == made["block"][1]
+
+
 # parts a 3.14/3.15 check may miss (found on sid's 3.14.10 and 3.15.2, 2026-11-27)
 KNOWN_MISSES_314 = {"pymalloc": {"str"}, "malloc": {"regex"}}
 

@@ -376,7 +376,7 @@ def test_overlapping_pools_equal_the_python_loop():
         [POOL + k * ps for k in range(200)]
 
 
-def test_gc_dead_ranges_equals_the_three_passes_on_random_objects():
+def test_gc_dead_ranges_equals_the_three_passes_and_the_type_flags_on_random_objects():
     import random
     rng = random.Random(11)
     LIST, META, OTHER_META, BUF, OTHER = 0x7000, 0x7100, 0x7200, 0x7300, 0x7400
@@ -413,9 +413,15 @@ def test_gc_dead_ranges_equals_the_three_passes_on_random_objects():
         docs = G.type_docs(img, hw, metas)
         bufs = G.io_buffers(img, hw, buffered)
         pairs, counts = G.gc_dead_ranges(img, hw, list_type, metas, buffered)
-        assert counts == (len(slack), len(docs), len(bufs))
-        assert sorted(pairs) == sorted((r.begin, r.end) for r in slack + docs + bufs)
-        assert sum(counts) > 5
+        # a type object's tp_flags word (a number): every GC object of a metatype whose
+        # object reaches past the word
+        flags = [(b + 16 + L.TP_FLAGS, b + 24 + L.TP_FLAGS) for b, n, h in zip(begins, sizes, hw)
+                 if h and b - base < 0x40000 and not 0x20000 <= b - base < 0x30000
+                 and struct.unpack_from("<Q", data, b - base + 24)[0] in metas
+                 and 16 + L.TP_FLAGS + 8 <= n]
+        assert counts == (len(slack), len(docs), len(bufs), len(flags))
+        assert sorted(pairs) == sorted([(r.begin, r.end) for r in slack + docs + bufs] + flags)
+        assert sum(counts) > 5 and (len(flags) > 5) == bool(metas)
 
 
 def test_with_sizes_adds_size_rules_and_merges_them_with_dead_at_zero_rules():

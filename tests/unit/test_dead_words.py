@@ -349,6 +349,30 @@ def test_dict_key_table_slack_is_not_scanned(layout, make, block):
     assert {(e.index, e.referenced_count) for e in leaks} == {(0, 1), (1, 0)}
 
 
+@pytest.mark.parametrize("layout, make, block", [
+    (lib.MU_DICT_KEYS_311, keys_311, 128),
+    (lib.MU_DICT_KEYS_38, keys_38, 176),
+])
+def test_a_dict_key_table_s_header_is_no_reference(layout, make, block):
+    # under a non-PIE interpreter the heap lies in the first GiB: a 3.11 table's second word
+    # (log2 sizes, kind, a padding byte 0x40, its version 0) read 0x40010606, inside a leaked
+    # block; a 3.8-3.10 table's third is its lookup function
+    h = Heap([block, 0x20000], base=0x4000_0000)
+    make(h, 0)
+    if layout == lib.MU_DICT_KEYS_311:
+        h.buf[11] = 0x40                       # the padding byte
+        assert h.addrs[1] < struct.unpack_from("<Q", h.buf, 8)[0] < h.addrs[1] + 0x20000
+    else:
+        h.link(0, 2, 1, 0x1000)                # dk_lookup, a number
+    keys = DeadWords(dict_keys=layout)
+    assert list(mark(h.image(), [], [h.addrs[0]], dead=keys).marked) == [1, 0]
+    assert list(mark(h.image(), [], [h.addrs[0]]).marked) == [1, 1]    # the rule off: a word
+    leaks = fold(h.image(), bytearray(2), dead=keys)
+    assert {(e.index, e.referenced_count) for e in leaks} == {(0, 0), (1, 0)}
+    h.link(0, 6, 1)                            # an entry's word: a reference
+    assert list(mark(h.image(), [], [h.addrs[0]], dead=keys).marked) == [1, 1]
+
+
 def test_dict_key_table_rule_needs_every_field_consistent():
     h = Heap([128, 32])
     size = keys_311(h, 0)

@@ -131,16 +131,17 @@ def _gc_object_ranges(image: HeapImage, head_word, call, as_pairs: bool = False)
     return FlatPairs(out) if as_pairs else [Range(b, e) for b, e in zip(out[0::2], out[1::2])]
 
 
-# Returns ((begin, end) pairs, (list slack, type docs, io buffers) counts) of list_slack,
-# type_docs and io_buffers over the same GC objects, found in one native pass
-# (mu_gc_dead_ranges) instead of three; list_type 0: no list rule. ([], (0, 0, 0)) on an error.
+# Returns ((begin, end) pairs, (list slack, type docs, io buffers, type flags) counts) of
+# list_slack, type_docs and io_buffers over the same GC objects, and the tp_flags word of each
+# type object (a type whose type is in metas), found in one native pass (mu_gc_dead_ranges);
+# list_type 0: no list rule. ([], (0, 0, 0, 0)) on an error.
 def gc_dead_ranges(image: HeapImage, head_word, list_type: int, metas: Sequence[int],
                    buffered: Sequence[int]):
     if not len(image.begins):
-        return [], (0, 0, 0)
+        return [], (0, 0, 0, 0)
     m, b = array("Q", metas), array("Q", buffered)
     args = _image_args(image) + (ffi.from_buffer("uint8_t[]", head_word),)
-    counts = ffi.new("uint64_t[3]")
+    counts = ffi.new("uint64_t[4]")
     # room for a range per GC object (a list's slack, most often), so that one pass does
     cap = 4096 + len(head_word) - head_word.count(0)
     while True:
@@ -153,8 +154,8 @@ def gc_dead_ranges(image: HeapImage, head_word, list_type: int, metas: Sequence[
             break
         cap = rc
     if rc < 0:
-        return [], (0, 0, 0)
-    return FlatPairs(out[:2 * rc]), (counts[0], counts[1], counts[2])
+        return [], (0, 0, 0, 0)
+    return FlatPairs(out[:2 * rc]), tuple(counts)
 
 
 # Returns the (begin, end) pairs of mu_gc_stale_parts over the GC objects and its counts (set

@@ -133,7 +133,7 @@ def _prepare(mem, maps, threads, pid: Optional[int], image: HeapImage) -> CPytho
             # the heap types whose objects are not GC objects (functools' LRU-list links...):
             # no GC list shows them, yet class_types' rule applies to them too
             types = types + untracked_heap_types(merged, head_word, metas)
-            pairs, (nslack, ndocs, nbuffers) = gc_dead_ranges(
+            pairs, (nslack, ndocs, nbuffers, nflags) = gc_dead_ranges(
                 merged, head_word, statics.get("PyList_Type", 0), metas,
                 buffered_types(mem, cp, types))
             dead_pairs.append(pairs)
@@ -141,6 +141,7 @@ def _prepare(mem, maps, threads, pid: Optional[int], image: HeapImage) -> CPytho
                 out.stats["list_slack_ranges"] = nslack
             out.stats["type_docs"] = ndocs
             out.stats["io_buffers"] = nbuffers
+            out.stats["heap_type_flags"] = nflags
             # sets' smalltables after a resize, dict values arrays' prefixes and unused slots
             gen = dict(generator_types(mem, cp, statics)).get(statics.get("PyGen_Type"))
             pairs, (nsets, nvalues, nstrs, ngens, nnames, nframes) = gc_stale_parts(
@@ -170,6 +171,12 @@ def _prepare(mem, maps, threads, pid: Optional[int], image: HeapImage) -> CPytho
         # objects: no GC list shows their type)
         statics_all = runtime_static_types(mem, maps, pid, cp)
         known = sorted(set(types) | set(statics_all))
+        # every known type's tp_flags: a number, 1 << 24 and up for the subclasses of int,
+        # list, dict, str, BaseException...; under a non-PIE interpreter (Debian's) the heap
+        # lies there (str's flags, 0x1004xxxx, kept a leaked block that straddled them). Heap
+        # types without instances: gc_dead_ranges
+        dead_pairs.append([(t + L.TP_FLAGS, t + L.TP_FLAGS + 8) for t in known])
+        out.stats["type_flags"] = len(known)
         sized = sized_types(mem, maps, cp, known) + class_types(mem, maps, pid, cp, types) \
             + regex_types(mem, maps, cp, known)
         dead_types = dict_headers(with_sizes(dead_types, sized), statics.get("PyDict_Type"))
