@@ -27,7 +27,9 @@ liblsan preloaded (LeakSanitizer sees no pymalloc object: its arenas are mmapped
 cannot be compared; both Python rows are compared with the malloc heap's check).
 --old also runs each check with MEMUNREACHABLE_MARK=on-demand (the low-memory mark before
 issue 25: a wave per level of the graph), alternating with the default (each first in turn).
---compare runs each check with another checkout as well (its C core built in place, see
+--compare runs each check with another checkout as well (with its own .venv's interpreter
+when it has one, `python3 -m venv .venv && .venv/bin/pip install -e .` there: this checkout's
+editable install would give its Python code this C core; else its C core built in place, see
 bench_pause.py), alternating the same way: before/after against the same targets.
 Every check must find exactly the target's leaks. Heaps of 256 MiB and more take the
 low-memory sweep (sweep/steps.py UNCOPIED_MIN_BYTES); a Python process is swept from copies.
@@ -129,7 +131,12 @@ def one_check(pid, method, root=ROOT):
         env["MEMUNREACHABLE_MARK"] = method
     else:
         env.pop("MEMUNREACHABLE_MARK", None)
-    out = subprocess.run([sys.executable, "-c", ONE_CHECK, str(pid)], check=True,
+    # another checkout's own .venv when it has one: under this one's editable install, its
+    # Python code would load this checkout's C core
+    python = os.path.join(root, ".venv", "bin", "python")
+    if root == ROOT or not os.path.exists(python):
+        python = sys.executable
+    out = subprocess.run([python, "-c", ONE_CHECK, str(pid)], check=True,
                          capture_output=True, text=True, cwd=root, env=env).stdout
     return json.loads(out)
 
