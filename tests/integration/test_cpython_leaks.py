@@ -861,13 +861,14 @@ def flags(t):
 def plant():
     # a block of the brk heap (Debian's non-PIE interpreters: placed at random in its first
     # GiB) over the tp_flags of a static type (int's 0x01xxxxxx, str's 0x10xxxxxx ... type's
-    # 0x80xxxxxx: the lowest above the heap) and of a class derived from it (a heap type: a
-    # GC object); pads from the brk heap lift it there (the mmap threshold raised: the pads
+    # 0x80xxxxxx: the lowest above the heap, or type's, always above it, next to ctypes'
+    # static metatypes') and of a class derived from it (a heap type: a GC object); pads
+    # from the brk heap lift it there (the mmap threshold raised: the pads
     # are not mmapped, and their untouched pages are never read)
     libc.mallopt(-3, 32 << 20)          # M_MMAP_THRESHOLD: its most (64-bit glibc)
     here = libc.malloc(64)
     base = min((t for t in (int, list, tuple, bytes, str, dict, BaseException, type)
-                if flags(t) > here + (64 << 20)), key=flags)
+                if flags(t) > here + (64 << 20)), key=flags) if sys.argv[2] == "lowest" else type
     classes.append(type("Derived", (base,), {}))
     lo, hi = sorted((flags(base), flags(classes[0])))
     made["flags"] = [base.__name__, f"{lo:#x}", f"{hi:#x}"]
@@ -898,18 +899,20 @@ sys.stdin.read(1)
 """.replace("@LIBC@", LIBC)
 
 
+@pytest.mark.parametrize("base", ["lowest", "type"])
 @pytest.mark.parametrize("allocator", ["pymalloc", "malloc"])
 @pytest.mark.parametrize("python", ["/usr/bin/python3"] + [
     pytest.param(p, marks=pytest.mark.distro) for p in distros.python_specs()], ids=_ident)
-def test_a_types_flags_are_no_reference_to_the_block_under_them(python, allocator):
+def test_a_types_flags_are_no_reference_to_the_block_under_them(python, allocator, base):
     # Debian's interpreters are non-PIE: their brk heap lies in the first GiB, where the static
     # types' tp_flags (str's: 0x10xxxxxx) and their subclasses' are numbers inside the heap
-    made, info, _ = run_target(python, TYPE_FLAGS, allocator,
+    made, info, _ = run_target(python, TYPE_FLAGS, allocator, base,
                                expect=lambda made: [int(made["block"][0], 16)]
                                if "block" in made else [])
     assert made["premise"] == "planted", made
     lo, hi, block = int(made["flags"][1], 16), int(made["flags"][2], 16), int(made["block"][0], 16)
     assert block <= lo <= hi < block + made["block"][1]
+    assert base == "lowest" or made["flags"][0] == "type"
     assert {l.address: l.size for l in info.leaks}[block] == made["block"][1]
 
 

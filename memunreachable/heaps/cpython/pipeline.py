@@ -32,10 +32,10 @@ from memunreachable.heaps.cpython.gclists import (deque_dead_ranges, field_block
 from memunreachable.heaps.cpython.merge import drop_overlapping, merge_dropping
 from memunreachable.heaps.cpython.typerules import (
     GENERATOR_TYPES, MEMORYVIEW_SHAPE, TUPLE_SHAPE, buffered_types, class_types, ctypes_types,
-    deque_types, dict_keys_rule, frame_types, generator_types, has_debug_hooks, metatypes,
-    object_types, old_frame_rule, regex_types, runtime_static_types, sized_types,
-    stale_part_types, static_types, type_rules, value_types, varsized_type, with_sizes,
-    dict_headers)
+    deque_types, dict_keys_rule, frame_types, generator_types, has_debug_hooks,
+    loaded_static_types, metatypes, object_types, old_frame_rule, regex_types,
+    runtime_static_types, sized_types, stale_part_types, static_types, type_rules, value_types,
+    varsized_type, with_sizes, dict_headers)
 from memunreachable.heaps.cpython.walker import CPythonMap, walk_cpython
 from memunreachable.heaps.glibc.validate import HeapInconsistent
 from memunreachable.sweep.classify import in_syscall
@@ -171,12 +171,14 @@ def _prepare(mem, maps, threads, pid: Optional[int], image: HeapImage) -> CPytho
         # objects: no GC list shows their type)
         statics_all = runtime_static_types(mem, maps, pid, cp)
         known = sorted(set(types) | set(statics_all))
-        # every known type's tp_flags: a number, 1 << 24 and up for the subclasses of int,
-        # list, dict, str, BaseException...; under a non-PIE interpreter (Debian's) the heap
-        # lies there (str's flags, 0x1004xxxx, kept a leaked block that straddled them). Heap
-        # types without instances: gc_dead_ranges
-        dead_pairs.append([(t + L.TP_FLAGS, t + L.TP_FLAGS + 8) for t in known])
-        out.stats["type_flags"] = len(known)
+        # every known type's tp_flags, and every extension module's static types' (ctypes'
+        # metatypes, 0x80xxxxxx, kept a block): a number, 1 << 24 and up for the subclasses
+        # of int, list, dict, str, BaseException, type; under a non-PIE interpreter (Debian's)
+        # the heap lies there (str's flags, 0x1004xxxx, kept a leaked block that straddled
+        # them). Heap types without instances: gc_dead_ranges
+        flagged = sorted(set(known) | set(loaded_static_types(mem, maps, pid, cp)))
+        dead_pairs.append([(t + L.TP_FLAGS, t + L.TP_FLAGS + 8) for t in flagged])
+        out.stats["type_flags"] = len(flagged)
         sized = sized_types(mem, maps, cp, known) + class_types(mem, maps, pid, cp, types) \
             + regex_types(mem, maps, cp, known)
         dead_types = dict_headers(with_sizes(dead_types, sized), statics.get("PyDict_Type"))

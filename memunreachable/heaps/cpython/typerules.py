@@ -6,6 +6,7 @@ types from the snapshot through an ObjectReader and checks their shape (tp_basic
 tp_itemsize, tp_dealloc inside the right object) before giving a rule: a wrong rule would
 hide a reference, so a type of another shape gets none.
     static_types / runtime_static_types / runtime_symbols   the runtime's static types
+    loaded_static_types                     every loaded object's static types (tp_flags)
     type_rules, value_types, object_types, varsized_type, generator_types, old_frame_rule,
     sized_types, class_types, regex_types, deque_types, stale_part_types, buffered_types,
     ctypes_types, frame_types, metatypes                    the rules, one finder each
@@ -23,6 +24,7 @@ from memunreachable._ffi import lib
 from memunreachable._types import read_u64
 from memunreachable.heaps.cpython import layout as L
 from memunreachable.heaps.cpython.walker import CPythonMap
+from memunreachable.sweep.classify import loaded_objects
 
 
 # Returns [(type address, object offset in its block)] ascending, for the GC objects' types
@@ -227,31 +229,58 @@ _STATIC_TYPES: dict = {}
 # mappings of its ELF object (.data) whose ob_type is PyType_Type (by its symbol) and which read
 # as types; [] without the symbol. One search of the mappings per process image (cached).
 def runtime_static_types(mem, maps, pid, cp: CPythonMap) -> List[int]:
+    return _static_types(mem, maps, pid, cp, [m for m in maps if m.path == cp.runtime.object_path])
+
+
+# Returns the static type objects of every loaded ELF object (the runtime, its extension
+# modules, libraries), ascending: as runtime_static_types, and those whose ob_type is one of the
+# static metatypes found so (ctypes' PyCStructType's Structure). Their tp_flags are numbers.
+def loaded_static_types(mem, maps, pid, cp: CPythonMap) -> List[int]:
+    objects = loaded_objects(maps)
+    return _static_types(mem, maps, pid, cp, [m for m in maps if m.path in objects], rounds=2)
+
+
+def _static_types(mem, maps, pid, cp: CPythonMap, mappings, rounds: int = 1) -> List[int]:
+    """The type objects in the writable mappings whose ob_type is PyType_Type (by its symbol)
+    or, each further round, a metatype the round before found, and which read as types; []
+    without the symbol. One search of the mappings per process image (cached)."""
     meta = runtime_symbols(maps, pid, cp).get("PyType_Type")
-    mappings = [m for m in maps if m.path == cp.runtime.object_path]
-    key = tuple([(m.begin, m.end, m.offset, m.dev, m.inode, m.path) for m in mappings])
+    key = (rounds,) + tuple([(m.begin, m.end, m.offset, m.dev, m.inode, m.path)
+                             for m in mappings])
     if not meta:
         return []
     if key not in _STATIC_TYPES:
         reader = object_reader(mem, cp)
-        pattern = struct.pack("<Q", meta)
-        out = []
+        datas = []
         for m in mappings:
             if "w" not in m.perms:
                 continue
             try:
-                data = mem.read(m.begin, m.end - m.begin)
+                datas.append((m.begin, mem.read(m.begin, m.end - m.begin)))
             except MemoryUnreadable:
                 continue
-            i = data.find(pattern, L.OB_TYPE)
-            while i >= 0:
-                t = m.begin + i - L.OB_TYPE
-                if t % 8 == 0 and reader.type_info(t) is not None:
-                    out.append(t)
-                i = data.find(pattern, i + 1)
+        found, metas, metas_next = set(), {meta}, set()
+        for _ in range(rounds):
+            new = set()
+            for base, data in datas:
+                for tp in metas:
+                    pattern = struct.pack("<Q", tp)
+                    i = data.find(pattern, L.OB_TYPE)
+                    while i >= 0:
+                        t, at = base + i - L.OB_TYPE, i - L.OB_TYPE + L.TP_FLAGS
+                        if (t % 8 == 0 and t not in found and at + 8 <= len(data)
+                                and reader.type_info(t) is not None):
+                            new.add(t)
+                            if struct.unpack_from("<Q", data, at)[0] & L.TPFLAGS_TYPE_SUBCLASS:
+                                metas_next.add(t)
+                        i = data.find(pattern, i + 1)
+            found |= new
+            metas, metas_next = metas_next, set()
+            if not metas:
+                break
         if len(_STATIC_TYPES) >= 16:
             _STATIC_TYPES.clear()
-        _STATIC_TYPES[key] = sorted(out)
+        _STATIC_TYPES[key] = sorted(found)
     return _STATIC_TYPES[key]
 
 
