@@ -631,6 +631,13 @@ static inline uint64_t mu_live_len_r(const mu_dead *d, const mu_rules *r, const 
     return len;
 }
 
+/* len, or less when d's live_end limits allocation i (a list's item array: its used slots). */
+static inline uint64_t mu_live_end(const mu_dead *d, uint64_t i, uint64_t len)
+{
+    uint32_t e = (d && d->live_end) ? d->live_end[i] : 0;
+    return e && e - 1 < len ? e - 1 : len;
+}
+
 static inline uint64_t mu_live_len(const mu_dead *d, const uint8_t *p, uint64_t b, uint64_t len,
                                    uint64_t avail)
 {

@@ -163,7 +163,7 @@ int64_t mu_gc_dead_ranges(const uint64_t *begin, const uint64_t *size, uint64_t 
                           uint64_t list_type, const uint64_t *metas, uint64_t nmetas,
                           uint64_t doc_field, uint64_t flag_off, uint64_t flag_mask,
                           const uint64_t *buffered, uint64_t nbuffered, uint64_t buf_field,
-                          uint64_t *out, uint64_t cap, uint64_t *counts)
+                          uint64_t *out, uint64_t cap, uint64_t *counts, uint32_t *live_end)
 {
     if ((n && (!begin || !size || !head_word)) || (nheap && !heap) || (cap && !out) || !counts
         || (nmetas && !metas) || (nbuffered && !buffered)
@@ -189,7 +189,13 @@ int64_t mu_gc_dead_ranges(const uint64_t *begin, const uint64_t *size, uint64_t 
                 memcpy(&item, o + 24, 8);
                 memcpy(&alloc, o + 32, 8);
                 uint64_t end = mu_list_dead_end(begin, size, n, n_size, item, alloc, &hint);
-                if (end) {
+                if (end && live_end && hint < n && begin[hint] == item
+                    && end == begin[hint] + size[hint] && 8 * n_size < UINT32_MAX) {
+                    uint32_t live = (uint32_t)(8 * n_size + 1);     /* (mu_list_dead_end: hint) */
+                    if (!live_end[hint] || live < live_end[hint])
+                        live_end[hint] = live;
+                    counts[0]++;
+                } else if (end) {
                     pair[0][0] = item + 8 * n_size;
                     pair[0][1] = end;
                     hit[0] = 1;

@@ -45,13 +45,17 @@ int64_t mu_pools_overlapping(const uint64_t *blocks, uint64_t n, uint64_t pool_s
  *                (tp_flags: 1 << 24 and up for the subclasses of int, list, dict,
  *                BaseException..., a number inside a non-PIE interpreter's heap)
  * Pairs go to out (2 words each, up to cap pairs) in object order; counts[0..3] get how many
- * each rule found. Returns the number of pairs found (may exceed cap), or -EINVAL. */
+ * each rule found. With live_end (n uint32, zeroed by the caller; NULL: none), a list's slack
+ * that runs from its used slots to the end of the allocation its item array starts is given
+ * as that allocation's live_end (mu_dead: 1 + the used slots' bytes; the least when two lists
+ * name it) instead of a pair: 4 M lists' 4 M pairs cost a sort and the mark's searches.
+ * Returns the number of pairs found (may exceed cap), or -EINVAL. */
 int64_t mu_gc_dead_ranges(const uint64_t *begin, const uint64_t *size, uint64_t n,
                           const mu_region *heap, uint64_t nheap, const uint8_t *head_word,
                           uint64_t list_type, const uint64_t *metas, uint64_t nmetas,
                           uint64_t doc_field, uint64_t flag_off, uint64_t flag_mask,
                           const uint64_t *buffered, uint64_t nbuffered, uint64_t buf_field,
-                          uint64_t *out, uint64_t cap, uint64_t *counts);
+                          uint64_t *out, uint64_t cap, uint64_t *counts, uint32_t *live_end);
 
 /* The GC objects of the image (head_word[i] != 0: mu_gc_walk) whose type is in types[]
  * (ascending) and whose word at flag_off satisfies (word & flag_mask) == flag_want: their

@@ -276,7 +276,7 @@ int64_t mu_fold(const uint64_t *begin, const uint64_t *size, uint64_t n,
                 continue;
             }
             uint64_t whole = len, hb, he, rb, re;
-            len = mu_live_len_r(dead, rr, base, b, len, avail);
+            len = mu_live_end(dead, i, mu_live_len_r(dead, rr, base, b, len, avail));
             mu_live_head(dead, rr, i, b, base, whole, avail, &hb, &he);
             mu_live_iter it;
             mu_live_init(&it, dead, b + skip, b + len, hb, he);

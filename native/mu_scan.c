@@ -882,7 +882,7 @@ static inline void scan_block(mark_ctx *m, uint64_t i, const uint8_t *d, uint64_
         }
     }
     uint64_t whole = len;
-    len = mu_live_len_r(dead, r, d, b, len, avail);
+    len = mu_live_end(dead, i, mu_live_len_r(dead, r, d, b, len, avail));
     mu_live_head(dead, r, i, b, d, whole, avail, &hb, &he);
     const mu_dead *dr = dead_may_meet(m, i) ? ix->dead : NULL;
     scan_range(m, d, b, len, avail, hb, he, dr);

@@ -103,7 +103,9 @@ typedef struct {
  * which no allocation began at allocation i's address (0: none), a range's level the oldest one
  * since which the target has not written that memory (mu_written.h). A word in a range of
  * level u is no reference to allocation i when 0 < u <= fresh[i]: the word was there before
- * the block, a stale copy of an address freed earlier. mu_mark only (mu_fold ignores it). */
+ * the block, a stale copy of an address freed earlier. mu_mark only (mu_fold ignores it).
+ * live_end (n uint32 or NULL): live_end[i] - 1 is how many bytes from allocation i's start can
+ * hold references (a list's item array: its used slots; the rest is stale), 0: no limit. */
 typedef struct {
     const uint64_t *ranges;
     uint64_t nranges;
@@ -115,6 +117,7 @@ typedef struct {
     const uint8_t *fresh;
     const uint64_t *unwritten;
     uint64_t nunwritten;
+    const uint32_t *live_end;
 } mu_dead;
 
 #define MU_DICT_KEYS_NONE 0

@@ -94,10 +94,13 @@ class DeadWords:
     # written since snapshot `level`. A word there is no reference to i when level <= fresh[i]
     fresh: object = None
     unwritten: Sequence[Tuple[int, int, int]] = ()
+    # live_end, None or 4 * n bytes (uint32): live_end[i] - 1 bytes from allocation i's start
+    # can hold references, 0 none (a list's item array: its used slots; native mu_dead)
+    live_end: object = None
 
     def __bool__(self) -> bool:
         return (bool(self.ranges) or self.head_word is not None or bool(self.types)
-                or bool(self.dict_keys) or self.debug_hooks
+                or bool(self.dict_keys) or self.debug_hooks or self.live_end is not None
                 or (self.fresh is not None and bool(self.unwritten)))
 
 
@@ -191,6 +194,11 @@ def dead_words(dead: "DeadWords", n: int):
             raise ValueError(f"head_word has {len(dead.head_word)} bytes for {n} allocations")
         c.head_word = ffi.from_buffer("uint8_t[]", dead.head_word) if n else ffi.NULL
         keep.append(c.head_word)
+    if dead.live_end is not None:
+        if len(dead.live_end) != 4 * n:
+            raise ValueError(f"live_end has {len(dead.live_end)} bytes for {n} allocations")
+        c.live_end = ffi.from_buffer("uint32_t[]", dead.live_end) if n else ffi.NULL
+        keep.append(c.live_end)
     if dead.fresh is not None and dead.unwritten and n:
         if len(dead.fresh) != n:
             raise ValueError(f"fresh has {len(dead.fresh)} bytes for {n} allocations")
@@ -301,6 +309,9 @@ def scanned_blocks(image: HeapImage, marked, dead: Optional["DeadWords"] = None)
         view = memoryview(buf)[begins[j] - base:]
         data = ffi.from_buffer("uint8_t[]", view)
         n = lib.mu_scanned_len(dc, data, begins[j], sizes[j], len(view))
+        if dead is not None and dead.live_end is not None:     # mu_live_end
+            e = struct.unpack_from("<I", dead.live_end, 4 * j)[0]
+            n = min(n, e - 1) if e else n
         if n:
             out.append((begins[j], view[:n]))
         for h in range(lib.mu_value_words(dc, data, begins[j], sizes[j], len(view), vals, at)):

@@ -8,7 +8,7 @@ from types import SimpleNamespace
 import pytest
 
 from memunreachable._ffi import lib
-from memunreachable._types import BufferMemory, HeapImage, Range
+from memunreachable._types import BufferMemory, HeapImage, Range, merge_ranges
 from memunreachable.heaps.cpython import layout as L
 from memunreachable.heaps.cpython import objects as O
 from memunreachable.heaps.cpython import gclists as G, merge as M, typerules as T
@@ -422,6 +422,18 @@ def test_gc_dead_ranges_equals_the_three_passes_and_the_type_flags_on_random_obj
         assert counts == (len(slack), len(docs), len(bufs), len(flags))
         assert sorted(pairs) == sorted([(r.begin, r.end) for r in slack + docs + bufs] + flags)
         assert sum(counts) > 5 and (len(flags) > 5) == bool(metas)
+        # the slack to an item array's end as that allocation's live end instead: the same
+        # words (two lists naming one array: the fewer used slots), the other pairs as before
+        live = bytearray(4 * len(begins))
+        lpairs, lcounts = G.gc_dead_ranges(img, hw, list_type, metas, buffered, live)
+        ends = struct.unpack(f"<{len(begins)}I", live)
+        implied = [(b + e - 1, b + n) for b, n, e in zip(begins, sizes, ends) if e]
+        assert lcounts == counts and (len(implied) > 5) == bool(list_type)
+        assert len(lpairs) == len(pairs) - len(slack) + sum(
+            1 for r in slack if not any(b <= r.begin and r.end == b + n
+                                        for b, n in zip(begins, sizes)))
+        assert merge_ranges([Range(b, e) for b, e in list(lpairs) + implied]) == \
+            merge_ranges([Range(b, e) for b, e in pairs])
 
 
 def test_with_sizes_adds_size_rules_and_merges_them_with_dead_at_zero_rules():

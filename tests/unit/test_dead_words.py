@@ -805,3 +805,32 @@ def test_int_handles_in_the_low_memory_mark():
     copied, waves, kept = all_ways(h, roots, dead=dead)
     assert list(copied.marked) == [1, 1, 1, 0]
     assert stats(waves) == stats(copied) and stats(kept) == stats(copied)
+
+
+# --- live ends: a list's item array scanned up to its used slots -------------------------------
+
+@pytest.mark.parametrize("end, kept", [
+    (0, [1, 1, 1]),         # no limit: every word
+    (17, [1, 1, 0]),        # 2 slots used: the third (a stale pointer) is no reference
+    (9, [1, 0, 0]),         # 1 slot used
+    (1, [1, 0, 0]),         # none used: the whole array is stale
+    (1000, [1, 1, 1]),      # past the block: the block
+])
+def test_a_live_end_limits_the_words_scanned(end, kept):
+    h = Heap([32, 16, 16])
+    h.link(0, 1, 1)                         # slot 1
+    h.link(0, 2, 2)                         # slot 2
+    live = bytearray(struct.pack("<3I", end, 0, 0))
+    dead = DeadWords(live_end=live)
+    assert list(mark(h.image(), [], [h.addrs[0]], dead=dead).marked) == kept
+    # the fold agrees: a leaked array keeps only what its used slots point at
+    leaks = fold(h.image(), bytearray(3), dead=dead)
+    inside = sum(kept[1:])
+    assert {(e.index, e.referenced_count) for e in leaks} == \
+        {(0, inside)} | {(k, 0) for k in (1, 2) if not kept[k]}
+    # explain's view of the block is the mark's
+    from memunreachable.sweep.mark import scanned_blocks
+    seen = dict((b, len(v)) for b, v in scanned_blocks(h.image(), bytes([1, 1, 1]), dead))
+    assert seen.get(h.addrs[0], 0) == (min(32, end - 1) if end else 32)
+    with pytest.raises(ValueError):         # one uint32 per allocation
+        mark(h.image(), [], [h.addrs[0]], dead=DeadWords(live_end=bytearray(8)))

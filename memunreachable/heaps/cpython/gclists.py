@@ -134,9 +134,11 @@ def _gc_object_ranges(image: HeapImage, head_word, call, as_pairs: bool = False)
 # Returns ((begin, end) pairs, (list slack, type docs, io buffers, type flags) counts) of
 # list_slack, type_docs and io_buffers over the same GC objects, and the tp_flags word of each
 # type object (a type whose type is in metas), found in one native pass (mu_gc_dead_ranges);
-# list_type 0: no list rule. ([], (0, 0, 0, 0)) on an error.
+# list_type 0: no list rule. live_end (4 * n zero bytes, or None): a list's slack to the end of
+# its item array's allocation is set there (mu_dead's live_end) instead of given as a pair.
+# ([], (0, 0, 0, 0)) on an error.
 def gc_dead_ranges(image: HeapImage, head_word, list_type: int, metas: Sequence[int],
-                   buffered: Sequence[int]):
+                   buffered: Sequence[int], live_end=None):
     if not len(image.begins):
         return [], (0, 0, 0, 0)
     m, b = array("Q", metas), array("Q", buffered)
@@ -149,7 +151,9 @@ def gc_dead_ranges(image: HeapImage, head_word, list_type: int, metas: Sequence[
         rc = lib.mu_gc_dead_ranges(*args, list_type, ffi.from_buffer("uint64_t[]", m), len(m),
                                    L.TP_DOC, L.TP_FLAGS, L.TPFLAGS_HEAPTYPE,
                                    ffi.from_buffer("uint64_t[]", b), len(b), L.BUFFERED_BUFFER,
-                                   ffi.from_buffer("uint64_t[]", out), cap, counts)
+                                   ffi.from_buffer("uint64_t[]", out), cap, counts,
+                                   ffi.NULL if live_end is None
+                                   else ffi.from_buffer("uint32_t[]", live_end))
         if rc <= cap:
             break
         cap = rc

@@ -104,7 +104,7 @@ def _prepare(mem, maps, threads, pid: Optional[int], image: HeapImage) -> CPytho
     dead_pairs = [[(r.begin, r.end) for r in cp.dead_ranges]]     # sources for merge_pairs
     # a short string over a free block's link, at a block's start (mu_pymalloc_text_heads)
     dead_pairs.append([(a, a + 8) for a in cp.pymalloc.text_heads])
-    head_word = None
+    head_word = live_end = None
     wanted = {sym: name for sym, (name, _kind) in type_rules(cp).items()}
     statics = static_types(mem, maps, pid, cp, dict(wanted, PyList_Type="list", PyCode_Type="code",
                                                     PyTuple_Type="tuple", PySet_Type="set",
@@ -133,9 +133,11 @@ def _prepare(mem, maps, threads, pid: Optional[int], image: HeapImage) -> CPytho
             # the heap types whose objects are not GC objects (functools' LRU-list links...):
             # no GC list shows them, yet class_types' rule applies to them too
             types = types + untracked_heap_types(merged, head_word, metas)
+            # (the lists' slack as their item arrays' live ends: no pair to sort or search)
+            live_end = bytearray(4 * len(merged.begins))
             pairs, (nslack, ndocs, nbuffers, nflags) = gc_dead_ranges(
                 merged, head_word, statics.get("PyList_Type", 0), metas,
-                buffered_types(mem, cp, types))
+                buffered_types(mem, cp, types), live_end)
             dead_pairs.append(pairs)
             if "PyList_Type" in statics:
                 out.stats["list_slack_ranges"] = nslack
@@ -207,7 +209,7 @@ def _prepare(mem, maps, threads, pid: Optional[int], image: HeapImage) -> CPytho
     out.stats["gc_types"] = len(dead_types)
     out.root_cuts = merge_ranges(cuts)
     out.dead = DeadWords(ranges=merge_pairs(*dead_pairs),
-                         head_word=head_word, types=dead_types, dict_keys=dict_keys_rule(cp),
+                         head_word=head_word, live_end=live_end, types=dead_types, dict_keys=dict_keys_rule(cp),
                          debug_hooks=has_debug_hooks(cp))
     out.stats.update(cp.stats, pymalloc_blocks=len(blocks), dead_blocks_dropped=ndead,
                      text_heads=len(cp.pymalloc.text_heads),
