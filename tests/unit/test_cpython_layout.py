@@ -261,10 +261,12 @@ def test_arenas_listed_out_of_address_order_give_ascending_blocks():
     assert list(w.sizes) == [16] * 5 + [32] * 2 + [48] * 6
 
 
-def test_the_pool_scan_grows_its_output_and_keeps_every_window_s_blocks(monkeypatch):
-    # one window per pool and room for 1 block at first: the outputs double again and again
+@pytest.mark.parametrize("limit", ["ESTIMATE_BLOCK", "ESTIMATE_MAX"])
+def test_the_pool_scan_grows_its_output_and_keeps_every_window_s_blocks(monkeypatch, limit):
+    # one window per pool and room for a window at first (no estimate, or one capped): the
+    # outputs double again and again
     monkeypatch.setattr(obmalloc, "SCAN_WINDOW", PS)
-    monkeypatch.setattr(obmalloc, "ESTIMATE_BLOCK", 1 << 40)
+    monkeypatch.setattr(obmalloc, limit, 1 << 40 if limit == "ESTIMATE_BLOCK" else 1)
     lay = L.LAYOUTS[(3, 11)]
     pools = [pool(BASE + k * PS, k % 3, 100 + k, free=(k,)) for k in range(6)]
     w = obmalloc.scan_pools(BufferMemory({BASE: b"".join(pools)}), [anon(BASE, BASE + 6 * PS)],

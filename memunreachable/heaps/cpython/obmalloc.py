@@ -30,7 +30,8 @@ from memunreachable.heaps.cpython import layout as L
 
 SCAN_WINDOW = 16 << 20          # pool scan reads anonymous memory in windows of this size
 MIN_BLOCK = 16                  # the smallest size class (3.8+: ALIGNMENT 16)
-ESTIMATE_BLOCK = 64             # blocks reserved at first: one per this many bytes (grown)
+ESTIMATE_BLOCK = 64             # blocks reserved at first: one per this many bytes (grown),
+ESTIMATE_MAX = 1 << 22          # at most this many (mappings may be huge and mostly unused)
 MAX_ARENAS = 1 << 22
 BAD_REASONS = {1: "header fails the checks", 2: "free chain broken", 3: "count disagrees",
                4: "outside its arena"}
@@ -77,7 +78,7 @@ class _Acc:
         cap = len(self.addr) if self.addr is not None else 0
         if self.n + need <= cap:
             return
-        new = max(self.n + need, 2 * cap, self.estimate)
+        new = max(self.n + need, 2 * cap, min(self.estimate, ESTIMATE_MAX))
         addr, size = u64_scratch(new), u64_scratch(new)
         if self.n:
             addr[:self.n] = self.addr[:self.n]
