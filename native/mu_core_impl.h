@@ -568,6 +568,16 @@ static inline uint64_t mu_live_len_r(const mu_dead *d, const mu_rules *r, const 
         if (!mu_plausible_refcnt(rc))
             continue;
         uint64_t kind = (code >> 8) & 0xff;
+        if (kind == MU_TYPE_CDATA) {    /* its size, unless its data follows it inline */
+            uint64_t head = (code >> 16) & 0xffffffffull, data;
+            if (off + 32 > have)
+                continue;
+            memcpy(&data, p + off + 24, 8);
+            if (data - (b + off + head) < len - off - head)
+                continue;           /* its value inline, after the header (aligned) */
+            uint64_t end = b + off + ((head + 7) & ~7ull);
+            return end < b + len ? end - b : len;
+        }
         if (kind == MU_TYPE_SIZED || kind == MU_TYPE_DICT) {    /* the header (16 bytes) only */
             uint64_t end = b + off + (((code >> 16) + 7) & ~7ull);
             return end < b + len ? end - b : len;

@@ -64,6 +64,10 @@ typedef struct {
  *       inline data is never written: only the head up to fo is live;
  *   kind MU_TYPE_SIZED: an object of a fixed-size type whose size (tp_basicsize) is in bits
  *       16-47 of code: the allocator's rounding slack after it holds only stale words;
+ *   kind MU_TYPE_CDATA: cffi's plain cdata (_cffi_backend._CDataBase), tp_basicsize in bits
+ *       16-47 of code: as MU_TYPE_SIZED, unless its data pointer (off + 24) points into
+ *       the block past that size: a casted primitive's value (ffi.cast("intptr_t", p)) lies
+ *       there (at 40, or 48 when aligned for a long double);
  *   kind MU_TYPE_DICT: a dict (PyDict_Type itself), as MU_TYPE_SIZED, whose header words
  *       (refcount, the static type, ma_used and the version tag at object offset 24:
  *       ma_version_tag, a global counter stepped by 4096 on 3.12/3.13, _ma_watcher_tag from
@@ -138,7 +142,8 @@ typedef struct {
 #define MU_TYPE_BYTES 10
 #define MU_HANDLE_SLACK 16
 #define MU_TYPE_DICT 11
-#define MU_TYPE_LAST 11          /* the highest kind */
+#define MU_TYPE_CDATA 12
+#define MU_TYPE_LAST 12          /* the highest kind */
 
 #define MU_FRAME_FLAVOUR_311 0   /* MU_TYPE_FRAME/GEN_FRAME's frame data: 3.11-3.13 */
 #define MU_FRAME_FLAVOUR_314 1   /* 3.14: a stackpointer, slots from 80 */

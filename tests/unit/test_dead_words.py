@@ -834,3 +834,25 @@ def test_a_live_end_limits_the_words_scanned(end, kept):
     assert seen.get(h.addrs[0], 0) == (min(32, end - 1) if end else 32)
     with pytest.raises(ValueError):         # one uint32 per allocation
         mark(h.image(), [], [h.addrs[0]], dead=DeadWords(live_end=bytearray(8)))
+
+
+# --- cffi's plain cdata: the slack after its 40 bytes, unless a casted primitive's value -------
+
+@pytest.mark.parametrize("size, data, kept", [
+    (48, 0, 0),             # ffi.NULL, a pointer cdata: +40 is the block's slack
+    (48, 0x1234_5678_0000, 0),                  # data elsewhere (a pointer's target): slack
+    (48, lambda h: h.addrs[0] + 40, 1),         # a casted primitive: its value lies at +40
+    (64, lambda h: h.addrs[0] + 48, 1),         # or at +48, aligned for a long double
+    (48, lambda h: h.addrs[0] + 48, 0),         # past the block: not this one's value
+])
+def test_cffi_cdata_slack_is_stale_unless_its_value_is_inline(size, data, kept):
+    CDATA_TYPE = INT_TYPE + 0x900
+    h = Heap([size, 16])
+    for slot, w in enumerate([1, CDATA_TYPE, 0x7000, data(h) if callable(data) else data, 0]):
+        h.point(0, slot, w)
+    h.link(0, 5 if size == 48 else 6, 1)    # +40 (+48 in the aligned one)
+    dead = DeadWords(types=[(CDATA_TYPE, 0 | lib.MU_TYPE_CDATA << 8 | 40 << 16)])
+    assert list(mark(h.image(), [], [h.addrs[0]], dead=dead).marked) == [1, kept]
+    leaks = fold(h.image(), bytearray(2), dead=dead)
+    assert {(e.index, e.referenced_count) for e in leaks} == \
+        ({(0, 1)} if kept else {(0, 0), (1, 0)})

@@ -7,6 +7,7 @@ tp_itemsize, tp_dealloc inside the right object) before giving a rule: a wrong r
 hide a reference, so a type of another shape gets none.
     static_types / runtime_static_types / runtime_symbols   the runtime's static types
     loaded_static_types                     every loaded object's static types (tp_flags)
+    cdata_types                             cffi's plain cdata (its slack)
     type_rules, value_types, object_types, varsized_type, generator_types, old_frame_rule,
     sized_types, class_types, regex_types, deque_types, stale_part_types, buffered_types,
     ctypes_types, frame_types, metatypes                    the rules, one finder each
@@ -307,6 +308,28 @@ def sized_types(mem, maps, cp: CPythonMap, types, header_only: bool = False) -> 
     rule = ("sized", header_only, reader.prefix)
     codes = [(t, _judged(reader, t, rule, judge)) for t in types]
     return [(t, code) for t, code in codes if code is not None]
+
+
+# Returns [(type address, code)] of the MU_TYPE_CDATA rule for cffi's plain cdata type
+# (_cffi_backend._CDataBase, a static type of its extension, 40 bytes: refcount, type, ctype,
+# data, weakref list), [] when no such type is loaded. The slack after such an object holds
+# stale words (a pytest process's own cdata held a leaked block's address at offset 40 of its
+# 48-byte block); a casted primitive keeps its value there, and its data pointer says so.
+CDATA_TYPE = ("_cffi_backend._CDataBase", 40)
+
+
+def cdata_types(mem, maps, pid, cp: CPythonMap) -> List[Tuple[int, int]]:
+    reader = object_reader(mem, cp)
+    out = []
+    for t in loaded_static_types(mem, maps, pid, cp):
+        info, words = reader.type_info(t), reader.type_words(t)
+        if info is None or words is None or info[0] != CDATA_TYPE[0] \
+                or words[2] != CDATA_TYPE[1] or words[3]:
+            continue
+        off = reader.object_offset(t)
+        if off is not None and off <= 48:
+            out.append((t, off | lib.MU_TYPE_CDATA << 8 | CDATA_TYPE[1] << 16))
+    return out
 
 
 # Returns [(type address, code)] of MU_TYPE_SIZED rules for the heap types among `types` whose
