@@ -144,7 +144,8 @@ def gc_dead_ranges(image: HeapImage, head_word, list_type: int, metas: Sequence[
     m, b = array("Q", metas), array("Q", buffered)
     args = _image_args(image) + (ffi.from_buffer("uint8_t[]", head_word),)
     counts = ffi.new("uint64_t[4]")
-    # room for a range per GC object (a list's slack, most often), so that one pass does
+    # room for a range per GC object (a list's slack when live_end is None), so that one
+    # pass does
     cap = 4096 + len(head_word) - head_word.count(0)
     while True:
         out = u64_scratch(2 * cap)      # not zeroed: 4 M lists' room took 0.04 s to zero

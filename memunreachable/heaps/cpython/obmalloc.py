@@ -119,7 +119,7 @@ class _Acc:
         free block's link (mu_pymalloc_text_heads): that word is no reference."""
         cap = 64
         while True:
-            out = array("Q", (0,)) * cap
+            out = _zeros(cap)
             k = check(lib.mu_pymalloc_text_heads(data, base, size, addr, n,
                                                  ffi.from_buffer("uint64_t[]", out), cap),
                       "find pymalloc text heads")

@@ -205,16 +205,18 @@ def _prepare(mem, maps, threads, pid: Optional[int], image: HeapImage) -> CPytho
     # cffi's plain cdata objects: the slack after them (not a casted primitive's value)
     if head_word is not None:
         cdata = cdata_types(mem, maps, pid, cp)
-        dead_types = [x for x in dead_types if x[0] not in dict(cdata)] + cdata
+        replaced = {t for t, _ in cdata}
+        dead_types = [x for x in dead_types if x[0] not in replaced] + cdata
     # generators, coroutines, async generators (3.11+): their inline frame's dead slots
     gens = generator_types(mem, cp, statics)
-    dead_types = [x for x in dead_types if x[0] not in dict(gens)] + gens
+    replaced = {t for t, _ in gens}
+    dead_types = [x for x in dead_types if x[0] not in replaced] + gens
     dead_types = sorted(dead_types)
     out.stats["gc_types"] = len(dead_types)
     out.root_cuts = merge_ranges(cuts)
     out.dead = DeadWords(ranges=merge_pairs(*dead_pairs),
-                         head_word=head_word, live_end=live_end, types=dead_types, dict_keys=dict_keys_rule(cp),
-                         debug_hooks=has_debug_hooks(cp))
+                         head_word=head_word, live_end=live_end, types=dead_types,
+                         dict_keys=dict_keys_rule(cp), debug_hooks=has_debug_hooks(cp))
     out.stats.update(cp.stats, pymalloc_blocks=len(blocks), dead_blocks_dropped=ndead,
                      text_heads=len(cp.pymalloc.text_heads),
                      version="%d.%d" % cp.version, allocator=cp.allocator)
