@@ -529,6 +529,41 @@ int64_t mu_walk_subtract(uint64_t *user, uint64_t *usable, uint64_t n, uint64_t 
     return (int64_t)w;
 }
 
+#ifndef MREMAP_DONTUNMAP
+#define MREMAP_DONTUNMAP 4
+#endif
+int64_t mu_move_down(uint8_t *p, uint64_t dst, uint64_t src, uint64_t n, int pages)
+{
+    if (!p || dst > src)
+        return -EINVAL;
+    if (!n || dst == src)
+        return 0;
+    uint64_t shift = src - dst, big = shift & ~(uint64_t)4095;
+    uint64_t len = (n + 4095) & ~(uint64_t)4095;
+    if (pages && !(((uintptr_t)p + src) & 4095) && big >= MU_MOVE_MIN_PAGES * 4096ull
+        && (len + big - 1) / big <= MU_MOVE_MAX_STEPS) {
+        /* ascending steps of at most `big` bytes: a step's destination never overlaps its
+         * source, and is the previous step's emptied source (or room below src) */
+        uint64_t o = 0;
+        while (o < len) {
+            uint64_t k = len - o < big ? len - o : big;
+            if (mremap(p + src + o, k, k, MREMAP_MAYMOVE | MREMAP_FIXED | MREMAP_DONTUNMAP,
+                       p + src - big + o) == MAP_FAILED)
+                break;
+            o += k;
+        }
+        if (o) {        /* (refused after some steps, not expected: the rest follows them) */
+            if (o < len)
+                memmove(p + src - big + o, p + src + o, len - o);
+            if (shift != big)
+                memmove(p + dst, p + src - big, n);
+            return 0;
+        }
+    }
+    memmove(p + dst, p + src, n);
+    return 0;
+}
+
 /* ---- mu_read_walk: copy and walk in one pass --------------------------------------------- */
 #define RW_PIECE (1ull << 20)
 #define CAND_PIECE_BYTES (1ull << MU_CAND_PIECE_SHIFT)     /* == RW_PIECE: one piece each */
@@ -626,9 +661,6 @@ static void rw_release(rw_ctx *x, mu_read_job *jb, uint64_t from, uint64_t to, i
  * read): no fault and no zeroing there. The source stays mapped, empty (MREMAP_DONTUNMAP,
  * Linux 5.7): a hole there could be taken by another mapping, which unmapping the copy would
  * then destroy. Without it (or when the pool is empty) the pages are freed as before. */
-#ifndef MREMAP_DONTUNMAP
-#define MREMAP_DONTUNMAP 4
-#endif
 static void rw_reuse(rw_ctx *x, uint8_t *dst)
 {
     pthread_mutex_lock(&x->pool_mu);

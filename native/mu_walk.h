@@ -191,6 +191,19 @@ int64_t mu_walk_bin(const mu_region *regions, uint64_t nregions, uint64_t bin, u
 int64_t mu_walk_subtract(uint64_t *user, uint64_t *usable, uint64_t n, uint64_t *drop,
                          uint64_t ndrop, uint64_t *removed);
 
+/* Moves n bytes from p + src down to p + dst (dst < src) inside one private anonymous mapping
+ * of ours (pages: 1 to move its whole pages with mremap, else 0: a plain memmove). The
+ * source's whole pages go down by the shift's page multiple (MREMAP_DONTUNMAP: no fresh page
+ * is faulted in and zeroed under the destination, and no hole opens in the mapping), then the
+ * bytes by the rest of the shift (less than a page) with memmove. Needs src page aligned and
+ * a shift of at least MU_MOVE_MIN_PAGES pages in at most MU_MOVE_MAX_STEPS mremaps; otherwise,
+ * or when mremap refuses (before Linux 5.7), memmove alone. The bytes of the source past
+ * src + n up to its page end move too (they are the caller's unused room); every byte below
+ * dst and in [dst, src) outside the result is left or zero. Returns 0 or -EINVAL. */
+#define MU_MOVE_MIN_PAGES 16
+#define MU_MOVE_MAX_STEPS 64
+int64_t mu_move_down(uint8_t *p, uint64_t dst, uint64_t src, uint64_t n, int pages);
+
 /* Reference candidates of an uncopied region [base, base+len) (base 4096-aligned): for each
  * 1 MiB piece (from base) the (offset, value) of every 8-byte word whose value lies in one of
  * the nranges (begin, end) pairs of ranges (sorted, disjoint: the memory that may hold

@@ -486,6 +486,35 @@ def test_uncopied_mark_with_part_of_the_candidates_and_blocks_over_a_read():
     assert stats(kept) == stats(copied)
 
 
+def test_uncopied_mark_of_pointer_free_blocks_between_pointing_ones():
+    # The candidates mark takes a block with no candidate for a leaf (marked at its hit, never
+    # scanned). Leaves mixed with blocks whose only pointer is the first or the last word, or a
+    # word of a block straddling a 1 MiB piece, zero-size blocks and a dead range over a leaf
+    # and over a pointer: every way gives the same marks, words and bytes.
+    rnd = random.Random(7)
+    sizes = [0 if i % 97 == 5 else 16 * rnd.randrange(2, 9) - 8 for i in range(40_000)]
+    sizes[20_000] = 3 << 20                     # straddles pieces: its pointer in the third
+    h = Heap(sizes, base=UNCOPIED_BASE, gap=8)
+    chain = [i for i in range(0, 40_000, 3) if sizes[i]]
+    for a, b in zip(chain, chain[1:]):          # a chain through every third block
+        h.link(a, 0 if a % 2 else sizes[a] // 8 - 1, b)
+    h.link(20_000, (5 << 17) // 8, 20_003)      # its only pointer, 2.5 MiB into it
+    for i in range(1, 40_000, 3):               # the blocks after the chain's: leaves, held by
+        h.link(chain[rnd.randrange(len(chain))], 1, i)      # a chain block (or none: the
+    dead_leaf, dead_ptr = chain[7] + 1, chain[100]          # slot is written again)
+    roots = [(ROOT, words_buffer(h.addrs[chain[0]], h.addrs[20_000]))]
+    dead = DeadWords(ranges=[(h.addrs[dead_leaf], h.addrs[dead_leaf] + 8),
+                             (h.addrs[dead_ptr] + 8, h.addrs[dead_ptr] + 16)])
+    results = all_ways(h, roots, dead=dead) + all_ways(h, roots)
+    copied = results[0]
+    assert copied.marked[20_003] == 1 and copied.marked[chain[-1]] == 1
+    assert 0 < copied.num_marked < len(sizes)
+    for r in results[1:3]:
+        assert stats(r) == stats(copied)
+    for r in results[4:]:
+        assert stats(r) == stats(results[3])
+
+
 def test_uncopied_mark_of_a_deep_list_and_dead_words_and_a_copied_region():
     # a descending list of 2,000 blocks (a wave each), a dead word inside one block that would
     # otherwise reach a leak, and a second, copied region the list runs through

@@ -1,5 +1,6 @@
 """Unit tests of the C chunk walker (native/mu_walk.c) on synthetic in-memory chunk runs."""
 import ctypes
+import errno
 import mmap
 import os
 import random
@@ -884,7 +885,7 @@ def test_assemble_copies_when_an_array_does_not_fit_before_the_next_piece():
     sc, pieces = _scratch_with([100, 100], outs)
     w = _Walker(None, [], 0)
     # more than the front room and job 0's: no room before job 1's piece
-    big = _arr([0x1800_0000 + 16 * i for i in range(sc.FRONT + 101)])
+    big = _arr([0x1800_0000 + 16 * i for i in range(sc.at[1])])
     want = sorted(outs[0] + outs[1] + list(big.user))
     w.pieces, w.scratch = pieces + [big], sc
     user, usable = w.assemble()
@@ -900,3 +901,70 @@ def test_assemble_leaves_out_a_piece_that_overlaps_the_one_before():
     user, _ = w.assemble()
     assert list(user) == outs[0] + outs[1]
     assert any("overlapping chunk runs" in m for m in w.v.hard)
+
+
+def _pattern(n, seed):
+    return random.Random(seed).randbytes(n)
+
+
+@pytest.mark.parametrize("dst,src,n", [
+    (5 * 8, 64 << 12, 3 << 12),             # one mremap step, then the rest of the shift
+    (1000 * 8, 20 << 12, 200 << 12),        # many steps (the data is longer than the shift)
+    (0, 32 << 12, (40 << 12) + 8),          # a page multiple: no memmove after the pages
+])
+def test_move_down_moves_whole_pages_and_leaves_the_bytes_below(dst, src, n):
+    """mu_move_down (the scratch's compaction): the n bytes land at dst and every byte below
+    dst is kept; the pages went down whole (their old place reads as zeros), not copied."""
+    import mmap
+    from memunreachable._ffi import ffi, lib
+    size = src + n + (1 << 16)
+    buf = mmap.mmap(-1, size, flags=mmap.MAP_PRIVATE | mmap.MAP_ANONYMOUS)
+    low, data = _pattern(dst, 1), _pattern(n, 2)
+    buf[:dst], buf[src:src + n] = low, data
+    p = ffi.cast("uint8_t *", ffi.from_buffer(buf))
+    assert lib.mu_move_down(p, dst, src, n, 1) == 0
+    assert buf[:dst] == low and buf[dst:dst + n] == data
+    top = max(dst + n, src + n - ((src - dst) & ~4095))     # past the moved pages' result
+    assert buf[max(top, src):src + n] == bytes(src + n - max(top, src))
+    del p
+    buf.close()
+
+
+@pytest.mark.parametrize("dst,src,pages", [
+    (8, 64 << 12, 0),           # not a mapping of ours: memmove
+    (8, (64 << 12) + 8, 1),     # src not page aligned
+    (8, 8 << 12, 1),            # a shift under MU_MOVE_MIN_PAGES pages
+])
+def test_move_down_copies_when_pages_cannot_move(dst, src, pages):
+    import mmap
+    from memunreachable._ffi import ffi, lib
+    n = 300 << 12               # with MU_MOVE_MIN_PAGES' shift: more steps than allowed too
+    buf = mmap.mmap(-1, src + n + 4096, flags=mmap.MAP_PRIVATE | mmap.MAP_ANONYMOUS)
+    data = _pattern(n, 3)
+    buf[src:src + n] = data
+    p = ffi.cast("uint8_t *", ffi.from_buffer(buf))
+    assert lib.mu_move_down(p, dst, src, n, pages) == 0
+    assert buf[dst:dst + n] == data
+    tail = buf[max(dst + n, src):src + n]
+    assert tail == data[len(data) - len(tail):]       # a copy leaves its source as it was
+    assert lib.mu_move_down(p, src, dst, n, pages) == -errno.EINVAL
+    del p
+    buf.close()
+
+
+def test_assemble_moves_big_pieces_down_by_pages():
+    """Jobs with rooms of hundreds of pages, partly used: the compaction moves their pages (as
+    a 1 GiB heap's would) and the result is every chunk in address order."""
+    from memunreachable.heaps.glibc.walker import _Walker
+    rng = random.Random(5)
+    caps, used = [300_000, 90_000, 500_000, 200_000], [120_000, 0, 410_000, 7]
+    outs = [sorted({0x1000_0000 * (k + 1) + 16 * rng.randrange(1, 1 << 24) for _ in range(n)})
+            for k, n in enumerate(used)]
+    sc, pieces = _scratch_with(caps, outs)
+    assert all(a % 512 == 0 for a in sc.at)             # page-aligned rooms
+    w = _Walker(None, [], 0)
+    w.pieces, w.scratch = pieces, sc
+    user, usable = w.assemble()
+    want = sorted(a for o in outs for a in o)
+    assert isinstance(user, memoryview) and list(user) == want
+    assert list(usable) == [a // 16 for a in want]
