@@ -345,6 +345,22 @@ def u64_scratch(n: int) -> memoryview:
     return memoryview(local_buffer(8 * n, zeroed=False)).cast("Q")
 
 
+MAP_NORESERVE = getattr(mmap, "MAP_NORESERVE", 0x4000)     # (Python 3.13+ names it)
+
+
+def u64_reserve(n: int) -> Optional[memoryview]:
+    """u64_scratch(n) as address space alone (MAP_NORESERVE: no commit charge, only the pages
+    written cost memory), for an output whose size is known only by a generous bound; None
+    when the kernel refuses it (strict overcommit) or local buffers are malloc's."""
+    if _HEAP_BUFFERS or n * 8 < 4096:
+        return None
+    try:
+        buf = mmap.mmap(-1, 8 * n, flags=mmap.MAP_PRIVATE | mmap.MAP_ANONYMOUS | MAP_NORESERVE)
+    except (OSError, OverflowError, ValueError):
+        return None
+    return memoryview(buf).cast("Q")
+
+
 def extend_u64(out: array, values) -> None:
     """out += values: as bytes for an array('Q') or a 'Q' memoryview (array.extend would read
     a memoryview entry by entry), else entry by entry."""

@@ -261,12 +261,23 @@ def test_arenas_listed_out_of_address_order_give_ascending_blocks():
     assert list(w.sizes) == [16] * 5 + [32] * 2 + [48] * 6
 
 
-@pytest.mark.parametrize("limit", ["ESTIMATE_BLOCK", "ESTIMATE_MAX"])
+@pytest.mark.parametrize("limit", ["ESTIMATE_BLOCK", "ESTIMATE_MAX", "reserved"])
 def test_the_pool_scan_grows_its_output_and_keeps_every_window_s_blocks(monkeypatch, limit):
-    # one window per pool and room for a window at first (no estimate, or one capped): the
-    # outputs double again and again
+    # one window per pool and room for a window at first (no estimate, or one capped where no
+    # address space can be reserved, as under strict overcommit): the outputs double again and
+    # again. With the estimate reserved: one pair of outputs, never grown
     monkeypatch.setattr(obmalloc, "SCAN_WINDOW", PS)
-    monkeypatch.setattr(obmalloc, limit, 1 << 40 if limit == "ESTIMATE_BLOCK" else 1)
+    if limit == "ESTIMATE_BLOCK":
+        monkeypatch.setattr(obmalloc, limit, 1 << 40)
+    elif limit == "ESTIMATE_MAX":
+        monkeypatch.setattr(obmalloc, limit, 1)
+        monkeypatch.setattr(obmalloc, "u64_reserve", lambda n: None)
+    else:
+        def no_scratch(n):
+            raise AssertionError("the reserved outputs grew")
+        monkeypatch.setattr(obmalloc, "u64_scratch", no_scratch)
+        monkeypatch.setattr(obmalloc, "ESTIMATE_MAX", 1)
+        monkeypatch.setattr(obmalloc, "ESTIMATE_BLOCK", PS)
     lay = L.LAYOUTS[(3, 11)]
     pools = [pool(BASE + k * PS, k % 3, 100 + k, free=(k,)) for k in range(6)]
     w = obmalloc.scan_pools(BufferMemory({BASE: b"".join(pools)}), [anon(BASE, BASE + 6 * PS)],

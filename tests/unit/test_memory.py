@@ -538,3 +538,19 @@ def test_getrandom_state_is_cut_from_the_roots():
     roots = classify(target, [], [], [], plan.unwritten)
     assert roots.ranges and not any(r.overlaps(GETRANDOM_PAGE) for r in roots.ranges)
     assert Range(0x7f60a3cf8000, 0x7f60a3d06000) in roots.ranges
+
+
+def test_a_reserved_output_is_address_space_until_written(monkeypatch):
+    """u64_reserve: 1 TiB of outputs is reserved (no commit charge), written where needed; in
+    the in-process helper's mode (malloc's buffers) it declines, so the caller falls back."""
+    import resource
+    from memunreachable import _types
+    rss0 = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss
+    out = _types.u64_reserve(1 << 37)
+    assert out is not None and len(out) == 1 << 37
+    out[0], out[(1 << 37) - 1] = 7, 9
+    assert (out[0], out[1], out[(1 << 37) - 1]) == (7, 0, 9)
+    assert resource.getrusage(resource.RUSAGE_SELF).ru_maxrss - rss0 < 64 << 10    # KiB
+    out.release()
+    monkeypatch.setattr(_types, "_HEAP_BUFFERS", True)
+    assert _types.u64_reserve(1 << 20) is None

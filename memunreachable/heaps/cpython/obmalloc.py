@@ -24,7 +24,7 @@ from typing import List, Sequence, Tuple
 
 from memunreachable._errors import MemoryUnreadable
 from memunreachable._ffi import check, ffi, lib
-from memunreachable._types import Mapping, Range, merge_ranges, u64_scratch
+from memunreachable._types import Mapping, Range, merge_ranges, u64_reserve, u64_scratch
 from memunreachable.collect.memory import local_copy
 from memunreachable.heaps.cpython import layout as L
 
@@ -79,7 +79,15 @@ class _Acc:
         if self.n + need <= cap:
             return
         new = max(self.n + need, 2 * cap, min(self.estimate, ESTIMATE_MAX))
-        addr, size = u64_scratch(new), u64_scratch(new)
+        addr = size = None
+        if not cap:
+            # the estimate's bytes at one block per MIN_BLOCK, as address space alone: never
+            # grown (each growth copied every entry so far into fresh pages, 0.09 s of a
+            # 1 GiB heap's 12 M blocks)
+            bound = max(new, self.estimate * (ESTIMATE_BLOCK // MIN_BLOCK))
+            addr, size = u64_reserve(bound), u64_reserve(bound)
+        if addr is None or size is None:
+            addr, size = u64_scratch(new), u64_scratch(new)
         if self.n:
             addr[:self.n] = self.addr[:self.n]
             size[:self.n] = self.size[:self.n]
