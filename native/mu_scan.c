@@ -8,6 +8,7 @@
 #define SCAN_MIN_SHIFT 4u        /* smallest page-table granule: 16 bytes */
 #define SCAN_MAX_SHIFT 40u
 #define SCAN_NONE UINT32_MAX
+#define SCAN_ALLOCS_PER_PAGE 4u  /* allocations per page-table entry, about (mu_scan_index) */
 #define SCAN_PREFETCH_BYTES 512u /* of a newly marked allocation, fetched ahead of its scan */
 #define SCAN_POP 16u             /* allocations popped and fetched together */
 #define SCAN_BATCH 32u           /* lookups in flight together (memory-level parallelism) */
@@ -204,14 +205,16 @@ int64_t mu_scan_index_init(mu_scan_index *ix, const uint64_t *begin, const uint6
     ix->hi = n ? ix_end(ix, n - 1) : 0;
 
     /* Page tables: the granule is the smallest power of two >= 16 bytes giving at most about
-     * one page per allocation (so a lookup is one table load, a begin and a size load). */
+     * one page per SCAN_ALLOCS_PER_PAGE allocations (a lookup is one table load and a search
+     * of a few begins in one or two cache lines). One page per allocation was 4 bytes a block
+     * to fault in and zero (300 MB for a 4 GiB heap of small nodes) for the same lookups. */
     uint32_t shift = SCAN_MIN_SHIFT;
     uint64_t total;
     for (;;) {
         total = 0;
         for (uint64_t k = 0; k < nheap; k++)
             total += pages_of(heap[k].len, shift) + 1;
-        if (total <= n + 65536 + nheap || shift >= SCAN_MAX_SHIFT)
+        if (total <= n / SCAN_ALLOCS_PER_PAGE + 65536 + nheap || shift >= SCAN_MAX_SHIFT)
             break;
         shift++;
     }

@@ -66,7 +66,7 @@ int64_t mu_mark(const uint64_t *begin, const uint64_t *size, uint64_t n,
  * An address -> allocation lookup: a [lo, hi) filter, a region map (the heap region holding each
  * 64 KiB granule, by the granule number's low bits; a binary search over the regions when two
  * share a slot), then per region a page table (first allocation ending after each page start; the granule
- * gives about one page per allocation) and a short binary search over the caller's begin[]
+ * gives about one page per 4 allocations) and a short binary search over the caller's begin[]
  * (which must outlive the index), the end from size[]. Fields are private to mu_scan.c. */
 typedef struct {
     uint64_t n;

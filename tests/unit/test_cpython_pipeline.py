@@ -686,3 +686,31 @@ def test_a_broken_gc_list_retakes_the_snapshot_while_a_thread_runs_user_code():
         retake_if_moving("has a back link that does not match",
                          [waiting, ThreadState(8, tuple(in_user))])
     assert e.value.suspect_tids == [8] and "back link" in str(e.value)
+
+
+def test_a_pass_in_the_background_gives_its_result_or_its_exception():
+    """pipeline._in_background: the pass runs on another thread with the image's native
+    arguments held (even once prepare() clears their cache), its result or its exception
+    comes back at the join."""
+    import threading
+    from memunreachable.heaps.cpython import pipeline as P
+    img = HeapImage(array("Q", [0x1000, 0x1040]), array("Q", [48, 48]), [(0x1000, bytearray(128))])
+    started = threading.Event()
+    go = threading.Event()
+
+    def count(image, extra):
+        started.set()
+        go.wait(5)
+        return G.image_args(image)[2] + extra, threading.current_thread().name
+
+    res = P._in_background(count, img, 10)
+    assert started.wait(5)
+    G.IMAGE_ARGS.clear()                    # as prepare() does when it leaves
+    go.set()
+    assert res() == (12, "memunreachable-pipeline")
+
+    def fail(image):
+        raise ValueError("bad image")
+    with pytest.raises(ValueError, match="bad image"):
+        P._in_background(fail, img)()
+    G.IMAGE_ARGS.clear()
