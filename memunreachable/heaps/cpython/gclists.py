@@ -90,7 +90,7 @@ def list_slack(image: HeapImage, head_word, list_type: int, as_pairs: bool = Fal
 IMAGE_ARGS: dict = {}
 
 
-def _image_args(image: HeapImage) -> tuple:
+def image_args(image: HeapImage) -> tuple:
     hit = IMAGE_ARGS.get(id(image))
     if hit is not None and hit[0] is image:
         return hit[1]
@@ -109,7 +109,7 @@ def _image_args(image: HeapImage) -> tuple:
 def _gc_object_words(image: HeapImage, head_word, call, width: int) -> array:
     if not len(image.begins):
         return array("Q")
-    args = _image_args(image) + (ffi.from_buffer("uint8_t[]", head_word),)
+    args = image_args(image) + (ffi.from_buffer("uint8_t[]", head_word),)
     cap = 4096
     while True:
         out = array("Q", bytes(8 * width * cap))
@@ -142,7 +142,7 @@ def gc_dead_ranges(image: HeapImage, head_word, list_type: int, metas: Sequence[
     if not len(image.begins):
         return [], (0, 0, 0, 0)
     m, b = array("Q", metas), array("Q", buffered)
-    args = _image_args(image) + (ffi.from_buffer("uint8_t[]", head_word),)
+    args = image_args(image) + (ffi.from_buffer("uint8_t[]", head_word),)
     counts = ffi.new("uint64_t[4]")
     # room for a range per GC object (a list's slack when live_end is None), so that one
     # pass does
@@ -251,7 +251,7 @@ def walk_gc_lists(image: HeapImage, heads: Sequence[Tuple[int, int, int]]):
     head_word = bytearray(n)
     if not heads:
         return head_word, 0, [], "heads could not be read"
-    begins, sizes, _n, regs, nregs = _image_args(image)
+    begins, sizes, _n, regs, nregs = image_args(image)
     flat = array("Q", [w for t in heads for w in t])
     st = ffi.new("mu_gc_walk_stats *")
     types = _TYPES_OUT
