@@ -344,6 +344,39 @@ def test_merge_dropping_equals_the_python_model_on_random_images():
         assert list(M.merge_images(glibc, py).begins) == _ref_merge(glibc, py, [])[0]
 
 
+def _in_room(img, extra):
+    """img with its arrays at the start of 'Q' views of room for len(img) + extra entries."""
+    n = len(img.begins)
+    room = tuple(memoryview(bytearray(8 * (n + extra))).cast("Q") for _ in range(2))
+    room[0][:n], room[1][:n] = img.begins, img.sizes
+    return HeapImage(room[0][:n], room[1][:n], img.regions), room
+
+
+def test_merge_dropping_in_room_equals_the_python_model_on_random_images():
+    # pymalloc's outputs merged in place: the same result, as views of the room; a room
+    # too small, or not where b's arrays start, leaves b as it was
+    import random
+    rng = random.Random(8)
+    for k in range(20):
+        glibc, py = _random_images(rng)
+        drop = rng.sample(list(glibc.begins) + list(py.begins), 25)
+        begins, sizes, removed = _ref_merge(glibc, py, drop)
+        inroom, room = _in_room(py, len(glibc.begins))
+        out, n = M.merge_dropping(glibc, inroom, drop, room=room)
+        assert (list(out.begins), list(out.sizes), n) == (begins, sizes, removed)
+        assert out.begins.obj is room[0].obj and out.sizes.obj is room[1].obj
+        small, room2 = _in_room(py, len(glibc.begins) - 1)
+        other = (room2[0][1:], room2[1][1:]) if k % 2 else room2
+        out, n = M.merge_dropping(glibc, small, drop, room=other)
+        assert (list(out.begins), list(out.sizes), n) == (begins, sizes, removed)
+        assert list(small.begins) == list(py.begins) and list(small.sizes) == list(py.sizes)
+    glibc, py = _random_images(rng)                 # no glibc blocks: b moves by nothing
+    empty = image([], [], glibc.regions)
+    inroom, room = _in_room(py, 0)
+    out, n = M.merge_dropping(empty, inroom, [py.begins[3]], room=room)
+    assert list(out.begins) == _ref_merge(empty, py, [py.begins[3]])[0] and n == 1
+
+
 def test_merge_dropping_rejects_overlap_between_the_images_only():
     glibc = image([A + 0x100, A + 0x110], [0x20, 0x20], [(A, bytearray(0x1000))])  # overlap
     py = image([A + 0x200], [16], [(A, bytearray(0x1000))])

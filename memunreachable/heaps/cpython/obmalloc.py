@@ -20,7 +20,7 @@ import mmap
 import struct
 from array import array
 from dataclasses import dataclass, field
-from typing import List, Sequence, Tuple
+from typing import List, Optional, Sequence, Tuple
 
 from memunreachable._errors import MemoryUnreadable
 from memunreachable._ffi import check, ffi, lib
@@ -48,6 +48,9 @@ class PymallocWalk:
     text_heads: array = field(default_factory=lambda: array("Q"))   # blocks whose first word
     #                                        is a short string over a free link (no reference)
     stats: dict = field(default_factory=dict)
+    # (begins, sizes) outputs whose first entries are blocks and sizes, with room for a merge
+    # in place (merge_dropping's room), or None
+    room: Optional[Tuple[object, object]] = None
     problems: List[str] = field(default_factory=list)   # hard: do not trust the walk
     warnings: List[str] = field(default_factory=list)   # soft: parts left to the old treatment
 
@@ -70,6 +73,7 @@ class _Acc:
         self.estimate = estimate        # entries to reserve at the first window
         self.text_heads = array("Q")
         self.find_text_heads = text_heads
+        self.room = None                # assemble(): the outputs its views start, if they do
         self.stats = dict(arenas=0, pools=0, empty_pools=0, used_blocks=0, used_bytes=0,
                           free_blocks=0, virgin_blocks=0, bad_pools=0)
 
@@ -142,6 +146,7 @@ class _Acc:
         if self.addr is None:
             return array("Q"), array("Q")
         if self.bases == sorted(self.bases):
+            self.room = (self.addr, self.size)
             return self.addr[:self.n], self.size[:self.n]
         blocks, sizes = u64_scratch(self.n), u64_scratch(self.n)
         ends = self.starts[1:] + [self.n]
@@ -190,6 +195,7 @@ def walk_arena_arrays(mem, lay: L.Layout, arrays: Sequence[ArenaArray],
     for arr in arrays:
         _walk_array(mem, lay, arr, out, acc)
     out.blocks, out.sizes = acc.assemble()
+    out.room = acc.room
     out.text_heads = acc.text_heads
     out.in_use = acc.stats["arenas"] > 0
     out.method = "arenas" if out.in_use else "none"
@@ -306,6 +312,7 @@ def scan_pools(mem, maps: Sequence[Mapping], lay: L.Layout,
             lo = hi
     out.heap_ranges = merge_ranges(out.heap_ranges)
     out.blocks, out.sizes = acc.assemble()
+    out.room = acc.room
     out.text_heads = acc.text_heads
     out.in_use = acc.stats["pools"] + acc.stats["empty_pools"] > 0
     out.stats = acc.stats

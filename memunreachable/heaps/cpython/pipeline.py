@@ -95,7 +95,7 @@ def _prepare(mem, maps, threads, pid: Optional[int], image: HeapImage) -> CPytho
                          "the CPython runtime could not be mapped: its memory is scanned whole "
                          "as roots")
         return out
-    merged, ndead, blocks, kept_cuts, dropped = _allocations(cp, image)
+    merged, ndead, nblocks, kept_cuts, dropped = _allocations(cp, image)
     if dropped:
         out.cannot_see(
             f"{dropped} pymalloc pool(s) overlap glibc allocations ({cp.runtime.object_path}):"
@@ -221,7 +221,7 @@ def _prepare(mem, maps, threads, pid: Optional[int], image: HeapImage) -> CPytho
     out.dead = DeadWords(ranges=merge_pairs(*dead_pairs),
                          head_word=head_word, live_end=live_end, types=dead_types,
                          dict_keys=dict_keys_rule(cp), debug_hooks=has_debug_hooks(cp))
-    out.stats.update(cp.stats, pymalloc_blocks=len(blocks), dead_blocks_dropped=ndead,
+    out.stats.update(cp.stats, pymalloc_blocks=nblocks, dead_blocks_dropped=ndead,
                      text_heads=len(cp.pymalloc.text_heads),
                      version="%d.%d" % cp.version, allocator=cp.allocator)
     return out
@@ -254,13 +254,20 @@ def _in_background(fn, image: HeapImage, *args):
 
 
 # Returns (glibc's image with pymalloc's used blocks merged in and its dead blocks dropped,
-# how many were dropped, the pymalloc blocks, the cuts of the pools kept, how many pools were
-# dropped for overlapping glibc allocations).
+# how many were dropped, how many pymalloc blocks there were, the cuts of the pools kept, how
+# many pools were dropped for overlapping glibc allocations). cp's blocks and sizes may be
+# used for the merge (then set to None).
 def _allocations(cp: CPythonMap, image: HeapImage):
     blocks, sizes, kept_cuts, dropped = drop_overlapping(cp, image, cp.layout.obmalloc.pool_size)
+    # pymalloc's own outputs (no pool dropped): merged in place, they hold the merge after it
+    room = cp.room if blocks is cp.blocks else None
     merged, ndead = merge_dropping(image, HeapImage(blocks, sizes, list(cp.regions)),
-                                   cp.dead_blocks)
-    return merged, ndead, blocks, kept_cuts, dropped
+                                   cp.dead_blocks, room=room)
+    if room is not None:
+        cp.blocks = cp.sizes = cp.room = None       # overwritten
+        if cp.pymalloc is not None:
+            cp.pymalloc.blocks = cp.pymalloc.sizes = cp.pymalloc.room = None
+    return merged, ndead, len(blocks), kept_cuts, dropped
 
 
 def allocations(mem, maps, threads, pid: Optional[int], image: HeapImage) -> HeapImage:

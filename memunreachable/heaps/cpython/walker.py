@@ -70,6 +70,7 @@ class CPythonMap:
     pymalloc: Optional[obmalloc.PymallocWalk] = None
     blocks: array = field(default_factory=lambda: array("Q"))
     sizes: array = field(default_factory=lambda: array("Q"))
+    room: Optional[Tuple[object, object]] = None      # PymallocWalk.room
     heap_ranges: List[Range] = field(default_factory=list)
     dead_ranges: List[Range] = field(default_factory=list)
     dead_blocks: array = field(default_factory=lambda: array("Q"))
@@ -414,7 +415,7 @@ def walk_cpython(mem, maps: Sequence[Mapping], threads: Sequence[ThreadState] = 
                 continue
             dead_blocks.extend(dead)
             dead_ranges.extend(ranges)
-    out.blocks, out.sizes = pm.blocks, pm.sizes
+    out.blocks, out.sizes, out.room = pm.blocks, pm.sizes, pm.room
     out.heap_ranges = list(pm.heap_ranges)
     out.regions = pm.regions
     out.dead_ranges = merge_ranges(dead_ranges)
