@@ -346,13 +346,27 @@ def u64_scratch(n: int) -> memoryview:
 
 
 MAP_NORESERVE = getattr(mmap, "MAP_NORESERVE", 0x4000)     # (Python 3.13+ names it)
+_STRICT: List[bool] = []
+
+
+def _strict_overcommit() -> bool:
+    """Whether the kernel charges every private writable mapping in full (overcommit mode 2)."""
+    if not _STRICT:
+        try:
+            with open("/proc/sys/vm/overcommit_memory") as f:
+                _STRICT.append(f.read().strip() == "2")
+        except (OSError, ValueError):
+            _STRICT.append(True)            # unknown: as if strict
+    return _STRICT[0]
 
 
 def u64_reserve(n: int) -> Optional[memoryview]:
     """u64_scratch(n) as address space alone (MAP_NORESERVE: no commit charge, only the pages
     written cost memory), for an output whose size is known only by a generous bound; None
-    when the kernel refuses it (strict overcommit) or local buffers are malloc's."""
-    if _HEAP_BUFFERS or n * 8 < 4096:
+    when local buffers are malloc's, under strict overcommit (vm.overcommit_memory 2: there
+    MAP_NORESERVE is ignored, and the whole bound would be charged, taking it from every
+    process's allocations, the target's too), or when the kernel refuses it."""
+    if _HEAP_BUFFERS or n * 8 < 4096 or _strict_overcommit():
         return None
     try:
         buf = mmap.mmap(-1, 8 * n, flags=mmap.MAP_PRIVATE | mmap.MAP_ANONYMOUS | MAP_NORESERVE)

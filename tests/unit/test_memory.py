@@ -541,10 +541,12 @@ def test_getrandom_state_is_cut_from_the_roots():
 
 
 def test_a_reserved_output_is_address_space_until_written(monkeypatch):
-    """u64_reserve: 1 TiB of outputs is reserved (no commit charge), written where needed; in
-    the in-process helper's mode (malloc's buffers) it declines, so the caller falls back."""
+    """u64_reserve: 1 TiB of outputs is reserved (no commit charge), written where needed;
+    under strict overcommit (where it would be charged in full) and in the in-process helper's
+    mode (malloc's buffers) it declines, so the caller falls back."""
     import resource
     from memunreachable import _types
+    monkeypatch.setattr(_types, "_STRICT", [False])     # (this machine's mode aside)
     rss0 = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss
     out = _types.u64_reserve(1 << 37)
     assert out is not None and len(out) == 1 << 37
@@ -552,5 +554,7 @@ def test_a_reserved_output_is_address_space_until_written(monkeypatch):
     assert (out[0], out[1], out[(1 << 37) - 1]) == (7, 0, 9)
     assert resource.getrusage(resource.RUSAGE_SELF).ru_maxrss - rss0 < 64 << 10    # KiB
     out.release()
+    monkeypatch.setattr(_types, "_STRICT", [True])      # vm.overcommit_memory 2
+    assert _types.u64_reserve(1 << 20) is None
     monkeypatch.setattr(_types, "_HEAP_BUFFERS", True)
     assert _types.u64_reserve(1 << 20) is None
