@@ -285,10 +285,15 @@ static inline int mu_type_rule(const mu_dead *d, const uint8_t *p, uint64_t off,
 }
 
 /* A plausible ob_refcnt, not a pointer (an item array holding the type object at index 1
- * looks the same otherwise): small, or the 3.12+ immortal value. */
+ * looks the same otherwise): small, or an immortal's: 3.12/3.13 0xFFFFFFFF; 3.14+ a 32-bit
+ * count of at least 1 << 31 (3 << 30 at first), ob_overflow 0 and the ob_flags bits above
+ * (1 immortal, 4 static: 0x0005_0000_C000_0000 for a static immortal; interned strings,
+ * a .pyc's constants, code objects are immortal). */
 static inline int mu_plausible_refcnt(uint64_t rc)
 {
-    return (rc >= 1 && rc < MU_REFCNT_SMALL) || rc == 0xFFFFFFFFull;
+    return (rc >= 1 && rc < MU_REFCNT_SMALL)
+           || ((rc & 0xFFFFFFFFull) >= 0x80000000ull && ((rc >> 32) & 0xFFFF) == 0
+               && (rc >> 48) < 0x100);
 }
 
 /* 1 when the two words before the object at offset off of the block at p are the PyGC_Head of
@@ -579,7 +584,7 @@ static inline uint64_t mu_live_len_r(const mu_dead *d, const mu_rules *r, const 
             return end < b + len ? end - b : len;
         }
         if (kind == MU_TYPE_SIZED || kind == MU_TYPE_DICT) {    /* the header (16 bytes) only */
-            uint64_t end = b + off + (((code >> 16) + 7) & ~7ull);
+            uint64_t end = b + off + ((((code >> 16) & 0xffffffffull) + 7) & ~7ull);
             return end < b + len ? end - b : len;
         }
         if (kind == MU_TYPE_VARSIZED) {
@@ -659,7 +664,9 @@ static inline uint64_t mu_live_len(const mu_dead *d, const uint8_t *p, uint64_t 
 }
 
 /* The GC-link words of allocation i (0, 0 when none), and with rules r (NULL: none) a dict's
- * header words after them (MU_TYPE_DICT at object offset 16 with the GC head, or 0 without);
+ * header words after them (MU_TYPE_DICT at object offset 16 with the GC head, or 0 without),
+ * or the words a MU_TYPE_SIZED rule names (bits 48-55 of its code: the first word's index from
+ * the object's start, bits 56-63: how many; an object without GC links);
  * or, for an allocation that is a dict key table (mu_dict_keys_len over its p, len, avail),
  * the table's header: counts, sizes and, 3.11+, a padding byte (0x40 seen: 0x40010606, a
  * number inside a non-PIE interpreter's heap), 3.8-3.10 its lookup function. */
@@ -676,8 +683,15 @@ static inline void mu_live_head(const mu_dead *d, const mu_rules *r, uint64_t i,
         return;
     }
     for (uint32_t f = r ? r->found : 0; f; f &= f - 1) {
-        uint64_t k = (uint64_t)__builtin_ctz(f), off = 16 * k;
-        if (((r->code[k] >> 8) & 0xff) != MU_TYPE_DICT || !mu_plausible_refcnt(r->rc[k])
+        uint64_t k = (uint64_t)__builtin_ctz(f), off = 16 * k, code = r->code[k];
+        uint64_t first = (code >> 48) & 0xff, count = code >> 56;
+        if (((code >> 8) & 0xff) == MU_TYPE_SIZED && count && !hw
+            && mu_plausible_refcnt(r->rc[k]) && off + 8 * (first + count) <= len) {
+            *hb = b + off + 8 * first;      /* words no build of the type writes */
+            *he = *hb + 8 * count;
+            return;
+        }
+        if (((code >> 8) & 0xff) != MU_TYPE_DICT || !mu_plausible_refcnt(r->rc[k])
             || (hw && *he != b + off) || off + 32 > r->have)
             continue;
         if (!hw)

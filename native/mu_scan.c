@@ -1601,6 +1601,15 @@ uint64_t mu_scanned_len(const mu_dead *dead, const uint8_t *p, uint64_t b, uint6
     return mu_live_len(dead, p, b, len, avail);
 }
 
+void mu_scanned_head(const mu_dead *dead, uint64_t i, const uint8_t *p, uint64_t b, uint64_t len,
+                     uint64_t avail, uint64_t *hb, uint64_t *he)
+{
+    mu_rules r;
+    if (dead && dead->ntypes)
+        mu_rules_search(dead, p, len < avail ? len : avail, &r);
+    mu_live_head(dead, dead && dead->ntypes ? &r : NULL, i, b, p, len, avail, hb, he);
+}
+
 uint64_t mu_value_words(const mu_dead *dead, const uint8_t *p, uint64_t b, uint64_t len,
                         uint64_t avail, uint64_t *vals, uint64_t *at)
 {

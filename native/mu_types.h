@@ -63,7 +63,11 @@ typedef struct {
  *       section 5); while its frame runs elsewhere (a thread's data stack, a generator) the
  *       inline data is never written: only the head up to fo is live;
  *   kind MU_TYPE_SIZED: an object of a fixed-size type whose size (tp_basicsize) is in bits
- *       16-47 of code: the allocator's rounding slack after it holds only stale words;
+ *       16-47 of code: the allocator's rounding slack after it holds only stale words; bits
+ *       56-63 of code, when not 0, count words from the one whose index (from the object's
+ *       start) is bits 48-55 that hold no reference either (3.14+ code objects'
+ *       _co_unique_id, written by free-threaded builds only, and _co_firsttraceable's
+ *       padding), in an object without GC links;
  *   kind MU_TYPE_CDATA: cffi's plain cdata (_cffi_backend._CDataBase), tp_basicsize in bits
  *       16-47 of code: as MU_TYPE_SIZED, unless its data pointer (off + 24) points into
  *       the block past that size: a casted primitive's value (ffi.cast("intptr_t", p)) lies

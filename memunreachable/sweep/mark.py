@@ -292,7 +292,9 @@ def mark(image: HeapImage, roots: Sequence[Tuple[int, object]], words: Sequence[
 
 # Returns [(begin, memoryview or bytes)] of the words mark scans in each marked allocation of
 # image: none for a dead or reference-free object, a typed object up to its live end
-# (mu_scanned_len), else the whole allocation; and each value object's handles (an int's
+# (mu_scanned_len) but for the words it skips in the middle (mu_scanned_head: a GC head's
+# links, a dict's integer header, unwritten words), else the whole allocation; and each
+# value object's handles (an int's
 # value, a float's or short bytes' words: mu_value_words, at most MU_HANDLE_SLACK bytes into
 # a block) as 8 bytes at the address it was read from (an int's digits). For diagnostics
 # (explain.py): one Python step per allocation.
@@ -301,6 +303,7 @@ def scanned_blocks(image: HeapImage, marked, dead: Optional["DeadWords"] = None)
     dc, keep = dead_words(dead, len(begins))
     bases = [b for b, _ in image.regions]
     vals, at = ffi.new("uint64_t[8]"), ffi.new("uint64_t[8]")
+    hb, he = ffi.new("uint64_t *"), ffi.new("uint64_t *")
     out = []
     for j in range(len(begins)):
         if not marked[j] or not sizes[j]:
@@ -314,7 +317,12 @@ def scanned_blocks(image: HeapImage, marked, dead: Optional["DeadWords"] = None)
             e = struct.unpack_from("<I", dead.live_end, 4 * j)[0]
             n = min(n, e - 1) if e else n
         if n:
-            out.append((begins[j], view[:n]))
+            lib.mu_scanned_head(dc, j, data, begins[j], sizes[j], len(view), hb, he)
+            cut = (hb[0] - begins[j], he[0] - begins[j]) if hb[0] or he[0] else (n, n)
+            if cut[0] > 0 and cut[1] < n:       # the words it skips in the middle
+                out += [(begins[j], view[:cut[0]]), (he[0], view[cut[1]:n])]
+            else:
+                out.append((begins[j], view[:n]))
         for h in range(lib.mu_value_words(dc, data, begins[j], sizes[j], len(view), vals, at)):
             k = bisect.bisect_right(begins, vals[h]) - 1     # a handle: near a block's start
             if k >= 0 and vals[h] - begins[k] <= lib.MU_HANDLE_SLACK:

@@ -9,15 +9,18 @@
  *                     is a one-character string over a link into L (see the function)
  *   leak_into(addr)  -> (~address, usable size) of a calloc(1, 64) block whose address is
  *                     stored at addr (8-aligned) and nowhere else: its only pointer
+ *   scrub()          -> None; zeroes 16 KiB of the stack below the caller (scrub.h): what
+ *                     deeper calls left there
  * The block is calloc'ed: no stale words of earlier users (PYTHONMALLOC=malloc reuses freed
  * objects' chunks) can make it reference other blocks, which would fold them under it; a
  * memset over the whole block would leave its end pointer (inside the usable size) in
- * registers and spill slots (docs/limitations.md). */
+ * registers and spill slots (docs/limitations.md); the stack calloc used is zeroed after. */
 #define PY_SSIZE_T_CLEAN
 #include <Python.h>
 #include <malloc.h>
 #include <string.h>
 #include "reserve.h"
+#include "scrub.h"
 
 /* calloc(1, n), its address stored at *into (when into is not NULL) and nowhere else:
  * (~address, usable size). */
@@ -32,6 +35,7 @@ static PyObject *leaked_block(Py_ssize_t n, volatile uint64_t *into)
         *into = (uint64_t)(uintptr_t)p;
     volatile unsigned long hidden = ~(unsigned long)p;
     p = NULL;
+    scrub();                    /* calloc's frames below this one kept the address */
     return Py_BuildValue("(kn)", (unsigned long)hidden, (Py_ssize_t)usable);
 }
 
@@ -139,6 +143,12 @@ static PyObject *leak_into(PyObject *self, PyObject *args)
     return leaked_block(64, (volatile uint64_t *)addr);
 }
 
+static PyObject *scrub_stack(PyObject *self, PyObject *unused)
+{
+    scrub();
+    Py_RETURN_NONE;
+}
+
 static PyObject *incref(PyObject *self, PyObject *obj)
 {
     Py_INCREF(obj);
@@ -149,6 +159,7 @@ static PyMethodDef methods[] = {
     {"reserve", reserve, METH_VARARGS, "map n bytes of PROT_NONE address space; returns its address"},
     {"leak_native", leak_native, METH_VARARGS, "malloc(n), drop the pointer: (~address, usable size)"},
     {"incref", incref, METH_O, "take a reference that is never released"},
+    {"scrub", scrub_stack, METH_NOARGS, "zero 16 KiB of the stack below the caller"},
     {"leak_list", leak_list, METH_VARARGS, "a list of n ints leaked by refcount: ~address"},
     {"leak_str", leak_str, METH_VARARGS, "a str leaked by refcount: ~address"},
     {"leak_into", leak_into, METH_VARARGS, "calloc(1, 64), its address stored at addr only"},

@@ -245,6 +245,66 @@ def test_arenas_walk_checks_nfreepools_and_the_arena_count(nfree, narenas, ok):
     assert w.stats["empty_pools"] == 1 and w.stats["arenas"] == 1
 
 
+def test_the_arenas_walk_gives_the_unused_entries_as_dead():
+    # a freed arena's entry keeps its pool_address (here into memory a later mmap may take)
+    lay = L.LAYOUTS[(3, 12)]
+    first = BASE + PS
+    mem = BufferMemory({first: pool(first, 1, 5),
+                        **arena_state(lay, 0x5000, 0x9000,
+                                      [(0, BASE + (8 << 20), 0, 64), (BASE + 0x1000, first + PS, 62, 63),
+                                       (0, 0, 0, 0), (0, 0, 0, 0)], 1)})
+    w = obmalloc.walk_arenas(mem, lay, [0x5000])
+    assert w.problems == []
+    # the unused entries whole, the links of the one in use
+    assert w.dead == [Range(0x9000, 0x9030), Range(0x9050, 0x90C0)]
+
+
+TABLE = 0x5560_0000_1010             # a malloc'd arenas array (3.8-3.11)
+
+
+def arena_table(entries, links=(), usable=None):
+    """{address: bytes} of a malloc chunk at TABLE - 16 holding arena entries (address,
+    pool_address, nfreepools, ntotalpools) and (entry, nextarena, prevarena) links."""
+    usable = usable if usable is not None else 16 * 48 + 8
+    table = bytearray(usable)
+    for i, (address, pool_address, nfree, ntotal) in enumerate(entries):
+        struct.pack_into("<QQII", table, 48 * i, address, pool_address, nfree, ntotal)
+    for i, nxt, prv in links:
+        struct.pack_into("<QQ", table, 48 * i + 32, nxt, prv)
+    return {TABLE - 16: struct.pack("<QQ", 0, (usable + 8) | 1) + bytes(table)}
+
+
+@pytest.mark.parametrize("case", ["found", "pools outside", "small", "bad arena", "no word"])
+def test_a_scanned_runtime_s_arenas_array_is_found_by_its_shape(case):
+    lay = L.LAYOUTS[(3, 11)]                   # 1 MiB arenas of 16 KiB pools
+    om = lay.obmalloc
+    arena = BASE + 0x1000
+    first = BASE + PS
+    entries = [(arena, first + 3 * PS, 0, 63), (0, BASE + (5 << 20), 0, 63), (0, 0, 0, 0)]
+    links = [(1, TABLE + 96, 0x5560_0000_0100)]     # a stale prevarena
+    pools = [Range(first, first + 3 * PS)]
+    if case == "pools outside":
+        pools.append(Range(BASE + (2 << 20), BASE + (2 << 20) + PS))
+    elif case == "bad arena":
+        entries[0] = (arena, first + 3 * PS + 8, 0, 63)
+    heap = [Range(TABLE - 0x1000, TABLE + 0x10000)]
+    data = bytearray(64)
+    if case != "no word":
+        struct.pack_into("<Q", data, 40, TABLE)
+    datas = [(0x7000_0000, bytes(data))]
+    obmalloc._ARENA_STATICS.clear()
+    usable = 15 * 48 + 8 if case == "small" else None   # fewer than obmalloc's first 16
+    mem = BufferMemory({0x7000_0000: bytes(data), **arena_table(entries, links, usable)})
+    dead = obmalloc.scanned_arena_dead(mem, datas, heap, om, pools)
+    if case == "found":
+        assert dead == [Range(TABLE + 32, TABLE + 16 * 48 + 8)]    # and malloc's slack
+        assert obmalloc._ARENA_STATICS == {((0x7000_0000, 64),): 0x7000_0000 + 40}
+        # the next check reads the remembered word first
+        assert obmalloc.scanned_arena_dead(mem, datas, heap, om, pools) == dead
+    else:
+        assert dead == []
+
+
 def test_arenas_listed_out_of_address_order_give_ascending_blocks():
     # the arenas array's order is not the arenas' address order: entry 0 is the higher arena.
     # Each arena's blocks are written after the ones before; the whole is sorted at the end

@@ -216,7 +216,12 @@ def typed_heap(first_words, target_size=16):
 
 @pytest.mark.parametrize("words, types, kept", [
     ([1, INT_TYPE], [(INT_TYPE, 0 | OPAQUE)], 0),                  # an int: not scanned
-    ([0xFFFFFFFF, INT_TYPE], [(INT_TYPE, 0 | OPAQUE)], 0),         # immortal (3.12+)
+    ([0xFFFFFFFF, INT_TYPE], [(INT_TYPE, 0 | OPAQUE)], 0),         # immortal (3.12, 3.13)
+    ([0xC000_0000, INT_TYPE], [(INT_TYPE, 0 | OPAQUE)], 0),        # immortal (3.14+)
+    ([0x0005_0000_C000_0000, INT_TYPE], [(INT_TYPE, 0 | OPAQUE)], 0),   # static immortal
+    ([0x0001_0000_9000_0000, INT_TYPE], [(INT_TYPE, 0 | OPAQUE)], 0),   # decayed, interned
+    ([0x0001_0001_C000_0000, INT_TYPE], [(INT_TYPE, 0 | OPAQUE)], 1),   # no count: a pointer
+    ([0x7000_0000, INT_TYPE], [(INT_TYPE, 0 | OPAQUE)], 1),        # 1.9 G references: no
     ([BASE + 0x500, INT_TYPE], [(INT_TYPE, 0 | OPAQUE)], 1),       # an item array [x, int]
     ([1, INT_TYPE], [(INT_TYPE, 16 | OPAQUE)], 1),                 # wrong offset for the type
     ([0, 0, 0, TUPLE_TYPE], [(TUPLE_TYPE, 16 | DEAD)], 0),         # a dead GC tuple
@@ -309,6 +314,31 @@ def test_sized_objects_scanned_up_to_their_basicsize(basic, kept):
     h.link(0, 8, 2)                     # at block offset 64
     dead = DeadWords(types=[(INT_TYPE + 0x100, 16 | SIZED | basic << 16)])
     assert list(mark(h.image(), [], [h.addrs[0]], dead=dead).marked) == kept
+
+
+@pytest.mark.parametrize("code, tracked, kept", [
+    (0 | SIZED | 64 << 16 | 4 << 48 | 2 << 56, False, [1, 1, 0, 0, 1]),  # words 4-5 unwritten
+    (0 | SIZED | 64 << 16, False, [1, 1, 1, 1, 1]),                      # no such words
+    (0 | SIZED | 64 << 16 | 4 << 48 | 1 << 56, False, [1, 1, 0, 1, 1]),  # word 4 only
+    (16 | SIZED | 64 << 16 | 4 << 48 | 2 << 56, True, [1, 1, 1, 1, 1]),  # GC links win
+])
+def test_a_sized_object_s_unwritten_words_are_no_references(code, tracked, kept):
+    # a 3.14 code object's _co_unique_id and _co_firsttraceable's padding (words 23-24 of a
+    # default build's header): no write reaches them, so a block's earlier user's words stay
+    h = Heap([80, 16, 16, 16, 16])
+    off = code & 0xff
+    for slot, w in enumerate([0, 0] * (off // 16) + [1, INT_TYPE + 0x100]):
+        h.point(0, slot, w)
+    start = off // 8
+    h.link(0, start + 3, 1)             # a header word before them
+    h.link(0, start + 4, 2)
+    h.link(0, start + 5, 3)
+    h.link(0, 8 if off else 7, 4)       # after them, inside the object (or the slack)
+    dead = DeadWords(types=[(INT_TYPE + 0x100, code)],
+                     head_word=bytearray([1, 0, 0, 0, 0]) if tracked else None)
+    assert list(mark(h.image(), [], [h.addrs[0] + off], dead=dead).marked) == kept
+    folded = fold(h.image(), bytearray(5), dead=dead)
+    assert folded[0].referenced_count == sum(kept) - 1
 
 
 # --- dict key tables: the allocator's slack after them ----------------------------------------

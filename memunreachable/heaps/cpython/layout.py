@@ -275,6 +275,10 @@ class Layout:
     freelist_heads: Optional["FreeListHeads"] = None   # 3.14+ struct _Py_freelists
     tuple_items: int = 24               # PyTupleObject.ob_item (3.14+: 32, after ob_hash)
     frame_localsplus: int = 72          # _PyInterpreterFrame.localsplus (3.11-3.13: 72; 3.14+: 80)
+    # (object offset, bytes) of a code object's words no write reaches: 3.14+ without the
+    # free-threaded co_tlbc, _co_unique_id (assigned by free-threaded builds only) and
+    # _co_firsttraceable's padding, right before co_extra and co_code_adaptive
+    code_unwritten: Optional[Tuple[int, int]] = None
     source: str = "table"               # "table" or "_Py_DebugOffsets"
 
     @property
@@ -544,6 +548,8 @@ def from_debug_offsets(version: Tuple[int, int], d: Dict[str, int],
         freelists=sup.freelists, debug_offsets=True,
         gc=sup.gc._replace(offset=d["interpreter_state.gc"]), freelist_heads=sup.freelist_heads,
         tuple_items=d["tuple_object.ob_item"], frame_localsplus=d["interpreter_frame.localsplus"],
+        code_unwritten=((d["code_object.co_code_adaptive"] - 24, 16)
+                        if version[:2] >= (3, 14) and not d.get("code_object.co_tlbc") else None),
         source="_Py_DebugOffsets")
 
 

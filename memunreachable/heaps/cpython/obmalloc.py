@@ -16,6 +16,7 @@ The block loop runs in native/mu_pymalloc.c.
 """
 from __future__ import annotations
 
+import bisect
 import mmap
 import struct
 from array import array
@@ -51,6 +52,8 @@ class PymallocWalk:
     # (begins, sizes) outputs whose first entries are blocks and sizes, with room for a merge
     # in place (merge_dropping's room), or None
     room: Optional[Tuple[object, object]] = None
+    # the unused entries of the arenas array (unused_arena_entries): no references
+    dead: List[Range] = field(default_factory=list)
     problems: List[str] = field(default_factory=list)   # hard: do not trust the walk
     warnings: List[str] = field(default_factory=list)   # soft: parts left to the old treatment
 
@@ -222,6 +225,7 @@ def _walk_array(mem, lay: L.Layout, arr: ArenaArray, out: PymallocWalk, acc: _Ac
         out.problems.append(f"obmalloc state unreadable at {exc.address:#x}")
         return
     ps = om.pool_size
+    out.dead.extend(unused_arena_entries(table, arenas))
     acc.estimate = max(acc.estimate, narenas * om.arena_size // ESTIMATE_BLOCK)
     found = 0
     for i in range(maxarenas):
@@ -258,6 +262,111 @@ def _walk_array(mem, lay: L.Layout, arr: ArenaArray, out: PymallocWalk, acc: _Ac
         out.regions.append((first, buf))
     if found != narenas:
         out.problems.append(f"{found} arenas found in {arenas:#x}, obmalloc counts {narenas}")
+
+
+# Returns the ranges of an arenas array read as `table` from `base` that hold no references:
+# its unused entries (address 0) whole, and the links (nextarena, prevarena) of the others. A
+# freed arena's entry keeps its pool_address and free pool list, and an entry the array grew
+# by has only its address and nextarena written (obmalloc.c new_arena); a full arena's links
+# may still point into the array's previous, freed copy. Pointers to memory that a later
+# allocation may take (a 3.8 target's freed arena entry pointed into a leaked 4 MiB block
+# whose mmap took the arena's place: the leak was missed). An arena's own address is kept (an
+# arena allocator may take arenas from malloc).
+def unused_arena_entries(table, base: int) -> List[Range]:
+    size, links = L.ARENA.sizeof, L.ARENA.nextarena
+    return merge_ranges([Range(base + off + (links if address else 0), base + off + size)
+                         for off in range(0, len(table) - size + 1, size)
+                         for address in struct.unpack_from("<Q", table, off + L.ARENA.address)])
+
+
+# Returns the entry count of the arenas array at `base` read as `table` when it is one: every
+# entry in use (address not 0) holds an arena that fits (pool_address at a pool boundary inside
+# it, the pool count of the arena size, as _walk_array checks) and every pool run the scan
+# found lies in one of its arenas (its first and last byte); 0 when not. (The links are no
+# sign: unused entries' prevarena are never written, full arenas' may point elsewhere.)
+def arena_table_fits(table, base: int, om: L.Obmalloc, pools: Sequence[Range]) -> int:
+    size, ps = L.ARENA.sizeof, om.pool_size
+    n = len(table) // size
+    arenas = []
+    for off in range(0, n * size, size):
+        address, pool_address, nfree, ntotal = struct.unpack_from("<QQII", table, off)
+        if address == 0:
+            continue
+        first, end = (address + ps - 1) & ~(ps - 1), address + om.arena_size
+        if not (first <= pool_address <= end and (pool_address - first) % ps == 0
+                and ntotal == (end - first) // ps and nfree <= ntotal):
+            return 0
+        arenas.append((address, end))
+    if not arenas or not pools:
+        return 0
+    arenas.sort()
+    begins = [a for a, _ in arenas]
+
+    def inside(addr: int) -> bool:
+        i = bisect.bisect_right(begins, addr) - 1
+        return i >= 0 and addr < arenas[i][1]
+    # (a run may span adjacent arenas: its ends are checked)
+    if not all(inside(r.begin) and inside(r.end - 1) for r in pools):
+        return 0
+    return n
+
+
+# {the runtime's writable mappings: the address of the word that held the arenas array}
+_ARENA_STATICS: dict = {}
+
+
+# Returns the ranges of the unused entries of a 3.8-3.11 runtime's arenas array (a static of
+# Objects/obmalloc.c, unexported), found by its shape: a word of the runtime's writable data
+# (its .data and .bss, the anonymous mapping right after them included) pointing at a malloc'd
+# chunk of at least 16 entries that arena_table_fits; [] when no word does. `datas`: (address,
+# bytes) of those mappings; `heap`: the ranges a table may lie in; `pools`: the pool scan's
+# runs. The word's address is remembered per mappings (checked again, searched when it fails).
+def scanned_arena_dead(mem, datas, heap: Sequence[Range], om: L.Obmalloc,
+                       pools: Sequence[Range]) -> List[Range]:
+    key = tuple((b, len(d)) for b, d in datas)
+    known = _ARENA_STATICS.get(key)
+    if known is not None:
+        found = _arena_table_at(mem, known, heap, om, pools)
+        if found:
+            return found
+    lo = [r.begin for r in heap]
+    for base, data in datas:
+        words = array("Q", bytes(data[:len(data) // 8 * 8]))
+        for k, w in enumerate(words):
+            if w % 16 or not w:
+                continue
+            i = bisect.bisect_right(lo, w) - 1
+            if i < 0 or w >= heap[i].end:
+                continue
+            found = _arena_table_at(mem, base + 8 * k, heap, om, pools, w)
+            if found:
+                if len(_ARENA_STATICS) >= 16:
+                    _ARENA_STATICS.clear()
+                _ARENA_STATICS[key] = base + 8 * k
+                return found
+    return []
+
+
+def _arena_table_at(mem, at: int, heap, om, pools, table: Optional[int] = None) -> List[Range]:
+    """unused_arena_entries of the table the word at `at` points at, if arena_table_fits."""
+    try:
+        if table is None:
+            table = struct.unpack("<Q", mem.read(at, 8))[0]
+        head = struct.unpack("<Q", mem.read(table - 8, 8))[0]
+        usable = (head & ~7) - (16 if head & 2 else 8)          # glibc: IS_MMAPPED
+        n = min(usable, MAX_ARENAS * L.ARENA.sizeof) // L.ARENA.sizeof
+        if n < 16 or not any(r.begin <= table and table + n * L.ARENA.sizeof <= r.end
+                             for r in heap):
+            return []
+        data = mem.read(table, n * L.ARENA.sizeof)
+    except MemoryUnreadable:
+        return []
+    if not arena_table_fits(data, table, om, pools):
+        return []
+    # (and malloc's slack after the last entry: a 256-entry table's last 8 usable bytes held a
+    # pointer into a freed arena)
+    tail = [Range(table + len(data), table + usable)] if usable > len(data) else []
+    return merge_ranges(unused_arena_entries(data, table) + tail)
 
 
 def scan_candidates(maps: Sequence[Mapping], pool_size: int) -> List[Mapping]:

@@ -193,8 +193,14 @@ def _prepare(mem, maps, threads, pid: Optional[int], image: HeapImage) -> CPytho
     # code objects (every version): the bytecode after the header holds no references, and
     # a stale pointer's high bytes in the rounding slack after it (glued to the last code
     # unit) read as a pointer into a leaked block (seen in an xdist worker)
+    # 3.14+: and the two header words no default build writes (layout.code_unwritten: a stale
+    # copy of a leaked block's address at offset 184, _co_unique_id, hid it on sid's 3.14)
     if "PyCode_Type" in statics and statics["PyCode_Type"] not in {t for t, _ in dead_types}:
-        dead_types += sized_types(mem, maps, cp, [statics["PyCode_Type"]], header_only=True)
+        code = sized_types(mem, maps, cp, [statics["PyCode_Type"]], header_only=True)
+        unwritten = cp.layout.code_unwritten
+        if unwritten and code and unwritten[0] % 8 == 0 and sum(unwritten) <= code[0][1] >> 16:
+            code = [(code[0][0], code[0][1] | unwritten[0] // 8 << 48 | unwritten[1] // 8 << 56)]
+        dead_types += code
     # tuples (every version): the slack after the last item (an odd item count in a 16-byte
     # size class) held the address of a leaked block in an xdist worker's co_consts; the rule
     # replaces 3.8-3.10's dead-at-zero rule of the type, which it includes

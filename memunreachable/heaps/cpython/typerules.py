@@ -17,6 +17,7 @@ long-lived checker checks one process again and again. cpython-memory.md section
 """
 from __future__ import annotations
 
+import re
 import struct
 from typing import Dict, List, Optional, Sequence, Tuple
 
@@ -286,18 +287,20 @@ def _static_types(mem, maps, pid, cp: CPythonMap, mappings, rounds: int = 1) -> 
 
 
 # Returns [(type address, code)] of MU_TYPE_SIZED rules: the interpreter's own static types
-# (inside the runtime's ELF object) of fixed size (tp_itemsize 0): the pymalloc or
-# malloc rounding slack after tp_basicsize holds stale words of the block's earlier users.
-# Types of extensions and heap types are left whole: they may allocate past tp_basicsize.
+# (inside the runtime's ELF object or one of its standard library's extension modules,
+# stdlib_extensions) of fixed size (tp_itemsize 0): the pymalloc or malloc rounding slack
+# after tp_basicsize holds stale words of the block's earlier users (3.8-3.11's static
+# _ctypes.CField, 88 bytes with its GC header in a 96-byte pymalloc block: the last word held
+# the address of a leaked 4 KiB block in an xdist worker, MEMUNREACHABLE_EXPLAIN). Types of
+# other extensions and heap types are left whole: they may allocate past tp_basicsize.
 # header_only: the types are var-sized but every reference lies in the fixed part (code
 # objects: their bytecode and inline caches follow tp_basicsize, 3.11+).
 def sized_types(mem, maps, cp: CPythonMap, types, header_only: bool = False) -> List[Tuple[int, int]]:
     reader = object_reader(mem, cp)
-    lo, hi = _object_span(maps, cp.runtime.object_path)
-    own = [(m.begin, m.end) for m in maps if m.path == cp.runtime.object_path]
+    paths = {cp.runtime.object_path} | (set() if header_only else stdlib_extensions(maps, cp))
+    own = [(m.begin, m.end) for m in maps if m.path in paths]
     def judge(t: int) -> Optional[int]:
-        if not lo <= t < hi or not any(b <= t < e for b, e in own) \
-                or reader.type_info(t) is None:
+        if not any(b <= t < e for b, e in own) or reader.type_info(t) is None:
             return None
         basic, item = reader.type_words(t)[2:4]
         off = reader.object_offset(t)
@@ -455,10 +458,14 @@ def dict_headers(dead_types, t: Optional[int]):
             for u, code in dead_types]
 
 
-def _object_span(maps, path: str) -> Tuple[int, int]:
-    """[lowest begin, highest end) of the mappings of path ((0, 0) for none)."""
-    own = [m for m in maps if m.path == path]
-    return (min(m.begin for m in own), max(m.end for m in own)) if own else (0, 0)
+# The file names of the standard library's extension modules of CPython X.Y: in a directory
+# lib-dynload of a directory pythonX.Y, tagged cpython-XY (a free-threaded build: cpython-XYt).
+# pyenv's and Debian's builds both install them so (_ctypes, _decimal, _json...).
+def stdlib_extensions(maps, cp: CPythonMap) -> set:
+    major, minor = cp.version[:2]
+    name = re.compile(r"/python%d\.%dt?/lib-dynload/[^/]+\.cpython-%d%dt?-[^/]+\.so$"
+                      % (major, minor, major, minor))
+    return {m.path for m in maps if m.path and name.search(m.path)}
 
 
 # {symbol: run-time address} of the runtime's object by its mappings' identity and addresses:

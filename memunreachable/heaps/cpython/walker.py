@@ -379,6 +379,10 @@ def walk_cpython(mem, maps: Sequence[Mapping], threads: Sequence[ThreadState] = 
         out.pymalloc = obmalloc.walk_arenas(mem, lay, states, text_heads=not blocks_only)
     else:
         out.pymalloc = obmalloc.scan_pools(mem, maps, lay, text_heads=not blocks_only)
+        if out.pymalloc.in_use and not out.pymalloc.problems:
+            out.pymalloc.dead = obmalloc.scanned_arena_dead(
+                mem, _runtime_data(mem, maps, rt.object_path), _anonymous(maps), lay.obmalloc,
+                out.pymalloc.heap_ranges)
     pm = out.pymalloc
     out.warnings.extend(pm.warnings)
     if pm.problems:
@@ -390,7 +394,7 @@ def walk_cpython(mem, maps: Sequence[Mapping], threads: Sequence[ThreadState] = 
                             f"was found: {OPAQUE}")
         return out
     # 4. data stacks (3.11+) and free lists (3.10+)
-    dead_ranges: List[Range] = []
+    dead_ranges: List[Range] = list(pm.dead)
     dead_blocks: List[int] = []
     try:
         if lay.datastack is not None:
@@ -425,3 +429,24 @@ def walk_cpython(mem, maps: Sequence[Mapping], threads: Sequence[ThreadState] = 
                      dead_blocks=len(out.dead_blocks))
     out.usable = True
     return out
+
+
+def _runtime_data(mem, maps, path: str) -> list:
+    """(address, bytes) of the writable mappings of the runtime's ELF object and the anonymous
+    mapping right after its last one (the rest of its .bss), those that can be read."""
+    out, end = [], None
+    for m in maps:
+        if m.path == path:
+            end = m.end
+        if m.writable and (m.path == path or (m.begin == end and not m.path)):
+            try:
+                out.append((m.begin, mem.read(m.begin, m.end - m.begin)))
+            except MemoryUnreadable:
+                pass
+    return out
+
+
+def _anonymous(maps) -> List[Range]:
+    """The private anonymous writable mappings (malloc's heap and its mmapped chunks)."""
+    return [m.range for m in maps if m.readable and m.writable and not m.shared
+            and m.inode == 0 and (m.path in ("", "[heap]") or m.path.startswith("[anon:"))]
