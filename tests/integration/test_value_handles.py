@@ -24,6 +24,9 @@ from test_cpython_leaks import RESERVE, _ident, interpreters, run_target
 pytestmark = pytest.mark.ptrace
 pytest_plugins = ["pytester"]
 
+# the plugin's sessions under PYTHONMALLOC=malloc: in the slow set (the README command's budget)
+MALLOC = pytest.param("malloc", marks=pytest.mark.slow)
+
 LIBC = r"""
 import ctypes, json, struct, sys
 sys.path.insert(0, sys.argv[1])
@@ -109,7 +112,7 @@ def test_e_int_dropped():
 
 
 @pytest.mark.parametrize("batch", [["--memunreachable-batch=1"], []], ids=["batch 1", "batches"])
-@pytest.mark.parametrize("allocator", ["pymalloc", "malloc"])
+@pytest.mark.parametrize("allocator", ["pymalloc", MALLOC])
 def test_the_plugin_keeps_handles_and_reports_the_dropped_one(pytester, monkeypatch, allocator,
                                                               batch):
     if allocator == "malloc":
@@ -189,7 +192,7 @@ def python_magic(tmp_path_factory) -> str:
 
 
 @pytest.mark.parametrize("batch", [["--memunreachable-batch=1"], []], ids=["batch 1", "batches"])
-@pytest.mark.parametrize("allocator", ["pymalloc", "malloc"])
+@pytest.mark.parametrize("allocator", ["pymalloc", MALLOC])
 def test_python_magic_under_the_plugin(pytester, monkeypatch, python_magic, allocator, batch):
     pdf = pytester.path / "test.pdf"
     pdf.write_bytes(PDF)
