@@ -99,8 +99,8 @@ def explain(addr: int, image, root_buffers, marked, dead_ranges, blocks, threads
         roots = _referrers(lo, hi, root_buffers, dead)
         if roots:
             lines.append(f"  {lo:#x} ({sizes[i]} bytes) <- root words at "
-                         + ", ".join(f"{a:#x}{_on_stack(a, threads)}{_in_file(a, maps)}"
-                                     for a in roots[:8]))
+                         + ", ".join(f"{a:#x}{_on_stack(a, threads, mem, maps)}"
+                                     f"{_in_file(a, maps)}" for a in roots[:8]))
             return [label] + lines
         regs = _register_referrers(lo, hi, threads)
         if regs:
@@ -140,13 +140,40 @@ def _register_referrers(lo: int, hi: int, threads) -> List[str]:
     return out
 
 
-def _on_stack(a: int, threads) -> str:
-    """' (thread T's stack, SP+N)' when a lies at most 8 MiB above a thread's stack pointer."""
+def _on_stack(a: int, threads, mem=None, maps=()) -> str:
+    """' (thread T's stack, SP+N)' when a lies at most 8 MiB above a thread's stack pointer,
+    with the frame it likely lies in when mem can be read (_frame_below)."""
     above = [(a - t.sp, t.tid) for t in threads if t.sp and 0 <= a - t.sp < 8 << 20]
     if not above:
         return ""
     off, tid = min(above)
-    return f" (thread {tid}'s stack, SP+{off:#x})"
+    return f" (thread {tid}'s stack, SP+{off:#x}{_frame_below(a, mem, maps)})"
+
+
+FRAME_SEARCH = 4096     # how far above a stack word explain looks for a return address
+
+
+def _frame_below(a: int, mem, maps) -> str:
+    """', in FUNCTION's frame (return address +N above)': the nearest word above stack word a
+    that points into a file's executable code, symbolized: most likely the return address
+    that ends the frame a lies in (a heuristic: a stale code pointer reads the same). '' when
+    none is found or the stack cannot be read."""
+    if mem is None or not maps:
+        return ""
+    from memunreachable._errors import MemoryUnreadable
+    from memunreachable.stacks.symbolize import modules_from_maps, symbolize
+    mods = modules_from_maps(maps)
+    top = next((m.end for m in maps if m.begin <= a < m.end), a + 8)
+    try:
+        data = mem.read(a + 8, max(0, min(FRAME_SEARCH, top - a - 8)) // 8 * 8)
+    except MemoryUnreadable:
+        return ""
+    for k, (v,) in enumerate(struct.iter_unpack("<Q", data)):
+        if any(b <= v < e for b, e, _, _ in mods):
+            f = symbolize([v], mods, resolve=True)[-1]
+            name = f.function or f"{f.module}+{f.offset:#x}"
+            return f", in {name}'s frame (return address +{8 * (k + 1):#x} above)"
+    return ""
 
 
 def _in_file(a: int, maps) -> str:

@@ -153,3 +153,33 @@ def test_scanned_blocks_list_an_ints_value_only_where_the_mark_takes_it_as_a_han
     values = [struct.unpack("<Q", v)[0] for b, v in blocks if b != h.addrs[1]]
     assert values == ([h.addrs[1] + into] if listed else [])
     assert list(mark(h.image(), [], [h.addrs[0]], dead=dead).marked) == [1, int(listed)]
+
+
+def test_a_stack_root_word_names_the_function_whose_frame_it_likely_lies_in():
+    # the nearest word above the root word that points into a file's code: a return address
+    import struct
+    import memunreachable._native as native
+    from memunreachable._types import RSP_INDEX, BufferMemory, Mapping, ThreadState
+    from memunreachable.stacks.symbolize import read_function_symbols
+    so = native.__file__
+    vaddr = next(a for a, names in read_function_symbols(so).items() if "mu_scrub_stack" in names)
+    code = 0x7E00_0000_0000
+    stack = bytearray(8192)
+    h = Heap([32])
+    struct.pack_into("<Q", stack, 16, h.addrs[0])          # the root word, at ROOT + 16
+    struct.pack_into("<Q", stack, 16 + 0x30, code + vaddr + 5)   # a return address above it
+    roots = [(ROOT, bytes(stack[:24]))]
+    res = mark(h.image(), roots)
+    regs = [0] * 27
+    regs[RSP_INDEX] = ROOT
+    maps = [Mapping(code, code + 0x100000, "r-xp", 0, "08:01", 1, so),
+            Mapping(ROOT, ROOT + len(stack), "rw-p", 0, "00:00", 0, "[stack]")]
+    lines = explain(h.addrs[0], h.image(), roots, res.marked, (), [],
+                    [ThreadState(7, tuple(regs))], maps=maps,
+                    mem=BufferMemory({ROOT: bytes(stack)}))
+    assert lines[1].endswith(f"root words at {ROOT + 16:#x} (thread 7's stack, SP+0x10, in "
+                             "mu_scrub_stack's frame (return address +0x30 above))")
+    # without the memory to read: the thread and distance only
+    lines = explain(h.addrs[0], h.image(), roots, res.marked, (), [],
+                    [ThreadState(7, tuple(regs))], maps=maps)
+    assert lines[1].endswith("(thread 7's stack, SP+0x10)")
