@@ -577,8 +577,13 @@ int64_t mu_gc_stale_parts(const uint64_t *begin, const uint64_t *size, uint64_t 
                 /* a managed dict's own values: before the object (3.11, 3.12 tagged) or
                  * inline after its header (3.13, types with inline values: tb & 16) */
                 if (values_tag == MU_VALUES_313) {
-                    if (tb & 16)
-                        got += values_parts_313(begin, size, n, heap, nheap, obj + values_field,
+                    uint64_t at = (uint64_t)values_field, bs = 0;
+                    if ((tb & 16) && !values_field      /* 3.14+: at the type's tp_basicsize */
+                        && read_word(heap, nheap, tp + MU_TP_BASICSIZE, &bs) && bs >= 16
+                        && !(bs & 7) && bs <= 4096)
+                        at = bs;
+                    if ((tb & 16) && at)
+                        got += values_parts_313(begin, size, n, heap, nheap, obj + at,
                                                 begin[i], size[i], pairs + np);
                 } else if (obj + values_field >= begin[i]
                            && read_word(heap, nheap, obj + values_field, &word)) {

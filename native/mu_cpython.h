@@ -101,8 +101,10 @@ int64_t mu_deque_dead_ranges(const uint64_t *begin, const uint64_t *size, uint64
  *                   values[-3 - j]) is consistent and values - prefix starts an allocation.
  *                   The managed[] objects' materialized dict too (its pointer at object
  *                   offset -24; 3.12: an even word), tracked by the GC or not: its ma_values.
- *                   3.13 (values_tag MU_VALUES_313): the values of inline_types[] (ascending;
- *                   Py_TPFLAGS_INLINE_VALUES) lie at object offset values_field, and
+ *                   3.13+ (values_tag MU_VALUES_313): the values of inline_types[] (ascending;
+ *                   Py_TPFLAGS_INLINE_VALUES) lie at object offset values_field (3.13: 16),
+ *                   or with values_field 0 at the type's tp_basicsize (3.14+: read from the
+ *                   type object, a heap type in the image; none when unreadable), and
  *                   ma_values must start an allocation; the array is {capacity, size,
  *                   embedded, valid bytes, padding} then capacity slots then size order
  *                   bytes: the header word and everything from the slot past the highest
@@ -132,7 +134,8 @@ int64_t mu_deque_dead_ranges(const uint64_t *begin, const uint64_t *size, uint64
  * pairs (may exceed cap), -EINVAL or -ENOMEM. */
 #define MU_VALUES_TAGGED 1      /* 3.12: the object's word is values - 1 (odd) or a dict */
 #define MU_VALUES_PLAIN 2       /* 3.11: the object's word is values or NULL */
-#define MU_VALUES_313 3         /* 3.13: values inline at the object's offset values_field */
+#define MU_VALUES_313 3         /* 3.13+: values inline at the object's offset values_field */
+#define MU_TP_BASICSIZE 32      /* PyTypeObject.tp_basicsize */
 #define MU_FRAME_39 1           /* 3.8/3.9 frames: f_stacktop */
 #define MU_FRAME_310 2          /* 3.10 frames: f_stackdepth and f_state */
 int64_t mu_gc_stale_parts(const uint64_t *begin, const uint64_t *size, uint64_t n,

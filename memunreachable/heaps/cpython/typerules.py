@@ -120,8 +120,10 @@ def has_debug_hooks(cp: CPythonMap) -> bool:
 def dict_keys_rule(cp: CPythonMap) -> int:
     """The mu_dead dict-key-table rule of this version (tables at their block's start: not
     under the debug hooks, whose prefix comes first and whose rule ends each block at its
-    requested bytes, which covers the tables' slack)."""
-    if has_debug_hooks(cp) or cp.version > (3, 13):
+    requested bytes, which covers the tables' slack). 3.11-3.15 share one layout (default
+    builds: a free-threaded one adds dk_mutex; sid's 3.15 under malloc left a leaked block's
+    address in the 8 bytes after a 18,448-byte table)."""
+    if has_debug_hooks(cp) or cp.version > (3, 15):
         return lib.MU_DICT_KEYS_NONE
     return lib.MU_DICT_KEYS_38 if cp.version <= (3, 10) else lib.MU_DICT_KEYS_311
 
@@ -555,8 +557,9 @@ def stale_part_types(mem, cp: CPythonMap, types, statics: Dict[str, int]):
     values = (3, 11) <= cp.version <= (3, 15)
     inline_flag = L.TPFLAGS_INLINE_VALUES if cp.version >= (3, 13) else 0
     # 3.13: inline values at object offset 16 (sizeof(PyObject)); 3.14+ at tp_basicsize
-    # (_PyObject_InlineValues, internal/pycore_object.h): the one offset the native rule takes
-    # is 16, so only the types of that size
+    # (_PyObject_InlineValues, internal/pycore_object.h), which the native rule reads from each
+    # object's type (values_field 0): a str subclass's instance keeps its values after its
+    # 64 bytes, and their unused slots a block's earlier user's words (sid's 3.14)
     sets, managed, inline, dicts, strs = [], [], [], [], []
     derives: Dict[int, bool] = {}
     rule = ("derives", tuple(sorted(roots)))
@@ -569,7 +572,7 @@ def stale_part_types(mem, cp: CPythonMap, types, statics: Dict[str, int]):
             sets.append(t)
         if values and w[4] & L.TPFLAGS_MANAGED_DICT:
             managed.append(t)
-            if w[4] & inline_flag and (cp.version <= (3, 13) or w[2] == 16):
+            if w[4] & inline_flag:
                 inline.append(t)
         if values and w[4] & L.TPFLAGS_DICT_SUBCLASS:
             dicts.append(t)
@@ -577,8 +580,9 @@ def stale_part_types(mem, cp: CPythonMap, types, statics: Dict[str, int]):
             strs.append(t)
     if not values:
         return sorted(sets), [], 0, 0, [], [], sorted(strs)
-    field, tag = {(3, 11): (-32, lib.MU_VALUES_PLAIN), (3, 12): (-24, lib.MU_VALUES_TAGGED)}.get(
-        cp.version, (16, lib.MU_VALUES_313))    # 3.13+: inline after the PyObject header
+    field, tag = {(3, 11): (-32, lib.MU_VALUES_PLAIN), (3, 12): (-24, lib.MU_VALUES_TAGGED),
+                  (3, 13): (16, lib.MU_VALUES_313)}.get(
+        cp.version, (0, lib.MU_VALUES_313))     # 3.14+: inline at each type's tp_basicsize
     return sorted(sets), sorted(managed), field, tag, sorted(inline), sorted(dicts), sorted(strs)
 
 
