@@ -536,34 +536,39 @@ libc.malloc_usable_size.argtypes = [ctypes.c_void_p]"""
 # that instances of two __slots__ classes get (40 bytes: pymalloc's 48-byte class; 48 bytes:
 # malloc's 64-byte chunk, 56 usable), frees them, then makes the instances, which reuse them.
 # Without the class rule every version and allocator misses the leak (measured).
-INSTANCE_SLACK = r"""
-import ctypes, json, struct, sys
-@LIBC@
-
-class One:
-    __slots__ = ("a",)
-
-class Two:
-    __slots__ = ("a", "b")
-
+def slack_target(plant: str, classes: str = "") -> str:
+    """A target (run_target's protocol) that defines `classes`, reserves address space
+    (RESERVE) after its baseline, then runs `plant` (the body of plant(): it fills `made`
+    and `kept`)."""
+    return (LIBC_IMPORTS + "@LIBC@\n" + classes + """
 print("baseline", flush=True)
 sys.stdin.readline()
 @RESERVE@
 reserve()
 made, kept = {}, []
 def plant():
-    p = libc.calloc(1, (4 << 20) + 4096)
+""" + plant + """plant()
+print(json.dumps(made))
+print("ready", flush=True)
+sys.stdin.read(1)
+""").replace("@RESERVE@", RESERVE).replace("@LIBC@", LIBC)
+
+
+LIBC_IMPORTS = "import ctypes, json, struct, sys\n"
+INSTANCE_SLACK = slack_target(classes="""
+class One:
+    __slots__ = ("a",)
+
+class Two:
+    __slots__ = ("a", "b")
+""", plant="""    p = libc.calloc(1, (4 << 20) + 4096)
     made["class"] = [f"{p:#x}", libc.malloc_usable_size(p)]
     low7 = struct.pack("<Q", p + 16)[:7]          # and the bytes object's NUL: the address
     stale = [b"x" * 8 + low7 for _ in range(2000)] + [b"y" * 16 + low7 for _ in range(2000)]
     del stale
     kept.extend(One() for _ in range(2000))
     kept.extend(Two() for _ in range(2000))
-plant()
-print(json.dumps(made))
-print("ready", flush=True)
-sys.stdin.read(1)
-""".replace("@RESERVE@", RESERVE).replace("@LIBC@", LIBC)
+""")
 
 
 # ctypes' fields (3.8-3.11: static objects of the standard library's _ctypes module, a
@@ -572,27 +577,14 @@ sys.stdin.read(1)
 # whose words after 88 keep what the block's last user left there: bytes objects of 63 bytes
 # (96 bytes: the same block sizes) put a leaked block's address (and their NUL, its high
 # byte) at offset 88. Without the rule the leak is missed under both allocators.
-CTYPES_SLACK = r"""
-import ctypes, json, struct, sys
-@LIBC@
-print("baseline", flush=True)
-sys.stdin.readline()
-@RESERVE@
-reserve()
-made, kept = {}, []
-def plant():
-    p = libc.calloc(1, (4 << 20) + 4096)
+CTYPES_SLACK = slack_target(plant="""    p = libc.calloc(1, (4 << 20) + 4096)
     made["ctypes"] = [f"{p:#x}", libc.malloc_usable_size(p)]
     fields = [("f%d" % j, ctypes.c_int) for j in range(2000)]
     low7 = struct.pack("<Q", p + 16)[:7]
     stale = [b"x" * 56 + low7 for _ in range(2000)]
     del stale
     kept.append(type(ctypes.Structure)("T", (ctypes.Structure,), {"_fields_": fields}))
-plant()
-print(json.dumps(made))
-print("ready", flush=True)
-sys.stdin.read(1)
-""".replace("@RESERVE@", RESERVE).replace("@LIBC@", LIBC)
+""")
 
 
 # A leaked mmapped block in the place of freed pymalloc arenas: the arenas array's entries of
