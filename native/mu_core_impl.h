@@ -286,14 +286,15 @@ static inline int mu_type_rule(const mu_dead *d, const uint8_t *p, uint64_t off,
 
 /* A plausible ob_refcnt, not a pointer (an item array holding the type object at index 1
  * looks the same otherwise): small, or an immortal's: 3.12/3.13 0xFFFFFFFF; 3.14+ a 32-bit
- * count of at least 1 << 31 (3 << 30 at first), ob_overflow 0 and the ob_flags bits above
- * (1 immortal, 4 static: 0x0005_0000_C000_0000 for a static immortal; interned strings,
- * a .pyc's constants, code objects are immortal). */
+ * count of at least 1 << 31 (3 << 30 at first), ob_overflow 0 and ob_flags set (1 immortal,
+ * 4 static: 0x0005_0000_C000_0000 for a static immortal; interned strings, a .pyc's
+ * constants are immortal): no user-space address has bits 48-63 set, while one of a non-PIE
+ * heap past 2 GiB could read as a bare count. */
 static inline int mu_plausible_refcnt(uint64_t rc)
 {
-    return (rc >= 1 && rc < MU_REFCNT_SMALL)
+    return (rc >= 1 && rc < MU_REFCNT_SMALL) || rc == 0xFFFFFFFFull
            || ((rc & 0xFFFFFFFFull) >= 0x80000000ull && ((rc >> 32) & 0xFFFF) == 0
-               && (rc >> 48) < 0x100);
+               && (rc >> 48) >= 1 && (rc >> 48) < 0x100);
 }
 
 /* 1 when the two words before the object at offset off of the block at p are the PyGC_Head of

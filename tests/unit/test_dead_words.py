@@ -217,8 +217,9 @@ def typed_heap(first_words, target_size=16):
 @pytest.mark.parametrize("words, types, kept", [
     ([1, INT_TYPE], [(INT_TYPE, 0 | OPAQUE)], 0),                  # an int: not scanned
     ([0xFFFFFFFF, INT_TYPE], [(INT_TYPE, 0 | OPAQUE)], 0),         # immortal (3.12, 3.13)
-    ([0xC000_0000, INT_TYPE], [(INT_TYPE, 0 | OPAQUE)], 0),        # immortal (3.14+)
+    ([0x0001_0000_C000_0000, INT_TYPE], [(INT_TYPE, 0 | OPAQUE)], 0),   # immortal (3.14+)
     ([0x0005_0000_C000_0000, INT_TYPE], [(INT_TYPE, 0 | OPAQUE)], 0),   # static immortal
+    ([0xC000_0000, INT_TYPE], [(INT_TYPE, 0 | OPAQUE)], 1),        # no flags: a non-PIE address
     ([0x0001_0000_9000_0000, INT_TYPE], [(INT_TYPE, 0 | OPAQUE)], 0),   # decayed, interned
     ([0x0001_0001_C000_0000, INT_TYPE], [(INT_TYPE, 0 | OPAQUE)], 1),   # no count: a pointer
     ([0x7000_0000, INT_TYPE], [(INT_TYPE, 0 | OPAQUE)], 1),        # 1.9 G references: no
