@@ -703,3 +703,34 @@ int64_t mu_follow_chain(const mu_region *r, uint64_t nr, uint64_t first, uint64_
     *done = n;
     return (int64_t)n;
 }
+
+/* Whether v lies in one of the n sorted, disjoint (begin, end) pairs of r. */
+static int in_pairs(const uint64_t *r, uint64_t n, uint64_t v)
+{
+    uint64_t lo = 0, hi = n;
+    while (lo < hi) {               /* the first pair whose end is above v */
+        uint64_t mid = lo + (hi - lo) / 2;
+        if (r[2 * mid + 1] <= v)
+            lo = mid + 1;
+        else
+            hi = mid;
+    }
+    return lo < n && r[2 * lo] <= v;
+}
+
+int64_t mu_words_into(const uint64_t *words, uint64_t n, const uint64_t *in, uint64_t nin,
+                      const uint64_t *ex, uint64_t nex, uint64_t *idx, uint64_t cap)
+{
+    if ((n && !words) || (nin && !in) || (nex && !ex) || (cap && !idx))
+        return -EINVAL;
+    uint64_t found = 0;
+    for (uint64_t k = 0; k < n; k++) {
+        uint64_t w = words[k];
+        if (!w || (w & 15) || !in_pairs(in, nin, w) || in_pairs(ex, nex, w))
+            continue;
+        if (found < cap)
+            idx[found] = k;
+        found++;
+    }
+    return (int64_t)found;
+}

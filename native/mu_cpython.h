@@ -150,6 +150,14 @@ int64_t mu_gc_stale_parts(const uint64_t *begin, const uint64_t *size, uint64_t 
                           uint64_t frame_blocks, uint32_t frame_stack,
                           uint64_t *out, uint64_t cap, uint64_t *counts);
 
+/* The indexes of the words among words[0..n) that are 16-aligned addresses inside one of the
+ * nin ranges in[] and inside none of the nex ranges ex[] ((begin, end) pairs, sorted and
+ * disjoint): up to cap into idx, ascending. Returns how many there are (may exceed cap) or
+ * -EINVAL. (obmalloc.scanned_arena_dead: a runtime's words that may point at a malloc'd
+ * table.) */
+int64_t mu_words_into(const uint64_t *words, uint64_t n, const uint64_t *in, uint64_t nin,
+                      const uint64_t *ex, uint64_t nex, uint64_t *idx, uint64_t cap);
+
 /* A chain of n objects from `first` (cpython/walker.py read_freelists: floats through ob_type,
  * tuples through ob_item[0]): object o must be 8-aligned, with its words at o + check_off
  * (ob_refcnt) and o + link_off in one region of r[] (sorted by base; the last region that

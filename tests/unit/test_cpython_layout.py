@@ -291,16 +291,16 @@ def test_a_scanned_runtime_s_arenas_array_is_found_by_its_shape(case):
     data = bytearray(64)
     if case != "no word":
         struct.pack_into("<Q", data, 40, TABLE)
-    datas = [(0x7000_0000, bytes(data))]
+    spans = [(0x7000_0000, 0x7000_0000 + len(data))]
     obmalloc._ARENA_STATICS.clear()
     usable = 15 * 48 + 8 if case == "small" else None   # fewer than obmalloc's first 16
     mem = BufferMemory({0x7000_0000: bytes(data), **arena_table(entries, links, usable)})
-    dead = obmalloc.scanned_arena_dead(mem, datas, heap, om, pools)
+    dead = obmalloc.scanned_arena_dead(mem, spans, heap, om, pools)
     if case == "found":
         assert dead == [Range(TABLE + 32, TABLE + 16 * 48 + 8)]    # and malloc's slack
-        assert obmalloc._ARENA_STATICS == {((0x7000_0000, 64),): 0x7000_0000 + 40}
+        assert obmalloc._ARENA_STATICS == {((0x7000_0000, 0x7000_0040),): 0x7000_0000 + 40}
         # the next check reads the remembered word first
-        assert obmalloc.scanned_arena_dead(mem, datas, heap, om, pools) == dead
+        assert obmalloc.scanned_arena_dead(mem, spans, heap, om, pools) == dead
     else:
         assert dead == []
 
@@ -760,3 +760,14 @@ def test_3_14_free_lists_are_chains_through_the_first_word():
     blocks[f2] = struct.pack("<QQ", 0, 0x123456)
     with pytest.raises(walker._FreeListError, match="has no type"):
         walker.read_freelist_heads(BufferMemory(blocks), got_lay, INTERP)
+
+
+def test_words_into_keeps_aligned_addresses_inside_and_not_excluded():
+    words = array("Q", [0, 0x1000, 0x1008, 0x1010, 0x2000, 0x2ff0, 0x3000, 0x1810, 0x5000])
+    inside = array("Q", [0x1000, 0x2000, 0x2800, 0x3000])       # [0x1000, 0x2000), [0x2800, 0x3000)
+    outside = array("Q", [0x1800, 0x1900])
+    # 0x1008 unaligned, 0x2000 and 0x3000 at ranges' ends, 0x1810 excluded, 0x5000 outside
+    assert list(obmalloc.words_into(words, inside, outside)) == [1, 3, 5]
+    assert list(obmalloc.words_into(words, inside, array("Q"))) == [1, 3, 5, 7]
+    many = array("Q", [0x1010] * 3000)                          # past the first output's room
+    assert list(obmalloc.words_into(many, inside, outside)) == list(range(3000))

@@ -317,34 +317,53 @@ _ARENA_STATICS: dict = {}
 
 # Returns the ranges of the unused entries of a 3.8-3.11 runtime's arenas array (a static of
 # Objects/obmalloc.c, unexported), found by its shape: a word of the runtime's writable data
-# (its .data and .bss, the anonymous mapping right after them included) pointing at a malloc'd
-# chunk of at least 16 entries that arena_table_fits; [] when no word does. `datas`: (address,
-# bytes) of those mappings; `heap`: the ranges a table may lie in; `pools`: the pool scan's
-# runs. The word's address is remembered per mappings (checked again, searched when it fails).
-def scanned_arena_dead(mem, datas, heap: Sequence[Range], om: L.Obmalloc,
+# (`spans`: (begin, end) of its .data and .bss, the anonymous mapping right after them
+# included) pointing at a malloc'd chunk of at least 16 entries that arena_table_fits; [] when
+# no word does. `heap`: the ranges a table may lie in; `pools`: the pool scan's runs. The
+# word's address is remembered per spans (read first at the next check, searched when it
+# no longer fits).
+def scanned_arena_dead(mem, spans, heap: Sequence[Range], om: L.Obmalloc,
                        pools: Sequence[Range]) -> List[Range]:
-    key = tuple((b, len(d)) for b, d in datas)
+    key = tuple(spans)
     known = _ARENA_STATICS.get(key)
     if known is not None:
         found = _arena_table_at(mem, known, heap, om, pools)
         if found:
             return found
-    lo = [r.begin for r in heap]
-    for base, data in datas:
-        words = array("Q", bytes(data[:len(data) // 8 * 8]))
-        for k, w in enumerate(words):
-            if w % 16 or not w:
-                continue
-            i = bisect.bisect_right(lo, w) - 1
-            if i < 0 or w >= heap[i].end:
-                continue
-            found = _arena_table_at(mem, base + 8 * k, heap, om, pools, w)
+    # the words that point into malloc's memory, not into pymalloc's pools (a native pass:
+    # a 3.11 runtime has 190,000 words, 48 ms in Python)
+    inside = array("Q", [x for r in merge_ranges(list(heap)) for x in (r.begin, r.end)])
+    outside = array("Q", [x for r in merge_ranges(list(pools)) for x in (r.begin, r.end)])
+    for base, end in spans:
+        try:
+            words = array("Q", mem.read(base, (end - base) // 8 * 8))
+        except MemoryUnreadable:
+            continue
+        idx = words_into(words, inside, outside)
+        for k in idx:
+            found = _arena_table_at(mem, base + 8 * k, heap, om, pools, words[k])
             if found:
                 if len(_ARENA_STATICS) >= 16:
                     _ARENA_STATICS.clear()
                 _ARENA_STATICS[key] = base + 8 * k
                 return found
     return []
+
+
+def words_into(words: array, inside: array, outside: array) -> array:
+    """The indexes of `words` that are 16-aligned addresses in one of the (begin, end) pairs
+    `inside` (flat, sorted, disjoint) and in none of `outside` (mu_words_into)."""
+    idx = array("Q", bytes(8 * 1024))
+    for _ in range(2):
+        n = check(lib.mu_words_into(ffi.from_buffer("uint64_t[]", words), len(words),
+                                    ffi.from_buffer("uint64_t[]", inside), len(inside) // 2,
+                                    ffi.from_buffer("uint64_t[]", outside), len(outside) // 2,
+                                    ffi.from_buffer("uint64_t[]", idx), len(idx)),
+                  "words into ranges")
+        if n <= len(idx):
+            return idx[:n]
+        idx = array("Q", bytes(8 * n))
+    return idx
 
 
 def _arena_table_at(mem, at: int, heap, om, pools, table: Optional[int] = None) -> List[Range]:

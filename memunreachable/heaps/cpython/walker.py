@@ -381,7 +381,7 @@ def walk_cpython(mem, maps: Sequence[Mapping], threads: Sequence[ThreadState] = 
         out.pymalloc = obmalloc.scan_pools(mem, maps, lay, text_heads=not blocks_only)
         if out.pymalloc.in_use and not out.pymalloc.problems:
             out.pymalloc.dead = obmalloc.scanned_arena_dead(
-                mem, _runtime_data(mem, maps, rt.object_path), _anonymous(maps), lay.obmalloc,
+                mem, _runtime_spans(maps, rt.object_path), _anonymous(maps), lay.obmalloc,
                 out.pymalloc.heap_ranges)
     pm = out.pymalloc
     out.warnings.extend(pm.warnings)
@@ -431,18 +431,15 @@ def walk_cpython(mem, maps: Sequence[Mapping], threads: Sequence[ThreadState] = 
     return out
 
 
-def _runtime_data(mem, maps, path: str) -> list:
-    """(address, bytes) of the writable mappings of the runtime's ELF object and the anonymous
-    mapping right after its last one (the rest of its .bss), those that can be read."""
+def _runtime_spans(maps, path: str) -> list:
+    """(begin, end) of the writable mappings of the runtime's ELF object and of the anonymous
+    mapping right after its last one (the rest of its .bss)."""
     out, end = [], None
     for m in maps:
         if m.path == path:
             end = m.end
         if m.writable and (m.path == path or (m.begin == end and not m.path)):
-            try:
-                out.append((m.begin, mem.read(m.begin, m.end - m.begin)))
-            except MemoryUnreadable:
-                pass
+            out.append((m.begin, m.end))
     return out
 
 
