@@ -142,7 +142,7 @@ def _register_referrers(lo: int, hi: int, threads) -> List[str]:
 
 def _on_stack(a: int, threads, mem=None, maps=()) -> str:
     """' (thread T's stack, SP+N)' when a lies at most 8 MiB above a thread's stack pointer,
-    with the frame it likely lies in when mem can be read (_frame_below)."""
+    with the nearest code address above it when mem can be read (_frame_below)."""
     above = [(a - t.sp, t.tid) for t in threads if t.sp and 0 <= a - t.sp < 8 << 20]
     if not above:
         return ""
@@ -154,10 +154,11 @@ FRAME_SEARCH = 4096     # how far above a stack word explain looks for a return 
 
 
 def _frame_below(a: int, mem, maps) -> str:
-    """', in FUNCTION's frame (return address +N above)': the nearest word above stack word a
-    that points into a file's executable code, symbolized: most likely the return address
-    that ends the frame a lies in (a heuristic: a stale code pointer reads the same). '' when
-    none is found or the stack cannot be read."""
+    """', N below a return address into FUNCTION': the nearest word above stack word a that
+    points into a file's executable code, symbolized. A live one ends the frame a lies in; a
+    dead frame's (a slot the live frame never wrote) reads the same, so it names where the
+    word's neighbours came from, not for sure whose frame holds it. '' when none is found or
+    the stack cannot be read."""
     if mem is None or not maps:
         return ""
     from memunreachable._errors import MemoryUnreadable
@@ -172,7 +173,7 @@ def _frame_below(a: int, mem, maps) -> str:
         if any(b <= v < e for b, e, _, _ in mods):
             f = symbolize([v], mods, resolve=True)[-1]
             name = f.function or f"{f.module}+{f.offset:#x}"
-            return f", in {name}'s frame (return address +{8 * (k + 1):#x} above)"
+            return f", {8 * (k + 1):#x} below a return address into {name}"
     return ""
 
 

@@ -155,7 +155,7 @@ def test_scanned_blocks_list_an_ints_value_only_where_the_mark_takes_it_as_a_han
     assert list(mark(h.image(), [], [h.addrs[0]], dead=dead).marked) == [1, int(listed)]
 
 
-def test_a_stack_root_word_names_the_function_whose_frame_it_likely_lies_in():
+def test_a_stack_root_word_names_the_nearest_return_address_above_it():
     # the nearest word above the root word that points into a file's code: a return address
     import struct
     import memunreachable._native as native
@@ -177,8 +177,8 @@ def test_a_stack_root_word_names_the_function_whose_frame_it_likely_lies_in():
     lines = explain(h.addrs[0], h.image(), roots, res.marked, (), [],
                     [ThreadState(7, tuple(regs))], maps=maps,
                     mem=BufferMemory({ROOT: bytes(stack)}))
-    assert lines[1].endswith(f"root words at {ROOT + 16:#x} (thread 7's stack, SP+0x10, in "
-                             "mu_scrub_stack's frame (return address +0x30 above))")
+    assert lines[1].endswith(f"root words at {ROOT + 16:#x} (thread 7's stack, SP+0x10, "
+                             "0x30 below a return address into mu_scrub_stack)")
     # without the memory to read: the thread and distance only
     lines = explain(h.addrs[0], h.image(), roots, res.marked, (), [],
                     [ThreadState(7, tuple(regs))], maps=maps)
