@@ -708,7 +708,8 @@ def test_cyclic_garbage():
 # the outcome is the same in every run. Under the plain allocators a stale word in a live
 # block (a raw buffer's unwritten tail, say) hides a leak in some runs: the measured rates are
 # in docs/internals/pytest-plugin-record.md (bench/bench_plugin_detection.py).
-@pytest.fixture(params=["pymalloc_debug", "malloc_debug"])
+# (malloc_debug in the slow set: the README command's budget; pymalloc_debug in both)
+@pytest.fixture(params=["pymalloc_debug", pytest.param("malloc_debug", marks=pytest.mark.slow)])
 def real_suite(request, pytester, monkeypatch):
     return _real(pytester, monkeypatch, request.param)
 
