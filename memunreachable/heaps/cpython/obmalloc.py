@@ -234,10 +234,8 @@ def _walk_array(mem, lay: L.Layout, arr: ArenaArray, out: PymallocWalk, acc: _Ac
         if address == 0:
             continue
         nfree, ntotal = struct.unpack_from("<II", table, off + L.ARENA.nfreepools)
-        first = (address + ps - 1) & ~(ps - 1)
-        end = address + om.arena_size
-        if not (first <= pool_address <= end and (pool_address - first) % ps == 0
-                and ntotal == (end - first) // ps):
+        first, end = _arena_span(address, om)
+        if not _arena_fits(address, pool_address, ntotal, om):
             out.problems.append(f"arena {i} at {address:#x}: pool_address {pool_address:#x} / "
                                 f"{ntotal} pools do not fit the arena")
             continue
@@ -264,6 +262,19 @@ def _walk_array(mem, lay: L.Layout, arr: ArenaArray, out: PymallocWalk, acc: _Ac
         out.problems.append(f"{found} arenas found in {arenas:#x}, obmalloc counts {narenas}")
 
 
+def _arena_span(address: int, om: L.Obmalloc) -> Tuple[int, int]:
+    """(its first pool, its end) of the arena at `address`."""
+    return (address + om.pool_size - 1) & ~(om.pool_size - 1), address + om.arena_size
+
+
+def _arena_fits(address: int, pool_address: int, ntotal: int, om: L.Obmalloc) -> bool:
+    """Whether an arena entry's pool_address lies at a pool boundary inside its arena and its
+    pool count is the arena's."""
+    first, end = _arena_span(address, om)
+    return (first <= pool_address <= end and (pool_address - first) % om.pool_size == 0
+            and ntotal == (end - first) // om.pool_size)
+
+
 # Returns the ranges of an arenas array read as `table` from `base` that hold no references:
 # its unused entries (address 0) whole, and the links (nextarena, prevarena) of the others. A
 # freed arena's entry keeps its pool_address and free pool list, and an entry the array grew
@@ -285,18 +296,16 @@ def unused_arena_entries(table, base: int) -> List[Range]:
 # found lies in one of its arenas (its first and last byte); 0 when not. (The links are no
 # sign: unused entries' prevarena are never written, full arenas' may point elsewhere.)
 def arena_table_fits(table, base: int, om: L.Obmalloc, pools: Sequence[Range]) -> int:
-    size, ps = L.ARENA.sizeof, om.pool_size
+    size = L.ARENA.sizeof
     n = len(table) // size
     arenas = []
     for off in range(0, n * size, size):
         address, pool_address, nfree, ntotal = struct.unpack_from("<QQII", table, off)
         if address == 0:
             continue
-        first, end = (address + ps - 1) & ~(ps - 1), address + om.arena_size
-        if not (first <= pool_address <= end and (pool_address - first) % ps == 0
-                and ntotal == (end - first) // ps and nfree <= ntotal):
+        if not (_arena_fits(address, pool_address, ntotal, om) and nfree <= ntotal):
             return 0
-        arenas.append((address, end))
+        arenas.append((address, _arena_span(address, om)[1]))
     if not arenas or not pools:
         return 0
     arenas.sort()
