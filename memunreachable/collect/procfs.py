@@ -21,7 +21,7 @@ import errno
 import os
 import re
 import struct
-from typing import Dict, List, Optional, Tuple
+from typing import Callable, Dict, List, Optional, Sequence, Tuple
 
 from memunreachable._errors import NoSuchProcess
 from memunreachable._types import FrozenFields, Mapping, set_fields
@@ -195,6 +195,22 @@ def read_stat(pid: int, tid: Optional[int] = None) -> Stat:
 
 def read_maps(pid: int) -> List[Mapping]:
     return parse_maps(_read(f"/proc/{pid}/maps", pid))
+
+
+def object_data(maps: Sequence[Mapping], is_object: Callable[[Mapping], bool]) -> List[Mapping]:
+    """The writable mappings of one loaded ELF object (the mappings is_object accepts) and,
+    right after each, the anonymous writable mapping that continues it (the rest of its .bss,
+    which the kernel maps apart from the file), in address order."""
+    ordered = sorted(maps, key=lambda m: m.begin)
+    out: List[Mapping] = []
+    for k, m in enumerate(ordered):
+        if m.readable and m.writable and is_object(m):
+            out.append(m)
+            nxt = ordered[k + 1] if k + 1 < len(ordered) else None
+            if (nxt is not None and nxt.begin == m.end and nxt.writable and nxt.anonymous
+                    and not nxt.path):
+                out.append(nxt)
+    return out
 
 
 def read_exe(pid: Optional[int]) -> Optional[str]:

@@ -199,15 +199,7 @@ def ld_cache_size(pid: Optional[int]) -> int:
 def ld_data(maps: Sequence[Mapping]) -> List[Mapping]:
     """ld.so's writable mappings: its file-backed data and the anonymous one right after (the
     rest of its .bss)."""
-    out: List[Mapping] = []
-    ordered = sorted(maps, key=lambda m: m.begin)
-    for i, m in enumerate(ordered):
-        if m.writable and os.path.basename(m.path).startswith(LD_SO):
-            out.append(m)
-            nxt = ordered[i + 1] if i + 1 < len(ordered) else None
-            if nxt is not None and nxt.begin == m.end and not nxt.path and nxt.writable:
-                out.append(nxt)
-    return out
+    return procfs.object_data(maps, lambda m: os.path.basename(m.path).startswith(LD_SO))
 
 
 # Returns the addresses of ld.so's dl-cache.c `cache` and `cache_new` words: the 8-aligned

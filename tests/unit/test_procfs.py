@@ -205,3 +205,21 @@ def test_runs_in_use_from_pagemap_entries():
     assert runs_in_use(entries, base, 3 * 4096) == [(base + 3 * 4096, base + 5 * 4096),
                                                    (base + 9 * 4096, base + 12 * 4096)]
     assert runs_in_use(entries, base, 5 * 4096) == [(base, base + 12 * 4096)]
+
+
+def test_object_data_is_the_writable_mappings_and_the_bss_after_each():
+    lib, other = "/usr/lib/libx.so", "/usr/lib/liby.so"
+    maps = [Mapping(0x9000, 0xa000, "rw-p", 0, "fe:00", 9, other),
+            Mapping(0xa000, 0xb000, "rw-p", 0, "00:00", 0, ""),     # other's .bss: not lib's
+            Mapping(0x1000, 0x2000, "r--p", 0, "fe:00", 7, lib),    # read-only: no data
+            Mapping(0x2000, 0x3000, "rw-p", 0x1000, "fe:00", 7, lib),
+            Mapping(0x3000, 0x4000, "rw-p", 0, "00:00", 0, ""),     # its .bss
+            Mapping(0x4000, 0x5000, "rw-p", 0, "00:00", 0, ""),     # adjacent, but after the .bss
+            Mapping(0x6000, 0x7000, "rw-p", 0x2000, "fe:00", 7, lib),
+            Mapping(0x7000, 0x8000, "r--p", 0, "00:00", 0, ""),     # not writable: no .bss
+            Mapping(0x8000, 0x8800, "rw-p", 0x3000, "fe:00", 7, lib),
+            Mapping(0x8800, 0x8900, "rw-p", 0, "00:00", 0, "[anon:x]")]     # named: not .bss
+    got = procfs.object_data(maps, lambda m: m.path == lib)         # unsorted in: sorted out
+    assert [(m.begin, m.end) for m in got] == [(0x2000, 0x3000), (0x3000, 0x4000),
+                                               (0x6000, 0x7000), (0x8000, 0x8800)]
+    assert procfs.object_data(maps, lambda m: False) == []

@@ -29,6 +29,7 @@ from memunreachable._types import Mapping, Range, ThreadState, merge_ranges
 from memunreachable.heaps.cpython import layout as L
 from memunreachable.heaps.cpython import locate, obmalloc
 from memunreachable.heaps.cpython.locate import InterpreterInfo, LayoutMismatch, Runtime
+from memunreachable.collect import procfs
 from memunreachable.collect.memory import CopiedMemory
 
 MAX_CHUNKS = 1 << 16
@@ -433,14 +434,8 @@ def walk_cpython(mem, maps: Sequence[Mapping], threads: Sequence[ThreadState] = 
 
 def _runtime_spans(maps, path: str) -> list:
     """(begin, end) of the writable mappings of the runtime's ELF object and of the anonymous
-    mapping right after its last one (the rest of its .bss)."""
-    out, end = [], None
-    for m in maps:
-        if m.path == path:
-            end = m.end
-        if m.writable and (m.path == path or (m.begin == end and not m.path)):
-            out.append((m.begin, m.end))
-    return out
+    mapping right after them (the rest of its .bss)."""
+    return [(m.begin, m.end) for m in procfs.object_data(maps, lambda m: m.path == path)]
 
 
 def _anonymous(maps) -> List[Range]:

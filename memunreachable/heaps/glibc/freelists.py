@@ -17,6 +17,7 @@ import struct
 from array import array
 from typing import List, Optional, Tuple
 
+from memunreachable.collect import procfs
 from memunreachable.sweep import detect
 from memunreachable._ffi import check, ffi, lib
 from memunreachable._types import Fields, Mapping, Range, ThreadState
@@ -82,16 +83,8 @@ def _active_bins(par: L.MallocPar, layouts: Tuple[L.Tcache, ...], small: int, ma
 
 def _object_data(maps: List[Mapping], scan: detect.AllocatorScan) -> List[Range]:
     """The malloc object's writable mappings and the anonymous .bss continuation after each."""
-    out = []
     objects = set(scan.object_mappings)         # hashed once: not a list search per mapping
-    for k, m in enumerate(maps):
-        if m.writable and m.readable and m in objects:
-            out.append(m.range)
-            if k + 1 < len(maps):
-                nxt = maps[k + 1]
-                if nxt.begin == m.end and nxt.anonymous and nxt.writable and not nxt.path:
-                    out.append(nxt.range)
-    return out
+    return [m.range for m in procfs.object_data(maps, objects.__contains__)]
 
 
 class FreeListsMixin:

@@ -266,15 +266,9 @@ def _ring_closes(mem, a: int, state: L.MallocState) -> bool:
 def locate_in_memory(mem, maps: List[Mapping], mappings: List[Mapping], path: str,
                      version: Optional[str]) -> Optional[Located]:
     """Method B over the object's rw mappings and the anonymous mapping right after them (.bss)."""
-    regions = []
-    ordered = sorted(maps, key=lambda m: m.begin)
-    for k, m in enumerate(ordered):
-        if m in mappings and m.writable and m.readable:
-            regions.append((m.begin, mem.read(m.begin, m.end - m.begin)))
-            if k + 1 < len(ordered):
-                nxt = ordered[k + 1]
-                if nxt.anonymous and nxt.begin == m.end and nxt.writable and not nxt.path:
-                    regions.append((nxt.begin, mem.read(nxt.begin, nxt.end - nxt.begin)))
+    objects = set(mappings)
+    regions = [(m.begin, mem.read(m.begin, m.end - m.begin))
+               for m in procfs.object_data(maps, objects.__contains__)]
     # one run of bin slots; each malloc_state family puts the arena at another offset before
     # it, and only the right one's `next` ring closes
     starts = list(dict.fromkeys(iter_arena_candidates(mem, regions, L.MALLOC_STATE_227)))
