@@ -38,6 +38,12 @@ import pytest
 from memunreachable._errors import MemunreachableError, SweepError
 
 
+def _xd():
+    """memunreachable.pytest_xdist (held reports on xdist workers), imported on first use."""
+    from memunreachable import pytest_xdist
+    return pytest_xdist
+
+
 def _nl():
     """memunreachable.noleaks, imported on first use: a pytest run that checks nothing does not
     pay its imports (14 ms here without .pyc files), and one that does starts the helper first."""
@@ -300,8 +306,8 @@ _HELD = pytest.StashKey[object]()       # a held test's check after its body (De
 
 def _batch_of(config) -> Optional[_Batch]:
     """The session's _Batch, None for a sweep after every test (--memunreachable-batch 1, not
-    every test checked here, or an xdist worker: its reports must name the test it runs)."""
-    if not _checks_every_test_here(config, config.option) or hasattr(config, "workerinput"):
+    every test checked here, or an xdist worker that cannot hold reports: pytest_xdist.py)."""
+    if not _checks_every_test_here(config, config.option) or not _xd().can_hold_reports(config):
         return None
     size = _batch_size(config) or BATCH
     return _Batch(size) if size > 1 else None
@@ -357,6 +363,7 @@ def pytest_runtest_protocol_batched(item, nextitem):
         _flush(item.config, batch)
         raise
     batch.held.append((item, reports))
+    _xd().journal_held(item, reports)
     if batch.entries and (nextitem is None or any(r.failed for r in reports)):
         _settle_now(item.config, batch)     # a failure is logged at once (-x, --sw)
     if not batch.entries:
@@ -399,7 +406,7 @@ def _start_tracking(config):
         config.stash[_UNTRACKED] = exc
         return None
     cap = _batch_size(config)
-    return _Tracked(config, track_here, cap, hasattr(config, "workerinput") or cap == 1)
+    return _Tracked(config, track_here, cap, not _xd().can_hold_reports(config) or cap == 1)
 
 
 _UNTRACKED = pytest.StashKey[MemunreachableError]()     # why the session is not tracked
@@ -411,8 +418,9 @@ def _tracked(item):
 
 class _Tracked:
     """A tracked session: its test numbers, the stretch of tests since the last sweep and
-    their held reports (per_test: a sweep after every test body, reports not held: an xdist
-    worker's must name the test it runs), and what fails no single test."""
+    their held reports (per_test: a sweep after every test body, reports not held:
+    --memunreachable-batch 1, or an xdist worker that cannot hold them), and what fails no
+    single test."""
 
     def __init__(self, config, track_here, cap, per_test: bool) -> None:
         self.config, self.track, self.cap, self.per_test = config, track_here, cap, per_test
@@ -426,6 +434,14 @@ class _Tracked:
         self.baseline_error = None      # why they are not
         self.orphans: list = []         # (headline, report) of leaks no single test made
         self.sweeps, self.sweep_seconds = 0, 0.0
+
+    @property
+    def tests(self) -> int:
+        return self.numbers
+
+    @property
+    def seconds(self) -> float:
+        return self.sweep_seconds
 
     # -- epochs ---------------------------------------------------------------------------
     def begin(self, item) -> int:
@@ -468,6 +484,7 @@ class _Tracked:
             raise
         self.tests_seconds += time.monotonic() - t0
         self.held.append((item, reports))
+        _xd().journal_held(item, reports)
         if sweep_due(len(self.stretch), self.cap, self.tests_seconds, self.last_sweep,
                      nextitem is None, any(r.failed for r in reports)):
             self.sweep()
@@ -588,11 +605,13 @@ def pytest_runtest_teardown_tracked(item, nextitem):
 
 
 def pytest_terminal_summary(terminalreporter, exitstatus, config):
-    tracked = config.stash.get(_TRACKED, None)
+    tracked = config.stash.get(_TRACKED, None) or _xd().workers(config)
     if tracked is None:
         return
-    terminalreporter.write_line(f"memunreachable: {tracked.numbers} tests checked by "
-                                f"{tracked.sweeps} sweeps ({tracked.sweep_seconds:.2f} s)")
+    n = getattr(tracked, "workers", 0)
+    on = f" on {n} xdist worker{'s' if n != 1 else ''}" if n else ""
+    terminalreporter.write_line(f"memunreachable: {tracked.tests} tests checked by "
+                                f"{tracked.sweeps} sweeps{on} ({tracked.seconds:.2f} s)")
     if not tracked.orphans:
         return
     from memunreachable.pytest_tracked import summary_lines
@@ -601,9 +620,46 @@ def pytest_terminal_summary(terminalreporter, exitstatus, config):
         terminalreporter.line(line)
 
 
+# ---- the xdist controller: a crashed worker's held reports (pytest_xdist.py) ----------------
+
+def _checks_xdist_workers(config) -> bool:
+    """--memunreachable in an xdist controller: its workers check their tests."""
+    return (getattr(config.option, "numprocesses", None) and not hasattr(config, "workerinput")
+            and bool(config.getoption("--memunreachable") or config.getini("memunreachable")))
+
+
+@pytest.hookimpl(optionalhook=True)
+def pytest_configure_node(node):
+    if _checks_xdist_workers(node.config):
+        _xd().configure_node(node.config, node)
+
+
+@pytest.hookimpl(optionalhook=True)
+def pytest_testnodedown(node, error):
+    config = node.config
+    if not _checks_xdist_workers(config):
+        return
+    if error is None:
+        _xd().node_finished(config, node)
+        return
+    name = getattr(getattr(node, "gateway", None), "id", "an xdist worker")
+    _xd().node_crashed(
+        config, node, warn=_cannot_check_mode(config) == "warn",
+        not_run=lambda nodeid: f"{nodeid}: not checked for leaks: xdist worker {name} crashed "
+                               "in a later test, before this test's leak check ran")
+
+
+def pytest_unconfigure(config):
+    _xd().cleanup(config)
+
+
 @pytest.hookimpl(trylast=True)
 def pytest_sessionfinish(session, exitstatus):
     tracked = session.config.stash.get(_TRACKED, None)
+    if tracked is not None:         # an xdist worker's go to the controller
+        _xd().worker_output(session.config, tracked.tests, tracked.sweeps, tracked.seconds,
+                            tracked.orphans)
+    tracked = tracked or _xd().workers(session.config)
     if tracked is not None and tracked.orphans and session.exitstatus == 0:
         session.exitstatus = pytest.ExitCode.TESTS_FAILED
 
@@ -637,10 +693,13 @@ def _flush(config, batch: _Batch) -> None:
                 warnings.warn(pytest.PytestWarning(f"{item.nodeid}: {_reason(what)}"))
             else:
                 _fail_report(item, reports, "teardown", _reason(what))
-        item.ihook.pytest_runtest_logstart(nodeid=item.nodeid, location=item.location)
-        for report in reports:
-            item.ihook.pytest_runtest_logreport(report=report)
-        item.ihook.pytest_runtest_logfinish(nodeid=item.nodeid, location=item.location)
+        with _xd().named_running(item):
+            item.ihook.pytest_runtest_logstart(nodeid=item.nodeid, location=item.location)
+            for report in reports:
+                item.ihook.pytest_runtest_logreport(report=report)
+            item.ihook.pytest_runtest_logfinish(nodeid=item.nodeid, location=item.location)
+    if held:
+        _xd().journal_flushed(config)
 
 
 def _fail_report(item, reports, when: str, text: str) -> None:

@@ -157,6 +157,105 @@ def test_marker_alone_checks_only_marked_tests(suite):
     res.stdout.fnmatch_lines(["*test_marked_leak FAILED*"])
 
 
+MANY = """
+import leakytools as leaky
+""" + "".join(f"\ndef test_quick_{k}():\n    assert sum(range({k} + 10)) > 0\n" for k in range(30)) + """
+def test_leaks():
+    leaky.leak(34605064)
+"""
+
+
+@ONE_ALLOCATOR
+def test_xdist_workers_hold_reports_and_sweep_once_per_stretch(suite):
+    # each worker holds its tests' reports until the sweep of their stretch, as one process
+    # does (a sweep per test made xdist sessions 6-14x plain pytest -n 2): the leaky test
+    # fails with its own leak, named as the test that ran it, and fewer sweeps than tests ran
+    suite.makepyfile(test_suite=MANY)
+    res = suite.runpytest_subprocess("--memunreachable", "-n", "2", "-rf", "-p", "no:randomly")
+    res.assert_outcomes(passed=30, failed=1)
+    res.stdout.fnmatch_lines(["FAILED test_suite.py::test_leaks - Failed: 1 block leaked "
+                              "during this test*"])
+    assert "34605064 bytes (" in res.stdout.str()
+    tests, sweeps = map(int, re.search(r"memunreachable: (\d+) tests checked by (\d+) sweeps "
+                                       r"on 2 xdist workers", res.stdout.str()).groups())
+    assert tests == 31 and sweeps < tests // 2, (tests, sweeps)
+    per_test = suite.runpytest_subprocess("--memunreachable", "-n", "2", "-p", "no:randomly",
+                                          "--memunreachable-batch", "1")
+    per_test.assert_outcomes(passed=30, failed=1)
+    tests, sweeps = map(int, re.search(r"(\d+) tests checked by (\d+) sweeps",
+                                       per_test.stdout.str()).groups())
+    assert tests == 31 and sweeps >= tests, (tests, sweeps)     # one after each test's body
+
+
+CRASH = """
+import ctypes
+
+def test_a(): pass
+def test_b(): pass
+def test_c(): pass
+def test_crash(): ctypes.string_at(0)
+def test_d(): pass
+"""
+
+
+@ONE_ALLOCATOR
+@pytest.mark.parametrize("mode", ["error", "warn"])
+def test_a_crashed_xdist_worker_s_held_tests_are_reported(suite, mode):
+    # the worker dies in test_crash with test_a..c's reports held for their stretch's sweep:
+    # the controller logs them from the worker's journal, with their leak checks not run
+    # (an error at teardown, or a warning), and none is missing from the results
+    suite.makepyfile(test_suite=CRASH)
+    res = suite.runpytest_subprocess("--memunreachable", "-n", "1", "-rfE", "-p", "no:randomly",
+                                     f"--memunreachable-cannot-check={mode}")
+    out = res.stdout.str()
+    assert "worker 'gw0' crashed while running 'test_suite.py::test_crash'" in out
+    why = "not checked for leaks: xdist worker gw0 crashed in a later test, before this " \
+          "test's leak check ran"
+    for name in ("test_a", "test_b", "test_c"):
+        assert f"test_suite.py::{name}: {why}" in out
+    if mode == "error":
+        res.assert_outcomes(passed=4, failed=1, errors=3)
+        res.stdout.fnmatch_lines_random([f"ERROR test_suite.py::{n} - *" for n in
+                                         ("test_a", "test_b", "test_c")])
+    else:
+        res.assert_outcomes(passed=4, failed=1)
+        assert out.count(f"memunreachable: test_suite.py::test_") == 3
+
+
+ORPHANS = """
+import ctypes
+libc = ctypes.CDLL(None)
+libc.calloc.restype = ctypes.c_void_p
+HELD = [libc.calloc(1, 4000) for _ in range(3)]     # before the first test
+
+def test_x1(): pass
+def test_x2(): HELD.clear()     # orphans them: no test of the stretch allocated them
+def test_x3(): pass
+"""
+
+
+@ONE_ALLOCATOR
+def test_an_xdist_worker_s_leaks_no_test_is_blamed_for_fail_the_session(suite):
+    # a worker's terminal summary is not shown: the controller gets its stretches' orphans
+    # (and its sweeps' figures) in its workeroutput, reports them and fails the session
+    import ctypes
+    libc = ctypes.CDLL(None)
+    libc.malloc.restype, libc.malloc_usable_size.argtypes = ctypes.c_void_p, [ctypes.c_void_p]
+    block = libc.malloc(4000)
+    usable = libc.malloc_usable_size(block)
+    libc.free(ctypes.c_void_p(block))
+    suite.makepyfile(test_suite=ORPHANS)
+    res = suite.runpytest_subprocess("--memunreachable", "-n", "1", "-p", "no:randomly")
+    res.assert_outcomes(passed=3)
+    assert res.ret == pytest.ExitCode.TESTS_FAILED
+    res.stdout.fnmatch_lines([
+        "*memunreachable: 3 tests checked by * sweeps on 1 xdist worker *",
+        "*memunreachable: leaks no single test is blamed for*",
+        "allocated before these tests, unreachable since one of the 3 tests from "
+        "test_suite.py::test_x1 to test_suite.py::test_x3 ran*",
+        f"3 blocks leaked in a stretch of tests ({3 * usable} bytes)*"])
+
+
 def _without_ptrace(pytester):
     # root without CAP_SYS_PTRACE cannot trace a non-dumpable process (ptrace_may_access)
     pytester.makeconftest("import ctypes\nctypes.CDLL(None).prctl(4, 0, 0, 0, 0)\n")
