@@ -110,13 +110,20 @@ def _rules(config) -> list:
 def _checks_every_test_here(config, option) -> bool:
     """--memunreachable (or the ini) in a process that runs the tests: not an xdist
     controller, not --collect-only."""
-    xdist_controller = getattr(option, "numprocesses", None) and \
-        not hasattr(config, "workerinput")
+    return (_asked(config, option) and not _xdist_controller(config, option)
+            and not getattr(option, "collectonly", False))
+
+
+def _asked(config, option) -> bool:
+    """--memunreachable, or the ini value."""
     try:
-        enabled = getattr(option, "memunreachable", False) or config.getini("memunreachable")
+        return bool(getattr(option, "memunreachable", False) or config.getini("memunreachable"))
     except (ValueError, KeyError):
         return False
-    return bool(enabled) and not xdist_controller and not getattr(option, "collectonly", False)
+
+
+def _xdist_controller(config, option) -> bool:
+    return bool(getattr(option, "numprocesses", None)) and not hasattr(config, "workerinput")
 
 
 def _start_helper_early(config, option) -> None:
@@ -624,8 +631,7 @@ def pytest_terminal_summary(terminalreporter, exitstatus, config):
 
 def _checks_xdist_workers(config) -> bool:
     """--memunreachable in an xdist controller: its workers check their tests."""
-    return (getattr(config.option, "numprocesses", None) and not hasattr(config, "workerinput")
-            and bool(config.getoption("--memunreachable") or config.getini("memunreachable")))
+    return _xdist_controller(config, config.option) and _asked(config, config.option)
 
 
 @pytest.hookimpl(optionalhook=True)

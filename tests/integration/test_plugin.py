@@ -199,7 +199,7 @@ def test_d(): pass
 
 
 @ONE_ALLOCATOR
-@pytest.mark.parametrize("mode", ["error", "warn"])
+@pytest.mark.parametrize("mode", ["error", pytest.param("warn", marks=pytest.mark.slow)])
 def test_a_crashed_xdist_worker_s_held_tests_are_reported(suite, mode):
     # the worker dies in test_crash with test_a..c's reports held for their stretch's sweep:
     # the controller logs them from the worker's journal, with their leak checks not run

@@ -581,7 +581,13 @@ TP_BASICSIZE = 32               # PyTypeObject.tp_basicsize, then tp_itemsize (P
 TP_DEALLOC = 48                 # PyTypeObject.tp_dealloc (destructor)
 TP_FLAGS = 168                  # PyTypeObject.tp_flags (unsigned long)
 TP_DOC = 176                    # PyTypeObject.tp_doc (const char *; a heap type's is malloc'd)
+TP_MEMBERS = 240                # PyTypeObject.tp_members (PyMemberDef *)
 TP_BASE = 256                   # PyTypeObject.tp_base (PyTypeObject *)
+# PyMemberDef (every version): const char *name; int type; Py_ssize_t offset; int flags;
+# const char *doc. Its words at 8-32 (type and its padding, offset, flags and its padding)
+# never hold a reference
+MEMBER_DEF_SIZE = 40
+MEMBER_DEF_NUMBERS = (8, 32)
 TP_ALLOC = 304                  # PyTypeObject.tp_alloc (allocfunc; checked with ctypes, 3.8-3.13)
 TPFLAGS_HEAPTYPE = 1 << 9
 TPFLAGS_INLINE_VALUES = 1 << 2  # 3.13+: a managed dict's values follow the object inline

@@ -34,7 +34,7 @@ from memunreachable.heaps.cpython.merge import drop_overlapping, merge_dropping
 from memunreachable.heaps.cpython.typerules import (
     GENERATOR_TYPES, MEMORYVIEW_SHAPE, TUPLE_SHAPE, buffered_types, cdata_types, class_types,
     ctypes_types, deque_types, dict_keys_rule, frame_types, generator_types, has_debug_hooks,
-    loaded_static_types, metatypes, object_types, old_frame_rule, regex_types,
+    loaded_static_types, member_arrays, metatypes, object_types, old_frame_rule, regex_types,
     runtime_static_types, sized_types, stale_part_types, static_types, type_rules, value_types,
     varsized_type, with_sizes, dict_headers)
 from memunreachable.heaps.cpython.walker import CPythonMap, walk_cpython
@@ -186,6 +186,10 @@ def _prepare(mem, maps, threads, pid: Optional[int], image: HeapImage) -> CPytho
         flagged = sorted(set(known) | set(loaded_static_types(mem, maps, pid, cp)))
         dead_pairs.append([(t + L.TP_FLAGS, t + L.TP_FLAGS + 8) for t in flagged])
         out.stats["type_flags"] = len(flagged)
+        # their members' descriptions on the heap: numbers and padding (typerules)
+        members = member_arrays(mem, merged, flagged, has_debug_hooks(cp))
+        dead_pairs.append(members)
+        out.stats["member_arrays"] = len(members)
         sized = sized_types(mem, maps, cp, known) + class_types(mem, maps, pid, cp, types) \
             + regex_types(mem, maps, cp, known)
         dead_types = dict_headers(with_sizes(dead_types, sized), statics.get("PyDict_Type"))

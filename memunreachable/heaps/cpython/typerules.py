@@ -17,6 +17,7 @@ long-lived checker checks one process again and again. cpython-memory.md section
 """
 from __future__ import annotations
 
+import bisect
 import re
 import struct
 from typing import Dict, List, Optional, Sequence, Tuple
@@ -24,6 +25,7 @@ from typing import Dict, List, Optional, Sequence, Tuple
 from memunreachable._errors import MemoryUnreadable
 from memunreachable._ffi import lib
 from memunreachable._types import read_u64
+from memunreachable.collect import procfs
 from memunreachable.heaps.cpython import layout as L
 from memunreachable.heaps.cpython.walker import CPythonMap
 from memunreachable.sweep.classify import loaded_objects
@@ -238,10 +240,12 @@ def runtime_static_types(mem, maps, pid, cp: CPythonMap) -> List[int]:
 
 # Returns the static type objects of every loaded ELF object (the runtime, its extension
 # modules, libraries), ascending: as runtime_static_types, and those whose ob_type is one of the
-# static metatypes found so (ctypes' PyCStructType's Structure). Their tp_flags are numbers.
+# static metatypes found so (ctypes' PyCStructType's Structure); in their data and in the .bss
+# after it (sys.flags' type, initialised at start-up). Their tp_flags are numbers.
 def loaded_static_types(mem, maps, pid, cp: CPythonMap) -> List[int]:
     objects = loaded_objects(maps)
-    return _static_types(mem, maps, pid, cp, [m for m in maps if m.path in objects], rounds=2)
+    return _static_types(mem, maps, pid, cp,
+                         procfs.object_data(maps, lambda m: m.path in objects), rounds=2)
 
 
 def _static_types(mem, maps, pid, cp: CPythonMap, mappings, rounds: int = 1) -> List[int]:
@@ -440,6 +444,38 @@ def _base_verdict(reader, t: int, judge, memo: Dict[int, bool]) -> bool:
 # Returns the rules dead_types with the MU_TYPE_SIZED rules sized: added for types without a
 # rule; a type's dead-at-zero rule at the same offset becomes a var-sized rule of no items,
 # which is both (one rule per type: 3.8-3.10 give every GC type the dead-at-zero rule).
+# Returns the dead (begin, end) ranges of the PyMemberDef arrays that the types' tp_members
+# point to at an allocation's start (debug hooks: after their prefix): the arrays a static
+# struct sequence type (sys.flags, sys.asyncgen_hooks, os.stat_result's on 3.8-3.11) gets from
+# PyMem_NEW; a heap type's lie inside the type. In each entry up to the NULL name, the words
+# after the name and before the doc: an int's padding there kept the high half of an old
+# pointer, which with the int (Py_T_OBJECT, 6) read as a pointer into a leaked block (sid's
+# 3.15, sys.asyncgen_hooks' two members).
+def member_arrays(mem, image, types, debug_hooks: bool = False) -> List[Tuple[int, int]]:
+    begins, sizes = image.begins, image.sizes
+    skip = L.DEBUG_HOOK_PREFIX if debug_hooks else 0
+    lo, hi = L.MEMBER_DEF_NUMBERS
+    out: List[Tuple[int, int]] = []
+    for t in types:
+        try:
+            p = read_u64(mem, t + L.TP_MEMBERS)
+        except MemoryUnreadable:
+            continue
+        k = bisect.bisect_right(begins, p - skip) - 1 if p else -1
+        if k < 0 or begins[k] + skip != p:
+            continue
+        n = (sizes[k] - skip) // L.MEMBER_DEF_SIZE
+        try:
+            data = mem.read(p, n * L.MEMBER_DEF_SIZE)
+        except MemoryUnreadable:
+            continue
+        for e in range(0, len(data), L.MEMBER_DEF_SIZE):
+            if not struct.unpack_from("<Q", data, e)[0]:
+                break                   # the sentinel
+            out.append((p + e + lo, p + e + hi))
+    return out
+
+
 def with_sizes(dead_types, sized) -> List[Tuple[int, int]]:
     rules = dict(dead_types)
     for t, code in sized:
