@@ -441,9 +441,6 @@ def _base_verdict(reader, t: int, judge, memo: Dict[int, bool]) -> bool:
     return ok
 
 
-# Returns the rules dead_types with the MU_TYPE_SIZED rules sized: added for types without a
-# rule; a type's dead-at-zero rule at the same offset becomes a var-sized rule of no items,
-# which is both (one rule per type: 3.8-3.10 give every GC type the dead-at-zero rule).
 # Returns the dead (begin, end) ranges of the PyMemberDef arrays that the types' tp_members
 # point to at an allocation's start (debug hooks: after their prefix): the arrays a static
 # struct sequence type (sys.flags, sys.asyncgen_hooks, os.stat_result's on 3.8-3.11) gets from
@@ -476,6 +473,9 @@ def member_arrays(mem, image, types, debug_hooks: bool = False) -> List[Tuple[in
     return out
 
 
+# Returns the rules dead_types with the MU_TYPE_SIZED rules sized: added for types without a
+# rule; a type's dead-at-zero rule at the same offset becomes a var-sized rule of no items,
+# which is both (one rule per type: 3.8-3.10 give every GC type the dead-at-zero rule).
 def with_sizes(dead_types, sized) -> List[Tuple[int, int]]:
     rules = dict(dead_types)
     for t, code in sized:
