@@ -592,18 +592,20 @@ CTYPES_SLACK = slack_target(plant="""    p = libc.calloc(1, (4 << 20) + 4096)
 # that keep what the block's earlier user left. On sid's 3.15 they held the high half of an old
 # pointer, and the word read as a pointer 6 bytes past a 4 GiB boundary, inside a leaked 300 KB
 # block (a CI run of test_track_here). The target puts its leak across such a boundary and
-# writes the boundary's high half there. The boundary is 96 TiB (address space reserved from
-# the lowest mapping down to 2 MiB above it), a high half that no pointer of the process has
-# (executables and their heaps lie below, at 0x55.. or under 4 GiB; mappings at 0x7f..):
-# near the mappings, other small ints' stale padding (glibc's own structures have some) and
+# writes the boundary's high half there. The boundary is 0x6A5B << 32 (address space reserved
+# from the lowest mapping down to a page above it, so that the leak ends there), a high half
+# that no pointer of the process has (executables and their heaps lie below, at 0x55.. or
+# under 4 GiB; mappings at 0x7f..) and no int beside a small one: at 0x6000 << 32, 3.13's
+# pymalloc arena map (pairs of page-multiple int32 offsets) kept the leak once in CI; next
+# to the mappings, other small ints' stale padding (glibc's own structures have some) and
 # libm's tables of int pairs (0x1c, 0x7fXX) read as pointers into the leak.
 # Without the member arrays' rule every version and allocator misses the leak.
 MEMBER_PADDING = slack_target(plant="""    top = min(int(line.split("-")[0], 16) for line in open("/proc/self/maps")
               if int(line.split("-")[0], 16) >= 0x7000 << 32)     # the reserve's floor
-    bound = 0x6000 << 32
-    pyleaks.reserve(top - (bound + (2 << 20)), bound + (2 << 20))
+    bound = 0x6A5B << 32
+    pyleaks.reserve(top - (bound + 4096), bound + 4096)
     p = libc.calloc(1, (4 << 20) + 4096)
-    assert p <= bound + 6 < p + (4 << 20), (hex(p), hex(bound))
+    assert p <= bound + 6 < p + libc.malloc_usable_size(p), (hex(p), hex(bound))
     made["members"] = [f"{p:#x}", libc.malloc_usable_size(p)]
     members = ctypes.c_uint64.from_address(id(type(sys.flags)) + 240).value
     ctypes.memmove(members + 12, struct.pack("<I", bound >> 32), 4)
