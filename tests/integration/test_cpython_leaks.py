@@ -587,28 +587,22 @@ CTYPES_SLACK = slack_target(plant="""    p = libc.calloc(1, (4 << 20) + 4096)
 """)
 
 
-# A static struct sequence type's PyMemberDef array (sys.flags' type: PyMem_NEW at start-up,
-# every version): each entry's int type (Py_T_OBJECT, 6) is followed by 4 bytes of padding
-# that keep what the block's earlier user left. On sid's 3.15 they held the high half of an old
-# pointer, and the word read as a pointer 6 bytes past a 4 GiB boundary, inside a leaked 300 KB
-# block (a CI run of test_track_here). The target puts its leak across such a boundary and
-# writes the boundary's high half there. The boundary is 0x6A5B << 32 (address space reserved
-# from the lowest mapping down to a page above it, so that the leak ends there), a high half
-# that no pointer of the process has (executables and their heaps lie below, at 0x55.. or
-# under 4 GiB; mappings at 0x7f..) and no int beside a small one: at 0x6000 << 32, 3.13's
-# pymalloc arena map (pairs of page-multiple int32 offsets) kept the leak once in CI; next
-# to the mappings, other small ints' stale padding (glibc's own structures have some) and
-# libm's tables of int pairs (0x1c, 0x7fXX) read as pointers into the leak.
-# Without the member arrays' rule every version and allocator misses the leak.
-MEMBER_PADDING = slack_target(plant="""    top = min(int(line.split("-")[0], 16) for line in open("/proc/self/maps")
-              if int(line.split("-")[0], 16) >= 0x7000 << 32)     # the reserve's floor
-    bound = 0x6A5B << 32
-    pyleaks.reserve(top - (bound + 4096), bound + 4096)
-    p = libc.calloc(1, (4 << 20) + 4096)
-    assert p <= bound + 6 < p + libc.malloc_usable_size(p), (hex(p), hex(bound))
+# A static struct sequence type's PyMemberDef array (PyMem_NEW at start-up, every version):
+# each entry's words between its name and its doc are numbers (type, offset, flags) and
+# padding. On sid's 3.15 the padding after sys.asyncgen_hooks' type's first entry's type
+# (Py_T_OBJECT, 6) held the high half of an old pointer, and the word read as a pointer into
+# a leaked 300 KB block across a 4 GiB boundary (a CI run of test_track_here: its twin). The
+# target writes a leaked block's address into that entry's offset word instead (nothing here
+# reads a member of that type): a leak placed at a 4 GiB boundary to take the padding's form
+# was kept in CI by other pairs of small int32s (a 3.13 code object's version counter, 3.13's
+# pymalloc arena map, a 3.8 code object's padding, libm's tables): every high half a mapping
+# can have is a small number. Without the member arrays' rule every version and allocator
+# misses the leak.
+MEMBER_PADDING = slack_target(plant="""    p = libc.calloc(1, (4 << 20) + 4096)
     made["members"] = [f"{p:#x}", libc.malloc_usable_size(p)]
-    members = ctypes.c_uint64.from_address(id(type(sys.flags)) + 240).value
-    ctypes.memmove(members + 12, struct.pack("<I", bound >> 32), 4)
+    hooks = type(sys.get_asyncgen_hooks())
+    members = ctypes.c_uint64.from_address(id(hooks) + 240).value
+    ctypes.c_uint64.from_address(members + 16).value = p + 16
 """)
 
 
