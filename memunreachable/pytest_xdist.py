@@ -35,18 +35,22 @@ import pytest
 JOURNAL = "memunreachable_journal"      # the workerinput key of a worker's journal file
 _DIR = pytest.StashKey[str]()           # the controller's folder of journals
 _INDEX = pytest.StashKey[dict]()        # worker: id(item) -> its index in session.items
+_INTERACTOR = pytest.StashKey[object]()  # worker: interactor()'s answer
 OUTPUT = "memunreachable"               # the workeroutput key of a worker's figures
 
 
 def interactor(config):
     """The xdist worker's interactor plugin: None in a process that is no xdist worker, False
-    in a worker where none is found that runs tests one by one (run_one_test)."""
+    in a worker where none is found that runs tests one by one (run_one_test). Looked up once
+    (every held test's flush asks)."""
     if not hasattr(config, "workerinput"):
         return None
-    for plugin in config.pluginmanager.get_plugins():
-        if type(plugin).__name__ == "WorkerInteractor" and hasattr(plugin, "run_one_test"):
-            return plugin
-    return False
+    found = config.stash.get(_INTERACTOR, None)
+    if found is None:
+        found = config.stash[_INTERACTOR] = next(
+            (p for p in config.pluginmanager.get_plugins()
+             if type(p).__name__ == "WorkerInteractor" and hasattr(p, "run_one_test")), False)
+    return found
 
 
 def can_hold_reports(config) -> bool:

@@ -189,7 +189,7 @@ def _prepare(mem, maps, threads, pid: Optional[int], image: HeapImage) -> CPytho
         # their members' descriptions on the heap: numbers and padding (typerules)
         members = member_arrays(mem, merged, flagged, has_debug_hooks(cp))
         dead_pairs.append(members)
-        out.stats["member_arrays"] = len(members)
+        out.stats["member_entries"] = len(members)
         sized = sized_types(mem, maps, cp, known) + class_types(mem, maps, pid, cp, types) \
             + regex_types(mem, maps, cp, known)
         dead_types = dict_headers(with_sizes(dead_types, sized), statics.get("PyDict_Type"))
