@@ -570,9 +570,30 @@ class Frozen:
 def frozen(pid: int, timeout: float = 2.0, *, one_thread: bool = False,
            on_attach: Optional[Callable[[int], None]] = None) -> Iterator[Frozen]:
     with interruptible():
-        fz = Frozen(pid, timeout, on_attach)
+        deadline = time.monotonic() + timeout
+        while True:
+            fz = Frozen(pid, timeout, on_attach)
+            try:
+                fz._freeze(one_thread)
+                break
+            except NoSuchProcess:
+                fz.thaw()
+                # one thread: the one it chose ended meanwhile (a short-lived thread), not
+                # the process; another is chosen
+                if not one_thread or time.monotonic() >= deadline or not _lives(pid):
+                    raise
+            except BaseException:
+                fz.thaw()
+                raise
         try:
-            fz._freeze(one_thread)
             yield fz
         finally:
             fz.thaw()
+
+
+def _lives(pid: int) -> bool:
+    try:
+        st = procfs.read_status(pid)
+    except (NoSuchProcess, OSError, ValueError):
+        return False
+    return st.state not in ("Z", "X") or st.threads > 1

@@ -124,7 +124,8 @@ class Prepared:
         a.task_fd = a.maps_fd = -1
         if one_thread:
             a.flags = lib.MU_FREEZE_NO_RELIST
-            live = [t for t in procfs.list_tasks(pid)
+            # the leader first: a short-lived thread may end before its stop (frozen retries)
+            live = [t for t in sorted(procfs.list_tasks(pid), key=lambda t: t != pid)
                     if procfs.task_state(pid, t) not in ("Z", "X", "")][:1]
             for tid in live:
                 self._add(tid, lib.MU_T_NEW)

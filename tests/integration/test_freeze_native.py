@@ -155,6 +155,28 @@ def test_one_thread_freeze_stops_only_the_first_thread():
         assert_running(fx.pid)
 
 
+def test_one_thread_freeze_whose_thread_ended_meanwhile_stops_another(monkeypatch):
+    # the thread a one-thread freeze chose ends before its SEIZE (a short-lived thread; seen
+    # when the leader is not the first listed): the freeze chooses again instead of calling
+    # the process exited (the snapshot's reap then left the clone a zombie, unreported)
+    import subprocess
+    ended = subprocess.Popen(["true"])
+    ended.wait()
+    real, real_state, listed = procfs.list_tasks, procfs.task_state, []
+
+    def list_tasks(pid):
+        listed.append(pid)
+        return [ended.pid] if len(listed) == 1 else real(pid)
+    monkeypatch.setattr(procfs, "list_tasks", list_tasks)
+    monkeypatch.setattr(procfs, "task_state", lambda pid, tid: "S")
+    with fixtures.start("ptr_busy") as fx:
+        with frozen(fx.pid, one_thread=True) as fz:
+            assert [t.tid for t in fz.threads] == [fx.pid]
+            assert real_state(fx.pid, fx.pid) == "t"
+        assert len(listed) == 2
+        assert_running(fx.pid)
+
+
 def test_pause_is_first_seize_to_last_detach():
     with fixtures.start("ptr_busy") as fx:
         with frozen(fx.pid) as fz:
