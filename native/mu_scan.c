@@ -174,33 +174,22 @@ int64_t mu_scan_index_init(mu_scan_index *ix, const uint64_t *begin, const uint6
         mu_scan_index_free(ix);
         return -ENOMEM;
     }
-    /* Allocations: strictly ascending, non-overlapping, each inside one region. */
-    uint64_t r = 0, prev_end = 0;
-    uint64_t rb = nheap ? heap[0].base : 0, re = nheap ? heap[0].base + heap[0].len : 0;
-    for (uint64_t i = 0; i < n; i++) {
-        uint64_t b = begin[i], e = b + alloc_len(size[i]);
-        if (e < b || (i && b < prev_end))
-            goto invalid;
-        if (b >= re) {              /* past region r: the region holding b, if any */
-            while (r < nheap && heap[r].base + heap[r].len <= b)
-                r++;
-            if (r == nheap)
-                goto invalid;
-            rb = heap[r].base;
-            re = rb + heap[r].len;
-        }
-        if (b < rb || e > re)
-            goto invalid;
-        prev_end = e;
-    }
-    /* Allocations of region k: [first_alloc[k], first_alloc[k+1]). */
-    uint64_t i = 0;
+    /* Allocations of region k: [first_alloc[k], first_alloc[k+1]), the first whose begin is at
+     * or above the region's base (a binary search: the page tables' pass below validates them) */
     for (uint64_t k = 0; k < nheap; k++) {
-        while (i < n && begin[i] < heap[k].base)
-            i++;
-        ix->first_alloc[k] = i;
+        uint64_t lo = k ? ix->first_alloc[k - 1] : 0, hi = n;
+        while (lo < hi) {
+            uint64_t mid = lo + ((hi - lo) >> 1);
+            if (begin[mid] < heap[k].base)
+                lo = mid + 1;
+            else
+                hi = mid;
+        }
+        ix->first_alloc[k] = lo;
     }
     ix->first_alloc[nheap] = n;
+    if (nheap && ix->first_alloc[0])
+        goto invalid;               /* allocations below the first region */
     ix->lo = n ? begin[0] : 0;
     ix->hi = n ? ix_end(ix, n - 1) : 0;
 
@@ -224,18 +213,31 @@ int64_t mu_scan_index_init(mu_scan_index *ix, const uint64_t *begin, const uint6
         mu_scan_index_free(ix);
         return -ENOMEM;
     }
+    /* One pass over the allocations fills the tables and validates them: each region's are
+     * strictly ascending, non-overlapping and inside it (the regions are ascending and
+     * disjoint: check_args), and every one is passed (the last page starts at or past the
+     * region's end, which a valid allocation's end never passes) */
     uint64_t off = 0;
     for (uint64_t k = 0; k < nheap; k++) {
         uint64_t np = pages_of(heap[k].len, shift);
         uint64_t i = ix->first_alloc[k], end_i = ix->first_alloc[k + 1];
+        uint64_t rb = heap[k].base, re = rb + heap[k].len, prev_end = rb;
         ix->page_off[k] = off;
         for (uint64_t p = 0; p <= np; p++) {
-            uint64_t start = heap[k].base + (p << shift);
-            while (i < end_i && ix_end(ix, i) <= start)
-                i++;
+            uint64_t start = rb + (p << shift);
+            for (; i < end_i; i++) {
+                uint64_t b = begin[i], e = b + alloc_len(size[i]);
+                if (e > start)
+                    break;
+                if (e < b || b < prev_end || e > re)
+                    goto invalid;
+                prev_end = e;
+            }
             /* n (none ends after start) is stored as n - 1, which ends before v: not taken */
             ix->page[off + p] = (uint32_t)(i == n && n ? n - 1 : i);
         }
+        if (i != end_i)
+            goto invalid;
         off += np + 1;
     }
     return rmap_init(ix) ? -ENOMEM : 0;

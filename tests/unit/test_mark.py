@@ -229,12 +229,51 @@ def test_valid_allocations(begins, sizes):
     ([0x1000], [8], [(0x1000, 0x100), (0x1080, 0x100)]),       # overlapping regions
     ([0x1000], [8], [(0x2000, 0x100), (0x1000, 0x100)]),       # unsorted regions
     ([0xFFFF_FFFF_FFFF_FFF8], [16], [(0xFFFF_FFFF_FFFF_FF00, 0xF0)]),  # wraps around
+    ([0x1000, 0x1180], [8, 8], [(0x1000, 0x100), (0x1200, 0x100)]),    # in the gap between two
+    ([0x1200, 0x1000], [8, 8], [(0x1000, 0x100), (0x1200, 0x100)]),    # unsorted across regions
+    ([0x1000 + 8 * k for k in range(20)] + [0x1008] + [0x1100 + 8 * k for k in range(20)],
+     [8] * 41, [(0x1000, 0x100), (0x1100, 0x100)]),                    # one step back, far in
 ])
 def test_invalid_allocations_raise_einval(begins, sizes, regions):
     img = _image(begins, sizes) if regions is None else _image(begins, sizes, regions)
     with pytest.raises(OSError) as exc:
         mark(img, [])
     assert exc.value.errno == errno.EINVAL
+
+
+def test_the_index_accepts_exactly_what_the_plain_check_accepts():
+    # mu_scan_index_init validates in its page tables' pass; mu_scan_index_check, a plain loop,
+    # must agree on every input (sorted, overlapping, outside or between regions, unsorted)
+    from memunreachable._ffi import lib
+    from memunreachable.heaps.cpython.gclists import image_args
+    rnd = random.Random(25)
+    verdicts = set()
+    for _ in range(3000):
+        regions, at = [], 0x10000
+        for _ in range(rnd.randint(1, 3)):
+            at += rnd.choice([0, 0x10, 0x100])
+            size = rnd.choice([0x40, 0x48, 0x100, 0xF8, 0x1000])    # 8-byte multiples
+            regions.append((at, size))
+            at += size
+        begins, sizes = [], []
+        pos = regions[0][0] - rnd.choice([0, 0, 0, 8])
+        for _ in range(rnd.randint(0, 40)):
+            pos += rnd.choice([0, 8, 16, 16, 32, 48, 0x80])
+            if rnd.random() < 0.03:
+                pos -= rnd.choice([8, 16, 64])
+            begins.append(pos)
+            sizes.append(rnd.choice([0, 8, 8, 16, 24, 40]))
+            pos += sizes[-1]
+        img = _image(begins, sizes, regions)
+        expected = lib.mu_scan_index_check(*image_args(img))
+        try:
+            mark(img, [])
+            got = 0
+        except OSError as exc:
+            got = -exc.errno
+        assert got == expected, (begins, sizes, regions)
+        verdicts.add(got)
+    assert verdicts == {0, -errno.EINVAL}
 
 
 def test_mismatched_lengths_raise_valueerror():
