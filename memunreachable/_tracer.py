@@ -50,6 +50,8 @@ def main(argv=None) -> int:
     ap.add_argument("--uffd", type=int, default=-1)
     args = ap.parse_args(argv)
     _keep_freed_memory()
+    from memunreachable.collect.procfs import oom_first
+    oom_first()                 # it sweeps here, from copies of the caller's heap
     from memunreachable.sweep.mark import use_every_cpu
     use_every_cpu()             # the caller waits idle while we sweep: its CPU is free
     tracker = _tracker(args.pid, args.uffd)

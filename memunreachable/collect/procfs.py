@@ -8,6 +8,7 @@ Parsers (pure, unit-tested on literal text):
 Readers (one open+read each; a vanished process raises NoSuchProcess without a hint: the
 orchestrator that catches it adds one, diagnose.hinted(), which reads /proc through here):
     read_maps(pid), read_status(pid), read_stat(pid), list_tasks(pid), read_comm(pid)
+Writer: oom_first(pid), the OOM killer's first choice.
 
 Never psutil.memory_maps() during a pause: it reads smaps (24 ms at 1 GiB) where parsing
 maps by hand takes 0.05 ms (ptrace-snapshot.md section 15).
@@ -230,6 +231,23 @@ def read_comm(pid: int) -> str:
             return f.read().decode("utf-8", "replace").strip()
     except OSError:
         return ""
+
+
+OOM_FIRST = 1000     # oom_score_adj's highest: the OOM killer's first choice
+
+
+def oom_first(pid: Optional[int] = None) -> bool:
+    """Make process pid (None: this one) the OOM killer's first choice (proc(5)
+    oom_score_adj): a snapshot shares the target's pages and counts them as its own, and a
+    sweeper holds copies of its heap; under memory pressure either must go before the
+    target. Raising the score needs no privilege; False when it could not be written
+    (the process is gone, or another user's)."""
+    try:
+        with open(f"/proc/{'self' if pid is None else pid}/oom_score_adj", "w") as f:
+            f.write(str(OOM_FIRST))
+        return True
+    except OSError:
+        return False
 
 
 # Returns the tids of pid in ascending order. Raises NoSuchProcess when pid is gone.

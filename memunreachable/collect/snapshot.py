@@ -144,6 +144,9 @@ class Snapshot(Fields):
         if self._note_pending:
             self._note_pending = False
             leftovers.note_clone(self.target_pid, self.pid, self)
+            # it counts the pages it shares with the target as its own: the OOM killer
+            # would as soon pick the target
+            procfs.oom_first(self.pid)
 
     def _reap(self) -> None:
         """Reap the child's zombie in the target with an injected wait4(child, __WALL|WNOHANG)."""

@@ -87,6 +87,19 @@ def test_sweeper_exception_becomes_sweep_error():
         run_sweeper(boom, timeout=10)
 
 
+def test_the_sweeper_is_the_oom_killers_first_choice_and_the_checker_is_not():
+    # it holds copies of the target's heap: under memory pressure it goes first
+    def report():
+        with open("/proc/self/oom_score_adj") as f:
+            raise ValueError(f"oom_score_adj {f.read().strip()}")
+    with open("/proc/self/oom_score_adj") as f:
+        own = f.read().strip()
+    with pytest.raises(SweepError, match="ValueError: oom_score_adj 1000$"):
+        run_sweeper(report, timeout=10)
+    with open("/proc/self/oom_score_adj") as f:
+        assert f.read().strip() == own != "1000"
+
+
 def test_sweeper_timeout_kills_child():
     import time
 
