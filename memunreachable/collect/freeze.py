@@ -257,7 +257,7 @@ class Frozen:
         deadline = time.monotonic() + self.timeout
         # before the stop: the target still runs
         leader = procfs.read_status(self.pid)
-        if leader.state in ("Z", "X") and leader.threads <= 1:
+        if _ended(leader):
             raise diagnose.diagnose(self.pid, errno.ESRCH)
         prep = Prepared(self.pid, leader, one_thread, self.on_attach)
         self._prep = prep
@@ -593,7 +593,11 @@ def frozen(pid: int, timeout: float = 2.0, *, one_thread: bool = False,
 
 def _lives(pid: int) -> bool:
     try:
-        st = procfs.read_status(pid)
+        return not _ended(procfs.read_status(pid))
     except (NoSuchProcess, OSError, ValueError):
         return False
-    return st.state not in ("Z", "X") or st.threads > 1
+
+
+def _ended(leader: procfs.Status) -> bool:
+    """A process whose leader is a zombie lives on while another thread runs."""
+    return leader.state in ("Z", "X") and leader.threads <= 1
