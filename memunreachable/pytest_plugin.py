@@ -20,13 +20,13 @@ the reason and hint, or is a warning with `--memunreachable-cannot-check=warn` (
 Suppressions (LSan format, issue 9): `--memunreachable-suppressions FILE` or the ini
 `memunreachable_suppressions` (relative to the ini file's directory); leaks a rule matches never
 fail a test. A file that cannot be read or parsed stops the run at start-up (usage error).
-Over 600 lines while the hooks change often (issue 27): the cuts that would read well are the
-failure text (_leak_text, headline), _Tracked (to pytest_tracked.py) and _Batch.
+The failure text is pytest_report.py's; held reports on xdist workers are pytest_xdist.py's and
+the tracked sessions' pure parts pytest_tracked.py's. Still about 950 lines: the next cuts that
+would read well are _Tracked (the tracked session's hooks) and _Batch.
 """
 from __future__ import annotations
 
 import contextlib
-import functools
 import gc
 import sys
 import time
@@ -36,6 +36,7 @@ from typing import Optional
 import pytest
 
 from memunreachable._errors import MemunreachableError, SweepError
+from memunreachable.pytest_report import leak_text
 
 
 def _xd():
@@ -550,23 +551,23 @@ class _Tracked:
             return
         att = pt.attribute(new, list(stretch))
         for number, leaks in att.by_test.items():
-            stretch[number].stash[_VERDICT] = ("leaks", _leak_text(info, leaks, number=number))
+            stretch[number].stash[_VERDICT] = ("leaks", leak_text(info, leaks, number=number))
         for number, leaks in att.fixtures.items():
             warnings.warn(pytest.PytestWarning(
                 f"{stretch[number].nodeid}: its fixtures (setup or teardown) leaked; no test "
-                f"fails for that:\n{_leak_text(info, leaks, 'during its fixtures')}"))
+                f"fails for that:\n{leak_text(info, leaks, 'during its fixtures')}"))
         if not att.orphans:
             return
         items = list(stretch.values())
         if len(items) == 1:
             own = items[0].stash.get(_VERDICT, (None, ""))
-            text = _leak_text(info, att.orphans, "during this test, allocated before it",
+            text = leak_text(info, att.orphans, "during this test, allocated before it",
                               makers=self.nodeids)
             items[0].stash[_VERDICT] = ("leaks", (own[1] + "\n" if own[0] == "leaks" else "")
                                         + text)
         else:
             where = pt.orphan_text(items[0].nodeid, items[-1].nodeid, len(items))
-            self.orphans.append((where, _leak_text(info, att.orphans, "in a stretch of tests")))
+            self.orphans.append((where, leak_text(info, att.orphans, "in a stretch of tests")))
 
 
 @pytest.hookimpl(wrapper=True)
@@ -851,7 +852,7 @@ def _after(item, base) -> None:
     if error is not None:
         item.stash[_CANNOT] = error
     elif new:
-        pytest.fail(_leak_text(info, new), pytrace=False)
+        pytest.fail(leak_text(info, new), pytrace=False)
 
 
 # Returns (the leaks of check `info` that no earlier check of the session reported and no
@@ -889,91 +890,10 @@ def _settle(config, info, entries, own_before):
         held = [leak for leak in new if unreachable.holds(leak)]
         new = [leak for leak in new if not unreachable.holds(leak)]
         if held and after_body:
-            owner.stash[_VERDICT] = ("leaks", _leak_text(info, held))
+            owner.stash[_VERDICT] = ("leaks", leak_text(info, held))
     _drop(*_snapshots(entries), own_before, later=True)
     _remember(config, _nl().LeakBaseline.of(info.leaks))
     return (new if error is None else []), error
-
-
-SHOWN_GROUPS = 10          # report groups a failure shows (its headline counts every leak)
-REUSED = ("(no stack: CPython handed this object out again from a free list, without its "
-          "allocator; the blocks it holds show where it was filled)")
-EARLIER = ("(allocated before this test, or handed out again from one of CPython's free "
-           "lists; where it was first allocated:)")
-
-
-def _leak_text(info, leaks, when: str = "during this test", number: Optional[int] = None,
-               makers: Optional[dict] = None) -> str:
-    """The failure text of these leaks of check `info`. number: the tracked test's number; a
-    block recorded with another test's epoch (or none) was reused, its stack is not this one.
-    makers: {test number: nodeid}, for orphans (blocks an earlier test allocated): each
-    block's stack then names the test that allocated it."""
-    from memunreachable.pytest_tracked import split
-    from memunreachable.reporters.text import format_text
-    new_info = _nl()._only(info, leaks)
-    for leak in new_info.leaks:
-        for b in [leak] + list(leak.indirect):
-            frames = _test_frames(b.backtrace)
-            allocated_by = split(b.epoch)[0]
-            maker = (makers or {}).get(allocated_by)
-            if maker is not None:
-                b.backtrace = [f"(allocated during {maker}:)"] + frames
-            elif number is None or allocated_by == number:
-                b.backtrace = frames
-            elif b.python_type:
-                b.backtrace = [REUSED]
-            else:
-                b.backtrace = [EARLIER] + frames
-    head = headline(new_info, when)
-    more = new_info.groups[SHOWN_GROUPS:]
-    if more:        # the headline counts all; the report shows the largest groups
-        import dataclasses
-        new_info = dataclasses.replace(new_info, groups=new_info.groups[:SHOWN_GROUPS],
-                                       leaks=[l for g in new_info.groups[:SHOWN_GROUPS]
-                                              for l in g.leaks])
-        rest = sum(len(g.leaks) for g in more)
-        head += f"\n(the {SHOWN_GROUPS} largest groups of {len(more) + SHOWN_GROUPS} are shown; " \
-                f"{rest} more report entries below them are not)"
-    return f"{head}\n{format_text(new_info, True, brief=True)}"
-
-
-@functools.lru_cache(maxsize=1)
-def _runner_files() -> tuple:
-    """Directories of the code that runs tests (pytest, pluggy, this plugin): its Python frames
-    are in every stack and say nothing about the leak."""
-    import os
-    import _pytest
-    import pluggy
-    return tuple(os.path.dirname(m.__file__) + os.sep for m in (_pytest, pluggy, sys.modules[
-        __name__]))
-
-
-def _test_frames(frames) -> list:
-    """An allocation stack without the Python frames of the test runner (and the native
-    frames below the first of them: the interpreter running pytest)."""
-    runner = _runner_files()
-    out = []
-    for f in frames:
-        if getattr(f, "python", False) and (f.file or "").startswith(runner):
-            break
-        out.append(f)
-    return out
-
-
-def headline(info, when: str = "during this test") -> str:
-    """'N blocks leaked during this test (X bytes): ...' naming what the report's entries are:
-    Python objects by type, native heap blocks, and the blocks they hold."""
-    from memunreachable.reporters.text import plural as n
-    objects = [leak.python_type for leak in info.leaks if leak.python_type]
-    native = len(info.leaks) - len(objects)
-    held = info.num_leaks - len(info.leaks)
-    parts = []
-    if objects:
-        parts.append(n(len(objects), "Python object") + f" ({', '.join(sorted(set(objects)))})")
-    if native:
-        parts.append(n(native, "native heap block"))
-    what = " and ".join(parts) + (f", holding {n(held, 'more block')}" if held else "")
-    return f"{n(info.num_leaks, 'block')} leaked {when} ({info.leak_bytes} bytes): {what}"
 
 
 def _seen(config):

@@ -1,5 +1,5 @@
 """The pytest plugin's failure text: a headline per test, no lines about the batch's check."""
-from memunreachable.pytest_plugin import _leak_text, headline
+from memunreachable.pytest_report import headline, leak_text
 from memunreachable.reporters.report import Leak, UnreachableMemoryInfo
 
 
@@ -24,7 +24,7 @@ def test_headline_names_objects_native_blocks_and_what_they_hold():
 def test_failure_text_has_the_leaks_and_caveats_not_the_batch_s_timing():
     info = _info([Leak(0x3000, 104, contents=b"A" * 32)],
                  warnings=["libfoo.so: its .bss could not be read"])
-    text = _leak_text(info, info.leaks)
+    text = leak_text(info, info.leaks)
     lines = text.splitlines()
     assert lines[0] == "1 block leaked during this test (104 bytes): 1 native heap block"
     assert lines[1] == "warning: libfoo.so: its .bss could not be read"
