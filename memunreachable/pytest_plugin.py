@@ -562,7 +562,7 @@ class _Tracked:
         if len(items) == 1:
             own = items[0].stash.get(_VERDICT, (None, ""))
             text = leak_text(info, att.orphans, "during this test, allocated before it",
-                              makers=self.nodeids)
+                             makers=self.nodeids)
             items[0].stash[_VERDICT] = ("leaks", (own[1] + "\n" if own[0] == "leaks" else "")
                                         + text)
         else:

@@ -20,7 +20,7 @@ EARLIER = ("(allocated before this test, or handed out again from one of CPython
 
 
 def leak_text(info, leaks, when: str = "during this test", number: Optional[int] = None,
-               makers: Optional[dict] = None) -> str:
+              makers: Optional[dict] = None) -> str:
     """The failure text of these leaks of check `info`. number: the tracked test's number; a
     block recorded with another test's epoch (or none) was reused, its stack is not this one.
     makers: {test number: nodeid}, for orphans (blocks an earlier test allocated): each
