@@ -8,7 +8,7 @@ Parsers (pure, unit-tested on literal text):
 Readers (one open+read each; a vanished process raises NoSuchProcess without a hint: the
 orchestrator that catches it adds one, diagnose.hinted(), which reads /proc through here):
     read_maps(pid), read_status(pid), read_stat(pid), list_tasks(pid), read_comm(pid)
-Writer: oom_first(pid), the OOM killer's first choice.
+Writer: oom_first(pid), the OOM killer's first choice (oom_kills(): its kills so far).
 
 Never psutil.memory_maps() during a pause: it reads smaps (24 ms at 1 GiB) where parsing
 maps by hand takes 0.05 ms (ptrace-snapshot.md section 15).
@@ -248,6 +248,18 @@ def oom_first(pid: Optional[int] = None) -> bool:
         return True
     except OSError:
         return False
+
+
+def oom_kills() -> int:
+    """The OOM killer's kills since boot (/proc/vmstat oom_kill, Linux 4.13+), -1 unknown."""
+    try:
+        with open("/proc/vmstat", "rb") as f:
+            for line in f:
+                if line.startswith(b"oom_kill "):
+                    return int(line.split()[1])
+    except (OSError, ValueError, IndexError):
+        pass
+    return -1
 
 
 # Returns the tids of pid in ascending order. Raises NoSuchProcess when pid is gone.

@@ -226,6 +226,7 @@ def run_sweeper(work: Callable[[], SweepResult], timeout: float) -> SweepResult:
     timeout, error), and PR_SET_PDEATHSIG kills it when the checker itself is killed.
     """
     _libc_prctl()           # resolved before the fork
+    oom_kills = procfs.oom_kills()
     rfd, wfd = os.pipe2(os.O_CLOEXEC)
     parent = os.getpid()
     pid = 0
@@ -253,6 +254,15 @@ def run_sweeper(work: Callable[[], SweepResult], timeout: float) -> SweepResult:
     status = _reap(pid)
     if os.WIFSIGNALED(status):
         sig = signal.Signals(os.WTERMSIG(status)).name
+        if os.WTERMSIG(status) == signal.SIGKILL and 0 <= oom_kills < procfs.oom_kills():
+            raise SweepError(
+                f"the sweeper process {pid} was killed (SIGKILL) while the kernel's OOM killer "
+                "ran (/proc/vmstat oom_kill): out of memory before it sent a result; nothing "
+                "was reported",
+                hint="the sweep holds copies of the target's heap (a Python process's: about "
+                     "1.3-1.5 times its heap); free memory, or check when the process is "
+                     "smaller. The target is not harmed: the sweeper and the snapshot are the "
+                     "OOM killer's first choice")
         if os.WTERMSIG(status) in (signal.SIGKILL, signal.SIGTERM):
             raise SweepError(f"the sweeper process {pid} was killed ({sig}) before sending "
                              "a result; nothing was reported",

@@ -361,3 +361,60 @@ def test_a_block_hidden_behind_a_broken_free_list_is_uncertain_not_a_leak(mode):
         assert (info.num_uncertain, info.uncertain_bytes) == (1, hidden.size)
         assert any("chain broken" in w or "cycle" in w for w in info.warnings), info.warnings
         assert_target_running(fx)
+
+
+# A memory cgroup of `limit` bytes (cgroup v1's memory controller, where this machine and CI
+# mount it, or cgroup v2's); a process joins it by writing its pid to the returned path.
+def _memory_cgroup(name: str, limit: int) -> str:
+    v1 = "/sys/fs/cgroup/memory"
+    if os.path.isdir(v1):
+        path = os.path.join(v1, name)
+        os.makedirs(path, exist_ok=True)
+        with open(os.path.join(path, "memory.limit_in_bytes"), "w") as f:
+            f.write(str(limit))
+        with open(os.path.join(path, "memory.memsw.limit_in_bytes") if os.path.exists(
+                os.path.join(path, "memory.memsw.limit_in_bytes")) else os.devnull, "w") as f:
+            f.write(str(limit))
+        return os.path.join(path, "cgroup.procs")
+    v2 = "/sys/fs/cgroup"
+    with open(os.path.join(v2, "cgroup.controllers")) as f:
+        assert "memory" in f.read().split(), "no memory cgroup controller (v1 or v2) here"
+    path = os.path.join(v2, name)
+    os.makedirs(path, exist_ok=True)
+    with open(os.path.join(path, "memory.max"), "w") as f:
+        f.write(str(limit))
+    return os.path.join(path, "cgroup.procs")
+
+
+@pytest.mark.slow
+def test_a_checker_out_of_memory_loses_its_sweeper_never_the_target():
+    # the checker runs in a 160 MiB memory cgroup; the sweeper it forks copies a Python
+    # process's 330 MB heap: the OOM killer takes the sweeper (oom_score_adj 1000), the check
+    # says so, and the target (outside the cgroup) runs on and is checked afterwards
+    import subprocess
+    import sys
+    target = subprocess.Popen(
+        [sys.executable, "-c", "import sys\nobjs = [[b'%0150d' % i] for i in range(1200000)]\n"
+         "print('ready', flush=True)\nsys.stdin.read()"],
+        stdin=subprocess.PIPE, stdout=subprocess.PIPE, text=True)
+    name = f"memunreachable-test-{os.getpid()}"
+    procs = _memory_cgroup(name, 160 << 20)
+    try:
+        assert target.stdout.readline().strip() == "ready"
+
+        def join():
+            with open(procs, "w") as f:
+                f.write(str(os.getpid()))
+        res = subprocess.run([sys.executable, "-m", "memunreachable", "check", str(target.pid)],
+                             capture_output=True, text=True, timeout=300, preexec_fn=join)
+        assert res.returncode == 3, res.stdout + res.stderr
+        assert "killed (SIGKILL) while the kernel's OOM killer ran" in res.stderr, res.stderr
+        assert "free memory" in res.stderr
+        assert target.poll() is None and children_of(target.pid) == []
+        assert leftovers.read_stat(target.pid).state not in ("t", "T")
+        info = check(target.pid)            # no limit: the same target is checked in full
+        assert info.complete and info.num_leaks == 0
+    finally:
+        target.kill()
+        target.wait()
+        os.rmdir(os.path.dirname(procs))

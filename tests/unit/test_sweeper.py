@@ -100,6 +100,23 @@ def test_the_sweeper_is_the_oom_killers_first_choice_and_the_checker_is_not():
         assert f.read().strip() == own != "1000"
 
 
+def test_a_sweeper_killed_while_the_oom_killer_ran_is_said_to_be_out_of_memory(monkeypatch):
+    from memunreachable.collect import procfs
+    kills = iter([7, 8])
+    monkeypatch.setattr(procfs, "oom_kills", lambda: next(kills))
+
+    def killed():
+        os.kill(os.getpid(), signal.SIGKILL)
+    with pytest.raises(SweepError, match=r"killed \(SIGKILL\) while the kernel's OOM killer ran") \
+            as e:
+        run_sweeper(killed, timeout=10)
+    assert "free memory" in e.value.hint and "first choice" in e.value.hint
+    kills = iter([7, 7])        # no OOM kill meanwhile: something else killed it
+    with pytest.raises(SweepError, match=r"killed \(SIGKILL\) before sending") as e:
+        run_sweeper(killed, timeout=10)
+    assert "something outside memunreachable killed it" in e.value.hint
+
+
 def test_sweeper_timeout_kills_child():
     import time
 
