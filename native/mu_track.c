@@ -211,7 +211,62 @@ static int fp_backtrace(void **buf, int max)
     return n;
 }
 
+/* Threads inside an unwinder, counted per stripe (a thread keeps its stripe: the counts stay
+ * in cache lines few threads share). An unwinder has locks of its own (libunwind's cache of
+ * register states: Debian's build has no per-thread cache, so UNW_CACHE_PER_THREAD falls back
+ * to one global lock), which a fork while another thread holds them copies held: the child's
+ * first unwind then waits forever (fixtures/track_route_churn.c's forker, 5 of 150 runs under
+ * load). fork_prepare closes the gate and waits until no thread unwinds; a thread that meets
+ * the closed gate waits for the fork to end (forks are short; unwinds are microseconds). */
+#define UNW_STRIPES 64
+static struct { unsigned n; char pad[64 - sizeof(unsigned)]; } unwinding[UNW_STRIPES]
+    __attribute__((aligned(64)));
+static unsigned unw_gate_closed;
+static unsigned next_stripe;
+static __thread unsigned my_stripe __attribute__((tls_model("initial-exec")));
+
+static inline unsigned *enter_unwinder(void)
+{
+    if (!my_stripe)
+        my_stripe = __atomic_add_fetch(&next_stripe, 1, __ATOMIC_RELAXED) % UNW_STRIPES + 1;
+    unsigned *n = &unwinding[my_stripe - 1].n;
+    for (;;) {
+        __atomic_add_fetch(n, 1, __ATOMIC_SEQ_CST);
+        if (!__atomic_load_n(&unw_gate_closed, __ATOMIC_SEQ_CST))
+            return n;
+        __atomic_sub_fetch(n, 1, __ATOMIC_SEQ_CST);
+        while (__atomic_load_n(&unw_gate_closed, __ATOMIC_ACQUIRE))
+            sched_yield();
+    }
+}
+
+/* fork_prepare: no thread is inside an unwinder once this returns, and none enters one until
+ * open_unwinders (the Dekker pair: a thread counts itself, then reads the gate; this closes
+ * the gate, then reads the counts). */
+static void close_unwinders(void)
+{
+    __atomic_store_n(&unw_gate_closed, 1, __ATOMIC_SEQ_CST);
+    for (unsigned i = 0; i < UNW_STRIPES; i++)
+        while (__atomic_load_n(&unwinding[i].n, __ATOMIC_SEQ_CST))
+            sched_yield();
+}
+
+static void open_unwinders(void)
+{
+    __atomic_store_n(&unw_gate_closed, 0, __ATOMIC_RELEASE);
+}
+
+static int capture_any(void **buf, int max);
+
 static __attribute__((noinline)) int capture(void **buf, int max)
+{
+    unsigned *n = enter_unwinder();
+    int got = capture_any(buf, max);
+    __atomic_sub_fetch(n, 1, __ATOMIC_RELEASE);
+    return got;
+}
+
+static int capture_any(void **buf, int max)
 {
     switch (unwinder) {
     case MU_UNW_LIBUNWIND:
@@ -1153,6 +1208,7 @@ static void fork_prepare(void)
         return;
     fork_locked = 1;
     guard_on();             /* a handler allocating now must not wait for our locks */
+    close_unwinders();      /* no unwinder's lock is held across the fork */
     for (unsigned i = 0; i < MU_TRACK_NSHARDS; i++)
         lock(&shards[i].lock);
     lock(&freelist_lock);
@@ -1165,6 +1221,7 @@ static void fork_parent(void)
     unlock(&freelist_lock);
     for (unsigned i = 0; i < MU_TRACK_NSHARDS; i++)
         unlock(&shards[i].lock);
+    open_unwinders();
     guard_off();
 }
 

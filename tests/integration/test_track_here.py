@@ -258,6 +258,28 @@ def test_route_toggles_under_churn(root):
     assert int(words[3]) > 10000 and int(words[5]) > 5     # the threads ran throughout
 
 
+@pytest.mark.slow
+def test_forks_while_other_threads_unwind_leave_no_child_stuck():
+    """The churn above 100 times under load (a busy loop per CPU): a fork while another
+    thread is inside the unwinder copied its lock held (libunwind's cache of register states,
+    one global lock in Debian's build), and the child's first tracked malloc waited forever:
+    5 of 150 runs hung before the fork handlers waited for the unwinders, 0 of 150 after."""
+    import signal
+    from ptr_helpers import busy_cpus
+    exe = fixtures.build("track_route_churn", root=None)
+    with busy_cpus():
+        for run in range(100):
+            proc = subprocess.Popen([exe, TRACK_LIB, "50"], stdout=subprocess.PIPE,
+                                    stderr=subprocess.PIPE, text=True, start_new_session=True)
+            try:
+                _out, err = proc.communicate(timeout=30)
+            except subprocess.TimeoutExpired:
+                os.killpg(proc.pid, signal.SIGKILL)     # the hung child too
+                proc.communicate()
+                pytest.fail(f"run {run}: hung (a forked child stuck on a lock the fork copied held)")
+            assert proc.returncode == 0, f"run {run}: {err}"
+
+
 def python_in_root(root: str, version: str) -> tuple:
     """(argv prefix, fixture, library, PYTHONPATH) for PY_FIXTURE run by python3.N inside a
     tests/distros.py root: the package (for track_here and _track.so), the fixture and the
