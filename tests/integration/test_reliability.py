@@ -14,6 +14,8 @@ import logging
 import os
 import random
 import signal
+import subprocess
+import sys
 import threading
 import time
 
@@ -372,9 +374,10 @@ def _memory_cgroup(name: str, limit: int) -> str:
         os.makedirs(path, exist_ok=True)
         with open(os.path.join(path, "memory.limit_in_bytes"), "w") as f:
             f.write(str(limit))
-        with open(os.path.join(path, "memory.memsw.limit_in_bytes") if os.path.exists(
-                os.path.join(path, "memory.memsw.limit_in_bytes")) else os.devnull, "w") as f:
-            f.write(str(limit))
+        memsw = os.path.join(path, "memory.memsw.limit_in_bytes")    # with swap accounting
+        if os.path.exists(memsw):
+            with open(memsw, "w") as f:
+                f.write(str(limit))
         return os.path.join(path, "cgroup.procs")
     v2 = "/sys/fs/cgroup"
     with open(os.path.join(v2, "cgroup.controllers")) as f:
@@ -391,8 +394,6 @@ def test_a_checker_out_of_memory_loses_its_sweeper_never_the_target():
     # the checker runs in a 160 MiB memory cgroup; the sweeper it forks copies a Python
     # process's 330 MB heap: the OOM killer takes the sweeper (oom_score_adj 1000), the check
     # says so, and the target (outside the cgroup) runs on and is checked afterwards
-    import subprocess
-    import sys
     target = subprocess.Popen(
         [sys.executable, "-c", "import sys\nobjs = [[b'%0150d' % i] for i in range(1200000)]\n"
          "print('ready', flush=True)\nsys.stdin.read()"],
