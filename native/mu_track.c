@@ -256,16 +256,6 @@ static void open_unwinders(void)
     __atomic_store_n(&unw_gate_closed, 0, __ATOMIC_RELEASE);
 }
 
-static int capture_any(void **buf, int max);
-
-static __attribute__((noinline)) int capture(void **buf, int max)
-{
-    unsigned *n = enter_unwinder();
-    int got = capture_any(buf, max);
-    __atomic_sub_fetch(n, 1, __ATOMIC_RELEASE);
-    return got;
-}
-
 static int capture_any(void **buf, int max)
 {
     switch (unwinder) {
@@ -279,6 +269,14 @@ static int capture_any(void **buf, int max)
     default:
         return fp_backtrace(buf, max);
     }
+}
+
+static __attribute__((noinline)) int capture(void **buf, int max)
+{
+    unsigned *n = enter_unwinder();
+    int got = capture_any(buf, max);
+    __atomic_sub_fetch(n, 1, __ATOMIC_RELEASE);
+    return got;
 }
 
 /* Which unwinder (MEMUNREACHABLE_UNWINDER; bench/bench_tracking.py, docs/performance.md):

@@ -592,10 +592,12 @@ def frozen(pid: int, timeout: float = 2.0, *, one_thread: bool = False,
 
 
 def _lives(pid: int) -> bool:
+    """Neither ended nor dying (a SIGKILL on its way): another thread may be frozen."""
     try:
-        return not _ended(procfs.read_status(pid))
+        st = procfs.read_status(pid)
     except (NoSuchProcess, OSError, ValueError):
         return False
+    return not _ended(st) and not st.dying
 
 
 def _ended(leader: procfs.Status) -> bool:

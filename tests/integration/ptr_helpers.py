@@ -23,6 +23,11 @@ def busy_cpus():
             h.wait()
 
 
+def oom_score_adj(pid: int) -> int:
+    with open(f"/proc/{pid}/oom_score_adj") as f:
+        return int(f.read())
+
+
 def peek(pid: int, addr: int) -> int:
     """One 8-byte word of pid's memory (we are root, or its tracer)."""
     fd = os.open(f"/proc/{pid}/mem", os.O_RDONLY)

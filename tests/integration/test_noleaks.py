@@ -9,6 +9,7 @@ import time
 import pytest
 
 from inprocess_helpers import build_leaky, python_env, run_python
+from ptr_helpers import oom_score_adj
 from memunreachable import noleaks
 from memunreachable._errors import LeaksDetected
 from memunreachable.collect.leftovers import children_of
@@ -235,12 +236,7 @@ def test_one_thousand_checks_leave_nothing_behind():
     assert _resources() == before, f"resources before/after differ ({elapsed:.0f} s for 1000 checks)"
 
 
-def _oom_score_adj(pid):
-    with open(f"/proc/{pid}/oom_score_adj") as f:
-        return int(f.read())
-
-
-OWN_OOM_SCORE_ADJ = _oom_score_adj(os.getpid())
+OWN_OOM_SCORE_ADJ = oom_score_adj(os.getpid())
 
 
 def test_one_helper_serves_every_check_and_a_dead_one_is_replaced():
@@ -250,7 +246,7 @@ def test_one_helper_serves_every_check_and_a_dead_one_is_replaced():
         noleaks.get_unreachable_memory(limit=0)
     assert noleaks._HELPER.proc.pid == first          # no new process per check
     # it sweeps from copies of this process's heap: the OOM killer's first choice, not us
-    assert _oom_score_adj(first) == 1000 and _oom_score_adj(os.getpid()) == OWN_OOM_SCORE_ADJ
+    assert oom_score_adj(first) == 1000 and oom_score_adj(os.getpid()) == OWN_OOM_SCORE_ADJ
     os.kill(first, signal.SIGKILL)
     noleaks._HELPER.proc.wait()
     info = noleaks.get_unreachable_memory(limit=None)  # transparently a new helper

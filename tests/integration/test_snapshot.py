@@ -11,7 +11,8 @@ from memunreachable._errors import UnsupportedTarget
 from memunreachable.collect.freeze import frozen
 from memunreachable.collect import leftovers
 from memunreachable.collect.snapshot import kill_unseen_clones, take_snapshot
-from ptr_helpers import assert_running, children, moves, peek, states, wait_until
+from ptr_helpers import (assert_running, children, moves, oom_score_adj, peek, states,
+                         wait_until)
 
 pytestmark = pytest.mark.ptrace
 
@@ -75,23 +76,18 @@ def test_inject_into_each_kind_of_thread(who):
     # leaving the block: read(0) resumed, poll/cond woke normally, no EINTR anywhere
 
 
-def _oom_score_adj(pid):
-    with open(f"/proc/{pid}/oom_score_adj") as f:
-        return int(f.read())
-
-
 def test_the_snapshot_is_the_oom_killers_first_choice_not_the_target():
     # the snapshot counts the pages it shares with the target as its own: under memory
     # pressure the OOM killer would as soon pick the target
     with fixtures.start("ptr_busy") as fx:
-        before = _oom_score_adj(fx.pid)
+        before = oom_score_adj(fx.pid)
         with frozen(fx.pid) as fz:
             snap = take_snapshot(fz)
             fz.thaw()
         with snap:
             assert snap.mode == "clone"
-            assert _oom_score_adj(snap.pid) == procfs.OOM_FIRST == 1000
-            assert _oom_score_adj(fx.pid) == before != 1000
+            assert oom_score_adj(snap.pid) == procfs.OOM_FIRST == 1000
+            assert oom_score_adj(fx.pid) == before != 1000
         assert_running(fx.pid)
 
 
