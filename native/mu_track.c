@@ -1586,14 +1586,13 @@ __attribute__((used)) static void *wrap_dlopen_c(const char *file, int mode)
 {
     void *h = ((void *(*)(const char *, int))route_real[R_DLOPEN])(file, mode);
     if (h && __atomic_load_n(&routed, __ATOMIC_RELAXED)) {
+        /* every walk of the loaded objects under route_lock: no fork meanwhile (route_setup) */
         unsigned long long c[2];
+        pthread_mutex_lock(&route_lock);
         load_counts(c);
-        if (c[0] != __atomic_load_n(&seen_adds, __ATOMIC_RELAXED)) {
-            pthread_mutex_lock(&route_lock);
-            if (routed)
-                route_all();    /* an object we cannot route stays untracked */
-            pthread_mutex_unlock(&route_lock);
-        }
+        if (routed && c[0] != seen_adds)
+            route_all();        /* an object we cannot route stays untracked */
+        pthread_mutex_unlock(&route_lock);
     }
     return h;
 }
@@ -1648,8 +1647,8 @@ static int wrap_dlclose(void *handle)
     int r = ((int (*)(void *))route_real[R_DLCLOSE])(handle);
     if (__atomic_load_n(&routed, __ATOMIC_RELAXED)) {
         unsigned long long c[2];
-        load_counts(c);
         pthread_mutex_lock(&route_lock);
+        load_counts(c);
         if (c[1] != seen_subs) {
             prune_unloaded();
             seen_subs = c[1];
@@ -1766,10 +1765,8 @@ static void route_fork_release(void) { pthread_mutex_unlock(&route_lock); }
 static pthread_once_t route_once = PTHREAD_ONCE_INIT;
 static int route_setup_rc;
 
-/* Once, outside route_lock (pthread_atfork takes glibc's atfork lock, which fork holds
- * while it runs the prepare handlers, route_fork_prepare among them): the patch records,
- * this library pinned, the table (recording flagged off until routed). */
-static void route_setup(void)
+/* route_setup's part under route_lock (below). */
+static void route_setup_locked(void)
 {
     void *m = mmap(NULL, MAX_PATCHES * sizeof *patches + MAX_OBJECTS * sizeof *objects,
                    PROT_READ | PROT_WRITE, MAP_PRIVATE | MAP_ANONYMOUS | MAP_NORESERVE, -1, 0);
@@ -1781,7 +1778,7 @@ static void route_setup(void)
     objects = (uintptr_t *)(patches + MAX_PATCHES);
     /* never unloaded from here on: routed entries and atfork handlers point into us */
     Dl_info di;
-    if (dladdr((void *)route_setup, &di) && di.dli_fname)
+    if (dladdr((void *)route_setup_locked, &di) && di.dli_fname)
         dlopen(di.dli_fname, RTLD_NOW | RTLD_NOLOAD | RTLD_NODELETE);
     guard = 1;
     route_setup_rc = setup_table();
@@ -1789,7 +1786,24 @@ static void route_setup(void)
     if (route_setup_rc < 0)
         return;
     H->flags &= ~MU_TRACK_F_ENABLED;
+}
+
+/* Once: the fork handlers, then under route_lock the patch records, this library pinned and
+ * the table (recording flagged off until routed).
+ * - The handlers come first, outside route_lock: pthread_atfork takes glibc's atfork lock,
+ *   which fork holds while it runs the prepare handlers, route_fork_prepare among them.
+ * - The rest runs under route_lock, so no fork happens meanwhile: it walks and loads objects
+ *   (dl_iterate_phdr, dlopen of the unwinder), which hold the loader's write lock, and fork
+ *   does not reset that lock in the child. A fork from another thread then left a child whose
+ *   first dlopen waited forever (fixtures/track_route_churn.c, 1 of 300-1,000 runs under load;
+ *   every run with those walks slowed). */
+static void route_setup(void)
+{
+    pthread_atfork(fork_prepare, fork_parent, fork_child);
     pthread_atfork(route_fork_prepare, route_fork_release, route_fork_release);
+    pthread_mutex_lock(&route_lock);
+    route_setup_locked();
+    pthread_mutex_unlock(&route_lock);
 }
 
 /* What the last mu_track_route or mu_track_unroute returned (1: neither ran yet): `track
@@ -1995,10 +2009,10 @@ static uintptr_t exit_frames_top(void)
     return w.cfa;
 }
 
-/* The table (sized by MEMUNREACHABLE_TRACK_BUDGET), the unwinder, the Python layout and the
- * fork handlers; the header is published (magic) with recording flagged on. Called once,
- * with guard set: by the constructor when preloaded, by the first mu_track_route otherwise.
- * 0 or -errno. */
+/* The table (sized by MEMUNREACHABLE_TRACK_BUDGET), the unwinder and the Python layout; the
+ * header is published (magic) with recording flagged on. Called once, with guard set: by the
+ * constructor when preloaded, by the first mu_track_route otherwise (which registered the
+ * fork handlers before). 0 or -errno. */
 static int setup_table(void)
 {
     uint64_t budget = parse_size(getenv("MEMUNREACHABLE_TRACK_BUDGET"), 64ULL << 20);
@@ -2060,7 +2074,6 @@ static int setup_table(void)
     h->unwinder = unwinder;
     setup_python();
     dl_iterate_phdr(find_self, (void *)(uintptr_t)mu_track_init);
-    pthread_atfork(fork_prepare, fork_parent, fork_child);
     void *warm[4];
     capture(warm, 4);                     /* lazy unwinder setup happens here, untracked */
     h->flags |= MU_TRACK_F_ENABLED;
@@ -2089,6 +2102,7 @@ __attribute__((constructor(101))) static void mu_track_init(void)
     const char *nf = getenv("MEMUNREACHABLE_NO_FOLLOW_FORK");
     no_follow_fork = nf && *nf && strcmp(nf, "0");
     if (setup_table() == 0) {
+        pthread_atfork(fork_prepare, fork_parent, fork_child);
         if (no_follow_fork)
             strip_preload();
         setup_exit_check();

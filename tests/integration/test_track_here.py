@@ -280,6 +280,31 @@ def test_forks_while_other_threads_unwind_leave_no_child_stuck():
             assert proc.returncode == 0, f"run {run}: {err}"
 
 
+
+def test_forks_while_the_routing_walks_the_loaded_objects_leave_no_child_stuck():
+    """A walk of the loaded objects (dl_iterate_phdr: the first route's setup, a routed
+    dlopen's count of objects) holds the loader's write lock, which fork does not reset in the
+    child: a fork from another thread meanwhile left a child whose first dlopen waited forever
+    (the churn test above, about 1 of 300-1,000 runs under load). The companion library,
+    preloaded, makes each of the main thread's walks sleep 30 ms with the lock held: every run
+    hung before the routing walked only under its lock, which its fork handler takes."""
+    import signal
+    exe = fixtures.build("track_route_churn", root=None)
+    env = dict(os.environ, MU_SLOW_DL_ITERATE_MS="30",
+               LD_PRELOAD=os.path.join(os.path.dirname(exe), "libtrack_route_churn_lib.so"))
+    for run in range(3):
+        proc = subprocess.Popen([exe, TRACK_LIB, "2"], env=env, stdout=subprocess.PIPE,
+                                stderr=subprocess.PIPE, text=True, start_new_session=True)
+        try:
+            out, err = proc.communicate(timeout=30)
+        except subprocess.TimeoutExpired:
+            os.killpg(proc.pid, signal.SIGKILL)     # the hung child too
+            proc.communicate()
+            pytest.fail(f"run {run}: hung (a child forked during a walk of the loaded objects)")
+        assert proc.returncode == 0, f"run {run}: {err}"
+        words = out.split()
+        assert words[-1] == "ok" and int(words[5]) >= 1     # children were forked meanwhile
+
 def python_in_root(root: str, version: str) -> tuple:
     """(argv prefix, fixture, library, PYTHONPATH) for PY_FIXTURE run by python3.N inside a
     tests/distros.py root: the package (for track_here and _track.so), the fixture and the
