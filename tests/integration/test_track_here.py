@@ -282,12 +282,12 @@ def test_forks_while_other_threads_unwind_leave_no_child_stuck():
 
 
 def test_forks_while_the_routing_walks_the_loaded_objects_leave_no_child_stuck():
-    """A walk of the loaded objects (dl_iterate_phdr: the first route's setup, a routed
-    dlopen's count of objects) holds the loader's write lock, which fork does not reset in the
-    child: a fork from another thread meanwhile left a child whose first dlopen waited forever
-    (the churn test above, about 1 of 300-1,000 runs under load). The companion library,
-    preloaded, makes each of the main thread's walks sleep 30 ms with the lock held: every run
-    hung before the routing walked only under its lock, which its fork handler takes."""
+    """A walk of the loaded objects (dl_iterate_phdr: the first route's setup) holds the
+    loader's write lock, which fork does not reset in the child: a fork from another thread
+    meanwhile left a child whose first dlopen waited forever (the churn test above, about 1 of
+    1,000 runs under load). The companion library, preloaded, makes each of the main thread's
+    walks sleep 30 ms with the lock held: every run hung before the routing walked only under
+    its lock, which its fork handler takes."""
     import signal
     exe = fixtures.build("track_route_churn", root=None)
     env = dict(os.environ, MU_SLOW_DL_ITERATE_MS="30",
