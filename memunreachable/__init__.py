@@ -15,7 +15,7 @@ __version__ = "0.1.0"
 _LAZY = {
     "memunreachable._errors": ("AccessDenied", "CollectionError", "HeapWalkError",
                                "IncompleteCheck", "LeaksDetected", "MemunreachableError", "NoSuchProcess",
-                               "SweepError", "UnsupportedTarget", "ZombieProcess"),
+                               "OutOfMemory", "SweepError", "UnsupportedTarget", "ZombieProcess"),
     "memunreachable.noleaks": ("LeakBaseline", "NoLeaks", "assert_no_leaks",
                                "get_unreachable_memory", "get_unreachable_memory_string",
                                "leak_baseline", "log_unreachable_memory", "no_new_leaks"),
@@ -44,6 +44,6 @@ __all__ = [
     "NoLeaks", "assert_no_leaks", "leak_baseline", "no_new_leaks", "LeakBaseline",
     "enable_signal_dump", "disable_signal_dump", "UnreachableMemoryInfo", "Leak",
     "MemunreachableError", "NoSuchProcess", "ZombieProcess", "AccessDenied", "UnsupportedTarget",
-    "CollectionError", "HeapWalkError", "SweepError", "IncompleteCheck", "LeaksDetected",
-    "__version__",
+    "CollectionError", "HeapWalkError", "SweepError", "OutOfMemory", "IncompleteCheck",
+    "LeaksDetected", "__version__",
 ]

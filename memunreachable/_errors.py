@@ -99,6 +99,20 @@ class SweepError(MemunreachableError):
     """The sweeper process crashed, timed out or sent garbage."""
 
 
+class OutOfMemory(SweepError):
+    """The kernel's OOM killer took the process that swept (the forked sweeper, or the helper
+    of in-process checks) before it sent a result."""
+
+    def __init__(self, what: str):
+        super().__init__(
+            f"{what} was killed (SIGKILL) while the kernel's OOM killer ran (/proc/vmstat "
+            "oom_kill): out of memory before it sent a result; nothing was reported",
+            hint="the sweep holds copies of the target's heap (a Python process's: about "
+                 "1.3-1.5 times its heap); free memory, or check when the process is smaller. "
+                 "The target is not harmed: the sweeper and the snapshot are the OOM killer's "
+                 "first choice")
+
+
 class SuppressionsError(MemunreachableError):
     """A suppressions file could not be read or parsed (suppressions.py); path and line (1-based,
     0 when the file could not be read) say where."""

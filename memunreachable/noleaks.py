@@ -24,6 +24,7 @@ import pickle
 import atexit
 import math
 import select
+import signal
 import struct
 import subprocess
 import sys
@@ -31,7 +32,8 @@ import threading
 import time
 from typing import TYPE_CHECKING, Iterator, Optional
 
-from memunreachable._errors import LeaksDetected, SweepError
+from memunreachable._errors import LeaksDetected, OutOfMemory, SweepError
+from memunreachable.collect import procfs
 
 if TYPE_CHECKING:       # imported when a result is unpickled: after the helper started
     from memunreachable.reporters.report import UnreachableMemoryInfo
@@ -268,6 +270,18 @@ def _tracking_fd() -> int:
     return fd
 
 
+def _reap_clones() -> None:
+    """After the helper died: its snapshot clones, zombies of this process, reaped here."""
+    from memunreachable.collect import leftovers
+    try:
+        n = leftovers.reap_in_target()
+    except Exception as exc:   # noqa: BLE001 - the helper's error is the one to raise
+        log.warning("reaping the dead helper's snapshot processes failed: %s", exc)
+        return
+    if n:
+        log.info("reaped %d snapshot process(es) the dead helper left", n)
+
+
 class _Helper:
     """The long-lived helper process of this process, and the pipes to it."""
 
@@ -319,12 +333,14 @@ class _Helper:
                                     f"{format_ranges(_idle_altstack())}")
 
     # Returns the pickled reply to one request line (_tracer.py; a view of _REPLY), made by
-    # line() once the stack is scrubbed; raises SweepError as run() does.
+    # line() once the stack is scrubbed; raises SweepError as run() does, OutOfMemory when the
+    # OOM killer took the helper (it sweeps from copies of our heap).
     def request(self, line) -> memoryview:
         # Dead frames of functions that returned (a C extension's malloc'ing call, say) may
         # still hold pointers exactly where our wait's frames will live: zero them first,
         # before the helper may freeze us.
         _scrub_stack()
+        oom_kills = procfs.oom_kills()
         try:
             data = memoryview(f"{line()} @{threading.get_native_id()}\n".encode())
             while data:                         # unbuffered: a long line may go in parts
@@ -333,6 +349,9 @@ class _Helper:
             data = _read_exactly(self.rfd, size, HELPER_TIMEOUT)
         except (OSError, EOFError, SweepError) as exc:
             self.close()
+            _reap_clones()
+            if self.proc.returncode == -signal.SIGKILL and 0 <= oom_kills < procfs.oom_kills():
+                raise OutOfMemory(f"the helper process {self.proc.pid}") from None
             raise SweepError(f"the helper process failed ({exc}); exit status "
                              f"{self.proc.returncode}",
                              hint="run `python -m memunreachable check <pid>` from a shell to "
@@ -454,9 +473,10 @@ def _reply(ask, retry: bool = True):
         try:
             data = ask(helper)
             break
-        except SweepError:
+        except SweepError as exc:
             _HELPER = None
-            if attempt == 2 or not retry:
+            # a new helper would copy the same heap: out of memory again
+            if attempt == 2 or not retry or isinstance(exc, OutOfMemory):
                 raise
     kind, payload = pickle.loads(data)
     _clear_reply(data)

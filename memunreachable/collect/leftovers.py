@@ -420,6 +420,43 @@ def find_leftovers(pid: int) -> List[Tuple[int, ProcStat]]:
     return match_leftovers(pid, stats, sess.inherited, sess.windows)
 
 
+__WALL = 0x40000000             # wait for a child of any exit signal (a clone's is 0)
+
+
+def reap_in_target(wait: float = 2.0) -> int:
+    """In a process whose in-process checks' helper died: reap the snapshot clones it left
+    as zombies of this process (the kernel kills a clone with its tracer, PTRACE_O_EXITKILL;
+    the OOM killer may have taken it first). A process reaps its own children with waitpid,
+    without ptrace. Only the children the record names (or born in a recorded injection
+    window) with exit_signal 0 are touched, once they are zombies (up to `wait` seconds for
+    one still dying). Returns how many were reaped."""
+    pid = os.getpid()
+    sess = _open(pid, LOCK_WAIT)        # the dead helper's lock is free
+    if sess is None:
+        return 0
+    reaped = 0
+    try:
+        stats = {c: st for c in children_of(pid) if (st := read_stat(c)) is not None}
+        left = []
+        for child, st in match_leftovers(pid, stats, sess.inherited, sess.windows):
+            deadline = time.monotonic() + wait
+            while st is not None and st.state != "Z" and time.monotonic() < deadline:
+                time.sleep(0.01)
+                st = read_stat(child)
+            if st is not None and st.state != "Z":
+                left.append(Clone(child, st.start))
+                continue
+            try:
+                if os.waitpid(child, os.WNOHANG | __WALL)[0] == child:
+                    reaped += 1
+            except ChildProcessError:
+                pass                    # reaped by someone else meanwhile
+        sess.inherited, sess.windows = left, []
+    finally:
+        sess.close()
+    return reaped
+
+
 def settle_leftovers(pid: int, left: List[Clone]) -> None:
     """After a reaping pass: only `left` (not reaped) stays in the record; windows resolved."""
     sess = _SESSIONS.get(pid)

@@ -38,7 +38,7 @@ import struct
 import time
 from typing import Callable, List, Optional, Tuple
 
-from memunreachable._errors import MemunreachableError, SweepError
+from memunreachable._errors import MemunreachableError, OutOfMemory, SweepError
 from memunreachable._types import Fields
 from memunreachable.collect import procfs
 from memunreachable.collect.interrupts import critical
@@ -255,14 +255,7 @@ def run_sweeper(work: Callable[[], SweepResult], timeout: float) -> SweepResult:
     if os.WIFSIGNALED(status):
         sig = signal.Signals(os.WTERMSIG(status)).name
         if os.WTERMSIG(status) == signal.SIGKILL and 0 <= oom_kills < procfs.oom_kills():
-            raise SweepError(
-                f"the sweeper process {pid} was killed (SIGKILL) while the kernel's OOM killer "
-                "ran (/proc/vmstat oom_kill): out of memory before it sent a result; nothing "
-                "was reported",
-                hint="the sweep holds copies of the target's heap (a Python process's: about "
-                     "1.3-1.5 times its heap); free memory, or check when the process is "
-                     "smaller. The target is not harmed: the sweeper and the snapshot are the "
-                     "OOM killer's first choice")
+            raise OutOfMemory(f"the sweeper process {pid}")
         if os.WTERMSIG(status) in (signal.SIGKILL, signal.SIGTERM):
             raise SweepError(f"the sweeper process {pid} was killed ({sig}) before sending "
                              "a result; nothing was reported",

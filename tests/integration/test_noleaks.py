@@ -2,6 +2,7 @@
 import importlib
 import os
 import signal
+import subprocess
 import sys
 import threading
 import time
@@ -253,6 +254,56 @@ def test_one_helper_serves_every_check_and_a_dead_one_is_replaced():
     assert noleaks._HELPER.proc.pid != first and noleaks._HELPER.alive()
     assert info.pid == os.getpid()
 
+
+
+HELPER_DIES = r"""
+import os, signal, sys
+from memunreachable import noleaks
+from memunreachable._errors import OutOfMemory, SweepError
+from memunreachable.collect import procfs
+from memunreachable.collect.leftovers import children_of, read_stat
+def zombies():
+    return sorted(c for c in children_of(os.getpid()) if (st := read_stat(c)) and st.state == "Z")
+read_exactly = noleaks._read_exactly
+def kill_helper_on_wait(*args):     # the request was sent: the helper dies while it works
+    os.kill(noleaks._HELPER.proc.pid, signal.SIGKILL)
+    return read_exactly(*args)
+b = noleaks.deferred_baseline()     # its snapshot waits in the helper (a child of ours)
+noleaks._read_exactly = kill_helper_on_wait
+try:
+    b.resolve()
+except SweepError as exc:
+    print("error", type(exc).__name__, "exit status -9" in str(exc))
+print("zombies", zombies())
+if sys.argv[1] == "oom":            # the OOM killer's count went up meanwhile
+    kills = iter(range(100, 200))
+    procfs.oom_kills = lambda: next(kills)
+    helpers = []
+    start = noleaks._Helper.__init__
+    def counting(self):
+        start(self)
+        helpers.append(self.proc.pid)
+    noleaks._Helper.__init__ = counting
+    try:
+        noleaks.get_unreachable_memory()
+    except OutOfMemory as exc:
+        print("oom", len(helpers), "OOM killer" in str(exc), "free memory" in exc.hint)
+    print("zombies", zombies())
+"""
+
+
+@pytest.mark.parametrize("how", ["killed", "oom"])
+def test_a_helper_that_dies_while_it_works_leaves_no_snapshot_behind(ext_dir, how):
+    # the kernel kills the helper's snapshot clone with it (PTRACE_O_EXITKILL): a zombie
+    # child of this process, reaped here (no new helper need come). Killed while the OOM
+    # killer ran: OutOfMemory, and no second helper (it would copy the same heap)
+    proc = subprocess.run([sys.executable, "-c", HELPER_DIES, how], env=python_env(ext_dir),
+                          capture_output=True, text=True, timeout=120)
+    assert proc.returncode == 0, proc.stderr
+    lines = proc.stdout.splitlines()
+    assert lines[:2] == ["error SweepError True", "zombies []"]
+    if how == "oom":
+        assert lines[2:] == ["oom 1 True True", "zombies []"]
 
 DEFERRED = r"""
 import os

@@ -419,3 +419,43 @@ def test_a_checker_out_of_memory_loses_its_sweeper_never_the_target():
         target.kill()
         target.wait()
         os.rmdir(os.path.dirname(procs))
+
+
+IN_PROCESS_OOM = r"""
+import os, sys, memunreachable
+from memunreachable import OutOfMemory
+from memunreachable.collect.leftovers import children_of
+objs = [[b'%0150d' % i] for i in range(1200000)]
+try:
+    memunreachable.get_unreachable_memory()
+except OutOfMemory as exc:
+    print("oom", "helper process" in str(exc), "free memory" in exc.hint)
+print("children", children_of(os.getpid()))     # the dead helper's snapshot too: reaped
+for limit in ("memory.memsw.limit_in_bytes", "memory.limit_in_bytes", "memory.max"):
+    if os.path.exists(os.path.join(sys.argv[1], limit)):    # room for a check now
+        with open(os.path.join(sys.argv[1], limit), "w") as f:
+            f.write(str(2 << 30))
+info = memunreachable.get_unreachable_memory()
+print("checked", info.complete, len(objs))
+"""
+
+
+@pytest.mark.slow
+def test_an_in_process_check_out_of_memory_loses_its_helper_never_the_process():
+    # a Python process with a 330 MB heap checks itself in a 420 MiB memory cgroup: its
+    # helper sweeps from copies of that heap, the OOM killer takes the helper and its
+    # snapshot (oom_score_adj 1000), the check raises OutOfMemory, no zombie is left, and
+    # the process runs on and, with the limit raised, checks itself in full
+    name = f"memunreachable-test-{os.getpid()}"
+    procs = _memory_cgroup(name, 420 << 20)
+    try:
+        def join():
+            with open(procs, "w") as f:
+                f.write(str(os.getpid()))
+        res = subprocess.run([sys.executable, "-c", IN_PROCESS_OOM, os.path.dirname(procs)],
+                             capture_output=True, text=True, timeout=300, preexec_fn=join)
+        assert res.returncode == 0, res.stderr
+        assert res.stdout.splitlines() == ["oom True True", "children []",
+                                           "checked True 1200000"], res.stdout + res.stderr
+    finally:
+        os.rmdir(os.path.dirname(procs))
