@@ -258,6 +258,22 @@ def test_route_toggles_under_churn(root):
     assert int(words[3]) > 10000 and int(words[5]) > 5     # the threads ran throughout
 
 
+def _churn_run(exe: str, toggles: str, run: int, env=None) -> str:
+    """One run of track_route_churn in a session of its own; its stdout. A run that has not
+    ended after 30 s is killed with its children and fails the test."""
+    import signal
+    proc = subprocess.Popen([exe, TRACK_LIB, toggles], env=env, stdout=subprocess.PIPE,
+                            stderr=subprocess.PIPE, text=True, start_new_session=True)
+    try:
+        out, err = proc.communicate(timeout=30)
+    except subprocess.TimeoutExpired:
+        os.killpg(proc.pid, signal.SIGKILL)     # the hung child too
+        proc.communicate()
+        pytest.fail(f"run {run}: hung (a forked child stuck on a lock the fork copied held)")
+    assert proc.returncode == 0, f"run {run}: {err}"
+    return out
+
+
 @pytest.mark.slow
 def test_forks_while_other_threads_unwind_leave_no_child_stuck():
     """The churn above 100 times under load (a busy loop per CPU): a fork while another
@@ -266,46 +282,27 @@ def test_forks_while_other_threads_unwind_leave_no_child_stuck():
     5 of 150 runs hung before the fork handlers waited for the unwinders. A fork while the
     first route walked the loaded objects did the same to the loader's lock (the test below):
     2 of about 3,000 runs, 0 of 1,800 once the routing walked only under its lock."""
-    import signal
     from ptr_helpers import busy_cpus
     exe = fixtures.build("track_route_churn", root=None)
     with busy_cpus():
         for run in range(100):
-            proc = subprocess.Popen([exe, TRACK_LIB, "50"], stdout=subprocess.PIPE,
-                                    stderr=subprocess.PIPE, text=True, start_new_session=True)
-            try:
-                _out, err = proc.communicate(timeout=30)
-            except subprocess.TimeoutExpired:
-                os.killpg(proc.pid, signal.SIGKILL)     # the hung child too
-                proc.communicate()
-                pytest.fail(f"run {run}: hung (a forked child stuck on a lock the fork copied held)")
-            assert proc.returncode == 0, f"run {run}: {err}"
-
+            _churn_run(exe, "50", run)
 
 
 def test_forks_while_the_routing_walks_the_loaded_objects_leave_no_child_stuck():
     """A walk of the loaded objects (dl_iterate_phdr: the first route's setup) holds the
     loader's write lock, which fork does not reset in the child: a fork from another thread
-    meanwhile left a child whose first dlopen waited forever (the churn test above, about 1 of
-    1,000 runs under load). The companion library, preloaded, makes each of the main thread's
+    meanwhile left a child whose first dlopen waited forever (the churn test above, 2 of about
+    3,000 runs under load). The companion library, preloaded, makes each of the main thread's
     walks sleep 30 ms with the lock held: every run hung before the routing walked only under
     its lock, which its fork handler takes."""
-    import signal
     exe = fixtures.build("track_route_churn", root=None)
     env = dict(os.environ, MU_SLOW_DL_ITERATE_MS="30",
                LD_PRELOAD=os.path.join(os.path.dirname(exe), "libtrack_route_churn_lib.so"))
     for run in range(3):
-        proc = subprocess.Popen([exe, TRACK_LIB, "2"], env=env, stdout=subprocess.PIPE,
-                                stderr=subprocess.PIPE, text=True, start_new_session=True)
-        try:
-            out, err = proc.communicate(timeout=30)
-        except subprocess.TimeoutExpired:
-            os.killpg(proc.pid, signal.SIGKILL)     # the hung child too
-            proc.communicate()
-            pytest.fail(f"run {run}: hung (a child forked during a walk of the loaded objects)")
-        assert proc.returncode == 0, f"run {run}: {err}"
-        words = out.split()
+        words = _churn_run(exe, "2", run, env).split()
         assert words[-1] == "ok" and int(words[5]) >= 1     # children were forked meanwhile
+
 
 def python_in_root(root: str, version: str) -> tuple:
     """(argv prefix, fixture, library, PYTHONPATH) for PY_FIXTURE run by python3.N inside a
