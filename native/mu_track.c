@@ -1795,8 +1795,8 @@ static void route_setup_locked(void)
  * - The rest runs under route_lock, so no fork happens meanwhile: it walks and loads objects
  *   (dl_iterate_phdr, dlopen of the unwinder), which hold the loader's write lock, and fork
  *   does not reset that lock in the child. A fork from another thread then left a child whose
- *   first dlopen waited forever (fixtures/track_route_churn.c, 1 of 300-1,000 runs under load;
- *   every run with those walks slowed). */
+ *   first dlopen waited forever (fixtures/track_route_churn.c: 2 of about 3,000 runs under
+ *   load; every run with those walks slowed). */
 static void route_setup(void)
 {
     pthread_atfork(fork_prepare, fork_parent, fork_child);

@@ -423,15 +423,16 @@ def find_leftovers(pid: int) -> List[Tuple[int, ProcStat]]:
 __WALL = 0x40000000             # wait for a child of any exit signal (a clone's is 0)
 
 
-def reap_in_target(wait: float = 2.0) -> int:
+def reap_in_target(wait: float = 2.0, lock_wait: float = 1.0) -> int:
     """In a process whose in-process checks' helper died: reap the snapshot clones it left
     as zombies of this process (the kernel kills a clone with its tracer, PTRACE_O_EXITKILL;
     the OOM killer may have taken it first). A process reaps its own children with waitpid,
     without ptrace. Only the children the record names (or born in a recorded injection
     window) with exit_signal 0 are touched, once they are zombies (up to `wait` seconds for
-    one still dying). Returns how many were reaped."""
+    one still dying). Returns how many were reaped. Raises CollectionError when another
+    check of this process holds its lock for lock_wait seconds (that check reaps them)."""
     pid = os.getpid()
-    sess = _open(pid, LOCK_WAIT)        # the dead helper's lock is free
+    sess = _open(pid, lock_wait)        # the dead helper's lock is free
     if sess is None:
         return 0
     reaped = 0
