@@ -246,24 +246,31 @@ def test_route_toggles_under_churn(root):
     corrupted (the program checks each before freeing it), no child stuck on a lock a fork
     copied held (before the routing lock had fork handlers: hung 3 runs of 3), exit 0.
     Also in the Debian roots (glibc 2.41, 2.43): their libc's relocations are routed."""
-    exe = fixtures.build("track_route_churn", root=root)
-    argv = [exe, TRACK_LIB, "50"]
-    if root is not None:        # the library, copied next to the fixture inside the root
-        shutil.copy(TRACK_LIB, os.path.join(fixtures.build_dir(root), "_track.so"))
-        argv = ["chroot", distros.root(root), exe, os.path.join(os.path.dirname(exe), "_track.so"), "50"]
-    out = subprocess.run(argv, capture_output=True, text=True, timeout=60)
+    out = subprocess.run(_churn_argv(root, "50"), capture_output=True, text=True, timeout=60)
     assert out.returncode == 0, out.stderr
     words = out.stdout.split()
     assert words[-1] == "ok" and words[:2] == ["toggles", "50"]
     assert int(words[3]) > 10000 and int(words[5]) > 5     # the threads ran throughout
 
 
-def _churn_run(exe: str, toggles: str, run: int, env=None) -> str:
+def _churn_argv(root, toggles: str) -> list:
+    """track_route_churn's command line, on the host (root None) or inside a Debian root (the
+    fixture and its companion library built by the root's gcc, the tracking library copied
+    next to them)."""
+    exe = fixtures.build("track_route_churn", root=root)
+    if root is None:
+        return [exe, TRACK_LIB, toggles]
+    shutil.copy(TRACK_LIB, os.path.join(fixtures.build_dir(root), "_track.so"))
+    return ["chroot", distros.root(root), exe, os.path.join(os.path.dirname(exe), "_track.so"),
+            toggles]
+
+
+def _churn_run(argv: list, run: int, env=None) -> str:
     """One run of track_route_churn in a session of its own; its stdout. A run that has not
     ended after 30 s is killed with its children and fails the test."""
     import signal
-    proc = subprocess.Popen([exe, TRACK_LIB, toggles], env=env, stdout=subprocess.PIPE,
-                            stderr=subprocess.PIPE, text=True, start_new_session=True)
+    proc = subprocess.Popen(argv, env=env, stdout=subprocess.PIPE, stderr=subprocess.PIPE,
+                            text=True, start_new_session=True)
     try:
         out, err = proc.communicate(timeout=30)
     except subprocess.TimeoutExpired:
@@ -283,24 +290,27 @@ def test_forks_while_other_threads_unwind_leave_no_child_stuck():
     first route walked the loaded objects did the same to the loader's lock (the test below):
     2 of about 3,000 runs, 0 of 1,800 once the routing walked only under its lock."""
     from ptr_helpers import busy_cpus
-    exe = fixtures.build("track_route_churn", root=None)
+    argv = _churn_argv(None, "50")
     with busy_cpus():
         for run in range(100):
-            _churn_run(exe, "50", run)
+            _churn_run(argv, run)
 
 
-def test_forks_while_the_routing_walks_the_loaded_objects_leave_no_child_stuck():
+@pytest.mark.parametrize("root", [None, pytest.param("trixie", marks=pytest.mark.distro),
+                                  pytest.param("sid", marks=pytest.mark.distro)])
+def test_forks_while_the_routing_walks_the_loaded_objects_leave_no_child_stuck(root):
     """A walk of the loaded objects (dl_iterate_phdr: the first route's setup) holds the
     loader's write lock, which fork does not reset in the child: a fork from another thread
     meanwhile left a child whose first dlopen waited forever (the churn test above, 2 of about
     3,000 runs under load). The companion library, preloaded, makes each of the main thread's
     walks sleep 30 ms with the lock held: every run hung before the routing walked only under
-    its lock, which its fork handler takes."""
-    exe = fixtures.build("track_route_churn", root=None)
+    its lock, which its fork handler takes. Also with the Debian roots' glibc 2.41 and 2.43."""
+    argv = _churn_argv(root, "2")
+    exe = argv[0] if root is None else argv[2]      # as the program sees its own path
     env = dict(os.environ, MU_SLOW_DL_ITERATE_MS="30",
                LD_PRELOAD=os.path.join(os.path.dirname(exe), "libtrack_route_churn_lib.so"))
     for run in range(3):
-        words = _churn_run(exe, "2", run, env).split()
+        words = _churn_run(argv, run, env).split()
         assert words[-1] == "ok" and int(words[5]) >= 1     # children were forked meanwhile
 
 
