@@ -336,11 +336,11 @@ class _Helper:
     # line() once the stack is scrubbed; raises SweepError as run() does, OutOfMemory when the
     # OOM killer took the helper (it sweeps from copies of our heap).
     def request(self, line) -> memoryview:
+        oom_kills = procfs.oom_kills()
         # Dead frames of functions that returned (a C extension's malloc'ing call, say) may
         # still hold pointers exactly where our wait's frames will live: zero them first,
         # before the helper may freeze us.
         _scrub_stack()
-        oom_kills = procfs.oom_kills()
         try:
             data = memoryview(f"{line()} @{threading.get_native_id()}\n".encode())
             while data:                         # unbuffered: a long line may go in parts
