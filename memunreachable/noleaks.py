@@ -350,7 +350,7 @@ class _Helper:
         except (OSError, EOFError, SweepError) as exc:
             self.close()
             _reap_clones()
-            if self.proc.returncode == -signal.SIGKILL and 0 <= oom_kills < procfs.oom_kills():
+            if self.proc.returncode == -signal.SIGKILL and procfs.oom_killed_since(oom_kills):
                 raise OutOfMemory(f"the helper process {self.proc.pid}") from None
             raise SweepError(f"the helper process failed ({exc}); exit status "
                              f"{self.proc.returncode}",

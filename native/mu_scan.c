@@ -176,17 +176,9 @@ int64_t mu_scan_index_init(mu_scan_index *ix, const uint64_t *begin, const uint6
     }
     /* Allocations of region k: [first_alloc[k], first_alloc[k+1]), the first whose begin is at
      * or above the region's base (a binary search: the page tables' pass below validates them) */
-    for (uint64_t k = 0; k < nheap; k++) {
-        uint64_t lo = k ? ix->first_alloc[k - 1] : 0, hi = n;
-        while (lo < hi) {
-            uint64_t mid = lo + ((hi - lo) >> 1);
-            if (begin[mid] < heap[k].base)
-                lo = mid + 1;
-            else
-                hi = mid;
-        }
-        ix->first_alloc[k] = lo;
-    }
+    for (uint64_t k = 0; k < nheap; k++)
+        ix->first_alloc[k] = mu_lower_bound(begin, k ? ix->first_alloc[k - 1] : 0, n,
+                                            heap[k].base);
     ix->first_alloc[nheap] = n;
     if (nheap && ix->first_alloc[0])
         goto invalid;               /* allocations below the first region */

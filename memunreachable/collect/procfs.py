@@ -8,7 +8,8 @@ Parsers (pure, unit-tested on literal text):
 Readers (one open+read each; a vanished process raises NoSuchProcess without a hint: the
 orchestrator that catches it adds one, diagnose.hinted(), which reads /proc through here):
     read_maps(pid), read_status(pid), read_stat(pid), list_tasks(pid), read_comm(pid)
-Writer: oom_first(pid), the OOM killer's first choice (oom_kills(): its kills so far).
+Writer: oom_first(pid), the OOM killer's first choice; oom_kills() counts its kills so far,
+oom_killed_since(count) says whether it killed since.
 
 Never psutil.memory_maps() during a pause: it reads smaps (24 ms at 1 GiB) where parsing
 maps by hand takes 0.05 ms (ptrace-snapshot.md section 15).
@@ -260,6 +261,12 @@ def oom_kills() -> int:
     except (OSError, ValueError, IndexError):
         pass
     return -1
+
+
+def oom_killed_since(before: int) -> bool:
+    """Whether the OOM killer killed anything since oom_kills() gave `before` (False when
+    either count is unknown)."""
+    return 0 <= before < oom_kills()
 
 
 # Returns the tids of pid in ascending order. Raises NoSuchProcess when pid is gone.

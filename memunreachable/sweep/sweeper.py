@@ -254,7 +254,7 @@ def run_sweeper(work: Callable[[], SweepResult], timeout: float) -> SweepResult:
     status = _reap(pid)
     if os.WIFSIGNALED(status):
         sig = signal.Signals(os.WTERMSIG(status)).name
-        if os.WTERMSIG(status) == signal.SIGKILL and 0 <= oom_kills < procfs.oom_kills():
+        if os.WTERMSIG(status) == signal.SIGKILL and procfs.oom_killed_since(oom_kills):
             raise OutOfMemory(f"the sweeper process {pid}")
         if os.WTERMSIG(status) in (signal.SIGKILL, signal.SIGTERM):
             raise SweepError(f"the sweeper process {pid} was killed ({sig}) before sending "

@@ -389,6 +389,14 @@ def _memory_cgroup(name: str, limit: int) -> str:
     return os.path.join(path, "cgroup.procs")
 
 
+# A preexec_fn: the new process joins the cgroup whose cgroup.procs is procs.
+def _joining(procs: str):
+    def join():
+        with open(procs, "w") as f:
+            f.write(str(os.getpid()))
+    return join
+
+
 @pytest.mark.slow
 def test_a_checker_out_of_memory_loses_its_sweeper_never_the_target():
     # the checker runs in a 160 MiB memory cgroup; the sweeper it forks copies a Python
@@ -403,11 +411,9 @@ def test_a_checker_out_of_memory_loses_its_sweeper_never_the_target():
     try:
         assert target.stdout.readline().strip() == "ready"
 
-        def join():
-            with open(procs, "w") as f:
-                f.write(str(os.getpid()))
         res = subprocess.run([sys.executable, "-m", "memunreachable", "check", str(target.pid)],
-                             capture_output=True, text=True, timeout=300, preexec_fn=join)
+                             capture_output=True, text=True, timeout=300,
+                             preexec_fn=_joining(procs))
         assert res.returncode == 3, res.stdout + res.stderr
         assert "killed (SIGKILL) while the kernel's OOM killer ran" in res.stderr, res.stderr
         assert "free memory" in res.stderr
@@ -449,11 +455,9 @@ def test_an_in_process_check_out_of_memory_loses_its_helper_never_the_process():
     name = f"memunreachable-test-{os.getpid()}"
     procs = _memory_cgroup(name, 420 << 20)
     try:
-        def join():
-            with open(procs, "w") as f:
-                f.write(str(os.getpid()))
         res = subprocess.run([sys.executable, "-c", IN_PROCESS_OOM, os.path.dirname(procs)],
-                             capture_output=True, text=True, timeout=300, preexec_fn=join)
+                             capture_output=True, text=True, timeout=300,
+                             preexec_fn=_joining(procs))
         assert res.returncode == 0, res.stderr
         assert res.stdout.splitlines() == ["oom True True", "children []",
                                            "checked True 1200000"], res.stdout + res.stderr
