@@ -17,6 +17,7 @@ import bisect
 import struct
 from typing import List, Optional, Sequence, Tuple
 
+from memunreachable._ffi import lib
 from memunreachable._types import Range, merge_ranges
 from memunreachable.sweep.classify import fp_words
 
@@ -32,6 +33,12 @@ def text_tail(prev: int, word: int) -> bool:
         and all(0x20 <= b <= 0x7E for b in raw[:nul] + prev.to_bytes(8, "little")[4:])
 
 
+def int32_pair(word: int, begin: int) -> bool:
+    """native page_search: a word past a 4 GiB boundary with a small low half, into a block
+    that began below it, is a 4-byte int beside a stale high half (mu_types.h MU_PAIR_LOW_MAX)."""
+    return word & 0xFFFFFFFF < lib.MU_PAIR_LOW_MAX and word & ~0xFFFFFFFF > begin
+
+
 def _referrers(lo: int, hi: int, buffers: Sequence[Tuple[int, object]], dead) -> List[int]:
     out = []
     for base, buf in buffers:
@@ -40,7 +47,8 @@ def _referrers(lo: int, hi: int, buffers: Sequence[Tuple[int, object]], dead) ->
         skip = (8 - base % 8) % 8
         words = [w for (w,) in struct.iter_unpack("<Q", mv[skip:skip + (n - skip) // 8 * 8])]
         for k, w in enumerate(words):
-            if lo <= w < hi and not (k and text_tail(words[k - 1], w)):
+            if lo <= w < hi and not (k and text_tail(words[k - 1], w)) \
+                    and not int32_pair(w, lo):
                 a = base + skip + 8 * k
                 j = bisect.bisect_right(dead, (a, 1 << 64)) - 1
                 if j < 0 or not dead[j][0] <= a < dead[j][1]:
@@ -134,9 +142,9 @@ def _register_referrers(lo: int, hi: int, threads) -> List[str]:
     out = []
     for t in threads:
         out += [f"register {REG_NAMES[k]} of thread {t.tid}" for k, v in enumerate(t.regs)
-                if lo <= v < hi]
+                if lo <= v < hi and not int32_pair(v, lo)]
         out += [f"FP/SIMD state +{8 * k:#x} of thread {t.tid}"
-                for k, v in enumerate(fp_words(t)) if lo <= v < hi]
+                for k, v in enumerate(fp_words(t)) if lo <= v < hi and not int32_pair(v, lo)]
     return out
 
 

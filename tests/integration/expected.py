@@ -59,6 +59,9 @@ EXPECTED: Dict[str, Shape] = {
     # glibc 2.42+: an exited thread's cached stack between two live ones keeps its TCB's DTV
     "live_cached_stack": Shape(single("leak_a")),
     "live_dlopen": Shape(single("leak_a")),
+    # int32 pairs (a small int beside a stale pointer's high half) just past a 4 GiB boundary
+    # inside a leaked 64 MiB block; a word 64 KiB past another boundary keeps a second one
+    "leak_span_4gib": Shape(single("leak_span")),
     # a big block right below a library whose link_map.l_gnu_chain_zero points into it
     "leak_below_lib": Shape(single("leak_big")),
     # a leak pointed into only by the stale padding of readline's run-time keymaps

@@ -24,7 +24,7 @@ pytestmark = pytest.mark.ptrace
 # tcaches, many threads, a heap cut by foreign sbrk calls, 1000+ leaks
 NAMES = ["leak_one", "leak_chain", "leak_ring_tail", "leak_head_cycle", "leak_shared_child",
          "live_interior", "free_chunks", "thread_arena", "mmap_chunk", "calloc_zero",
-         "leak_lots", "threads_many", "churn", "clean"]
+         "leak_lots", "threads_many", "churn", "clean", "leak_span_4gib"]
 CHANGING = {"churn"}        # its threads allocate and free all along: totals move, leaks do not
 
 

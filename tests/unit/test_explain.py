@@ -183,3 +183,13 @@ def test_a_stack_root_word_names_the_nearest_return_address_above_it():
     lines = explain(h.addrs[0], h.image(), roots, res.marked, (), [],
                     [ThreadState(7, tuple(regs))], maps=maps)
     assert lines[1].endswith("(thread 7's stack, SP+0x10)")
+
+
+def test_an_int32_pair_past_a_4_gib_boundary_is_no_referrer_as_in_mark():
+    from tests.unit.test_mark import SPAN
+    h = Heap([0x2000], base=SPAN - 0x1000)
+    roots = [(ROOT, words_buffer(SPAN | 6, SPAN - 0x1000 + 8))]
+    res = mark(h.image(), roots)
+    lines = explain(h.addrs[0], h.image(), roots, res.marked, (),
+                    scanned_blocks(h.image(), res.marked))
+    assert lines[-1].endswith(f"root words at {ROOT + 8:#x}")     # not ROOT's pair word
