@@ -17,6 +17,7 @@ from __future__ import annotations
 
 import contextlib
 import ctypes
+import errno
 import gc
 import logging
 import os
@@ -332,19 +333,14 @@ class _Helper:
                                     f"{int(symbolize)} {_supp_word(rules)} "
                                     f"{format_ranges(_idle_altstack())}")
 
-    # Returns the pickled reply to one request line (_tracer.py; a view of _REPLY), made by
-    # line() once the stack is scrubbed; raises SweepError as run() does, OutOfMemory when the
-    # OOM killer took the helper (it sweeps from copies of our heap).
+    # Returns the pickled reply to one request line (_tracer.py; a view of _REPLY) made by
+    # line() and sent by _send_and_wait; raises SweepError as run() does, OutOfMemory when
+    # the OOM killer took the helper (it sweeps from copies of our heap).
     def request(self, line) -> memoryview:
         oom_kills = procfs.oom_kills()
-        # Dead frames of functions that returned (a C extension's malloc'ing call, say) may
-        # still hold pointers exactly where our wait's frames will live: zero them first,
-        # before the helper may freeze us.
-        _scrub_stack()
         try:
-            data = memoryview(f"{line()} @{threading.get_native_id()}\n".encode())
-            while data:                         # unbuffered: a long line may go in parts
-                data = data[self.proc.stdin.write(data):]
+            _send_and_wait(self.proc.stdin.fileno(),
+                           f"{line()} @{threading.get_native_id()}\n".encode(), self.rfd)
             size = struct.unpack("<Q", _read_exactly(self.rfd, 8, HELPER_TIMEOUT))[0]
             data = _read_exactly(self.rfd, size, HELPER_TIMEOUT)
         except (OSError, EOFError, SweepError) as exc:
@@ -621,6 +617,23 @@ def _scrub_stack() -> None:
     lib.mu_scrub_stack(SCRUB_BYTES)
 
 
+def _send_and_wait(wfd: int, line: bytes, rfd: int) -> None:
+    """Write the request line to the helper and wait until its reply can be read, in one C
+    call that first zeroes the stack below it: dead frames of functions that returned (a C
+    extension's malloc'ing call, say) may hold pointers exactly where the wait's frames live,
+    and the helper freezes this thread in that call (or in the write, when it reads the line
+    first) and scans its stack from SP up. Nothing runs between the zeroing and the freeze but
+    the write and the poll; before, the Python code that wrote the line and then waited ran
+    after the zeroing, and the helper could freeze it anywhere in that code."""
+    from memunreachable._ffi import ffi, lib
+    rc = lib.mu_request_wait(wfd, ffi.from_buffer(line), len(line), rfd,
+                             int(HELPER_TIMEOUT * 1000), SCRUB_BYTES)
+    if rc == -errno.ETIMEDOUT:
+        raise SweepError(f"the in-process check did not finish within {HELPER_TIMEOUT:.0f} s")
+    if rc < 0:
+        raise OSError(-rc, os.strerror(-rc))
+
+
 # The replies are read into this buffer, kept for the process's life and grown when needed:
 # a reply read into a fresh bytes object (a few KB: a glibc block) was freed right after its
 # unpickling, and a test's next block of that size took its address, while the check's own
@@ -638,13 +651,8 @@ def _clear_reply(data: memoryview) -> None:
 
 def _read_exactly(fd: int, n: int, timeout: float) -> memoryview:
     """n bytes from fd within timeout, as a view of _REPLY (valid until the next read: the
-    caller holds _HELPER_LOCK); EOFError when the writer went away first.
-    The wait is poll, not select: the thread is frozen in it and its stack is scanned from its
-    SP up, and select.select keeps three fd-to-object arrays of 1,025 entries on the C stack
-    (49 KB), written only for the fds given, so the scan read 49 KB of what deeper calls had
-    left there (a stale copy of a 34 MB block leaked by the test at SP+0xb6c8 hid it in 1 of
-    about 300 runs of the xdist suite under load: MEMUNREACHABLE_EXPLAIN). poll's frame is
-    small."""
+    caller holds _HELPER_LOCK); EOFError when the writer went away first. Called once the
+    reply can be read (_send_and_wait), when the check's freeze is over."""
     global _REPLY, _ZEROS
     if n > len(_REPLY):
         _REPLY = bytearray(max(n, 2 * len(_REPLY)))

@@ -264,12 +264,13 @@ from memunreachable.collect import procfs
 from memunreachable.collect.leftovers import children_of, read_stat
 def zombies():
     return sorted(c for c in children_of(os.getpid()) if (st := read_stat(c)) and st.state == "Z")
-read_exactly = noleaks._read_exactly
-def kill_helper_on_wait(*args):     # the request was sent: the helper dies while it works
+send_and_wait = noleaks._send_and_wait
+def kill_helper_on_wait(wfd, line, rfd):    # the request was sent: the helper dies while it works
+    os.write(wfd, line)
     os.kill(noleaks._HELPER.proc.pid, signal.SIGKILL)
-    return read_exactly(*args)
+    return send_and_wait(wfd, b"", rfd)
 b = noleaks.deferred_baseline()     # its snapshot waits in the helper (a child of ours)
-noleaks._read_exactly = kill_helper_on_wait
+noleaks._send_and_wait = kill_helper_on_wait
 try:
     b.resolve()
 except SweepError as exc:
@@ -427,8 +428,8 @@ import os, sys
 from memunreachable import noleaks
 r, w = os.pipe()
 print("go", flush=True)
-if sys.argv[1] == "check":
-    noleaks._read_exactly(r, 8, 30)     # the in-process checks' wait for the helper's reply
+if sys.argv[1] == "check":              # the in-process checks' request and wait for the reply
+    noleaks._send_and_wait(os.pipe()[1], b"go\n", r)
 else:
     os.read(r, 8)                       # a plain blocking read from the same depth
 """
