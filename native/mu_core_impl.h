@@ -174,6 +174,19 @@ static inline int mu_text_tail(uint64_t prev, uint64_t v)
     return mu_text_runs_on(prev) && mu_tail_shape(v);
 }
 
+/* The first word of a block of at most MU_HEAD_TEXT_BYTES that holds a whole short string
+ * (1-4 printable bytes, then a NUL; no 8-aligned address: mu_tail_shape) is text: a string in
+ * a block of its own, the rest of the word what the memory held before, here the high half of
+ * an old pointer. OpenSSL keeps its algorithm names so (CRYPTO_strndup: "DSA\0" and 0x7f41
+ * read as 0x7f4100415344, 4 MB into a leaked 34 MB block that began past the boundary
+ * 0x7f41 << 32). mu_mark (both of its paths), mu_fold and explain.py apply it to the word at
+ * such an allocation's start (len: its length; MU_HEAD_TEXT_BYTES: mu_types.h). */
+static inline int mu_head_text(uint64_t v, uint64_t len)
+{
+    uint64_t z = (v - MU_ONES) & ~v & MU_HIGHS;     /* its lowest bit: the first NUL byte */
+    return len <= MU_HEAD_TEXT_BYTES && mu_tail_shape(v) && __builtin_ctzll(z) <= 8 * 4 + 7;
+}
+
 /* The online CPUs (sysconf(_SC_NPROCESSORS_ONLN)), read once a process: glibc opens
  * /sys/devices/system/cpu/online at each call, 12 times in a pytest process's check. */
 long mu_online_cpus(void);

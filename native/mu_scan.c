@@ -725,8 +725,10 @@ static inline __attribute__((always_inline)) void consider(mark_ctx *m, uint64_t
  * order. */
 #define SCAN_CHUNK 64u
 
+/* prev0: the word before p[0] in the same range, or 0; head: p[0] is the first word of an
+ * allocation of at most MU_HEAD_TEXT_BYTES (mu_head_text). */
 static inline void consider_words(mark_ctx *m, const uint8_t *p, uint64_t nw, uint64_t prev0,
-                                  uint64_t a0)
+                                  uint64_t a0, int head)
 {
     const mu_scan_index *ix = m->ix;
     const uint64_t lo = ix->lo, span = ix->hi - ix->lo, rmask = ix->rmask;
@@ -746,8 +748,9 @@ static inline void consider_words(mark_ctx *m, const uint8_t *p, uint64_t nw, ui
         for (uint64_t j = 0; j < k; j++) {
             uint64_t v = buf[j], w = w0 + at[j];
             if (__builtin_expect(mu_tail_shape(v), 0)
-                && mu_text_runs_on(w ? ld64(p + 8 * (w - 1)) : prev0))
-                continue;                               /* a text tail (mu_text_tail) */
+                && (w ? mu_text_runs_on(ld64(p + 8 * (w - 1)))
+                      : head ? mu_head_text(v, 0) : mu_text_runs_on(prev0)))
+                continue;                   /* a text tail (mu_text_tail), a text head */
             uint64_t *slot = seen_slot(seen, v);
             uint64_t old = *slot;
             uint64_t in = rmap[(v >> RMAP_SHIFT) & rmask] != 0;
@@ -767,9 +770,10 @@ static inline void consider_words(mark_ctx *m, const uint8_t *p, uint64_t nw, ui
 
 /* Scans [addr, addr+len) whose bytes are at data; avail (>= len) bytes are readable there.
  * hb/he: GC-link words to ignore (0, 0: none); dead's ranges are ignored too (dead: the index's,
- * or NULL when none of them meets the range). */
+ * or NULL when none of them meets the range). block: [addr, addr+len) is a whole allocation of at
+ * most MU_HEAD_TEXT_BYTES (mu_head_text applies to its first word). */
 static void scan_range(mark_ctx *m, const uint8_t *data, uint64_t addr, uint64_t len, uint64_t avail,
-                       uint64_t hb, uint64_t he, const mu_dead *dead)
+                       uint64_t hb, uint64_t he, const mu_dead *dead, int block)
 {
     uint64_t skip = (8 - (addr & 7)) & 7;
     if (skip >= len)
@@ -777,7 +781,7 @@ static void scan_range(mark_ctx *m, const uint8_t *data, uint64_t addr, uint64_t
     uint64_t end = addr + len;
     if (!dead && !hb) {             /* one run: the words from addr + skip to the end */
         uint64_t nw = (len - skip) >> 3;
-        consider_words(m, data + skip, nw, 0, addr + skip);
+        consider_words(m, data + skip, nw, 0, addr + skip, block && !skip);
         m->words += nw;
         if ((len - skip) & 7) {     /* a last word starting before the end: read whole */
             uint64_t v = 0, have = avail - skip - 8 * nw;
@@ -795,7 +799,7 @@ static void scan_range(mark_ctx *m, const uint8_t *data, uint64_t addr, uint64_t
         uint64_t nw = (e - b) >> 3;
         if (e > end)
             nw--;                       /* the last word is partial */
-        consider_words(m, p, nw, b >= addr + 8 ? ld64(p - 8) : 0, b);
+        consider_words(m, p, nw, b >= addr + 8 ? ld64(p - 8) : 0, b, block && b == addr);
         m->words += nw;
         if (e > end) {                  /* a last word starting before the end: read whole */
             uint64_t v = 0, have = avail - (e - 8 - addr);
@@ -884,7 +888,7 @@ static inline void scan_block(mark_ctx *m, uint64_t i, const uint8_t *d, uint64_
     len = mu_live_end(dead, i, mu_live_len_r(dead, r, d, b, len, avail));
     mu_live_head(dead, r, i, b, d, whole, avail, &hb, &he);
     const mu_dead *dr = dead_may_meet(m, i) ? ix->dead : NULL;
-    scan_range(m, d, b, len, avail, hb, he, dr);
+    scan_range(m, d, b, len, avail, hb, he, dr, whole <= MU_HEAD_TEXT_BYTES);
     m->heap_bytes += len;
 }
 
@@ -1046,10 +1050,12 @@ static int scan_cands(mark_ctx *m, uint64_t i, const mu_region *reg)
             else
                 je = mid;
         }
-        for (; j < p->n && p->off[j] < hi; j++)
-            if (!(p->off[j] & 1) || pb + p->off[j] - 1 == b)
-                /* not a text tail after a word of this block */
-                consider(m, p->val[j], pb + (p->off[j] & ~1u));
+        for (; j < p->n && p->off[j] < hi; j++) {
+            uint64_t at = pb + (p->off[j] & ~1u);
+            if ((!(p->off[j] & 1) || at == b) && !(at == b && mu_head_text(p->val[j], len)))
+                /* not a text tail after a word of this block, nor a text head */
+                consider(m, p->val[j], at);
+        }
     }
     m->words += len / 8;
     m->heap_bytes += len;
@@ -1504,7 +1510,7 @@ static int64_t mark_once(const uint64_t *begin, const uint64_t *size, uint64_t n
     mark_ctx *m = &ms[0];
     uint64_t root_bytes = 0;
     for (uint64_t r = 0; r < nroots; r++) {
-        scan_range(m, roots[r].data, roots[r].base, roots[r].len, roots[r].len, 0, 0, ix.dead);
+        scan_range(m, roots[r].data, roots[r].base, roots[r].len, roots[r].len, 0, 0, ix.dead, 0);
         root_bytes += roots[r].len;
     }
     for (uint64_t w = 0; w < nwords; w++)

@@ -146,12 +146,14 @@ typedef struct {
 #define MU_TYPE_BYTES 10
 #define MU_HANDLE_SLACK 16
 /* A word whose low half is below MU_PAIR_LOW_MAX, pointing into a block that began below the
- * 4 GiB boundary the word's high half names, is no reference: a 4-byte int (a count, a flag,
- * an enum) next to 4 bytes that kept the high half of an old pointer reads as an address
- * just past that boundary, inside any large block that spans it (the mmapped chunks next to
- * the libraries). A block's own start, and any word into a block that begins past the
- * boundary, stay references. */
-#define MU_PAIR_LOW_MAX 0x10000
+ * 4 GiB boundary the word's high half names, is no reference: 4 bytes of a count, a flag or a
+ * short string ("FIX" and a NUL: 0x00584946) next to 4 bytes that kept the high half of an old
+ * pointer read as an address just past that boundary, inside any large block that spans it
+ * (the mmapped chunks next to the libraries). A block's own start, a word 8 MiB or more past
+ * the boundary, and any word into a block that begins past the boundary stay references. */
+#define MU_PAIR_LOW_MAX 0x800000
+/* The largest allocation whose first word may be a short string's text (mu_head_text). */
+#define MU_HEAD_TEXT_BYTES 24
 #define MU_TYPE_DICT 11
 #define MU_TYPE_CDATA 12
 #define MU_TYPE_LAST 12          /* the highest kind */

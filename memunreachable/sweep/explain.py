@@ -33,13 +33,26 @@ def text_tail(prev: int, word: int) -> bool:
         and all(0x20 <= b <= 0x7E for b in raw[:nul] + prev.to_bytes(8, "little")[4:])
 
 
+def head_text(word: int, size: int) -> bool:
+    """native mu_head_text: the first word of an allocation of at most MU_HEAD_TEXT_BYTES
+    holding a whole short string (1-4 printable bytes, then a NUL; not 8-aligned), over the
+    high half of an old pointer."""
+    raw = word.to_bytes(8, "little")
+    nul = raw.find(0)
+    return size <= lib.MU_HEAD_TEXT_BYTES and 0 < nul <= 4 and word % 8 != 0 \
+        and all(0x20 <= b <= 0x7E for b in raw[:nul])
+
+
 def int32_pair(word: int, begin: int) -> bool:
     """native page_search: a word past a 4 GiB boundary with a small low half, into a block
     that began below it, is a 4-byte int beside a stale high half (mu_types.h MU_PAIR_LOW_MAX)."""
     return word & 0xFFFFFFFF < lib.MU_PAIR_LOW_MAX and word & ~0xFFFFFFFF > begin
 
 
-def _referrers(lo: int, hi: int, buffers: Sequence[Tuple[int, object]], dead) -> List[int]:
+# The addresses of the words of buffers that point into [lo, hi) (dead ranges, text and int32
+# pairs left out); image: the allocations (begins, sizes) when buffers are their words.
+def _referrers(lo: int, hi: int, buffers: Sequence[Tuple[int, object]], dead,
+               image=None) -> List[int]:
     out = []
     for base, buf in buffers:
         mv = memoryview(buf).cast("B")
@@ -50,6 +63,8 @@ def _referrers(lo: int, hi: int, buffers: Sequence[Tuple[int, object]], dead) ->
             if lo <= w < hi and not (k and text_tail(words[k - 1], w)) \
                     and not int32_pair(w, lo):
                 a = base + skip + 8 * k
+                if image is not None and _text_head(image, a, w):
+                    continue
                 j = bisect.bisect_right(dead, (a, 1 << 64)) - 1
                 if j < 0 or not dead[j][0] <= a < dead[j][1]:
                     out.append(a)
@@ -114,7 +129,7 @@ def explain(addr: int, image, root_buffers, marked, dead_ranges, blocks, threads
         if regs:
             lines.append(f"  {lo:#x} ({sizes[i]} bytes) <- " + ", ".join(regs[:8]))
             return [label] + lines
-        refs = _referrers(lo, hi, blocks, dead)
+        refs = _referrers(lo, hi, blocks, dead, image=image)
         nxt: Optional[int] = None
         for a in refs:
             j = bisect.bisect_right(begins, a) - 1
@@ -133,6 +148,12 @@ def explain(addr: int, image, root_buffers, marked, dead_ranges, blocks, threads
         seen.add(nxt)
         i = nxt
     return [label] + lines
+
+
+def _text_head(image, a: int, word: int) -> bool:
+    """Whether word, at address a, is a text head (head_text) of the allocation starting there."""
+    j = bisect.bisect_left(image.begins, a)
+    return j < len(image.begins) and image.begins[j] == a and head_text(word, image.sizes[j])
 
 
 def _register_referrers(lo: int, hi: int, threads) -> List[str]:
