@@ -32,7 +32,8 @@ typedef struct {
     uint64_t *val;
     uint32_t n;
     int32_t state;              /* 0 not filled, 1 kept, -1 not kept (atomic) */
-    int32_t head_tail;          /* its first word may be a text tail (the word before is unknown) */
+    int32_t head_tail;          /* its first two words may be text tails (the words before are
+                                 * unknown) */
     uint32_t sub[MU_CAND_SUBS + 1];
 } mu_cand_piece;
 
@@ -154,13 +155,18 @@ static inline int mu_printable8(uint64_t x)
  * (an object's, a field's: dict entries, list items and struct fields point at those, and a
  * random hash before one reads as text in 2% of entries; a low non-PIE heap's addresses, 4
  * bytes then zeros, have the shape in 1 of 7). */
-static inline int mu_tail_shape(uint64_t v)
+static inline int mu_tail_bytes(uint64_t v)
 {
     uint64_t z = (v - MU_ONES) & ~v & MU_HIGHS;     /* its lowest bit: the first NUL byte */
-    if (!z || (z & 0x80) || !(v & 7))
+    if (!z || (z & 0x80))
         return 0;
     uint64_t keep = (1ull << (__builtin_ctzll(z) - 7)) - 1;
     return mu_printable8((v & keep) | (0x4141414141414141ull & ~keep));
+}
+
+static inline int mu_tail_shape(uint64_t v)
+{
+    return (v & 7) && mu_tail_bytes(v);
 }
 
 /* 1 when the 4 high bytes of prev are printable: a string runs on into the next word. */
@@ -172,6 +178,19 @@ static inline int mu_text_runs_on(uint64_t prev)
 static inline int mu_text_tail(uint64_t prev, uint64_t v)
 {
     return mu_text_runs_on(prev) && mu_tail_shape(v);
+}
+
+/* An 8-aligned word with a tail's bytes ends a string too when the two words before it are 8
+ * printable bytes each: a string of 16 characters or more runs on into it (glibc's setenv keeps
+ * every "PYTEST_CURRENT_TEST=... (setup)" it was given; its last word "p)" and a NUL glued to
+ * an old pointer's high bytes kept a leaked 34 MB block in each run of a suite). An 8-aligned
+ * pointer after a hash (a dict entry's key) follows the previous entry's value, never text;
+ * after one word of text, as in a struct's pointer field after a short inline name, it stays a
+ * reference. mu_mark (both of its paths), mu_fold and explain.py apply it to words whose two
+ * previous words lie in the same allocation or root range. */
+static inline int mu_text_tail_aligned(uint64_t prev2, uint64_t prev, uint64_t v)
+{
+    return !(v & 7) && mu_printable8(prev) && mu_printable8(prev2) && mu_tail_bytes(v);
 }
 
 /* The first word of a block of at most MU_HEAD_TEXT_BYTES that holds a whole short string

@@ -725,9 +725,10 @@ static inline __attribute__((always_inline)) void consider(mark_ctx *m, uint64_t
  * order. */
 #define SCAN_CHUNK 64u
 
-/* prev0: the word before p[0] in the same range, or 0; head: p[0] is the first word of an
- * allocation of at most MU_HEAD_TEXT_BYTES (mu_head_text). */
-static inline void consider_words(mark_ctx *m, const uint8_t *p, uint64_t nw, uint64_t prev0,
+/* before: how many words before p[0] (0-2) lie in the same allocation or range, for the text
+ * tails' tests; head: p[0] is the first word of an allocation of at most MU_HEAD_TEXT_BYTES
+ * (mu_head_text). */
+static inline void consider_words(mark_ctx *m, const uint8_t *p, uint64_t nw, uint64_t before,
                                   uint64_t a0, int head)
 {
     const mu_scan_index *ix = m->ix;
@@ -748,9 +749,12 @@ static inline void consider_words(mark_ctx *m, const uint8_t *p, uint64_t nw, ui
         for (uint64_t j = 0; j < k; j++) {
             uint64_t v = buf[j], w = w0 + at[j];
             if (__builtin_expect(mu_tail_shape(v), 0)
-                && (w ? mu_text_runs_on(ld64(p + 8 * (w - 1)))
-                      : head ? mu_head_text(v, 0) : mu_text_runs_on(prev0)))
+                && (w + before ? mu_text_runs_on(ld64(p + 8 * w - 8)) : head && mu_head_text(v, 0)))
                 continue;                   /* a text tail (mu_text_tail), a text head */
+            if (__builtin_expect(!(v & 7) && w + before >= 2, 1)
+                && __builtin_expect(mu_text_tail_aligned(ld64(p + 8 * w - 16),
+                                                         ld64(p + 8 * w - 8), v), 0))
+                continue;                   /* an 8-aligned text tail */
             uint64_t *slot = seen_slot(seen, v);
             uint64_t old = *slot;
             uint64_t in = rmap[(v >> RMAP_SHIFT) & rmask] != 0;
@@ -799,7 +803,7 @@ static void scan_range(mark_ctx *m, const uint8_t *data, uint64_t addr, uint64_t
         uint64_t nw = (e - b) >> 3;
         if (e > end)
             nw--;                       /* the last word is partial */
-        consider_words(m, p, nw, b >= addr + 8 ? ld64(p - 8) : 0, b, block && b == addr);
+        consider_words(m, p, nw, b >= addr + 16 ? 2 : (b - addr) / 8, b, block && b == addr);
         m->words += nw;
         if (e > end) {                  /* a last word starting before the end: read whole */
             uint64_t v = 0, have = avail - (e - 8 - addr);
@@ -1051,10 +1055,12 @@ static int scan_cands(mark_ctx *m, uint64_t i, const mu_region *reg)
                 je = mid;
         }
         for (; j < p->n && p->off[j] < hi; j++) {
-            uint64_t at = pb + (p->off[j] & ~1u);
-            if ((!(p->off[j] & 1) || at == b) && !(at == b && mu_head_text(p->val[j], len)))
-                /* not a text tail after a word of this block, nor a text head */
-                consider(m, p->val[j], at);
+            uint32_t o = p->off[j];
+            uint64_t at = pb + (o & ~3u);
+            if (((o & 1) && at != b) || ((o & 2) && at >= b + 16)
+                || (at == b && mu_head_text(p->val[j], len)))
+                continue;   /* a text tail after a word (bit 0) or two (bit 1) of it, a head */
+            consider(m, p->val[j], at);
         }
     }
     m->words += len / 8;

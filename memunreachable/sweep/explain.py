@@ -24,13 +24,22 @@ from memunreachable.sweep.classify import fp_words
 MAX_STEPS = 6
 
 
-def text_tail(prev: int, word: int) -> bool:
+def _printable(raw: bytes) -> bool:
+    return all(0x20 <= b <= 0x7E for b in raw)
+
+
+def text_tail(prev: int, word: int, prev2: Optional[int] = None) -> bool:
     """native mu_text_tail: word ends a string (1-7 printable bytes, then a NUL; not 8-aligned)
-    after a word whose 4 high bytes are printable: text, never a reference."""
+    after a word whose 4 high bytes are printable; mu_text_tail_aligned: an 8-aligned one after
+    two words of 8 printable bytes (prev2: the word before prev, None when outside the range):
+    text, never a reference."""
     raw = word.to_bytes(8, "little")
     nul = raw.find(0)
-    return 0 < nul and word % 8 != 0 \
-        and all(0x20 <= b <= 0x7E for b in raw[:nul] + prev.to_bytes(8, "little")[4:])
+    if nul <= 0 or not _printable(raw[:nul]):
+        return False
+    if word % 8:
+        return _printable(prev.to_bytes(8, "little")[4:])
+    return prev2 is not None and _printable(prev.to_bytes(8, "little") + prev2.to_bytes(8, "little"))
 
 
 def head_text(word: int, size: int) -> bool:
@@ -60,7 +69,8 @@ def _referrers(lo: int, hi: int, buffers: Sequence[Tuple[int, object]], dead,
         skip = (8 - base % 8) % 8
         words = [w for (w,) in struct.iter_unpack("<Q", mv[skip:skip + (n - skip) // 8 * 8])]
         for k, w in enumerate(words):
-            if lo <= w < hi and not (k and text_tail(words[k - 1], w)) \
+            if lo <= w < hi and not (k and text_tail(words[k - 1], w,
+                                                     words[k - 2] if k > 1 else None)) \
                     and not int32_pair(w, lo):
                 a = base + skip + 8 * k
                 if image is not None and _text_head(image, a, w):

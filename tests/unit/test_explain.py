@@ -204,3 +204,12 @@ def test_a_short_string_heading_a_small_block_is_no_referrer_as_in_mark():
     res = mark(h.image(), roots)
     lines = explain(DSA, h.image(), roots, res.marked, (), scanned_blocks(h.image(), res.marked))
     assert f"word {DSA:#x} at {h.addrs[1] + 8:#x} (offset 8) of {h.addrs[1]:#x}" in lines[1]
+
+
+def test_an_8_aligned_text_tail_needs_two_words_of_text_before_it_as_in_mark():
+    from memunreachable.sweep.explain import text_tail
+    from tests.unit.test_mark import TEXT
+    tail = 0x7F9E_9400_2970             # "p)", a NUL, an old pointer's high bytes: 8-aligned
+    assert text_tail(TEXT, tail, TEXT)
+    assert not text_tail(TEXT, tail, None) and not text_tail(TEXT, tail, 0x7F9E_9400_1000)
+    assert text_tail(TEXT, tail + 1) and not text_tail(0x1234, tail + 1)

@@ -713,6 +713,42 @@ def test_a_text_tail_is_no_reference_on_every_mark_path():
     assert T1 in by and by[S0].referenced_count == 0
 
 
+def test_an_8_aligned_text_tail_after_two_words_of_text_is_no_reference_on_every_mark_path():
+    # glibc's setenv keeps every string it was given: "PYTEST_CURRENT_TEST=test_orphan.py::
+    # test_c_orphans (setup)" ends in the word "p)", a NUL and an old pointer's high bytes, an
+    # 8-aligned address inside a leaked 34 MB block (every run of the suite, untracked).
+    # S0 = [text, text, "p)\0" + high bytes] -> T0: text; twins that are references: one word
+    # of text before it (S1 -> T1), a pointer then text before it (S2 -> T2: a dict entry's
+    # value, hash, key), 8 printable bytes but for one (S3 -> T3); and in B0 the tail is the
+    # second word of a 1 MiB piece of the uncopied region's candidates (B0 -> T4: text)
+    big, t = 2 << 20, 256 << 10
+    h = Heap([big, t, 48, t, 48, t, 48, t, 48, t], base=UNCOPIED_BASE, gap=8)
+    B0, T4, S0, T0, S1, T1, S2, T2, S3, T3 = range(10)
+
+    def tail_into(j):
+        v = ((h.addrs[j] + 0xffff) & ~0xffff) + int.from_bytes(b"p)", "little")
+        assert h.addrs[j] <= v < h.addrs[j] + h.sizes[j] and v % 8 == 0
+        return v
+    for k, w in enumerate([TEXT, TEXT, tail_into(T0)]):
+        h.point(S0, k, w)
+    for k, w in enumerate([0x1234, TEXT, tail_into(T1)]):
+        h.point(S1, k, w)
+    for k, w in enumerate([h.addrs[S2], TEXT, tail_into(T2)]):
+        h.point(S2, k, w)
+    for k, w in enumerate([TEXT, TEXT - ord("A") + 0x80, tail_into(T3)]):  # "\x80ES-128-"
+        h.point(S3, k, w)
+    boundary = (1 << 20) - (h.addrs[B0] - h.base)        # B0's offset of the piece boundary
+    h.point(B0, boundary // 8 - 1, TEXT)
+    h.point(B0, boundary // 8, TEXT)
+    h.point(B0, boundary // 8 + 1, tail_into(T4))
+    roots = [(ROOT, words_buffer(*(h.addrs[i] for i in (B0, S0, S1, S2, S3))))]
+    for res in all_ways(h, roots):
+        assert list(res.marked) == [1, 0, 1, 0, 1, 1, 1, 1, 1, 1]
+    from memunreachable.sweep.folding import fold
+    by = {f.index: f for f in fold(h.image(), bytearray(10))}
+    assert T0 in by and by[S0].referenced_count == 0 and by[S1].referenced_count == 1
+
+
 # ---- issue 25: the low-memory mark copies the rest when its waves get small (mu_mark_policy) --
 # A linked list gives one block per wave: read on demand it costs a wave and a pread per node.
 # Each wave and read is charged (mark.MARK_WAVE_COST, MARK_READ_COST); once the charges reach
