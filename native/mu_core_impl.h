@@ -190,7 +190,7 @@ static inline int mu_text_tail(uint64_t prev, uint64_t v)
  * previous words lie in the same allocation or root range. */
 static inline int mu_text_tail_aligned(uint64_t prev2, uint64_t prev, uint64_t v)
 {
-    return !(v & 7) && mu_printable8(prev) && mu_printable8(prev2) && mu_tail_bytes(v);
+    return !(v & 7) && mu_tail_bytes(v) && mu_printable8(prev) && mu_printable8(prev2);
 }
 
 /* The first word of a block of at most MU_HEAD_TEXT_BYTES that holds a whole short string

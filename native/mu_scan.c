@@ -751,9 +751,8 @@ static inline void consider_words(mark_ctx *m, const uint8_t *p, uint64_t nw, ui
             if (__builtin_expect(mu_tail_shape(v), 0)
                 && (w + before ? mu_text_runs_on(ld64(p + 8 * w - 8)) : head && mu_head_text(v, 0)))
                 continue;                   /* a text tail (mu_text_tail), a text head */
-            if (__builtin_expect(!(v & 7) && w + before >= 2, 1)
-                && __builtin_expect(mu_text_tail_aligned(ld64(p + 8 * w - 16),
-                                                         ld64(p + 8 * w - 8), v), 0))
+            if (__builtin_expect(!(v & 7) && mu_tail_bytes(v), 0) && w + before >= 2
+                && mu_text_tail_aligned(ld64(p + 8 * w - 16), ld64(p + 8 * w - 8), v))
                 continue;                   /* an 8-aligned text tail */
             uint64_t *slot = seen_slot(seen, v);
             uint64_t old = *slot;

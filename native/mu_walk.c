@@ -943,9 +943,8 @@ void mu_cands_fill_piece(mu_cands *c, uint64_t k, const uint8_t *d, uint64_t n, 
         if (toff[j] && __builtin_expect(mu_tail_shape(tval[j]), 0)   /* 8-aligned after two: 1 */
             && mu_text_runs_on(ld64(d + toff[j] - 8)))
             toff[j] |= 1;
-        else if (toff[j] >= 16 && __builtin_expect(!(tval[j] & 7), 1)
-                 && __builtin_expect(mu_text_tail_aligned(ld64(d + toff[j] - 16),
-                                                          ld64(d + toff[j] - 8), tval[j]), 0))
+        else if (__builtin_expect(!(tval[j] & 7) && mu_tail_bytes(tval[j]), 0) && toff[j] >= 16
+                 && mu_text_tail_aligned(ld64(d + toff[j] - 16), ld64(d + toff[j] - 8), tval[j]))
             toff[j] |= 2;
     }
     if (c->nranges > 1) {               /* keep those inside a range; renumber the sub-pages */
