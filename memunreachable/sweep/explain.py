@@ -42,13 +42,13 @@ def text_tail(prev: int, word: int, prev2: Optional[int] = None) -> bool:
     return prev2 is not None and _printable(prev.to_bytes(8, "little") + prev2.to_bytes(8, "little"))
 
 
-def head_text(word: int, size: int) -> bool:
-    """native mu_head_text: the first word of an allocation of at most MU_HEAD_TEXT_BYTES
-    holding a whole short string (1-4 printable bytes, then a NUL; not 8-aligned), over the
-    high half of an old pointer."""
+def short_text(word: int, size: int) -> bool:
+    """native mu_short_text: a word of an allocation of at most MU_SHORT_TEXT_BYTES that starts
+    with a whole short string (1-4 printable bytes, then a NUL; not 8-aligned), over the high
+    bytes of an old pointer."""
     raw = word.to_bytes(8, "little")
     nul = raw.find(0)
-    return size <= lib.MU_HEAD_TEXT_BYTES and 0 < nul <= 4 and word % 8 != 0 \
+    return size <= lib.MU_SHORT_TEXT_BYTES and 0 < nul <= 4 and word % 8 != 0 \
         and all(0x20 <= b <= 0x7E for b in raw[:nul])
 
 
@@ -73,7 +73,7 @@ def _referrers(lo: int, hi: int, buffers: Sequence[Tuple[int, object]], dead,
                                                      words[k - 2] if k > 1 else None)) \
                     and not int32_pair(w, lo):
                 a = base + skip + 8 * k
-                if image is not None and _text_head(image, a, w):
+                if image is not None and _short_text(image, a, w):
                     continue
                 j = bisect.bisect_right(dead, (a, 1 << 64)) - 1
                 if j < 0 or not dead[j][0] <= a < dead[j][1]:
@@ -160,10 +160,10 @@ def explain(addr: int, image, root_buffers, marked, dead_ranges, blocks, threads
     return [label] + lines
 
 
-def _text_head(image, a: int, word: int) -> bool:
-    """Whether word, at address a, is a text head (head_text) of the allocation starting there."""
-    j = bisect.bisect_left(image.begins, a)
-    return j < len(image.begins) and image.begins[j] == a and head_text(word, image.sizes[j])
+def _short_text(image, a: int, word: int) -> bool:
+    """Whether word, at address a, is short text (short_text) in the allocation holding it."""
+    j = bisect.bisect_right(image.begins, a) - 1
+    return j >= 0 and a < image.begins[j] + image.sizes[j] and short_text(word, image.sizes[j])
 
 
 def _register_referrers(lo: int, hi: int, threads) -> List[str]:

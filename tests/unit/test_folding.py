@@ -13,7 +13,7 @@ from array import array
 import pytest
 
 from memunreachable._types import HeapImage
-from memunreachable.sweep.explain import head_text
+from memunreachable.sweep.explain import short_text
 from memunreachable.sweep.folding import FoldedLeak, fold
 from memunreachable.sweep.mark import mark
 
@@ -392,7 +392,7 @@ def test_few_leaks_among_reachable_blocks_match_the_reference(seed):
                 v = rnd.choice(leaks) if rnd.random() < 0.5 else rnd.randrange(n)
                 delta = rnd.randrange(h.sizes[v])
                 h.link(f"n{u}", f"n{v}", delta=delta)
-                text = head_text(h.addr[f"n{v}"] + delta, h.sizes[u])  # its first word
+                text = short_text(h.addr[f"n{v}"] + delta, h.sizes[u])
                 if not marked[u] and not marked[v] and not text:
                     edges.append((leaks.index(u), leaks.index(v)))
                 break

@@ -11,7 +11,7 @@ from array import array
 import pytest
 
 from memunreachable._types import HeapImage
-from memunreachable.sweep.explain import head_text
+from memunreachable.sweep.explain import short_text
 from memunreachable.sweep.mark import mark
 
 BASE = 0x7F3A_0000_1000
@@ -408,7 +408,7 @@ def test_parallel_mark_matches_a_graph_search(seed):
             off = rnd.randrange(max(sizes[j], 1))                          # interior pointers
             r = 0 if begins[k] < bases[1] else 1
             struct.pack_into("<Q", regions[r][1], begins[k] - bases[r] + 8 * slot, begins[j] + off)
-            if not (slot == 0 and head_text(begins[j] + off, sizes[k])):  # no text head
+            if not short_text(begins[j] + off, sizes[k]):         # no short text
                 edges[k].append(j)
     root_blocks = [rnd.randrange(n) for _ in range(5)]
     roots = [(ROOT, words_buffer(*(begins[j] for j in root_blocks[:3])))]
@@ -902,19 +902,21 @@ def test_a_block_that_begins_at_a_4_gib_boundary_is_kept_by_any_word_into_it(val
     assert list(res.marked) == [1]
 
 
-# A short string in a block of its own (OpenSSL's CRYPTO_strndup'ed names: "DSA", a NUL, then
-# the high half of an old pointer 0x7f41...) reads as an address. A 24-byte block's first word
-# with 1-4 printable bytes, then a NUL (and no 8-aligned address) is text (mu_head_text); the
-# same word after a word of the block, at the start of a larger block, or 8-aligned, is not.
+# A short string over the high bytes of an old pointer reads as an address: OpenSSL's
+# CRYPTO_strndup'ed names ("DSA", a NUL, then 0x7f41...) in blocks of their own, and the slack
+# of its 16-byte name entries (".4", a NUL, old bytes at offset 16 of 24). A word of a block of
+# at most 24 bytes that starts with 1-4 printable bytes, then a NUL (and is no 8-aligned
+# address) is text (mu_short_text); in a larger block, or 8-aligned, it is a reference.
 DSA = 0x7F41_0041_5344          # "DSA\0", then 0x7f41
 
 
 @pytest.mark.parametrize("word, size, slot, kept", [
     (DSA, 24, 0, False), (0x7F41_4100_0041, 24, 0, False),      # "A\0"
     (0x7F41_0041_5344, 16, 0, False), (0x7F00_4142_4344, 24, 0, False),     # "DCBA\0"
-    (DSA, 24, 1, True), (DSA, 40, 0, True), (0x7F41_0041_5340, 24, 0, True),  # 8-aligned
+    (DSA, 24, 1, False), (0x7F41_4100_342E, 24, 2, False),      # ".4\0" in the slack
+    (DSA, 40, 0, True), (DSA, 40, 2, True), (0x7F41_0041_5340, 24, 0, True),  # 8-aligned
     (0x7F41_0041_1344, 24, 0, True)])                                         # unprintable
-def test_a_short_string_heading_a_small_block_is_no_reference(word, size, slot, kept):
+def test_a_short_string_in_a_small_block_is_no_reference(word, size, slot, kept):
     span = 0x7F41_0000_0000
     target = Heap([0x1000000], base=span)                  # [span, span + 16 MiB)
     h = Heap([size], base=ROOT + 0x10000)
