@@ -39,7 +39,8 @@ def text_tail(prev: int, word: int, prev2: Optional[int] = None) -> bool:
         return False
     if word % 8:
         return _printable(prev.to_bytes(8, "little")[4:])
-    return prev2 is not None and _printable(prev.to_bytes(8, "little") + prev2.to_bytes(8, "little"))
+    return prev2 is not None \
+        and _printable(prev.to_bytes(8, "little") + prev2.to_bytes(8, "little"))
 
 
 def short_text(word: int, size: int) -> bool:
@@ -49,7 +50,7 @@ def short_text(word: int, size: int) -> bool:
     raw = word.to_bytes(8, "little")
     nul = raw.find(0)
     return size <= lib.MU_SHORT_TEXT_BYTES and 0 < nul <= 4 and word % 8 != 0 \
-        and all(0x20 <= b <= 0x7E for b in raw[:nul])
+        and _printable(raw[:nul])
 
 
 def int32_pair(word: int, begin: int) -> bool:
