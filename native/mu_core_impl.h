@@ -169,6 +169,16 @@ static inline int mu_tail_shape(uint64_t v)
     return (v & 7) && mu_tail_bytes(v);
 }
 
+/* 1 when some byte after v's first NUL is not 0: what the memory held before the string (an
+ * old pointer's high bytes). A pointer below 4 GiB (a non-PIE interpreter's heap) has 4
+ * bytes, then zeros: in 1 of 50 those 4 read as text. */
+static inline int mu_old_bytes_after_nul(uint64_t v)
+{
+    uint64_t z = (v - MU_ONES) & ~v & MU_HIGHS;     /* its lowest bit: the first NUL byte */
+    unsigned k = (unsigned)__builtin_ctzll(z | (1ull << 63)) >> 3;
+    return k < 7 && (v >> (8 * k + 8)) != 0;
+}
+
 /* 1 when the 4 high bytes of prev are printable: a string runs on into the next word. */
 static inline int mu_text_runs_on(uint64_t prev)
 {
@@ -180,8 +190,9 @@ static inline int mu_text_tail(uint64_t prev, uint64_t v)
     return mu_text_runs_on(prev) && mu_tail_shape(v);
 }
 
-/* An 8-aligned word with a tail's bytes ends a string too when the two words before it are 8
- * printable bytes each: a string of 16 characters or more runs on into it (glibc's setenv keeps
+/* An 8-aligned word with a tail's bytes and old bytes after its NUL ends a string too when the
+ * two words before it are 8 printable bytes each: a string of 16 characters or more runs on
+ * into it (glibc's setenv keeps
  * every "PYTEST_CURRENT_TEST=... (setup)" it was given; its last word "p)" and a NUL glued to
  * an old pointer's high bytes kept a leaked 34 MB block in each run of a suite). An 8-aligned
  * pointer after a hash (a dict entry's key) follows the previous entry's value, never text;
@@ -190,12 +201,13 @@ static inline int mu_text_tail(uint64_t prev, uint64_t v)
  * previous words lie in the same allocation or root range. */
 static inline int mu_text_tail_aligned(uint64_t prev2, uint64_t prev, uint64_t v)
 {
-    return !(v & 7) && mu_tail_bytes(v) && mu_printable8(prev) && mu_printable8(prev2);
+    return !(v & 7) && mu_tail_bytes(v) && mu_old_bytes_after_nul(v) && mu_printable8(prev)
+           && mu_printable8(prev2);
 }
 
 /* A word of a block of at most MU_SHORT_TEXT_BYTES (mu_types.h) that starts with a whole short
- * string (1-4 printable bytes, then a NUL; no 8-aligned address: mu_tail_shape) is text: the
- * rest of the word is what the memory held before, here the high bytes of an old pointer.
+ * string (1-4 printable bytes, then a NUL; no 8-aligned address: mu_tail_shape) and old bytes
+ * after it (mu_old_bytes_after_nul) is text: here the high bytes of an old pointer.
  * OpenSSL keeps its algorithm names so, each in a block of its own (CRYPTO_strndup: "DSA\0"
  * and 0x7f41 read as 0x7f4100415344, 4 MB into a leaked 34 MB block that began past the
  * boundary 0x7f41 << 32), and its name entries (16 bytes of 24) keep such words in glibc's
@@ -205,7 +217,8 @@ static inline int mu_text_tail_aligned(uint64_t prev2, uint64_t prev, uint64_t v
 static inline int mu_short_text(uint64_t v, uint64_t len)
 {
     uint64_t z = (v - MU_ONES) & ~v & MU_HIGHS;     /* its lowest bit: the first NUL byte */
-    return len <= MU_SHORT_TEXT_BYTES && mu_tail_shape(v) && __builtin_ctzll(z) <= 8 * 4 + 7;
+    return len <= MU_SHORT_TEXT_BYTES && mu_tail_shape(v) && __builtin_ctzll(z) <= 8 * 4 + 7
+           && mu_old_bytes_after_nul(v);
 }
 
 /* The online CPUs (sysconf(_SC_NPROCESSORS_ONLN)), read once a process: glibc opens

@@ -31,26 +31,26 @@ def _printable(raw: bytes) -> bool:
 def text_tail(prev: int, word: int, prev2: Optional[int] = None) -> bool:
     """native mu_text_tail: word ends a string (1-7 printable bytes, then a NUL; not 8-aligned)
     after a word whose 4 high bytes are printable; mu_text_tail_aligned: an 8-aligned one after
-    two words of 8 printable bytes (prev2: the word before prev, None when outside the range):
-    text, never a reference."""
+    two words of 8 printable bytes, with old bytes after its NUL (prev2: the word before prev,
+    None when outside the range): text, never a reference."""
     raw = word.to_bytes(8, "little")
     nul = raw.find(0)
     if nul <= 0 or not _printable(raw[:nul]):
         return False
     if word % 8:
         return _printable(prev.to_bytes(8, "little")[4:])
-    return prev2 is not None \
+    return prev2 is not None and any(raw[nul + 1:]) \
         and _printable(prev.to_bytes(8, "little") + prev2.to_bytes(8, "little"))
 
 
 def short_text(word: int, size: int) -> bool:
     """native mu_short_text: a word of an allocation of at most MU_SHORT_TEXT_BYTES that starts
-    with a whole short string (1-4 printable bytes, then a NUL; not 8-aligned), over the high
-    bytes of an old pointer."""
+    with a whole short string (1-4 printable bytes, then a NUL; not 8-aligned) and old bytes
+    after it (the high bytes of an old pointer)."""
     raw = word.to_bytes(8, "little")
     nul = raw.find(0)
     return size <= lib.MU_SHORT_TEXT_BYTES and 0 < nul <= 4 and word % 8 != 0 \
-        and _printable(raw[:nul])
+        and _printable(raw[:nul]) and any(raw[nul + 1:])
 
 
 def int32_pair(word: int, begin: int) -> bool:

@@ -925,3 +925,21 @@ def test_a_short_string_in_a_small_block_is_no_reference(word, size, slot, kept)
                       [(h.base, h.buf), (target.base, target.buf)])
     res = mark(image, [(ROOT, words_buffer(h.addrs[0]))])
     assert list(res.marked) == [1, int(kept)]
+
+
+def test_a_low_heap_s_pointers_that_read_as_text_stay_references():
+    # under a non-PIE interpreter the heap lies below 4 GiB: a pointer is 4 bytes, then zeros,
+    # and in 1 of 50 those 4 are printable ("PL7+": 0x2b374c50). Only a word with old bytes after
+    # its NUL is text (mu_old_bytes_after_nul): the stale-parts tests of sid's 3.13-3.15 lost
+    # 24-byte blocks to the aligned tail rule without it
+    low = Heap([0x10000], base=0x2B37_0000)
+    h = Heap([48, 24], base=ROOT + 0x10000)
+    for k, w in enumerate([TEXT, TEXT, 0x2B37_4C50]):      # after two words of text
+        h.point(0, k, w)
+    h.point(1, 1, 0x2B37_4C51)                             # "QL7+" in a 24-byte block
+    image = HeapImage(array("Q", low.addrs + h.addrs), array("Q", low.sizes + h.sizes),
+                      [(low.base, low.buf), (h.base, h.buf)])
+    res = mark(image, [(ROOT, words_buffer(h.addrs[0]))])
+    assert list(res.marked) == [1, 1, 0]
+    res = mark(image, [(ROOT, words_buffer(h.addrs[1]))])
+    assert list(res.marked) == [1, 0, 1]
