@@ -199,10 +199,14 @@ static inline int mu_text_tail(uint64_t prev, uint64_t v)
  * after one word of text, as in a struct's pointer field after a short inline name, it stays a
  * reference. mu_mark (both of its paths), mu_fold and explain.py apply it to words whose two
  * previous words lie in the same allocation or root range. */
+static inline int mu_aligned_tail_bytes(uint64_t v)
+{
+    return !(v & 7) && mu_tail_bytes(v) && mu_old_bytes_after_nul(v);
+}
+
 static inline int mu_text_tail_aligned(uint64_t prev2, uint64_t prev, uint64_t v)
 {
-    return !(v & 7) && mu_tail_bytes(v) && mu_old_bytes_after_nul(v) && mu_printable8(prev)
-           && mu_printable8(prev2);
+    return mu_aligned_tail_bytes(v) && mu_printable8(prev) && mu_printable8(prev2);
 }
 
 /* A word of a block of at most MU_SHORT_TEXT_BYTES (mu_types.h) that starts with a whole short

@@ -751,7 +751,7 @@ static inline void consider_words(mark_ctx *m, const uint8_t *p, uint64_t nw, ui
                 && ((w + before && mu_text_runs_on(ld64(p + 8 * w - 8)))
                     || (small && mu_short_text(v, 0))))
                 continue;                   /* a text tail (mu_text_tail), a short text */
-            if (__builtin_expect(!(v & 7) && mu_tail_bytes(v), 0) && w + before >= 2
+            if (__builtin_expect(mu_aligned_tail_bytes(v), 0) && w + before >= 2
                 && mu_text_tail_aligned(ld64(p + 8 * w - 16), ld64(p + 8 * w - 8), v))
                 continue;                   /* an 8-aligned text tail */
             uint64_t *slot = seen_slot(seen, v);

@@ -906,9 +906,9 @@ void mu_cands_fill_piece(mu_cands *c, uint64_t k, const uint8_t *d, uint64_t n, 
     mu_cand_piece *p = &c->p[k];
     const uint64_t lo = c->lo, span = c->hi - c->lo;
     uint64_t nw = n / 8, cnt = 0;
-    p->head_tail = (nw && ld64(d) - lo < span && mu_tail_bytes(ld64(d)))
-                   || (nw > 1 && ld64(d + 8) - lo < span && !(ld64(d + 8) & 7)
-                       && mu_tail_bytes(ld64(d + 8)));
+    p->head_tail = (nw && ld64(d) - lo < span
+                    && (mu_tail_shape(ld64(d)) || mu_aligned_tail_bytes(ld64(d))))
+                   || (nw > 1 && ld64(d + 8) - lo < span && mu_aligned_tail_bytes(ld64(d + 8)));
     const uint64_t per_sub = 1u << (MU_CAND_SUB_SHIFT - 3);
     for (uint64_t s0 = 0; s0 < nw; s0 += per_sub) {
         p->sub[s0 / per_sub] = (uint32_t)cnt;
@@ -943,7 +943,7 @@ void mu_cands_fill_piece(mu_cands *c, uint64_t k, const uint8_t *d, uint64_t n, 
         if (toff[j] && __builtin_expect(mu_tail_shape(tval[j]), 0)   /* 8-aligned after two: 1 */
             && mu_text_runs_on(ld64(d + toff[j] - 8)))
             toff[j] |= 1;
-        else if (__builtin_expect(!(tval[j] & 7) && mu_tail_bytes(tval[j]), 0) && toff[j] >= 16
+        else if (__builtin_expect(mu_aligned_tail_bytes(tval[j]), 0) && toff[j] >= 16
                  && mu_text_tail_aligned(ld64(d + toff[j] - 16), ld64(d + toff[j] - 8), tval[j]))
             toff[j] |= 2;
     }
