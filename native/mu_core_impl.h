@@ -209,22 +209,6 @@ static inline int mu_text_tail_aligned(uint64_t prev2, uint64_t prev, uint64_t v
     return mu_aligned_tail_bytes(v) && mu_printable8(prev) && mu_printable8(prev2);
 }
 
-/* A word of a block of at most MU_SHORT_TEXT_BYTES (mu_types.h) that starts with a whole short
- * string (1-4 printable bytes, then a NUL; no 8-aligned address: mu_tail_shape) and old bytes
- * after it (mu_old_bytes_after_nul) is text: here the high bytes of an old pointer.
- * OpenSSL keeps its algorithm names so, each in a block of its own (CRYPTO_strndup: "DSA\0"
- * and 0x7f41 read as 0x7f4100415344, 4 MB into a leaked 34 MB block that began past the
- * boundary 0x7f41 << 32), and its name entries (16 bytes of 24) keep such words in glibc's
- * slack after them (".4\0" and 0x7fec36: a leaked block hidden in 1 of 4 untracked runs of a
- * suite). A block that small holds a string or a few fields, seldom an unaligned pointer of
- * that shape. mu_mark (both of its paths), mu_fold and explain.py apply it (len: the block's). */
-static inline int mu_short_text(uint64_t v, uint64_t len)
-{
-    uint64_t z = (v - MU_ONES) & ~v & MU_HIGHS;     /* its lowest bit: the first NUL byte */
-    return len <= MU_SHORT_TEXT_BYTES && mu_tail_shape(v) && __builtin_ctzll(z) <= 8 * 4 + 7
-           && mu_old_bytes_after_nul(v);
-}
-
 /* The online CPUs (sysconf(_SC_NPROCESSORS_ONLN)), read once a process: glibc opens
  * /sys/devices/system/cpu/online at each call, 12 times in a pytest process's check. */
 long mu_online_cpus(void);

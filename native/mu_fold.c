@@ -294,8 +294,7 @@ int64_t mu_fold(const uint64_t *begin, const uint64_t *size, uint64_t n,
                         && mu_text_tail(prev_word(base + (s - b)), v))
                     || (s >= b + 16 && s + 8 <= b + len
                         && mu_text_tail_aligned(prev_word(base + (s - b) - 8),
-                                                prev_word(base + (s - b)), v))
-                    || mu_short_text(v, whole))
+                                                prev_word(base + (s - b)), v)))
                     continue;
                 eb.src[eb.n] = u;
                 eb.val[eb.n++] = v;

@@ -726,9 +726,9 @@ static inline __attribute__((always_inline)) void consider(mark_ctx *m, uint64_t
 #define SCAN_CHUNK 64u
 
 /* before: how many words before p[0] (0-2) lie in the same allocation or range, for the text
- * tails' tests; small: p is in an allocation of at most MU_SHORT_TEXT_BYTES (mu_short_text). */
+ * tails' tests. */
 static inline void consider_words(mark_ctx *m, const uint8_t *p, uint64_t nw, uint64_t before,
-                                  uint64_t a0, int small)
+                                  uint64_t a0)
 {
     const mu_scan_index *ix = m->ix;
     const uint64_t lo = ix->lo, span = ix->hi - ix->lo, rmask = ix->rmask;
@@ -748,9 +748,8 @@ static inline void consider_words(mark_ctx *m, const uint8_t *p, uint64_t nw, ui
         for (uint64_t j = 0; j < k; j++) {
             uint64_t v = buf[j], w = w0 + at[j];
             if (__builtin_expect(mu_tail_shape(v), 0)
-                && ((w + before && mu_text_runs_on(ld64(p + 8 * w - 8)))
-                    || (small && mu_short_text(v, 0))))
-                continue;                   /* a text tail (mu_text_tail), a short text */
+                && w + before && mu_text_runs_on(ld64(p + 8 * w - 8)))
+                continue;                   /* a text tail (mu_text_tail) */
             if (__builtin_expect(mu_aligned_tail_bytes(v), 0) && w + before >= 2
                 && mu_text_tail_aligned(ld64(p + 8 * w - 16), ld64(p + 8 * w - 8), v))
                 continue;                   /* an 8-aligned text tail */
@@ -773,10 +772,9 @@ static inline void consider_words(mark_ctx *m, const uint8_t *p, uint64_t nw, ui
 
 /* Scans [addr, addr+len) whose bytes are at data; avail (>= len) bytes are readable there.
  * hb/he: GC-link words to ignore (0, 0: none); dead's ranges are ignored too (dead: the index's,
- * or NULL when none of them meets the range). small: [addr, addr+len) is in an allocation of at
- * most MU_SHORT_TEXT_BYTES (mu_short_text). */
+ * or NULL when none of them meets the range). */
 static void scan_range(mark_ctx *m, const uint8_t *data, uint64_t addr, uint64_t len, uint64_t avail,
-                       uint64_t hb, uint64_t he, const mu_dead *dead, int small)
+                       uint64_t hb, uint64_t he, const mu_dead *dead)
 {
     uint64_t skip = (8 - (addr & 7)) & 7;
     if (skip >= len)
@@ -784,7 +782,7 @@ static void scan_range(mark_ctx *m, const uint8_t *data, uint64_t addr, uint64_t
     uint64_t end = addr + len;
     if (!dead && !hb) {             /* one run: the words from addr + skip to the end */
         uint64_t nw = (len - skip) >> 3;
-        consider_words(m, data + skip, nw, 0, addr + skip, small);
+        consider_words(m, data + skip, nw, 0, addr + skip);
         m->words += nw;
         if ((len - skip) & 7) {     /* a last word starting before the end: read whole */
             uint64_t v = 0, have = avail - skip - 8 * nw;
@@ -802,7 +800,7 @@ static void scan_range(mark_ctx *m, const uint8_t *data, uint64_t addr, uint64_t
         uint64_t nw = (e - b) >> 3;
         if (e > end)
             nw--;                       /* the last word is partial */
-        consider_words(m, p, nw, b >= addr + 16 ? 2 : (b - addr) / 8, b, small);
+        consider_words(m, p, nw, b >= addr + 16 ? 2 : (b - addr) / 8, b);
         m->words += nw;
         if (e > end) {                  /* a last word starting before the end: read whole */
             uint64_t v = 0, have = avail - (e - 8 - addr);
@@ -891,7 +889,7 @@ static inline void scan_block(mark_ctx *m, uint64_t i, const uint8_t *d, uint64_
     len = mu_live_end(dead, i, mu_live_len_r(dead, r, d, b, len, avail));
     mu_live_head(dead, r, i, b, d, whole, avail, &hb, &he);
     const mu_dead *dr = dead_may_meet(m, i) ? ix->dead : NULL;
-    scan_range(m, d, b, len, avail, hb, he, dr, whole <= MU_SHORT_TEXT_BYTES);
+    scan_range(m, d, b, len, avail, hb, he, dr);
     m->heap_bytes += len;
 }
 
@@ -1056,8 +1054,8 @@ static int scan_cands(mark_ctx *m, uint64_t i, const mu_region *reg)
         for (; j < p->n && p->off[j] < hi; j++) {
             uint32_t o = p->off[j];
             uint64_t at = pb + (o & ~3u);
-            if (((o & 1) && at != b) || ((o & 2) && at >= b + 16) || mu_short_text(p->val[j], len))
-                continue;   /* a text tail after a word (bit 0) or two (bit 1) of it, short text */
+            if (((o & 1) && at != b) || ((o & 2) && at >= b + 16))
+                continue;   /* a text tail after a word (bit 0) or two (bit 1) of this block */
             consider(m, p->val[j], at);
         }
     }
@@ -1514,7 +1512,7 @@ static int64_t mark_once(const uint64_t *begin, const uint64_t *size, uint64_t n
     mark_ctx *m = &ms[0];
     uint64_t root_bytes = 0;
     for (uint64_t r = 0; r < nroots; r++) {
-        scan_range(m, roots[r].data, roots[r].base, roots[r].len, roots[r].len, 0, 0, ix.dead, 0);
+        scan_range(m, roots[r].data, roots[r].base, roots[r].len, roots[r].len, 0, 0, ix.dead);
         root_bytes += roots[r].len;
     }
     for (uint64_t w = 0; w < nwords; w++)

@@ -152,8 +152,6 @@ typedef struct {
  * (the mmapped chunks next to the libraries). A block's own start, a word 8 MiB or more past
  * the boundary, and any word into a block that begins past the boundary stay references. */
 #define MU_PAIR_LOW_MAX 0x800000
-/* The largest allocation whose words may be a short string's text (mu_short_text). */
-#define MU_SHORT_TEXT_BYTES 24
 #define MU_TYPE_DICT 11
 #define MU_TYPE_CDATA 12
 #define MU_TYPE_LAST 12          /* the highest kind */

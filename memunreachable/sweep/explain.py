@@ -43,16 +43,6 @@ def text_tail(prev: int, word: int, prev2: Optional[int] = None) -> bool:
         and _printable(prev.to_bytes(8, "little") + prev2.to_bytes(8, "little"))
 
 
-def short_text(word: int, size: int) -> bool:
-    """native mu_short_text: a word of an allocation of at most MU_SHORT_TEXT_BYTES that starts
-    with a whole short string (1-4 printable bytes, then a NUL; not 8-aligned) and old bytes
-    after it (the high bytes of an old pointer)."""
-    raw = word.to_bytes(8, "little")
-    nul = raw.find(0)
-    return size <= lib.MU_SHORT_TEXT_BYTES and 0 < nul <= 4 and word % 8 != 0 \
-        and _printable(raw[:nul]) and any(raw[nul + 1:])
-
-
 def int32_pair(word: int, begin: int) -> bool:
     """native page_search: a word past a 4 GiB boundary with a small low half, into a block
     that began below it, is a 4-byte int beside a stale high half (mu_types.h MU_PAIR_LOW_MAX)."""
@@ -60,9 +50,8 @@ def int32_pair(word: int, begin: int) -> bool:
 
 
 # The addresses of the words of buffers that point into [lo, hi) (dead ranges, text and int32
-# pairs left out); image: the allocations (begins, sizes) when buffers are their words.
-def _referrers(lo: int, hi: int, buffers: Sequence[Tuple[int, object]], dead,
-               image=None) -> List[int]:
+# pairs left out).
+def _referrers(lo: int, hi: int, buffers: Sequence[Tuple[int, object]], dead) -> List[int]:
     out = []
     for base, buf in buffers:
         mv = memoryview(buf).cast("B")
@@ -74,8 +63,6 @@ def _referrers(lo: int, hi: int, buffers: Sequence[Tuple[int, object]], dead,
                                                      words[k - 2] if k > 1 else None)) \
                     and not int32_pair(w, lo):
                 a = base + skip + 8 * k
-                if image is not None and _short_text(image, a, w):
-                    continue
                 j = bisect.bisect_right(dead, (a, 1 << 64)) - 1
                 if j < 0 or not dead[j][0] <= a < dead[j][1]:
                     out.append(a)
@@ -140,7 +127,7 @@ def explain(addr: int, image, root_buffers, marked, dead_ranges, blocks, threads
         if regs:
             lines.append(f"  {lo:#x} ({sizes[i]} bytes) <- " + ", ".join(regs[:8]))
             return [label] + lines
-        refs = _referrers(lo, hi, blocks, dead, image=image)
+        refs = _referrers(lo, hi, blocks, dead)
         nxt: Optional[int] = None
         for a in refs:
             j = bisect.bisect_right(begins, a) - 1
@@ -159,12 +146,6 @@ def explain(addr: int, image, root_buffers, marked, dead_ranges, blocks, threads
         seen.add(nxt)
         i = nxt
     return [label] + lines
-
-
-def _short_text(image, a: int, word: int) -> bool:
-    """Whether word, at address a, is short text (short_text) in the allocation holding it."""
-    j = bisect.bisect_right(image.begins, a) - 1
-    return j >= 0 and a < image.begins[j] + image.sizes[j] and short_text(word, image.sizes[j])
 
 
 def _register_referrers(lo: int, hi: int, threads) -> List[str]:

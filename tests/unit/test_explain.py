@@ -195,17 +195,6 @@ def test_an_int32_pair_past_a_4_gib_boundary_is_no_referrer_as_in_mark():
     assert lines[-1].endswith(f"root words at {ROOT + 8:#x}")     # not ROOT's pair word
 
 
-def test_a_short_string_in_a_small_block_is_no_referrer_as_in_mark():
-    from tests.unit.test_mark import DSA
-    h = Heap([24, 40, 0x1000000], base=DSA & ~0xFFFFFFFF)
-    h.point(0, 1, DSA)                  # "DSA\0" and a stale high half in 24 bytes: no reference
-    h.point(1, 1, DSA)                  # the same word in a 40-byte block: one
-    roots = [(ROOT, words_buffer(h.addrs[0], h.addrs[1]))]
-    res = mark(h.image(), roots)
-    lines = explain(DSA, h.image(), roots, res.marked, (), scanned_blocks(h.image(), res.marked))
-    assert f"word {DSA:#x} at {h.addrs[1] + 8:#x} (offset 8) of {h.addrs[1]:#x}" in lines[1]
-
-
 def test_an_8_aligned_text_tail_needs_two_words_of_text_before_it_as_in_mark():
     from memunreachable.sweep.explain import text_tail
     from tests.unit.test_mark import TEXT

@@ -13,7 +13,6 @@ from array import array
 import pytest
 
 from memunreachable._types import HeapImage
-from memunreachable.sweep.explain import short_text
 from memunreachable.sweep.folding import FoldedLeak, fold
 from memunreachable.sweep.mark import mark
 
@@ -390,10 +389,8 @@ def test_few_leaks_among_reachable_blocks_match_the_reference(seed):
         for _ in range(h.sizes[u] // 8):
             if rnd.random() < 0.5:
                 v = rnd.choice(leaks) if rnd.random() < 0.5 else rnd.randrange(n)
-                delta = rnd.randrange(h.sizes[v])
-                h.link(f"n{u}", f"n{v}", delta=delta)
-                text = short_text(h.addr[f"n{v}"] + delta, h.sizes[u])
-                if not marked[u] and not marked[v] and not text:
+                h.link(f"n{u}", f"n{v}", delta=rnd.randrange(h.sizes[v]))
+                if not marked[u] and not marked[v]:
                     edges.append((leaks.index(u), leaks.index(v)))
                 break
     got = [(int(name[1:]), c, s) for name, c, s in h.fold(marked)]
