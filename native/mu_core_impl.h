@@ -151,16 +151,23 @@ static inline int mu_printable8(uint64_t x)
     return !((((x - 0x20 * MU_ONES) & ~x) | ((x + MU_ONES) | x)) & MU_HIGHS);
 }
 
-/* 1 when v could end a string: 1-7 printable bytes, then a NUL; and is no 8-aligned address
- * (an object's, a field's: dict entries, list items and struct fields point at those, and a
- * random hash before one reads as text in 2% of entries; a low non-PIE heap's addresses, 4
- * bytes then zeros, have the shape in 1 of 7). */
-static inline int mu_tail_bytes(uint64_t v)
+/* The index of v's first NUL byte (0-7), 8 when it has none. */
+static inline unsigned mu_first_nul(uint64_t v)
 {
     uint64_t z = (v - MU_ONES) & ~v & MU_HIGHS;     /* its lowest bit: the first NUL byte */
-    if (!z || (z & 0x80))
+    return z ? (unsigned)__builtin_ctzll(z) >> 3 : 8;
+}
+
+/* mu_tail_bytes: 1 when v could end a string: 1-7 printable bytes, then a NUL. mu_tail_shape:
+ * and is no 8-aligned address (an object's, a field's: dict entries, list items and struct
+ * fields point at those, and a random hash before one reads as text in 2% of entries; a low
+ * non-PIE heap's addresses, 4 bytes then zeros, have the shape in 1 of 7). */
+static inline int mu_tail_bytes(uint64_t v)
+{
+    unsigned k = mu_first_nul(v);
+    if (k == 0 || k == 8)
         return 0;
-    uint64_t keep = (1ull << (__builtin_ctzll(z) - 7)) - 1;
+    uint64_t keep = (1ull << (8 * k)) - 1;
     return mu_printable8((v & keep) | (0x4141414141414141ull & ~keep));
 }
 
@@ -174,8 +181,7 @@ static inline int mu_tail_shape(uint64_t v)
  * bytes, then zeros: in 1 of 50 those 4 read as text. */
 static inline int mu_old_bytes_after_nul(uint64_t v)
 {
-    uint64_t z = (v - MU_ONES) & ~v & MU_HIGHS;     /* its lowest bit: the first NUL byte */
-    unsigned k = (unsigned)__builtin_ctzll(z | (1ull << 63)) >> 3;
+    unsigned k = mu_first_nul(v);
     return k < 7 && (v >> (8 * k + 8)) != 0;
 }
 
@@ -190,20 +196,21 @@ static inline int mu_text_tail(uint64_t prev, uint64_t v)
     return mu_text_runs_on(prev) && mu_tail_shape(v);
 }
 
-/* An 8-aligned word with a tail's bytes and old bytes after its NUL ends a string too when the
- * two words before it are 8 printable bytes each: a string of 16 characters or more runs on
- * into it (glibc's setenv keeps
- * every "PYTEST_CURRENT_TEST=... (setup)" it was given; its last word "p)" and a NUL glued to
- * an old pointer's high bytes kept a leaked 34 MB block in each run of a suite). An 8-aligned
- * pointer after a hash (a dict entry's key) follows the previous entry's value, never text;
- * after one word of text, as in a struct's pointer field after a short inline name, it stays a
- * reference. mu_mark (both of its paths), mu_fold and explain.py apply it to words whose two
- * previous words lie in the same allocation or root range. */
+/* An 8-aligned word with a tail's bytes and old bytes after its NUL (the test the callers make
+ * first: most pointer words fail it on their own bytes). */
 static inline int mu_aligned_tail_bytes(uint64_t v)
 {
     return !(v & 7) && mu_tail_bytes(v) && mu_old_bytes_after_nul(v);
 }
 
+/* Such a word ends a string too when the two words before it are 8 printable bytes each: a
+ * string of 16 characters or more runs on into it (glibc's setenv keeps every
+ * "PYTEST_CURRENT_TEST=... (setup)" it was given; its last word "p)" and a NUL glued to an old
+ * pointer's high bytes kept a leaked 34 MB block in each run of a suite). An 8-aligned pointer
+ * after a hash (a dict entry's key) follows the previous entry's value, never text; after one
+ * word of text, as in a struct's pointer field after a short inline name, it stays a
+ * reference. mu_mark (both of its paths), mu_fold and explain.py apply it to words whose two
+ * previous words lie in the same allocation or root range. */
 static inline int mu_text_tail_aligned(uint64_t prev2, uint64_t prev, uint64_t v)
 {
     return mu_aligned_tail_bytes(v) && mu_printable8(prev) && mu_printable8(prev2);

@@ -144,8 +144,7 @@ int64_t mu_pymalloc_text_heads(const uint8_t *data, uint64_t base, uint64_t len,
         uint64_t v = rd64(data + (b - base));
         if (!mu_tail_shape(v))
             continue;
-        uint64_t z = (v - MU_ONES) & ~v & MU_HIGHS;     /* its lowest bit: the first NUL byte */
-        unsigned k = (unsigned)__builtin_ctzll(z) >> 3;
+        unsigned k = mu_first_nul(v);
         if (k > 4 || ((v ^ b) >> (8 * (k + 1))))
             continue;
         if ((uint64_t)found < cap)
