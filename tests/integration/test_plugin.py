@@ -1085,14 +1085,7 @@ def test_d_clean():
 def test_an_orphaned_block_fails_the_test_that_dropped_it_with_a_sweep_after_each_test(suite):
     # allocated before the test, unreachable since it ran: with a sweep after every test the
     # test is known, and the report says the block is older than the test
-    suite.makepyfile(test_orphan=ORPHAN)
-    res = suite.runpytest_subprocess("--memunreachable", "--memunreachable-batch", "1", "-s",
-                                     "-rf", "test_orphan.py")
-    res.assert_outcomes(passed=3, failed=1)
-    addr = re.search(r"HELD ([0-9a-f]+)", res.stdout.str()).group(1)
-    res.stdout.fnmatch_lines(["FAILED test_orphan.py::test_c_orphans - Failed: 1 block leaked*"])
-    out = res.stdout.str()
-    section = out[out.index("_ test_c_orphans _"):out.index("short test summary info")]
+    addr, section = _test_c_fails(suite, ORPHAN, "--memunreachable-batch", "1")
     assert section.startswith("_ test_c_orphans _") and "\n1 block leaked during this test, " \
         "allocated before it (" in section
     assert reported(section, addr, r"\d+") == 1
@@ -1106,17 +1099,24 @@ def test_an_orphaned_block_fails_the_test_that_dropped_it_untracked(suite):
     # a snapshot per test: test_c's check finds the block. A 4,000-byte block (in the heap): a
     # 34 MB one lies next to the libraries, where words of 4 bytes beside an old pointer's high
     # bytes hid it in some runs (leak_span_4gib and test_mark face those words)
-    suite.makepyfile(test_orphan=ORPHAN.replace("libc.malloc(34640000)", "libc.calloc(1, 4000)")
-                     .replace("libc.malloc.restype = ctypes.c_void_p",
-                              "libc.calloc.restype = libc.malloc.restype = ctypes.c_void_p"))
-    res = suite.runpytest_subprocess("--memunreachable", "--memunreachable-untracked", "-s",
-                                     "-rf", "-p", "no:randomly", "test_orphan.py")
+    source = ORPHAN.replace("libc.malloc(34640000)", "libc.calloc(1, 4000)").replace(
+        "libc.malloc.restype = ctypes.c_void_p",
+        "libc.calloc.restype = libc.malloc.restype = ctypes.c_void_p")
+    addr, section = _test_c_fails(suite, source, "--memunreachable-untracked", "-p",
+                                  "no:randomly")
+    assert reported(section, addr, "4008") == 1     # glibc's usable size for 4,000 bytes
+
+
+def _test_c_fails(suite, source, *args):
+    """Runs the ORPHAN-like suite `source` with -s -rf and args: test_c_orphans alone fails,
+    for one block; returns (the address test_a printed, test_c's failure section)."""
+    suite.makepyfile(test_orphan=source)
+    res = suite.runpytest_subprocess("--memunreachable", *args, "-s", "-rf", "test_orphan.py")
     res.assert_outcomes(passed=3, failed=1)
     addr = re.search(r"HELD ([0-9a-f]+)", res.stdout.str()).group(1)
     res.stdout.fnmatch_lines(["FAILED test_orphan.py::test_c_orphans - Failed: 1 block leaked*"])
     out = res.stdout.str()
-    section = out[out.index("_ test_c_orphans _"):out.index("short test summary info")]
-    assert reported(section, addr, "4008") == 1     # glibc's usable size for 4,000 bytes
+    return addr, out[out.index("_ test_c_orphans _"):out.index("short test summary info")]
 
 
 @ONE_ALLOCATOR
