@@ -36,15 +36,33 @@ LEAK_LIB = r"""
 #include <stdlib.h>
 #include <string.h>
 #include <sys/mman.h>
-/* The block (mmapped by malloc) goes below a 1 GiB reservation made first, where the process
-   never had memory: under an unknown interpreter its memory is scanned whole as roots, and a
-   block that took the place of an arena freed at start-up was kept by the stale addresses of
-   that arena's objects in pymalloc's free blocks (once in CI; every time at 64 MiB) */
+/* The block (mmapped by malloc) goes where the process never had memory: under an unknown
+   interpreter its memory is scanned whole as roots, and a block that took the place of an arena
+   freed at start-up was kept by the stale addresses of that arena's objects in pymalloc's free
+   blocks (once in CI; every time at 64 MiB). A 1 GiB reservation made first lies below every
+   mapping (no freed hole is that big); the holes above it that could take the block are filled
+   (an arena freed at start-up leaves one: s38ci4), so malloc's mmap lands right below the
+   reservation, on addresses never used. The block is 200,000 bytes, above the mmap threshold. */
+#define HOLES 4096
 static __attribute__((noinline)) void leak_block(size_t n)
 {
-    void *fence = mmap(NULL, 1ul << 30, PROT_NONE, MAP_PRIVATE | MAP_ANONYMOUS | MAP_NORESERVE,
-                       -1, 0);
-    char *p = malloc(n);
+    static void *filled[HOLES];
+    size_t len = (n + 4095) & ~4095ul, k = 0;       /* no more than malloc maps */
+    char *fence = mmap(NULL, 1ul << 30, PROT_NONE, MAP_PRIVATE | MAP_ANONYMOUS | MAP_NORESERVE,
+                       -1, 0), *p;
+    while (fence != MAP_FAILED && k < HOLES) {
+        char *h = mmap(NULL, len, PROT_NONE, MAP_PRIVATE | MAP_ANONYMOUS | MAP_NORESERVE, -1, 0);
+        if (h == MAP_FAILED)
+            break;
+        if (h < fence) {                   /* below the reservation: no hole above it fits */
+            munmap(h, len);
+            break;
+        }
+        filled[k++] = h;
+    }
+    p = malloc(n);
+    while (k)
+        munmap(filled[--k], len);
     if (fence != MAP_FAILED)
         munmap(fence, 1ul << 30);
     memset(p, 0x41, n);
