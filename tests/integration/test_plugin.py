@@ -1069,6 +1069,8 @@ HOLD = (ctypes.c_void_p * 1)()          # a native word in a Python object's buf
 def test_a_allocates():
     HOLD[0] = libc.malloc(34640000)
     print("HELD", format(HOLD[0], "x"))
+    with open("held.txt", "w") as f:    # MEMUNREACHABLE_EXPLAIN's address (_orphan_run)
+        f.write(format(HOLD[0], "x"))
 
 def test_b_clean():
     pass
@@ -1107,13 +1109,26 @@ def test_an_orphaned_block_fails_the_test_that_dropped_it_untracked(suite):
     assert reported(section, addr, "4008") == 1     # glibc's usable size for 4,000 bytes
 
 
+def _orphan_run(suite, source, *args):
+    """Runs the ORPHAN-like suite `source` with --memunreachable and args; returns (the result,
+    the address test_a printed, why each sweep kept that block: MEMUNREACHABLE_EXPLAIN's
+    chains, so a rare miss names its word)."""
+    suite.makepyfile(test_orphan=source)
+    log = suite.path / "explain.log"
+    with pytest.MonkeyPatch.context() as mp:
+        mp.setenv("MEMUNREACHABLE_EXPLAIN", "@" + str(suite.path / "held.txt"))
+        mp.setenv("MEMUNREACHABLE_EXPLAIN_LOG", str(log))
+        res = suite.runpytest_subprocess("--memunreachable", *args, "test_orphan.py")
+    addr = re.search(r"HELD ([0-9a-f]+)", res.stdout.str()).group(1)
+    return res, addr, log.read_text()[-6000:] if log.exists() else "(no explain log)"
+
+
 def _test_c_fails(suite, source, *args):
     """Runs the ORPHAN-like suite `source` with -s -rf and args: test_c_orphans alone fails,
     for one block; returns (the address test_a printed, test_c's failure section)."""
-    suite.makepyfile(test_orphan=source)
-    res = suite.runpytest_subprocess("--memunreachable", *args, "-s", "-rf", "test_orphan.py")
+    res, addr, why = _orphan_run(suite, source, *args, "-s", "-rf")
+    assert res.parseoutcomes().get("failed") == 1, why
     res.assert_outcomes(passed=3, failed=1)
-    addr = re.search(r"HELD ([0-9a-f]+)", res.stdout.str()).group(1)
     res.stdout.fnmatch_lines(["FAILED test_orphan.py::test_c_orphans - Failed: 1 block leaked*"])
     out = res.stdout.str()
     return addr, out[out.index("_ test_c_orphans _"):out.index("short test summary info")]
@@ -1123,12 +1138,9 @@ def _test_c_fails(suite, source, *args):
 def test_a_block_orphaned_in_a_stretch_of_tests_fails_the_session_with_the_stretch(suite):
     # stretches of 2 tests ([a, b], [c, d]): the block test_a allocated becomes unreachable
     # in the second, where no test allocated it: the session fails and names the stretch
-    suite.makepyfile(test_orphan=ORPHAN)
-    res = suite.runpytest_subprocess("--memunreachable", "--memunreachable-batch", "2", "-s",
-                                     "test_orphan.py")
+    res, addr, why = _orphan_run(suite, ORPHAN, "--memunreachable-batch", "2", "-s")
     res.assert_outcomes(passed=4)
-    assert res.ret == pytest.ExitCode.TESTS_FAILED
-    addr = re.search(r"HELD ([0-9a-f]+)", res.stdout.str()).group(1)
+    assert res.ret == pytest.ExitCode.TESTS_FAILED, why
     out = res.stdout.str()
     section = out[out.index("memunreachable: leaks no single test is blamed for"):]
     assert ("allocated before these tests, unreachable since one of the 2 tests from "
