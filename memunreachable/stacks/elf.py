@@ -17,6 +17,8 @@ parsing libc's relocations with it ~100 ms per fresh process; these reads take a
     .defines_function(name) a defined STT_FUNC/STT_GNU_IFUNC in .dynsym
     .rela_relative()        {r_offset: r_addend} of every R_X86_64_RELATIVE in SHT_RELA sections
 cached_by_file(cache, f, read, most)   read(ElfFile(f)), remembered by the file's identity
+image_span(head)        bytes from a loaded object's first page to the end of its last PT_LOAD's
+                        memory (.bss included), from its first page as mapped, or None
 References: the System V gABI "Object Files" chapter; elf(5); glibc elf/elf.h.
 """
 from __future__ import annotations
@@ -195,6 +197,29 @@ class ElfFile:
                 if info & 0xFFFFFFFF == R_X86_64_RELATIVE:
                     out[off] = addend
         return out
+
+
+# Returns how far a loaded ELF object's image reaches from the start of its first mapping:
+# max(p_vaddr + p_memsz) over its PT_LOAD segments less the lowest one's page, read from `head`,
+# the object's first page as mapped (its ELF header and program headers: the loader maps them
+# with the first segment). None when head is no 64-bit little-endian ELF image or its program
+# headers lie past it. The anonymous mapping after an object's .data holds the rest of its
+# .bss up to there; the kernel merges any anonymous mapping made right after it into the same
+# one (a pymalloc arena: 1 MiB more), so this bounds the .bss to what the object owns.
+def image_span(head: bytes) -> Optional[int]:
+    if len(head) < EHDR64.size or head[:4] != b"\x7fELF" or head[4] != ELFCLASS64 \
+            or head[5] != 1:
+        return None
+    hdr = EHDR64.unpack_from(head)
+    phoff, phentsize, phnum = hdr[5], hdr[9], hdr[10]
+    if not phnum or phentsize < PHDR64.size or phoff + phentsize * phnum > len(head):
+        return None
+    loads = [p for p in (PHDR64.unpack_from(head, phoff + i * phentsize) for i in range(phnum))
+             if p[0] == PT_LOAD]
+    if not loads:
+        return None
+    low = min(p[3] for p in loads) & ~(PAGE - 1)
+    return max(p[3] + p[6] for p in loads) - low
 
 
 # Returns read(ElfFile(f)) for the open file f, remembered in cache by the file's identity

@@ -747,3 +747,36 @@ def test_a_pass_in_the_background_gives_its_result_or_its_exception():
     with pytest.raises(ValueError, match="bad image"):
         P._in_background(fail, img)()
     G.IMAGE_ARGS.clear()
+
+
+def test_owned_data_cuts_the_bss_at_the_end_of_its_object_s_image():
+    # a .data mapping, then an anonymous one that holds the rest of the .bss and a pymalloc
+    # arena the kernel merged into it: the types search reads up to the image's end only
+    from memunreachable._types import Mapping
+    from memunreachable.stacks import elf
+    path = "/lib/x86_64-linux-gnu/libc.so.6"
+    head = open(path, "rb").read(elf.PAGE)
+    span = elf.image_span(head)
+    base = 0x7f0000000000
+    bss_end = (base + span + 4095) & ~4095
+    maps = [Mapping(base, base + 0x28000, "r--p", 0, "fe:00", 7, path),
+            Mapping(bss_end - 0x8000, bss_end - 0x3000, "rw-p", 0x1e0000, "fe:00", 7, path),
+            Mapping(bss_end - 0x3000, bss_end + (1 << 20), "rw-p", 0, "00:00", 0, ""),
+            Mapping(bss_end + (2 << 20), bss_end + (3 << 20), "rw-p", 0, "00:00", 0, "")]
+
+    class Mem:
+        def read(self, addr, n):
+            assert (addr, n) == (base, elf.PAGE)
+            return head
+    T._SPANS.clear()
+    got = T.owned_data(Mem(), maps, {path})
+    assert [(m.begin, m.end) for m in got] == [(bss_end - 0x8000, bss_end - 0x3000),
+                                               (bss_end - 0x3000, bss_end)]
+
+    class Unreadable:
+        def read(self, addr, n):
+            raise T.MemoryUnreadable("gone")
+    T._SPANS.clear()            # headers that do not read: the mapping is left whole
+    got = T.owned_data(Unreadable(), maps, {path})
+    assert got[-1].end == bss_end + (1 << 20)
+    T._SPANS.clear()

@@ -120,3 +120,24 @@ def test_cached_by_file_reads_each_file_once_until_it_changes(tmp_path):
         f.flush()
         assert E.cached_by_file(cache, f, read, most=2) == first
     assert reads == ["EM_X86_64"] * 3
+
+
+@pytest.mark.parametrize("path", FILES)
+def test_image_span_reaches_the_end_of_the_last_segment_s_memory(path):
+    # from the object's first page (its headers, as the loader maps them): the end of the
+    # highest PT_LOAD's memory (.bss included) from the lowest one's page
+    with open(path, "rb") as f:
+        loads = [s for s in ELFFile(f).iter_segments() if s["p_type"] == "PT_LOAD"]
+        f.seek(0)
+        head = f.read(E.PAGE)
+    low = min(s["p_vaddr"] for s in loads) & ~4095
+    assert E.image_span(head) == max(s["p_vaddr"] + s["p_memsz"] for s in loads) - low
+    assert E.image_span(head) > max(s["p_vaddr"] + s["p_filesz"] for s in loads) - low or \
+        all(s["p_memsz"] == s["p_filesz"] for s in loads)
+
+
+def test_image_span_of_what_is_no_image():
+    head = open(FILES[0], "rb").read(E.PAGE)
+    assert E.image_span(b"") is None and E.image_span(b"\0" * 4096) is None
+    assert E.image_span(head[:64]) is None                  # program headers cut off
+    assert E.image_span(head[:4] + b"\x01" + head[5:]) is None      # 32-bit class

@@ -24,10 +24,11 @@ from typing import Dict, List, Optional, Sequence, Tuple
 
 from memunreachable._errors import MemoryUnreadable
 from memunreachable._ffi import lib
-from memunreachable._types import read_u64
+from memunreachable._types import Mapping, read_u64
 from memunreachable.collect import procfs
 from memunreachable.heaps.cpython import layout as L
 from memunreachable.heaps.cpython.walker import CPythonMap
+from memunreachable.stacks import elf
 from memunreachable.sweep.classify import loaded_objects
 
 
@@ -244,8 +245,45 @@ def runtime_static_types(mem, maps, pid, cp: CPythonMap) -> List[int]:
 # after it (sys.flags' type, initialised at start-up). Their tp_flags are numbers.
 def loaded_static_types(mem, maps, pid, cp: CPythonMap) -> List[int]:
     objects = loaded_objects(maps)
-    return _static_types(mem, maps, pid, cp,
-                         procfs.object_data(maps, lambda m: m.path in objects), rounds=2)
+    return _static_types(mem, maps, pid, cp, owned_data(mem, maps, objects), rounds=2)
+
+
+# {(path, first mapping's address): the object's image span (elf.image_span) or None}
+_SPANS: Dict[Tuple[str, int], Optional[int]] = {}
+
+
+def owned_data(mem, maps, objects) -> List[Mapping]:
+    """procfs.object_data of the objects (paths), the anonymous mapping after each .data cut
+    at the end of the object's image (its .bss): pymalloc arenas and other anonymous memory
+    that the kernel merged into that mapping (8 MiB of a pytest process's 11 MiB searched for
+    types) are no part of it. A mapping is left whole when its object's headers do not read."""
+    firsts: Dict[str, Mapping] = {}
+    for m in maps:
+        if m.path in objects and m.offset == 0 and (m.path not in firsts
+                                                    or m.begin < firsts[m.path].begin):
+            firsts[m.path] = m
+    out, owner = [], None
+    for m in procfs.object_data(maps, lambda m: m.path in objects):
+        if m.path:
+            owner = firsts.get(m.path)
+            out.append(m)
+            continue
+        end = m.end
+        if owner is not None:
+            key = (owner.path, owner.begin)
+            if key not in _SPANS:
+                if len(_SPANS) >= 4096:
+                    _SPANS.clear()
+                try:
+                    _SPANS[key] = elf.image_span(mem.read(owner.begin, elf.PAGE))
+                except MemoryUnreadable:
+                    _SPANS[key] = None
+            span = _SPANS[key]
+            if span is not None:
+                end = min(end, (owner.begin + span + elf.PAGE - 1) & ~(elf.PAGE - 1))
+        if end > m.begin:
+            out.append(Mapping(m.begin, end, m.perms, m.offset, m.dev, m.inode, m.path))
+    return out
 
 
 def _static_types(mem, maps, pid, cp: CPythonMap, mappings, rounds: int = 1) -> List[int]:
