@@ -238,9 +238,10 @@ class Check(Command):
         add_engine_arguments(parser)
         parser.add_argument("--no-fallback", action="store_true",
                             help="fail (exit 3) instead of reading the stopped target directly "
-                                 "when no snapshot can be taken: the clone is refused, or no "
-                                 "thread's seccomp rules allow the injected clone and wait4 "
-                                 "(keeps the pause short)")
+                                 "when no snapshot can be taken: the clone is refused, no "
+                                 "thread's seccomp rules allow the injected clone and wait4, or "
+                                 "the target's memory cgroup has less room left than its "
+                                 "private memory (keeps the pause short)")
         parser.add_argument("--allow-seccomp-target", action="store_true",
                             help="inject the snapshot's clone and wait4 even into a thread "
                                  "whose seccomp filters cannot be read (without CAP_SYS_ADMIN); "

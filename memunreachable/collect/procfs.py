@@ -10,6 +10,9 @@ orchestrator that catches it adds one, diagnose.hinted(), which reads /proc thro
     read_maps(pid), read_status(pid), read_stat(pid), list_tasks(pid), read_comm(pid)
 Writer: oom_first(pid), the OOM killer's first choice; oom_kills() counts its kills so far,
 oom_killed_since(count) says whether it killed since.
+Memory cgroups: memory_room(pid) -> (bytes, cgroup) the process's memory cgroup and its
+ancestors can still take before a limit makes the kernel kill something there, or None
+(parse_cgroups, cgroup_room: pure).
 
 Never psutil.memory_maps() during a pause: it reads smaps (24 ms at 1 GiB) where parsing
 maps by hand takes 0.05 ms (ptrace-snapshot.md section 15).
@@ -188,6 +191,85 @@ def rss_anon_bytes(status_text: str) -> int:
 def read_rss_anon(pid: int) -> int:
     """Resident anonymous memory of pid, in bytes (0 when the kernel does not say)."""
     return rss_anon_bytes(_read(f"/proc/{pid}/status", pid))
+
+
+# Memory cgroups (cgroup v1's memory controller, cgroup v2): where each hierarchy is mounted
+# (systemd's layouts: v1 beside a v2 "unified" tree, or v2 alone), and the files each names.
+CGROUP_V1_MEMORY = "/sys/fs/cgroup/memory"
+CGROUP_V2 = ("/sys/fs/cgroup", "/sys/fs/cgroup/unified")
+# a limit at or above this is none (v1's PAGE_COUNTER_MAX pages: 9223372036854771712; v2 "max")
+NO_LIMIT = 1 << 62
+
+
+def parse_cgroups(text: str) -> Tuple[Optional[str], Optional[str]]:
+    """(the v1 memory controller's cgroup, the v2 cgroup) of a /proc/PID/cgroup text (lines
+    ID:CONTROLLERS:PATH; v2's is 0::PATH); None for one the process is in no hierarchy of."""
+    v1 = v2 = None
+    for line in text.splitlines():
+        parts = line.split(":", 2)
+        if len(parts) != 3:
+            continue
+        if parts[0] == "0" and parts[1] == "":
+            v2 = parts[2]
+        elif "memory" in parts[1].split(","):
+            v1 = parts[2]
+    return v1, v2
+
+
+def cgroup_room(limit: str, usage: str, stat: str) -> Optional[int]:
+    """Bytes one memory cgroup can still take before its limit (the texts of its memory.max
+    or memory.limit_in_bytes, memory.current or memory.usage_in_bytes, memory.stat): the limit
+    less the usage, with the inactive file cache counted as room (the kernel reclaims it
+    before it kills); None without a limit."""
+    limit = limit.strip()
+    if limit == "max" or int(limit) >= NO_LIMIT:
+        return None
+    cache = 0
+    for line in stat.splitlines():
+        key, _, value = line.partition(" ")
+        if key in ("inactive_file", "total_inactive_file"):
+            cache = max(cache, int(value))
+    return max(0, int(limit) - int(usage.strip()) + cache)
+
+
+def _read_small(path: str) -> Optional[str]:
+    try:
+        with open(path) as f:
+            return f.read()
+    except OSError:
+        return None
+
+
+def memory_room(pid: int) -> Optional[Tuple[int, str]]:
+    """(bytes, cgroup directory) of the least room among the memory cgroups that hold pid (its
+    own and each ancestor, v1's memory controller and v2): what a copy-on-write snapshot of
+    it may take before the kernel's OOM killer runs there. None when no limit applies or the
+    files do not read (no such hierarchy mounted, or another cgroup namespace)."""
+    v1, v2 = parse_cgroups(_read(f"/proc/{pid}/cgroup", pid))
+    dirs = []
+    if v1 is not None:
+        dirs.append((CGROUP_V1_MEMORY, v1, "memory.limit_in_bytes", "memory.usage_in_bytes"))
+    if v2 is not None:
+        root = next((r for r in CGROUP_V2 if os.path.exists(os.path.join(r, "cgroup.controllers"))),
+                    None)
+        if root is not None:
+            dirs.append((root, v2, "memory.max", "memory.current"))
+    best = None
+    for root, path, limit_file, usage_file in dirs:
+        parts = [p for p in path.split("/") if p]
+        for k in range(len(parts), 0, -1):          # the process's own cgroup, then up
+            d = os.path.join(root, *parts[:k])
+            texts = [_read_small(os.path.join(d, f)) for f in (limit_file, usage_file,
+                                                               "memory.stat")]
+            if None in texts:
+                continue
+            try:
+                room = cgroup_room(*texts)
+            except ValueError:
+                continue
+            if room is not None and (best is None or room < best[0]):
+                best = (room, d)
+    return best
 
 
 def read_stat(pid: int, tid: Optional[int] = None) -> Stat:

@@ -22,11 +22,12 @@ import time
 import pytest
 
 import fixtures
-from memunreachable.collect import leftovers
+from memunreachable.collect import leftovers, procfs
 from memunreachable.sweep import retake, steps
 from memunreachable._errors import CollectionError, HeapCorrupt, IncompleteCheck
 from memunreachable.unreachable import check
 from test_check import assert_target_running, children_of
+from test_incomplete_live import leak_lib  # noqa: F401 (a fixture)
 
 pytestmark = pytest.mark.ptrace
 
@@ -395,6 +396,74 @@ def _joining(procs: str):
         with open(procs, "w") as f:
             f.write(str(os.getpid()))
     return join
+
+
+# A Python process with 64 MiB of private memory and one leaked native block (200,000 bytes,
+# from C: no Python int holds its address), started in a memory cgroup.
+NEAR_LIMIT = r"""
+import ctypes, sys
+ballast = b"x" * (64 << 20)
+lib = ctypes.CDLL(sys.argv[1])
+lib.leak.restype = None
+lib.leak.argtypes = [ctypes.c_size_t]
+lib.leak(200000)
+print("ready", flush=True)
+sys.stdin.read()
+"""
+
+
+def _cgroup_file(procs: str, v1: str, v2: str) -> str:
+    d = os.path.dirname(procs)
+    return os.path.join(d, v1 if os.path.exists(os.path.join(d, v1)) else v2)
+
+
+def test_a_target_near_its_memory_cgroup_limit_is_swept_without_a_snapshot(leak_lib):
+    # a snapshot may come to copy all of the target's private memory into its cgroup; with
+    # less room than that left before the limit, the check reads the stopped target instead
+    # (no clone, nothing charged there), says why, and finds the leak; --no-fallback refuses
+    # with a hint; with room again, the same target is checked from a snapshot
+    name = f"memunreachable-test-room-{os.getpid()}"
+    procs = _memory_cgroup(name, 1 << 30)
+    target = subprocess.Popen([sys.executable, "-c", NEAR_LIMIT, leak_lib],
+                              stdin=subprocess.PIPE, stdout=subprocess.PIPE, text=True,
+                              preexec_fn=_joining(procs))
+    limit = _cgroup_file(procs, "memory.limit_in_bytes", "memory.max")
+    try:
+        block = target.stdout.readline().split()
+        assert block[0] == "block" and target.stdout.readline().strip() == "ready"
+        leak = (int(block[1], 16), int(block[2]))
+        with open(_cgroup_file(procs, "memory.usage_in_bytes", "memory.current")) as f:
+            usage = int(f.read())
+        rss = procfs.read_rss_anon(target.pid)
+        assert rss > 64 << 20
+        with open(limit, "w") as f:
+            f.write(str(usage + (16 << 20)))
+        room = procfs.memory_room(target.pid)
+        assert room is not None and room[0] < rss and room[1] == os.path.dirname(procs), room
+
+        info = check(target.pid)
+        assert info.snapshot_mode == "direct" and leak_set(info) == {leak}
+        assert any(w.startswith(f"no snapshot (its memory cgroup {os.path.dirname(procs)} has ")
+                   and "could kill the target" in w for w in info.warnings), info.warnings
+        assert snapshot_children(target.pid) == [] and target.poll() is None
+        assert leftovers.read_stat(target.pid).state not in ("t", "T")
+
+        res = subprocess.run([sys.executable, "-m", "memunreachable", "check", "--no-fallback",
+                              str(target.pid)], capture_output=True, text=True, timeout=120)
+        assert res.returncode == 3 and res.stdout == "", res.stdout + res.stderr
+        assert f"no snapshot of process {target.pid}: its memory cgroup" in res.stderr
+        assert "hint: raise the memory limit of that cgroup" in res.stderr
+
+        with open(limit, "w") as f:         # room for every private page: a snapshot
+            f.write(str(usage + 2 * rss))
+        info = check(target.pid)
+        assert info.snapshot_mode == "clone" and leak_set(info) == {leak}
+        assert target.poll() is None
+    finally:
+        target.kill()
+        target.wait()
+        target.stdout.close()
+        os.rmdir(os.path.dirname(procs))
 
 
 @pytest.mark.slow

@@ -223,3 +223,25 @@ def test_object_data_is_the_writable_mappings_and_the_bss_after_each():
     assert [(m.begin, m.end) for m in got] == [(0x2000, 0x3000), (0x3000, 0x4000),
                                                (0x6000, 0x7000), (0x8000, 0x8800)]
     assert procfs.object_data(maps, lambda m: False) == []
+
+
+def test_parse_cgroups_v1_memory_and_v2():
+    text = ("12:pids:/a\n4:memory:/process_api/460e\n3:cpu,cpuacct:/\n1:name=systemd:/x\n"
+            "0::/user.slice/app.scope\n")
+    assert procfs.parse_cgroups(text) == ("/process_api/460e", "/user.slice/app.scope")
+    assert procfs.parse_cgroups("0::/system.slice/nginx.service\n") == \
+        (None, "/system.slice/nginx.service")
+    assert procfs.parse_cgroups("5:cpuset,memory:/c\n") == ("/c", None)
+    assert procfs.parse_cgroups("") == (None, None)
+
+
+def test_cgroup_room_counts_inactive_file_cache_and_knows_no_limit():
+    stat_v2 = "anon 104857600\nfile 20971520\nactive_file 10485760\ninactive_file 8388608\n"
+    assert procfs.cgroup_room("209715200\n", "125829120\n", stat_v2) == \
+        209715200 - 125829120 + 8388608
+    # v1: the hierarchical total_inactive_file (the larger)
+    stat_v1 = "cache 0\ninactive_file 4096\ntotal_inactive_file 1048576\n"
+    assert procfs.cgroup_room("1073741824", "1073741824", stat_v1) == 1048576
+    assert procfs.cgroup_room("100", "300", "") == 0            # over its limit: none left
+    assert procfs.cgroup_room("max\n", "5", "") is None
+    assert procfs.cgroup_room("9223372036854771712\n", "5", "") is None     # v1's no limit
