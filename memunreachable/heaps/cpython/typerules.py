@@ -248,15 +248,15 @@ def loaded_static_types(mem, maps, pid, cp: CPythonMap) -> List[int]:
     return _static_types(mem, maps, pid, cp, owned_data(mem, maps, objects), rounds=2)
 
 
-# {(path, first mapping's address): the object's image span (elf.image_span) or None}
-_SPANS: Dict[Tuple[str, int], Optional[int]] = {}
+# {(path, inode, first mapping's address): the object's image span (elf.image_span) or None}
+_SPANS: Dict[Tuple[str, int, int], Optional[int]] = {}
 
 
 def owned_data(mem, maps, objects) -> List[Mapping]:
     """procfs.object_data of the objects (paths), the anonymous mapping after each .data cut
     at the end of the object's image (its .bss): pymalloc arenas and other anonymous memory
-    that the kernel merged into that mapping (8 MiB of a pytest process's 11 MiB searched for
-    types) are no part of it. A mapping is left whole when its object's headers do not read."""
+    that the kernel merged into that mapping (8 of the 11 MiB a small Python process had
+    searched for types) are no part of it. A mapping is left whole when its object's headers do not read."""
     firsts: Dict[str, Mapping] = {}
     for m in maps:
         if m.path in objects and m.offset == 0 and (m.path not in firsts
@@ -270,7 +270,7 @@ def owned_data(mem, maps, objects) -> List[Mapping]:
             continue
         end = m.end
         if owner is not None:
-            key = (owner.path, owner.begin)
+            key = (owner.path, owner.inode, owner.begin)
             if key not in _SPANS:
                 if len(_SPANS) >= 4096:
                     _SPANS.clear()
