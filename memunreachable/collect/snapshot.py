@@ -315,7 +315,7 @@ def _no_room(pid: int) -> str:
         return ""
     return (f"its memory cgroup {room[1]} has {room[0] >> 20} MiB left before its limit, less "
             f"than the {need >> 20} MiB of private memory a copy-on-write snapshot may have to "
-            "copy (its OOM killer could kill the target)")
+            "copy there, and its OOM killer could then kill the target")
 
 
 def _direct(fz: Frozen, reason: str, allow_direct: bool, seccomp: bool = False,

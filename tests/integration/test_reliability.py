@@ -444,7 +444,7 @@ def test_a_target_near_its_memory_cgroup_limit_is_swept_without_a_snapshot(leak_
         info = check(target.pid)
         assert info.snapshot_mode == "direct" and leak_set(info) == {leak}
         assert any(w.startswith(f"no snapshot (its memory cgroup {os.path.dirname(procs)} has ")
-                   and "could kill the target" in w for w in info.warnings), info.warnings
+                   and "could then kill the target" in w for w in info.warnings), info.warnings
         assert snapshot_children(target.pid) == [] and target.poll() is None
         assert leftovers.read_stat(target.pid).state not in ("t", "T")
 
