@@ -257,7 +257,10 @@ def memory_room(pid: int) -> Optional[Tuple[int, str]]:
     best = None
     for root, path, limit_file, usage_file in dirs:
         parts = [p for p in path.split("/") if p]
-        for k in range(len(parts), 0, -1):          # the process's own cgroup, then up
+        # the process's own cgroup, then up to the root as this namespace sees it (inside a
+        # container with its own cgroup namespace, "/" is the container's cgroup and limit;
+        # the real root has none: no memory.max in v2, an unlimited one in v1)
+        for k in range(len(parts), -1, -1):
             d = os.path.join(root, *parts[:k])
             texts = [_read_small(os.path.join(d, f)) for f in (limit_file, usage_file,
                                                                "memory.stat")]

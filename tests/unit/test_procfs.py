@@ -245,3 +245,27 @@ def test_cgroup_room_counts_inactive_file_cache_and_knows_no_limit():
     assert procfs.cgroup_room("100", "300", "") == 0            # over its limit: none left
     assert procfs.cgroup_room("max\n", "5", "") is None
     assert procfs.cgroup_room("9223372036854771712\n", "5", "") is None     # v1's no limit
+
+
+def _cgroup_dir(path, limit, usage, inactive_file=0):
+    path.mkdir(parents=True, exist_ok=True)
+    (path / "memory.max").write_text(f"{limit}\n")
+    (path / "memory.current").write_text(f"{usage}\n")
+    (path / "memory.stat").write_text(f"anon {usage}\ninactive_file {inactive_file}\n")
+
+
+def test_memory_room_is_the_least_of_the_cgroup_and_its_ancestors(tmp_path, monkeypatch):
+    # v2 mounted at tmp_path: the process in /a/b; /a's limit is the tighter one
+    (tmp_path / "cgroup.controllers").write_text("cpu memory pids\n")
+    _cgroup_dir(tmp_path / "a", 1 << 30, 900 << 20, 20 << 20)
+    _cgroup_dir(tmp_path / "a" / "b", "max", 500 << 20)
+    monkeypatch.setattr(procfs, "CGROUP_V2", (str(tmp_path),))
+    monkeypatch.setattr(procfs, "CGROUP_V1_MEMORY", str(tmp_path / "no-v1"))
+    monkeypatch.setattr(procfs, "_read", lambda path, pid: "0::/a/b\n")
+    assert procfs.memory_room(1) == ((1 << 30) - (900 << 20) + (20 << 20), str(tmp_path / "a"))
+    # inside a container with its own cgroup namespace: "/" is the container's cgroup
+    _cgroup_dir(tmp_path, 512 << 20, 500 << 20)
+    monkeypatch.setattr(procfs, "_read", lambda path, pid: "0::/\n")
+    assert procfs.memory_room(1) == (12 << 20, str(tmp_path))
+    (tmp_path / "memory.max").write_text("max\n")
+    assert procfs.memory_room(1) is None            # no limit anywhere
