@@ -219,16 +219,19 @@ def parse_cgroups(text: str) -> Tuple[Optional[str], Optional[str]]:
 def cgroup_room(limit: str, usage: str, stat: str) -> Optional[int]:
     """Bytes one memory cgroup can still take before its limit (the texts of its memory.max
     or memory.limit_in_bytes, memory.current or memory.usage_in_bytes, memory.stat): the limit
-    less the usage, with the inactive file cache counted as room (the kernel reclaims it
-    before it kills); None without a limit."""
+    less the usage, with its page cache (the file LRU lists, active and inactive: shared
+    memory is on the anonymous ones) counted as room: the kernel reclaims it before it kills.
+    v1's hierarchical total_* counts, where given, include the cgroup's children. None
+    without a limit."""
     limit = limit.strip()
     if limit == "max" or int(limit) >= NO_LIMIT:
         return None
-    cache = 0
+    counts = {}
     for line in stat.splitlines():
         key, _, value = line.partition(" ")
-        if key in ("inactive_file", "total_inactive_file"):
-            cache = max(cache, int(value))
+        counts[key] = int(value) if value.strip().isdigit() else 0
+    prefix = "total_" if "total_inactive_file" in counts else ""
+    cache = counts.get(prefix + "active_file", 0) + counts.get(prefix + "inactive_file", 0)
     return max(0, int(limit) - int(usage.strip()) + cache)
 
 

@@ -236,12 +236,14 @@ def test_parse_cgroups_v1_memory_and_v2():
 
 
 def test_cgroup_room_counts_inactive_file_cache_and_knows_no_limit():
-    stat_v2 = "anon 104857600\nfile 20971520\nactive_file 10485760\ninactive_file 8388608\n"
+    stat_v2 = ("anon 104857600\nfile 20971520\nshmem 2097152\nactive_file 10485760\n"
+               "inactive_file 8388608\n")
     assert procfs.cgroup_room("209715200\n", "125829120\n", stat_v2) == \
-        209715200 - 125829120 + 8388608
-    # v1: the hierarchical total_inactive_file (the larger)
-    stat_v1 = "cache 0\ninactive_file 4096\ntotal_inactive_file 1048576\n"
-    assert procfs.cgroup_room("1073741824", "1073741824", stat_v1) == 1048576
+        209715200 - 125829120 + 10485760 + 8388608
+    # v1: the hierarchical total_ counts (its children's cache too)
+    stat_v1 = ("cache 0\nactive_file 0\ninactive_file 4096\ntotal_active_file 2097152\n"
+               "total_inactive_file 1048576\n")
+    assert procfs.cgroup_room("1073741824", "1073741824", stat_v1) == 3145728
     assert procfs.cgroup_room("100", "300", "") == 0            # over its limit: none left
     assert procfs.cgroup_room("max\n", "5", "") is None
     assert procfs.cgroup_room("9223372036854771712\n", "5", "") is None     # v1's no limit
