@@ -470,8 +470,8 @@ static inline int mu_dead_object_r(const mu_rules *r, const uint8_t *p)
     for (uint32_t f = r->found; f; f &= f - 1) {
         uint64_t k = (uint64_t)__builtin_ctz(f), off = 16 * k, rc = r->rc[k], code = r->code[k];
         uint64_t kind = (code >> 8) & 0xff;
-        if ((kind == MU_TYPE_DEAD_AT_ZERO || kind == MU_TYPE_VARSIZED) && rc == 0
-            && mu_untracked_head(p, off))
+        if ((kind == MU_TYPE_DEAD_AT_ZERO || kind == MU_TYPE_VARSIZED || kind == MU_TYPE_DICT)
+            && rc == 0 && mu_untracked_head(p, off))
             return 1;
         if (!mu_plausible_refcnt(rc))
             continue;

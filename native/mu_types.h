@@ -74,9 +74,11 @@ typedef struct {
  *       there (at 40, or 48 when aligned for a long double);
  *   kind MU_TYPE_DICT: a dict (PyDict_Type itself), as MU_TYPE_SIZED, whose header words
  *       (refcount, the static type, ma_used and the version tag at object offset 24:
- *       ma_version_tag, a global counter stepped by 4096 on 3.12/3.13, _ma_watcher_tag from
- *       3.14) are integers: not scanned, with the GC head before them (a version tag can equal
- *       a heap address of a non-PIE interpreter's brk heap, below 4 GiB);
+ *       ma_version_tag, a global counter stepped by 1 on 3.8-3.11 and 4096 on 3.12/3.13,
+ *       _ma_watcher_tag from 3.14) are integers: not scanned, with the GC head before them (a
+ *       version tag can equal a heap address of a non-PIE interpreter's brk heap, below
+ *       4 GiB); and, as DEAD_AT_ZERO, not scanned at all when its ob_refcnt is 0 and its head
+ *       untracked (a free-listed dict: 3.8-3.10 give dicts that rule too);
  *   kind MU_TYPE_VARSIZED: an object whose items follow its header inline (a tuple): the
  *       header's size in bits 16-47 of code, an item's in bits 48-55, the item count at
  *       off + 16 (ob_size): scanned up to header + count * item (the allocator's rounding

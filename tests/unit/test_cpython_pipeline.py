@@ -780,3 +780,17 @@ def test_owned_data_cuts_the_bss_at_the_end_of_its_object_s_image():
     got = T.owned_data(Unreadable(), maps, {path})
     assert got[-1].end == bss_end + (1 << 20)
     T._SPANS.clear()
+
+
+def test_dict_headers_makes_dict_s_sized_rule_a_dict_rule_on_every_version():
+    # 3.11+: a sized rule; 3.8-3.10: sized and dead at zero, a var-sized rule of no items
+    d, other = 0x5000, 0x6000
+    sized = 16 | lib.MU_TYPE_SIZED << 8 | 48 << 16
+    no_items = 16 | lib.MU_TYPE_VARSIZED << 8 | 48 << 16
+    tuple_like = 16 | lib.MU_TYPE_VARSIZED << 8 | 24 << 16 | 8 << 48
+    dict_code = 16 | lib.MU_TYPE_DICT << 8 | 48 << 16
+    for code in (sized, no_items):
+        assert T.dict_headers([(d, code), (other, code)], d) == [(d, dict_code), (other, code)]
+    assert T.dict_headers([(d, tuple_like)], d) == [(d, tuple_like)]     # items: not a dict's
+    assert T.dict_headers([(d, sized)], None) == [(d, sized)]            # no PyDict_Type found
+

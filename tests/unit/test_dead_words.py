@@ -303,6 +303,23 @@ def test_a_dicts_version_tag_is_no_reference(tracked, code, kept):
     assert folded[0].referenced_count == sum(kept) - 1
 
 
+@pytest.mark.parametrize("refcnt, head, kept", [
+    (0, (0, 0), [1, 0, 0]),         # a free-listed dict (3.8-3.13): its words are stale
+    (1, (0, 0), [1, 1, 0]),         # a live untracked dict: its ma_keys is a reference
+    (0, (BASE, BASE), [1, 1, 1]),   # refcount 0 but linked: no rule holds, all scanned
+])
+def test_a_free_listed_dict_holds_no_references(refcnt, head, kept):
+    # 3.8-3.10 gave dicts the dead-at-zero rule of every GC type; made MU_TYPE_DICT (for its
+    # version tag) they keep it: a dict's refcount is 0 only on the free list
+    h = Heap([80, 16, 16])
+    for slot, w in enumerate(list(head) + [refcnt, DICT_TYPE, 3]):
+        h.point(0, slot, w)
+    h.link(0, 6, 1)                     # ma_keys
+    h.link(0, 8, 2)                     # block offset 64: slack
+    dead = DeadWords(types=[(DICT_TYPE, DICT_CODE)])
+    assert list(mark(h.image(), [], [h.addrs[0] + 16], dead=dead).marked) == kept
+
+
 @pytest.mark.parametrize("basic, kept", [
     (40, [1, 1, 0]),        # object ends at 16 + 40: the word at 64 is allocator slack
     (56, [1, 1, 1]),        # the type says the object reaches it: scanned

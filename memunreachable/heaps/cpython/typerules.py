@@ -525,12 +525,16 @@ def with_sizes(dead_types, sized) -> List[Tuple[int, int]]:
     return sorted(rules.items())
 
 # Returns dead_types with dict's MU_TYPE_SIZED rule (t: PyDict_Type) made MU_TYPE_DICT: its
-# header's version tag is an integer that may equal a heap address (3.12/3.13 step it by 4096
-# per dict change; Debian's non-PIE interpreters keep their brk heap below 4 GiB).
+# header's version tag is an integer that may equal a heap address (3.8-3.11 step it by 1 per
+# dict change, 3.12/3.13 by 4096; Debian's and Ubuntu's non-PIE interpreters keep their brk
+# heap, where C extensions' blocks lie, below 4 GiB). On 3.8-3.10 dict's rule is a var-sized
+# one of no items (with_sizes: sized and dead at zero), which MU_TYPE_DICT also is.
 def dict_headers(dead_types, t: Optional[int]):
     kind = 0xff << 8
-    return [(u, code & ~kind | lib.MU_TYPE_DICT << 8
-             if u == t and code & kind == lib.MU_TYPE_SIZED << 8 else code)
+    def is_sized(code: int) -> bool:
+        return (code & kind == lib.MU_TYPE_SIZED << 8
+                or (code & kind == lib.MU_TYPE_VARSIZED << 8 and not (code >> 48) & 0xff))
+    return [(u, code & ~kind | lib.MU_TYPE_DICT << 8 if u == t and is_sized(code) else code)
             for u, code in dead_types]
 
 
