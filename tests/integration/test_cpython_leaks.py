@@ -958,7 +958,7 @@ sys.stdin.read(1)
 
 
 @pytest.mark.parametrize("allocator", ["pymalloc", pytest.param("malloc", marks=pytest.mark.slow)])
-@pytest.mark.parametrize("python", host_interpreters(), ids=_ident)
+@pytest.mark.parametrize("python", interpreters(), ids=_ident)
 def test_a_dict_version_tag_inside_a_leaked_block_keeps_nothing_on_every_version(python,
                                                                                 allocator):
     # 3.8-3.10 give dicts a var-sized rule of no items (sized and dead at zero), which the
