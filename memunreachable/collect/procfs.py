@@ -248,7 +248,10 @@ def memory_room(pid: int) -> Optional[Tuple[int, str]]:
     own and each ancestor, v1's memory controller and v2): what a copy-on-write snapshot of
     it may take before the kernel's OOM killer runs there. None when no limit applies or the
     files do not read (no such hierarchy mounted, or another cgroup namespace)."""
-    v1, v2 = parse_cgroups(_read(f"/proc/{pid}/cgroup", pid))
+    text = _read_small(f"/proc/{pid}/cgroup")      # (absent: a kernel without cgroups)
+    if text is None:
+        return None
+    v1, v2 = parse_cgroups(text)
     dirs = []
     if v1 is not None:
         dirs.append((CGROUP_V1_MEMORY, v1, "memory.limit_in_bytes", "memory.usage_in_bytes"))

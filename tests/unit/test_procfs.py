@@ -263,11 +263,22 @@ def test_memory_room_is_the_least_of_the_cgroup_and_its_ancestors(tmp_path, monk
     _cgroup_dir(tmp_path / "a" / "b", "max", 500 << 20)
     monkeypatch.setattr(procfs, "CGROUP_V2", (str(tmp_path),))
     monkeypatch.setattr(procfs, "CGROUP_V1_MEMORY", str(tmp_path / "no-v1"))
-    monkeypatch.setattr(procfs, "_read", lambda path, pid: "0::/a/b\n")
+    monkeypatch.setattr(procfs, "_read_small", _files(tmp_path, "0::/a/b\n"))
     assert procfs.memory_room(1) == ((1 << 30) - (900 << 20) + (20 << 20), str(tmp_path / "a"))
     # inside a container with its own cgroup namespace: "/" is the container's cgroup
     _cgroup_dir(tmp_path, 512 << 20, 500 << 20)
-    monkeypatch.setattr(procfs, "_read", lambda path, pid: "0::/\n")
+    monkeypatch.setattr(procfs, "_read_small", _files(tmp_path, "0::/\n"))
     assert procfs.memory_room(1) == (12 << 20, str(tmp_path))
     (tmp_path / "memory.max").write_text("max\n")
     assert procfs.memory_room(1) is None            # no limit anywhere
+    monkeypatch.setattr(procfs, "_read_small", _files(tmp_path, None))
+    assert procfs.memory_room(1) is None            # no /proc/PID/cgroup: no cgroups
+
+
+def _files(root, cgroup_text):
+    """_read_small with /proc/PID/cgroup's text given (None: absent), other files read."""
+    real = procfs._read_small
+
+    def read(path):
+        return cgroup_text if path.startswith("/proc/") else real(path)
+    return read
