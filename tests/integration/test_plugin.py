@@ -110,6 +110,14 @@ leakytools.leak = leak
 """
 
 
+def _kept_chains(log) -> list:
+    """The lines of a MEMUNREACHABLE_EXPLAIN_LOG file (none when it was never written) that tell
+    why a block was reachable: the addresses that were leaks, or no block, left out."""
+    text = log.read_text() if log.exists() else ""
+    return [line for line in text.splitlines()
+            if "not inside any allocation" not in line and "is unreachable" not in line]
+
+
 def test_each_xdist_worker_checks_itself(suite):
     # Every worker runs its own checks (its own helper): the clean test passes and the three
     # leaky ones fail with the report, wherever xdist sends them. When test_clean runs first in
@@ -126,8 +134,7 @@ def test_each_xdist_worker_checks_itself(suite):
         mp.setenv("MEMUNREACHABLE_EXPLAIN", "@" + str(scratch))
         mp.setenv("MEMUNREACHABLE_EXPLAIN_LOG", str(log))
         res = suite.runpytest_subprocess("--memunreachable", "-n", "2", "-rf")
-    why = [line for line in (log.read_text() if log.exists() else "").splitlines()
-           if "not inside any allocation" not in line and "is unreachable" not in line]
+    why = _kept_chains(log)
     assert res.parseoutcomes().get("failed") == 3, "\n".join(why[:40])
     res.assert_outcomes(passed=1, failed=3)
     res.stdout.fnmatch_lines_random([
@@ -155,8 +162,7 @@ def test_each_xdist_worker_catches_its_leaks_with_every_cpu_busy(suite):
             log.write_text("")
             proc = subprocess.run(cmd, cwd=suite.path, capture_output=True, text=True,
                                   timeout=300, env=env)
-            why = [line for line in log.read_text().splitlines()
-                   if "not inside any allocation" not in line and "is unreachable" not in line]
+            why = _kept_chains(log)
             assert "3 failed, 1 passed" in proc.stdout, \
                 proc.stdout[-3000:] + proc.stderr + "\n".join(why[:40])
 
@@ -866,8 +872,7 @@ def _run_real(suite, *args, stack_miss: bool = False):
                                          *args)
     out = res.stdout.str()
     failed = sorted(re.findall(r"^FAILED test_real.py::(\w+)", out, re.M))
-    why = [line for line in log.read_text().splitlines()
-           if "not inside any allocation" not in line and "is unreachable" not in line]
+    why = _kept_chains(log)
     missed = sorted({"test_parse_error_leaks", "test_remember_leaks_a_list"} - set(failed))
     roots = [line for line in why if "<- root words at" in line or "<- register" in line]
     on_stacks = bool(roots) and all("'s stack, SP+" in line for line in roots)
