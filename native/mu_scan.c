@@ -283,7 +283,7 @@ static inline int64_t page_search(const mu_scan_index *ix, const uint8_t *hw,
     uint64_t b = ix->begin[lo], end = b + alloc_len(ix->size[lo]);
     if (b > v || v >= end)
         return -1;
-    if ((uint32_t)v < MU_PAIR_LOW_MAX && (v & ~0xffffffffull) > b)
+    if ((uint32_t)v < MU_PAIR_LOW_MAX && (v & ~0xffffffffull) > b && v - b >= MU_PAIR_NEAR)
         return -1;                      /* an int32 pair past a 4 GiB boundary (mu_types.h) */
     if (hw && hw[lo] && v < b + 8 * (uint64_t)hw[lo] + 8)
         return -1;                      /* into a PyGC_Head (or before it): a GC link or a stale

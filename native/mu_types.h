@@ -152,8 +152,12 @@ typedef struct {
  * short string ("FIX" and a NUL: 0x00584946) next to 4 bytes that kept the high half of an old
  * pointer read as an address just past that boundary, inside any large block that spans it
  * (the mmapped chunks next to the libraries). A block's own start, a word 8 MiB or more past
- * the boundary, and any word into a block that begins past the boundary stay references. */
+ * the boundary, and any word into a block that begins past the boundary stay references; so
+ * does a word less than MU_PAIR_NEAR past the block's start (its headers: a glibc heap block
+ * that began 16 bytes below the boundary held a CPython GC object there under the debug hooks,
+ * and the GC walk lost that node, s39ci6). */
 #define MU_PAIR_LOW_MAX 0x800000
+#define MU_PAIR_NEAR 4096
 #define MU_TYPE_DICT 11
 #define MU_TYPE_CDATA 12
 #define MU_TYPE_LAST 12          /* the highest kind */

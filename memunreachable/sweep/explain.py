@@ -46,7 +46,8 @@ def text_tail(prev: int, word: int, prev2: Optional[int] = None) -> bool:
 def int32_pair(word: int, begin: int) -> bool:
     """native page_search: a word past a 4 GiB boundary with a small low half, into a block
     that began below it, is a 4-byte int beside a stale high half (mu_types.h MU_PAIR_LOW_MAX)."""
-    return word & 0xFFFFFFFF < lib.MU_PAIR_LOW_MAX and word & ~0xFFFFFFFF > begin
+    return word & 0xFFFFFFFF < lib.MU_PAIR_LOW_MAX and word & ~0xFFFFFFFF > begin \
+        and word - begin >= lib.MU_PAIR_NEAR
 
 
 # The addresses of the words of buffers that point into [lo, hi) (dead ranges, text and int32

@@ -893,6 +893,18 @@ def test_an_int32_pair_past_a_4_gib_boundary_keeps_no_block_that_spans_it(value,
     assert list(res.marked) == [int(kept)]
 
 
+@pytest.mark.parametrize("value, kept", [
+    (SPAN, True), (SPAN | 0x10, True), (SPAN | 0xFE8, True),     # its first 4 KiB: headers
+    (SPAN | 0xFF0, False), (SPAN | 0x2000, False)])
+def test_words_near_the_start_of_a_block_spanning_a_4_gib_boundary_stay_references(value, kept):
+    # a glibc block that began 16 bytes below the boundary held a CPython GC object right at
+    # it (the debug hooks' 16-byte prefix): the GC list's link to it is the boundary itself,
+    # and the GC walk lost that node while the pair rule took it (s39ci6)
+    h = Heap([0x10000], base=SPAN - 0x10)
+    res = mark(h.image(), [(ROOT, words_buffer(value))])
+    assert list(res.marked) == [int(kept)]
+
+
 @pytest.mark.parametrize("value", [SPAN, SPAN | 0x8, SPAN | 0x0058_4946])
 def test_a_block_that_begins_at_a_4_gib_boundary_is_kept_by_any_word_into_it(value):
     h = Heap([0x600000], base=SPAN)
