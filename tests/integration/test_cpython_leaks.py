@@ -587,6 +587,36 @@ CTYPES_SLACK = slack_target(plant="""    p = libc.calloc(1, (4 << 20) + 4096)
 """)
 
 
+
+# Instances of Python classes over ctypes' base types (3.8-3.12: static types of the standard
+# library's _ctypes module; 3.13+: heap types over object): a GC header and tp_basicsize bytes
+# (data of more than 16 bytes lives apart, at b_ptr), rounded up by the allocator. The target
+# writes a leaked block's address into the last word of bytes objects sized to the blocks that
+# instances of c_int's subclasses get, with no slot and with one (one of the two leaves 8 bytes
+# of slack under either allocator), frees them, then makes the instances, which reuse them. A
+# 3.11 CFUNCTYPE instance's slack kept a leaked 4 KiB buffer in a pytest session (class_types
+# took only the runtime's static bases then). Its twin: instances of a c_void_p subclass whose
+# inline value (inside tp_basicsize) is the only pointer to another block: kept, not a leak.
+CTYPES_INSTANCE_SLACK = slack_target(classes="""
+class Int0(ctypes.c_int):
+    __slots__ = ()
+
+class Int1(ctypes.c_int):
+    __slots__ = ("a",)
+
+class Ptr(ctypes.c_void_p):
+    __slots__ = ()
+""", plant="""    p = libc.calloc(1, (4 << 20) + 4096)
+    made["ctypes instances"] = [f"{p:#x}", libc.malloc_usable_size(p)]
+    low7 = struct.pack("<Q", p + 16)[:7]          # and the bytes object's NUL: the address
+    for cls in (Int0, Int1):                      # a bytes object's data starts at 32:
+        n = 16 + cls.__basicsize__                # the address at the instance's end
+        stale = [b"z" * (n - 32) + low7 for _ in range(2000)]
+        del stale
+        kept.extend(cls(7) for _ in range(2000))
+    kept.extend(Ptr(libc.calloc(1, (4 << 20) + 4096)) for _ in range(4))
+""")
+
 # A static struct sequence type's PyMemberDef array (PyMem_NEW at start-up, every version):
 # each entry's words between its name and its doc are numbers (type, offset, flags) and
 # padding. On sid's 3.15 the padding after sys.asyncgen_hooks' type's first entry's type
@@ -1062,10 +1092,12 @@ def _stale_parts_made(python: str, allocator: str) -> list:
 
 @pytest.mark.parametrize("script, parts", [(INSTANCE_SLACK, lambda python, allocator: ["class"]),
                                            (CTYPES_SLACK, lambda python, allocator: ["ctypes"]),
+                                           (CTYPES_INSTANCE_SLACK,
+                                            lambda python, allocator: ["ctypes instances"]),
                                            (MEMBER_PADDING, lambda python, allocator: ["members"]),
                                            (STALE_PARTS, _stale_parts_made)],
-                         ids=["class instances", "ctypes fields", "member padding",
-                              "stale parts"])
+                         ids=["class instances", "ctypes fields", "ctypes instances",
+                              "member padding", "stale parts"])
 @pytest.mark.parametrize("allocator", ["pymalloc", "malloc"])
 @pytest.mark.parametrize("python", interpreters(), ids=_ident)
 def test_stale_words_in_live_objects_are_no_references(python, allocator, script, parts):

@@ -382,20 +382,24 @@ def cdata_types(mem, maps, pid, cp: CPythonMap) -> List[Tuple[int, int]]:
 # Returns [(type address, code)] of MU_TYPE_SIZED rules for the heap types among `types` whose
 # objects are exactly their pre-header and tp_basicsize bytes: tp_itemsize 0, tp_alloc the
 # interpreter's PyType_GenericAlloc (which allocates just that), no 3.13 inline values after
-# the object, and the first static type up their tp_base chain is the interpreter's own (a
-# Python class over object, dict, Exception...; an extension's static base may allocate its
-# objects its own way). The allocator's rounding slack after such an object holds stale words
-# of the block's earlier users: a 3.11 instance (32-byte pre-header, 24 bytes) fills 56 bytes
-# of a 64-byte pymalloc block, and the last word of one held the address of a leaked 34 MB block
-# in an xdist worker (MEMUNREACHABLE_EXPLAIN: a dict's value, offset 56).
+# the object, and the first static type up their tp_base chain is the interpreter's own: the
+# runtime's or one of its standard library's extension modules' (sized_types trusts the same;
+# a Python class over object, dict, Exception, ctypes' _SimpleCData or CFuncPtr...; another
+# extension's static base may allocate its objects its own way). The allocator's rounding
+# slack after such an object holds stale words of the block's earlier users: a 3.11 instance
+# (32-byte pre-header, 24 bytes) fills 56 bytes of a 64-byte pymalloc block, and the last word
+# of one held the address of a leaked 34 MB block in an xdist worker (MEMUNREACHABLE_EXPLAIN: a
+# dict's value, offset 56); a 3.11 ctypes function pointer's (CFUNCTYPE's class over the static
+# _ctypes.CFuncPtr) the address of a leaked 4 KiB buffer in a pytest session.
 def class_types(mem, maps, pid, cp: CPythonMap, types) -> List[Tuple[int, int]]:
     alloc = runtime_symbols(maps, pid, cp).get("PyType_GenericAlloc")
     if not alloc:
         return []
     reader = object_reader(mem, cp)
-    own = [(m.begin, m.end) for m in maps if m.path == cp.runtime.object_path]
+    paths = {cp.runtime.object_path} | stdlib_extensions(maps, cp)
+    own = [(m.begin, m.end) for m in maps if m.path in paths]
     inline = L.TPFLAGS_INLINE_VALUES if cp.version >= (3, 13) else 0
-    solid: Dict[int, bool] = {}         # a heap type -> its static base is the runtime's
+    solid: Dict[int, bool] = {}         # a heap type -> its static base is the interpreter's own
 
     def judge(t: int) -> Optional[int]:
         w = reader.type_words(t)
