@@ -279,6 +279,11 @@ def test_cpython_leaks(python, allocator):
         with open(f"/proc/{t.proc.pid}/mem", "rb") as mem:     # the leaked list's ob_item
             mem.seek(t.made["list"] + LIST_ITEMS)
             items = int.from_bytes(mem.read(8), "little")
+        # a miss names the word that kept the block (its assertion below fails with this)
+        found = {l.address for l in info.leaks}
+        missed = [a for a in (t.made["ext"][0], t.made["ctypes"][0], t.made["list"] - 16,
+                              t.made["str"]) if a not in found]
+        chains = fixtures.explain_misses(t.proc.pid, missed) if missed else ""
     finally:
         t.close()
     made = t.made
@@ -287,11 +292,12 @@ def test_cpython_leaks(python, allocator):
     # native leaks: exact address and usable size
     for name in ("ext", "ctypes"):
         addr, size = made[name]
-        assert addr in leaks, (name, hex(addr), info.warnings, [hex(u.address) for u in info.uncertain])
+        assert addr in leaks, (name, hex(addr), info.warnings, [hex(u.address) for u in info.uncertain],
+                               chains)
         assert leaks[addr].size == size and leaks[addr].python_type is None
     # the leaked list: its block starts at the GC head, 16 bytes before the object
     lst = leaks.get(made["list"] - 16)
-    assert lst is not None, [hex(a) for a in leaks]
+    assert lst is not None, ([hex(a) for a in leaks], chains)
     assert (lst.python_type, lst.refcount) == ("list", 1)
     # the item array and 1,000 heap ints: a stale word (a dead frame slot, an old register
     # copy) may still hold one of the last ints made, which then counts as reachable. Below
@@ -306,7 +312,8 @@ def test_cpython_leaks(python, allocator):
         n = heap_ints(python)
         assert 1 + n - 5 <= lst.referenced_count <= 1 + n, (lst.referenced_count, n)
     s = leaks.get(made["str"])
-    assert s is not None and (s.python_type, s.refcount, s.repr) == ("str", 1, "'leaked-4242'")
+    assert s is not None, chains
+    assert (s.python_type, s.refcount, s.repr) == ("str", 1, "'leaked-4242'")
     # nothing else: the kept blocks and the cycles are not leaks
     assert set(leaks) == {made["ext"][0], made["ctypes"][0], made["list"] - 16, made["str"]}, \
         "; ".join(f"{l.address:#x} {l.size} {l.python_type} {l.refcount} {l.repr} {l.contents.hex()}"
