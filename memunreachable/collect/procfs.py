@@ -12,7 +12,8 @@ Writer: oom_first(pid), the OOM killer's first choice; oom_kills() counts its ki
 oom_killed_since(count) says whether it killed since.
 Memory cgroups: memory_room(pid) -> (bytes, cgroup) the process's memory cgroup and its
 ancestors can still take before a limit makes the kernel kill something there, or None
-(parse_cgroups, cgroup_room: pure).
+(parse_cgroups, cgroup_room: pure). The machine: machine_room() -> bytes it can still give
+(meminfo_room: pure).
 
 Never psutil.memory_maps() during a pause: it reads smaps (24 ms at 1 GiB) where parsing
 maps by hand takes 0.05 ms (ptrace-snapshot.md section 15).
@@ -279,6 +280,28 @@ def memory_room(pid: int) -> Optional[Tuple[int, str]]:
             if room is not None and (best is None or room < best[0]):
                 best = (room, d)
     return best
+
+
+def meminfo_room(text: str) -> Optional[int]:
+    """Bytes the machine can still give before its OOM killer runs, from /proc/meminfo's
+    text: MemAvailable (free memory and what reclaim can free without swapping) and SwapFree
+    (the kernel swaps anonymous pages out before it kills). None when MemAvailable is absent
+    (Linux before 3.14)."""
+    kib = {}
+    for line in text.splitlines():
+        key, _, rest = line.partition(":")
+        fields = rest.split()
+        if fields and fields[0].isdigit():
+            kib[key] = int(fields[0])
+    if "MemAvailable" not in kib:
+        return None
+    return (kib["MemAvailable"] + kib.get("SwapFree", 0)) << 10
+
+
+def machine_room() -> Optional[int]:
+    """meminfo_room of this machine (None: not known)."""
+    text = _read_small("/proc/meminfo")
+    return None if text is None else meminfo_room(text)
 
 
 def read_stat(pid: int, tid: Optional[int] = None) -> Stat:

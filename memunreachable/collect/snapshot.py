@@ -297,25 +297,35 @@ def _why(refusals) -> str:
     return "; ".join(f"thread {v.tid}: {v.reason}" for v in refusals)
 
 
-# Returns why a snapshot could make the kernel kill processes in the target's memory cgroup,
-# or "". A snapshot shares the target's private pages; each one either of them writes while
-# it lives is copied and charged to that cgroup (the clone is born in it), up to all of the
-# target's resident private memory. When the cgroup (or an ancestor) has less room left
-# before its limit, its OOM killer could run, and killing the snapshot first (oom_score_adj
-# 1000) did not save the target: the target was killed in 5 of 6 such OOMs (reliability
-# record). Then the sweep reads the stopped target instead, which takes no memory there.
-def _no_room(pid: int) -> str:
+# Returns (why a snapshot could make the kernel kill processes, a hint for --no-fallback), or
+# ("", ""). A snapshot shares the target's private pages; each one either of them writes while
+# it lives is copied and charged to the target's memory cgroup (the clone is born in it) and
+# taken from the machine, up to all of the target's resident private memory. When the cgroup
+# (or an ancestor) has less room left before its limit, or the machine has less available
+# memory and free swap, the OOM killer could run, and killing the snapshot first
+# (oom_score_adj 1000) did not save the target: it was killed in 5 of 6 such OOMs in a memory
+# cgroup (reliability record). Then the sweep reads the stopped target instead, which writes
+# none of its pages.
+def _no_room(pid: int) -> Tuple[str, str]:
     try:
         room = procfs.memory_room(pid)
         need = procfs.read_rss_anon(pid)
     except (OSError, ValueError) as exc:
         log.debug("process %d's memory cgroup not read: %s", pid, exc)
-        return ""
-    if room is None or room[0] >= need:
-        return ""
-    return (f"its memory cgroup {room[1]} has {room[0] >> 20} MiB left before its limit, less "
-            f"than the {need >> 20} MiB of private memory a copy-on-write snapshot may have to "
-            "copy there, and its OOM killer could then kill the target")
+        return "", ""
+    copy = f"the {need >> 20} MiB of private memory a copy-on-write snapshot may have to copy"
+    if room is not None and room[0] < need:
+        return (f"its memory cgroup {room[1]} has {room[0] >> 20} MiB left before its limit, "
+                f"less than {copy} there, and its OOM killer could then kill the target",
+                "raise the memory limit of that cgroup, or leave out --no-fallback: the check "
+                "then reads the stopped target directly")
+    free = procfs.machine_room()
+    if free is not None and free < need:
+        return (f"the machine has {free >> 20} MiB of available memory and free swap, less "
+                f"than {copy}, and the kernel's OOM killer could then kill the target",
+                "free memory on the machine, or leave out --no-fallback: the check then reads "
+                "the stopped target directly")
+    return "", ""
 
 
 def _direct(fz: Frozen, reason: str, allow_direct: bool, seccomp: bool = False,
@@ -455,11 +465,9 @@ def _take_snapshot(fz: Frozen, allow_direct: bool = True, allow_seccomp: bool = 
     fz.check_owner()
     if fz.thawed:
         raise CollectionError(f"process {fz.pid} must be frozen to take a snapshot")
-    short = _no_room(fz.pid)
+    short, hint = _no_room(fz.pid)
     if short:
-        return _direct(fz, short, allow_direct,
-                       hint="raise the memory limit of that cgroup, or leave out --no-fallback: "
-                            "the check then reads the stopped target directly")
+        return _direct(fz, short, allow_direct, hint=hint)
     # (a target killed meanwhile fails the injection with ESRCH: _raise_inject names it)
     tid, insn, restore_rt, refusals = sites.choose_thread(fz, tid, allow_unreadable=allow_seccomp,
                                                     guarded=guarded)

@@ -22,6 +22,7 @@ import time
 import pytest
 
 import fixtures
+from memunreachable import cli
 from memunreachable.collect import leftovers, procfs
 from memunreachable.sweep import retake, steps
 from memunreachable._errors import CollectionError, HeapCorrupt, IncompleteCheck
@@ -534,3 +535,43 @@ def test_an_in_process_check_out_of_memory_loses_its_helper_never_the_process():
                                            "checked True 1200000"], res.stdout + res.stderr
     finally:
         os.rmdir(os.path.dirname(procs))
+
+
+def test_a_target_larger_than_the_machine_s_free_memory_is_swept_without_a_snapshot(
+        leak_lib, monkeypatch, capsys):
+    # the same rule for the whole machine: less available memory and free swap than the
+    # target's private memory (a shortage this machine cannot safely make for real: the
+    # reading of /proc/meminfo is replaced, test_procfs reads real texts) is a direct sweep
+    # with the reason, --no-fallback a refusal with a hint, and a snapshot again with room
+    target = subprocess.Popen([sys.executable, "-c", NEAR_LIMIT, leak_lib],
+                              stdin=subprocess.PIPE, stdout=subprocess.PIPE, text=True)
+    try:
+        block = target.stdout.readline().split()
+        assert block[0] == "block" and target.stdout.readline().strip() == "ready"
+        leak = (int(block[1], 16), int(block[2]))
+        real = procfs.machine_room()
+        assert real is not None and real > procfs.read_rss_anon(target.pid)
+        monkeypatch.setattr(procfs, "machine_room", lambda: 48 << 20)
+
+        info = check(target.pid)
+        assert info.snapshot_mode == "direct" and leak_set(info) == {leak}
+        assert any(w.startswith("no snapshot (the machine has 48 MiB of available memory and "
+                                "free swap, less than the ") and "could then kill the target"
+                   in w for w in info.warnings), info.warnings
+        assert snapshot_children(target.pid) == [] and target.poll() is None
+        assert leftovers.read_stat(target.pid).state not in ("t", "T")
+
+        capsys.readouterr()
+        assert cli.main(["check", "--no-fallback", str(target.pid)]) == 3
+        out, err = capsys.readouterr()
+        assert out == "" and f"no snapshot of process {target.pid}: the machine has 48 MiB" in err
+        assert "hint: free memory on the machine, or leave out --no-fallback" in err, err
+
+        monkeypatch.undo()
+        info = check(target.pid)
+        assert info.snapshot_mode == "clone" and leak_set(info) == {leak}
+        assert target.poll() is None
+    finally:
+        target.kill()
+        target.wait()
+        target.stdout.close()

@@ -282,3 +282,25 @@ def _files(root, cgroup_text):
     def read(path):
         return cgroup_text if path.startswith("/proc/") else real(path)
     return read
+
+
+MEMINFO = """MemTotal:       23069176 kB
+MemFree:         1031256 kB
+MemAvailable:   20245012 kB
+Buffers:          355332 kB
+SwapTotal:       2097148 kB
+SwapFree:        1048576 kB
+HugePages_Total:       0
+Hugepagesize:       2048 kB
+"""
+
+
+def test_meminfo_room_is_available_memory_and_free_swap():
+    assert procfs.meminfo_room(MEMINFO) == (20245012 + 1048576) * 1024
+    no_swap = "\n".join(l for l in MEMINFO.splitlines() if not l.startswith("Swap"))
+    assert procfs.meminfo_room(no_swap) == 20245012 * 1024
+    assert procfs.meminfo_room("MemTotal: 1000 kB\nMemFree: 10 kB\n") is None   # Linux < 3.14
+    with open("/proc/meminfo") as f:                # this machine's: a number, under its total
+        text = f.read()
+    total = int(text.split("MemTotal:")[1].split()[0]) << 10
+    assert 0 < procfs.meminfo_room(text) <= total + (int(text.split("SwapTotal:")[1].split()[0]) << 10)
