@@ -293,6 +293,8 @@ def sweep(mem, maps, threads, pid: int, confirm: Optional[set] = None,
         folded = leaks.fold(leak_flags, dead=dead)
     else:
         folded = fold(image, leak_flags, dead=dead)
+    if py is not None and py.heads is not None and folded:
+        folded = _reheaded(folded, py.heads([(f.index, f.blocks) for f in folded]), sizes)
     garbage = (fold(image, py.garbage_flags, dead=dead)
                if py is not None and py.garbage else [])
     t_fold = time.monotonic()
@@ -376,6 +378,23 @@ def sweep(mem, maps, threads, pid: int, confirm: Optional[set] = None,
 INDIRECT_LIMIT = 1000
 
 
+def _reheaded(folded, heads: dict, sizes) -> list:
+    """folded (FoldedLeak, by index) with the heads in `heads` ({head: another block of its
+    entry, in its cycle}) swapped with those blocks, again by index."""
+    if not heads:
+        return folded
+    from memunreachable.sweep.folding import FoldedLeak
+    out = []
+    for f in folded:
+        new = heads.get(f.index)
+        if new is not None:     # the same cycle: the same blocks referenced, but the head's
+            f = FoldedLeak(new, f.referenced_count,
+                           f.referenced_size + sizes[f.index] - sizes[new],
+                           sorted([b for b in f.blocks if b != new] + [f.index]))
+        out.append(f)
+    return sorted(out, key=lambda f: f.index)
+
+
 def _entry(f, begins, sizes, contents, objects) -> SweepEntry:
     addr, size = begins[f.index], sizes[f.index]
     e = SweepEntry(addr, size, f.referenced_count, f.referenced_size,
@@ -423,7 +442,8 @@ class _NoCPython(Fields):
 
 
 class _PythonLeaks(Fields):
-    __slots__ = ("objects", "garbage", "leak_flags", "garbage_flags", "warnings", "dead", "reader")
+    __slots__ = ("objects", "garbage", "leak_flags", "garbage_flags", "warnings", "dead", "reader",
+                 "heads")
 
     def __init__(self,
                  objects: dict,           # allocation index -> PyObjectInfo
@@ -433,7 +453,9 @@ class _PythonLeaks(Fields):
                  # marked flags with the leaks marked too: fold the garbage (None: no garbage)
                  garbage_flags: Optional[bytearray], warnings: list,
                  dead: int = 0,           # unreachable refcount-0 (dead) objects, not reported
-                 reader: object = None):  # the ObjectReader (reprs of the entries' heads)
+                 reader: object = None,   # the ObjectReader (reprs of the entries' heads)
+                 # [(head, blocks)] -> {head: the leaked object to head its entry instead}
+                 heads=None):
         self.objects = objects
         self.garbage = garbage
         self.leak_flags = leak_flags
@@ -441,6 +463,7 @@ class _PythonLeaks(Fields):
         self.warnings = warnings
         self.dead = dead
         self.reader = reader
+        self.heads = heads
 
 
 def _python_objects(mem, cps, image, marked, contents) -> _PythonLeaks:
@@ -458,9 +481,9 @@ def _python_objects(mem, cps, image, marked, contents) -> _PythonLeaks:
         return _PythonLeaks({}, set(), marked, None, warnings, 0, reader)
     objects = O.objects_in(reader, begins, sizes, unmarked, contents.read)
     head_word = cps.dead.head_word if cps.dead is not None else None
-    garbage, _ = O.split_garbage(begins, sizes, unmarked, objects,
-                                 lambda i: O.block_words(contents.view(begins[i], sizes[i]),
-                                                         head_word, i))
+    garbage, internal, edges = O.split_garbage(
+        begins, sizes, unmarked, objects,
+        lambda i: O.block_words(contents.view(begins[i], sizes[i]), head_word, i))
     if garbage is None:
         warnings.append(f"{len(unmarked)} unreachable blocks are too many to tell cyclic "
                         "garbage from leaks: all are reported as leaks")
@@ -480,7 +503,9 @@ def _python_objects(mem, cps, image, marked, contents) -> _PythonLeaks:
         for i in unmarked:
             if i not in garbage:
                 garbage_flags[i] = 1
-    return _PythonLeaks(objects, garbage, leak_flags, garbage_flags, warnings, len(dead), reader)
+    heads = functools.partial(O.leak_heads, objects=objects, internal=internal, edges=edges)
+    return _PythonLeaks(objects, garbage, leak_flags, garbage_flags, warnings, len(dead), reader,
+                        heads)
 
 
 def _unmarked(marked) -> list:

@@ -138,18 +138,18 @@ def test_split_garbage_cycle_leak_and_native_block():
             2: O.PyObjectInfo(begins[2] + 16, "list", 2), 4: O.PyObjectInfo(begins[4], "int", 1)}
     words = {0: [objs[1].address, begins[6] + 8], 1: [objs[0].address], 2: [begins[3], objs[2].address],
              3: [objs[4].address], 4: [], 5: [], 6: []}
-    garbage, internal = O.split_garbage(begins, sizes, range(7), objs,
+    garbage, internal, _ = O.split_garbage(begins, sizes, range(7), objs,
                                         lambda i: array("Q", words[i]))
     assert garbage == {0, 1}
     assert internal == {0: 1, 1: 1, 2: 1, 4: 1}
     # a non-object block that holds an object pointer and only garbage reaches: garbage too
     words[6] = [objs[0].address]
-    garbage, _ = O.split_garbage(begins, sizes, range(7), objs, lambda i: array("Q", words[i]))
+    garbage, _, _ = O.split_garbage(begins, sizes, range(7), objs, lambda i: array("Q", words[i]))
     assert garbage == {0, 1, 6}
     # a dead object (refcount 0) has no edges and explains nothing: Y's count is a surplus,
     # Y is leaked, and so is what it reaches
     objs[0] = O.PyObjectInfo(begins[0] + 16, "list", 0)
-    garbage, internal = O.split_garbage(begins, sizes, range(7), objs, lambda i: array("Q", words[i]))
+    garbage, internal, _ = O.split_garbage(begins, sizes, range(7), objs, lambda i: array("Q", words[i]))
     assert internal[1] == 0 and garbage == set()
 
 
@@ -174,14 +174,44 @@ def test_split_garbage_owned_buffers_are_parts_of_garbage():
              2: [1, 0x303, 4, 1, 0xFFFFFFFFFFFFFFFE], 3: [0x7200, 0x7210], 4: [],
              5: [0, 0, 1, 0x7300, d.address, x.address, y.address],
              6: [0, 0, 1, 0x7300, c.address]}
-    garbage, _ = O.split_garbage(begins, sizes, range(7), objs, lambda i: array("Q", words[i]))
+    garbage, _, _ = O.split_garbage(begins, sizes, range(7), objs, lambda i: array("Q", words[i]))
     assert garbage == {0, 1, 2, 3, 5, 6}
     # without the typed fields (the rule before): both buffers read as native leaks
     plain = dict(objs)
     plain[0], plain[1] = O.PyObjectInfo(d.address, "dict", 1), O.PyObjectInfo(x.address, "list", 1)
-    garbage, _ = O.split_garbage(begins, sizes, range(7), plain, lambda i: array("Q", words[i]))
+    garbage, _, _ = O.split_garbage(begins, sizes, range(7), plain, lambda i: array("Q", words[i]))
     assert garbage == {0, 1, 5, 6}
 
+
+
+def test_leak_heads_names_the_leaked_object_of_a_cycle():
+    # 0 a key table (native), 1 a module (refcount 4: 3 from its functions), 2-4 its functions,
+    # 5 its dict: module -> dict -> key table -> functions -> module, one cycle
+    mod = O.PyObjectInfo(A + 0x110, "module", 4)
+    objs = {1: mod, 5: O.PyObjectInfo(A + 0x510, "dict", 1)}
+    objs.update({k: O.PyObjectInfo(A + 0x100 * k, "builtin_function_or_method", 1) for k in (2, 3, 4)})
+    internal = {1: 3, 2: 1, 3: 1, 4: 1, 5: 1}
+    edges = {0: [2, 3, 4], 1: [5], 2: [1], 3: [1], 4: [1], 5: [0]}
+    assert O.leak_heads([(0, (1, 2, 3, 4, 5))], objs, internal, edges) == {0: 1}
+    # a native block that holds the module but that the module does not reach heads its entry
+    assert O.leak_heads([(0, (1, 2, 3, 4, 5))], objs, internal, {**edges, 5: []}) == {}
+    # a head whose own reference leaked stays; so does one no leaked object is with
+    assert O.leak_heads([(1, (0, 2, 3, 4, 5))], objs, internal, edges) == {}
+    assert O.leak_heads([(0, (1, 2, 3, 4, 5))], objs, {**internal, 1: 4}, edges) == {}
+    # an immortal object never heads (its count is no leak)
+    objs[1] = O.PyObjectInfo(A + 0x110, "module", 4, immortal=True)
+    assert O.leak_heads([(0, (1, 2, 3, 4, 5))], objs, internal, edges) == {}
+
+
+def test_reheaded_entries_keep_their_blocks_and_totals():
+    from memunreachable.sweep.folding import FoldedLeak
+    from memunreachable.sweep.steps import _reheaded
+    sizes = [584, 80, 64, 64, 48]
+    folded = [FoldedLeak(0, 3, 80 + 64 + 64, (1, 2, 3)), FoldedLeak(4, 0, 0, ())]
+    out = _reheaded(folded, {0: 1}, sizes)
+    assert [(f.index, f.referenced_count, f.referenced_size, f.blocks) for f in out] == \
+        [(1, 3, 584 + 64 + 64, (0, 2, 3)), (4, 0, 0, ())]
+    assert _reheaded(folded, {}, sizes) is folded
 
 def test_owned_fields_per_version():
     assert L.owned_fields("dict", L.TPFLAGS_DICT_SUBCLASS, (3, 8)) == (32, 40)

@@ -11,6 +11,8 @@ the unreachable allocations and the GC-link words (head_word). Output:
                        reaches, and every non-object block that no object reaches or that
                        points at no unreachable object (a native leak, not an object's part).
                        The rest is garbage the cyclic GC will free (or refcount-0 dead objects).
+    leak_heads(...)    which leak entries a leaked object should head instead of a block of
+                       its cycle
 An object is recognised only when its ob_type is a type whose type chain ends in `type`
 (ob_type of ob_type ... is itself, named "type") and the object's offset in its block matches
 the type's flags (GC head, 3.11+ pre-header, debug-hook prefix).
@@ -283,15 +285,16 @@ def with_repr(reader: ObjectReader, info: PyObjectInfo, end: int) -> PyObjectInf
     return PyObjectInfo(info.address, info.type_name, info.refcount, info.immortal, r, info.owned)
 
 
-# Returns (garbage indices, internal reference count per object index), or (None, {}) when
-# the unreachable set is too large to examine (everything then stays a leak).
+# Returns (garbage indices, internal reference count per object index, edges: {index: the
+# unreachable blocks its words point into}), or (None, {}, {}) when the unreachable set is too
+# large to examine (everything then stays a leak).
 # words(i) -> array('Q') of block i's words with its GC-link words zeroed.
 def split_garbage(begins, sizes, indices: Sequence[int], objects: Dict[int, PyObjectInfo],
-                  words) -> Tuple[Optional[Set[int]], Dict[int, int]]:
+                  words) -> Tuple[Optional[Set[int]], Dict[int, int], Dict[int, List[int]]]:
     if not objects:
-        return set(), {}
+        return set(), {}, {}
     if sum(min(sizes[i], MAX_BLOCK_WORDS) for i in indices) > MAX_GARBAGE_BYTES:
-        return None, {}
+        return None, {}, {}
     order = sorted(indices)
     ub = [begins[i] for i in order]
     ue = [begins[i] + max(sizes[i], 1) for i in order]
@@ -342,7 +345,41 @@ def split_garbage(begins, sizes, indices: Sequence[int], objects: Dict[int, PyOb
     roots += [i for i in order if i not in objects and i not in owned
               and (i not in from_objects or i not in holds_objects)]
     leaked = reach(roots)
-    return {i for i in order if i not in leaked}, internal
+    return {i for i in order if i not in leaked}, internal, edges
+
+
+# Returns {entry head: new head} for the leak entries (head index, the indices of its other
+# blocks) whose head should be another block of theirs: the Python object whose reference
+# leaked (its ob_refcnt exceeds the references the unreachable set holds to it: the missing
+# Py_DECREF's object), when the head is no such object and that object reaches the head (so
+# both lie in the head's cycle: folding's lowest-address member is arbitrary there). An idle
+# CPython 3.8 leaks its first _warnings module: it, its dict, the dict's key table and the
+# module's functions (each holding the module) form one cycle, which the key table (in the
+# brk heap, below the pymalloc arenas) headed as a 584-byte native block, the module nowhere
+# named. An entry keeps its head when several such objects could replace it (the lowest is
+# taken) only if none reaches it.
+def leak_heads(entries, objects: Dict[int, PyObjectInfo], internal: Dict[int, int],
+               edges: Dict[int, List[int]], max_members: int = 1 << 16) -> Dict[int, int]:
+    def leaked_ref(i: int) -> bool:
+        info = objects.get(i)
+        return info is not None and not info.immortal and info.refcount > internal.get(i, 0)
+
+    out = {}
+    for head, blocks in entries:
+        if leaked_ref(head) or len(blocks) > max_members:
+            continue
+        members = set(blocks)
+        for r in sorted(b for b in blocks if leaked_ref(b)):
+            seen, stack = {r}, [r]
+            while stack and head not in seen:
+                for t in edges.get(stack.pop(), ()):
+                    if t not in seen and (t in members or t == head):
+                        seen.add(t)
+                        stack.append(t)
+            if head in seen:
+                out[head] = r
+                break
+    return out
 
 
 def _owned_blocks(info: PyObjectInfo, begin: int, ws, ub, ue, order) -> List[int]:
