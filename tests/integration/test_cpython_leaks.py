@@ -426,45 +426,6 @@ sys.stdin.read(1)
 """
 
 
-
-# A list leaked by reference count (one reference taken and never released) that holds
-# itself: its item array (201 pointers: a glibc block under either allocator, below the
-# pymalloc arenas) and the list form one cycle. Its entry is headed by the list, whose reference
-# leaked, not by the cycle's lowest-address block (an idle CPython 3.8 so reported its leaked
-# first _warnings module as a 584-byte native block, its dict's key table).
-SELF_LIST = r"""
-import gc, json, sys
-gc.disable()
-sys.path.insert(0, sys.argv[1])
-import pyleaks
-print("baseline", flush=True)
-sys.stdin.readline()
-def plant():
-    x = [None] * 200
-    x.append(x)
-    pyleaks.incref(x)
-    return {"list": [id(x), 8 * 201]}
-made = plant()
-print(json.dumps(made))
-print("ready", flush=True)
-sys.stdin.read(1)
-"""
-
-
-@pytest.mark.parametrize("allocator", ["pymalloc", "malloc"])
-@pytest.mark.parametrize("python", interpreters(), ids=_ident)
-def test_a_leaked_object_heads_its_cycle(python, allocator):
-    made, info, before = run_target(python, SELF_LIST, allocator,
-                                    expect=lambda made: [made["list"][0] - 16])
-    leaks = [l for l in info.leaks if l.address not in before]
-    lst = next(l for l in leaks if l.address == made["list"][0] - 16)
-    assert (lst.python_type, lst.refcount) == ("list", 2)
-    assert lst.referenced_count == 1 and lst.num_indirect == 1
-    items = lst.indirect[0]
-    assert items.size >= made["list"][1] and lst.referenced_size == items.size
-    assert [l.address for l in leaks] == [lst.address], [(hex(l.address), l.python_type)
-                                                         for l in leaks]
-
 def test_cli_cyclic_garbage_is_not_a_leak():
     # the default interpreter of the matrix's newest pyenv build: exit 0, garbage listed apart
     python = max((p for p in host_interpreters() if "/versions/" in p), key=_minor)
@@ -1158,3 +1119,30 @@ def test_stale_words_in_live_objects_are_no_references(python, allocator, script
     assert {a: want[a][0] for a in want if a not in got} == {}, "missed"
     assert {a: size for a, size in got.items() if a not in want} == {}, "false leaks"
     assert all(got[a] == want[a][1] for a in got)
+
+
+# A list leaked by reference count (one reference taken and never released) that holds
+# itself: its item array (201 pointers: a glibc block under either allocator, below the
+# pymalloc arenas) and the list form one cycle. Its entry is headed by the list, whose reference
+# leaked, not by the cycle's lowest-address block (an idle CPython 3.8 so reported its leaked
+# first _warnings module as a 584-byte native block, its dict's key table).
+SELF_LIST = slack_target(plant="""    x = [None] * 200
+    x.append(x)
+    pyleaks.incref(x)
+    made["list"] = [id(x), 8 * 201]
+""")
+
+
+@pytest.mark.parametrize("allocator", ["pymalloc", "malloc"])
+@pytest.mark.parametrize("python", interpreters(), ids=_ident)
+def test_a_leaked_object_heads_its_cycle(python, allocator):
+    made, info, before = run_target(python, SELF_LIST, allocator,
+                                    expect=lambda made: [made["list"][0] - 16])
+    leaks = [l for l in info.leaks if l.address not in before]
+    lst = next(l for l in leaks if l.address == made["list"][0] - 16)
+    assert (lst.python_type, lst.refcount) == ("list", 2)
+    assert lst.referenced_count == 1 and lst.num_indirect == 1
+    items = lst.indirect[0]
+    assert items.size >= made["list"][1] and lst.referenced_size == items.size
+    assert [l.address for l in leaks] == [lst.address], [(hex(l.address), l.python_type)
+                                                         for l in leaks]

@@ -10,6 +10,7 @@ Every test also asserts the target is left running with no child.
 """
 from __future__ import annotations
 
+import contextlib
 import logging
 import os
 import random
@@ -418,6 +419,39 @@ def _cgroup_file(procs: str, v1: str, v2: str) -> str:
     return os.path.join(d, v1 if os.path.exists(os.path.join(d, v1)) else v2)
 
 
+@contextlib.contextmanager
+def _near_limit_target(leak_lib, **popen):
+    """A NEAR_LIMIT target (popen: more arguments of Popen); yields it and its leak
+    (address, usable size) as it printed them; killed after."""
+    target = subprocess.Popen([sys.executable, "-c", NEAR_LIMIT, leak_lib], stdin=subprocess.PIPE,
+                              stdout=subprocess.PIPE, text=True, **popen)
+    try:
+        block = target.stdout.readline().split()
+        assert block[0] == "block" and target.stdout.readline().strip() == "ready"
+        yield target, (int(block[1], 16), int(block[2]))
+    finally:
+        target.kill()
+        target.wait()
+        target.stdout.close()
+
+
+def _swept_directly(target, leak, reason: str) -> None:
+    """A check of target reads it stopped (no snapshot), says `reason` (the warning's start)
+    and why the target could die, finds exactly its leak, and leaves it running."""
+    info = check(target.pid)
+    assert info.snapshot_mode == "direct" and leak_set(info) == {leak}
+    assert any(w.startswith(f"no snapshot ({reason}") and "could then kill the target" in w
+               for w in info.warnings), info.warnings
+    assert snapshot_children(target.pid) == [] and target.poll() is None
+    assert leftovers.read_stat(target.pid).state not in ("t", "T")
+
+
+def _snapshot_again(target, leak) -> None:
+    info = check(target.pid)
+    assert info.snapshot_mode == "clone" and leak_set(info) == {leak}
+    assert target.poll() is None
+
+
 def test_a_target_near_its_memory_cgroup_limit_is_swept_without_a_snapshot(leak_lib):
     # a snapshot may come to copy all of the target's private memory into its cgroup; with
     # less room than that left before the limit, the check reads the stopped target instead
@@ -425,47 +459,32 @@ def test_a_target_near_its_memory_cgroup_limit_is_swept_without_a_snapshot(leak_
     # with a hint; with room again, the same target is checked from a snapshot
     name = f"memunreachable-test-room-{os.getpid()}"
     procs = _memory_cgroup(name, 1 << 30)
-    target = subprocess.Popen([sys.executable, "-c", NEAR_LIMIT, leak_lib],
-                              stdin=subprocess.PIPE, stdout=subprocess.PIPE, text=True,
-                              preexec_fn=_joining(procs))
     limit = _cgroup_file(procs, "memory.limit_in_bytes", "memory.max")
     try:
-        block = target.stdout.readline().split()
-        assert block[0] == "block" and target.stdout.readline().strip() == "ready"
-        leak = (int(block[1], 16), int(block[2]))
-        with open(_cgroup_file(procs, "memory.usage_in_bytes", "memory.current")) as f:
-            usage = int(f.read())
-        with open(os.path.join(os.path.dirname(procs), "memory.stat")) as f:
-            cache = procfs.cgroup_room(str(usage), str(usage), f.read())   # its page cache
-        rss = procfs.read_rss_anon(target.pid)
-        assert rss > 64 << 20
-        with open(limit, "w") as f:         # 16 MiB above what it cannot give back
-            f.write(str(usage - cache + (16 << 20)))
-        room = procfs.memory_room(target.pid)
-        assert room is not None and room[0] < rss and room[1] == os.path.dirname(procs), room
+        with _near_limit_target(leak_lib, preexec_fn=_joining(procs)) as (target, leak):
+            with open(_cgroup_file(procs, "memory.usage_in_bytes", "memory.current")) as f:
+                usage = int(f.read())
+            with open(os.path.join(os.path.dirname(procs), "memory.stat")) as f:
+                cache = procfs.cgroup_room(str(usage), str(usage), f.read())   # its page cache
+            rss = procfs.read_rss_anon(target.pid)
+            assert rss > 64 << 20
+            with open(limit, "w") as f:         # 16 MiB above what it cannot give back
+                f.write(str(usage - cache + (16 << 20)))
+            room = procfs.memory_room(target.pid)
+            assert room is not None and room[0] < rss and room[1] == os.path.dirname(procs), room
 
-        info = check(target.pid)
-        assert info.snapshot_mode == "direct" and leak_set(info) == {leak}
-        assert any(w.startswith(f"no snapshot (its memory cgroup {os.path.dirname(procs)} has ")
-                   and "could then kill the target" in w for w in info.warnings), info.warnings
-        assert snapshot_children(target.pid) == [] and target.poll() is None
-        assert leftovers.read_stat(target.pid).state not in ("t", "T")
+            _swept_directly(target, leak, f"its memory cgroup {os.path.dirname(procs)} has ")
+            res = subprocess.run([sys.executable, "-m", "memunreachable", "check",
+                                  "--no-fallback", str(target.pid)],
+                                 capture_output=True, text=True, timeout=120)
+            assert res.returncode == 3 and res.stdout == "", res.stdout + res.stderr
+            assert f"no snapshot of process {target.pid}: its memory cgroup" in res.stderr
+            assert "hint: raise the memory limit of that cgroup" in res.stderr
 
-        res = subprocess.run([sys.executable, "-m", "memunreachable", "check", "--no-fallback",
-                              str(target.pid)], capture_output=True, text=True, timeout=120)
-        assert res.returncode == 3 and res.stdout == "", res.stdout + res.stderr
-        assert f"no snapshot of process {target.pid}: its memory cgroup" in res.stderr
-        assert "hint: raise the memory limit of that cgroup" in res.stderr
-
-        with open(limit, "w") as f:         # room for every private page: a snapshot
-            f.write(str(usage + 2 * rss))
-        info = check(target.pid)
-        assert info.snapshot_mode == "clone" and leak_set(info) == {leak}
-        assert target.poll() is None
+            with open(limit, "w") as f:         # room for every private page: a snapshot
+                f.write(str(usage + 2 * rss))
+            _snapshot_again(target, leak)
     finally:
-        target.kill()
-        target.wait()
-        target.stdout.close()
         os.rmdir(os.path.dirname(procs))
 
 
@@ -543,35 +562,16 @@ def test_a_target_larger_than_the_machine_s_free_memory_is_swept_without_a_snaps
     # target's private memory (a shortage this machine cannot safely make for real: the
     # reading of /proc/meminfo is replaced, test_procfs reads real texts) is a direct sweep
     # with the reason, --no-fallback a refusal with a hint, and a snapshot again with room
-    target = subprocess.Popen([sys.executable, "-c", NEAR_LIMIT, leak_lib],
-                              stdin=subprocess.PIPE, stdout=subprocess.PIPE, text=True)
-    try:
-        block = target.stdout.readline().split()
-        assert block[0] == "block" and target.stdout.readline().strip() == "ready"
-        leak = (int(block[1], 16), int(block[2]))
+    with _near_limit_target(leak_lib) as (target, leak):
         real = procfs.machine_room()
         assert real is not None and real > procfs.read_rss_anon(target.pid)
         monkeypatch.setattr(procfs, "machine_room", lambda: 48 << 20)
-
-        info = check(target.pid)
-        assert info.snapshot_mode == "direct" and leak_set(info) == {leak}
-        assert any(w.startswith("no snapshot (the machine has 48 MiB of available memory and "
-                                "free swap, less than the ") and "could then kill the target"
-                   in w for w in info.warnings), info.warnings
-        assert snapshot_children(target.pid) == [] and target.poll() is None
-        assert leftovers.read_stat(target.pid).state not in ("t", "T")
-
+        _swept_directly(target, leak, "the machine has 48 MiB of available memory and free "
+                                      "swap, less than the ")
         capsys.readouterr()
         assert cli.main(["check", "--no-fallback", str(target.pid)]) == 3
         out, err = capsys.readouterr()
         assert out == "" and f"no snapshot of process {target.pid}: the machine has 48 MiB" in err
         assert "hint: free memory on the machine, or leave out --no-fallback" in err, err
-
         monkeypatch.undo()
-        info = check(target.pid)
-        assert info.snapshot_mode == "clone" and leak_set(info) == {leak}
-        assert target.poll() is None
-    finally:
-        target.kill()
-        target.wait()
-        target.stdout.close()
+        _snapshot_again(target, leak)
