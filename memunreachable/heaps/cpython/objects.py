@@ -352,33 +352,37 @@ def split_garbage(begins, sizes, indices: Sequence[int], objects: Dict[int, PyOb
 # blocks) whose head should be another block of theirs: the Python object whose reference
 # leaked (its ob_refcnt exceeds the references the unreachable set holds to it: the missing
 # Py_DECREF's object), when the head is no such object and that object reaches the head (so
-# both lie in the head's cycle: folding's lowest-address member is arbitrary there). An idle
-# CPython 3.8 leaks its first _warnings module: it, its dict, the dict's key table and the
-# module's functions (each holding the module) form one cycle, which the key table (in the
-# brk heap, below the pymalloc arenas) headed as a 584-byte native block, the module nowhere
-# named. An entry keeps its head when several such objects could replace it (the lowest is
-# taken) only if none reaches it.
+# both lie in the head's cycle: folding's lowest-address member is arbitrary there); the
+# lowest-index one of several. An idle CPython 3.8 leaks its first _warnings module: it, its
+# dict, the dict's key table and the module's functions (each holding the module) form one
+# cycle, which the key table (in the brk heap, below the pymalloc arenas) headed as a 584-byte
+# native block, the module nowhere named. One backward search from the head per entry.
 def leak_heads(entries, objects: Dict[int, PyObjectInfo], internal: Dict[int, int],
-               edges: Dict[int, List[int]], max_members: int = 1 << 16) -> Dict[int, int]:
+               edges: Dict[int, List[int]]) -> Dict[int, int]:
     def leaked_ref(i: int) -> bool:
         info = objects.get(i)
         return info is not None and not info.immortal and info.refcount > internal.get(i, 0)
 
     out = {}
     for head, blocks in entries:
-        if leaked_ref(head) or len(blocks) > max_members:
+        if leaked_ref(head) or not any(leaked_ref(b) for b in blocks):
             continue
         members = set(blocks)
-        for r in sorted(b for b in blocks if leaked_ref(b)):
-            seen, stack = {r}, [r]
-            while stack and head not in seen:
-                for t in edges.get(stack.pop(), ()):
-                    if t not in seen and (t in members or t == head):
-                        seen.add(t)
-                        stack.append(t)
-            if head in seen:
-                out[head] = r
-                break
+        members.add(head)
+        back: Dict[int, List[int]] = {}
+        for i in members:
+            for t in edges.get(i, ()):
+                if t in members:
+                    back.setdefault(t, []).append(i)
+        seen, stack = {head}, [head]
+        while stack:
+            for s in back.get(stack.pop(), ()):
+                if s not in seen:
+                    seen.add(s)
+                    stack.append(s)
+        found = [i for i in seen if i != head and leaked_ref(i)]
+        if found:
+            out[head] = min(found)
     return out
 
 
