@@ -249,3 +249,30 @@ def classify(maps: Sequence[Mapping], threads: Sequence[ThreadState],
             roots.kinds[piece] = kind
     roots.ranges.sort(key=lambda r: r.begin)
     return roots
+
+
+# Anonymous memory read as roots from this many bytes on, and more than the heap's allocations,
+# is said in the report: it may be another allocator's heap.
+UNMANAGED_MIN = 64 << 20
+
+
+def unmanaged_memory(roots: RootSet, heap_bytes: int) -> List[str]:
+    """A warning (or none) when the anonymous memory read as roots (mappings no heap the sweep
+    knows covers, untouched runs left out: user mmaps, an allocator of the program's own or a
+    language runtime's heap) is at least UNMANAGED_MIN bytes and more than heap_bytes, the
+    bytes of the allocations found. Blocks another allocator keeps there are scanned as roots,
+    never checked: a statically linked jemalloc with prefixed names, a pool over mmap, a JIT's
+    or garbage collector's heap; a check of such a process could otherwise only say "no
+    leaks" about its glibc blocks."""
+    anon = sum(r.size for r in roots.ranges if roots.kinds.get(r) == "anon")
+    if anon < UNMANAGED_MIN or anon <= heap_bytes:
+        return []
+    return [f"{anon >> 20} MiB of anonymous memory outside the heaps this check knows (more "
+            f"than the {_mib(heap_bytes)} of allocations it found) was read as roots, never "
+            "checked as allocations: leaks of another allocator there (a statically linked "
+            "or prefixed jemalloc or tcmalloc, a pool over mmap, a runtime's own heap) are "
+            "not seen"]
+
+
+def _mib(n: int) -> str:
+    return f"{n >> 20} MiB" if n >= 1 << 20 else f"{n >> 10} KiB"

@@ -37,7 +37,7 @@ from memunreachable.stacks import tracking
 from memunreachable.sweep import detect, retake
 from memunreachable._errors import CollectionError, MemoryUnreadable, NoSuchProcess
 from memunreachable._types import Fields, HeapImage, Range
-from memunreachable.sweep.classify import classify, data_ranges, stack_maps, waiting
+from memunreachable.sweep.classify import classify, data_ranges, stack_maps, unmanaged_memory, waiting
 from memunreachable.sweep.folding import FoldedLeak, fold, size_totals
 from memunreachable.sweep.mark import DeadWords, mark, with_dead_ranges
 from memunreachable.collect.memory import (CopiedMemory, ProcessMemory, SnapshotPlan, read_copies,
@@ -302,6 +302,7 @@ def sweep(mem, maps, threads, pid: int, confirm: Optional[set] = None,
     leaked_mask = leak_flags.translate(_INVERT)
     mark_method, mark_reason = marked.method(uncopied)
     num_leaks, all_bytes, leak_bytes = size_totals(sizes, leaked_mask)
+    unmanaged = unmanaged_memory(roots, all_bytes)
     res = SweepResult(
         num_allocations=len(sizes),
         allocation_bytes=all_bytes,
@@ -342,7 +343,7 @@ def sweep(mem, maps, threads, pid: int, confirm: Optional[set] = None,
     res.meta = {
         "allocator": {"name": hw.allocator.name, "version": hw.allocator.version},
         "warnings": list(hw.soft_issues) + _tolerated_warning(mem) + cps.warnings
-                    + (py.warnings if py is not None else []),
+                    + (py.warnings if py is not None else []) + unmanaged,
         # what could not be seen: no "no leaks" verdict then (check's verdict())
         "incomplete": list(cps.blind),
         "stats": dict(hw.stats),

@@ -240,3 +240,23 @@ def test_readline_and_terminfo_state_found_in_a_real_process():
             names = {v.split(b"=")[0] for v in f.read().split(b"\0") if v} | {b"LINES", b"COLUMNS"}
         env = [t for t in rest if t.split(b"=")[0] in names and b"=" in t]
         assert len(rest) - len(env) in (0, 1) and len(env) >= len(names) - 2
+
+
+def test_another_allocator_s_memory_is_said_to_be_unchecked():
+    # 96 MiB of a pool of the program's own over mmap (as a prefixed, statically linked
+    # jemalloc keeps) beside 1 glibc leak: the leak exactly, and the report says that this
+    # much memory was read as roots and never checked as allocations; 16 MiB (less than the
+    # threshold) says nothing of the kind
+    with fixtures.start("own_pool", "96") as fx:
+        info = check(fx.pid)
+        leak = fx.blocks["leak_a"]
+        assert {(l.address, l.size) for l in info.leaks} == {(leak.address, leak.size)}
+        said = [w for w in info.warnings if "anonymous memory outside the heaps" in w]
+        assert len(said) == 1, info.warnings
+        mib = int(said[0].split()[0])
+        assert fx.expect["pool_bytes"] >> 20 <= mib <= (fx.expect["pool_bytes"] >> 20) + 2, said
+        assert "never checked as allocations" in said[0] and "are not seen" in said[0]
+    with fixtures.start("own_pool", "16") as fx:
+        info = check(fx.pid)
+        assert {l.address for l in info.leaks} == {fx.blocks["leak_a"].address}
+        assert not [w for w in info.warnings if "anonymous memory outside" in w], info.warnings

@@ -3,8 +3,8 @@ import struct
 
 from memunreachable._types import Mapping, Range, ThreadState
 from memunreachable.collect.procfs import guard_runs
-from memunreachable.sweep.classify import (RED_ZONE, classify, classify_mapping, register_words,
-                                           stack_maps)
+from memunreachable.sweep.classify import (RED_ZONE, RootSet, classify, classify_mapping,
+                                           register_words, stack_maps, unmanaged_memory)
 
 
 def m(begin, end, perms, path="", inode=0, offset=0):
@@ -198,3 +198,19 @@ def test_a_lone_thread_stack_is_cut_below_its_sp_as_before():
     maps = [m(0x100000, 0x110000, "rw-p", "")]
     roots = classify(maps, [ThreadState(1, regs(0x108000, fs_base=0x10f700))], [], [])
     assert roots.ranges == [Range(0x108000 - RED_ZONE, 0x110000)]
+
+
+def test_unmanaged_memory_is_said_from_64_mib_of_anonymous_roots_above_the_heap():
+    mib = 1 << 20
+    anon, stack, data = Range(0x10000000, 0x10000000 + 80 * mib), Range(0x7000, 0x9000), \
+        Range(0x400000, 0x400000 + 200 * mib)
+    roots = RootSet(ranges=[stack, data, anon], kinds={anon: "anon", stack: "stack", data: "data"})
+    said = unmanaged_memory(roots, 5 * mib)
+    assert len(said) == 1 and said[0].startswith(
+        "80 MiB of anonymous memory outside the heaps this check knows (more than the 5 MiB of "
+        "allocations it found) was read as roots, never checked as allocations")
+    assert "more than the 2 KiB of allocations" in unmanaged_memory(roots, 2048)[0]
+    assert unmanaged_memory(roots, 80 * mib) == []          # no more than the heap
+    small = RootSet(ranges=[Range(0, 63 * mib)], kinds={Range(0, 63 * mib): "anon"})
+    assert unmanaged_memory(small, 0) == []                  # under 64 MiB
+    assert unmanaged_memory(RootSet(ranges=[data], kinds={data: "data"}), 0) == []  # .data
