@@ -37,7 +37,8 @@ from memunreachable.stacks import tracking
 from memunreachable.sweep import detect, retake
 from memunreachable._errors import CollectionError, MemoryUnreadable, NoSuchProcess
 from memunreachable._types import Fields, HeapImage, Range
-from memunreachable.sweep.classify import classify, data_ranges, stack_maps, unmanaged_memory, waiting
+from memunreachable.sweep.classify import (classify, data_ranges, stack_maps, unmanaged_memory,
+                                           waiting)
 from memunreachable.sweep.folding import FoldedLeak, fold, size_totals
 from memunreachable.sweep.mark import DeadWords, mark, with_dead_ranges
 from memunreachable.collect.memory import (CopiedMemory, ProcessMemory, SnapshotPlan, read_copies,
@@ -384,7 +385,6 @@ def _reheaded(folded, heads: dict, sizes) -> list:
     entry, in its cycle}) swapped with those blocks, again by index."""
     if not heads:
         return folded
-    from memunreachable.sweep.folding import FoldedLeak
     out = []
     for f in folded:
         new = heads.get(f.index)
