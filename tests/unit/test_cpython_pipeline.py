@@ -115,6 +115,26 @@ def test_object_reader_names_types_and_values():
     assert r.object_in(A + 0x400, 64) is None
 
 
+
+def test_a_module_is_named_by_its_md_name():
+    # PyModuleObject: head, md_dict, md_def, md_state, md_weaklist, md_name (48; 3.15 dropped
+    # md_def: 40); the name is a str object of its own
+    for version, at in (((3, 12), 48), ((3, 15), 40)):
+        mem = memory()
+        mod_type, name = 0x7E00_0000_4000, A + 0x800
+        mem.blocks[mod_type] = type_object(NAMES + 64, HAVE_GC)
+        mem.blocks[NAMES + 64] = b"module\0".ljust(16, b"\0")
+        mem.blocks[name] = struct.pack("<QQqqI", 1, STR_TYPE, 9, -1, 0x64).ljust(40, b"\0") + b"_warnings\0"
+        obj = bytearray(struct.pack("<QQQQ", A, A, 4, mod_type)) + bytes(64)
+        struct.pack_into("<Q", obj, 16 + at, name)
+        mem.blocks[A] = bytes(obj)
+        r = O.ObjectReader(mem, version)
+        info = r.object_in(A, 80)
+        assert (info.address, info.type_name, info.refcount) == (A + 16, "module", 4)
+        assert r.short_repr("module", A + 16, A + 80) == "<module '_warnings'>"
+        mem.blocks[name] = struct.pack("<QQ", 1, LIST_TYPE) + bytes(48)     # no str: no name
+        assert O.ObjectReader(mem, version).short_repr("module", A + 16, A + 80) is None
+
 def test_a_dead_gc_object_needs_an_untracked_head():
     # refcount 0 at +16 under a GC type: dead (free-listed) only after an untracked PyGC_Head;
     # a live list's item array [item, stale, NULL, stale &list] is no object at all

@@ -668,3 +668,9 @@ def preheader_flags(version: Tuple[int, int]) -> int:
 def str_ascii_size(version: Tuple[int, int]) -> Tuple[int, int]:
     """(sizeof(PyASCIIObject), sizeof(PyCompactUnicodeObject)): the wstr fields went in 3.12."""
     return (40, 56) if version >= (3, 12) else (48, 72)
+
+
+def module_name_offset(version: Tuple[int, int]) -> int:
+    """PyModuleObject.md_name's offset: after md_dict, md_def, md_state and md_weaklist; 3.15
+    dropped md_def (moduleobject.c, pycore_moduleobject.h)."""
+    return 40 if version >= (3, 15) else 48

@@ -212,6 +212,11 @@ class ObjectReader:
                              n > MAX_REPR)
             if name == "str":
                 return self._str_repr(obj, end)
+            if name == "module":        # its name: a str object of its own
+                md_name = self._u64(obj + L.module_name_offset(self.version))
+                ti = self.type_info(self._u64(md_name + 8) or 0) if md_name else None
+                text = self._str_repr(md_name, md_name + 4096) if ti and ti[0] == "str" else None
+                return None if text is None else f"<module {text}>"
         except (struct.error, ValueError, OverflowError):
             return None
         return None
