@@ -482,9 +482,9 @@ def _python_objects(mem, cps, image, marked, contents) -> _PythonLeaks:
         return _PythonLeaks({}, set(), marked, None, warnings, 0, reader)
     objects = O.objects_in(reader, begins, sizes, unmarked, contents.read)
     head_word = cps.dead.head_word if cps.dead is not None else None
-    garbage, internal, edges = O.split_garbage(
-        begins, sizes, unmarked, objects,
-        lambda i: O.block_words(contents.view(begins[i], sizes[i]), head_word, i))
+    def words(i):
+        return O.block_words(contents.view(begins[i], sizes[i]), head_word, i)
+    garbage, _, edges = O.split_garbage(begins, sizes, unmarked, objects, words)
     if garbage is None:
         warnings.append(f"{len(unmarked)} unreachable blocks are too many to tell cyclic "
                         "garbage from leaks: all are reported as leaks")
@@ -504,7 +504,8 @@ def _python_objects(mem, cps, image, marked, contents) -> _PythonLeaks:
         for i in unmarked:
             if i not in garbage:
                 garbage_flags[i] = 1
-    heads = functools.partial(O.leak_heads, objects=objects, internal=internal, edges=edges)
+    heads = functools.partial(O.leak_heads, objects=objects, edges=edges,
+                              words=lambda i: words(i) if sizes[i] <= O.MAX_BLOCK_WORDS else ())
     return _PythonLeaks(objects, garbage, leak_flags, garbage_flags, warnings, len(dead), reader,
                         heads)
 

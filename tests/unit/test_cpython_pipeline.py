@@ -209,18 +209,25 @@ def test_leak_heads_names_the_leaked_object_of_a_cycle():
     # 5 its dict: module -> dict -> key table -> functions -> module, one cycle
     mod = O.PyObjectInfo(A + 0x110, "module", 4)
     objs = {1: mod, 5: O.PyObjectInfo(A + 0x510, "dict", 1)}
-    objs.update({k: O.PyObjectInfo(A + 0x100 * k, "builtin_function_or_method", 1) for k in (2, 3, 4)})
-    internal = {1: 3, 2: 1, 3: 1, 4: 1, 5: 1}
+    objs.update({k: O.PyObjectInfo(A + 0x100 * k, "builtin_function_or_method", 1)
+                 for k in (2, 3, 4)})
     edges = {0: [2, 3, 4], 1: [5], 2: [1], 3: [1], 4: [1], 5: [0]}
-    assert O.leak_heads([(0, (1, 2, 3, 4, 5))], objs, internal, edges) == {0: 1}
+    words = {0: [0x303, objs[2].address, objs[3].address, objs[4].address], 1: [objs[5].address],
+             2: [mod.address], 3: [mod.address, 7], 4: [mod.address], 5: [1, A]}
+    def heads(entries, objects=objs, e=edges, w=words):
+        return O.leak_heads(entries, objects, e, lambda i: w.get(i, ()))
+    assert heads([(0, (1, 2, 3, 4, 5))]) == {0: 1}
     # a native block that holds the module but that the module does not reach heads its entry
-    assert O.leak_heads([(0, (1, 2, 3, 4, 5))], objs, internal, {**edges, 5: []}) == {}
-    # a head whose own reference leaked stays; so does one no leaked object is with
-    assert O.leak_heads([(1, (0, 2, 3, 4, 5))], objs, internal, edges) == {}
-    assert O.leak_heads([(0, (1, 2, 3, 4, 5))], objs, {**internal, 1: 4}, edges) == {}
+    assert heads([(0, (1, 2, 3, 4, 5))], e={**edges, 5: []}) == {}
+    # a head whose own reference leaked stays
+    assert heads([(1, (0, 2, 3, 4, 5))]) == {}
+    # a stale copy of the module's address in a block outside the cycle changes nothing (a
+    # head must stay from check to check); inside it, it is one more reference held
+    assert heads([(0, (1, 2, 3, 4, 5)), (6, ())], w={**words, 6: [mod.address]}) == {0: 1}
+    assert heads([(0, (1, 2, 3, 4, 5))], w={**words, 5: [1, A, mod.address]}) == {}
     # an immortal object never heads (its count is no leak)
-    objs[1] = O.PyObjectInfo(A + 0x110, "module", 4, immortal=True)
-    assert O.leak_heads([(0, (1, 2, 3, 4, 5))], objs, internal, edges) == {}
+    immortal = {**objs, 1: O.PyObjectInfo(A + 0x110, "module", 4, immortal=True)}
+    assert heads([(0, (1, 2, 3, 4, 5))], objects=immortal) == {}
 
 
 def test_reheaded_entries_keep_their_blocks_and_totals():

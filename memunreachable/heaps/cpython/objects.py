@@ -355,39 +355,48 @@ def split_garbage(begins, sizes, indices: Sequence[int], objects: Dict[int, PyOb
 
 # Returns {entry head: new head} for the leak entries (head index, the indices of its other
 # blocks) whose head should be another block of theirs: the Python object whose reference
-# leaked (its ob_refcnt exceeds the references the unreachable set holds to it: the missing
-# Py_DECREF's object), when the head is no such object and that object reaches the head (so
-# both lie in the head's cycle: folding's lowest-address member is arbitrary there); the
-# lowest-index one of several. An idle CPython 3.8 leaks its first _warnings module: it, its
-# dict, the dict's key table and the module's functions (each holding the module) form one
-# cycle, which the key table (in the brk heap, below the pymalloc arenas) headed as a 584-byte
-# native block, the module nowhere named. One backward search from the head per entry.
-def leak_heads(entries, objects: Dict[int, PyObjectInfo], internal: Dict[int, int],
-               edges: Dict[int, List[int]]) -> Dict[int, int]:
-    def leaked_ref(i: int) -> bool:
-        info = objects.get(i)
-        return info is not None and not info.immortal and info.refcount > internal.get(i, 0)
-
+# leaked (the missing Py_DECREF's object: its ob_refcnt exceeds the references the head's
+# cycle holds to it), when the head is no such object; the lowest-index one of several.
+# Folding's lowest-address member is arbitrary in a cycle. An idle CPython 3.8 leaks its first
+# _warnings module: it, its dict, the dict's key table and the module's functions (each
+# holding the module) form one cycle, which the key table (in the brk heap, below the pymalloc
+# arenas) headed as a 584-byte native block, the module nowhere named. Only the cycle's own
+# words count (words(i): block i's words), so a head stays the same from check to check
+# whatever other unreachable blocks come and go (a baseline compares heads: a moved head
+# would read as a new leak).
+def leak_heads(entries, objects: Dict[int, PyObjectInfo], edges: Dict[int, List[int]],
+               words, max_members: int = 1 << 16) -> Dict[int, int]:
     out = {}
     for head, blocks in entries:
-        if leaked_ref(head) or not any(leaked_ref(b) for b in blocks):
+        if len(blocks) >= max_members:
             continue
         members = set(blocks)
         members.add(head)
+        if not any(i in objects and not objects[i].immortal for i in members):
+            continue
         back: Dict[int, List[int]] = {}
         for i in members:
             for t in edges.get(i, ()):
                 if t in members:
                     back.setdefault(t, []).append(i)
-        seen, stack = {head}, [head]
+        cycle, stack = {head}, [head]           # the members that reach the head
         while stack:
             for s in back.get(stack.pop(), ()):
-                if s not in seen:
-                    seen.add(s)
+                if s not in cycle:
+                    cycle.add(s)
                     stack.append(s)
-        found = [i for i in seen if i != head and leaked_ref(i)]
-        if found:
-            out[head] = min(found)
+        held = {objects[i].address: 0 for i in cycle
+                if i in objects and not objects[i].immortal}
+        if not held:
+            continue
+        for i in cycle:
+            for w in words(i):
+                if w in held:
+                    held[w] += 1
+        leaked = sorted(i for i in cycle if i in objects and not objects[i].immortal
+                        and objects[i].refcount > held[objects[i].address])
+        if leaked and head not in leaked:
+            out[head] = leaked[0]
     return out
 
 
