@@ -116,7 +116,7 @@ def test_object_reader_names_types_and_values():
 
 
 
-def test_a_module_is_named_by_its_md_name():
+def test_a_module_and_a_class_are_named():
     # PyModuleObject: head, md_dict, md_def, md_state, md_weaklist, md_name (48; 3.15 dropped
     # md_def: 40); the name is a str object of its own
     for version, at in (((3, 12), 48), ((3, 15), 40)):
@@ -134,6 +134,10 @@ def test_a_module_is_named_by_its_md_name():
         assert r.short_repr("module", A + 16, A + 80) == "<module '_warnings'>"
         mem.blocks[name] = struct.pack("<QQ", 1, LIST_TYPE) + bytes(48)     # no str: no name
         assert O.ObjectReader(mem, version).short_repr("module", A + 16, A + 80) is None
+    # a class is named by its tp_name; what is no type has no repr
+    r = O.ObjectReader(memory(), (3, 12))
+    assert r.short_repr("type", LIST_TYPE, LIST_TYPE + 400) == "<class 'list'>"
+    assert r.short_repr("type", A, A + 64) is None
 
 def test_a_dead_gc_object_needs_an_untracked_head():
     # refcount 0 at +16 under a GC type: dead (free-listed) only after an untracked PyGC_Head;

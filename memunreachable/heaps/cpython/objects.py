@@ -212,6 +212,9 @@ class ObjectReader:
                              n > MAX_REPR)
             if name == "str":
                 return self._str_repr(obj, end)
+            if name == "type":          # a class: its tp_name
+                ti = self.type_info(obj)
+                return None if ti is None else _clip(f"<class {ti[0]!r}>")
             if name == "module":        # its name: a str object of its own
                 md_name = self._u64(obj + L.module_name_offset(self.version))
                 ti = self.type_info(self._u64(md_name + 8) or 0) if md_name else None
