@@ -1146,3 +1146,43 @@ def test_a_leaked_object_heads_its_cycle(python, allocator):
     assert items.size >= made["list"][1] and lst.referenced_size == items.size
     assert [l.address for l in leaks] == [lst.address], [(hex(l.address), l.python_type)
                                                          for l in leaks]
+
+
+# An object leaked by reference count whose other holders are weak references (a WeakSet of
+# handlers, a WeakValueDictionary cache): a weak reference keeps nothing alive, so the object is
+# unreachable and its refcount says it leaked. Its twin, an object the same weak containers
+# hold and a list holds strongly, is no leak. Before weak references' referent words were
+# passed over, every interpreter missed the leak.
+WEAKLY_HELD = slack_target(classes="""
+import weakref
+REGISTRY = weakref.WeakSet()
+CACHE = weakref.WeakValueDictionary()
+STRONG = []
+
+class Handler:
+    pass
+""", plant="""    h = Handler()
+    REGISTRY.add(h)
+    CACHE["leaked"] = h
+    pyleaks.incref(h)
+    made["handler"] = [f"{id(h) - (sys.getsizeof(h) - Handler.__basicsize__):#x}", 0]
+    live = Handler()
+    REGISTRY.add(live)
+    CACHE["live"] = live
+    STRONG.append(live)
+    made["live"] = [f"{id(live):#x}", 0]
+""")
+
+
+@pytest.mark.parametrize("allocator", ["pymalloc", "malloc"])
+@pytest.mark.parametrize("python", interpreters(), ids=_ident)
+def test_an_object_only_weak_references_reach_is_a_leak(python, allocator):
+    made, info, before = run_target(python, WEAKLY_HELD, allocator,
+                                    expect=lambda made: [int(made["handler"][0], 16)])
+    leaks = [l for l in info.leaks if l.address not in before]
+    h = next(l for l in leaks if l.address == int(made["handler"][0], 16))
+    assert (h.python_type, h.refcount) == ("Handler", 1)
+    live = int(made["live"][0], 16)
+    assert not [l for l in info.leaks if l.address <= live < l.address + l.size]
+    assert [l.address for l in leaks] == [h.address], [(hex(l.address), l.python_type)
+                                                       for l in leaks]

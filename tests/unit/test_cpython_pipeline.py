@@ -86,7 +86,7 @@ def type_object(name_addr, flags):
 
 
 def memory(version=(3, 12)):
-    blocks = {TYPE_TYPE: type_object(NAMES, 0), LIST_TYPE: type_object(NAMES + 16, HAVE_GC),
+    blocks = {TYPE_TYPE: type_object(NAMES, L.TPFLAGS_TYPE_SUBCLASS), LIST_TYPE: type_object(NAMES + 16, HAVE_GC),
               STR_TYPE: type_object(NAMES + 32, 0), INT_TYPE: type_object(NAMES + 48, 0),
               NAMES: b"type\0".ljust(16, b"\0") + b"list\0".ljust(16, b"\0")
               + b"str\0".ljust(16, b"\0") + b"int\0".ljust(16, b"\0")}
@@ -138,6 +138,20 @@ def test_a_module_and_a_class_are_named():
     r = O.ObjectReader(memory(), (3, 12))
     assert r.short_repr("type", LIST_TYPE, LIST_TYPE + 400) == "<class 'list'>"
     assert r.short_repr("type", A, A + 64) is None
+
+
+def test_an_item_array_of_nones_is_no_object_of_type_none():
+    # None -> NoneType -> type: a chain that ends in type, but None is no type (its type has
+    # no TYPE_SUBCLASS flag); a list's item array [None, None, ...] (trixie's 3.13: None's
+    # "name", what follows it in .data, read "C.utf8") is no object
+    mem = memory()
+    none_type, none = 0x7E00_0000_5000, 0x7E00_0000_6000
+    mem.blocks[none_type] = type_object(NAMES + 16, 0)
+    mem.blocks[none] = struct.pack("<QQQQ", 1, none_type, 0, NAMES + 32)
+    mem.blocks[A] = struct.pack("<QQQQ", none, none, none, A)
+    r = O.ObjectReader(mem, (3, 13))
+    assert r.type_info(none) is None and r.type_info(none_type) == ("list", 0)
+    assert r.object_in(A, 64) is None
 
 def test_a_dead_gc_object_needs_an_untracked_head():
     # refcount 0 at +16 under a GC type: dead (free-listed) only after an untracked PyGC_Head;

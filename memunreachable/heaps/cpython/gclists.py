@@ -204,12 +204,27 @@ def deque_dead_ranges(image: HeapImage, head_word, deques: Sequence[int], free_o
 # Returns the heap types (GC objects of the metatypes metas) without Py_TPFLAGS_HAVE_GC, whose
 # objects no GC list holds, ascending.
 def untracked_heap_types(image: HeapImage, head_word, metas: Sequence[int]) -> List[int]:
-    if not metas:
+    return gc_objects_of(image, head_word, metas, L.TP_FLAGS,
+                         L.TPFLAGS_HEAPTYPE | L.TPFLAGS_HAVE_GC, L.TPFLAGS_HEAPTYPE)
+
+
+# Returns the addresses of the GC objects of `types` (ascending) whose word at flag_off (16 or
+# more: after the header) has (word & flag_mask) == flag_want (flag_mask 0: all of them that
+# reach past flag_off), ascending.
+def gc_objects_of(image: HeapImage, head_word, types: Sequence[int], flag_off: int = 16,
+                  flag_mask: int = 0, flag_want: int = 0) -> List[int]:
+    if not types:
         return []
-    arr = array("Q", metas)
+    arr = array("Q", types)
     return list(_gc_object_words(image, head_word, lambda args, out, cap: lib.mu_gc_objects_of(
-        *args, ffi.from_buffer("uint64_t[]", arr), len(arr), L.TP_FLAGS,
-        L.TPFLAGS_HEAPTYPE | L.TPFLAGS_HAVE_GC, L.TPFLAGS_HEAPTYPE, out, cap), 1))
+        *args, ffi.from_buffer("uint64_t[]", arr), len(arr), flag_off, flag_mask, flag_want,
+        out, cap), 1))
+
+
+# Returns (begin, end) pairs of the weak references' referent words (wr_object, object offset
+# 16 in every version): a weak reference is no reference (typerules.weakref_types).
+def weak_referents(image: HeapImage, head_word, weak: Sequence[int]) -> List[Tuple[int, int]]:
+    return [(a + L.WR_OBJECT, a + L.WR_OBJECT + 8) for a in gc_objects_of(image, head_word, weak)]
 
 
 # Returns [Range] of the blocks that field `field` of the GC objects of `types` (ascending)

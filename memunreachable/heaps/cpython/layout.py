@@ -616,6 +616,12 @@ TPFLAGS_HAVE_GC = 1 << 14
 TPFLAGS_MANAGED_DICT = 1 << 4   # 3.11+
 TPFLAGS_PREHEADER = (1 << 4) | (1 << 3)   # MANAGED_DICT | MANAGED_WEAKREF, 3.12+
 OB_SIZE = 16                    # PyVarObject.ob_size
+WR_OBJECT = 16                  # PyWeakReference.wr_object (3.8-3.15)
+# the weak reference types: the runtime's symbols, their tp_name on 3.8-3.9 and on 3.10+
+WEAKREF_TYPES = {"_PyWeakref_RefType": ("weakref", "weakref.ReferenceType"),
+                 "_PyWeakref_ProxyType": ("weakproxy", "weakref.ProxyType"),
+                 "_PyWeakref_CallableProxyType": ("weakcallableproxy",
+                                                  "weakref.CallableProxyType")}
 FLOAT_VALUE = 16                # PyFloatObject.ob_fval
 LONG_DIGITS = 24                # PyLongObject digits (30-bit, uint32 each)
 LONG_TAG = 16                   # 3.12+ _PyLongValue.lv_tag: ndigits << 3 | sign (0 +, 1 zero, 2 -)

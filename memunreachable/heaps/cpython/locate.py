@@ -108,7 +108,7 @@ FACT_SYMBOLS = ("_PyRuntime", "Py_Version", "PyList_Type", "PyFrame_Type", "PyCo
                 "PyTuple_Type", "PyType_GenericAlloc", "PySet_Type", "PyFrozenSet_Type",
                 "PyGen_Type", "PyCoro_Type", "PyAsyncGen_Type", "PyMemoryView_Type",
                 "PyType_Type", "PyDict_Type") \
-    + tuple(L.VALUE_TYPES)
+    + tuple(L.VALUE_TYPES) + tuple(L.WEAKREF_TYPES)
 
 
 # Returns the ElfFacts of the open file f (FACT_SYMBOLS looked up), or None when it is not a

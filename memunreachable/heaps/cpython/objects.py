@@ -130,8 +130,12 @@ class ObjectReader:
                     ok = self._name(w[1]) == "type"
                     break
                 x = mt
-            if ok:
-                w = self.type_words(t)
+            w = self.type_words(t) if ok else None
+            meta = self.type_words(w[0]) if w is not None else None
+            # t's own type is a metatype (type or a subclass of it): None's chain (None ->
+            # NoneType -> type) ends in type too, and a list's item array starting with two
+            # Nones read as an object of "type" None (its "name" what follows None in .data)
+            if meta is not None and meta[4] & L.TPFLAGS_TYPE_SUBCLASS:
                 name = self._name(w[1])
                 if name:
                     out = (name, w[4])

@@ -29,14 +29,15 @@ from memunreachable._types import HeapImage, Range, local_buffer, merge_ranges
 from memunreachable.heaps.cpython import gclists, layout as L
 from memunreachable.heaps.cpython.gclists import (deque_dead_ranges, field_blocks, gc_dead_ranges,
                                                   gc_head_spans, gc_heads, gc_stale_parts,
-                                                  untracked_heap_types, walk_gc_lists)
+                                                  untracked_heap_types, walk_gc_lists,
+                                                  weak_referents)
 from memunreachable.heaps.cpython.merge import drop_overlapping, merge_dropping
 from memunreachable.heaps.cpython.typerules import (
     GENERATOR_TYPES, MEMORYVIEW_SHAPE, TUPLE_SHAPE, buffered_types, cdata_types, class_types,
     ctypes_types, deque_types, dict_keys_rule, frame_types, generator_types, has_debug_hooks,
     loaded_static_types, member_arrays, metatypes, object_types, old_frame_rule, regex_types,
     runtime_static_types, sized_types, stale_part_types, static_types, type_rules, value_types,
-    varsized_type, with_sizes, dict_headers)
+    varsized_type, weakref_types, with_sizes, dict_headers)
 from memunreachable.heaps.cpython.walker import CPythonMap, walk_cpython
 from memunreachable.heaps.glibc.validate import HeapInconsistent
 from memunreachable.sweep.classify import in_syscall
@@ -159,6 +160,10 @@ def _prepare(mem, maps, threads, pid: Optional[int], image: HeapImage) -> CPytho
             strings = [field_blocks(merged, head_word, ctypes, f, as_pairs=True) for f in fields]
             dead_pairs += strings
             out.stats["ctypes_strings"] = sum(len(p) for p in strings)
+            # weak references' referents: a weak reference keeps nothing alive
+            weak = weak_referents(merged, head_word, weakref_types(mem, maps, pid, cp, types))
+            dead_pairs.append(weak)
+            out.stats["weak_referents"] = len(weak)
             pairs, (nslack, ndocs, nbuffers, nflags) = dead_ranges()
             dead_pairs.append(pairs)
             if "PyList_Type" in statics:

@@ -10,6 +10,7 @@ hide a reference, so a type of another shape gets none.
     cdata_types                             cffi's plain cdata (its slack)
     type_rules, value_types, object_types, varsized_type, generator_types, old_frame_rule,
     sized_types, class_types, regex_types, deque_types, stale_part_types, buffered_types,
+    weakref_types,
     ctypes_types, frame_types, metatypes                    the rules, one finder each
     has_debug_hooks, dict_keys_rule, object_reader          facts of the runtime
 Verdicts per type are remembered while the type's words are unchanged (_VERDICTS): a
@@ -421,6 +422,32 @@ def _dealloc_in(reader, t: int, ranges) -> bool:
     dealloc = reader._u64(t + L.TP_DEALLOC) or 0
     return any(b <= dealloc < e for b, e in ranges)
 
+
+
+# Returns the weak reference types, ascending: weakref.ref, its proxies and the heap types among
+# `types` over them (weakref.KeyedRef, WeakMethod). Their objects' referent word (wr_object)
+# keeps nothing alive: an object that only weak references reach (a WeakSet's, a
+# WeakValueDictionary's, its base class's tp_subclasses) is unreachable, and its refcount says
+# whether it leaked.
+def weakref_types(mem, maps, pid, cp: CPythonMap, types) -> List[int]:
+    symbols = runtime_symbols(maps, pid, cp)
+    reader = object_reader(mem, cp)
+    weak = set()
+    for sym, names in L.WEAKREF_TYPES.items():
+        ti = reader.type_info(symbols[sym]) if sym in symbols else None
+        if ti is not None and ti[0] in names:
+            weak.add(symbols[sym])
+    if not weak:
+        return []
+    memo: Dict[int, bool] = {}
+
+    def judge(base):
+        if base in weak:
+            return True
+        w = reader.type_words(base)
+        return None if w is not None and w[4] & L.TPFLAGS_HEAPTYPE else False
+    sub = [t for t in types if t not in weak and _base_verdict(reader, t, judge, memo)]
+    return sorted(weak | set(sub))
 
 # {tp_name: tp_itemsize} of the var-sized types of the interpreter's built-in _sre module whose
 # items hold no references (a compiled pattern's code units, a match's group marks): only the
