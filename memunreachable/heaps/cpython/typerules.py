@@ -423,7 +423,6 @@ def _dealloc_in(reader, t: int, ranges) -> bool:
     return any(b <= dealloc < e for b, e in ranges)
 
 
-
 # Returns the weak reference types, ascending: weakref.ref, its proxies and the heap types among
 # `types` over them (weakref.KeyedRef, WeakMethod). Their objects' referent word (wr_object)
 # keeps nothing alive: an object that only weak references reach (a WeakSet's, a
@@ -448,6 +447,7 @@ def weakref_types(mem, maps, pid, cp: CPythonMap, types) -> List[int]:
         return None if w is not None and w[4] & L.TPFLAGS_HEAPTYPE else False
     sub = [t for t in types if t not in weak and _base_verdict(reader, t, judge, memo)]
     return sorted(weak | set(sub))
+
 
 # {tp_name: tp_itemsize} of the var-sized types of the interpreter's built-in _sre module whose
 # items hold no references (a compiled pattern's code units, a match's group marks): only the
