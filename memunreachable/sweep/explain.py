@@ -52,7 +52,11 @@ def int32_pair(word: int, begin: int) -> bool:
 
 # The addresses of the words of buffers that point into [lo, hi) (dead ranges, text and int32
 # pairs left out).
-def _referrers(lo: int, hi: int, buffers: Sequence[Tuple[int, object]], dead) -> List[int]:
+def _referrers(lo: int, hi: int, buffers: Sequence[Tuple[int, object]], dead,
+               first: Optional[int] = None) -> List[int]:
+    """The addresses of the words in buffers that point into block [lo, hi) at first (default
+    lo: a GC object's references point past its PyGC_Head) or above, as mark takes them."""
+    first = lo if first is None else first
     out = []
     for base, buf in buffers:
         mv = memoryview(buf).cast("B")
@@ -60,7 +64,7 @@ def _referrers(lo: int, hi: int, buffers: Sequence[Tuple[int, object]], dead) ->
         skip = (8 - base % 8) % 8
         words = [w for (w,) in struct.iter_unpack("<Q", mv[skip:skip + (n - skip) // 8 * 8])]
         for k, w in enumerate(words):
-            if lo <= w < hi and not (k and text_tail(words[k - 1], w,
+            if first <= w < hi and not (k and text_tail(words[k - 1], w,
                                                      words[k - 2] if k > 1 else None)) \
                     and not int32_pair(w, lo):
                 a = base + skip + 8 * k
@@ -118,17 +122,19 @@ def explain(addr: int, image, root_buffers, marked, dead_ranges, blocks, threads
     seen = {i}
     for _ in range(MAX_STEPS):
         lo, hi = begins[i], begins[i] + max(sizes[i], 1)
-        roots = _referrers(lo, hi, root_buffers, dead)
+        # a word into a PyGC_Head (or before it) is no reference (mark's page_search)
+        first = lo + 8 * head_word[i] + 8 if head_word is not None and head_word[i] else lo
+        roots = _referrers(lo, hi, root_buffers, dead, first)
         if roots:
             lines.append(f"  {lo:#x} ({sizes[i]} bytes) <- root words at "
                          + ", ".join(f"{a:#x}{_on_stack(a, threads, mem, maps)}"
                                      f"{_in_file(a, maps)}" for a in roots[:8]))
             return [label] + lines
-        regs = _register_referrers(lo, hi, threads)
+        regs = _register_referrers(lo, hi, threads, first)
         if regs:
             lines.append(f"  {lo:#x} ({sizes[i]} bytes) <- " + ", ".join(regs[:8]))
             return [label] + lines
-        refs = _referrers(lo, hi, blocks, dead)
+        refs = _referrers(lo, hi, blocks, dead, first)
         nxt: Optional[int] = None
         for a in refs:
             j = bisect.bisect_right(begins, a) - 1
@@ -149,16 +155,18 @@ def explain(addr: int, image, root_buffers, marked, dead_ranges, blocks, threads
     return [label] + lines
 
 
-def _register_referrers(lo: int, hi: int, threads) -> List[str]:
+def _register_referrers(lo: int, hi: int, threads, first: Optional[int] = None) -> List[str]:
     """The registers of `threads` (root words, classify.register_words) holding a value in
-    [lo, hi): 'register rbx of thread T', 'FP/SIMD state +0x2c0 of thread T'."""
+    [first, hi) of block [lo, hi): 'register rbx of thread T', 'FP/SIMD state +0x2c0 of
+    thread T'."""
     from memunreachable._types import REG_NAMES
+    first = lo if first is None else first
     out = []
     for t in threads:
         out += [f"register {REG_NAMES[k]} of thread {t.tid}" for k, v in enumerate(t.regs)
-                if lo <= v < hi and not int32_pair(v, lo)]
+                if first <= v < hi and not int32_pair(v, lo)]
         out += [f"FP/SIMD state +{8 * k:#x} of thread {t.tid}"
-                for k, v in enumerate(fp_words(t)) if lo <= v < hi and not int32_pair(v, lo)]
+                for k, v in enumerate(fp_words(t)) if first <= v < hi and not int32_pair(v, lo)]
     return out
 
 

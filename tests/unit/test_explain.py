@@ -96,6 +96,37 @@ def test_gc_link_words_are_not_referrers():
     assert f" at {h.addrs[1] + 24:#x} (offset 24)" in lines[1]
 
 
+
+def test_a_word_into_a_pygc_head_is_no_referrer_as_in_mark():
+    # block 0 is a GC object (its PyGC_Head at word 0): block 1's word 2 points at its head,
+    # block 2's word 3 at the object after it. The chain names block 2's word; with only the
+    # word into the head, mark leaves block 0 unreachable and explain says so
+    from memunreachable.sweep.mark import DeadWords
+    h = Heap([48, 32, 32])
+    h.link(1, 2, 0)
+    h.link(2, 3, 0, delta=16)
+    roots = [(ROOT, words_buffer(h.addrs[1], h.addrs[2]))]
+    dead = DeadWords(head_word=bytearray([1, 0, 0]))
+    res = mark(h.image(), roots, dead=dead)
+    assert res.marked[0]
+    lines = explain(h.addrs[0], h.image(), roots, res.marked, (),
+                    scanned_blocks(h.image(), res.marked, dead), head_word=dead.head_word)
+    assert f" at {h.addrs[2] + 24:#x} (offset 24) of {h.addrs[2]:#x}" in lines[1], lines
+    h.point(2, 3, 0)
+    res = mark(h.image(), roots, dead=dead)
+    assert not res.marked[0]
+    lines = explain(h.addrs[0], h.image(), roots, res.marked, (),
+                    scanned_blocks(h.image(), res.marked, dead), head_word=dead.head_word)
+    assert lines == [f"explain {h.addrs[0]:#x}: allocation {h.addrs[0]:#x} (48 bytes) is "
+                     "unreachable (a leak)"]
+    # a root word into the head: no root either (a marked block's chain found elsewhere)
+    roots2 = [(ROOT, words_buffer(h.addrs[0] + 8, h.addrs[2])),
+              (ROOT + 64, words_buffer(h.addrs[0] + 16))]
+    res = mark(h.image(), roots2, dead=dead)
+    lines = explain(h.addrs[0], h.image(), roots2, res.marked, (),
+                    scanned_blocks(h.image(), res.marked, dead), head_word=dead.head_word)
+    assert lines[1].endswith(f"root words at {ROOT + 64:#x}"), lines
+
 def test_a_root_word_in_a_file_mapping_names_the_file_and_offset():
     from memunreachable._types import Mapping
     h = Heap([32])
