@@ -594,7 +594,6 @@ CTYPES_SLACK = slack_target(plant="""    p = libc.calloc(1, (4 << 20) + 4096)
 """)
 
 
-
 # Instances of Python classes over ctypes' base types (3.8-3.12: static types of the standard
 # library's _ctypes module; 3.13+: heap types over object): a GC header and tp_basicsize bytes
 # (data of more than 16 bytes lives apart, at b_ptr), rounded up by the allocator. The target
@@ -623,6 +622,7 @@ class Ptr(ctypes.c_void_p):
         kept.extend(cls(7) for _ in range(2000))
     kept.extend(Ptr(libc.calloc(1, (4 << 20) + 4096)) for _ in range(4))
 """)
+
 
 # A static struct sequence type's PyMemberDef array (PyMem_NEW at start-up, every version):
 # each entry's words between its name and its doc are numbers (type, offset, flags) and
