@@ -267,12 +267,9 @@ def unmanaged_memory(roots: RootSet, heap_bytes: int) -> List[str]:
     anon = sum(r.size for r in roots.ranges if roots.kinds.get(r) == "anon")
     if anon < UNMANAGED_MIN or anon <= heap_bytes:
         return []
-    return [f"{anon >> 20} MiB of anonymous memory outside the heaps this check knows (more "
-            f"than the {_mib(heap_bytes)} of allocations it found) was read as roots, never "
-            "checked as allocations: leaks of another allocator there (a statically linked "
-            "or prefixed jemalloc or tcmalloc, a pool over mmap, a runtime's own heap) are "
-            "not seen"]
-
-
-def _mib(n: int) -> str:
-    return f"{n >> 20} MiB" if n >= 1 << 20 else f"{n >> 10} KiB"
+    from memunreachable.reporters.text import human_size    # (rare: loaded only then)
+    return [f"{human_size(anon)} of anonymous memory outside the heaps this check knows (more "
+            f"than the {human_size(heap_bytes)} of allocations it found) was read as roots, "
+            "never checked as allocations: leaks of another allocator there (a statically "
+            "linked or prefixed jemalloc or tcmalloc, a pool over mmap, a runtime's own heap) "
+            "are not seen"]

@@ -50,12 +50,11 @@ def int32_pair(word: int, begin: int) -> bool:
         and word - begin >= lib.MU_PAIR_NEAR
 
 
-# The addresses of the words of buffers that point into [lo, hi) (dead ranges, text and int32
-# pairs left out).
+# The addresses of the words of buffers that point into block [lo, hi) at first (default lo:
+# a GC object's references point past its PyGC_Head) or above, as mark takes them (dead
+# ranges, text and int32 pairs left out).
 def _referrers(lo: int, hi: int, buffers: Sequence[Tuple[int, object]], dead,
                first: Optional[int] = None) -> List[int]:
-    """The addresses of the words in buffers that point into block [lo, hi) at first (default
-    lo: a GC object's references point past its PyGC_Head) or above, as mark takes them."""
     first = lo if first is None else first
     out = []
     for base, buf in buffers:

@@ -253,8 +253,9 @@ def test_another_allocator_s_memory_is_said_to_be_unchecked():
         assert {(l.address, l.size) for l in info.leaks} == {(leak.address, leak.size)}
         said = [w for w in info.warnings if "anonymous memory outside the heaps" in w]
         assert len(said) == 1, info.warnings
-        mib = int(said[0].split()[0])
-        assert fx.expect["pool_bytes"] >> 20 <= mib <= (fx.expect["pool_bytes"] >> 20) + 2, said
+        mib, unit = said[0].split()[:2]
+        assert unit == "MiB" and fx.expect["pool_bytes"] >> 20 <= float(mib) \
+            <= (fx.expect["pool_bytes"] >> 20) + 2, said
         assert "never checked as allocations" in said[0] and "are not seen" in said[0]
     with fixtures.start("own_pool", "16") as fx:
         info = check(fx.pid)

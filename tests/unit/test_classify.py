@@ -207,9 +207,9 @@ def test_unmanaged_memory_is_said_from_64_mib_of_anonymous_roots_above_the_heap(
     roots = RootSet(ranges=[stack, data, anon], kinds={anon: "anon", stack: "stack", data: "data"})
     said = unmanaged_memory(roots, 5 * mib)
     assert len(said) == 1 and said[0].startswith(
-        "80 MiB of anonymous memory outside the heaps this check knows (more than the 5 MiB of "
-        "allocations it found) was read as roots, never checked as allocations")
-    assert "more than the 2 KiB of allocations" in unmanaged_memory(roots, 2048)[0]
+        "80.0 MiB of anonymous memory outside the heaps this check knows (more than the 5.0 MiB "
+        "of allocations it found) was read as roots, never checked as allocations")
+    assert "more than the 2.0 KiB of allocations" in unmanaged_memory(roots, 2048)[0]
     assert unmanaged_memory(roots, 80 * mib) == []          # no more than the heap
     small = RootSet(ranges=[Range(0, 63 * mib)], kinds={Range(0, 63 * mib): "anon"})
     assert unmanaged_memory(small, 0) == []                  # under 64 MiB

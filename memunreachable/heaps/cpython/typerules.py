@@ -429,15 +429,11 @@ def _dealloc_in(reader, t: int, ranges) -> bool:
 # WeakValueDictionary's, its base class's tp_subclasses) is unreachable, and its refcount says
 # whether it leaked.
 def weakref_types(mem, maps, pid, cp: CPythonMap, types) -> List[int]:
-    symbols = runtime_symbols(maps, pid, cp)
-    reader = object_reader(mem, cp)
-    weak = set()
-    for sym, names in L.WEAKREF_TYPES.items():
-        ti = reader.type_info(symbols[sym]) if sym in symbols else None
-        if ti is not None and ti[0] in names:
-            weak.add(symbols[sym])
+    wanted = {sym: names[cp.version >= (3, 10)] for sym, names in L.WEAKREF_TYPES.items()}
+    weak = set(static_types(mem, maps, pid, cp, wanted).values())
     if not weak:
         return []
+    reader = object_reader(mem, cp)
     memo: Dict[int, bool] = {}
 
     def judge(base):
