@@ -51,11 +51,15 @@ struct mu_cands {
 void mu_cands_fill_piece(mu_cands *c, uint64_t k, const uint8_t *d, uint64_t n, uint32_t *toff,
                          uint64_t *tval);
 
+#define MU_DICT_ENTRY 24         /* a dict key table's entry with its hash: {hash, key, value} */
+
 /* Live words of a scanned range (mu_dead): yields runs of word start addresses, skipping the
  * dead ones. Shared by mu_mark (mu_scan.c) and mu_fold (mu_fold.c). */
 typedef struct {
     uint64_t w, end;             /* next word start; word starts stay below end */
     uint64_t hb, he;             /* GC-link words of this allocation: starts in [hb, he) */
+    uint64_t zb, ze;             /* a dict key table's entries: starts zb + 24k below ze are
+                                  * hashes (mu_dict_hashes), 0, 0 for none */
     const uint64_t *sk;          /* dead range pairs */
     uint64_t nsk, k;             /* count; first pair that may still matter */
 } mu_live_iter;
@@ -83,6 +87,7 @@ static inline void mu_live_init(mu_live_iter *it, const mu_dead *d, uint64_t w, 
     it->end = end;
     it->hb = hb;
     it->he = he;
+    it->zb = it->ze = 0;
     it->k = 0;
     it->nsk = 0;
     it->sk = NULL;
@@ -95,6 +100,13 @@ static inline void mu_live_init(mu_live_iter *it, const mu_dead *d, uint64_t w, 
     it->sk = sk;
     it->nsk = n;
     it->k = mu_first_ending_after(sk, n, 2, w);
+}
+
+/* Skips the hash word at the start of each MU_DICT_ENTRY entry in [zb, ze) too. */
+static inline void mu_live_strided(mu_live_iter *it, uint64_t zb, uint64_t ze)
+{
+    it->zb = zb;
+    it->ze = ze;
 }
 
 static inline uint64_t mu_live_past(uint64_t w, uint64_t e)
@@ -114,6 +126,10 @@ static inline int mu_live_next(mu_live_iter *it, uint64_t *b, uint64_t *e)
             it->w = mu_live_past(w, it->he);
             continue;
         }
+        if (w >= it->zb && w < it->ze && (w - it->zb) % MU_DICT_ENTRY == 0) {
+            it->w = w + 8;      /* an entry's hash */
+            continue;
+        }
         while (it->k < it->nsk && it->sk[2 * it->k + 1] <= w)
             it->k++;
         if (it->k < it->nsk && it->sk[2 * it->k] <= w) {
@@ -125,6 +141,12 @@ static inline int mu_live_next(mu_live_iter *it, uint64_t *b, uint64_t *e)
             stop = it->hb;
         if (it->k < it->nsk && it->sk[2 * it->k] < stop)
             stop = it->sk[2 * it->k];
+        if (w < it->ze) {       /* up to the next entry's hash */
+            uint64_t nh = w < it->zb ? it->zb
+                        : it->zb + ((w - it->zb) / MU_DICT_ENTRY + 1) * MU_DICT_ENTRY;
+            if (nh < stop)
+                stop = nh;
+        }
         *b = w;
         *e = it->w = mu_live_past(w, stop);
         return 1;
@@ -535,7 +557,7 @@ static inline uint64_t mu_frame_top(const uint8_t *p, uint64_t b, uint64_t fo, u
 }
 
 /* The size of the dict key table at p (len bytes, avail readable) as new_keys_object allocated
- * it, when every header field is consistent and the allocation exceeds it by 8-15 bytes (an
+ * it, when every header field is consistent and the allocation exceeds it by 0-15 bytes (an
  * allocator's rounding); else 0. */
 static inline uint64_t mu_dict_keys_len(uint32_t layout, const uint8_t *p, uint64_t len,
                                         uint64_t avail)
@@ -565,7 +587,36 @@ static inline uint64_t mu_dict_keys_len(uint32_t layout, const uint8_t *p, uint6
     } else {
         return 0;
     }
-    return total + 8 <= len && len - total < 16 ? total : 0;
+    return total <= len && len - total < 16 ? total : 0;
+}
+
+/* The entries [*zb, *ze) of the dict key table at p (allocation b, len bytes, avail readable;
+ * consistent as mu_dict_keys_len checks it) when each starts with its key's hash: 3.8-3.10 every
+ * table, 3.11+ a general one (dk_kind 0; a table of str keys holds no hashes). A hash is no
+ * reference: an int key's hash is its value, so a dict keyed by id() (a base type's
+ * tp_subclasses) held every object whose address is a key. 0, 0 for none. */
+static inline void mu_dict_hashes(uint32_t layout, const uint8_t *p, uint64_t b, uint64_t len,
+                                  uint64_t avail, uint64_t *zb, uint64_t *ze)
+{
+    *zb = *ze = 0;
+    uint64_t total = mu_dict_keys_len(layout, p, len, avail), entries, n;
+    if (!total)
+        return;
+    if (layout == MU_DICT_KEYS_38) {
+        uint64_t size;
+        memcpy(&size, p + 8, 8);
+        entries = 40 + (size <= 0xff ? 1 : size <= 0xffff ? 2 : 4) * size;
+        n = (size << 1) / 3;
+    } else {
+        if (p[10] != 0)
+            return;
+        entries = 32 + (1ull << p[9]);
+        n = ((1ull << p[8]) << 1) / 3;
+    }
+    if (entries + MU_DICT_ENTRY * n > total)
+        return;
+    *zb = b + entries;
+    *ze = *zb + MU_DICT_ENTRY * n;
 }
 
 #define MU_DEBUG_PREFIX 16
@@ -712,17 +763,20 @@ static inline uint64_t mu_live_len(const mu_dead *d, const uint8_t *p, uint64_t 
  * the object's start, bits 56-63: how many; an object without GC links);
  * or, for an allocation that is a dict key table (mu_dict_keys_len over its p, len, avail),
  * the table's header: counts, sizes and, 3.11+, a padding byte (0x40 seen: 0x40010606, a
- * number inside a non-PIE interpreter's heap), 3.8-3.10 its lookup function. */
+ * number inside a non-PIE interpreter's heap), 3.8-3.10 its lookup function, and in [*zb, *ze)
+ * its entries' hashes (mu_dict_hashes; 0, 0 for none: mu_live_strided). */
 static inline void mu_live_head(const mu_dead *d, const mu_rules *r, uint64_t i, uint64_t b,
                                 const uint8_t *p, uint64_t len, uint64_t avail,
-                                uint64_t *hb, uint64_t *he)
+                                uint64_t *hb, uint64_t *he, uint64_t *zb, uint64_t *ze)
 {
     uint8_t hw = (d && d->head_word) ? d->head_word[i] : 0;
     *hb = hw ? b + 8 * (uint64_t)(hw - 1) : 0;
     *he = hw ? *hb + 16 : 0;
+    *zb = *ze = 0;
     if (!hw && d && d->dict_keys && mu_dict_keys_len(d->dict_keys, p, len, avail)) {
         *hb = b;            /* a dict key table's header: counts, sizes, a padding byte */
         *he = b + (d->dict_keys == MU_DICT_KEYS_38 ? 40 : 32);
+        mu_dict_hashes(d->dict_keys, p, b, len, avail, zb, ze);    /* and its hashes */
         return;
     }
     for (uint32_t f = r ? r->found : 0; f; f &= f - 1) {

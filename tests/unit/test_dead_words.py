@@ -12,7 +12,7 @@ import pytest
 
 from memunreachable._ffi import ffi, lib
 from memunreachable.sweep.folding import FoldedLeak, fold
-from memunreachable.sweep.mark import DeadWords, mark
+from memunreachable.sweep.mark import DeadWords, mark, scanned_blocks
 from tests.unit.test_mark import BASE, ROOT, Heap, words_buffer
 
 
@@ -417,7 +417,7 @@ def test_a_dict_key_table_s_header_is_no_reference(layout, make, block):
     assert list(mark(h.image(), [], [h.addrs[0]]).marked) == [1, 1]    # the rule off: a word
     leaks = fold(h.image(), bytearray(2), dead=keys)
     assert {(e.index, e.referenced_count) for e in leaks} == {(0, 0), (1, 0)}
-    h.link(0, 6, 1)                            # an entry's word: a reference
+    h.link(0, 7, 1)                            # an entry's key: a reference
     assert list(mark(h.image(), [], [h.addrs[0]], dead=keys).marked) == [1, 1]
 
 
@@ -441,6 +441,44 @@ def test_dict_key_table_rule_needs_every_field_consistent():
     res = mark(h2.image(), [], [h2.addrs[0]], dead=DeadWords(dict_keys=lib.MU_DICT_KEYS_311))
     assert list(res.marked) == [1, 1]
 
+
+
+@pytest.mark.parametrize("layout, make, kind, block", [
+    (lib.MU_DICT_KEYS_311, keys_311, 0, 160),  # a general table (non-str keys), exactly 160 bytes
+    (lib.MU_DICT_KEYS_311, keys_311, 0, 168),  # the same, 8 bytes of slack
+    (lib.MU_DICT_KEYS_38, keys_38, None, 176), # 3.8-3.10: every table's entries hold hashes
+])
+def test_a_dict_key_table_s_hashes_are_no_references(layout, make, kind, block):
+    # a base type's tp_subclasses is keyed by its subclasses' id(): an int's hash is its value,
+    # so the hash word of each entry held a leaked class's address
+    h = Heap([block, 64, 64, 64])
+    size = make(h, 0, **({"kind": kind} if kind is not None else {}))
+    assert size <= block < size + 16
+    entries = (size - 24 * ((8 << 1) // 3)) // 8     # the first entry's word index
+    h.link(0, entries, 1, 16)          # entry 0: hash = block 1's object address
+    h.link(0, entries + 1, 3)          #          its key (an int) elsewhere
+    h.link(0, entries + 3, 2, 16)      # entry 1: hash = block 2's, its key and value below
+    h.link(0, entries + 5, 2)          #          its value: a reference
+    keys = DeadWords(dict_keys=layout)
+    assert list(mark(h.image(), [], [h.addrs[0]], dead=keys).marked) == [1, 0, 1, 1]
+    assert list(mark(h.image(), [], [h.addrs[0]]).marked) == [1, 1, 1, 1]     # the rule off
+    leaks = fold(h.image(), bytearray(4), dead=keys)
+    assert {(e.index, e.referenced_count) for e in leaks} == {(0, 2), (1, 0)}
+    # explain reads the words as mark does: no hash among them
+    words = {a + o for a, data in scanned_blocks(h.image(), bytearray([1, 0, 0, 0]), keys)
+             for o in range(0, len(data) - 7, 8)}
+    base = h.addrs[0]
+    assert base + 8 * entries not in words and base + 8 * (entries + 3) not in words
+    assert {base + 8 * (entries + k) for k in (1, 2, 4, 5)} <= words
+
+
+def test_a_str_keyed_table_has_no_hashes():
+    # 3.11+ tables of str keys (kind 1) hold {key, value}: the same word is a key, a reference
+    h = Heap([128, 64])
+    size = keys_311(h, 0, kind=1)
+    h.link(0, (size - 16 * 5) // 8, 1)
+    assert list(mark(h.image(), [], [h.addrs[0]],
+                     dead=DeadWords(dict_keys=lib.MU_DICT_KEYS_311)).marked) == [1, 1]
 
 
 def debug_hooks_block(h, k, n, api=b"o"):
