@@ -339,6 +339,25 @@ def read_exe(pid: Optional[int]) -> Optional[str]:
         return None
 
 
+def parse_environ_var(raw: bytes, name: str) -> Optional[str]:
+    """The value of `name` in an environment block (NUL-separated NAME=value), or None."""
+    key = name.encode() + b"="
+    for entry in raw.split(b"\0"):
+        if entry.startswith(key):
+            return entry[len(key):].decode(errors="replace")
+    return None
+
+
+def read_environ_var(pid: int, name: str) -> Optional[str]:
+    """`name` in the environment process pid started with (/proc/PID/environ), or None when
+    it is not set or cannot be read."""
+    try:
+        with open(f"/proc/{pid}/environ", "rb") as f:
+            return parse_environ_var(f.read(), name)
+    except OSError:
+        return None
+
+
 def read_comm(pid: int) -> str:
     """The comm of pid, or "" when it is gone or unreadable."""
     try:

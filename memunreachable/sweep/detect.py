@@ -186,6 +186,27 @@ def malloc_interposers(maps: List[Mapping], scan: AllocatorScan, pid: Optional[i
     return found
 
 
+GLIBC_BUILD_HINT = ("only glibc's malloc heap can be checked: check a build of the program "
+                    "that uses glibc and its malloc (not musl, no other allocator linked in)")
+
+
+def allocator_hint(names: List[str], pid: Optional[int]) -> str:
+    """What a user can do when another allocator (names: its objects' paths or basenames)
+    holds the heap: start the program without it when LD_PRELOAD brought it in, else check a
+    build that uses glibc's malloc, or use that allocator's own leak reports."""
+    preload = procfs.read_environ_var(pid, "LD_PRELOAD") if pid is not None else None
+    words = (preload or "").replace(":", " ").split()
+    preloaded = [n for n in names
+                 if any(w == n or os.path.basename(w) == os.path.basename(n) for w in words)]
+    if preloaded:
+        return (f"LD_PRELOAD loads {', '.join(os.path.basename(n) for n in preloaded)}: "
+                "start the program without it, and its allocations go to glibc's malloc, "
+                "which this check reads")
+    return ("only glibc's malloc heap can be checked: check a build of the program that "
+            "allocates with glibc's malloc (Redis: make MALLOC=libc), or use the other "
+            "allocator's own leak reports")
+
+
 def interposer_message(paths: List[str]) -> str:
     names = ", ".join(os.path.basename(p) for p in paths)
     return (f"unsupported allocator: malloc is provided by {names}, not by glibc (glibc's arenas are "

@@ -28,3 +28,14 @@ def test_cli_exit_code_for_unsupported_allocator(capsys):
         assert main(["check", str(fx.pid)]) == 3
     err = capsys.readouterr().err
     assert "nothing was checked" in err
+
+
+def test_a_preloaded_allocator_s_refusal_says_to_start_without_it():
+    fixtures.build("other_allocator")
+    lib = os.path.join(fixtures.build_dir(), "libother_allocator_lib.so")
+    with fixtures.start("other_allocator", env=dict(os.environ, LD_PRELOAD=lib)) as fx:
+        with pytest.raises(UnsupportedTarget) as ei:
+            check(fx.pid)
+    assert ei.value.hint == ("LD_PRELOAD loads libother_allocator_lib.so: start the program "
+                             "without it, and its allocations go to glibc's malloc, which this "
+                             "check reads")

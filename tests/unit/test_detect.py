@@ -59,3 +59,19 @@ def test_a_repeated_scan_names_the_current_maps_objects():
     assert other.static and other.malloc_object == "/usr/bin/prog"
     assert other.foreign == ["libjemalloc.so.2"]
     assert detect.scan_maps(again).malloc_object == libc
+
+
+def test_another_allocator_s_hint(monkeypatch):
+    env = {"LD_PRELOAD": "/usr/lib/x86_64-linux-gnu/libjemalloc.so.2:/opt/other.so"}
+    monkeypatch.setattr(detect.procfs, "read_environ_var", lambda pid, name: env.get(name))
+    # preloaded (by path or basename): start without it
+    assert detect.allocator_hint(["libjemalloc.so.2"], 42).startswith(
+        "LD_PRELOAD loads libjemalloc.so.2: start the program without it")
+    assert detect.allocator_hint(["/opt/other.so"], 42).startswith("LD_PRELOAD loads other.so:")
+    # linked in (Redis's jemalloc), or no environment to read: a build with glibc's malloc
+    env.clear()
+    assert detect.allocator_hint(["libjemalloc.so.2"], 42) == (
+        "only glibc's malloc heap can be checked: check a build of the program that allocates "
+        "with glibc's malloc (Redis: make MALLOC=libc), or use the other allocator's own leak "
+        "reports")
+    assert detect.allocator_hint(["libjemalloc.so.2"], None) == detect.allocator_hint([], 42)

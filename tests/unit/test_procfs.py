@@ -304,3 +304,11 @@ def test_meminfo_room_is_available_memory_and_free_swap():
         text = f.read()
     total = int(text.split("MemTotal:")[1].split()[0]) << 10
     assert 0 < procfs.meminfo_room(text) <= total + (int(text.split("SwapTotal:")[1].split()[0]) << 10)
+
+
+def test_an_environment_variable_from_an_environment_block():
+    raw = b"HOME=/root\0LD_PRELOAD=/usr/lib/libjemalloc.so.2 /x/liba.so\0EMPTY=\0"
+    assert procfs.parse_environ_var(raw, "LD_PRELOAD") == "/usr/lib/libjemalloc.so.2 /x/liba.so"
+    assert procfs.parse_environ_var(raw, "EMPTY") == ""
+    assert procfs.parse_environ_var(raw, "HOM") is None
+    assert procfs.parse_environ_var(raw, "PATH") is None

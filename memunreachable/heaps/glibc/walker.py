@@ -557,7 +557,8 @@ def _trim(values, n: int):
 def _find_objects(mem, maps, pid) -> Tuple[detect.AllocatorScan, locate.Located]:
     scan = detect.scan_maps(maps, pid)
     if not scan.object_mappings:
-        raise UnsupportedTarget(detect.not_glibc_message(scan, "no libc is mapped"))
+        raise UnsupportedTarget(detect.not_glibc_message(scan, "no libc is mapped"),
+                                hint=detect.GLIBC_BUILD_HINT)
     loc = locate.locate_in_file(scan.object_mappings, pid, scan.malloc_object)
     if loc is None:
         img = locate.read_image(scan.object_mappings, pid)
@@ -569,8 +570,10 @@ def _find_objects(mem, maps, pid) -> Tuple[detect.AllocatorScan, locate.Located]
             loc = locate.locate_in_memory(mem, maps, scan.object_mappings, scan.malloc_object, version)
     if loc is None:
         if scan.foreign:
-            raise UnsupportedTarget(detect.foreign_message(scan))
-        raise UnsupportedTarget(detect.not_glibc_message(scan, "no glibc main_arena was found"))
+            raise UnsupportedTarget(detect.foreign_message(scan),
+                                    hint=detect.allocator_hint(scan.foreign, pid))
+        raise UnsupportedTarget(detect.not_glibc_message(scan, "no glibc main_arena was found"),
+                                hint=detect.GLIBC_BUILD_HINT)
     v = L.version_tuple(loc.version)
     if v is not None and not (L.MIN_MINOR <= v[1] <= L.MAX_MINOR):
         raise UnsupportedTarget(f"glibc {loc.version} is outside the supported range "
@@ -608,14 +611,17 @@ def walk_heap(mem, maps: List[Mapping], threads: List[ThreadState], pid: int,
     metadata = [Range(main, main + lay.state.sizeof), Range(loc.mp, loc.mp + lay.par.sizeof)]
     unused = top == 0 or top == lay.state.initial_top(main)
     if scan.foreign and unused:
-        raise UnsupportedTarget(detect.foreign_message(scan))
+        raise UnsupportedTarget(detect.foreign_message(scan),
+                                hint=detect.allocator_hint(scan.foreign, pid))
     if unused:
         # an allocator we do not know by name may have taken malloc over (glibc-heap.md 13)
         interposers = detect.malloc_interposers(maps, scan, pid)
         if interposers:
-            raise UnsupportedTarget(detect.interposer_message(interposers))
+            raise UnsupportedTarget(detect.interposer_message(interposers),
+                                    hint=detect.allocator_hint(interposers, pid))
         if top != 0:
-            raise UnsupportedTarget(detect.unused_arenas_message())
+            raise UnsupportedTarget(detect.unused_arenas_message(),
+                                    hint=detect.allocator_hint([], pid))
     if scan.foreign:
         w.v.soft.append(f"{', '.join(scan.foreign)} is loaded too: its heap is not checked")
     if top == 0:       # malloc never initialised: nothing allocated
