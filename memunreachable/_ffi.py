@@ -5,12 +5,17 @@ check(rc, op, ...) turns a -errno return into OSError naming the operation.
 from __future__ import annotations
 
 import os
+import sys
 from array import array
 from typing import Sequence, Tuple
 
 try:
     from memunreachable._native import ffi, lib
 except ImportError as exc:  # pragma: no cover - packaging problem
+    if exc.name == "_cffi_backend":     # the C core is there, cffi is not (this Python's)
+        raise ImportError(
+            f"memunreachable's C core needs cffi, which {sys.executable} cannot import "
+            "(pip install cffi)") from exc
     raise ImportError(
         "memunreachable's C core is not built; reinstall with `pip install .` "
         "(an editable install needs `pip install -e .` again after C changes)"

@@ -6,6 +6,8 @@ that dodges a circle is still a circle). The graph is read from the source with 
 import ast
 import graphlib
 import pathlib
+import subprocess
+import sys
 
 import memunreachable
 
@@ -86,3 +88,14 @@ def test_stage_folders_hold_the_pipeline():
         for m in members:
             assert f"memunreachable.{stage}.{m}" in names
             assert f"memunreachable.{m}" not in names       # no copy left at the old path
+
+
+def test_a_python_without_cffi_is_told_so():
+    # the C core is built, the interpreter cannot import cffi's backend (a Debian root whose
+    # python3-cffi-backend serves other versions): the error names cffi, not a rebuild
+    out = subprocess.run([sys.executable, "-c", "import sys; sys.modules['_cffi_backend'] = None\n"
+                          "import memunreachable._ffi"], capture_output=True, text=True)
+    assert out.returncode == 1
+    assert out.stderr.rstrip().splitlines()[-1] == (
+        f"ImportError: memunreachable's C core needs cffi, which {sys.executable} cannot import "
+        "(pip install cffi)")
