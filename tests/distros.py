@@ -23,6 +23,11 @@ from typing import Dict, List, Tuple
 CACHE = os.environ.get("MEMUNREACHABLE_ROOTS", "/var/cache/memunreachable/roots")
 
 BASE_PACKAGES = ["gcc", "libc6-dev", "libc6-dbg"]
+# what memunreachable itself imports, as Debian packages it for the suite's own interpreters
+# (its default python3 and the other versions the suite supports): in-process checks and the
+# pytest plugin run inside the root (test_inprocess_current.py)
+TOOL_PACKAGES = ["python3-cffi", "python3-psutil", "python3-pyelftools", "python3-rich",
+                 "python3-ptrace", "python3-pytest"]
 
 
 @dataclass(frozen=True)
@@ -30,18 +35,20 @@ class Distro:
     suite: str                 # debootstrap's suite name
     glibc: str                 # the glibc release it ships (what the tests expect to find)
     pythons: Tuple[str, ...]   # interpreters installed (python3.X), each with its -dev package
+    in_process: Tuple[str, ...]    # those Debian builds TOOL_PACKAGES' C extensions for
 
     @property
     def packages(self) -> List[str]:
         extra = []
         for py in self.pythons:
             extra += [py, f"{py}-dev"]
-        return BASE_PACKAGES + extra
+        return BASE_PACKAGES + extra + TOOL_PACKAGES
 
 
 DISTROS: Dict[str, Distro] = {
-    "trixie": Distro("trixie", "2.41", ("python3.13",)),
-    "sid": Distro("sid", "2.43", ("python3.13", "python3.14", "python3.15")),
+    "trixie": Distro("trixie", "2.41", ("python3.13",), ("python3.13",)),
+    "sid": Distro("sid", "2.43", ("python3.13", "python3.14", "python3.15"),
+                  ("python3.14", "python3.15")),
 }
 
 
@@ -145,6 +152,11 @@ def spec_root(spec: str):
 def python_specs() -> List[str]:
     """Every interpreter of every root, as "ROOT:python3.X"."""
     return [f"{name}:{py}" for name, d in DISTROS.items() for py in d.pythons]
+
+
+def in_process_specs() -> List[str]:
+    """The interpreters of every root that can import memunreachable (Distro.in_process)."""
+    return [f"{name}:{py}" for name, d in DISTROS.items() for py in d.in_process]
 
 
 if __name__ == "__main__":
