@@ -143,6 +143,10 @@ def _prepare(mem, maps, threads, pid: Optional[int], image: HeapImage) -> CPytho
             dead_ranges = _in_background(gc_dead_ranges, merged, head_word,
                                          statics.get("PyList_Type", 0), metas,
                                          buffered_types(mem, cp, types), live_end)
+            # weak references' referents (a weak reference keeps nothing alive): a pass over
+            # the GC objects too (0.09 s of 4 M), on a third thread
+            weak_referents_of = _in_background(weak_referents, merged, head_word,
+                                               weakref_types(mem, maps, pid, cp, types))
             # sets' smalltables after a resize, dict values arrays' prefixes and unused slots
             gen = dict(generator_types(mem, cp, statics)).get(statics.get("PyGen_Type"))
             pairs, (nsets, nvalues, nstrs, ngens, nnames, nframes) = gc_stale_parts(
@@ -160,8 +164,7 @@ def _prepare(mem, maps, threads, pid: Optional[int], image: HeapImage) -> CPytho
             strings = [field_blocks(merged, head_word, ctypes, f, as_pairs=True) for f in fields]
             dead_pairs += strings
             out.stats["ctypes_strings"] = sum(len(p) for p in strings)
-            # weak references' referents: a weak reference keeps nothing alive
-            weak = weak_referents(merged, head_word, weakref_types(mem, maps, pid, cp, types))
+            weak = weak_referents_of()
             dead_pairs.append(weak)
             out.stats["weak_referents"] = len(weak)
             pairs, (nslack, ndocs, nbuffers, nflags) = dead_ranges()
