@@ -590,18 +590,16 @@ static inline uint64_t mu_dict_keys_len(uint32_t layout, const uint8_t *p, uint6
     return total <= len && len - total < 16 ? total : 0;
 }
 
-/* The entries [*zb, *ze) of the dict key table at p (allocation b, len bytes, avail readable;
- * consistent as mu_dict_keys_len checks it) when each starts with its key's hash: 3.8-3.10 every
+/* The entries [*zb, *ze) of the dict key table at p (allocation b; total: its size as
+ * mu_dict_keys_len found it consistent) when each starts with its key's hash: 3.8-3.10 every
  * table, 3.11+ a general one (dk_kind 0; a table of str keys holds no hashes). A hash is no
  * reference: an int key's hash is its value, so a dict keyed by id() (a base type's
  * tp_subclasses) held every object whose address is a key. 0, 0 for none. */
-static inline void mu_dict_hashes(uint32_t layout, const uint8_t *p, uint64_t b, uint64_t len,
-                                  uint64_t avail, uint64_t *zb, uint64_t *ze)
+static inline void mu_dict_hashes(uint32_t layout, const uint8_t *p, uint64_t b, uint64_t total,
+                                  uint64_t *zb, uint64_t *ze)
 {
+    uint64_t entries, n;
     *zb = *ze = 0;
-    uint64_t total = mu_dict_keys_len(layout, p, len, avail), entries, n;
-    if (!total)
-        return;
     if (layout == MU_DICT_KEYS_38) {
         uint64_t size;
         memcpy(&size, p + 8, 8);
@@ -773,10 +771,11 @@ static inline void mu_live_head(const mu_dead *d, const mu_rules *r, uint64_t i,
     *hb = hw ? b + 8 * (uint64_t)(hw - 1) : 0;
     *he = hw ? *hb + 16 : 0;
     *zb = *ze = 0;
-    if (!hw && d && d->dict_keys && mu_dict_keys_len(d->dict_keys, p, len, avail)) {
+    uint64_t keys = !hw && d && d->dict_keys ? mu_dict_keys_len(d->dict_keys, p, len, avail) : 0;
+    if (keys) {
         *hb = b;            /* a dict key table's header: counts, sizes, a padding byte */
         *he = b + (d->dict_keys == MU_DICT_KEYS_38 ? 40 : 32);
-        mu_dict_hashes(d->dict_keys, p, b, len, avail, zb, ze);    /* and its hashes */
+        mu_dict_hashes(d->dict_keys, p, b, keys, zb, ze);      /* and its entries' hashes */
         return;
     }
     for (uint32_t f = r ? r->found : 0; f; f &= f - 1) {

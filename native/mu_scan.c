@@ -1513,7 +1513,8 @@ static int64_t mark_once(const uint64_t *begin, const uint64_t *size, uint64_t n
     mark_ctx *m = &ms[0];
     uint64_t root_bytes = 0;
     for (uint64_t r = 0; r < nroots; r++) {
-        scan_range(m, roots[r].data, roots[r].base, roots[r].len, roots[r].len, 0, 0, 0, 0, ix.dead);
+        scan_range(m, roots[r].data, roots[r].base, roots[r].len, roots[r].len, 0, 0, 0, 0,
+                   ix.dead);
         root_bytes += roots[r].len;
     }
     for (uint64_t w = 0; w < nwords; w++)

@@ -296,8 +296,8 @@ def mark(image: HeapImage, roots: Sequence[Tuple[int, object]], words: Sequence[
 # links, a dict's integer header, unwritten words, a dict key table's hashes), else the whole
 # allocation; and each value object's handles (an int's value, a float's or short bytes'
 # words: mu_value_words, at most MU_HANDLE_SLACK bytes into a block that is no GC object, as
-# mu_value_target_native) as 8 bytes at the address it was read from (an int's digits). For diagnostics
-# (explain.py): one Python step per allocation.
+# mu_value_target_native) as 8 bytes at the address it was read from (an int's digits). For
+# diagnostics (explain.py): one Python step per allocation.
 def scanned_blocks(image: HeapImage, marked, dead: Optional["DeadWords"] = None) -> list:
     begins, sizes = image.begins, image.sizes
     dc, keep = dead_words(dead, len(begins))

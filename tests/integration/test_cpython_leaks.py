@@ -1229,8 +1229,8 @@ KEPT = []
 
 
 @pytest.mark.parametrize("allocator", ["pymalloc", "malloc"])
-@pytest.mark.parametrize("python", [p for p in interpreters() if _minor(getattr(p, "values", [p])[0]) >= 10],
-                         ids=_ident)
+@pytest.mark.parametrize("python", [p for p in interpreters()
+                                    if _minor(getattr(p, "values", [p])[0]) >= 10], ids=_ident)
 def test_a_class_leaked_by_refcount_is_reported(python, allocator):
     made, info, before = run_target(python, LEAKED_CLASS, allocator,
                                     expect=lambda made: [made["object"][0], made["Base"][0]])
