@@ -94,4 +94,4 @@ def test_the_plugin_fails_each_leaking_test_under_the_distribution_s_python(spec
     py = results["test_python_leak"]
     assert py is not None and f"unreachable at {recorded['python']:x}\n" in py, py
     assert "Python object: Held, refcount 1" in py, py
-    assert "1 block leaked during this test" in py, py
+    assert ": 1 Python object (Held)" in py, py     # before 3.13 its dict's values apart
