@@ -11,7 +11,7 @@ from __future__ import annotations
 
 import os
 import struct
-from typing import List, Optional
+from typing import List, Optional, Tuple
 
 from memunreachable.collect import procfs
 from memunreachable._types import Fields, Mapping
@@ -188,6 +188,15 @@ def malloc_interposers(maps: List[Mapping], scan: AllocatorScan, pid: Optional[i
 
 GLIBC_BUILD_HINT = ("only glibc's malloc heap can be checked: check a build of the program "
                     "that uses glibc and its malloc (not musl, no other allocator linked in)")
+
+
+def glibc_range_hint(version: Tuple[int, int], low: int, high: int) -> str:
+    """What to do about a glibc release whose heap layout this version does not know."""
+    if version[1] > high:
+        return (f"glibc 2.{version[1]} is newer than this memunreachable knows: a newer "
+                "memunreachable may read its heap (each release's layout is checked before it "
+                "is accepted)")
+    return f"glibc releases before 2.{low} (2018) are not supported"
 
 
 def allocator_hint(names: List[str], pid: Optional[int]) -> str:

@@ -39,3 +39,15 @@ def test_a_preloaded_allocator_s_refusal_says_to_start_without_it():
     assert ei.value.hint == ("LD_PRELOAD loads libother_allocator_lib.so: start the program "
                              "without it, and its allocations go to glibc's malloc, which this "
                              "check reads")
+
+
+def test_a_glibc_newer_than_the_known_layouts_is_refused_with_a_hint(monkeypatch):
+    # the host's glibc (2.36) as if it were past the newest release this version knows
+    from memunreachable.heaps.glibc import layout
+    monkeypatch.setattr(layout, "MAX_MINOR", 35)
+    with fixtures.start("leak_one") as fx:
+        with pytest.raises(UnsupportedTarget) as ei:
+            check(fx.pid)
+    assert str(ei.value) == ("glibc 2.36 is outside the supported range 2.27-2.35; nothing was "
+                             "checked")
+    assert ei.value.hint.startswith("glibc 2.36 is newer than this memunreachable knows")

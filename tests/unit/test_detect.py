@@ -75,3 +75,10 @@ def test_another_allocator_s_hint(monkeypatch):
         "with glibc's malloc (Redis: make MALLOC=libc), or use the other allocator's own leak "
         "reports")
     assert detect.allocator_hint(["libjemalloc.so.2"], None) == detect.allocator_hint([], 42)
+
+
+def test_an_unknown_glibc_release_s_hint():
+    assert detect.glibc_range_hint((2, 44), 27, 43).startswith(
+        "glibc 2.44 is newer than this memunreachable knows: a newer memunreachable")
+    assert detect.glibc_range_hint((2, 26), 27, 43) == (
+        "glibc releases before 2.27 (2018) are not supported")

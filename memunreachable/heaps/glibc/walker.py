@@ -577,7 +577,8 @@ def _find_objects(mem, maps, pid) -> Tuple[detect.AllocatorScan, locate.Located]
     v = L.version_tuple(loc.version)
     if v is not None and not (L.MIN_MINOR <= v[1] <= L.MAX_MINOR):
         raise UnsupportedTarget(f"glibc {loc.version} is outside the supported range "
-                                f"2.{L.MIN_MINOR}-2.{L.MAX_MINOR}; nothing was checked")
+                                f"2.{L.MIN_MINOR}-2.{L.MAX_MINOR}; nothing was checked",
+                                hint=detect.glibc_range_hint(v, L.MIN_MINOR, L.MAX_MINOR))
     return scan, loc
 
 
