@@ -331,8 +331,8 @@ def scanned_blocks(image: HeapImage, marked, dead: Optional["DeadWords"] = None)
             out += [(begins[j] + a, view[a:e]) for a, e in parts if a < e]
         for h in range(lib.mu_value_words(dc, data, begins[j], sizes[j], len(view), vals, at)):
             k = bisect.bisect_right(begins, vals[h]) - 1     # a handle: near a block's start
-            if (k >= 0 and vals[h] - begins[k] <= lib.MU_HANDLE_SLACK   # of no GC object
-                    and not (dead.head_word is not None and dead.head_word[k])):
+            gc_object = dead is not None and dead.head_word is not None and dead.head_word[k]
+            if k >= 0 and vals[h] - begins[k] <= lib.MU_HANDLE_SLACK and not gc_object:
                 out.append((at[h], struct.pack("<Q", vals[h])))
     del keep
     return out
