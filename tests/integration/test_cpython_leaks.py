@@ -16,6 +16,7 @@ PYTHONMALLOC=malloc.
 """
 from __future__ import annotations
 
+import contextlib
 import functools
 import json
 import os
@@ -207,32 +208,47 @@ def run_target(python: str, script: str, allocator: str = "pymalloc", *args: str
     allocator; checks at the baseline and after. Returns (the JSON, the second check's
     CheckInfo, the addresses the first check found). expect(JSON): the addresses the second
     check must report; a miss fails here, with the chains that kept them (explain_misses)."""
-    env = dict(os.environ)
-    env.pop("PYTHONMALLOC", None)
-    if allocator == "malloc":
-        env["PYTHONMALLOC"] = "malloc"
-    proc = subprocess.Popen([*distros.python_argv(python), "-c", script, build_ext(python), *args], stdin=subprocess.PIPE,
-                            stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True, env=env)
-    try:
+    with _target(python, script, allocator, *args) as proc:
         assert proc.stdout.readline().strip() == "baseline", proc.stderr.read()
         before = {l.address for l in check(proc.pid, limit=None).leaks}
-        proc.stdin.write("go\n")
-        proc.stdin.flush()
-        line = proc.stdout.readline()
-        assert line, proc.stderr.read()
-        made = json.loads(line)
-        assert proc.stdout.readline().strip() == "ready"
-        info = check(proc.pid, limit=None)
+        made, info = _planted(proc, "go")
         missed = [a for a in (expect(made) if expect else ())
                   if a not in {l.address for l in info.leaks}]
         assert not missed, (f"missed {[hex(a) for a in missed]}:\n"
                             + fixtures.explain_misses(proc.pid, missed))
+    return made, info, before
+
+
+def _planted(proc, request: str):
+    """Sends request (a line) to a run_target-protocol target, reads the JSON it prints and its
+    `ready`, and checks it: (the JSON, the CheckInfo)."""
+    proc.stdin.write(request + "\n")
+    proc.stdin.flush()
+    line = proc.stdout.readline()
+    assert line, proc.stderr.read()
+    made = json.loads(line)
+    assert proc.stdout.readline().strip() == "ready"
+    return made, check(proc.pid, limit=None)
+
+
+@contextlib.contextmanager
+def _target(python: str, script: str, allocator: str = "pymalloc", *args: str):
+    """The script run by `python` under allocator (pymalloc or malloc) with pyleaks' directory
+    and args as its arguments, stdin and stdout piped as text; killed on the way out."""
+    env = dict(os.environ)
+    env.pop("PYTHONMALLOC", None)
+    if allocator == "malloc":
+        env["PYTHONMALLOC"] = "malloc"
+    proc = subprocess.Popen([*distros.python_argv(python), "-c", script, build_ext(python), *args],
+                            stdin=subprocess.PIPE, stdout=subprocess.PIPE, stderr=subprocess.PIPE,
+                            text=True, env=env)
+    try:
+        yield proc
     finally:
         proc.kill()
         proc.wait(timeout=30)
         proc.stdout.close()
         proc.stderr.close()
-    return made, info, before
 
 
 class Target:
@@ -1260,25 +1276,12 @@ def _class_round(info, before, made) -> str:
 @pytest.mark.parametrize("python", [p for p in interpreters()
                                     if _minor(getattr(p, "values", [p])[0]) >= 10], ids=_ident)
 def test_a_class_leaked_by_refcount_is_reported(python, allocator):
-    env = dict(os.environ)
-    env.pop("PYTHONMALLOC", None)
-    if allocator == "malloc":
-        env["PYTHONMALLOC"] = "malloc"
-    proc = subprocess.Popen([*distros.python_argv(python), "-c", LEAKED_CLASS, build_ext(python)],
-                            stdin=subprocess.PIPE, stdout=subprocess.PIPE, stderr=subprocess.PIPE,
-                            text=True, env=env)
-    try:
+    with _target(python, LEAKED_CLASS, allocator) as proc:
         assert proc.stdout.readline().strip() == "baseline", proc.stderr.read()
         before = {l.address for l in check(proc.pid, limit=None).leaks}
-        proc.stdin.write("go\n")
         failed = []
-        for _ in range(2):
-            proc.stdin.flush()
-            line = proc.stdout.readline()
-            assert line, proc.stderr.read()
-            made = json.loads(line)
-            assert proc.stdout.readline().strip() == "ready"
-            info = check(proc.pid, limit=None)
+        for request in ("go", "again"):
+            made, info = _planted(proc, request)
             why = _class_round(info, before, made)
             if not why:
                 break
@@ -1286,10 +1289,4 @@ def test_a_class_leaked_by_refcount_is_reported(python, allocator):
                       if made[b] not in {l.address for l in info.leaks}]
             failed.append(why + "\n" + fixtures.explain_misses(proc.pid, missed))
             before |= {l.address for l in info.leaks}
-            proc.stdin.write("again\n")
         assert len(failed) < 2, "\n".join(failed)
-    finally:
-        proc.kill()
-        proc.wait(timeout=30)
-        proc.stdout.close()
-        proc.stderr.close()
