@@ -1113,6 +1113,7 @@ def test_d_clean():
 """
 
 
+@pytest.mark.slow      # 9 s: the README command's five minutes (.ci/run runs it)
 @ONE_ALLOCATOR
 def test_an_orphaned_block_fails_the_test_that_dropped_it_with_a_sweep_after_each_test(suite):
     # allocated before the test, unreachable since it ran: with a sweep after every test the
@@ -1164,6 +1165,7 @@ def _test_c_fails(suite, source, *args):
     return addr, out[out.index("_ test_c_orphans _"):out.index("short test summary info")]
 
 
+@pytest.mark.slow      # 6 s: the README command's five minutes (.ci/run runs it)
 @ONE_ALLOCATOR
 def test_a_block_orphaned_in_a_stretch_of_tests_fails_the_session_with_the_stretch(suite):
     # stretches of 2 tests ([a, b], [c, d]): the block test_a allocated becomes unreachable
