@@ -50,12 +50,11 @@ def int32_pair(word: int, begin: int) -> bool:
         and word - begin >= lib.MU_PAIR_NEAR
 
 
-# The addresses of the words of buffers that point into block [lo, hi) at first (default lo:
-# a GC object's references point past its PyGC_Head) or above, as mark takes them (dead
-# ranges, text and int32 pairs left out).
+# The addresses of the words of buffers that point into block [lo, hi) at first (lo, or past
+# a GC object's PyGC_Head) or above, as mark takes them (dead ranges, text and int32 pairs
+# left out).
 def _referrers(lo: int, hi: int, buffers: Sequence[Tuple[int, object]], dead,
-               first: Optional[int] = None) -> List[int]:
-    first = lo if first is None else first
+               first: int) -> List[int]:
     out = []
     for base, buf in buffers:
         mv = memoryview(buf).cast("B")
@@ -154,12 +153,11 @@ def explain(addr: int, image, root_buffers, marked, dead_ranges, blocks, threads
     return [label] + lines
 
 
-def _register_referrers(lo: int, hi: int, threads, first: Optional[int] = None) -> List[str]:
+def _register_referrers(lo: int, hi: int, threads, first: int) -> List[str]:
     """The registers of `threads` (root words, classify.register_words) holding a value in
     [first, hi) of block [lo, hi): 'register rbx of thread T', 'FP/SIMD state +0x2c0 of
     thread T'."""
     from memunreachable._types import REG_NAMES
-    first = lo if first is None else first
     out = []
     for t in threads:
         out += [f"register {REG_NAMES[k]} of thread {t.tid}" for k, v in enumerate(t.regs)
