@@ -58,6 +58,9 @@ int64_t mu_gc_walk(const uint64_t *begin, const uint64_t *size, uint64_t n,
     uint64_t seen[256];
     memset(seen, 0xff, sizeof seen);
     rc = 0;
+    /* the last node's allocation: a list's next node is most often the allocation after it
+     * (objects made one after another from one pool), tried before a lookup */
+    uint64_t last = UINT64_MAX, last_r = 0;
     for (uint64_t h = 0; h < nheads && rc == 0; h++) {
         uint64_t head = heads[3 * h], prev = head;
         uint64_t node = heads[3 * h + 1] & GC_NEXT_MASK;
@@ -68,9 +71,19 @@ int64_t mu_gc_walk(const uint64_t *begin, const uint64_t *size, uint64_t n,
                 rc = -ELOOP;
                 break;
             }
-            int64_t a = (node & 7) ? -1 : mu_scan_index_find(&ix, node);
+            int64_t a;
+            uint64_t r;
+            if (last + 1 < n && node - begin[last + 1] < size[last + 1]
+                    && node - heap[last_r].base < heap[last_r].len) {
+                a = (int64_t)(last + 1);
+                r = last_r;
+            } else {
+                a = (node & 7) ? -1 : mu_scan_index_find(&ix, node);
+                r = a < 0 || nheap == 1 ? 0 : mu_scan_index_region_of(&ix, (uint64_t)a);
+            }
             uint64_t b = a >= 0 ? begin[a] : 0;
-            if (a < 0 || node + 16 > b + (size[a] ? size[a] : 1) || (node - b) / 8 > GC_MAX_WORD - 1) {
+            if (a < 0 || node & 7 || node + 16 > b + (size[a] ? size[a] : 1)
+                    || (node - b) / 8 > GC_MAX_WORD - 1) {
                 rc = -EFAULT;
                 break;
             }
@@ -78,7 +91,8 @@ int64_t mu_gc_walk(const uint64_t *begin, const uint64_t *size, uint64_t n,
                 rc = -ELOOP;
                 break;
             }
-            uint64_t r = nheap == 1 ? 0 : mu_scan_index_region_of(&ix, (uint64_t)a);
+            last = (uint64_t)a;
+            last_r = r;
             const uint8_t *p = heap[r].data + (node - heap[r].base);
             uint64_t next, back;
             memcpy(&next, p, 8);

@@ -139,6 +139,9 @@ int64_t mu_pymalloc_text_heads(const uint8_t *data, uint64_t base, uint64_t len,
         return -EINVAL;
     for (uint64_t i = 0; i < n; i++) {
         uint64_t b = addr[i];
+        /* a block's first word is most often its only load: wait for it ahead */
+        if (i + 16 < n && addr[i + 16] - base < len)
+            __builtin_prefetch(data + (addr[i + 16] - base));
         if (b < base || b - base > len || len - (b - base) < 8)
             continue;
         uint64_t v = rd64(data + (b - base));

@@ -169,6 +169,28 @@ def test_gc_walk_rejects_broken_lists():
     assert gc_walk(h, [(head[0], head[1], h.addrs[0])])[0] == -errno.EPROTO
 
 
+def test_gc_walk_in_any_order_and_next_allocation_nodes_checked_as_others():
+    """The walk tries the allocation after the last node's first (objects made one after
+    another): a list in any order gives the same heads, and a node inside that next allocation
+    is still refused when misaligned or too close to its end."""
+    import random
+    order = list(range(40))
+    random.Random(3).shuffle(order)
+    order[10:20] = sorted(order[10:20])         # a run in address order within the shuffle
+    h = Heap([48] * 40)
+    nodes = [h.addrs[k] for k in order]
+    ring = [HEAD] + nodes
+    for k, node in enumerate(nodes, start=1):
+        struct.pack_into("<QQ", h.buf, node - h.base, ring[(k + 1) % len(ring)], ring[k - 1])
+    rc, hw, st = gc_walk(h, [(HEAD, nodes[0], nodes[-1])])
+    assert rc == 40 and list(hw) == [1] * 40 and st.nodes == 40
+    for bad in (h.addrs[1] + 4, h.addrs[1] + 40):       # misaligned; its 16 bytes past the end
+        h, head = gc_heap(3)
+        struct.pack_into("<Q", h.buf, h.addrs[0] - h.base, bad)
+        rc, _, st = gc_walk(h, [head])
+        assert rc == -errno.EFAULT and st.bad_node == bad
+
+
 def test_gc_links_keep_nothing_alive_and_objects_still_reach():
     # three GC objects in one list; only the middle one is referenced from a root; its
     # links point at its neighbours' heads, which must not keep them
