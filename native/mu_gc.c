@@ -35,6 +35,8 @@ static int cmp_u64(const void *a, const void *b)
     return x < y ? -1 : x > y;
 }
 
+#define GC_NEAR 8
+
 int64_t mu_gc_walk(const uint64_t *begin, const uint64_t *size, uint64_t n,
                    const mu_region *heap, uint64_t nheap,
                    const uint64_t *heads, uint64_t nheads, uint64_t max_nodes,
@@ -58,8 +60,9 @@ int64_t mu_gc_walk(const uint64_t *begin, const uint64_t *size, uint64_t n,
     uint64_t seen[256];
     memset(seen, 0xff, sizeof seen);
     rc = 0;
-    /* the last node's allocation: a list's next node is most often the allocation after it
-     * (objects made one after another from one pool), tried before a lookup */
+    /* the last node's allocation: a list's next node is most often a few allocations further
+     * (objects made one after another: from one pool, the next allocation; from glibc's heap,
+     * past the blocks made with each), looked for there before a lookup */
     uint64_t last = UINT64_MAX, last_r = 0;
     for (uint64_t h = 0; h < nheads && rc == 0; h++) {
         uint64_t head = heads[3 * h], prev = head;
@@ -71,13 +74,15 @@ int64_t mu_gc_walk(const uint64_t *begin, const uint64_t *size, uint64_t n,
                 rc = -ELOOP;
                 break;
             }
-            int64_t a;
-            uint64_t r;
-            if (last + 1 < n && node - begin[last + 1] < size[last + 1]
-                    && node - heap[last_r].base < heap[last_r].len) {
-                a = (int64_t)(last + 1);
-                r = last_r;
-            } else {
+            int64_t a = -1;
+            uint64_t r = last_r;
+            if (last < n && node > begin[last] && node - heap[last_r].base < heap[last_r].len)
+                for (uint64_t k = last + 1; k < n && k <= last + GC_NEAR && begin[k] <= node; k++)
+                    if (node - begin[k] < size[k]) {
+                        a = (int64_t)k;
+                        break;
+                    }
+            if (a < 0) {
                 a = (node & 7) ? -1 : mu_scan_index_find(&ix, node);
                 r = a < 0 || nheap == 1 ? 0 : mu_scan_index_region_of(&ix, (uint64_t)a);
             }
@@ -93,6 +98,12 @@ int64_t mu_gc_walk(const uint64_t *begin, const uint64_t *size, uint64_t n,
             }
             last = (uint64_t)a;
             last_r = r;
+            /* the next nodes, as objects made one after another lie: read ahead, since each
+             * node's address is known only once the one before is read (glibc's blocks of
+             * 4 M lists, each beside its item array and bytes: one cache miss a node) */
+            for (uint64_t k = last + GC_NEAR / 2; k < n && k < last + GC_NEAR + GC_NEAR / 2; k++)
+                if (begin[k] - heap[r].base < heap[r].len)
+                    __builtin_prefetch(heap[r].data + (begin[k] - heap[r].base));
             const uint8_t *p = heap[r].data + (node - heap[r].base);
             uint64_t next, back;
             memcpy(&next, p, 8);

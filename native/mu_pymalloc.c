@@ -74,6 +74,8 @@ int64_t mu_pymalloc_blocks(const uint8_t *data, uint64_t base, uint64_t len, uin
         uint64_t p = pools[i], bsize, carved, nfree = 0, fb, off, steps = 0;
         const uint8_t *h;
         uint32_t count, nextoffset;
+        if (i + 2 < npools && pools[i + 2] - base < len)      /* its header, ahead */
+            __builtin_prefetch(data + (pools[i + 2] - base));
         if (p < base || p - base > len || len - (p - base) < pool_size || p < prev_end) {
             reject(res, p, MU_POOL_OUTSIDE);
             continue;
