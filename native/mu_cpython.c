@@ -117,7 +117,7 @@ static int64_t region_from(const mu_region *r, uint64_t nr, uint64_t *cur, uint6
 /* How many allocations ahead gc_object prefetches a GC object's first bytes: a pass over the
  * GC objects waits on each one's cache line otherwise (4 M lists: 2/3 of mu_gc_stale_parts'
  * time was the load of the type word) */
-#define GC_PREFETCH_AHEAD 24
+#define GC_PREFETCH_AHEAD 64
 
 /* The GC object of allocation i < n (head_word[i] != 0: its address past the GC head) when its
  * first `need` bytes lie inside the allocation and in one heap region (*cur: an ascending pass,
