@@ -122,9 +122,10 @@ static int64_t region_from(const mu_region *r, uint64_t nr, uint64_t *cur, uint6
 /* The GC object of allocation i < n (head_word[i] != 0: its address past the GC head) when its
  * first `need` bytes lie inside the allocation and in one heap region (*cur: an ascending pass,
  * region_from), its bytes at *o; 0 otherwise. */
-static uint64_t gc_object(const uint64_t *begin, const uint64_t *size, uint64_t n,
-                          const uint8_t *head_word, const mu_region *heap, uint64_t nheap,
-                          uint64_t *cur, uint64_t i, uint64_t need, const uint8_t **o)
+static inline __attribute__((always_inline)) uint64_t
+gc_object(const uint64_t *begin, const uint64_t *size, uint64_t n, const uint8_t *head_word,
+          const mu_region *heap, uint64_t nheap, uint64_t *cur, uint64_t i, uint64_t need,
+          const uint8_t **o)
 {
     uint64_t j = i + GC_PREFETCH_AHEAD;
     if (j < n && head_word[j] && *cur < nheap) {
