@@ -175,8 +175,8 @@ int64_t mu_fold(const uint64_t *begin, const uint64_t *size, uint64_t n,
     uint64_t nleak = 0;
     for (uint64_t i = 0; i < n; i++)
         nleak += !marked[i];
-    if (!nleak)     /* nothing to fold: only check the input (a clean check's 2 folds: 1 ms) */
-        return mu_scan_index_check(begin, size, n, heap, nheap);
+    if (!nleak)     /* nothing to fold (the mark checked the same input: 0.03 s at 12 M blocks) */
+        return 0;
     int sub = nleak * 4 < n && !(dead && dead->head_word);
     mu_scan_index ix;
     int64_t rc;

@@ -7,7 +7,8 @@
  * summed sizes of every other unreachable allocation reachable from that SCC (its other members
  * included; shared descendants are counted under each head). Entries are ordered by rep.
  * cap must be >= the number of unreachable allocations.
- * Returns the number of entries, or -EINVAL (as mu_mark), -EOVERFLOW (n >= 2^32 - 1),
+ * Returns the number of entries, or -EINVAL (as mu_mark; the allocations are not checked when
+ * none is unreachable: the mark of the same input did), -EOVERFLOW (n >= 2^32 - 1),
  * -ENOMEM, or -ENOSPC (more entries than cap). dead: words that are not edges (mu_dead), or NULL.
  * owner (n slots, or NULL): owner[i] = the entry that lists unreachable allocation i, the first
  * (by rep) whose head reaches it, so each is counted in exactly one entry; UINT64_MAX for a
