@@ -52,14 +52,15 @@ void mu_cands_fill_piece(mu_cands *c, uint64_t k, const uint8_t *d, uint64_t n, 
                          uint64_t *tval);
 
 #define MU_DICT_ENTRY 24         /* a dict key table's entry with its hash: {hash, key, value} */
+#define MU_SET_ENTRY 16          /* a set's table entry: {key, hash} */
 
 /* Live words of a scanned range (mu_dead): yields runs of word start addresses, skipping the
  * dead ones. Shared by mu_mark (mu_scan.c) and mu_fold (mu_fold.c). */
 typedef struct {
     uint64_t w, end;             /* next word start; word starts stay below end */
     uint64_t hb, he;             /* GC-link words of this allocation: starts in [hb, he) */
-    uint64_t zb, ze;             /* a dict key table's entries: starts zb + 24k below ze are
-                                  * hashes (mu_dict_hashes), 0, 0 for none */
+    uint64_t zb, ze, zs;         /* hashes in a table: starts zb + zs * k below ze (a dict key
+                                  * table's, mu_dict_hashes; a set's table), 0, 0 for none */
     const uint64_t *sk;          /* dead range pairs */
     uint64_t nsk, k;             /* count; first pair that may still matter */
 } mu_live_iter;
@@ -88,6 +89,7 @@ static inline void mu_live_init(mu_live_iter *it, const mu_dead *d, uint64_t w, 
     it->hb = hb;
     it->he = he;
     it->zb = it->ze = 0;
+    it->zs = MU_DICT_ENTRY;
     it->k = 0;
     it->nsk = 0;
     it->sk = NULL;
@@ -102,11 +104,12 @@ static inline void mu_live_init(mu_live_iter *it, const mu_dead *d, uint64_t w, 
     it->k = mu_first_ending_after(sk, n, 2, w);
 }
 
-/* Skips the hash word at the start of each MU_DICT_ENTRY entry in [zb, ze) too. */
-static inline void mu_live_strided(mu_live_iter *it, uint64_t zb, uint64_t ze)
+/* Skips the words zb + zs * k below ze too (a table's hashes; zs a multiple of 8). */
+static inline void mu_live_strided(mu_live_iter *it, uint64_t zb, uint64_t ze, uint64_t zs)
 {
     it->zb = zb;
     it->ze = ze;
+    it->zs = zs;
 }
 
 static inline uint64_t mu_live_past(uint64_t w, uint64_t e)
@@ -126,7 +129,7 @@ static inline int mu_live_next(mu_live_iter *it, uint64_t *b, uint64_t *e)
             it->w = mu_live_past(w, it->he);
             continue;
         }
-        if (w >= it->zb && w < it->ze && (w - it->zb) % MU_DICT_ENTRY == 0) {
+        if (w >= it->zb && w < it->ze && (w - it->zb) % it->zs == 0) {
             it->w = w + 8;      /* an entry's hash */
             continue;
         }
@@ -143,7 +146,7 @@ static inline int mu_live_next(mu_live_iter *it, uint64_t *b, uint64_t *e)
             stop = it->sk[2 * it->k];
         if (w < it->ze) {       /* up to the next entry's hash */
             uint64_t nh = w < it->zb ? it->zb
-                        : it->zb + ((w - it->zb) / MU_DICT_ENTRY + 1) * MU_DICT_ENTRY;
+                        : it->zb + ((w - it->zb) / it->zs + 1) * it->zs;
             if (nh < stop)
                 stop = nh;
         }
@@ -738,11 +741,12 @@ static inline uint64_t mu_live_len_r(const mu_dead *d, const mu_rules *r, const 
     return len;
 }
 
-/* len, or less when d's live_end limits allocation i (a list's item array: its used slots). */
+/* len, or less when d's live_end limits allocation i (a list's item array: its used slots;
+ * not a set's table, MU_LIVE_SET_TABLE). */
 static inline uint64_t mu_live_end(const mu_dead *d, uint64_t i, uint64_t len)
 {
     uint32_t e = (d && d->live_end) ? d->live_end[i] : 0;
-    return e && e - 1 < len ? e - 1 : len;
+    return e && !(e & MU_LIVE_SET_TABLE) && e - 1 < len ? e - 1 : len;
 }
 
 static inline uint64_t mu_live_len(const mu_dead *d, const uint8_t *p, uint64_t b, uint64_t len,
@@ -762,15 +766,25 @@ static inline uint64_t mu_live_len(const mu_dead *d, const uint8_t *p, uint64_t 
  * or, for an allocation that is a dict key table (mu_dict_keys_len over its p, len, avail),
  * the table's header: counts, sizes and, 3.11+, a padding byte (0x40 seen: 0x40010606, a
  * number inside a non-PIE interpreter's heap), 3.8-3.10 its lookup function, and in [*zb, *ze)
- * its entries' hashes (mu_dict_hashes; 0, 0 for none: mu_live_strided). */
+ * its entries' hashes (mu_dict_hashes; 0, 0 for none: mu_live_strided), *zs apart;
+ * for an allocation holding a set's table (live_end: MU_LIVE_SET_TABLE), its entries' hashes. */
 static inline void mu_live_head(const mu_dead *d, const mu_rules *r, uint64_t i, uint64_t b,
                                 const uint8_t *p, uint64_t len, uint64_t avail,
-                                uint64_t *hb, uint64_t *he, uint64_t *zb, uint64_t *ze)
+                                uint64_t *hb, uint64_t *he, uint64_t *zb, uint64_t *ze,
+                                uint64_t *zs)
 {
     uint8_t hw = (d && d->head_word) ? d->head_word[i] : 0;
     *hb = hw ? b + 8 * (uint64_t)(hw - 1) : 0;
     *he = hw ? *hb + 16 : 0;
     *zb = *ze = 0;
+    *zs = MU_DICT_ENTRY;
+    uint32_t e = (d && d->live_end) ? d->live_end[i] : 0;
+    if (!hw && (e & MU_LIVE_SET_TABLE)) {
+        *zb = b + (e & 0xff) + 8;       /* each entry's second word */
+        *ze = b + len;
+        *zs = MU_SET_ENTRY;
+        return;
+    }
     uint64_t keys = !hw && d && d->dict_keys ? mu_dict_keys_len(d->dict_keys, p, len, avail) : 0;
     if (keys) {
         *hb = b;            /* a dict key table's header: counts, sizes, a padding byte */

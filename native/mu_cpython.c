@@ -170,25 +170,119 @@ static int field_block(const uint64_t *begin, const uint64_t *size, uint64_t n,
     return 1;
 }
 
+static void put_pair(uint64_t *out, uint64_t cap, uint64_t *found, uint64_t b, uint64_t e)
+{
+    if (b >= e)
+        return;
+    if (*found < cap) {
+        out[2 * *found] = b;
+        out[2 * *found + 1] = e;
+    }
+    (*found)++;
+}
+
+/* PySetObject (every version): {head, fill, used, mask, table, hash, finger, smalltable[8],
+ * weakreflist}, entries {key, hash} */
+#define MU_SET_MASK 32
+#define MU_SET_TABLE 40
+#define MU_SET_SMALLTABLE 64
+#define MU_SET_SMALLTABLE_END 192
+#define MU_SET_MAX_MASK (1ull << 40)
+
+/* The set rule of mu_gc_dead_ranges for the set at obj (its bytes at so, MU_SET_SMALLTABLE_END
+ * of them; allocation i): its table's hashes. Returns how many pairs it put. */
+static uint64_t set_hashes(const uint64_t *begin, const uint64_t *size, uint64_t n,
+                           const uint8_t *head_word, uint64_t i, uint64_t obj, const uint8_t *so,
+                           uint32_t *live_end, uint64_t *out, uint64_t cap, uint64_t *found,
+                           uint64_t *tables)
+{
+    uint64_t mask, table, put = 0;
+    memcpy(&mask, so + MU_SET_MASK, 8);
+    memcpy(&table, so + MU_SET_TABLE, 8);
+    if (table == obj + MU_SET_SMALLTABLE) {
+        /* in the object: a pair per hash that could be an address (the span of the heap's
+         * allocations, 8-aligned; a str's hash seldom is, a small int's never) */
+        uint64_t lo = begin[0], hi = begin[n - 1] + size[n - 1];
+        for (uint64_t k = 0; k < 8; k++) {
+            uint64_t h, at = MU_SET_SMALLTABLE + MU_SET_ENTRY * k + 8;
+            memcpy(&h, so + at, 8);
+            if (h - lo < hi - lo && !(h & 7)) {
+                put_pair(out, cap, found, obj + at, obj + at + 8);
+                put++;
+            }
+        }
+        return put;
+    }
+    /* its own table: an allocation whose entries' hashes the mark skips (live_end) */
+    if (!live_end || mask < 7 || mask >= MU_SET_MAX_MASK || ((mask + 1) & mask) || (table & 7))
+        return 0;
+    for (uint64_t off = 0; off <= 16; off += 16) {      /* the debug hooks' prefix before it */
+        uint64_t k = mu_find_sorted(begin, n, table - off);
+        if (k == n || k == i || head_word[k] || size[k] < off + MU_SET_ENTRY * (mask + 1))
+            continue;
+        if (live_end[k] && !(live_end[k] & MU_LIVE_SET_TABLE))
+            return 0;                   /* a list's item array: never a set's table too */
+        live_end[k] = MU_LIVE_SET_TABLE | (uint32_t)off;
+        (*tables)++;
+        return 0;
+    }
+    return 0;
+}
+
+/* A set no GC list holds (3.15 untracks frozensets) in allocation i, whose size is that of a
+ * set object's allocation (its GC head, the debug hooks' prefix and tail, a subclass's few
+ * slots): its object 16 or 32 bytes in, of a type in sets[] with a plausible reference count
+ * (then set_hashes, with its consistency checks). Returns what set_hashes does. */
+#define MU_SET_UNTRACKED_MIN (16 + MU_SET_SMALLTABLE_END + 8)
+#define MU_SET_UNTRACKED_MAX 512
+static uint64_t untracked_set(const uint64_t *begin, const uint64_t *size, uint64_t n,
+                              const mu_region *heap, uint64_t nheap, uint64_t *cur,
+                              const uint8_t *head_word, uint64_t i, const uint64_t *sets,
+                              uint64_t nsets, uint32_t *live_end, uint64_t *out, uint64_t cap,
+                              uint64_t *found, uint64_t *tables)
+{
+    for (uint64_t off = 16; off <= 32; off += 16) {
+        uint64_t obj = begin[i] + off, rc, tp;
+        if (obj + MU_SET_SMALLTABLE_END > begin[i] + size[i])
+            break;
+        int64_t q = region_from(heap, nheap, cur, obj, MU_SET_SMALLTABLE_END);
+        if (q < 0)
+            break;
+        const uint8_t *so = heap[q].data + (obj - heap[q].base);
+        memcpy(&rc, so, 8);
+        memcpy(&tp, so + 8, 8);
+        if (mu_plausible_refcnt(rc) && mu_find_sorted(sets, nsets, tp) < nsets)
+            return set_hashes(begin, size, n, head_word, i, obj, so, live_end, out, cap, found,
+                              tables);
+    }
+    return 0;
+}
+
 int64_t mu_gc_dead_ranges(const uint64_t *begin, const uint64_t *size, uint64_t n,
                           const mu_region *heap, uint64_t nheap, const uint8_t *head_word,
                           uint64_t list_type, const uint64_t *metas, uint64_t nmetas,
                           uint64_t doc_field, uint64_t flag_off, uint64_t flag_mask,
                           const uint64_t *buffered, uint64_t nbuffered, uint64_t buf_field,
+                          const uint64_t *sets, uint64_t nsets,
                           uint64_t *out, uint64_t cap, uint64_t *counts, uint32_t *live_end)
 {
     if ((n && (!begin || !size || !head_word)) || (nheap && !heap) || (cap && !out) || !counts
-        || (nmetas && !metas) || (nbuffered && !buffered)
+        || (nmetas && !metas) || (nbuffered && !buffered) || (nsets && !sets)
         || doc_field < 16 || (doc_field & 7) || doc_field > 4096 || (flag_off & 7)
         || flag_off > 4096 || buf_field < 16 || (buf_field & 7) || buf_field > 4096)
         return -EINVAL;
     uint64_t found = 0, cur = 0, hint = 0;
-    counts[0] = counts[1] = counts[2] = counts[3] = 0;
+    counts[0] = counts[1] = counts[2] = counts[3] = counts[4] = counts[5] = 0;
     for (uint64_t i = 0; i < n; i++) {
         const uint8_t *o;
         uint64_t obj = gc_object(begin, size, n, head_word, heap, nheap, &cur, i, 16, &o);
-        if (!obj)
+        if (!obj) {
+            if (nsets && !head_word[i] && size[i] >= MU_SET_UNTRACKED_MIN
+                && size[i] <= MU_SET_UNTRACKED_MAX)
+                counts[4] += untracked_set(begin, size, n, heap, nheap, &cur, head_word, i,
+                                           sets, nsets, live_end, out, cap, &found, &counts[5]);
             continue;
+        }
         uint64_t tp, k, pair[4][2];
         memcpy(&tp, o + 8, 8);
         int hit[4] = {0, 0, 0, 0};
@@ -202,9 +296,10 @@ int64_t mu_gc_dead_ranges(const uint64_t *begin, const uint64_t *size, uint64_t 
                 memcpy(&alloc, o + 32, 8);
                 uint64_t end = mu_list_dead_end(begin, size, n, n_size, item, alloc, &hint);
                 if (end && live_end && hint < n && begin[hint] == item
-                    && end == begin[hint] + size[hint] && 8 * n_size < UINT32_MAX) {
+                    && end == begin[hint] + size[hint] && 8 * n_size < MU_LIVE_SET_TABLE - 1) {
                     uint32_t live = (uint32_t)(8 * n_size + 1);     /* (mu_list_dead_end: hint) */
-                    if (!live_end[hint] || live < live_end[hint])
+                    if (!live_end[hint]
+                        || (!(live_end[hint] & MU_LIVE_SET_TABLE) && live < live_end[hint]))
                         live_end[hint] = live;
                     counts[0]++;
                 } else if (end) {
@@ -213,6 +308,14 @@ int64_t mu_gc_dead_ranges(const uint64_t *begin, const uint64_t *size, uint64_t 
                     hit[0] = 1;
                 }
             }
+        }
+        if (nsets && mu_find_sorted(sets, nsets, tp) < nsets
+            && obj + MU_SET_SMALLTABLE_END <= begin[i] + size[i]) {
+            int64_t q = region_from(heap, nheap, &cur, obj, MU_SET_SMALLTABLE_END);
+            if (q >= 0)
+                counts[4] += set_hashes(begin, size, n, head_word, i, obj,
+                                        heap[q].data + (obj - heap[q].base), live_end, out, cap,
+                                        &found, &counts[5]);
         }
         int meta = nmetas && mu_find_sorted(metas, nmetas, tp) < nmetas;
         if (meta && field_block(begin, size, n, heap, nheap, &cur, i, obj, doc_field, flag_off,
@@ -281,17 +384,6 @@ static uint64_t deque_block(const uint64_t *begin, const uint64_t *size, uint64_
 {
     uint64_t k = b ? mu_find_sorted(begin, n, b) : n;
     return k < n && size[k] >= MU_DEQUE_BLOCK ? k : n;
-}
-
-static void put_pair(uint64_t *out, uint64_t cap, uint64_t *found, uint64_t b, uint64_t e)
-{
-    if (b >= e)
-        return;
-    if (*found < cap) {
-        out[2 * *found] = b;
-        out[2 * *found + 1] = e;
-    }
-    (*found)++;
 }
 
 int64_t mu_deque_dead_ranges(const uint64_t *begin, const uint64_t *size, uint64_t n,
@@ -367,9 +459,6 @@ int64_t mu_deque_dead_ranges(const uint64_t *begin, const uint64_t *size, uint64
     return (int64_t)found;
 }
 
-#define MU_SET_TABLE 40
-#define MU_SET_SMALLTABLE 64
-#define MU_SET_SMALLTABLE_END 192
 #define MU_DICT_VALUES 40
 #define MU_STR_STATE 32         /* PyASCIIObject.state (every version) */
 #define MU_TP_NAME 24           /* PyTypeObject.tp_name */

@@ -44,7 +44,14 @@ int64_t mu_pools_overlapping(const uint64_t *blocks, uint64_t n, uint64_t pool_s
  *   type flags   objects whose type is in metas[] (a type object): their word at flag_off
  *                (tp_flags: 1 << 24 and up for the subclasses of int, list, dict,
  *                BaseException..., a number inside a non-PIE interpreter's heap)
- * Pairs go to out (2 words each, up to cap pairs) in object order; counts[0..3] get how many
+ *   set hashes   objects whose type is in sets[] (ascending; set, frozenset, subclasses):
+ *                the hashes of their table's entries are no references (an int's hash is its
+ *                value: a set of id()s held every object it named): in the smalltable, a pair
+ *                per hash in the span of the allocations (8-aligned; counts[4]); a table of
+ *                its own (mask + 1 entries of 16 bytes, starting its allocation or 16 bytes
+ *                into it, the debug hooks' prefix) is marked in live_end (MU_LIVE_SET_TABLE |
+ *                that offset: the mark skips each entry's second word; counts[5] of them)
+ * Pairs go to out (2 words each, up to cap pairs) in object order; counts[0..5] get how many
  * each rule found. With live_end (n uint32, zeroed by the caller; NULL: none), a list's slack
  * that runs from its used slots to the end of the allocation its item array starts is given
  * as that allocation's live_end (mu_dead: 1 + the used slots' bytes; the least when two lists
@@ -55,6 +62,7 @@ int64_t mu_gc_dead_ranges(const uint64_t *begin, const uint64_t *size, uint64_t 
                           uint64_t list_type, const uint64_t *metas, uint64_t nmetas,
                           uint64_t doc_field, uint64_t flag_off, uint64_t flag_mask,
                           const uint64_t *buffered, uint64_t nbuffered, uint64_t buf_field,
+                          const uint64_t *sets, uint64_t nsets,
                           uint64_t *out, uint64_t cap, uint64_t *counts, uint32_t *live_end);
 
 /* The GC objects of the image (head_word[i] != 0: mu_gc_walk) whose type is in types[]

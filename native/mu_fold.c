@@ -275,12 +275,12 @@ int64_t mu_fold(const uint64_t *begin, const uint64_t *size, uint64_t n,
                 }
                 continue;
             }
-            uint64_t whole = len, hb, he, zb, ze, rb, re;
+            uint64_t whole = len, hb, he, zb, ze, zs, rb, re;
             len = mu_live_end(dead, i, mu_live_len_r(dead, rr, base, b, len, avail));
-            mu_live_head(dead, rr, i, b, base, whole, avail, &hb, &he, &zb, &ze);
+            mu_live_head(dead, rr, i, b, base, whole, avail, &hb, &he, &zb, &ze, &zs);
             mu_live_iter it;
             mu_live_init(&it, dead, b + skip, b + len, hb, he);
-            mu_live_strided(&it, zb, ze);
+            mu_live_strided(&it, zb, ze, zs);
             while (mu_live_next(&it, &rb, &re)) {
               for (uint64_t s = rb; s < re; s += 8) {
                 uint64_t v = 0;

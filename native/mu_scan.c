@@ -774,7 +774,8 @@ static inline void consider_words(mark_ctx *m, const uint8_t *p, uint64_t nw, ui
  * hb/he: GC-link words to ignore (0, 0: none); dead's ranges are ignored too (dead: the index's,
  * or NULL when none of them meets the range). */
 static void scan_range(mark_ctx *m, const uint8_t *data, uint64_t addr, uint64_t len, uint64_t avail,
-                       uint64_t hb, uint64_t he, uint64_t zb, uint64_t ze, const mu_dead *dead)
+                       uint64_t hb, uint64_t he, uint64_t zb, uint64_t ze, uint64_t zs,
+                       const mu_dead *dead)
 {
     uint64_t skip = (8 - (addr & 7)) & 7;
     if (skip >= len)
@@ -794,7 +795,7 @@ static void scan_range(mark_ctx *m, const uint8_t *data, uint64_t addr, uint64_t
     }
     mu_live_iter it;
     mu_live_init(&it, dead, addr + skip, end, hb, he);
-    mu_live_strided(&it, zb, ze);
+    mu_live_strided(&it, zb, ze, zs);
     uint64_t b, e;
     while (mu_live_next(&it, &b, &e)) {
         const uint8_t *p = data + (b - addr);
@@ -886,11 +887,11 @@ static inline void scan_block(mark_ctx *m, uint64_t i, const uint8_t *d, uint64_
             return;
         }
     }
-    uint64_t whole = len, zb, ze;
+    uint64_t whole = len, zb, ze, zs;
     len = mu_live_end(dead, i, mu_live_len_r(dead, r, d, b, len, avail));
-    mu_live_head(dead, r, i, b, d, whole, avail, &hb, &he, &zb, &ze);
+    mu_live_head(dead, r, i, b, d, whole, avail, &hb, &he, &zb, &ze, &zs);
     const mu_dead *dr = dead_may_meet(m, i) ? ix->dead : NULL;
-    scan_range(m, d, b, len, avail, hb, he, zb, ze, dr);
+    scan_range(m, d, b, len, avail, hb, he, zb, ze, zs, dr);
     m->heap_bytes += len;
 }
 
@@ -1514,7 +1515,7 @@ static int64_t mark_once(const uint64_t *begin, const uint64_t *size, uint64_t n
     uint64_t root_bytes = 0;
     for (uint64_t r = 0; r < nroots; r++) {
         scan_range(m, roots[r].data, roots[r].base, roots[r].len, roots[r].len, 0, 0, 0, 0,
-                   ix.dead);
+                   MU_DICT_ENTRY, ix.dead);
         root_bytes += roots[r].len;
     }
     for (uint64_t w = 0; w < nwords; w++)
@@ -1608,12 +1609,14 @@ uint64_t mu_scanned_len(const mu_dead *dead, const uint8_t *p, uint64_t b, uint6
 }
 
 void mu_scanned_head(const mu_dead *dead, uint64_t i, const uint8_t *p, uint64_t b, uint64_t len,
-                     uint64_t avail, uint64_t *hb, uint64_t *he, uint64_t *zb, uint64_t *ze)
+                     uint64_t avail, uint64_t *hb, uint64_t *he, uint64_t *zb, uint64_t *ze,
+                     uint64_t *zs)
 {
     mu_rules r;
     if (dead && dead->ntypes)
         mu_rules_search(dead, p, len < avail ? len : avail, &r);
-    mu_live_head(dead, dead && dead->ntypes ? &r : NULL, i, b, p, len, avail, hb, he, zb, ze);
+    mu_live_head(dead, dead && dead->ntypes ? &r : NULL, i, b, p, len, avail, hb, he, zb, ze,
+                 zs);
 }
 
 uint64_t mu_value_words(const mu_dead *dead, const uint8_t *p, uint64_t b, uint64_t len,

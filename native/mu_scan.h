@@ -165,10 +165,12 @@ uint64_t mu_scanned_len(const mu_dead *dead, const uint8_t *p, uint64_t b, uint6
 /* The words [*hb, *he) inside allocation i, [b, b+len) (data at p, avail readable), that
  * mu_mark skips in the middle of its scan: its PyGC_Head's links, a dict's integer header
  * words (MU_TYPE_DICT), a MU_TYPE_SIZED object's unwritten words; 0, 0 for none; and in
- * [*zb, *ze) a dict key table's entries, whose first words (hashes, every 24 bytes) it skips
- * too (0, 0 for none). For diagnostics (explain.py); dead may be NULL. */
+ * [*zb, *ze) the hashes it skips too, the words *zb + *zs * k (a dict key table's entries' first
+ * words, every 24 bytes; a set's table entries' second words, every 16; 0, 0 for none). For
+ * diagnostics (explain.py); dead may be NULL. */
 void mu_scanned_head(const mu_dead *dead, uint64_t i, const uint8_t *p, uint64_t b, uint64_t len,
-                     uint64_t avail, uint64_t *hb, uint64_t *he, uint64_t *zb, uint64_t *ze);
+                     uint64_t avail, uint64_t *hb, uint64_t *he, uint64_t *zb, uint64_t *ze,
+                     uint64_t *zs);
 
 /* The words of the value object (an int, a float, a short bytes: mu_dead kinds INT, FLOAT,
  * BYTES) in allocation [b, b+len) (data at p, avail readable) that mu_mark looks up as native

@@ -115,7 +115,10 @@ typedef struct {
  * level u is no reference to allocation i when 0 < u <= fresh[i]: the word was there before
  * the block, a stale copy of an address freed earlier. mu_mark only (mu_fold ignores it).
  * live_end (n uint32 or NULL): live_end[i] - 1 is how many bytes from allocation i's start can
- * hold references (a list's item array: its used slots; the rest is stale), 0: no limit. */
+ * hold references (a list's item array: its used slots; the rest is stale), 0: no limit; or
+ * MU_LIVE_SET_TABLE | the offset (0 or 16, the debug hooks' prefix) of a set's table of its
+ * own in allocation i, whose entries' second words (hashes) hold no reference: an int's hash
+ * is its value, and a set of id()s held every object it named (mu_gc_dead_ranges). */
 typedef struct {
     const uint64_t *ranges;
     uint64_t nranges;
@@ -130,6 +133,7 @@ typedef struct {
     const uint32_t *live_end;
 } mu_dead;
 
+#define MU_LIVE_SET_TABLE 2147483648
 #define MU_DICT_KEYS_NONE 0
 #define MU_DICT_KEYS_38 1     /* 3.8-3.10: {refcnt, dk_size, dk_lookup, dk_usable, dk_nentries} */
 #define MU_DICT_KEYS_311 2    /* 3.11-3.13: {refcnt, log2_size, log2_index_bytes, kind, version,

@@ -293,17 +293,17 @@ def mark(image: HeapImage, roots: Sequence[Tuple[int, object]], words: Sequence[
 # Returns [(begin, memoryview or bytes)] of the words mark scans in each marked allocation of
 # image: none for a dead or reference-free object, a typed object up to its live end
 # (mu_scanned_len) but for the words it skips in the middle (mu_scanned_head: a GC head's
-# links, a dict's integer header, unwritten words, a dict key table's hashes), else the whole
-# allocation; and each value object's handles (an int's value, a float's or short bytes'
-# words: mu_value_words, at most MU_HANDLE_SLACK bytes into a block that is no GC object, as
-# mu_value_target_native) as 8 bytes at the address it was read from (an int's digits). For
-# diagnostics (explain.py): one Python step per allocation.
+# links, a dict's integer header, unwritten words, a dict key table's or a set table's
+# hashes), else the whole allocation; and each value object's handles (an int's value, a
+# float's or short bytes' words: mu_value_words, at most MU_HANDLE_SLACK bytes into a block
+# that is no GC object, as mu_value_target_native) as 8 bytes at the address it was read from
+# (an int's digits). For diagnostics (explain.py): one Python step per allocation.
 def scanned_blocks(image: HeapImage, marked, dead: Optional["DeadWords"] = None) -> list:
     begins, sizes = image.begins, image.sizes
     dc, keep = dead_words(dead, len(begins))
     bases = [b for b, _ in image.regions]
     vals, at = ffi.new("uint64_t[8]"), ffi.new("uint64_t[8]")
-    hb, he, zb, ze = (ffi.new("uint64_t *") for _ in range(4))
+    hb, he, zb, ze, zs = (ffi.new("uint64_t *") for _ in range(5))
     out = []
     for j in range(len(begins)):
         if not marked[j] or not sizes[j]:
@@ -315,19 +315,19 @@ def scanned_blocks(image: HeapImage, marked, dead: Optional["DeadWords"] = None)
         n = lib.mu_scanned_len(dc, data, begins[j], sizes[j], len(view))
         if dead is not None and dead.live_end is not None:     # mu_live_end
             e = struct.unpack_from("<I", dead.live_end, 4 * j)[0]
-            n = min(n, e - 1) if e else n
+            n = min(n, e - 1) if e and not e & lib.MU_LIVE_SET_TABLE else n
         if n:
-            lib.mu_scanned_head(dc, j, data, begins[j], sizes[j], len(view), hb, he, zb, ze)
+            lib.mu_scanned_head(dc, j, data, begins[j], sizes[j], len(view), hb, he, zb, ze, zs)
             cut = (hb[0] - begins[j], he[0] - begins[j]) if hb[0] or he[0] else (n, n)
             if cut[0] > 0 and cut[1] < n:       # the words it skips in the middle
                 parts = [(0, cut[0]), (cut[1], n)]
             else:
                 parts = [(0, n)]
-            if ze[0]:                           # an entry's key and value, not its hash
-                z0, z1 = zb[0] - begins[j], min(ze[0] - begins[j], n)
+            if ze[0]:                           # the words between a table's hashes
+                z0, z1, step = zb[0] - begins[j], min(ze[0] - begins[j], n), zs[0]
                 parts = [(a, min(e, z0)) for a, e in parts] + [
-                    (max(a, k + 8), min(e, k + 24)) for a, e in parts
-                    for k in range(z0, z1, 24)] + [(max(a, z1), e) for a, e in parts]
+                    (max(a, k + 8), min(e, k + step, z1)) for a, e in parts
+                    for k in range(z0, z1, step)] + [(max(a, z1), e) for a, e in parts]
             out += [(begins[j] + a, view[a:e]) for a, e in parts if a < e]
         for h in range(lib.mu_value_words(dc, data, begins[j], sizes[j], len(view), vals, at)):
             k = bisect.bisect_right(begins, vals[h]) - 1     # a handle: near a block's start

@@ -1290,3 +1290,68 @@ def test_a_class_leaked_by_refcount_is_reported(python, allocator):
             failed.append(why + "\n" + fixtures.explain_misses(proc.pid, missed))
             before |= {l.address for l in info.leaks}
         assert len(failed) < 2, "\n".join(failed)
+
+
+# A set keeps an int key's hash beside it, and an int's hash is its value: a set of id()s held
+# every object it named (a recursion guard's `seen`, a registry of handled objects). Three
+# objects leaked by an extra reference, each named in a set that stays alive: one in its
+# smalltable, one in a table of its own, one in a frozenset; their twins are held.
+SET_OF_IDS = (LIBC_IMPORTS + LIBC + """
+class Thing:
+    pass
+KEPT = []
+def plant():
+    made = {}
+    for name, make, n in (("small", set, 2), ("table", set, 100), ("frozen", frozenset, 2)):
+        leaked, twin = Thing(), Thing()
+        pyleaks.incref(leaked)
+        KEPT.append(make(list(range(1000, 1000 + n)) + [id(leaked), id(twin)]))
+        KEPT.append(twin)
+        made[name], made["kept " + name] = id(leaked), id(twin)
+    return made
+print("baseline", flush=True)
+sys.stdin.readline()
+while True:
+    print(json.dumps(plant()))
+    print("ready", flush=True)
+    if sys.stdin.readline().strip() != "again":
+        break
+""")
+
+
+def _set_round(info, before, made) -> str:
+    """Why a round of SET_OF_IDS's check failed, or "" when it passed: each leaked object is
+    reported (the block that holds it), as a Thing, its twin is not, and nothing else is new."""
+    new = [l for l in info.leaks if l.address not in before]
+    def holding(obj):
+        return [l for l in info.leaks if l.address <= obj < l.address + l.size]
+    for name in ("small", "table", "frozen"):
+        found = holding(made[name])
+        if not found:
+            return f"missed {made[name]:#x} ({name})"
+        if found[0].python_type != "Thing":
+            return f"{name} reported as {found[0].python_type}"
+        if holding(made["kept " + name]):
+            return f"the twin of {name} reported"
+    if len(new) != 3:
+        return f"other new leaks: {[(hex(l.address), l.python_type) for l in new]}"
+    return ""
+
+
+@pytest.mark.parametrize("allocator", ["pymalloc", "malloc"])
+@pytest.mark.parametrize("python", interpreters(), ids=_ident)
+def test_objects_named_in_sets_of_ids_are_reported(python, allocator):
+    with _target(python, SET_OF_IDS, allocator) as proc:
+        assert proc.stdout.readline().strip() == "baseline", proc.stderr.read()
+        before = {l.address for l in check(proc.pid, limit=None).leaks}
+        failed = []
+        for request in ("go", "again"):     # a stale word may keep one: planted again once
+            made, info = _planted(proc, request)
+            why = _set_round(info, before, made)
+            if not why:
+                break
+            missed = [made[k] for k in ("small", "table", "frozen")
+                      if not any(l.address <= made[k] < l.address + l.size for l in info.leaks)]
+            failed.append(why + "\n" + fixtures.explain_misses(proc.pid, missed))
+            before |= {l.address for l in info.leaks}
+        assert len(failed) < 2, "\n".join(failed)

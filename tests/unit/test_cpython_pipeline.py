@@ -527,7 +527,7 @@ def test_gc_dead_ranges_equals_the_three_passes_and_the_type_flags_on_random_obj
                  if h and b - base < 0x40000 and not 0x20000 <= b - base < 0x30000
                  and struct.unpack_from("<Q", data, b - base + 24)[0] in metas
                  and 16 + L.TP_FLAGS + 8 <= n]
-        assert counts == (len(slack), len(docs), len(bufs), len(flags))
+        assert counts == (len(slack), len(docs), len(bufs), len(flags), 0, 0)    # no sets
         assert sorted(pairs) == sorted([(r.begin, r.end) for r in slack + docs + bufs] + flags)
         assert sum(counts) > 5 and (len(flags) > 5) == bool(metas)
         # the slack to an item array's end as that allocation's live end instead: the same

@@ -964,3 +964,74 @@ def test_cffi_cdata_slack_is_stale_unless_its_value_is_inline(size, data, kept):
     leaks = fold(h.image(), bytearray(2), dead=dead)
     assert {(e.index, e.referenced_count) for e in leaks} == \
         ({(0, 1)} if kept else {(0, 0), (1, 0)})
+
+
+# --- sets keyed by id(): their tables' hashes ----------------------------------------------
+SET_TYPE = 0x7500
+
+
+def set_heap(table_offset=0, tracked=True):
+    """A set with a table of its own (block 1: 8 entries, `table_offset` bytes into its
+    allocation, the debug hooks' prefix) and a set in its smalltable (block 4), each holding
+    an entry whose key points at one block (2, 6) and whose hash at another (3, 5): an int key
+    whose value, and so its hash, is that block's id(). Untracked: in no GC list (3.15's
+    frozensets). Returns (heap, head_word)."""
+    h = Heap([216, table_offset + 128 + (8 if table_offset else 0), 32, 32, 216, 32, 32])
+    for s in (0, 4):
+        obj = h.addrs[s] + 16
+        h.point(s, 3, SET_TYPE)                     # ob_type (object word 1)
+        h.point(s, 6, 7)                            # mask: 8 slots
+        h.point(s, 7, obj + 64 if s == 4 else h.addrs[1] + table_offset)   # table
+    h.point(1, table_offset // 8, h.addrs[2] + 16)  # entry 0: key, hash
+    h.point(1, table_offset // 8 + 1, h.addrs[3] + 16)
+    h.link(4, 10, 6, 16)                            # smalltable entry 0: key, hash
+    h.link(4, 11, 5, 16)
+    h.point(4, 13, 0x1234_5679)                     # entry 1's hash: a str's, no address
+    for s in (0, 4):
+        h.point(s, 2, 1)                            # ob_refcnt
+    return h, bytearray([int(tracked), 0, 0, 0, int(tracked), 0, 0])
+
+
+@pytest.mark.parametrize("tracked", [True, False], ids=["tracked", "untracked"])
+@pytest.mark.parametrize("table_offset", [0, 16])
+def test_a_set_s_hashes_keep_nothing_alive_its_keys_do(table_offset, tracked):
+    from memunreachable.heaps.cpython import gclists as G
+    h, hw = set_heap(table_offset, tracked)
+    img = h.image()
+    live = bytearray(4 * len(img.begins))
+    pairs, counts = G.gc_dead_ranges(img, hw, 0, [], [], live, sets=[SET_TYPE])
+    obj4 = h.addrs[4] + 16
+    assert list(pairs) == [(obj4 + 72, obj4 + 80)]         # the one address-like hash
+    assert counts == (0, 0, 0, 0, 1, 1)
+    ends = struct.unpack(f"<{len(img.begins)}I", live)
+    assert ends == (0, lib.MU_LIVE_SET_TABLE | table_offset, 0, 0, 0, 0, 0)
+    roots = [h.addrs[0] + 16, obj4]
+    dead = DeadWords(ranges=list(pairs), head_word=hw, live_end=live)
+    assert list(mark(img, [], roots, dead=dead).marked) == [1, 1, 1, 0, 1, 0, 1]
+    assert list(mark(img, [], roots, dead=DeadWords(head_word=hw)).marked) == [1] * 7
+    # the fold: the hashes are no edges either
+    folded = fold(img, bytearray([1, 0, 0, 0, 1, 1, 1]), dead=dead)
+    assert [(f.index, list(f.blocks)) for f in folded] == [(1, [2]), (3, [])]
+    # explain's words (scanned_blocks): the table's keys, not its hashes
+    words = {a for b, v in scanned_blocks(img, bytearray([0, 1, 0, 0, 0, 0, 0]), dead)
+             for a in range(b, b + len(v), 8)}
+    table = h.addrs[1] + table_offset
+    assert table in words and table + 8 not in words and table + 16 in words
+    assert table + 24 not in words and table + 120 not in words
+
+
+def test_a_set_table_is_marked_only_where_it_fits_and_never_over_a_list_s_live_end():
+    from memunreachable.heaps.cpython import gclists as G
+    h, hw = set_heap()
+    h.point(0, 6, 15)                       # 16 slots: more than block 1 holds
+    live = bytearray(4 * 7)
+    G.gc_dead_ranges(h.image(), hw, 0, [], [], live, sets=[SET_TYPE])
+    assert bytes(live) == bytes(28)
+    h, hw = set_heap()
+    live = bytearray(4 * 7)
+    struct.pack_into("<I", live, 4, 9)      # block 1 is a list's item array (live end 8 bytes)
+    G.gc_dead_ranges(h.image(), hw, 0, [], [], live, sets=[SET_TYPE])
+    assert struct.unpack_from("<I", live, 4)[0] == 9
+    live = bytearray(4 * 7)                 # no set type: no rule
+    pairs, counts = G.gc_dead_ranges(h.image(), hw, 0, [], [], live)
+    assert bytes(live) == bytes(28) and counts[4:] == (0, 0) and not list(pairs)

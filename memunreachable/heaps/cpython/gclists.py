@@ -131,19 +131,21 @@ def _gc_object_ranges(image: HeapImage, head_word, call, as_pairs: bool = False)
     return FlatPairs(out) if as_pairs else [Range(b, e) for b, e in zip(out[0::2], out[1::2])]
 
 
-# Returns ((begin, end) pairs, (list slack, type docs, io buffers, type flags) counts) of
-# list_slack, type_docs and io_buffers over the same GC objects, and the tp_flags word of each
-# type object (a type whose type is in metas), found in one native pass (mu_gc_dead_ranges);
-# list_type 0: no list rule. live_end (4 * n zero bytes, or None): a list's slack to the end of
-# its item array's allocation is set there (mu_dead's live_end) instead of given as a pair.
-# ([], (0, 0, 0, 0)) on an error.
+# Returns ((begin, end) pairs, (list slack, type docs, io buffers, type flags, set hashes in
+# smalltables, set tables) counts) of list_slack, type_docs and io_buffers over the same GC
+# objects, the tp_flags word of each type object (a type whose type is in metas), and the
+# hashes of the tables of the sets (objects whose type is in sets, ascending), found in one
+# native pass (mu_gc_dead_ranges); list_type 0: no list rule. live_end (4 * n zero bytes, or
+# None): a list's slack to the end of its item array's allocation is set there (mu_dead's
+# live_end) instead of given as a pair, and a set's own table marked (MU_LIVE_SET_TABLE).
+# ([], (0, 0, 0, 0, 0, 0)) on an error.
 def gc_dead_ranges(image: HeapImage, head_word, list_type: int, metas: Sequence[int],
-                   buffered: Sequence[int], live_end=None):
+                   buffered: Sequence[int], live_end=None, sets: Sequence[int] = ()):
     if not len(image.begins):
-        return [], (0, 0, 0, 0)
-    m, b = array("Q", metas), array("Q", buffered)
+        return [], (0, 0, 0, 0, 0, 0)
+    m, b, st = array("Q", metas), array("Q", buffered), array("Q", sets)
     args = image_args(image) + (ffi.from_buffer("uint8_t[]", head_word),)
-    counts = ffi.new("uint64_t[4]")
+    counts = ffi.new("uint64_t[6]")
     # room for a range per GC object (a list's slack when live_end is None), so that one
     # pass does
     cap = 4096 + len(head_word) - head_word.count(0)
@@ -152,6 +154,7 @@ def gc_dead_ranges(image: HeapImage, head_word, list_type: int, metas: Sequence[
         rc = lib.mu_gc_dead_ranges(*args, list_type, ffi.from_buffer("uint64_t[]", m), len(m),
                                    L.TP_DOC, L.TP_FLAGS, L.TPFLAGS_HEAPTYPE,
                                    ffi.from_buffer("uint64_t[]", b), len(b), L.BUFFERED_BUFFER,
+                                   ffi.from_buffer("uint64_t[]", st), len(st),
                                    ffi.from_buffer("uint64_t[]", out), cap, counts,
                                    ffi.NULL if live_end is None
                                    else ffi.from_buffer("uint32_t[]", live_end))
@@ -159,7 +162,7 @@ def gc_dead_ranges(image: HeapImage, head_word, list_type: int, metas: Sequence[
             break
         cap = rc
     if rc < 0:
-        return [], (0, 0, 0, 0)
+        return [], (0, 0, 0, 0, 0, 0)
     return FlatPairs(out[:2 * rc]), tuple(counts)
 
 

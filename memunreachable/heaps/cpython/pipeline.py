@@ -138,11 +138,14 @@ def _prepare(mem, maps, threads, pid: Optional[int], image: HeapImage) -> CPytho
             # (the lists' slack as their item arrays' live ends: no pair to sort or search)
             # (zero pages until written, not a 4-byte-a-block memset: 192 MB at 48 M blocks)
             live_end = local_buffer(4 * len(merged.begins))
+            stale_types = stale_part_types(mem, cp, types, statics)
             # on a second thread: its native pass (0.1 s over 4 M GC objects) overlaps the
-            # stale parts' and the deques' passes below
+            # stale parts' and the deques' passes below; with the sets' tables' hashes (a set
+            # of id()s held every object whose address it holds)
             dead_ranges = _in_background(gc_dead_ranges, merged, head_word,
                                          statics.get("PyList_Type", 0), metas,
-                                         buffered_types(mem, cp, types), live_end)
+                                         buffered_types(mem, cp, types), live_end,
+                                         stale_types[0])
             # weak references' referents (a weak reference keeps nothing alive): a pass over
             # the GC objects too (0.09 s of 4 M), on a third thread
             weak_referents_of = _in_background(weak_referents, merged, head_word,
@@ -150,7 +153,7 @@ def _prepare(mem, maps, threads, pid: Optional[int], image: HeapImage) -> CPytho
             # sets' smalltables after a resize, dict values arrays' prefixes and unused slots
             gen = dict(generator_types(mem, cp, statics)).get(statics.get("PyGen_Type"))
             pairs, (nsets, nvalues, nstrs, ngens, nnames, nframes) = gc_stale_parts(
-                merged, head_word, cp.version, *stale_part_types(mem, cp, types, statics),
+                merged, head_word, cp.version, *stale_types,
                 gen_type=statics["PyGen_Type"] if gen else 0,
                 gen_dead=(gen >> 16 & 0xffff) - 16 if gen else 0, metas=metas,
                 frame=old_frame_rule(mem, cp, statics))
@@ -167,13 +170,14 @@ def _prepare(mem, maps, threads, pid: Optional[int], image: HeapImage) -> CPytho
             weak = weak_referents_of()
             dead_pairs.append(weak)
             out.stats["weak_referents"] = len(weak)
-            pairs, (nslack, ndocs, nbuffers, nflags) = dead_ranges()
+            pairs, (nslack, ndocs, nbuffers, nflags, nhashes, ntables) = dead_ranges()
             dead_pairs.append(pairs)
             if "PyList_Type" in statics:
                 out.stats["list_slack_ranges"] = nslack
             out.stats["type_docs"] = ndocs
             out.stats["io_buffers"] = nbuffers
             out.stats["heap_type_flags"] = nflags
+            out.stats.update(set_hashes=nhashes, set_tables=ntables)
             out.stats.update(set_smalltables=nsets, dict_values=nvalues, str_buffers=nstrs,
                              generator_heads=ngens, type_names=nnames, old_frames=nframes)
     dead_types = []
