@@ -271,7 +271,7 @@ int64_t mu_gc_dead_ranges(const uint64_t *begin, const uint64_t *size, uint64_t 
         || doc_field < 16 || (doc_field & 7) || doc_field > 4096 || (flag_off & 7)
         || flag_off > 4096 || buf_field < 16 || (buf_field & 7) || buf_field > 4096)
         return -EINVAL;
-    uint64_t found = 0, cur = 0, hint = 0;
+    uint64_t found = 0, cur = 0, hint = 0, set_tp[2] = {0, 0};  /* the last type, a set's? */
     counts[0] = counts[1] = counts[2] = counts[3] = counts[4] = counts[5] = 0;
     for (uint64_t i = 0; i < n; i++) {
         const uint8_t *o;
@@ -309,8 +309,11 @@ int64_t mu_gc_dead_ranges(const uint64_t *begin, const uint64_t *size, uint64_t 
                 }
             }
         }
-        if (nsets && mu_find_sorted(sets, nsets, tp) < nsets
-            && obj + MU_SET_SMALLTABLE_END <= begin[i] + size[i]) {
+        if (nsets && tp != set_tp[0]) {     /* objects come in runs of one type */
+            set_tp[0] = tp;
+            set_tp[1] = mu_find_sorted(sets, nsets, tp) < nsets;
+        }
+        if (nsets && set_tp[1] && obj + MU_SET_SMALLTABLE_END <= begin[i] + size[i]) {
             int64_t q = region_from(heap, nheap, &cur, obj, MU_SET_SMALLTABLE_END);
             if (q >= 0)
                 counts[4] += set_hashes(begin, size, n, head_word, i, obj,
