@@ -646,19 +646,36 @@ static inline uint64_t mu_debug_hooks_end(const uint8_t *p, uint64_t len, uint64
     return (MU_DEBUG_PREFIX + n + 7) & ~7ull;
 }
 
+/* The dict key table in the allocation at p (len bytes, avail readable) when d has the rule:
+ * its size (mu_dict_keys_len) and in *at its offset in the allocation, 0 or, under the debug
+ * hooks, their prefix's 16 bytes (the table then ends at the requested bytes); 0 for none. */
+static inline uint64_t mu_dict_keys_in(const mu_dead *d, const uint8_t *p, uint64_t len,
+                                       uint64_t avail, uint64_t *at)
+{
+    *at = 0;
+    if (!d || !d->dict_keys)
+        return 0;
+    if (!d->debug_hooks)
+        return mu_dict_keys_len(d->dict_keys, p, len, avail);
+    uint64_t end = mu_debug_hooks_end(p, len, avail);
+    if (!end)
+        return 0;
+    *at = MU_DEBUG_PREFIX;
+    return mu_dict_keys_len(d->dict_keys, p + MU_DEBUG_PREFIX, end - MU_DEBUG_PREFIX,
+                            avail - MU_DEBUG_PREFIX);
+}
+
 /* mu_live_len with the rules r of the block (NULL when d has no types). */
 static inline uint64_t mu_live_len_r(const mu_dead *d, const mu_rules *r, const uint8_t *p,
                                      uint64_t b, uint64_t len, uint64_t avail)
 {
+    uint64_t at, keys = mu_dict_keys_in(d, p, len, avail, &at);
+    if (keys)
+        return at + keys;
     if (d && d->debug_hooks) {      /* the object rules below then see the requested bytes */
         uint64_t end = mu_debug_hooks_end(p, len, avail);
         if (end)
             len = end;
-    }
-    if (d && d->dict_keys) {
-        uint64_t keys = mu_dict_keys_len(d->dict_keys, p, len, avail);
-        if (keys)
-            return keys;
     }
     if (!r)
         return len;
@@ -785,11 +802,11 @@ static inline void mu_live_head(const mu_dead *d, const mu_rules *r, uint64_t i,
         *zs = MU_SET_ENTRY;
         return;
     }
-    uint64_t keys = !hw && d && d->dict_keys ? mu_dict_keys_len(d->dict_keys, p, len, avail) : 0;
+    uint64_t at = 0, keys = !hw ? mu_dict_keys_in(d, p, len, avail, &at) : 0;
     if (keys) {
-        *hb = b;            /* a dict key table's header: counts, sizes, a padding byte */
-        *he = b + (d->dict_keys == MU_DICT_KEYS_38 ? 40 : 32);
-        mu_dict_hashes(d->dict_keys, p, b, keys, zb, ze);      /* and its entries' hashes */
+        *hb = b + at;       /* a dict key table's header: counts, sizes, a padding byte */
+        *he = *hb + (d->dict_keys == MU_DICT_KEYS_38 ? 40 : 32);
+        mu_dict_hashes(d->dict_keys, p + at, b + at, keys, zb, ze);  /* and its entries' hashes */
         return;
     }
     for (uint32_t f = r ? r->found : 0; f; f &= f - 1) {

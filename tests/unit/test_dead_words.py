@@ -383,20 +383,29 @@ def test_a_sized_object_s_unwritten_words_are_no_references(code, tracked, kept)
 
 # --- dict key tables: the allocator's slack after them ----------------------------------------
 
-def keys_311(h, k, log2=3, kind=1, used=2):
-    """A 3.11+ PyDictKeysObject in block k: 32-byte header, 1 << log2 index bytes, 16-byte
-    entries (24 for kind 0) x USABLE_FRACTION; returns its size."""
+def keys_311(h, k, log2=3, kind=1, used=2, at=0):
+    """A 3.11+ PyDictKeysObject in block k (`at` bytes in): 32-byte header, 1 << log2 index
+    bytes, 16-byte entries (24 for kind 0) x USABLE_FRACTION; returns its size."""
     frac = ((1 << log2) << 1) // 3
-    off = h.addrs[k] - h.base
+    off = h.addrs[k] + at - h.base
     struct.pack_into("<QBBBxIqq", h.buf, off, 1, log2, log2, kind, 0, frac - used, used)
     return 32 + (1 << log2) + (24 if kind == 0 else 16) * frac
 
 
-def keys_38(h, k, size=8, used=2):
+def keys_38(h, k, size=8, used=2, at=0):
     """A 3.8-3.10 PyDictKeysObject: {refcnt, dk_size, dk_lookup, dk_usable, dk_nentries}."""
     frac = (size << 1) // 3
-    struct.pack_into("<5Q", h.buf, h.addrs[k] - h.base, 1, size, 0x7F00_0000_1000, frac - used, used)
+    struct.pack_into("<5Q", h.buf, h.addrs[k] + at - h.base, 1, size, 0x7F00_0000_1000,
+                     frac - used, used)
     return 40 + size + 24 * frac
+
+
+def debug_hooks_block(h, k, requested):
+    """CPython's debug hooks around `requested` bytes of block k: the 16-byte prefix (the size,
+    big-endian, the API's letter, 7 forbidden bytes) and the 8 forbidden bytes after them."""
+    off = h.addrs[k] - h.base
+    h.buf[off:off + 16] = requested.to_bytes(8, "big") + b"m" + b"\xfd" * 7
+    h.buf[off + 16 + requested:off + 24 + requested] = b"\xfd" * 8
 
 
 @pytest.mark.parametrize("layout, make, block", [
@@ -492,6 +501,27 @@ def test_a_dict_key_table_s_hashes_are_no_references(layout, make, kind, block):
     base = h.addrs[0]
     assert base + 8 * entries not in words and base + 8 * (entries + 3) not in words
     assert {base + 8 * (entries + k) for k in (1, 2, 4, 5)} <= words
+
+
+@pytest.mark.parametrize("layout, make, kind", [
+    (lib.MU_DICT_KEYS_311, keys_311, 0), (lib.MU_DICT_KEYS_38, keys_38, None)])
+def test_a_dict_key_table_s_header_and_hashes_under_the_debug_hooks(layout, make, kind):
+    # python -X dev (which the pytest docs advise): the table starts after the hooks' prefix
+    h = Heap([256, 64, 64, 64])
+    size = make(h, 0, at=16, **({"kind": kind} if kind is not None else {}))
+    debug_hooks_block(h, 0, size)
+    table = h.addrs[0] + 16
+    entries = (size - 24 * ((8 << 1) // 3)) // 8
+    h.link(0, 2 + entries, 1, 16)      # entry 0's hash: block 1's object address
+    h.link(0, 2 + entries + 1, 3)      #          its key
+    h.link(0, (16 + size + 8) // 8, 2)  # the allocator's slack after the hooks' tail
+    keys = DeadWords(dict_keys=layout, debug_hooks=True)
+    assert list(mark(h.image(), [], [table], dead=keys).marked) == [1, 0, 0, 1]
+    assert list(mark(h.image(), [], [table], dead=DeadWords(debug_hooks=True)).marked) == \
+        [1, 1, 0, 1]                   # the table rule off: its hash a word, the slack not
+    words = {a + o for a, data in scanned_blocks(h.image(), bytearray([1, 0, 0, 0]), keys)
+             for o in range(0, len(data) - 7, 8)}
+    assert table + 8 * entries not in words and table + 8 * (entries + 1) in words
 
 
 def test_a_str_keyed_table_has_no_hashes():

@@ -122,12 +122,11 @@ def has_debug_hooks(cp: CPythonMap) -> bool:
 
 
 def dict_keys_rule(cp: CPythonMap) -> int:
-    """The mu_dead dict-key-table rule of this version (tables at their block's start: not
-    under the debug hooks, whose prefix comes first and whose rule ends each block at its
-    requested bytes, which covers the tables' slack). 3.11-3.15 share one layout (default
-    builds: a free-threaded one adds dk_mutex; sid's 3.15 under malloc left a leaked block's
-    address in the 8 bytes after a 18,448-byte table)."""
-    if has_debug_hooks(cp) or cp.version > (3, 15):
+    """The mu_dead dict-key-table rule of this version (tables at their block's start, or
+    after the debug hooks' prefix, ending at the requested bytes). 3.11-3.15 share one layout
+    (default builds: a free-threaded one adds dk_mutex; sid's 3.15 under malloc left a leaked
+    block's address in the 8 bytes after a 18,448-byte table)."""
+    if cp.version > (3, 15):
         return lib.MU_DICT_KEYS_NONE
     return lib.MU_DICT_KEYS_38 if cp.version <= (3, 10) else lib.MU_DICT_KEYS_311
 
