@@ -177,9 +177,9 @@ def _prepare(mem, maps, threads, pid: Optional[int], image: HeapImage) -> CPytho
             out.stats["type_docs"] = ndocs
             out.stats["io_buffers"] = nbuffers
             out.stats["heap_type_flags"] = nflags
-            out.stats.update(set_hashes=nhashes, set_tables=ntables)
-            out.stats.update(set_smalltables=nsets, dict_values=nvalues, str_buffers=nstrs,
-                             generator_heads=ngens, type_names=nnames, old_frames=nframes)
+            out.stats.update(set_smalltables=nsets, set_hashes=nhashes, set_tables=ntables,
+                             dict_values=nvalues, str_buffers=nstrs, generator_heads=ngens,
+                             type_names=nnames, old_frames=nframes)
     dead_types = []
     if head_word is not None and cp.version <= L.DEAD_OBJECTS_UNTIL:
         types = sorted(set(types) | set(frame_types(mem, cp)))
