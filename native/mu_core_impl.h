@@ -560,8 +560,11 @@ static inline uint64_t mu_frame_top(const uint8_t *p, uint64_t b, uint64_t fo, u
 }
 
 /* The size of the dict key table at p (len bytes, avail readable) as new_keys_object allocated
- * it, when every header field is consistent and the allocation exceeds it by 0-15 bytes (an
- * allocator's rounding); else 0. */
+ * it, when every header field is consistent and the allocation exceeds it by 0-31 bytes (an
+ * allocator's rounding: pymalloc's size class, under 16 bytes; glibc's, under 24, or a free
+ * chunk 16 bytes larger than asked, which it hands out whole: sid's 3.13 kept a 208-byte
+ * table in a 232-byte block, its slack holding a stale copy of a leaked block's address);
+ * else 0. */
 static inline uint64_t mu_dict_keys_len(uint32_t layout, const uint8_t *p, uint64_t len,
                                         uint64_t avail)
 {
@@ -590,7 +593,7 @@ static inline uint64_t mu_dict_keys_len(uint32_t layout, const uint8_t *p, uint6
     } else {
         return 0;
     }
-    return total <= len && len - total < 16 ? total : 0;
+    return total <= len && len - total < 32 ? total : 0;
 }
 
 /* The entries [*zb, *ze) of the dict key table at p (allocation b; total: its size as
