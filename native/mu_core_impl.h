@@ -651,16 +651,19 @@ static inline uint64_t mu_debug_hooks_end(const uint8_t *p, uint64_t len, uint64
 
 /* The dict key table in the allocation at p (len bytes, avail readable) when d has the rule:
  * its size (mu_dict_keys_len) and in *at its offset in the allocation, 0 or, under the debug
- * hooks, their prefix's 16 bytes (the table then ends at the requested bytes); 0 for none. */
+ * hooks, their prefix's 16 bytes (the table then ends at the requested bytes, end: the
+ * allocation's mu_debug_hooks_end, which the caller may have found already; UINT64_MAX: not
+ * yet); 0 for none. */
 static inline uint64_t mu_dict_keys_in(const mu_dead *d, const uint8_t *p, uint64_t len,
-                                       uint64_t avail, uint64_t *at)
+                                       uint64_t avail, uint64_t end, uint64_t *at)
 {
     *at = 0;
     if (!d || !d->dict_keys)
         return 0;
     if (!d->debug_hooks)
         return mu_dict_keys_len(d->dict_keys, p, len, avail);
-    uint64_t end = mu_debug_hooks_end(p, len, avail);
+    if (end == UINT64_MAX)
+        end = mu_debug_hooks_end(p, len, avail);
     if (!end)
         return 0;
     *at = MU_DEBUG_PREFIX;
@@ -672,14 +675,12 @@ static inline uint64_t mu_dict_keys_in(const mu_dead *d, const uint8_t *p, uint6
 static inline uint64_t mu_live_len_r(const mu_dead *d, const mu_rules *r, const uint8_t *p,
                                      uint64_t b, uint64_t len, uint64_t avail)
 {
-    uint64_t at, keys = mu_dict_keys_in(d, p, len, avail, &at);
+    uint64_t end = d && d->debug_hooks ? mu_debug_hooks_end(p, len, avail) : 0;
+    uint64_t at, keys = mu_dict_keys_in(d, p, len, avail, end, &at);
     if (keys)
         return at + keys;
-    if (d && d->debug_hooks) {      /* the object rules below then see the requested bytes */
-        uint64_t end = mu_debug_hooks_end(p, len, avail);
-        if (end)
-            len = end;
-    }
+    if (end)                        /* the object rules below then see the requested bytes */
+        len = end;
     if (!r)
         return len;
     uint64_t have = r->have;
@@ -805,7 +806,7 @@ static inline void mu_live_head(const mu_dead *d, const mu_rules *r, uint64_t i,
         *zs = MU_SET_ENTRY;
         return;
     }
-    uint64_t at = 0, keys = !hw ? mu_dict_keys_in(d, p, len, avail, &at) : 0;
+    uint64_t at = 0, keys = !hw ? mu_dict_keys_in(d, p, len, avail, UINT64_MAX, &at) : 0;
     if (keys) {
         *hb = b + at;       /* a dict key table's header: counts, sizes, a padding byte */
         *he = *hb + (d->dict_keys == MU_DICT_KEYS_38 ? 40 : 32);
