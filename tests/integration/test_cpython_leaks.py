@@ -1218,7 +1218,7 @@ def test_an_object_only_weak_references_reach_is_a_leak(python, allocator):
     h = next(l for l in leaks if l.address == int(made["handler"][0], 16))
     assert (h.python_type, h.refcount) == ("Handler", 1)
     live = int(made["live"][0], 16)
-    assert not [l for l in info.leaks if l.address <= live < l.address + l.size]
+    assert not _holding(info, live)
     assert [l.address for l in leaks] == [h.address], [(hex(l.address), l.python_type)
                                                        for l in leaks]
 
@@ -1269,7 +1269,7 @@ def _class_round(info, before, made) -> str:
         if (c.python_type, c.repr) != ("type", f"<class 'Leaked{base}'>"):
             return f"Leaked{base} reported as {c.python_type} {c.repr}"
         kept = made["kept " + base]
-        if [l for l in info.leaks if l.address <= kept < l.address + l.size]:
+        if _holding(info, kept):
             return f"Kept{base} reported"
     if len(leaks) != 2:
         return f"other new leaks: {[(hex(l.address), l.python_type) for l in leaks]}"
@@ -1323,19 +1323,22 @@ while True:
 """)
 
 
+def _holding(info, obj: int) -> list:
+    """The leaks of info whose block holds address obj."""
+    return [l for l in info.leaks if l.address <= obj < l.address + l.size]
+
+
 def _set_round(info, before, made) -> str:
     """Why a round of SET_OF_IDS's check failed, or "" when it passed: each leaked object is
     reported (the block that holds it), as a Thing, its twin is not, and nothing else is new."""
     new = [l for l in info.leaks if l.address not in before]
-    def holding(obj):
-        return [l for l in info.leaks if l.address <= obj < l.address + l.size]
     for name in ("small", "table", "frozen"):
-        found = holding(made[name])
+        found = _holding(info, made[name])
         if not found:
             return f"missed {made[name]:#x} ({name})"
         if found[0].python_type != "Thing":
             return f"{name} reported as {found[0].python_type}"
-        if holding(made["kept " + name]):
+        if _holding(info, made["kept " + name]):
             return f"the twin of {name} reported"
     if len(new) != 3:
         return f"other new leaks: {[(hex(l.address), l.python_type) for l in new]}"
@@ -1354,8 +1357,7 @@ def test_objects_named_in_sets_of_ids_are_reported(python, allocator):
             why = _set_round(info, before, made)
             if not why:
                 break
-            missed = [made[k] for k in ("small", "table", "frozen")
-                      if not any(l.address <= made[k] < l.address + l.size for l in info.leaks)]
+            missed = [made[k] for k in ("small", "table", "frozen") if not _holding(info, made[k])]
             failed.append(why + "\n" + fixtures.explain_misses(proc.pid, missed))
             before |= {l.address for l in info.leaks}
         assert len(failed) < 2, "\n".join(failed)
