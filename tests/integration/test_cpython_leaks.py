@@ -1156,6 +1156,46 @@ def test_stale_words_in_live_objects_are_no_references(python, allocator, script
     assert all(got[a] == want[a][1] for a in got)
 
 
+
+# cffi's types (_cffi_backend.CType, a static type of its extension): a header of tp_basicsize
+# (88) bytes, then the type's name inline, ob_size bytes with its NUL (tp_itemsize 1). The
+# allocator's slack after the name keeps what the block's last user left there: a pytest
+# session's 128-byte CType block held a forgotten 4 KiB buffer's address at offset 120, and its
+# leak was missed. The target gives struct types names of 8-39 characters and writes a leaked
+# block's address into each one's slack (a whole word past the name, inside its block: 16
+# bytes of GC header and the object, rounded up to 16 by pymalloc, malloc_usable_size's by
+# glibc's malloc).
+CFFI_SLACK = slack_target(plant="""    import os, _cffi_backend
+    p = libc.calloc(1, (4 << 20) + 4096)
+    made["cffi"] = [f"{p:#x}", libc.malloc_usable_size(p)]
+    planted = 0
+    for n in range(8, 40):
+        t = _cffi_backend.new_struct_type("s" * n)
+        kept.append(t)
+        basic, item = type(t).__basicsize__, type(t).__itemsize__
+        block = id(t) - 16
+        if os.environ.get("PYTHONMALLOC") == "malloc":
+            block_end = block + libc.malloc_usable_size(block)
+        else:
+            block_end = block + ((16 + basic + item * (n + 1) + 15) & ~15)
+        at = (id(t) + basic + item * (n + 1) + 7) & ~7
+        if at + 8 <= block_end:
+            ctypes.c_uint64.from_address(at).value = p + 16
+            planted += 1
+    assert planted >= 8, planted
+""")
+
+
+@pytest.mark.parametrize("allocator", ["pymalloc", "malloc"])
+@pytest.mark.parametrize("python", [sys.executable] + [
+    pytest.param(p, marks=pytest.mark.distro) for p in distros.in_process_specs()],
+    ids=lambda p: "venv" if p == sys.executable else p)
+def test_the_slack_after_a_cffi_type_s_name_is_no_reference(python, allocator):
+    # the interpreters with cffi: the suite's own and Debian's (python3-cffi) in the roots
+    test_stale_words_in_live_objects_are_no_references(python, allocator, CFFI_SLACK,
+                                                       lambda python, allocator: ["cffi"])
+
+
 # A list leaked by reference count (one reference taken and never released) that holds
 # itself: its item array (201 pointers: a glibc block under either allocator, below the
 # pymalloc arenas) and the list form one cycle. Its entry is headed by the list, whose reference

@@ -33,7 +33,7 @@ from memunreachable.heaps.cpython.gclists import (deque_dead_ranges, field_block
                                                   weak_referents)
 from memunreachable.heaps.cpython.merge import drop_overlapping, merge_dropping
 from memunreachable.heaps.cpython.typerules import (
-    GENERATOR_TYPES, MEMORYVIEW_SHAPE, TUPLE_SHAPE, buffered_types, cdata_types, class_types,
+    GENERATOR_TYPES, MEMORYVIEW_SHAPE, TUPLE_SHAPE, buffered_types, cffi_types, class_types,
     ctypes_types, deque_types, dict_keys_rule, frame_types, generator_types, has_debug_hooks,
     loaded_static_types, member_arrays, metatypes, object_types, old_frame_rule, regex_types,
     runtime_static_types, sized_types, stale_part_types, static_types, type_rules, value_types,
@@ -229,11 +229,12 @@ def _prepare(mem, maps, threads, pid: Optional[int], image: HeapImage) -> CPytho
             rule = (rule[0], rule[1] & ~(0xff << 8 | 0xff << 48) | lib.MU_TYPE_MEMORYVIEW << 8)
         if rule:
             dead_types = [x for x in dead_types if x[0] != rule[0]] + [rule]
-    # cffi's plain cdata objects: the slack after them (not a casted primitive's value)
+    # cffi's plain cdata objects (not a casted primitive's value) and types (after the name):
+    # the slack after them
     if head_word is not None:
-        cdata = cdata_types(mem, maps, pid, cp)
-        replaced = {t for t, _ in cdata}
-        dead_types = [x for x in dead_types if x[0] not in replaced] + cdata
+        cffi = cffi_types(mem, maps, pid, cp)
+        replaced = {t for t, _ in cffi}
+        dead_types = [x for x in dead_types if x[0] not in replaced] + cffi
     # generators, coroutines, async generators (3.11+): their inline frame's dead slots
     gens = generator_types(mem, cp, statics)
     replaced = {t for t, _ in gens}

@@ -7,7 +7,7 @@ tp_itemsize, tp_dealloc inside the right object) before giving a rule: a wrong r
 hide a reference, so a type of another shape gets none.
     static_types / runtime_static_types / runtime_symbols   the runtime's static types
     loaded_static_types                     every loaded object's static types (tp_flags)
-    cdata_types                             cffi's plain cdata (its slack)
+    cffi_types                              cffi's cdata and types (their slack)
     type_rules, value_types, object_types, varsized_type, generator_types, old_frame_rule,
     sized_types, class_types, regex_types, deque_types, stale_part_types, buffered_types,
     weakref_types,
@@ -357,25 +357,35 @@ def sized_types(mem, maps, cp: CPythonMap, types, header_only: bool = False) -> 
     return [(t, code) for t, code in codes if code is not None]
 
 
-# Returns [(type address, code)] of the MU_TYPE_CDATA rule for cffi's plain cdata type
-# (_cffi_backend._CDataBase, a static type of its extension, 40 bytes: refcount, type, ctype,
-# data, weakref list), [] when no such type is loaded. The slack after such an object holds
-# stale words (a pytest process's own cdata held a leaked block's address at offset 40 of its
-# 48-byte block); a casted primitive keeps its value there, and its data pointer says so.
+# Returns [(type address, code)] of the rules for cffi's static types (its extension's), []
+# when cffi is not loaded:
+# - MU_TYPE_CDATA for its plain cdata (_cffi_backend._CDataBase, 40 bytes: refcount, type,
+#   ctype, data, weakref list): the slack after such an object holds stale words (a pytest
+#   process's own cdata held a leaked block's address at offset 40 of its 48-byte block); a
+#   casted primitive keeps its value there, and its data pointer says so;
+# - MU_TYPE_VARSIZED for its types (_cffi_backend.CType, cffi's CTypeDescrObject): a header of
+#   tp_basicsize bytes, then the type's name inline, ob_size chars with its NUL (tp_itemsize
+#   1); the slack after the name holds stale words (a pytest session's 128-byte CType block
+#   kept a forgotten 4 KiB buffer's address at offset 120).
 CDATA_TYPE = ("_cffi_backend._CDataBase", 40)
+CTYPE_TYPE = "_cffi_backend.CType"
 
 
-def cdata_types(mem, maps, pid, cp: CPythonMap) -> List[Tuple[int, int]]:
+def cffi_types(mem, maps, pid, cp: CPythonMap) -> List[Tuple[int, int]]:
     reader = object_reader(mem, cp)
     out = []
     for t in loaded_static_types(mem, maps, pid, cp):
         info, words = reader.type_info(t), reader.type_words(t)
-        if info is None or words is None or info[0] != CDATA_TYPE[0] \
-                or words[2] != CDATA_TYPE[1] or words[3]:
+        if info is None or words is None or info[0] not in (CDATA_TYPE[0], CTYPE_TYPE):
             continue
         off = reader.object_offset(t)
-        if off is not None and off <= 48:
-            out.append((t, off | lib.MU_TYPE_CDATA << 8 | CDATA_TYPE[1] << 16))
+        if off is None or off > 48:
+            continue
+        basic, item = words[2:4]
+        if info[0] == CDATA_TYPE[0] and (basic, item) == (CDATA_TYPE[1], 0):
+            out.append((t, off | lib.MU_TYPE_CDATA << 8 | basic << 16))
+        elif info[0] == CTYPE_TYPE and item == 1 and 24 <= basic <= 1024:
+            out.append((t, off | lib.MU_TYPE_VARSIZED << 8 | basic << 16 | item << 48))
     return out
 
 
