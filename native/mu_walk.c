@@ -900,6 +900,24 @@ void mu_cands_free(mu_cands *c)
     free(c);
 }
 
+/* Whether one of the 8 words at g lies in [lo, lo + span): two 4-word vector compares (the
+ * scalar test of each word was the most of this pass over a heap with few candidates). */
+typedef uint64_t mu_v4 __attribute__((vector_size(32)));
+
+static inline __attribute__((always_inline)) int group8_any(const uint8_t *g, uint64_t lo,
+                                                            uint64_t span)
+{
+    mu_v4 a, b, l = {lo, lo, lo, lo}, s = {span, span, span, span};
+    memcpy(&a, g, 32);
+    memcpy(&b, g + 32, 32);
+    mu_v4 r = ((a - l) < s) | ((b - l) < s);
+    return (r[0] | r[1] | r[2] | r[3]) != 0;
+}
+
+/* (x86-64: an AVX2 build beside the baseline one, chosen at load time by the CPU) */
+#if defined(__x86_64__) && defined(__GNUC__) && !defined(__clang__)
+__attribute__((target_clones("avx2", "default")))
+#endif
 void mu_cands_fill_piece(mu_cands *c, uint64_t k, const uint8_t *d, uint64_t n, uint32_t *toff,
                          uint64_t *tval)
 {
@@ -917,10 +935,7 @@ void mu_cands_fill_piece(mu_cands *c, uint64_t k, const uint8_t *d, uint64_t n, 
          * of most heaps), branch-free stores inside a group with some (pointer-dense ones) */
         for (; w + 8 <= end; w += 8) {
             const uint8_t *g = d + 8 * w;
-            uint64_t any = 0;
-            for (int k = 0; k < 8; k++)
-                any |= ld64(g + 8 * k) - lo < span;
-            if (!any)
+            if (!group8_any(g, lo, span))
                 continue;
             for (int k = 0; k < 8; k++) {
                 uint64_t v = ld64(g + 8 * k);
