@@ -269,6 +269,9 @@ static inline uint64_t region_find(mu_scan_index *ix, uint64_t v)
  * reference, a block's last 8 bytes included (a struct linked through its last member): glibc's
  * own pointers to the next chunk's header (top, bins) lie in its metadata, which is never
  * scanned (glibc-heap.md section 12). */
+static inline int64_t hit_rules(const mu_scan_index *ix, const uint8_t *hw, uint64_t lo,
+                                uint64_t v);
+
 static inline int64_t page_search(const mu_scan_index *ix, const uint8_t *hw,
                                   const uint32_t *pg, uint64_t v)
 {
@@ -280,6 +283,14 @@ static inline int64_t page_search(const mu_scan_index *ix, const uint8_t *hw,
         lo = ix->begin[lo + half] <= v ? lo + half : lo;
         n -= half;
     }
+    return hit_rules(ix, hw, lo, v);
+}
+
+/* The lookup of v whose last allocation beginning at or below it is lo (or lo begins above
+ * it): lo when v lies inside it and is a reference there, else -1. */
+static inline int64_t hit_rules(const mu_scan_index *ix, const uint8_t *hw, uint64_t lo,
+                                uint64_t v)
+{
     uint64_t b = ix->begin[lo], end = b + alloc_len(ix->size[lo]);
     if (b > v || v >= end)
         return -1;
@@ -289,6 +300,25 @@ static inline int64_t page_search(const mu_scan_index *ix, const uint8_t *hw,
         return -1;                      /* into a PyGC_Head (or before it): a GC link or a stale
                                          * copy of one; references point at the object after it */
     return (int64_t)lo;
+}
+
+/* The lookup of v (page_search's answer) when v lies between the allocations g - 1 and g + 2
+ * (g: the last one hit; a block's pointers and its neighbours' often go to the blocks next to
+ * it: an array's to the nodes allocated after it, a list's to the block before), else
+ * NEAR_MISS: it must be looked up. */
+#define NEAR_MISS (-2)
+#define NEAR_RUN 8
+
+static inline int64_t near_search(const mu_scan_index *ix, const uint8_t *hw, uint64_t g,
+                                  uint64_t v)
+{
+    uint64_t a = g ? g - 1 : 0, e = g + 3 < ix->n ? g + 3 : ix->n;
+    if (v < ix->begin[a] || (e < ix->n && v >= ix->begin[e]))
+        return NEAR_MISS;
+    uint64_t lo = a;
+    while (lo + 1 < e && ix->begin[lo + 1] <= v)
+        lo++;
+    return hit_rules(ix, hw, lo, v);
 }
 
 static inline const uint8_t *head_words(const mu_scan_index *ix)
@@ -738,6 +768,36 @@ static inline void mark_hit(mark_ctx *m, uint32_t a)
     m->marks++;
 }
 
+/* Marks the allocations whose marked[] bytes are the lanes of mask (bit 0 of each byte) in the
+ * aligned 8-byte word w of marked[] and pushes those newly marked: one atomic OR for up to 8
+ * neighbouring allocations (a 4 KiB array's 500 pointers to the small blocks after it: an
+ * exchange per block was a quarter of that mark), none when all are marked. */
+static void mark_word(mark_ctx *m, uint64_t *w, uint64_t mask)
+{
+    uint64_t old = __atomic_load_n(w, __ATOMIC_RELAXED);
+    if ((old & mask) == mask)
+        return;
+    if (!m->shared_marks)
+        *w = old | mask;
+    else
+        old = __atomic_fetch_or(w, mask, __ATOMIC_RELAXED);
+    uint64_t first = (uint64_t)((uint8_t *)w - m->marked);
+    for (uint64_t fresh = mask & ~old; fresh; fresh &= fresh - 1) {
+        m->stack[m->sp++] = (uint32_t)(first + ((uint64_t)__builtin_ctzll(fresh) >> 3));
+        m->marks++;
+    }
+}
+
+/* The aligned 8-byte word of marked[] holding allocation a's byte (NULL when it reaches past
+ * marked[]), and a's lane in it (bit 0 of its byte). */
+static inline uint64_t *mark_word_of(const mark_ctx *m, uint32_t a, uint64_t *lane)
+{
+    uint8_t *at = m->marked + a;
+    uint64_t *w = (uint64_t *)((uintptr_t)at & ~(uintptr_t)7);
+    *lane = 1ull << (8 * ((uintptr_t)at & 7));
+    return (uint8_t *)w < m->marked || (uint8_t *)w + 8 > m->marked + m->ix->n ? NULL : w;
+}
+
 /* The allocations piece k of region r's candidates hit (piece_targets), found now when no
  * thread did; NULL while another thread finds them, or out of memory (the caller looks its
  * candidates up as they come). */
@@ -757,10 +817,19 @@ static const uint32_t *piece_hits(mark_ctx *m, uint64_t r, uint64_t k, const mu_
     }
     /* a value met before in the piece (a block's fill, a shared target) is looked up once:
      * its first candidate's index, direct-mapped; a repeat of a value still in the batch
-     * waits for its lookup */
+     * waits for its lookup; a value between the neighbours of the last allocation hit is
+     * found there (near_search);
+     * after NEAR_RUN such finds in a row, a value that is not is looked up at once, so that
+     * the next ones are searched near it too (an array's first pointer after the last one's
+     * node); else it waits for a batch (a block's pointers to the one before it and to a
+     * random one: a lookup at once of every random one made that mark a third slower) */
     const mu_scan_index *ix = m->ix;
+    const uint8_t *hw = head_words(ix);
     uint64_t vals[SCAN_BATCH], pos[SCAN_BATCH], nv = 0, again[SCAN_BATCH][2], na = 0;
     uint64_t met_v[PIECE_MET], done = 0;        /* hit[] is final below done */
+    uint64_t g = UINT64_MAX;                    /* the last allocation hit (none yet) */
+    uint64_t near = NEAR_RUN;                   /* near finds in a row */
+    int try_near = 0;                           /* g is the last lookup's (or a batch's) */
     uint32_t met_j[PIECE_MET];
     int64_t res[SCAN_BATCH];
     memset(met_v, 0xff, sizeof met_v);
@@ -769,6 +838,7 @@ static const uint32_t *piece_hits(mark_ctx *m, uint64_t r, uint64_t k, const mu_
             uint64_t v = p->val[j];
             hit[j] = PIECE_NO_HIT;
             uint64_t h = (v * 0x9E3779B97F4A7C15ull) >> (64 - PIECE_MET_BITS);
+            int64_t r = NEAR_MISS;
             if (v - ix->lo >= ix->hi - ix->lo) {
                 /* no allocation: PIECE_NO_HIT */
             } else if (met_v[h] == v && met_j[h] < done) {
@@ -776,7 +846,20 @@ static const uint32_t *piece_hits(mark_ctx *m, uint64_t r, uint64_t k, const mu_
             } else if (met_v[h] == v) {
                 again[na][0] = j;
                 again[na++][1] = met_j[h];
+            } else if ((try_near && (r = near_search(ix, hw, g, v)) != NEAR_MISS)
+                       || near >= NEAR_RUN) {
+                int found_near = r != NEAR_MISS;
+                if (!found_near)
+                    find_batch(m->ix, &v, 1, &r);       /* at once */
+                near = found_near && r >= 0 ? near + 1 : 0;
+                try_near = r >= 0;
+                if (r >= 0)
+                    hit[j] = (uint32_t)(g = (uint64_t)r);
+                met_v[h] = v;           /* final: a repeat takes it once the batch is done */
+                met_j[h] = (uint32_t)j;
             } else {
+                near = try_near = 0;    /* g is not this value's neighbour's: no near search
+                                         * until a batch finds another */
                 met_v[h] = v;
                 met_j[h] = (uint32_t)j;
                 vals[nv] = v;
@@ -787,7 +870,8 @@ static const uint32_t *piece_hits(mark_ctx *m, uint64_t r, uint64_t k, const mu_
             find_batch(m->ix, vals, nv, res);
             for (uint64_t q = 0; q < nv; q++)
                 if (res[q] >= 0)
-                    hit[pos[q]] = (uint32_t)res[q];
+                    hit[pos[q]] = (uint32_t)(g = (uint64_t)res[q]);
+            try_near = g != UINT64_MAX;
             for (uint64_t q = 0; q < na; q++)
                 hit[again[q][0]] = hit[again[q][1]];
             nv = na = 0;
@@ -1159,8 +1243,24 @@ static int scan_cands(mark_ctx *m, uint64_t i, const mu_region *reg)
             if (((o & 1) && at != b) || ((o & 2) && at >= b + 16))
                 continue;   /* a text tail after a word (bit 0) or two (bit 1) of this block */
             if (hit) {
-                if (hit[j] != PIECE_NO_HIT)
-                    mark_hit(m, hit[j]);
+                uint32_t a = hit[j];
+                if (a == PIECE_NO_HIT)
+                    continue;
+                if (!(j + 1 < p->n && hit[j + 1] == a + 1)) {
+                    mark_hit(m, a);
+                    continue;
+                }
+                /* hits of the allocations after a by the next candidates (an array of
+                 * pointers to the nodes after it), inside a's word of marked[]: one
+                 * mark_word for them all */
+                uint64_t lane, mask, *w = mark_word_of(m, a, &mask);
+                for (; w && j + 1 < p->n && hit[j + 1] == a + 1 && p->off[j + 1] < hi
+                       && !(p->off[j + 1] & 3) && mark_word_of(m, a + 1, &lane) == w; j++, a++)
+                    mask |= lane;
+                if (w)
+                    mark_word(m, w, mask);
+                else
+                    mark_hit(m, a);
             } else {
                 consider(m, p->val[j], at);
             }

@@ -711,6 +711,20 @@ def test_a_text_tail_is_no_reference_on_every_mark_path():
     assert T1 in by and by[S0].referenced_count == 0
 
 
+def test_a_text_tail_into_the_block_after_a_pointers_target_is_no_reference():
+    # S = [-> A, text, "E\0" + an old pointer's high bytes into T]: A and T are neighbours
+    # (allocations i and i + 1, whose marks the candidates mark share a word of), but the tail
+    # is text: T stays unreachable on every path
+    t = 256 << 10
+    h = Heap([32, 32, t] + [32] * 8, base=UNCOPIED_BASE, gap=8)
+    S, A, T = range(3)
+    h.link(S, 0, A)
+    h.point(S, 1, TEXT)
+    h.point(S, 2, _tail_into(h, T))
+    for res in all_ways(h, [(ROOT, words_buffer(h.addrs[S]))]):
+        assert list(res.marked) == [1, 1] + [0] * 9
+
+
 def test_an_8_aligned_text_tail_after_two_words_of_text_is_no_reference_on_every_mark_path():
     # glibc's setenv keeps every string it was given: "PYTEST_CURRENT_TEST=test_orphan.py::
     # test_c_orphans (setup)" ends in the word "p)", a NUL and an old pointer's high bytes, an
@@ -948,3 +962,40 @@ def test_kept_candidates_repeating_values_mark_as_over_a_copy():
     copied, waves, kept = all_ways(h, roots)
     assert stats(kept) == stats(copied) and stats(waves) == stats(copied)
     assert copied.num_marked == n - min(hubs + [n // 2])     # the chain on from each hub
+
+
+@pytest.mark.parametrize("n_arrays", [40, 4000])     # 4000 x 65 blocks: parallel
+def test_kept_candidates_of_arrays_of_neighbours_mark_as_over_a_copy(n_arrays):
+    # a piece's candidates are first searched among the neighbours of the last block hit
+    # (an array's pointers to the nodes allocated after it, a list's to the block before),
+    # and two threads mark up to 8 neighbours with one atomic OR: arrays of 64 pointers to
+    # the 64 nodes after them (interior offsets), mixed with pointers into the gaps after
+    # nodes (no block), to the first and last blocks (the ends of the neighbour window), to
+    # far blocks, and lists through the nodes (each node -> the node before); every array is
+    # a root but every 3rd, so some nodes are reached only from a neighbour's list
+    rnd = random.Random(n_arrays)
+    per = 64
+    sizes = []
+    for _ in range(n_arrays):
+        sizes += [8 * per] + [24 + 8 * rnd.randrange(3) for _ in range(per)]
+    h = Heap(sizes, base=UNCOPIED_BASE, gap=16)
+    n = len(sizes)
+    arrays = list(range(0, n, per + 1))
+    for a in arrays:
+        for k in range(per):
+            node = a + 1 + k
+            pick = rnd.random()
+            if pick < 0.7:
+                h.link(a, k, node, delta=8 * rnd.randrange(3))
+            elif pick < 0.8:
+                h.link(a, k, node, delta=(h.sizes[node] + 15) // 16 * 16 + 8)   # in the gap
+            elif pick < 0.85:
+                h.link(a, k, rnd.choice([0, n - 1]))
+            elif pick < 0.9:
+                h.link(a, k, rnd.randrange(n))
+            if k and rnd.random() < 0.3:
+                h.link(node, 1, node - 1)
+    roots = [(ROOT, words_buffer(*(h.addrs[a] for i, a in enumerate(arrays) if i % 3)))]
+    copied, waves, kept = all_ways(h, roots)
+    assert 0 < copied.num_marked < n
+    assert stats(kept) == stats(copied) and stats(waves) == stats(copied)
