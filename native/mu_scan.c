@@ -817,12 +817,12 @@ static const uint32_t *piece_hits(mark_ctx *m, uint64_t r, uint64_t k, const mu_
     }
     /* a value met before in the piece (a block's fill, a shared target) is looked up once:
      * its first candidate's index, direct-mapped; a repeat of a value still in the batch
-     * waits for its lookup; a value between the neighbours of the last allocation hit is
-     * found there (near_search);
-     * after NEAR_RUN such finds in a row, a value that is not is looked up at once, so that
-     * the next ones are searched near it too (an array's first pointer after the last one's
-     * node); else it waits for a batch (a block's pointers to the one before it and to a
-     * random one: a lookup at once of every random one made that mark a third slower) */
+     * waits for its lookup. A value between the neighbours of the last allocation hit is
+     * found there (near_search); after NEAR_RUN such finds in a row, a value that is not is
+     * looked up at once, so that the next ones are searched near it too (an array's first
+     * pointer after the last one's node); else it waits for a batch (a block's pointers to the
+     * one before it and to a random one: a lookup at once of every random one made that mark
+     * a third slower) */
     const mu_scan_index *ix = m->ix;
     const uint8_t *hw = head_words(ix);
     uint64_t vals[SCAN_BATCH], pos[SCAN_BATCH], nv = 0, again[SCAN_BATCH][2], na = 0;
