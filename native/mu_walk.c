@@ -914,12 +914,9 @@ static inline __attribute__((always_inline)) int group8_any(const uint8_t *g, ui
     return (r[0] | r[1] | r[2] | r[3]) != 0;
 }
 
-/* (x86-64: an AVX2 build beside the baseline one, chosen at load time by the CPU) */
-#if defined(__x86_64__) && defined(__GNUC__) && !defined(__clang__)
-__attribute__((target_clones("avx2", "default")))
-#endif
-void mu_cands_fill_piece(mu_cands *c, uint64_t k, const uint8_t *d, uint64_t n, uint32_t *toff,
-                         uint64_t *tval)
+static inline __attribute__((always_inline)) void fill_piece(mu_cands *c, uint64_t k,
+                                                            const uint8_t *d, uint64_t n,
+                                                            uint32_t *toff, uint64_t *tval)
 {
     mu_cand_piece *p = &c->p[k];
     const uint64_t lo = c->lo, span = c->hi - c->lo;
@@ -998,6 +995,57 @@ void mu_cands_fill_piece(mu_cands *c, uint64_t k, const uint8_t *d, uint64_t n, 
         __atomic_sub_fetch(&c->used, cnt, __ATOMIC_RELAXED);
     }
     __atomic_store_n(&p->state, state, __ATOMIC_RELEASE);
+}
+
+/* fill_piece built twice (x86-64): for AVX2 and for the baseline, chosen by the CPU unless a
+ * test says which (mu_cands_filter) */
+#if defined(__x86_64__) && defined(__GNUC__)
+#define FILL_AVX2 1
+static __attribute__((target("avx2"))) void fill_piece_avx2(mu_cands *c, uint64_t k,
+                                                             const uint8_t *d, uint64_t n,
+                                                             uint32_t *toff, uint64_t *tval)
+{
+    fill_piece(c, k, d, n, toff, tval);
+}
+#endif
+
+static void fill_piece_base(mu_cands *c, uint64_t k, const uint8_t *d, uint64_t n, uint32_t *toff,
+                            uint64_t *tval)
+{
+    fill_piece(c, k, d, n, toff, tval);
+}
+
+static int fill_which = -1;     /* mu_cands_filter */
+
+static int fill_avx2_supported(void)
+{
+#ifdef FILL_AVX2
+    return __builtin_cpu_supports("avx2");
+#else
+    return 0;
+#endif
+}
+
+int64_t mu_cands_filter(int64_t which)
+{
+    if (which < -1 || which > 1)
+        return -EINVAL;
+    if (which == 1 && !fill_avx2_supported())
+        return -ENOTSUP;
+    return __atomic_exchange_n(&fill_which, (int)which, __ATOMIC_RELAXED);
+}
+
+void mu_cands_fill_piece(mu_cands *c, uint64_t k, const uint8_t *d, uint64_t n, uint32_t *toff,
+                         uint64_t *tval)
+{
+    int which = __atomic_load_n(&fill_which, __ATOMIC_RELAXED);
+#ifdef FILL_AVX2
+    if (which == 1 || (which < 0 && fill_avx2_supported())) {
+        fill_piece_avx2(c, k, d, n, toff, tval);
+        return;
+    }
+#endif
+    fill_piece_base(c, k, d, n, toff, tval);
 }
 
 int64_t mu_cands_fill(mu_cands *c, const uint8_t *data, uint64_t addr, uint64_t len)

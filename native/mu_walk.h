@@ -224,3 +224,8 @@ void mu_cands_free(mu_cands *c);
 int64_t mu_cands_fill(mu_cands *c, const uint8_t *data, uint64_t addr, uint64_t len);
 /* The candidates c keeps (*pieces_kept: its pieces kept, may be NULL). */
 uint64_t mu_cands_words(const mu_cands *c, uint64_t *pieces_kept);
+/* Which build of the candidate filter mu_cands_fill and mu_read_walk use from now on: 1 the
+ * AVX2 one (x86-64), 0 the baseline one, -1 the CPU's (AVX2 where it has it: the default).
+ * Returns the previous setting, or -ENOTSUP for 1 where there is no AVX2 build or CPU support.
+ * Both fill the same candidates (the unit tests compare them). */
+int64_t mu_cands_filter(int64_t which);

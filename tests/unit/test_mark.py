@@ -4,6 +4,7 @@ Heaps are Python buffers at addresses we pick; pointers are packed with struct.
 Drawings: `X -> Y` means a word of X holds an address inside Y.
 """
 import errno
+import platform
 import random
 import struct
 from array import array
@@ -482,7 +483,9 @@ def random_heap(n, seed, big=()):
 
 
 def all_ways(h, roots, dead=None, budget=None, split=False):
-    """(copied result, uncopied-with-waves result, uncopied-with-candidates result)."""
+    """(copied result, uncopied-with-waves result, uncopied-with-candidates result); the
+    candidates are filled by both builds of the filter (the CPU's and the baseline one,
+    mu_cands_filter), whose marks must be the same."""
     fd = memfd_of(h.base, h.buf)
     try:
         img = h.image()
@@ -490,12 +493,32 @@ def all_ways(h, roots, dead=None, budget=None, split=False):
         waves = mark(HeapImage(img.begins, img.sizes, [(h.base, Uncopied(len(h.buf), fd))]),
                      roots, dead=dead)
         lo, hi = h.base, h.base + len(h.buf)
-        c = cands_of(h.base, h.buf, lo, hi, len(h.buf) if budget is None else budget, split)
-        kept = mark(HeapImage(img.begins, img.sizes, [(h.base, Uncopied(len(h.buf), fd, c))]),
-                    roots, dead=dead)
+        kept = []
+        for build in (-1, 0):
+            assert lib.mu_cands_filter(build) == -1
+            try:
+                c = cands_of(h.base, h.buf, lo, hi, len(h.buf) if budget is None else budget,
+                             split)
+            finally:
+                lib.mu_cands_filter(-1)
+            kept.append(mark(HeapImage(img.begins, img.sizes,
+                                       [(h.base, Uncopied(len(h.buf), fd, c))]),
+                             roots, dead=dead))
+        assert bytes(kept[0].marked) == bytes(kept[1].marked) and stats(kept[0]) == stats(kept[1])
     finally:
         os.close(fd)
-    return copied, waves, kept
+    return copied, waves, kept[0]
+
+
+def test_the_candidate_filter_s_builds_are_chosen_and_restored():
+    # -1: the CPU's (the default), 0: the baseline one, 1: AVX2 where the CPU has it
+    assert lib.mu_cands_filter(0) == -1
+    assert lib.mu_cands_filter(-1) == 0
+    assert lib.mu_cands_filter(2) == -errno.EINVAL and lib.mu_cands_filter(-2) == -errno.EINVAL
+    with open("/proc/cpuinfo") as f:
+        avx2 = " avx2" in f.read() and platform.machine() == "x86_64"
+    assert lib.mu_cands_filter(1) == (-1 if avx2 else -errno.ENOTSUP)
+    assert lib.mu_cands_filter(-1) == (1 if avx2 else -1)
 
 
 @pytest.mark.parametrize("n,seed,split", [(3000, 1, False), (3000, 2, True),
