@@ -226,6 +226,7 @@ int64_t mu_cands_fill(mu_cands *c, const uint8_t *data, uint64_t addr, uint64_t 
 uint64_t mu_cands_words(const mu_cands *c, uint64_t *pieces_kept);
 /* Which build of the candidate filter mu_cands_fill and mu_read_walk use from now on: 1 the
  * AVX2 one (x86-64), 0 the baseline one, -1 the CPU's (AVX2 where it has it: the default).
- * Returns the previous setting, or -ENOTSUP for 1 where there is no AVX2 build or CPU support.
+ * Returns the previous setting; -ENOTSUP for 1 where there is no AVX2 build or CPU support,
+ * -EINVAL for another value.
  * Both fill the same candidates (the unit tests compare them). */
 int64_t mu_cands_filter(int64_t which);
