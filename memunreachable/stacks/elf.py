@@ -19,6 +19,7 @@ parsing libc's relocations with it ~100 ms per fresh process; these reads take a
 cached_by_file(cache, f, read, most)   read(ElfFile(f)), remembered by the file's identity
 image_span(head)        bytes from a loaded object's first page to the end of its last PT_LOAD's
                         memory (.bss included), from its first page as mapped, or None
+program_headers(raw, phentsize, phnum)  [Segment] of raw program headers (both read them)
 References: the System V gABI "Object Files" chapter; elf(5); glibc elf/elf.h.
 """
 from __future__ import annotations
@@ -102,9 +103,7 @@ class ElfFile:
         phoff, phentsize, phnum = self._hdr[5], self._hdr[9], self._hdr[10]
         if not phnum or phentsize < PHDR64.size:
             return []
-        raw = self.data(phoff, phentsize * phnum)
-        return [Segment(*(p[0], p[1], p[2], p[3], p[5], p[6]))
-                for p in (PHDR64.unpack_from(raw, i * phentsize) for i in range(phnum))]
+        return program_headers(self.data(phoff, phentsize * phnum), phentsize, phnum)
 
     def sections(self) -> List[Section]:
         if self._sections is None:
@@ -214,12 +213,17 @@ def image_span(head: bytes) -> Optional[int]:
     phoff, phentsize, phnum = hdr[5], hdr[9], hdr[10]
     if not phnum or phentsize < PHDR64.size or phoff + phentsize * phnum > len(head):
         return None
-    loads = [p for p in (PHDR64.unpack_from(head, phoff + i * phentsize) for i in range(phnum))
-             if p[0] == PT_LOAD]
+    loads = [s for s in program_headers(head[phoff:], phentsize, phnum) if s.p_type == PT_LOAD]
     if not loads:
         return None
-    low = min(p[3] for p in loads) & ~(PAGE - 1)
-    return max(p[3] + p[6] for p in loads) - low
+    low = min(s.p_vaddr for s in loads) & ~(PAGE - 1)
+    return max(s.p_vaddr + s.p_memsz for s in loads) - low
+
+
+def program_headers(raw: bytes, phentsize: int, phnum: int) -> List[Segment]:
+    """The phnum 64-bit program headers of phentsize bytes each at the start of raw."""
+    return [Segment(p[0], p[1], p[2], p[3], p[5], p[6])
+            for p in (PHDR64.unpack_from(raw, i * phentsize) for i in range(phnum))]
 
 
 # Returns read(ElfFile(f)) for the open file f, remembered in cache by the file's identity
