@@ -846,24 +846,24 @@ static const uint32_t *piece_hits(mark_ctx *m, uint64_t r, uint64_t k, const mu_
             } else if (met_v[h] == v) {
                 again[na][0] = j;
                 again[na++][1] = met_j[h];
-            } else if ((try_near && (r = near_search(ix, hw, g, v)) != NEAR_MISS)
-                       || near >= NEAR_RUN) {
-                int found_near = r != NEAR_MISS;
-                if (!found_near)
-                    find_batch(m->ix, &v, 1, &r);       /* at once */
-                near = found_near && r >= 0 ? near + 1 : 0;
-                try_near = r >= 0;
-                if (r >= 0)
-                    hit[j] = (uint32_t)(g = (uint64_t)r);
-                met_v[h] = v;           /* final: a repeat takes it once the batch is done */
-                met_j[h] = (uint32_t)j;
             } else {
-                near = try_near = 0;    /* g is not this value's neighbour's: no near search
-                                         * until a batch finds another */
                 met_v[h] = v;
                 met_j[h] = (uint32_t)j;
-                vals[nv] = v;
-                pos[nv++] = j;
+                if ((try_near && (r = near_search(ix, hw, g, v)) != NEAR_MISS)
+                    || near >= NEAR_RUN) {          /* final now: a repeat waits for done */
+                    int found_near = r != NEAR_MISS;
+                    if (!found_near)
+                        find_batch(m->ix, &v, 1, &r);       /* at once */
+                    near = found_near && r >= 0 ? near + 1 : 0;
+                    try_near = r >= 0;
+                    if (r >= 0)
+                        hit[j] = (uint32_t)(g = (uint64_t)r);
+                } else {
+                    near = try_near = 0;    /* g is not this value's neighbour's: no near
+                                             * search until a batch finds another */
+                    vals[nv] = v;
+                    pos[nv++] = j;
+                }
             }
         }
         if (nv == SCAN_BATCH || na == SCAN_BATCH || (j == p->n && (nv || na))) {

@@ -1156,7 +1156,6 @@ def test_stale_words_in_live_objects_are_no_references(python, allocator, script
     assert all(got[a] == want[a][1] for a in got)
 
 
-
 # cffi's types (_cffi_backend.CType, a static type of its extension): a header of tp_basicsize
 # (88) bytes, then the type's name inline, ob_size bytes with its NUL (tp_itemsize 1). The
 # allocator's slack after the name keeps what the block's last user left there: a pytest
