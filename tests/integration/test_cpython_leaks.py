@@ -47,10 +47,15 @@ def host_interpreters():
     return found
 
 
+SLOW_BELOW = 11     # pyenv's 3.8-3.10 run in the slow set: the README's command stays short
+
+
 def interpreters():
-    """The host's interpreters, then every root's (marked distro: .ci/run runs them)."""
-    return host_interpreters() + [pytest.param(spec, marks=pytest.mark.distro)
-                                  for spec in distros.python_specs()]
+    """The host's interpreters (3.8-3.10 marked slow), then every root's (marked distro):
+    .ci/run runs them all."""
+    return [p if _minor(p) >= SLOW_BELOW or "/versions/" not in p
+            else pytest.param(p, marks=pytest.mark.slow) for p in host_interpreters()] + [
+        pytest.param(spec, marks=pytest.mark.distro) for spec in distros.python_specs()]
 
 
 def _minor(path: str) -> int:

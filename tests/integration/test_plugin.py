@@ -118,6 +118,7 @@ def _kept_chains(log) -> list:
             if "not inside any allocation" not in line and "is unreachable" not in line]
 
 
+@pytest.mark.slow      # 4 s: the README command's five minutes (.ci/run runs it)
 def test_each_xdist_worker_checks_itself(suite):
     # Every worker runs its own checks (its own helper): the clean test passes and the three
     # leaky ones fail with the report, wherever xdist sends them. When test_clean runs first in
@@ -188,6 +189,7 @@ def test_leaks():
 """
 
 
+@pytest.mark.slow      # 10 s: the README command's five minutes (.ci/run runs it)
 @ONE_ALLOCATOR
 def test_xdist_workers_hold_reports_and_sweep_once_per_stretch(suite):
     # each worker holds its tests' reports until the sweep of their stretch, as one process
@@ -259,6 +261,7 @@ def test_x3(): pass
 """
 
 
+@pytest.mark.slow      # 3 s: the README command's five minutes (.ci/run runs it)
 @ONE_ALLOCATOR
 def test_an_xdist_worker_s_leaks_no_test_is_blamed_for_fail_the_session(suite):
     # a worker's terminal summary is not shown: the controller gets its stretches' orphans
@@ -970,6 +973,7 @@ def test_a_real_extension_s_leaky_tests_fail_and_clean_ones_pass(real_suite):
     assert f"memunreachable: {usable} bytes leaked in 1 allocation" in section
 
 
+@pytest.mark.slow      # 4 s: the README command's five minutes (.ci/run runs it)
 def test_a_real_extension_s_suite_on_xdist_workers(real_suite):
     # each worker checks itself: the same two tests fail, wherever xdist sends them
     out = _run_real_twice_at_most(real_suite, "-n", "2")
@@ -1169,6 +1173,7 @@ def test_an_orphaned_block_fails_the_test_that_dropped_it_with_a_sweep_after_eac
     assert re.search(r"#\d+ test_a_allocates .*test_orphan\.py:\d+ \(Python\)", stack), stack
 
 
+@pytest.mark.slow      # 6 s: the README command's five minutes (.ci/run runs it)
 @ONE_ALLOCATOR
 def test_an_orphaned_block_fails_the_test_that_dropped_it_untracked(suite):
     # a snapshot per test: test_c's check finds the block. A 4,000-byte block (in the heap): a

@@ -296,7 +296,8 @@ def test_forks_while_other_threads_unwind_leave_no_child_stuck():
             _churn_run(argv, run)
 
 
-@pytest.mark.parametrize("root", [None, pytest.param("trixie", marks=pytest.mark.distro),
+@pytest.mark.parametrize("root", [pytest.param(None, marks=pytest.mark.slow),  # 4 s: README budget
+                                  pytest.param("trixie", marks=pytest.mark.distro),
                                   pytest.param("sid", marks=pytest.mark.distro)])
 def test_forks_while_the_routing_walks_the_loaded_objects_leave_no_child_stuck(root):
     """A walk of the loaded objects (dl_iterate_phdr: the first route's setup) holds the
