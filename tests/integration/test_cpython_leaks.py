@@ -58,6 +58,20 @@ def interpreters():
         pytest.param(spec, marks=pytest.mark.distro) for spec in distros.python_specs()]
 
 
+def with_allocators(pythons) -> list:
+    """(python, allocator) cases of pythons (interpreters()): under pymalloc and malloc, a host
+    interpreter's malloc case in the slow set (the README command's budget; the default
+    allocator is what users run), a root's in the distro set as its interpreter."""
+    out = []
+    for p in pythons:
+        marks, value = list(getattr(p, "marks", ())), getattr(p, "values", (p,))[0]
+        for allocator in ("pymalloc", "malloc"):
+            extra = [pytest.mark.slow] if allocator == "malloc" and not marks else []
+            out.append(pytest.param(value, allocator, marks=marks + extra,
+                                    id=f"{_ident(value)}-{allocator}"))
+    return out
+
+
 def _minor(path: str) -> int:
     tail = os.path.basename(path.split(":")[-1]).replace("python3.", "")
     return int(tail) if tail.isdigit() else 0
@@ -285,8 +299,7 @@ class Target:
         self.proc.stderr.close()
 
 
-@pytest.mark.parametrize("allocator", ["pymalloc", "malloc"])
-@pytest.mark.parametrize("python", interpreters(), ids=_ident)
+@pytest.mark.parametrize("python, allocator", with_allocators(interpreters()))
 def test_cpython_leaks(python, allocator):
     env = dict(os.environ)
     env.pop("PYTHONMALLOC", None)
@@ -412,8 +425,7 @@ sys.stdin.read(1)
 """
 
 
-@pytest.mark.parametrize("allocator", ["pymalloc", "malloc"])
-@pytest.mark.parametrize("python", interpreters(), ids=_ident)
+@pytest.mark.parametrize("python, allocator", with_allocators(interpreters()))
 def test_ctypes_format_strings_and_shapes_hold_no_references(python, allocator):
     # ctypes keeps each type's PEP 3118 format string and shape array in blocks of their own
     # (PyMem_Malloc): text and integers, whose slack keeps stale words of earlier users ("X{}"
@@ -1145,8 +1157,7 @@ def _stale_parts_made(python: str, allocator: str) -> list:
                                            (STALE_PARTS, _stale_parts_made)],
                          ids=["class instances", "ctypes fields", "ctypes instances",
                               "member padding", "stale parts"])
-@pytest.mark.parametrize("allocator", ["pymalloc", "malloc"])
-@pytest.mark.parametrize("python", interpreters(), ids=_ident)
+@pytest.mark.parametrize("python, allocator", with_allocators(interpreters()))
 def test_stale_words_in_live_objects_are_no_references(python, allocator, script, parts):
     # every part is found on every version (3.14/3.15: str subclasses' inline values at their
     # tp_basicsize, immortal objects' rules, dict key tables' slack), and nothing else
@@ -1212,8 +1223,7 @@ SELF_LIST = slack_target(plant="""    x = [None] * 200
 """)
 
 
-@pytest.mark.parametrize("allocator", ["pymalloc", "malloc"])
-@pytest.mark.parametrize("python", interpreters(), ids=_ident)
+@pytest.mark.parametrize("python, allocator", with_allocators(interpreters()))
 def test_a_leaked_object_heads_its_cycle(python, allocator):
     made, info, before = run_target(python, SELF_LIST, allocator,
                                     expect=lambda made: [made["list"][0] - 16])
@@ -1253,8 +1263,7 @@ class Handler:
 """)
 
 
-@pytest.mark.parametrize("allocator", ["pymalloc", "malloc"])
-@pytest.mark.parametrize("python", interpreters(), ids=_ident)
+@pytest.mark.parametrize("python, allocator", with_allocators(interpreters()))
 def test_an_object_only_weak_references_reach_is_a_leak(python, allocator):
     made, info, before = run_target(python, WEAKLY_HELD, allocator,
                                     expect=lambda made: [int(made["handler"][0], 16)])
