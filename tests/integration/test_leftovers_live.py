@@ -312,7 +312,7 @@ def test_signals_at_many_moments_leave_nothing():
 JOB_STOPS = [signal.SIGTSTP, signal.SIGTTIN, signal.SIGTTOU]
 
 
-@pytest.mark.parametrize("mode", ["clone", "direct"])
+@pytest.mark.parametrize("mode", ["clone", pytest.param("direct", marks=pytest.mark.slow)])
 def test_job_control_stops_the_checker_never_the_target(mode):
     """Ctrl-Z (SIGTSTP), or a background job's terminal I/O (SIGTTIN, SIGTTOU), stops the
     checker; while it has the target frozen the stop waits for the thaw, and the sweeper

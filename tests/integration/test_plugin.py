@@ -59,6 +59,7 @@ def test_inactive_without_the_option(suite):
     res.assert_outcomes(passed=3)
 
 
+@pytest.mark.slow      # the README command's five minutes (.ci/run runs it)
 def test_check_options_without_the_option_say_no_test_is_checked(suite):
     suite.makeini("[pytest]\nmemunreachable_batch = 3\n")
     res = suite.runpytest_subprocess("--memunreachable-batch", "1", "-rf")
@@ -224,7 +225,8 @@ def test_d(): pass
 
 
 @ONE_ALLOCATOR
-@pytest.mark.parametrize("mode", ["error", pytest.param("warn", marks=pytest.mark.slow)])
+@pytest.mark.slow      # the README command's five minutes (.ci/run runs it)
+@pytest.mark.parametrize("mode", ["error", "warn"])
 def test_a_crashed_xdist_worker_s_held_tests_are_reported(suite, mode):
     # the worker dies in test_crash with test_a..c's reports held for their stretch's sweep:
     # the controller logs them from the worker's journal, with their leak checks not run
@@ -471,7 +473,8 @@ def _leaks_printed(out: str) -> dict:
             in re.findall(r"LEAK (test_\d+) 0x([0-9a-f]+) (\d+)", out)}
 
 
-@pytest.mark.parametrize("tracking", [["--memunreachable-batch=5"], ["--memunreachable-untracked"]])
+@pytest.mark.parametrize("tracking", [pytest.param(["--memunreachable-batch=5"], marks=pytest.mark.slow),
+                                      ["--memunreachable-untracked"]])
 def test_a_batch_blames_each_leak_on_its_own_test_and_logs_in_order(suite, tracking):
     # 12 tests in batches of 10 (tracked: stretches of 5): three leak (one with a fixture, one
     # in the second batch); each fails with its own block, once, and every verdict is logged in
@@ -587,6 +590,7 @@ def pytest_runtest_protocol(item, nextitem):     # as pytest-rerunfailures runs 
 """
 
 
+@pytest.mark.slow      # the README command's five minutes (.ci/run runs it)
 def test_a_test_another_plugin_runs_is_checked_alone(suite):
     # the batch before it is settled and logged first; its own check is a sweep after it
     suite.makepyfile(test_batched=_batched_suite({1: "plain", 2: "plain"}, n=4))
@@ -629,6 +633,7 @@ ctypes.c_void_p.from_address(REGION).value = libc.malloc(34629000)
 """
 
 
+@pytest.mark.slow      # the README command's five minutes (.ci/run runs it)
 def test_a_batch_in_a_process_whose_snapshots_lack_memory(suite):
     # the session's first snapshot is planned at once: it lacks the MADV_DONTFORK region, so
     # every check is a sweep that copies it during the pause (no false leak of the block it

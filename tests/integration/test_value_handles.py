@@ -111,7 +111,8 @@ def test_e_int_dropped():
 """
 
 
-@pytest.mark.parametrize("batch", [["--memunreachable-batch=1"], []], ids=["batch 1", "batches"])
+@pytest.mark.parametrize("batch", [pytest.param(["--memunreachable-batch=1"], marks=pytest.mark.slow),
+                                   []], ids=["batch 1", "batches"])
 @pytest.mark.parametrize("allocator", ["pymalloc", MALLOC])
 def test_the_plugin_keeps_handles_and_reports_the_dropped_one(pytester, monkeypatch, allocator,
                                                               batch):
@@ -191,7 +192,8 @@ def python_magic(tmp_path_factory) -> str:
     return str(site)
 
 
-@pytest.mark.parametrize("batch", [["--memunreachable-batch=1"], []], ids=["batch 1", "batches"])
+@pytest.mark.parametrize("batch", [pytest.param(["--memunreachable-batch=1"], marks=pytest.mark.slow),
+                                   []], ids=["batch 1", "batches"])
 @pytest.mark.parametrize("allocator", ["pymalloc", MALLOC])
 def test_python_magic_under_the_plugin(pytester, monkeypatch, python_magic, allocator, batch):
     pdf = pytester.path / "test.pdf"
