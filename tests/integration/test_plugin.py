@@ -318,6 +318,7 @@ def test_drops_that_pointer():
 """
 
 
+@pytest.mark.slow      # the README command's five minutes (.ci/run runs it)
 def test_an_old_leak_reachable_for_a_while_is_not_blamed_on_a_later_test(suite):
     # a leak reported once stays the leaking test's: a check in between that saw it reachable
     # (here a real pointer; in the field a stale word overwritten since) changes nothing
@@ -349,6 +350,7 @@ def test_clean_with_a_fixture(thing):
 """
 
 
+@pytest.mark.slow      # the README command's five minutes (.ci/run runs it)
 def test_deferred_baselines_blame_only_the_leaking_test(suite):
     # Tests with fixtures get their own baseline, swept only when the check after the test
     # finds a leak the session has not seen: the first test's check finds the import's leak,
@@ -532,6 +534,7 @@ def test_a_clean_batch_costs_one_sweep(suite):
     assert counts["test_09"][-1:] == ["go"] or "go" in counts["test_09"], counts
 
 
+@pytest.mark.slow      # the README command's five minutes (.ci/run runs it)
 def test_a_failure_ends_the_batch_and_stops_the_run_under_x(suite):
     # the failing test settles the batch before its own report: the leak of a test before
     # it is logged first, and -x stops the run after them (tests 4, 5 never run)
@@ -548,6 +551,7 @@ def test_a_failure_ends_the_batch_and_stops_the_run_under_x(suite):
     res.stdout.fnmatch_lines(["*1 block leaked during this test (*): 1 native heap block*"])
 
 
+@pytest.mark.slow      # the README command's five minutes (.ci/run runs it)
 def test_a_skipped_test_stays_in_its_batch_and_in_its_place(suite):
     suite.makepyfile(test_batched=_batched_suite({1: "plain"}, n=4).replace(
         "def test_02():\n", "@pytest.mark.skip(reason='not today')\ndef test_02():\n"))
@@ -560,6 +564,7 @@ def test_a_skipped_test_stays_in_its_batch_and_in_its_place(suite):
                         ("test_03", "PASSED")], verdicts
 
 
+@pytest.mark.slow      # the README command's five minutes (.ci/run runs it)
 def test_a_batch_open_a_second_ends_at_the_next_check(suite):
     # test_01 takes over a second: the check after it is its batch's sweep; test_02's leak is
     # then found by the next batch's, at test_03
@@ -605,6 +610,7 @@ def test_a_test_another_plugin_runs_is_checked_alone(suite):
                         ("test_03", "PASSED")], verdicts
 
 
+@pytest.mark.slow      # the README command's five minutes (.ci/run runs it)
 def test_an_interrupted_batch_logs_what_ran(suite):
     suite.makepyfile(test_batched=_batched_suite({}, n=4).replace(
         "def test_02():\n", "def test_02():\n    raise KeyboardInterrupt\n"))
@@ -673,8 +679,9 @@ nl.get_unreachable_memory = failing
 """
 
 
-@pytest.mark.parametrize("tracking", [[], ["--memunreachable-untracked"]])
-@pytest.mark.parametrize("mode", ["error", "warn"])
+@pytest.mark.parametrize("tracking", [[], pytest.param(["--memunreachable-untracked"],
+                                                          marks=pytest.mark.slow)])
+@pytest.mark.parametrize("mode", ["error", pytest.param("warn", marks=pytest.mark.slow)])
 def test_a_batch_whose_sweep_cannot_run_says_so_for_each_of_its_tests(suite, mode, tracking,
                                                                        monkeypatch):
     # the held tests' verdicts are unknown: each errors at teardown with the reason (or a
