@@ -47,13 +47,10 @@ def host_interpreters():
     return found
 
 
-SLOW_BELOW = 11     # pyenv's 3.8-3.10 run in the slow set: the README's command stays short
-
-
 def interpreters():
-    """The host's interpreters (3.8-3.10 marked slow), then every root's (marked distro):
-    .ci/run runs them all."""
-    return [p if _minor(p) >= SLOW_BELOW or "/versions/" not in p
+    """The host's interpreters (pyenv's of other versions than the suite's own marked slow: the
+    README command's five minutes), then every root's (marked distro): .ci/run runs them all."""
+    return [p if "/versions/" not in p or _minor(p) == sys.version_info.minor
             else pytest.param(p, marks=pytest.mark.slow) for p in host_interpreters()] + [
         pytest.param(spec, marks=pytest.mark.distro) for spec in distros.python_specs()]
 
