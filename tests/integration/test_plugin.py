@@ -475,8 +475,9 @@ def _leaks_printed(out: str) -> dict:
             in re.findall(r"LEAK (test_\d+) 0x([0-9a-f]+) (\d+)", out)}
 
 
-@pytest.mark.parametrize("tracking", [pytest.param(["--memunreachable-batch=5"], marks=pytest.mark.slow),
-                                      ["--memunreachable-untracked"]])
+@pytest.mark.parametrize("tracking", [
+    pytest.param(["--memunreachable-batch=5"], marks=pytest.mark.slow),
+    ["--memunreachable-untracked"]])
 def test_a_batch_blames_each_leak_on_its_own_test_and_logs_in_order(suite, tracking):
     # 12 tests in batches of 10 (tracked: stretches of 5): three leak (one with a fixture, one
     # in the second batch); each fails with its own block, once, and every verdict is logged in

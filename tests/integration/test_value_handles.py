@@ -26,6 +26,10 @@ pytest_plugins = ["pytester"]
 
 # the plugin's sessions under PYTHONMALLOC=malloc: in the slow set (the README command's budget)
 MALLOC = pytest.param("malloc", marks=pytest.mark.slow)
+# a sweep after each test, or batches; the first in the slow set too
+BATCHES = pytest.mark.parametrize(
+    "batch", [pytest.param(["--memunreachable-batch=1"], marks=pytest.mark.slow), []],
+    ids=["batch 1", "batches"])
 
 LIBC = r"""
 import ctypes, json, struct, sys
@@ -111,8 +115,7 @@ def test_e_int_dropped():
 """
 
 
-@pytest.mark.parametrize("batch", [pytest.param(["--memunreachable-batch=1"], marks=pytest.mark.slow),
-                                   []], ids=["batch 1", "batches"])
+@BATCHES
 @pytest.mark.parametrize("allocator", ["pymalloc", MALLOC])
 def test_the_plugin_keeps_handles_and_reports_the_dropped_one(pytester, monkeypatch, allocator,
                                                               batch):
@@ -192,8 +195,7 @@ def python_magic(tmp_path_factory) -> str:
     return str(site)
 
 
-@pytest.mark.parametrize("batch", [pytest.param(["--memunreachable-batch=1"], marks=pytest.mark.slow),
-                                   []], ids=["batch 1", "batches"])
+@BATCHES
 @pytest.mark.parametrize("allocator", ["pymalloc", MALLOC])
 def test_python_magic_under_the_plugin(pytester, monkeypatch, python_magic, allocator, batch):
     pdf = pytester.path / "test.pdf"
