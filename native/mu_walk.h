@@ -44,13 +44,13 @@ typedef struct {
     uint64_t first;         /* in: the first chunk header to walk from; 0: copy only */
     uint64_t top;
     uint32_t non_main;
-    uint32_t drop;          /* in: MU_READ_DROP: the copy is not kept: each 1 MiB piece is
-                             * released once the walk is past it (its pages moved under a
-                             * piece still to read, or freed), and every piece once the walk
-                             * ended: afterwards buf holds no memory (it reads as zeros); MU_READ_SPARSE: every page read as
-                             * all zeros is released (it still reads as zeros, and costs no
-                             * memory: untouched thread stacks). Either needs buf to be a private
-                             * anonymous mapping, page aligned. */
+    uint32_t drop;          /* in: MU_READ_DROP: the copy is not kept: buf is not written
+                             * (may be NULL); each 1 MiB piece is read into a ring of a few
+                             * pieces, walked and its candidates kept from there.
+                             * MU_READ_SPARSE (not with DROP): every page read as all zeros is
+                             * released (it still reads as zeros, and costs no memory:
+                             * untouched thread stacks); buf must be a private anonymous
+                             * mapping, page aligned. */
     uint64_t *user;
     uint64_t *usable;
     uint64_t cap;

@@ -5,6 +5,7 @@ import mmap
 import os
 import random
 import struct
+import threading
 import time
 from array import array
 
@@ -664,6 +665,131 @@ def test_read_walk_drop_releases_the_copy_and_keeps_the_candidates():
     pieces = ffi.new("uint64_t *")
     assert lib.mu_cands_words(cands, pieces) == in_range and pieces[0] == 3
     del pd
+
+
+def _in_range_words(src, lo, hi) -> int:
+    words = array("Q", bytes(src))
+    return sum(1 for w in words if lo <= w < hi)
+
+
+def test_read_walk_drop_walks_heaps_larger_than_its_ring_as_a_copy_would():
+    """A dropped job's pieces pass through a ring of a few 1 MiB slots (mu_walk.c RW_RING):
+    heaps many times its size, a chunk whose end lies past what the ring can hold (its next
+    size is read apart), a top chunk and a pair of fenceposts past the ring too, a fencepost
+    pair whose second header begins the next piece, a thread heap's end, a broken chain and
+    a job with no walk, in one call: each walk and each job's candidates as from a copy."""
+    ring = 8 << 20
+    mib = 1 << 20
+    rnd = random.Random(11)
+
+    def plain(r):                           # 2.5 rings of chunks straddling the pieces
+        _random_chunks(rnd, r, r.base + len(r.buf) - 0x2000)
+        return r.base, r.finish_top()
+
+    def huge_chunk(r):                      # 11 MiB in use, then a 3 MiB free one
+        _random_chunks(rnd, r, r.base + mib)
+        r.chunk(11 * mib + 0x30)
+        _random_chunks(rnd, r, r.cur + mib)
+        r.chunk(3 * mib + 0x50, in_use=False)
+        _random_chunks(rnd, r, r.base + len(r.buf) - 0x2000)
+        return r.base, r.finish_top()
+
+    def huge_top(r):                        # the top chunk spans most of the job
+        _random_chunks(rnd, r, r.base + 2 * mib)
+        return r.base, r.finish_top(r.base + len(r.buf) - r.cur)
+
+    def fence_on_a_piece_end(r):            # foreign sbrk: the pair's second header begins
+        _random_chunks(rnd, r, r.base + 3 * mib - 0x1000)       # the fourth piece
+        r.chunk(r.base + 3 * mib - 16 - 0x20 - r.cur)
+        r.finish_top(0x20)
+        fence = r.cur + 0x20
+        r.hdr(fence, 0x10 | P)
+        r.hdr(fence + 16, 0x10 | P)
+        r.hdr(fence + 32, 0x10 | P)         # an old top smaller than MINSIZE: a third
+        return r.base, 0
+
+    def fence_past_the_ring(r):             # the same after 9 MiB of chunks
+        _random_chunks(rnd, r, r.base + 9 * mib)
+        r.finish_top(0x40)
+        r.hdr(r.cur + 0x40, 0x10 | P)
+        r.hdr(r.cur + 0x50, 0x10 | P)
+        return r.base, 0
+
+    def thread_heap(r):                     # a pseudo chunk, then {0|1}
+        _random_chunks(rnd, r, r.base + len(r.buf) - 0x2000, flags=N)
+        pseudo = r.cur
+        r.finish_top(0x20)
+        r.hdr(pseudo + 0x20, 0 | P)
+        return r.base, 0
+
+    def broken(r):                          # a bad size in the sixth MiB
+        _random_chunks(rnd, r, r.base + len(r.buf) - 0x2000)
+        top = r.finish_top()
+        c = next(a for a, s, u in r.chunks if a > r.base + 5 * mib + 4096)
+        r.hdr(c, 0x38 | P)
+        return r.base, top
+
+    copied = 3 * mib                        # a job that keeps its copy, between them
+    specs = [(20 * mib, plain, 0), (18 * mib, huge_chunk, 0), (12 * mib, huge_top, 0),
+             (5 * mib, lambda r: (0, 0), 0),                             # no walk: candidates
+             (copied, plain, 0),
+             (6 * mib, fence_on_a_piece_end, 0), (12 * mib, fence_past_the_ring, 0),
+             (9 * mib, thread_heap, 1), (10 * mib, broken, 0)]
+    assert sum(size for size, _, _ in specs) > 10 * ring
+    keep, jobs = [], ffi.new("mu_read_job[]", len(specs))
+    expect = []
+    for k, (size, fill, non_main) in enumerate(specs):
+        def fill_words(r, fill=fill):       # pointers into the job between the chunks' words
+            ret = fill(r)
+            for a, s, used in r.chunks[::5]:
+                r.set_word(a + 16, r.base + rnd.randrange(len(r.buf)))
+            return ret
+        src, run, (first, top) = _mapped_run(size, fill_words)
+        cap = 1 + size // 32
+        user, usable = array("Q", bytes(8 * cap)), array("Q", bytes(8 * cap))
+        out = ffi.new("mu_cands **")
+        assert lib.mu_cands_new(run.base, size, ffi.new("uint64_t[]", [run.base, run.base + size]),
+                                1, size, out) == 0
+        cands = ffi.gc(out[0], lib.mu_cands_free)
+        pu, pv = ffi.from_buffer("uint64_t[]", user), ffi.from_buffer("uint64_t[]", usable)
+        keep += [src, user, usable, pu, pv, cands]
+        dst = bytearray(size) if k == 4 else None
+        jobs[k].addr, jobs[k].len = run.base, size
+        jobs[k].buf = ffi.from_buffer("uint8_t[]", dst) if dst is not None else ffi.NULL
+        jobs[k].first, jobs[k].top, jobs[k].non_main = first, top, non_main
+        jobs[k].user, jobs[k].usable, jobs[k].cap = pu, pv, cap
+        jobs[k].drop, jobs[k].cands = (0 if dst is not None else lib.MU_READ_DROP), cands
+        keep.append(dst)
+        ref = walk(run, first, top, non_main, cap) if first else ([], None)
+        expect.append((ref, _in_range_words(src, run.base, run.base + size), size // mib))
+    fd = os.open("/proc/self/mem", os.O_RDONLY)
+    rc = []
+    try:        # on a thread: a walk waiting for a piece the ring cannot hold fails, not hangs
+        t = threading.Thread(target=lambda: rc.append(lib.mu_read_walk(fd, jobs, len(specs))),
+                             daemon=True)
+        t.start()
+        t.join(120)
+        assert rc == [0], "mu_read_walk did not return"
+    finally:
+        if rc:
+            os.close(fd)
+    statuses = []
+    for k, (size, fill, non_main) in enumerate(specs):
+        (got, res), in_range, pieces = expect[k]
+        src, user, usable, _, _, cands, dst = keep[7 * k:7 * k + 7]
+        assert dst is None or dst == src[:]
+        assert jobs[k].bad == 0 and jobs[k].first_bad == 0
+        if res is not None:
+            assert jobs[k].stored == len(got)
+            assert list(zip(user[:len(got)], usable[:len(got)])) == got
+            assert _fields(jobs[k].res) == _fields(res)
+            statuses.append(res.status)
+        kept = ffi.new("uint64_t *")
+        assert (lib.mu_cands_words(cands, kept), kept[0]) == (in_range, pieces)
+    assert statuses == [lib.MU_WALK_TOP, lib.MU_WALK_TOP, lib.MU_WALK_TOP, lib.MU_WALK_TOP,
+                        lib.MU_WALK_FENCE2, lib.MU_WALK_FENCE2, lib.MU_WALK_FENCE0,
+                        lib.MU_WALK_BAD_SIZE]
+    assert jobs[5].res.end == jobs[5].addr + 3 * mib + 32          # three headers from 3 MiB - 16
 
 
 def test_chunk_lookalikes_are_told_apart_by_mp_s_counters_only_when_unambiguous():

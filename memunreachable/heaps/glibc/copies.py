@@ -60,14 +60,6 @@ class Copy:
         self.ptr = ffi.cast("uint8_t *", ffi.from_buffer(self.buf))
         self.used = False
 
-    def private_mapping(self, fresh: bool = False) -> None:
-        """Make buf a private anonymous mapping (mu_read_job.drop releases its pages); fresh:
-        a new one (after a drop read, a fallback reads the whole copy again)."""
-        if fresh or not isinstance(self.buf, mmap.mmap):
-            self.close()
-            self.buf = mmap.mmap(-1, self.size, flags=mmap.MAP_PRIVATE | mmap.MAP_ANONYMOUS)
-            self.ptr = ffi.cast("uint8_t *", ffi.from_buffer(self.buf))
-
     def drop(self, fd: int, cands=None) -> None:
         """Release the copy: the region is read through fd (or its cands) from now on."""
         cands = cands or getattr(self, "cands", None)

@@ -241,7 +241,6 @@ class _Walker(FreeListsMixin, MmappedMixin):
             self.stats["heaps_read_again"] = 0      # dropped copies read twice (no room)
             spans = array("Q", [a for r in self.allocation_ranges(jobs) for a in (r.begin, r.end)])
             for j in jobs:
-                j.cp.private_mapping()
                 out = ffi.new("mu_cands **")
                 check(lib.mu_cands_new(j.cp.base, j.cp.size, ffi.from_buffer("uint64_t[]", spans),
                                        len(spans) // 2,
@@ -280,16 +279,13 @@ class _Walker(FreeListsMixin, MmappedMixin):
                 # unreadable pages (or an error): the reader's own path decides (tolerated
                 # ranges, MemoryUnreadable), then the walk is redone on what it read
                 check(t.bad if t.bad < 0 else 0, "read memory", pid=self.mem.pid)
-                if drop:
-                    j.cp.private_mapping(fresh=True)
                 self.mem.read_into(j.cp.base, j.cp.buf)
                 j.res, j.piece = self.walk_run(j.cp, j.first, j.top, j.non_main)
                 continue
             res = ffi.new("mu_walk_result *")
             res[0] = t.res
             if res.in_use > j.cap:          # more chunks than the estimate: walk again
-                if drop:                    # (its pieces were released: read them again)
-                    j.cp.private_mapping(fresh=True)
+                if drop:                    # (its pieces were not kept: read them again)
                     self.mem.read_into(j.cp.base, j.cp.buf)
                     self.stats["heaps_read_again"] += 1
                 j.res, j.piece = self.walk_run(j.cp, j.first, j.top, j.non_main)
