@@ -92,17 +92,21 @@ def test_lowmem_walk_finds_the_same_chunks(name, args):
         lowmem.stats["uncopied_bytes"]
 
 
+@pytest.mark.parametrize("after", [True, False], ids=["after", "before"])
 @pytest.mark.parametrize("reads", ["candidates", "waves"])
-def test_snapshot_dying_after_a_lowmem_walk_is_retaken_and_exact(reads, tmp_path, monkeypatch):
+def test_snapshot_dying_after_a_lowmem_walk_is_retaken_and_exact(reads, after, tmp_path,
+                                                                 monkeypatch):
     """The low-memory mark and fold read the snapshot after the walk: its death then is a
-    retake (MemoryUnreadable, never zeros), and the retaken check is exact."""
+    retake (MemoryUnreadable, never zeros), and the retaken check is exact. Dead before the
+    walk: the ring's pieces read nothing, the walk's own path finds the memory unreadable,
+    the same retake."""
     from test_check import assert_result
     from test_reliability import _killing_walk
     monkeypatch.setattr(steps, "UNCOPIED_MIN_BYTES", 0)
     if reads == "waves":
         monkeypatch.setattr(walker, "CANDIDATE_BUDGET_DIVISOR", 1 << 62)
     marker = tmp_path / "kills"
-    monkeypatch.setattr(steps, "walk_heap", _killing_walk(str(marker), 1, after=True))
+    monkeypatch.setattr(steps, "walk_heap", _killing_walk(str(marker), 1, after=after))
     with fixtures.start("leak_chain") as fx:
         info = check(fx.pid, limit=None)
         assert marker.read_text() == "k"
