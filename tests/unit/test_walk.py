@@ -470,6 +470,24 @@ def _random_chunks(rnd, r, end, flags=0):
         r.chunk(rnd.randrange(2, 130) * 16, in_use=rnd.random() < 0.8, flags=flags)
 
 
+def _thread_heap(rnd, r):
+    """A non-main heap of random chunks ending in a pseudo chunk and {0|1}: (first, top)."""
+    _random_chunks(rnd, r, r.base + len(r.buf) - 0x2000, flags=N)
+    pseudo = r.cur
+    r.finish_top(0x20)
+    r.hdr(pseudo + 0x20, 0 | P)
+    return r.base, 0
+
+
+def _broken(rnd, r, past):
+    """Random chunks to the top, the first chunk `past` bytes in given a bad size."""
+    _random_chunks(rnd, r, r.base + len(r.buf) - 0x2000)
+    top = r.finish_top()
+    c = next(a for a, s, u in r.chunks if a > r.base + past)
+    r.hdr(c, 0x38 | P)
+    return r.base, top
+
+
 def _fields(res):
     return (res.chunks, res.in_use, res.in_use_bytes, res.free_chunks, res.free_bytes, res.end,
             res.bad_at, res.status)
@@ -483,26 +501,13 @@ def test_read_walk_equals_read_then_walk(seed):
         _random_chunks(rnd, r, r.base + len(r.buf) - 0x2000)
         return r.base, r.finish_top()
 
-    def thread_heap(r):                  # a non-main heap ending in a pseudo chunk + {0|1}
-        _random_chunks(rnd, r, r.base + len(r.buf) - 0x2000, flags=N)
-        pseudo = r.cur
-        r.finish_top(0x20)
-        r.hdr(pseudo + 0x20, 0 | P)
-        return r.base, 0
-
-    def broken(r):                       # a bad size in the second MiB
-        _random_chunks(rnd, r, r.base + len(r.buf) - 0x2000)
-        top = r.finish_top()
-        c = next(a for a, s, u in r.chunks if a > r.base + (1 << 20) + 4096)
-        r.hdr(c, 0x38 | P)
-        return r.base, top
-
     def many(r):                         # more in-use chunks than cap
         _random_chunks(rnd, r, r.base + len(r.buf) - 0x2000)
         return r.base, r.finish_top()
 
-    specs = [(6 << 20, main_run, 0, None), (3 << 20, thread_heap, 1, None),
-             (2 << 20, broken, 0, None), (1 << 20, many, 0, 100),
+    specs = [(6 << 20, main_run, 0, None), (3 << 20, lambda r: _thread_heap(rnd, r), 1, None),
+             (2 << 20, lambda r: _broken(rnd, r, (1 << 20) + 4096), 0, None),   # the second MiB
+             (1 << 20, many, 0, 100),
              (1 << 20, lambda r: (0, 0), 0, None)]          # copy only
     keep, jobs = [], ffi.new("mu_read_job[]", len(specs))
     expect = []
@@ -715,26 +720,13 @@ def test_read_walk_drop_walks_heaps_larger_than_its_ring_as_a_copy_would():
         r.hdr(r.cur + 0x50, 0x10 | P)
         return r.base, 0
 
-    def thread_heap(r):                     # a pseudo chunk, then {0|1}
-        _random_chunks(rnd, r, r.base + len(r.buf) - 0x2000, flags=N)
-        pseudo = r.cur
-        r.finish_top(0x20)
-        r.hdr(pseudo + 0x20, 0 | P)
-        return r.base, 0
-
-    def broken(r):                          # a bad size in the sixth MiB
-        _random_chunks(rnd, r, r.base + len(r.buf) - 0x2000)
-        top = r.finish_top()
-        c = next(a for a, s, u in r.chunks if a > r.base + 5 * mib + 4096)
-        r.hdr(c, 0x38 | P)
-        return r.base, top
-
     copied = 3 * mib                        # a job that keeps its copy, between them
     specs = [(20 * mib, plain, 0), (18 * mib, huge_chunk, 0), (12 * mib, huge_top, 0),
              (5 * mib, lambda r: (0, 0), 0),                             # no walk: candidates
              (copied, plain, 0),
              (6 * mib, fence_on_a_piece_end, 0), (12 * mib, fence_past_the_ring, 0),
-             (9 * mib, thread_heap, 1), (10 * mib, broken, 0)]
+             (9 * mib, lambda r: _thread_heap(rnd, r), 1),
+             (10 * mib, lambda r: _broken(rnd, r, 5 * mib + 4096), 0)]          # the sixth MiB
     assert sum(size for size, _, _ in specs) > 10 * ring
     keep, jobs = [], ffi.new("mu_read_job[]", len(specs))
     expect = []
