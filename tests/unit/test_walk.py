@@ -361,8 +361,9 @@ def test_subtract():
     assert removed[0] == 2
 
 
-def test_five_million_chunks_walk_fast():
-    n = 5_000_000
+def test_a_long_run_of_chunks_is_walked_whole():
+    # (its speed: bench/bench_check.py's walk figures, not a timed test)
+    n = 500_000
     size = 0x40
     buf = bytearray(n * size + 0x100)
     # every header {prev 0, 0x40|P}: all chunks in use; top at the end
@@ -374,12 +375,11 @@ def test_five_million_chunks_walk_fast():
     r.buf = buf
     user, usable = array("Q", bytes(8 * n)), array("Q", bytes(8 * n))
     res = ffi.new("mu_walk_result *")
-    t = time.perf_counter()
     k = lib.mu_walk_run(ffi.from_buffer(buf), BASE, len(buf), BASE, top, 0,
                         ffi.from_buffer("uint64_t[]", user), ffi.from_buffer("uint64_t[]", usable), n, res)
-    dt = time.perf_counter() - t
-    assert k == n and res.status == lib.MU_WALK_TOP and user[-1] == top - size + 16
-    assert dt < 0.5, f"walk of {n} chunks took {dt:.3f}s"
+    assert k == n and res.status == lib.MU_WALK_TOP and res.in_use == n
+    assert user[0] == BASE + 16 and user[-1] == top - size + 16
+    assert set(usable) == {size - 8} and all(b - a == size for a, b in zip(user[:1000], user[1:1001]))
 
 
 # ---- validate.py: verdicts on free lists and hard inconsistencies (pure policy) -------------
