@@ -1109,9 +1109,8 @@ sys.stdin.read(1)
 
 
 @pytest.mark.parametrize("base", ["lowest", "type"])
-@pytest.mark.parametrize("allocator", ["pymalloc", "malloc"])
-@pytest.mark.parametrize("python", ["/usr/bin/python3"] + [
-    pytest.param(p, marks=pytest.mark.distro) for p in distros.python_specs()], ids=_ident)
+@pytest.mark.parametrize("python,allocator", with_allocators(["/usr/bin/python3"] + [
+    pytest.param(p, marks=pytest.mark.distro) for p in distros.python_specs()]))
 def test_a_types_flags_are_no_reference_to_the_block_under_them(python, allocator, base):
     # Debian's interpreters are non-PIE: their brk heap lies in the first GiB, where the static
     # types' tp_flags (str's: 0x10xxxxxx) and their subclasses' are numbers inside the heap
