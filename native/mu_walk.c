@@ -26,14 +26,14 @@ typedef struct {
     uint64_t c, stored, last_in_use, last_size;
 } walk_pos;
 
-/* mu_read_walk reads a dropped job's pieces (MU_READ_DROP) into a ring of RW_RING pieces of
- * 1 MiB, each slot taken by piece p % RW_RING (numbered over all dropped jobs), instead of
- * into the job's buffer: the copy is read into memory already mapped and still in the CPU's
- * caches (not into fresh pages, faulted in and zeroed, then given back), which took 0.085 s
- * of 256 MiB where the reads alone took 0.05 s. A slot is read again only when the walk is
- * past the piece it holds, so every piece from the walk's position on stays in the ring
- * while the walk needs it, and the walk never needs a piece RW_RING - 1 or more past the one
- * it stands in: the size of the chunk after a larger chunk is read from the snapshot apart
+/* mu_read_walk reads a dropped job's pieces (MU_READ_DROP) into a ring of RW_RING slots of
+ * 1 MiB, piece r of the dropped jobs' pieces into slot r % RW_RING, instead of into the
+ * job's buffer: into memory already mapped and still in the CPU's caches, not into fresh
+ * pages faulted in, zeroed and given back (over 256 MiB: 85 ms of mu_read_walk that way, 49 ms
+ * reading into reused buffers). A slot takes its pieces in order, each once the walk is past
+ * the one before it, so every piece from the walk's position on stays in the ring while the
+ * walk needs it, and the walk never needs a piece RW_RING - 1 or more past the one it stands
+ * in: the size of the chunk after a larger chunk is read from the snapshot apart
  * (walk_ring.fd), fenceposts once the 4 KiB after them are read. */
 #define RW_PIECE (1ull << 20)
 #define RW_RING 8u
