@@ -180,15 +180,26 @@ def test_snapshot_killed_at_each_step_of_its_birth_is_retaken(step):
         assert_target_running(fx)
 
 
-def test_snapshot_killed_at_random_moments_never_gives_a_wrong_answer():
+# lowmem: every heap walked without keeping copies (steps.UNCOPIED_MIN_BYTES, from 256 MiB on):
+# its pieces through the read-walk's ring, the mark reading blocks from the snapshot after it
+LOWMEM = pytest.mark.parametrize("lowmem", [False, True], ids=["copies", "lowmem"])
+
+
+@LOWMEM
+def test_snapshot_killed_at_random_moments_never_gives_a_wrong_answer(lowmem, monkeypatch):
+    if lowmem:
+        monkeypatch.setattr(steps, "UNCOPIED_MIN_BYTES", 0)
     tally = _random_snapshot_kills(rounds=6, seed=7, max_kills=1)
     assert tally["exact"] == 6
 
 
 @pytest.mark.slow
+@LOWMEM
 @pytest.mark.parametrize("name", ["leak_lots", "churn"])
 @pytest.mark.parametrize("max_kills", [1, 2])
-def test_snapshot_killed_at_random_moments_soak(max_kills, name):
+def test_snapshot_killed_at_random_moments_soak(max_kills, name, lowmem, monkeypatch):
+    if lowmem:
+        monkeypatch.setattr(steps, "UNCOPIED_MIN_BYTES", 0)
     tally = _random_snapshot_kills(rounds=50, seed=11 + max_kills, max_kills=max_kills, name=name)
     print(f"random snapshot kills of {name} (at most {max_kills} per check):", tally)
     assert tally["exact"] + tally["error"] == 50 and tally["kills"] >= 10
