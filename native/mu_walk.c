@@ -719,12 +719,20 @@ static uint8_t *rw_slot(rw_ctx *x, uint64_t p, uint64_t r)
     return x->ring + k * RW_PIECE;
 }
 
-/* Wakes the readers waiting for a slot (a piece copied, a walk gone on). */
+/* Wakes the readers waiting for a slot (a piece copied, a walk gone on: rw_thread, after
+ * each piece of a ring job and its walk's steps). */
 static void rw_ring_moved(rw_ctx *x)
 {
     pthread_mutex_lock(&x->ring_mu);
     pthread_cond_broadcast(&x->ring_cv);
     pthread_mutex_unlock(&x->ring_mu);
+}
+
+/* Job j's ring for walk_steps, filled into *ring, or NULL when the job keeps its copy. */
+static const walk_ring *rw_ring_of(const rw_ctx *x, uint64_t j, walk_ring *ring)
+{
+    *ring = (walk_ring){x->ring, x->ring0[j], x->fd};
+    return (x->jobs[j].drop & MU_READ_DROP) ? ring : NULL;
 }
 
 /* Walks job j over the pieces copied so far, unless another thread is at it; then looks
@@ -735,8 +743,8 @@ static void rw_advance(rw_ctx *x, uint64_t j)
     rw_state *st = &x->st[j];
     uint64_t np = x->piece0[j + 1] - x->piece0[j];
     const uint8_t *done = x->done + x->piece0[j];
-    walk_ring ring = {x->ring, x->ring0[j], x->fd};
-    const walk_ring *r = (jb->drop & MU_READ_DROP) ? &ring : NULL;
+    walk_ring ring;
+    const walk_ring *r = rw_ring_of(x, j, &ring);
     for (;;) {
         if (__atomic_exchange_n(&st->lock, 1, __ATOMIC_SEQ_CST))
             return;
@@ -751,13 +759,10 @@ static void rw_advance(rw_ctx *x, uint64_t j)
                 st->finished = 1;
         }
         st->walked = k;
-        if (r) {
-            uint64_t below = x->piece0[j] + (st->finished ? np : (st->pos.c - jb->addr) / RW_PIECE);
-            if (below > __atomic_load_n(&st->below, __ATOMIC_RELAXED)) {
-                __atomic_store_n(&st->below, below, __ATOMIC_RELEASE);
-                rw_ring_moved(x);
-            }
-        }
+        if (r)                  /* the readers are woken by the caller (rw_thread) */
+            __atomic_store_n(&st->below, x->piece0[j] + (st->finished ? np
+                                                         : (st->pos.c - jb->addr) / RW_PIECE),
+                             __ATOMIC_RELEASE);
         /* seq_cst: the load of done below is not moved before this store, or a piece done
          * meanwhile by a thread that found the lock still taken would wait for another
          * piece to be walked (a ring's readers waiting for this walk: for ever) */
@@ -818,8 +823,10 @@ static void *rw_thread(void *arg)
         __atomic_store_n(&x->done[p], 1, __ATOMIC_SEQ_CST);
         if (jb->first)
             rw_advance(x, j);
-        if (in_ring)            /* its slot may be free now: no walk, or a walk already past */
-            rw_ring_moved(x);   /* it (the pieces inside a chunk whose end was read apart) */
+        /* its slot, or slots its walk went past, may be free now (a walk can be past pieces
+         * not copied yet: inside a chunk whose end was read apart) */
+        if (in_ring)
+            rw_ring_moved(x);
     }
 }
 
@@ -860,11 +867,12 @@ int64_t mu_read_walk(int memfd, mu_read_job *jobs, uint64_t njobs)
     }
     uint64_t nring = 0;
     for (uint64_t j = 0; j < njobs; j++) {
+        uint64_t np = (jobs[j].len + RW_PIECE - 1) / RW_PIECE;
         x.piece0[j] = x.npieces;
         x.ring0[j] = nring;
-        x.npieces += (jobs[j].len + RW_PIECE - 1) / RW_PIECE;
+        x.npieces += np;
         if (jobs[j].drop & MU_READ_DROP)
-            nring += (jobs[j].len + RW_PIECE - 1) / RW_PIECE;
+            nring += np;
         x.st[j].pos.c = jobs[j].first;
         x.st[j].below = x.piece0[j] + (jobs[j].first ? (jobs[j].first - jobs[j].addr) / RW_PIECE : 0);
     }
@@ -896,11 +904,11 @@ int64_t mu_read_walk(int memfd, mu_read_job *jobs, uint64_t njobs)
         mu_read_job *jb = &jobs[j];
         if (!jb->first)
             continue;
-        walk_ring ring = {x.ring, x.ring0[j], x.fd};
+        walk_ring ring;
         if (!x.st[j].finished)
             walk_steps(jb->buf, jb->addr, jb->len, jb->addr + jb->len, 1, jb->top, jb->non_main,
                        jb->user, jb->usable, jb->cap, &jb->res, &x.st[j].pos,
-                       (jb->drop & MU_READ_DROP) ? &ring : NULL);
+                       rw_ring_of(&x, j, &ring));
         jb->stored = (int64_t)(x.st[j].pos.stored < jb->cap ? x.st[j].pos.stored : jb->cap);
     }
     pthread_cond_destroy(&x.ring_cv);
