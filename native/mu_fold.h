@@ -19,6 +19,7 @@ int64_t mu_fold(const uint64_t *begin, const uint64_t *size, uint64_t n,
                 const mu_dead *dead, uint64_t *owner);
 
 /* Sums over n allocations: *total = sum of size[i]; *selected = sum of size[i] where
- * mask[i] != 0 (mask: n bytes). Returns the number of selected allocations. */
-int64_t mu_sum_sizes(const uint64_t *size, const uint8_t *mask, uint64_t n, uint64_t *total,
-                     uint64_t *selected);
+ * mask[i] != 0 (mask: n bytes), or where mask[i] == 0 when zero != 0 (the mark's flags: the
+ * unmarked ones). Returns the number of selected allocations. */
+int64_t mu_sum_sizes(const uint64_t *size, const uint8_t *mask, uint64_t n, uint32_t zero,
+                     uint64_t *total, uint64_t *selected);

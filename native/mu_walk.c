@@ -452,16 +452,21 @@ int64_t mu_walk_tcache_scan(const mu_region *regions, uint64_t nregions, const u
                             uint64_t nbins, uint64_t active_bins, uint64_t max_count,
                             uint32_t remaining,
                             const uint64_t *bin_min, const uint64_t *bin_max, uint64_t key_off,
-                            uint64_t want_key, mu_tcache_cand *out, uint64_t cap)
+                            uint64_t want_key, const uint64_t *only, uint64_t nonly,
+                            mu_tcache_cand *out, uint64_t cap)
 {
     if (!regions || (n && (!user || !usable)) || (cap && !out) || (count_width != 1 && count_width != 2) ||
-        entries_off < count_width * nbins || !bin_min || !bin_max)
+        entries_off < count_width * nbins || !bin_min || !bin_max || (nonly && !only))
         return -EINVAL;
     uint64_t found = 0;
     const uint64_t span = entries_off + 8 * nbins;
     uint8_t *local = NULL;      /* a candidate's bytes read from an uncopied region */
-    for (uint64_t i = 0; i < n; i++) {
-        if (usable[i] < struct_usable || usable[i] - struct_usable > struct_slack)
+    for (uint64_t q = 0, end = only ? nonly : n; q < end; q++) {
+        int64_t at = only ? find_user(user, n, only[q]) : (int64_t)q;
+        if (at < 0)
+            continue;
+        uint64_t i = (uint64_t)at;
+        if (usable[i] - struct_usable > struct_slack)      /* (below struct_usable: wraps) */
             continue;
         uint64_t addr = user[i];
         int64_t r = mu_region_find(regions, nregions, addr, span);
@@ -573,21 +578,30 @@ int64_t mu_walk_subtract(uint64_t *user, uint64_t *usable, uint64_t n, uint64_t 
     *removed = 0;
     if (ndrop > 1)
         qsort(drop, ndrop, sizeof *drop, cmp_u64);
-    uint64_t w = 0, j = 0;
-    for (uint64_t i = 0; i < n; i++) {
-        while (j < ndrop && drop[j] < user[i])
-            j++;
-        if (j < ndrop && drop[j] == user[i]) {
-            (*removed)++;
-            while (j < ndrop && drop[j] == user[i])
-                j++;
+    /* each dropped entry found by a search; the runs between them move down whole (the
+     * entries before the first dropped one stay where they are) */
+    uint64_t w = 0, i = 0;
+    for (uint64_t j = 0; j < ndrop; j++) {
+        if (j && drop[j] == drop[j - 1])
             continue;
+        uint64_t at = mu_lower_bound(user, i, n, drop[j]);
+        if (at == n)
+            break;
+        if (user[at] != drop[j])
+            continue;
+        if (w != i) {
+            memmove(user + w, user + i, (at - i) * sizeof *user);
+            memmove(usable + w, usable + i, (at - i) * sizeof *usable);
         }
-        user[w] = user[i];
-        usable[w] = usable[i];
-        w++;
+        w += at - i;
+        i = at + 1;
+        (*removed)++;
     }
-    return (int64_t)w;
+    if (w != i) {
+        memmove(user + w, user + i, (n - i) * sizeof *user);
+        memmove(usable + w, usable + i, (n - i) * sizeof *usable);
+    }
+    return (int64_t)(w + n - i);
 }
 
 #ifndef MREMAP_DONTUNMAP

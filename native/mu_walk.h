@@ -167,6 +167,8 @@ typedef struct {
  * counts[] is glibc 2.42+'s num_slots, the room left: a bin holds max_count - num_slots
  * chunks. The memory is read through the regions. A head's key is the word at head + key_off.
  * want_key != 0: only candidates with a head holding want_key pass (counted in want_key).
+ * only != NULL: only the in-use chunks at the nonly user addresses there (ascending) are
+ * tested, not every one: a scan for want_key over an earlier scan's candidates.
  * Stores up to cap candidates in address order; returns the number that passed. */
 int64_t mu_walk_tcache_scan(const mu_region *regions, uint64_t nregions, const uint64_t *user,
                             const uint64_t *usable, uint64_t n, uint64_t struct_usable,
@@ -174,7 +176,8 @@ int64_t mu_walk_tcache_scan(const mu_region *regions, uint64_t nregions, const u
                             uint64_t nbins, uint64_t active_bins, uint64_t max_count,
                             uint32_t remaining,
                             const uint64_t *bin_min, const uint64_t *bin_max, uint64_t key_off,
-                            uint64_t want_key, mu_tcache_cand *out, uint64_t cap);
+                            uint64_t want_key, const uint64_t *only, uint64_t nonly,
+                            mu_tcache_cand *out, uint64_t cap);
 
 /* Walk a doubly linked bin list from the bin's fake chunk `bin` (its fd at bin+16, bk at
  * bin+24) through the regions: each node n needs n->bk == previous node, a readable header,

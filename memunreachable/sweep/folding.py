@@ -73,11 +73,12 @@ def fold(image: HeapImage, marked, dead=None) -> List[FoldedLeak]:
 
 
 # Returns (number of flagged allocations, total bytes of all, bytes of the flagged ones) for
-# sizes (array('Q')) and mask (n bytes, non-zero: flagged), in one C pass.
-def size_totals(sizes, mask) -> Tuple[int, int, int]:
+# sizes (array('Q')) and mask (n bytes, non-zero: flagged; with zero, the zero ones are: the
+# mark's flags, unmarked), in one C pass.
+def size_totals(sizes, mask, zero: bool = False) -> Tuple[int, int, int]:
     view, keep = u64_view(sizes)
     total, selected = ffi.new("uint64_t *"), ffi.new("uint64_t *")
     n = check(lib.mu_sum_sizes(view, ffi.from_buffer("uint8_t[]", mask) if len(mask) else ffi.NULL,
-                               len(mask), total, selected), "sum sizes")
+                               len(mask), int(zero), total, selected), "sum sizes")
     del keep
     return n, total[0], selected[0]

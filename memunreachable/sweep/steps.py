@@ -300,9 +300,8 @@ def sweep(mem, maps, threads, pid: int, confirm: Optional[set] = None,
                if py is not None and py.garbage else [])
     t_fold = time.monotonic()
     # 8. Result
-    leaked_mask = leak_flags.translate(_INVERT)
     mark_method, mark_reason = marked.method(uncopied)
-    num_leaks, all_bytes, leak_bytes = size_totals(sizes, leaked_mask)
+    num_leaks, all_bytes, leak_bytes = size_totals(sizes, leak_flags, zero=True)
     unmanaged = unmanaged_memory(roots, all_bytes)
     res = SweepResult(
         num_allocations=len(sizes),
@@ -370,7 +369,7 @@ def sweep(mem, maps, threads, pid: int, confirm: Optional[set] = None,
                                    garbage_blocks=len(py.garbage) if py is not None else 0,
                                    dead_objects=py.dead if py is not None else 0)
     if suspect or hw.soft_issues or confirm is not None:
-        res.leak_addresses = list(compress(begins, leaked_mask))
+        res.leak_addresses = list(compress(begins, leak_flags.translate(_INVERT)))
     if retain is not None:
         retain.append((hw, cps, mem, image, marked))
     return res

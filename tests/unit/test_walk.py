@@ -258,15 +258,18 @@ def bin_ranges(tc):
     return array("Q", [a for a, _ in ranges]), array("Q", [b for _, b in ranges])
 
 
-def scan(tab, n, r, tc, active=64, max_count=7, cap=16, want=0):
+def scan(tab, n, r, tc, active=64, max_count=7, cap=16, want=0, only=None):
     user, usable = in_use(r)
     out = ffi.new("mu_tcache_cand[]", cap)
     lo, hi = bin_ranges(tc)
+    among = array("Q", only or ())
     k = lib.mu_walk_tcache_scan(tab, n, ffi.from_buffer("uint64_t[]", user),
                                 ffi.from_buffer("uint64_t[]", usable), len(user),
                                 tc.chunk_size - 8, 16, tc.count_width, tc.entries, tc.nbins, active,
                                 max_count, int(tc.remaining), ffi.from_buffer("uint64_t[]", lo),
-                                ffi.from_buffer("uint64_t[]", hi), 8, want, out, cap)
+                                ffi.from_buffer("uint64_t[]", hi), 8, want,
+                                ffi.NULL if only is None else ffi.from_buffer("uint64_t[]", among),
+                                len(among), out, cap)
     return [(o.addr, o.key, o.nonempty, o.heads, o.want_key, o.self_key, o.mismatched)
             for o in out[0:min(k, cap)]]
 
@@ -298,6 +301,14 @@ def test_tcache_scan_prefilter_and_keys():
     assert [g[0] for g in scan(tab, 1, r, tc, active=2)] == [real, self_keyed]
     assert [g[0] for g in scan(tab, 1, r, tc, active=1)] == []
     assert len(scan(tab, 1, r, tc, cap=1)) == 1
+    # over given blocks alone (a scan for a key over the first scan's candidates): the same
+    # records for those; an address that starts no in-use chunk, or a block the prefilter
+    # refuses, gives none
+    assert scan(tab, 1, r, tc, want=key, only=[real, self_keyed]) == [(real, 0x4242, 2, 2, 1, 0, 0)]
+    assert scan(tab, 1, r, tc, only=[n0 + 16, real + 8, self_keyed]) == [
+        (self_keyed, self_keyed, 1, 1, 0, 1, 0)]
+    assert scan(tab, 1, r, tc, only=[too_many, wrong_size, empty]) == []
+    assert scan(tab, 1, r, tc, only=[]) == []
 
 
 def test_tcache_scan_is_linear_for_many_lookalikes():
@@ -316,7 +327,7 @@ def test_tcache_scan_is_linear_for_many_lookalikes():
     k = lib.mu_walk_tcache_scan(tab, 1, ffi.from_buffer("uint64_t[]", user),
                                 ffi.from_buffer("uint64_t[]", usable), len(user), tc.chunk_size - 8,
                                 16, 2, tc.entries, 64, 64, 7, 0, ffi.from_buffer("uint64_t[]", lo),
-                                ffi.from_buffer("uint64_t[]", hi), 8, 0, out, n)
+                                ffi.from_buffer("uint64_t[]", hi), 8, 0, ffi.NULL, 0, out, n)
     dt = time.perf_counter() - t
     assert k == n
     assert dt < 0.1, f"prefilter of {n} look-alikes took {dt:.3f}s"
@@ -359,6 +370,29 @@ def test_subtract():
                              5, ffi.from_buffer("uint64_t[]", drop), 4, removed)
     assert n == 3 and list(user[:3]) == [16, 80, 112] and list(usable[:3]) == [1, 3, 4]
     assert removed[0] == 2
+
+
+@pytest.mark.parametrize("seed", range(6))
+def test_subtract_removes_exactly_the_listed_entries(seed):
+    # runs moved down between dropped entries: the first, the last, neighbours, repeats,
+    # addresses between entries and beyond the ends, and none at all
+    rng = random.Random(seed)
+    n = rng.choice([0, 1, 7, 1000, 5000])
+    user = array("Q", sorted(rng.sample(range(16, 16 + 64 * n + 64, 16), n)))
+    usable = array("Q", [u * 3 + 1 for u in user])
+    picked = rng.sample(list(user), min(n, rng.choice([0, 1, 2, 50, n])))
+    if n and seed % 2:
+        picked += [user[0], user[-1], user[-1]]
+    drop = array("Q", picked + [8, user[-1] + 16 if n else 24] + [u + 8 for u in picked[:5]])
+    rng.shuffle(drop)
+    want = [u for u in user if u not in set(picked)]
+    removed = ffi.new("uint64_t *")
+    got = lib.mu_walk_subtract(ffi.from_buffer("uint64_t[]", user),
+                               ffi.from_buffer("uint64_t[]", usable), n,
+                               ffi.from_buffer("uint64_t[]", drop), len(drop), removed)
+    assert got == len(want) and list(user[:got]) == want
+    assert list(usable[:got]) == [u * 3 + 1 for u in want]
+    assert removed[0] == len(set(picked))
 
 
 def test_a_long_run_of_chunks_is_walked_whole():

@@ -111,13 +111,16 @@ class FreeListsMixin:
 
     # -- which 0x290 blocks are real tcaches (glibc-heap.md 10.1-10.3) ---------------------
     def tcache_candidates(self, tab, ntab, user: array, usable: array, tc: L.Tcache,
-                          active_bins: int, max_count: int, want_key: int = 0):
+                          active_bins: int, max_count: int, want_key: int = 0,
+                          among: Optional[array] = None):
         """(mu_tcache_cand[], n): blocks shaped like tc that pass mu_walk_tcache_scan's
-        prefilter (linear, in C); with want_key, only those with a head holding it."""
+        prefilter (linear, in C); with want_key, only those with a head holding it; with
+        among (ascending user addresses: an earlier scan's candidates), only those blocks."""
         cap = 64            # a tcache per thread; mu_walk_tcache_scan says when more are needed
         ranges = [tc.bin_size_range(i) for i in range(tc.nbins)]
         lo = array("Q", [r[0] for r in ranges])
         hi = array("Q", [r[1] for r in ranges])
+        only = ffi.from_buffer("uint64_t[]", among) if among is not None else ffi.NULL
         while True:
             out = ffi.new("mu_tcache_cand[]", cap)
             n = check(lib.mu_walk_tcache_scan(
@@ -126,7 +129,8 @@ class FreeListsMixin:
                 tc.entries, tc.nbins,
                 min(active_bins, tc.nbins), max_count, int(tc.remaining),
                 ffi.from_buffer("uint64_t[]", lo), ffi.from_buffer("uint64_t[]", hi),
-                tc.key or 0, want_key, out, cap), "scan tcache candidates")
+                tc.key or 0, want_key, only, len(among) if among is not None else 0, out, cap),
+                "scan tcache candidates")
             if n <= cap:
                 return out, n
             cap = n
@@ -206,11 +210,14 @@ class FreeListsMixin:
                 # held by a tcache that some thread's TLS points at, when threads are known.
                 tls = self.tls_words(ctx.threads) if ctx.threads and len(keys) > 1 else None
                 out = []
+                # the scans for a key test the first scans' candidates alone (a superset)
+                among = [array("Q", sorted(c[0] for c in self.cand_tuples(o, n)))
+                         for _, (o, n) in scans]
                 for k in sorted(keys):
                     got = []
-                    for tc in ctx.layouts:
+                    for tc, some in zip(ctx.layouts, among):
                         o, n = self.tcache_candidates(tab, ntab, user, usable, tc, ctx.active_bins,
-                                                      ctx.max_count, k)
+                                                      ctx.max_count, k, some)
                         got += [(c[0], tc) for c in self.cand_tuples(o, n)]
                     if tls is None or any(a in tls for a, _ in got):
                         out += got
