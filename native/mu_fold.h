@@ -18,8 +18,9 @@ int64_t mu_fold(const uint64_t *begin, const uint64_t *size, uint64_t n,
                 uint64_t *rep, uint64_t *ref_count, uint64_t *ref_size, uint64_t cap,
                 const mu_dead *dead, uint64_t *owner);
 
-/* Sums over n allocations: *total = sum of size[i]; *selected = sum of size[i] where
- * mask[i] != 0 (mask: n bytes), or where mask[i] == 0 when zero != 0 (the mark's flags: the
- * unmarked ones). Returns the number of selected allocations. */
+/* The selected ones of n allocations: mask[i] != 0 (mask: n bytes), or mask[i] == 0 when
+ * zero != 0 (the mark's flags: the unmarked ones). *selected gets the sum of their size[]
+ * (read only for them). Returns how many there are. (The sum of every size: the mark's
+ * size_total.) */
 int64_t mu_sum_sizes(const uint64_t *size, const uint8_t *mask, uint64_t n, uint32_t zero,
-                     uint64_t *total, uint64_t *selected);
+                     uint64_t *selected);

@@ -224,6 +224,7 @@ int64_t mu_scan_index_init(mu_scan_index *ix, const uint64_t *begin, const uint6
                 if (e < b || b < prev_end || e > re)
                     goto invalid;
                 prev_end = e;
+                ix->size_total += size[i];
             }
             /* n (none ends after start) is stored as n - 1, which ends before v: not taken */
             ix->page[off + p] = (uint32_t)(i == n && n ? n - 1 : i);
@@ -1776,6 +1777,7 @@ static int64_t mark_once(const uint64_t *begin, const uint64_t *size, uint64_t n
         stats->words = nwords_all;
         stats->marked = marks;
         stats->stale = stale;
+        stats->size_total = ix.size_total;
     }
     for (uint64_t r = 0; targets && r < nheap; r++) {
         for (uint64_t k = 0; targets[r].hit && k < heap[r].cands->npieces; k++)

@@ -14,6 +14,7 @@ typedef struct {
     uint64_t overhead;       /* the waves' and reads' cost charged (mu_mark_policy), in bytes */
     uint64_t switch_wave;    /* the wave at which the mark switched to the copy (1: the first), 0: never */
     uint64_t copied_bytes;   /* bytes read into the copy (1 MiB pieces) */
+    uint64_t size_total;     /* the sum of size[] over every allocation, reached or not */
 } mu_mark_stats;
 
 /* When the low-memory mark stops reading on demand (mu_mark). A deep graph (a linked list) gives
@@ -84,6 +85,7 @@ typedef struct {
     uint16_t *rmap;          /* region map: 64 KiB granules, direct-mapped by their low bits */
     uint64_t rmask;          /* its slots - 1 */
     const mu_dead *dead;     /* words to ignore, or NULL (set by mu_scan_index_set_dead) */
+    uint64_t size_total;     /* the sum of size[] (the validating pass adds it up) */
 } mu_scan_index;
 
 /* Validates the inputs (as mu_mark) and builds ix. Returns 0, -EINVAL, -EOVERFLOW or -ENOMEM;

@@ -72,13 +72,13 @@ def fold(image: HeapImage, marked, dead=None) -> List[FoldedLeak]:
     return [FoldedLeak(i, c, s, b) for i, c, s, b in zip(reps, counts, rsizes, blocks)]
 
 
-# Returns (number of flagged allocations, total bytes of all, bytes of the flagged ones) for
-# sizes (array('Q')) and mask (n bytes, non-zero: flagged; with zero, the zero ones are: the
-# mark's flags, unmarked), in one C pass.
-def size_totals(sizes, mask, zero: bool = False) -> Tuple[int, int, int]:
+# Returns (number of flagged allocations, their bytes) for sizes (array('Q')) and mask (n
+# bytes, non-zero: flagged; with zero, the zero ones are: the mark's flags, unmarked), in one
+# C pass that reads sizes only where flagged.
+def flagged_sizes(sizes, mask, zero: bool = False) -> Tuple[int, int]:
     view, keep = u64_view(sizes)
-    total, selected = ffi.new("uint64_t *"), ffi.new("uint64_t *")
+    selected = ffi.new("uint64_t *")
     n = check(lib.mu_sum_sizes(view, ffi.from_buffer("uint8_t[]", mask) if len(mask) else ffi.NULL,
-                               len(mask), int(zero), total, selected), "sum sizes")
+                               len(mask), int(zero), selected), "sum sizes")
     del keep
-    return n, total[0], selected[0]
+    return n, selected[0]

@@ -49,6 +49,7 @@ class MarkResult:
     switch_wave: int = 0
     copied_bytes: int = 0
     policy: str = "auto"     # the MARK_METHODS entry it ran with
+    size_total: int = 0      # the sum of the image's sizes (every allocation, reached or not)
 
     def method(self, uncopied: bool) -> Tuple[str, str]:
         """(mark_method, mark_switch_reason) for the sweep's stats: "copy" (the heap was
@@ -287,7 +288,8 @@ def mark(image: HeapImage, roots: Sequence[Tuple[int, object]], words: Sequence[
                       stale=stats.stale, waves=stats.waves, reads=stats.reads,
                       read_bytes=stats.read_bytes, copy_budget=stats.copy_budget,
                       overhead=stats.overhead, switch_wave=stats.switch_wave,
-                      copied_bytes=stats.copied_bytes, policy=method)
+                      copied_bytes=stats.copied_bytes, policy=method,
+                      size_total=stats.size_total)
 
 
 # Returns [(begin, memoryview or bytes)] of the words mark scans in each marked allocation of

@@ -39,7 +39,7 @@ from memunreachable._errors import CollectionError, MemoryUnreadable, NoSuchProc
 from memunreachable._types import Fields, HeapImage, Range
 from memunreachable.sweep.classify import (classify, data_ranges, stack_maps, unmanaged_memory,
                                            waiting)
-from memunreachable.sweep.folding import FoldedLeak, fold, size_totals
+from memunreachable.sweep.folding import FoldedLeak, flagged_sizes, fold
 from memunreachable.sweep.mark import DeadWords, mark, with_dead_ranges
 from memunreachable.collect.memory import (CopiedMemory, ProcessMemory, SnapshotPlan, read_copies,
                                            unwritten_file_pages)
@@ -301,7 +301,8 @@ def sweep(mem, maps, threads, pid: int, confirm: Optional[set] = None,
     t_fold = time.monotonic()
     # 8. Result
     mark_method, mark_reason = marked.method(uncopied)
-    num_leaks, all_bytes, leak_bytes = size_totals(sizes, leak_flags, zero=True)
+    num_leaks, leak_bytes = flagged_sizes(sizes, leak_flags, zero=True)
+    all_bytes = marked.size_total
     unmanaged = unmanaged_memory(roots, all_bytes)
     res = SweepResult(
         num_allocations=len(sizes),

@@ -364,28 +364,28 @@ def test_fold_follows_a_word_at_a_blocks_last_8_bytes():
     assert [(f.index, f.referenced_count) for f in fold(img, bytearray(2))] == [(0, 1)]
 
 
-def test_size_totals_counts_and_sums_the_flagged():
+def test_flagged_sizes_counts_and_sums_the_flagged():
     from array import array
-    from memunreachable.sweep.folding import size_totals
-    assert size_totals(array("Q", [8, 24, 40, 56]), bytes([1, 0, 1, 0])) == (2, 128, 48)
-    assert size_totals(array("Q"), b"") == (0, 0, 0)
+    from memunreachable.sweep.folding import flagged_sizes
+    assert flagged_sizes(array("Q", [8, 24, 40, 56]), bytes([1, 0, 1, 0])) == (2, 48)
+    assert flagged_sizes(array("Q"), b"") == (0, 0)
     # zero: the zero bytes are the flagged ones (the mark's flags: the unmarked blocks)
-    assert size_totals(array("Q", [8, 24, 40, 56]), bytes([1, 0, 1, 0]), zero=True) == (2, 128, 80)
+    assert flagged_sizes(array("Q", [8, 24, 40, 56]), bytes([1, 0, 1, 0]), zero=True) == (2, 80)
 
 
 @pytest.mark.parametrize("zero", [False, True])
-def test_size_totals_over_every_length_and_mask_byte(zero):
+def test_flagged_sizes_over_every_length_and_mask_byte(zero):
     # eight entries a step, then the rest: a flag in any lane, any non-zero flag value
     import random
     from array import array
-    from memunreachable.sweep.folding import size_totals
+    from memunreachable.sweep.folding import flagged_sizes
     rng = random.Random(7)
     for n in list(range(20)) + [1000, 4099]:
         sizes = array("Q", [rng.randrange(1, 1 << 40) for _ in range(n)])
         mask = bytes(rng.choice([0, 0, 0, 1, 2, 0x80, 0xff]) if rng.random() < 0.3 else
                      (0 if not zero else 1) for _ in range(n))
         sel = [s for s, m in zip(sizes, mask) if (m == 0) == zero]
-        assert size_totals(sizes, mask, zero=zero) == (len(sel), sum(sizes), sum(sel))
+        assert flagged_sizes(sizes, mask, zero=zero) == (len(sel), sum(sel))
 
 
 # Few leaks among many reachable blocks (fewer than a quarter unmarked): mu_fold then looks

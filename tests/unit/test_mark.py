@@ -152,6 +152,7 @@ def test_transitive_chain_and_stats():
     assert res.root_bytes == 16
     assert res.heap_bytes == 16 + 24 + 32
     assert res.words == 2 + 2 + 3 + 4
+    assert res.size_total == 16 + 24 + 32 + 16      # every allocation's size, reached or not
 
 
 def test_cycle_hanging_off_a_root_is_reachable():
@@ -185,6 +186,7 @@ def test_two_regions_and_the_gap_between_them():
     res = mark(img, [(ROOT, words_buffer(gap, BASE - 16, hi.base + len(hi.buf), lo.addrs[0]))])
     assert list(res.marked) == [1, 1, 0, 1]
     assert res.num_marked == 3
+    assert res.size_total == 4 * 16                 # the sizes of both regions' allocations
 
 
 def test_plain_lists_are_accepted():
