@@ -14,6 +14,7 @@
 #define SCAN_BATCH 32u           /* lookups in flight together (memory-level parallelism) */
 #define SCAN_SEEN_BITS 10u       /* values remembered per mark thread (8 KiB: stays in L1) */
 #define SCAN_UNCOPIED_OK (1u << 31) /* index flag (mu_mark only): uncopied regions allowed */
+#define SCAN_LEAVES (1u << 30)      /* index flag (mu_mark only): find the leaves (ix->leaf) */
 /* The low-memory mark (uncopied regions): the marked allocations of a wave, sorted by address,
  * are read in runs: neighbours closer than WAVE_GAP bytes share one read, a read is at most
  * WAVE_READ bytes (one buffer per mark thread), and a thread takes WAVE_BATCH bytes of the
@@ -67,6 +68,7 @@ static inline uint64_t ix_end(const mu_scan_index *ix, uint64_t i)
 
 void mu_scan_index_free(mu_scan_index *ix)
 {
+    free(ix->leaf);
     free(ix->first_alloc);
     free(ix->page_off);
     free(ix->page);
@@ -155,6 +157,124 @@ static int64_t rmap_init(mu_scan_index *ix)
     return 0;
 }
 
+/* A cursor over the kept candidates of an uncopied region c, for its allocations in ascending
+ * order (leaf_of): piece k spans [pb, pe), ok when its candidates were kept; j is the index
+ * of candidate at (address nc; UINT64_MAX past the piece's last) in it. */
+typedef struct {
+    const mu_cands *c;
+    uint64_t k, j, pb, pe, nc;
+    int ok;
+} leaf_cursor;
+
+static void leaf_seek(leaf_cursor *q, uint64_t k)
+{
+    const mu_cand_piece *p = &q->c->p[k];
+    q->k = k;
+    q->j = 0;
+    q->pb = q->c->base + (k << MU_CAND_PIECE_SHIFT);
+    q->pe = q->pb + (1ull << MU_CAND_PIECE_SHIFT);
+    q->ok = p->state == 1;
+    q->nc = q->ok && p->n ? q->pb + (p->off[0] & ~3u) : UINT64_MAX;
+}
+
+/* Whether the allocation [b, b + len) is a leaf: the mark would scan it from its region's
+ * kept candidates (scan_cands: 8-aligned, inside the region's candidates, every piece it meets
+ * kept, none after the first with a text tail's shape at its start) and none lies in it, so
+ * that scan finds nothing. */
+static inline int leaf_of(leaf_cursor *q, uint64_t b, uint64_t len)
+{
+    const mu_cands *c = q->c;
+    if (!len)
+        return 1;                       /* no words (scan_cands' zero-size case) */
+    uint64_t e = b + len;
+    if ((b & 7) || (len & 7) || b < c->base || e > c->base + c->len)
+        return 0;
+    if (b >= q->pe || b < q->pb)
+        leaf_seek(q, (b - c->base) >> MU_CAND_PIECE_SHIFT);
+    for (;;) {
+        const mu_cand_piece *p = &c->p[q->k];
+        if (!q->ok)
+            return 0;
+        while (q->nc < b)               /* the first candidate at b or after */
+            q->nc = ++q->j < p->n ? q->pb + (p->off[q->j] & ~3u) : UINT64_MAX;
+        if (e <= q->pe || q->nc < q->pe)
+            return q->nc >= e;
+        /* none left in this piece and the block goes on into the next */
+        if (q->k + 1 >= c->npieces || c->p[q->k + 1].head_tail)
+            return 0;
+        leaf_seek(q, q->k + 1);
+        b = q->pb;
+    }
+}
+
+/* Regions [k0, k1) of an index being built: their page tables (at ix->page_off), their
+ * allocations validated (each region's strictly ascending, non-overlapping and inside it; the
+ * regions are ascending and disjoint: check_args), the sum of their sizes and their leaves. */
+typedef struct {
+    mu_scan_index *ix;
+    uint64_t k0, k1;
+    uint64_t size_total;
+    int rc;                 /* -EINVAL: invalid allocations */
+} index_part;
+
+#define INDEX_PARALLEL_MIN (1u << 20)   /* allocations from which two threads build an index */
+
+static void index_regions(index_part *part)
+{
+    mu_scan_index *ix = part->ix;
+    const uint64_t *begin = ix->begin, *size = ix->size;
+    const uint64_t n = ix->n, shift = ix->shift;
+    for (uint64_t k = part->k0; k < part->k1; k++) {
+        const mu_region *h = &ix->heap[k];
+        uint64_t np = pages_of(h->len, (uint32_t)shift), off = ix->page_off[k];
+        uint64_t i = ix->first_alloc[k], end_i = ix->first_alloc[k + 1];
+        uint64_t rb = h->base, re = rb + h->len, prev_end = rb, total = 0;
+        leaf_cursor q = {ix->leaf && h->uncopied && h->cands && h->cands->npieces ? h->cands : NULL,
+                         0, 0, 0, 0, 0, 0};
+        uint64_t acc = 0, accw = i >> 6;    /* leaf bits of word accw, stored once complete (a
+                                             * word at a part's edge is shared: atomic OR) */
+        /* every allocation is passed: the last page starts at or past the region's end, which
+         * a valid allocation's end never passes */
+        for (uint64_t p = 0; p <= np; p++) {
+            uint64_t start = rb + (p << shift);
+            for (; i < end_i; i++) {
+                uint64_t b = begin[i], e = b + alloc_len(size[i]);
+                if (e > start)
+                    break;
+                if (e < b || b < prev_end || e > re) {
+                    part->rc = -EINVAL;
+                    return;
+                }
+                prev_end = e;
+                total += size[i];
+                if (q.c) {
+                    if (i >> 6 != accw) {
+                        __atomic_fetch_or(&ix->leaf[accw], acc, __ATOMIC_RELAXED);
+                        acc = 0;
+                        accw = i >> 6;
+                    }
+                    acc |= (uint64_t)leaf_of(&q, b, size[i]) << (i & 63);
+                }
+            }
+            /* n (none ends after start) is stored as n - 1, which ends before v: not taken */
+            ix->page[off + p] = (uint32_t)(i == n && n ? n - 1 : i);
+        }
+        if (q.c && acc)
+            __atomic_fetch_or(&ix->leaf[accw], acc, __ATOMIC_RELAXED);
+        part->size_total += total;
+        if (i != end_i) {
+            part->rc = -EINVAL;
+            return;
+        }
+    }
+}
+
+static void *index_thread(void *arg)
+{
+    index_regions(arg);
+    return NULL;
+}
+
 /* Returns 0, -EINVAL (unsorted, overlapping or outside every region), -EOVERFLOW or -ENOMEM. */
 int64_t mu_scan_index_init(mu_scan_index *ix, const uint64_t *begin, const uint64_t *size,
                            uint64_t n, const mu_region *heap, uint64_t nheap, uint32_t flags)
@@ -201,38 +321,40 @@ int64_t mu_scan_index_init(mu_scan_index *ix, const uint64_t *begin, const uint6
     }
     ix->shift = shift;
     ix->page = big_alloc(total * sizeof(uint32_t));
-    if (!ix->page) {
+    int leaves = 0;
+    for (uint64_t k = 0; k < nheap && (flags & SCAN_LEAVES); k++)
+        leaves |= heap[k].uncopied && heap[k].cands && heap[k].cands->npieces;
+    if (leaves)
+        ix->leaf = calloc(n / 64 + 1, sizeof *ix->leaf);
+    if (!ix->page || (leaves && !ix->leaf)) {
         mu_scan_index_free(ix);
         return -ENOMEM;
     }
-    /* One pass over the allocations fills the tables and validates them: each region's are
-     * strictly ascending, non-overlapping and inside it (the regions are ascending and
-     * disjoint: check_args), and every one is passed (the last page starts at or past the
-     * region's end, which a valid allocation's end never passes) */
+    /* One pass over the allocations fills the tables and validates them (index_regions), on
+     * two threads for a large heap of several regions */
     uint64_t off = 0;
     for (uint64_t k = 0; k < nheap; k++) {
-        uint64_t np = pages_of(heap[k].len, shift);
-        uint64_t i = ix->first_alloc[k], end_i = ix->first_alloc[k + 1];
-        uint64_t rb = heap[k].base, re = rb + heap[k].len, prev_end = rb;
         ix->page_off[k] = off;
-        for (uint64_t p = 0; p <= np; p++) {
-            uint64_t start = rb + (p << shift);
-            for (; i < end_i; i++) {
-                uint64_t b = begin[i], e = b + alloc_len(size[i]);
-                if (e > start)
-                    break;
-                if (e < b || b < prev_end || e > re)
-                    goto invalid;
-                prev_end = e;
-                ix->size_total += size[i];
-            }
-            /* n (none ends after start) is stored as n - 1, which ends before v: not taken */
-            ix->page[off + p] = (uint32_t)(i == n && n ? n - 1 : i);
-        }
-        if (i != end_i)
-            goto invalid;
-        off += np + 1;
+        off += pages_of(heap[k].len, shift) + 1;
     }
+    index_part part[2] = {{ix, 0, nheap, 0, 0}, {ix, nheap, nheap, 0, 0}};
+    pthread_t tid;
+    int two = 0;
+    if (n >= INDEX_PARALLEL_MIN && nheap > 1 && mu_online_cpus() > 1) {
+        uint64_t ks = 1;            /* the regions of the second part: from the middle allocation */
+        while (ks + 1 < nheap && ix->first_alloc[ks] < n / 2)
+            ks++;
+        part[0].k1 = part[1].k0 = ks;
+        two = pthread_create(&tid, NULL, index_thread, &part[1]) == 0;
+    }
+    index_regions(&part[0]);
+    if (two)
+        pthread_join(tid, NULL);
+    else
+        index_regions(&part[1]);
+    if (part[0].rc || part[1].rc)
+        goto invalid;
+    ix->size_total = part[0].size_total + part[1].size_total;
     return rmap_init(ix) ? -ENOMEM : 0;
 invalid:
     mu_scan_index_free(ix);
@@ -718,6 +840,23 @@ static void drop_stale(mark_ctx *m, int64_t *hit)
     }
 }
 
+/* Pushes allocation a, just marked, to be scanned; unless it is a leaf (mu_scan_index.leaf)
+ * that scan_cands would scan without a dead range in the way: a scan that would find nothing,
+ * of which only the statistics are counted (an array's 500 small nodes: 40% of its mark went
+ * to popping and scanning them). */
+static inline void push_marked(mark_ctx *m, uint64_t a)
+{
+    m->marks++;
+    const uint64_t *leaf = m->ix->leaf;
+    if (leaf && (leaf[a >> 6] >> (a & 63) & 1) && m->plain_rules && !m->copy
+        && !(m->dead && m->dead->nranges && dead_may_meet(m, a))) {
+        m->words += m->size[a] / 8;
+        m->heap_bytes += m->size[a];
+        return;
+    }
+    m->stack[m->sp++] = (uint32_t)a;
+}
+
 /* Looks up the pending candidates; marks and pushes the allocations newly hit. */
 static void flush(mark_ctx *m)
 {
@@ -734,8 +873,7 @@ static void flush(mark_ctx *m)
             if (a < 0 || m->marked[a])
                 continue;
             m->marked[a] = 1;
-            m->stack[m->sp++] = (uint32_t)a;
-            m->marks++;
+            push_marked(m, (uint64_t)a);
         }
         m->nc = 0;
         return;
@@ -746,8 +884,7 @@ static void flush(mark_ctx *m)
             continue;
         if (__atomic_exchange_n(&m->marked[a], 1, __ATOMIC_RELAXED))
             continue;                   /* another mark thread took it first */
-        m->stack[m->sp++] = (uint32_t)a;
-        m->marks++;
+        push_marked(m, (uint64_t)a);
     }
     m->nc = 0;
     if (m->sh)
@@ -765,8 +902,7 @@ static inline void mark_hit(mark_ctx *m, uint32_t a)
                || __atomic_exchange_n(&m->marked[a], 1, __ATOMIC_RELAXED)) {
         return;
     }
-    m->stack[m->sp++] = a;
-    m->marks++;
+    push_marked(m, a);
 }
 
 /* Marks the allocations whose marked[] bytes are the lanes of mask (bit 0 of each byte) in the
@@ -783,10 +919,8 @@ static void mark_word(mark_ctx *m, uint64_t *w, uint64_t mask)
     else
         old = __atomic_fetch_or(w, mask, __ATOMIC_RELAXED);
     uint64_t first = (uint64_t)((uint8_t *)w - m->marked);
-    for (uint64_t fresh = mask & ~old; fresh; fresh &= fresh - 1) {
-        m->stack[m->sp++] = (uint32_t)(first + ((uint64_t)__builtin_ctzll(fresh) >> 3));
-        m->marks++;
-    }
+    for (uint64_t fresh = mask & ~old; fresh; fresh &= fresh - 1)
+        push_marked(m, first + ((uint64_t)__builtin_ctzll(fresh) >> 3));
 }
 
 /* The aligned 8-byte word of marked[] holding allocation a's byte (NULL when it reaches past
@@ -1643,7 +1777,8 @@ static int64_t mark_once(const uint64_t *begin, const uint64_t *size, uint64_t n
     for (uint64_t r = 0; r < nheap && heap; r++)
         lazy |= heap[r].uncopied != 0;
     mu_scan_index ix;
-    int64_t rc = mu_scan_index_init(&ix, begin, size, n, heap, nheap, SCAN_UNCOPIED_OK);
+    int64_t rc = mu_scan_index_init(&ix, begin, size, n, heap, nheap,
+                                    SCAN_UNCOPIED_OK | SCAN_LEAVES);
     if (rc < 0)
         return rc;
     rc = mu_scan_index_set_dead(&ix, dead);

@@ -86,6 +86,8 @@ typedef struct {
     uint64_t rmask;          /* its slots - 1 */
     const mu_dead *dead;     /* words to ignore, or NULL (set by mu_scan_index_set_dead) */
     uint64_t size_total;     /* the sum of size[] (the validating pass adds it up) */
+    uint64_t *leaf;          /* mu_mark's: bit i set when allocation i, in an uncopied region,
+                              * would be scanned from kept candidates and none lies in it */
 } mu_scan_index;
 
 /* Validates the inputs (as mu_mark) and builds ix. Returns 0, -EINVAL, -EOVERFLOW or -ENOMEM;

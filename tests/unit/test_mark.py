@@ -1024,3 +1024,43 @@ def test_kept_candidates_of_arrays_of_neighbours_mark_as_over_a_copy(n_arrays):
     copied, waves, kept = all_ways(h, roots)
     assert 0 < copied.num_marked < n
     assert stats(kept) == stats(copied) and stats(waves) == stats(copied)
+
+
+def test_an_index_of_a_million_blocks_in_two_regions_is_built_on_two_threads():
+    # 1,100,000 blocks (an index of 2^20 or more in several regions is built by two threads,
+    # the second taking the regions from the middle block on): 600,001 and 499,999 blocks, so
+    # that the leaf bits of one 64-bit word come from both threads. Every 8th block holds the
+    # next such block and the block after it: those are reached, the other blocks never; the
+    # blocks after them have no candidate (leaves, marked without a scan). Copied, or uncopied
+    # with kept candidates: the same marks, words, bytes and sizes' sum.
+    counts = (600_001, 499_999)
+    heaps = [Heap([16] * c, base=UNCOPIED_BASE + (k << 28), gap=16) for k, c in enumerate(counts)]
+    for h in heaps:
+        words = memoryview(h.buf).cast("Q")
+        arrays = range(0, len(h.addrs) - 8, 8)
+        words[0:32 * len(arrays):32] = array("Q", (h.addrs[i + 8] for i in arrays))
+        words[1:32 * len(arrays):32] = array("Q", (h.addrs[i + 1] for i in arrays))
+        del words
+    begins = array("Q", heaps[0].addrs + heaps[1].addrs)
+    sizes = array("Q", heaps[0].sizes + heaps[1].sizes)
+    roots = [(ROOT, words_buffer(heaps[0].addrs[0], heaps[1].addrs[0]))]
+    copied = mark(HeapImage(begins, sizes, [(h.base, h.buf) for h in heaps]), roots)
+    reached = sum(2 * len(range(0, c - 8, 8)) + 1 for c in counts)   # + each last array
+    assert copied.num_marked == reached and copied.size_total == 16 * sum(counts)
+    fd = os.memfd_create("heap")
+    try:
+        regions = []
+        for h in heaps:
+            os.pwrite(fd, bytes(h.buf), h.base)
+            c = cands_of(h.base, h.buf, heaps[0].base, heaps[1].base + len(heaps[1].buf), 1 << 30)
+            regions.append((h.base, Uncopied(len(h.buf), fd, c)))
+        kept = mark(HeapImage(begins, sizes, regions), roots)
+    finally:
+        os.close(fd)
+    assert stats(kept) == stats(copied) and kept.size_total == copied.size_total
+    # an overlap in the second thread's regions: the index refuses the allocations
+    bad = array("Q", begins)
+    bad[-5] = bad[-6] + 8
+    with pytest.raises(OSError) as e:
+        mark(HeapImage(bad, sizes, [(h.base, h.buf) for h in heaps]), roots)
+    assert e.value.errno == errno.EINVAL
