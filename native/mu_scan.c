@@ -157,6 +157,13 @@ static int64_t rmap_init(mu_scan_index *ix)
     return 0;
 }
 
+/* The kept candidates of region h when its allocations can be leaves (an uncopied region with
+ * candidate pieces), else NULL. */
+static inline const mu_cands *leaf_cands(const mu_region *h)
+{
+    return h->uncopied && h->cands && h->cands->npieces ? h->cands : NULL;
+}
+
 /* A cursor over the kept candidates of an uncopied region c, for its allocations in ascending
  * order (leaf_of): piece k spans [pb, pe), ok when its candidates were kept; j is the index
  * of candidate at (address nc; UINT64_MAX past the piece's last) in it. */
@@ -229,8 +236,7 @@ static void index_regions(index_part *part)
         uint64_t np = pages_of(h->len, (uint32_t)shift), off = ix->page_off[k];
         uint64_t i = ix->first_alloc[k], end_i = ix->first_alloc[k + 1];
         uint64_t rb = h->base, re = rb + h->len, prev_end = rb, total = 0;
-        leaf_cursor q = {ix->leaf && h->uncopied && h->cands && h->cands->npieces ? h->cands : NULL,
-                         0, 0, 0, 0, 0, 0};
+        leaf_cursor q = {ix->leaf ? leaf_cands(h) : NULL, 0, 0, 0, 0, 0, 0};
         uint64_t acc = 0, accw = i >> 6;    /* leaf bits of word accw, stored once complete (a
                                              * word at a part's edge is shared: atomic OR) */
         /* every allocation is passed: the last page starts at or past the region's end, which
@@ -323,7 +329,7 @@ int64_t mu_scan_index_init(mu_scan_index *ix, const uint64_t *begin, const uint6
     ix->page = big_alloc(total * sizeof(uint32_t));
     int leaves = 0;
     for (uint64_t k = 0; k < nheap && (flags & SCAN_LEAVES); k++)
-        leaves |= heap[k].uncopied && heap[k].cands && heap[k].cands->npieces;
+        leaves |= leaf_cands(&heap[k]) != NULL;
     if (leaves)
         ix->leaf = calloc(n / 64 + 1, sizeof *ix->leaf);
     if (!ix->page || (leaves && !ix->leaf)) {
@@ -781,6 +787,13 @@ static inline int dead_may_meet(const mark_ctx *m, uint64_t i)
     return !m->dead_in || (m->dead_in[i >> 6] >> (i & 63) & 1);
 }
 
+/* Whether scan_cands must search the dead ranges for allocation i (and may leave it to the
+ * byte scan): there are ranges and one may meet it. A leaf is counted unscanned only when not. */
+static inline int dead_ranges_meet(const mark_ctx *m, uint64_t i)
+{
+    return m->dead && m->dead->nranges && dead_may_meet(m, i);
+}
+
 /* The slot of the cache of values met (mark_ctx.seen) that value v maps to. */
 static inline uint64_t *seen_slot(uint64_t *seen, uint64_t v)
 {
@@ -849,7 +862,7 @@ static inline void push_marked(mark_ctx *m, uint64_t a)
     m->marks++;
     const uint64_t *leaf = m->ix->leaf;
     if (leaf && (leaf[a >> 6] >> (a & 63) & 1) && m->plain_rules && !m->copy
-        && !(m->dead && m->dead->nranges && dead_may_meet(m, a))) {
+        && !dead_ranges_meet(m, a)) {
         m->words += m->size[a] / 8;
         m->heap_bytes += m->size[a];
         return;
@@ -1343,7 +1356,7 @@ static int scan_cands(mark_ctx *m, uint64_t i, const mu_region *reg)
     uint64_t e = b + len;
     if ((b & 7) || (len & 7) || b < c->base || e > c->base + c->len)
         return 0;
-    if (m->dead && m->dead->nranges && dead_may_meet(m, i)) {  /* the byte scan decides */
+    if (dead_ranges_meet(m, i)) {      /* the byte scan decides */
         mu_live_iter it;
         uint64_t rb, re;
         mu_live_init(&it, m->dead, b, e, 0, 0);
