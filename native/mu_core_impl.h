@@ -14,6 +14,10 @@
 /* Internal to the C core. mu_mem.c: one thread's read of [addr, addr+len) into buf (as
  * mu_read, without its threads). */
 int64_t mu_read_serial(int memfd, uint64_t addr, uint8_t *buf, uint64_t len, uint64_t *first_bad);
+/* mu_read_serial into a buffer whose pages are present (reused): no populate first */
+int64_t mu_read_present(int memfd, uint64_t addr, uint8_t *buf, uint64_t len, uint64_t *first_bad);
+/* Fault in the whole pages of [p, p+n) for writing (advisory; from 64 KiB) */
+void mu_populate(uint8_t *p, uint64_t n);
 
 /* mu_scan.c: 1 when v lies in an allocation of ix that holds no Python object d's rules know
  * (no PyGC_Head in d's head_word, no type rule with a plausible ob_refcnt at its start): a

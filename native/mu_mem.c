@@ -62,12 +62,17 @@ static void populate(uint8_t *p, uint64_t n)
         madvise((void *)a, e - a, MADV_POPULATE_WRITE);
 }
 
-int64_t mu_read_serial(int memfd, uint64_t addr, uint8_t *buf, uint64_t len, uint64_t *first_bad)
+/* mu_read_serial, or with present != 0 into a buffer whose pages are already in place (a
+ * reused one: a ring slot, a wave's buffer), which populate would only walk again (3.7% of
+ * the samples of a 256 MiB check's sweep went to that madvise). */
+static int64_t read_serial(int memfd, uint64_t addr, uint8_t *buf, uint64_t len,
+                           uint64_t *first_bad, int present)
 {
     uint64_t bad = 0, off = 0;
     while (off < len) {
         uint64_t n = len - off > MU_CHUNK ? MU_CHUNK : len - off;
-        populate(buf + off, n);
+        if (!present)
+            populate(buf + off, n);
         ssize_t r = pread(memfd, buf + off, n, (off_t)(addr + off));
         if (r == (ssize_t)n) {
             off += n;
@@ -86,6 +91,21 @@ int64_t mu_read_serial(int memfd, uint64_t addr, uint8_t *buf, uint64_t len, uin
         off += n;
     }
     return (int64_t)bad;
+}
+
+int64_t mu_read_serial(int memfd, uint64_t addr, uint8_t *buf, uint64_t len, uint64_t *first_bad)
+{
+    return read_serial(memfd, addr, buf, len, first_bad, 0);
+}
+
+int64_t mu_read_present(int memfd, uint64_t addr, uint8_t *buf, uint64_t len, uint64_t *first_bad)
+{
+    return read_serial(memfd, addr, buf, len, first_bad, 1);
+}
+
+void mu_populate(uint8_t *p, uint64_t n)
+{
+    populate(p, n);
 }
 
 /* Large reads are split over a few threads: on the machines we measured, copying out of

@@ -1573,7 +1573,8 @@ static void wave_batch(mark_ctx *m, const pend_set *wave, uint64_t j0, uint64_t 
             }
         }
         uint64_t first_bad = 0;
-        int64_t rc = mu_read_serial(reg->fd, rb, buf, re - rb, &first_bad);
+        int64_t rc = own ? mu_read_serial(reg->fd, rb, buf, re - rb, &first_bad)
+                         : mu_read_present(reg->fd, rb, buf, re - rb, &first_bad);
         m->reads++;
         m->read_bytes += re - rb;
         if (rc != 0) {

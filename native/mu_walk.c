@@ -805,7 +805,8 @@ static void *rw_thread(void *arg)
         uint64_t first_bad = 0;
         int in_ring = (jb->drop & MU_READ_DROP) != 0;
         uint8_t *to = in_ring ? rw_slot(x, p, x->ring0[j] + (p - x->piece0[j])) : jb->buf + off;
-        int64_t rc = mu_read_serial(x->fd, jb->addr + off, to, n, &first_bad);
+        int64_t rc = in_ring ? mu_read_present(x->fd, jb->addr + off, to, n, &first_bad)
+                             : mu_read_serial(x->fd, jb->addr + off, to, n, &first_bad);
         if (rc < 0) {
             int64_t zero = 0;       /* the first error wins */
             __atomic_compare_exchange_n(&jb->bad, &zero, rc, 0, __ATOMIC_RELAXED, __ATOMIC_RELAXED);
@@ -891,6 +892,8 @@ int64_t mu_read_walk(int memfd, mu_read_job *jobs, uint64_t njobs)
         x.st[j].below = x.piece0[j] + (jobs[j].first ? (jobs[j].first - jobs[j].addr) / RW_PIECE : 0);
     }
     x.piece0[njobs] = x.npieces;
+    if (x.ring)             /* faulted in once: its slots are read into again and again */
+        mu_populate(x.ring, RW_RING * RW_PIECE);
     x.done = calloc(x.npieces ? x.npieces : 1, 1);
     if (!x.done) {
         free(x.st);
