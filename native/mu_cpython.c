@@ -822,6 +822,29 @@ static int in_pairs(const uint64_t *r, uint64_t n, uint64_t v)
     return lo < n && r[2 * lo] <= v;
 }
 
+int64_t mu_words_equal(const uint64_t *words, uint64_t n, const uint64_t *vals, uint64_t nvals,
+                       uint64_t *idx, uint64_t cap)
+{
+    if ((n && !words) || (nvals && !vals) || (cap && !idx))
+        return -EINVAL;
+    for (uint64_t j = 1; j < nvals; j++)
+        if (vals[j - 1] >= vals[j])
+            return -EINVAL;
+    uint64_t found = 0;
+    if (!nvals)
+        return 0;
+    uint64_t lo = vals[0], hi = vals[nvals - 1];
+    for (uint64_t k = 0; k < n; k++) {
+        uint64_t w = words[k];
+        if (w - lo > hi - lo || mu_find_sorted(vals, nvals, w) == nvals)
+            continue;
+        if (found < cap)
+            idx[found] = k;
+        found++;
+    }
+    return (int64_t)found;
+}
+
 int64_t mu_words_into(const uint64_t *words, uint64_t n, const uint64_t *in, uint64_t nin,
                       const uint64_t *ex, uint64_t nex, uint64_t *idx, uint64_t cap)
 {

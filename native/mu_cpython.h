@@ -166,6 +166,13 @@ int64_t mu_gc_stale_parts(const uint64_t *begin, const uint64_t *size, uint64_t 
 int64_t mu_words_into(const uint64_t *words, uint64_t n, const uint64_t *in, uint64_t nin,
                       const uint64_t *ex, uint64_t nex, uint64_t *idx, uint64_t cap);
 
+/* The indexes of the words among words[0..n) equal to one of the nvals values vals[] (sorted
+ * ascending): up to cap into idx, ascending. Returns how many there are (may exceed cap) or
+ * -EINVAL. (typerules._static_types: the words of a loaded object's data that may be a static
+ * type's ob_type, one pass for every metatype, not a byte search each.) */
+int64_t mu_words_equal(const uint64_t *words, uint64_t n, const uint64_t *vals, uint64_t nvals,
+                       uint64_t *idx, uint64_t cap);
+
 /* A chain of n objects from `first` (cpython/walker.py read_freelists: floats through ob_type,
  * tuples through ob_item[0]): object o must be 8-aligned, with its words at o + check_off
  * (ob_refcnt) and o + link_off in one region of r[] (sorted by base; the last region that

@@ -1,6 +1,8 @@
 """Unit tests of memunreachable/heaps/cpython on in-memory images (BufferMemory): the layout
 tables, the pymalloc pool/block walk (native/mu_pymalloc.c), the arenas walk, data stacks,
 free lists and the interpreter/thread-state validation."""
+import errno
+import random
 import struct
 from array import array
 
@@ -771,3 +773,31 @@ def test_words_into_keeps_aligned_addresses_inside_and_not_excluded():
     assert list(obmalloc.words_into(words, inside, array("Q"))) == [1, 3, 5, 7]
     many = array("Q", [0x1010] * 3000)                          # past the first output's room
     assert list(obmalloc.words_into(many, inside, outside)) == list(range(3000))
+
+
+def test_words_equal_finds_every_whole_word_of_any_value():
+    rng = random.Random(7)
+    values = [0x7f0000001000, 0x7f0000001008, 0x55550000a0c0]
+    for trial in range(20):
+        n = rng.randrange(0, 3000)
+        words = [rng.choice(values + [0, 1, 0x7f0000001010, 0x7f0000000ff8, 2**64 - 1])
+                 for _ in range(n)]
+        data = struct.pack(f"<{n}Q", *words) + bytes(rng.randrange(8))     # a partial tail
+        want = [k for k, w in enumerate(words) if w in values]
+        # any order, repeats: the same set
+        given = rng.sample(values, len(values)) + values[:trial % 3]
+        assert list(obmalloc.words_equal(data, given)) == want
+        assert list(obmalloc.words_equal(memoryview(data), values[:1])) == \
+            [k for k, w in enumerate(words) if w == values[0]]
+    assert list(obmalloc.words_equal(struct.pack("<2Q", 5, 5) + b"\5", [5])) == [0, 1]
+    assert list(obmalloc.words_equal(b"", values)) == []
+    assert list(obmalloc.words_equal(struct.pack("<Q", 5), [])) == []
+    many = struct.pack("<Q", values[2]) * 5000                  # past the first output's room
+    assert list(obmalloc.words_equal(many, values)) == list(range(5000))
+    # the values must be sorted and distinct (words_equal sorts them)
+    vals = array("Q", [9, 5])
+    w = array("Q", [5, 9])
+    out = array("Q", [0, 0])
+    assert lib.mu_words_equal(ffi.from_buffer("uint64_t[]", w), 2,
+                              ffi.from_buffer("uint64_t[]", vals), 2,
+                              ffi.from_buffer("uint64_t[]", out), 2) == -errno.EINVAL

@@ -415,13 +415,31 @@ def scanned_arena_dead(mem, spans, heap: Sequence[Range], om: L.Obmalloc,
 def words_into(words: array, inside: array, outside: array) -> array:
     """The indexes of `words` that are 16-aligned addresses in one of the (begin, end) pairs
     `inside` (flat, sorted, disjoint) and in none of `outside` (mu_words_into)."""
+    return _indexes(lambda idx: lib.mu_words_into(
+        ffi.from_buffer("uint64_t[]", words), len(words),
+        ffi.from_buffer("uint64_t[]", inside), len(inside) // 2,
+        ffi.from_buffer("uint64_t[]", outside), len(outside) // 2,
+        ffi.from_buffer("uint64_t[]", idx), len(idx)), "words into ranges")
+
+
+def words_equal(data, values: Sequence[int]) -> array:
+    """The indexes of the whole 8-byte words of data (a buffer) equal to one of `values`
+    (mu_words_equal)."""
+    vals = array("Q", sorted(set(values)))
+    n = memoryview(data).nbytes // 8
+    if not n or not vals:
+        return array("Q")
+    return _indexes(lambda idx: lib.mu_words_equal(
+        ffi.cast("uint64_t *", ffi.from_buffer(data)), n, ffi.from_buffer("uint64_t[]", vals),
+        len(vals), ffi.from_buffer("uint64_t[]", idx), len(idx)), "words equal to values")
+
+
+def _indexes(call, what: str) -> array:
+    """The index array call(idx) fills (it returns how many there are, room or not): grown
+    once to the count when the first 1,024 entries were too few."""
     idx = array("Q", bytes(8 * 1024))
     for _ in range(2):
-        n = check(lib.mu_words_into(ffi.from_buffer("uint64_t[]", words), len(words),
-                                    ffi.from_buffer("uint64_t[]", inside), len(inside) // 2,
-                                    ffi.from_buffer("uint64_t[]", outside), len(outside) // 2,
-                                    ffi.from_buffer("uint64_t[]", idx), len(idx)),
-                  "words into ranges")
+        n = check(call(idx), what)
         if n <= len(idx):
             return idx[:n]
         idx = array("Q", bytes(8 * n))

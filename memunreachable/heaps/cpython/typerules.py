@@ -28,6 +28,7 @@ from memunreachable._ffi import lib
 from memunreachable._types import Mapping, read_u64
 from memunreachable.collect import procfs
 from memunreachable.heaps.cpython import layout as L
+from memunreachable.heaps.cpython.obmalloc import words_equal
 from memunreachable.heaps.cpython.walker import CPythonMap
 from memunreachable.stacks import elf
 from memunreachable.sweep.classify import loaded_objects
@@ -308,18 +309,14 @@ def _static_types(mem, maps, pid, cp: CPythonMap, mappings, rounds: int = 1) -> 
         found, metas, metas_next = set(), {meta}, set()
         for _ in range(rounds):
             new = set()
-            for base, data in datas:
-                for tp in metas:
-                    pattern = struct.pack("<Q", tp)
-                    i = data.find(pattern, L.OB_TYPE)
-                    while i >= 0:
-                        t, at = base + i - L.OB_TYPE, i - L.OB_TYPE + L.TP_FLAGS
-                        if (t % 8 == 0 and t not in found and at + 8 <= len(data)
-                                and reader.type_info(t) is not None):
-                            new.add(t)
-                            if struct.unpack_from("<Q", data, at)[0] & L.TPFLAGS_TYPE_SUBCLASS:
-                                metas_next.add(t)
-                        i = data.find(pattern, i + 1)
+            for base, data in datas:        # (mappings begin page-aligned: 8-aligned words)
+                for w in words_equal(data, metas):
+                    t, at = base + 8 * w - L.OB_TYPE, 8 * w - L.OB_TYPE + L.TP_FLAGS
+                    if (t >= base and t not in found and at + 8 <= len(data)
+                            and reader.type_info(t) is not None):
+                        new.add(t)
+                        if struct.unpack_from("<Q", data, at)[0] & L.TPFLAGS_TYPE_SUBCLASS:
+                            metas_next.add(t)
             found |= new
             metas, metas_next = metas_next, set()
             if not metas:
