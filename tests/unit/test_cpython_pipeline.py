@@ -37,12 +37,33 @@ def test_merge_overlapping_copies_of_one_mapping():
     m = M.merge_images(glibc, py)
     assert list(m.begins) == [A + 16, A + 0x1030, A + 0x1040]
     assert len(m.regions) == 1 and m.regions[0][0] == A       # the covering copy is kept
-    # neither covers the other: one new copy of the union, both parts in it
-    glibc = image([A + 16], [40], [(A, bytearray(b"g" * 0x1800))])
+    # neither covers the other: consecutive parts of both, each byte from the copy that
+    # begins first (views of the copies, not a new copy)
+    gbuf = bytearray(b"g" * 0x1800)
+    pbuf = bytearray(b"p" * 0x1000)
+    glibc = image([A + 16], [40], [(A, gbuf)])
+    py = image([A + 0x1030, A + 0x17f0, A + 0x1f00], [16, 16, 256], [(A + 0x1000, pbuf)])
+    m = M.merge_images(glibc, py)                   # (A + 0x17f0 ends at the cut: in one part)
+    assert [(b, bytes(buf)) for b, buf in m.regions] == [(A, bytes(gbuf)),
+                                                          (A + 0x1800, b"p" * 0x800)]
+    gbuf[0] = pbuf[0x800] = ord("x")                            # views: no byte copied
+    assert bytes(m.regions[0][1][:1]) == bytes(m.regions[1][1][:1]) == b"x"
+    assert list(m.begins) == [A + 16, A + 0x1030, A + 0x17f0, A + 0x1f00]
+    # an allocation across the cut (A + 0x1800) would have its bytes in two parts: one new
+    # copy of the union then, each part's bytes in it
+    py = image([A + 0x17f0, A + 0x1f00], [32, 256], [(A + 0x1000, pbuf)])
     m = M.merge_images(glibc, py)
     (base, buf), = m.regions
     assert base == A and len(buf) == 0x2000
-    assert bytes(buf[:4]) == b"gggg" and bytes(buf[0x1fff:0x2000]) == b"p"
+    assert bytes(buf[:4]) == b"xggg" and bytes(buf[0x1fff:0x2000]) == b"p"
+    # three copies in a chain, one inside another: two cuts, the inner one adds none
+    c0, c1, c2 = bytearray(b"a" * 0x1000), bytearray(b"b" * 0x1000), bytearray(b"c" * 0x1000)
+    inner = bytearray(b"i" * 0x100)
+    glibc = image([A + 16], [40], [(A, c0), (A + 0x1800, c2)])
+    py = image([A + 0x1f00], [16], [(A + 0xc00, c1), (A + 0xd00, inner)])
+    m = M.merge_images(glibc, py)
+    assert [(b, len(buf), bytes(buf[:1])) for b, buf in m.regions] == [
+        (A, 0x1000, b"a"), (A + 0x1000, 0xc00, b"b"), (A + 0x1c00, 0xc00, b"c")]
 
 
 def test_merge_rejects_overlapping_allocations():
