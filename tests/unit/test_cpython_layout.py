@@ -801,3 +801,47 @@ def test_words_equal_finds_every_whole_word_of_any_value():
     assert lib.mu_words_equal(ffi.from_buffer("uint64_t[]", w), 2,
                               ffi.from_buffer("uint64_t[]", vals), 2,
                               ffi.from_buffer("uint64_t[]", out), 2) == -errno.EINVAL
+
+
+def test_the_type_version_cache_is_found_and_checked():
+    # 3.14+: interp->types.type_version_cache holds borrowed type pointers (no references); an
+    # entry's index is its type's tp_version_tag modulo the size
+    size, off = L.TYPE_VERSION_CACHE_SIZE, 0x100
+    interp, meta, types = 0x10000, 0x80000, [0x90000 + 0x1000 * k for k in range(6)]
+    lay = L.LAYOUTS[(3, 13)]._replace(type_version_cache=off)
+    assert walker.version_cache_dead(BufferMemory({}), L.LAYOUTS[(3, 13)], interp) == []
+    def memory(entries, tags=None, meta_flags=L.TPFLAGS_TYPE_SUBCLASS):
+        cache = bytearray(8 * size + 0x200)         # the cache and the words around it
+        for k, t in entries:
+            struct.pack_into("<Q", cache, off + 8 * k, t)
+        struct.pack_into("<Q", cache, off + 8 * size, 0x12345678)     # the next field
+        blocks = {interp: bytes(cache), meta: bytes(L.TP_FLAGS) + struct.pack("<Q", meta_flags)}
+        for k, t in entries:
+            tag = (tags or {}).get(t, k + 3 * size)
+            blocks[t] = (struct.pack("<QQ", 1, meta) + bytes(L.TP_VERSION_TAG - 16)
+                         + struct.pack("<I", tag))
+        return BufferMemory(blocks)
+    entries = [(7 * k + 1, t) for k, t in enumerate(types)]
+    got = walker.version_cache_dead(memory(entries), lay, interp)
+    assert got == [Range(interp + off, interp + off + 8 * size)]
+    assert walker.version_cache_dead(memory([]), lay, interp) == [Range(interp + off,
+                                                                        interp + off + 8 * size)]
+    # one stale entry in six (a type given a new tag keeps its old entry): still the cache
+    stale = {types[0]: 5}
+    assert walker.version_cache_dead(memory(entries, stale), lay, interp)
+    # a window 8 bytes off: no entry at its type's tag (and, past the end, the next field's
+    # word read as an entry)
+    for shifted in (off - 8, off + 8):
+        with pytest.raises(walker.LayoutMismatch, match="version tag|is no type"):
+            walker.version_cache_dead(memory(entries), lay._replace(type_version_cache=shifted),
+                                      interp)
+    with pytest.raises(walker.LayoutMismatch, match="version tag"):
+        walker.version_cache_dead(memory(entries, {t: 5 for t in types[:2]}), lay, interp)
+    with pytest.raises(walker.LayoutMismatch, match="no type"):
+        walker.version_cache_dead(memory(entries, meta_flags=0), lay, interp)
+    with pytest.raises(walker.LayoutMismatch, match="no address"):
+        walker.version_cache_dead(memory(entries + [(99, types[0] + 4)]), lay, interp)
+    # the tables: 3.14 and 3.15 by sizeof(PyInterpreterState), none before
+    assert dict(L.SUPPLEMENTS[(3, 14)].type_version_cache) == {225864: 190344}
+    assert dict(L.SUPPLEMENTS[(3, 15)].type_version_cache) == {226240: 190512, 226232: 190512}
+    assert L.SUPPLEMENTS[(3, 13)].type_version_cache == ()

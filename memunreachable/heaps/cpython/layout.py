@@ -279,6 +279,8 @@ class Layout:
     # free-threaded co_tlbc, _co_unique_id (assigned by free-threaded builds only) and
     # _co_firsttraceable's padding, right before co_extra and co_code_adaptive
     code_unwritten: Optional[Tuple[int, int]] = None
+    # 3.14+: interp->types.type_version_cache, TYPE_VERSION_CACHE_SIZE borrowed type pointers
+    type_version_cache: Optional[int] = None
     source: str = "table"               # "table" or "_Py_DebugOffsets"
 
     @property
@@ -441,6 +443,16 @@ class Supplement:
     gc: GcState                     # offset 0: _Py_DebugOffsets gives interpreter_state.gc
     freelists: Optional[FreeLists] = None          # 3.13
     freelist_heads: Optional[FreeListHeads] = None  # 3.14+
+    # 3.14+: interp->types.type_version_cache (pycore_interp_structs.h): "borrowed references to
+    # type objects whose tp_version_tag % TYPE_VERSION_CACHE_SIZE once was equal to the index",
+    # by sizeof(PyInterpreterState) (interpreter_state.size): a build of another size has none
+    type_version_cache: Tuple[Tuple[int, int], ...] = ()
+
+
+# TYPE_VERSION_CACHE_SIZE (3.14, 3.15): the entries of interp->types.type_version_cache; an
+# entry's index was its type's tp_version_tag (unsigned int) modulo the size once
+TYPE_VERSION_CACHE_SIZE = 1 << 12
+TP_VERSION_TAG = 384
 
 
 _OBMALLOC_STATE = dict(is_pointer=True, arenas=512, maxarenas=520, narenas_currently_allocated=1064,
@@ -472,7 +484,8 @@ SUPPLEMENTS: Dict[Tuple[int, int], Supplement] = {
     # datastack_cached_chunk 824 (sizeof(PyThreadState) 832); _gc_runtime_state.generations 24,
     # permanent_generation 96 (sizeof(gc_generation) 24; the incremental GC's young/old lists
     # are the free-threaded build's only); PyTupleObject.ob_item 32 (ob_hash at 24),
-    # _PyInterpreterFrame.localsplus 80 (both also in _Py_DebugOffsets)
+    # _PyInterpreterFrame.localsplus 80 (both also in _Py_DebugOffsets);
+    # types.type_version_cache 190344 (sizeof(PyInterpreterState) 225864)
     (3, 14): Supplement(
         interpreters_main=8, preconfig_allocator=((316616, 10612),),
         obmalloc=Obmalloc(arena_size=1 << 20, pool_size=16 << 10,
@@ -482,13 +495,16 @@ SUPPLEMENTS: Dict[Tuple[int, int], Supplement] = {
         freelist_heads=FreeListHeads(11120, _freelist_kinds(
             "floats ints tuples lists list_iters tuple_iters dicts dictkeys slices ranges "
             "range_iters contexts async_gens async_gen_asends futureiters object_stack_chunks "
-            "unicode_writers pycfunctionobject pycmethodobject pymethodobjects"))),
+            "unicode_writers pycfunctionobject pycmethodobject pymethodobjects")),
+        type_version_cache=((225864, 190344),)),
     # 3.15.2: as 3.14. Probe output: sizeof(_PyRuntimeState) 346560, preconfig.allocator 10732,
     # interpreters.head 936 / .main 944; interp->obmalloc 10880, object_state.freelists 11096
     # (sizeof 656: complexes 11112 after floats, bytes_writers 11688 after unicode_writers);
     # datastack_chunk, _top, _limit 256, 264, 272, datastack_cached_chunk 280 (sizeof 888);
     # _gc_runtime_state.generations 8, permanent_generation 80 (trash_delete_later and its
-    # nesting count went)
+    # nesting count went); types.type_version_cache 190512 (sizeof(PyInterpreterState) 226232
+    # compiled against its headers, 226240 in Debian's build's _Py_DebugOffsets: a field the
+    # build configures lies after it; the cache's entries found at 190512 in a running 3.15.2)
     (3, 15): Supplement(
         interpreters_main=8, preconfig_allocator=((346560, 10732),),
         obmalloc=Obmalloc(arena_size=1 << 20, pool_size=16 << 10,
@@ -499,7 +515,8 @@ SUPPLEMENTS: Dict[Tuple[int, int], Supplement] = {
             "floats complexes ints tuples lists list_iters tuple_iters dicts dictkeys slices "
             "ranges range_iters contexts async_gens async_gen_asends futureiters "
             "object_stack_chunks unicode_writers bytes_writers pycfunctionobject "
-            "pycmethodobject pymethodobjects"))),
+            "pycmethodobject pymethodobjects")),
+        type_version_cache=((226240, 190512), (226232, 190512))),
 }
 
 # PyPreConfig (Include/cpython/initconfig.h, 3.8+): ten ints, allocator the last
@@ -550,6 +567,7 @@ def from_debug_offsets(version: Tuple[int, int], d: Dict[str, int],
         tuple_items=d["tuple_object.ob_item"], frame_localsplus=d["interpreter_frame.localsplus"],
         code_unwritten=((d["code_object.co_code_adaptive"] - 24, 16)
                         if version[:2] >= (3, 14) and not d.get("code_object.co_tlbc") else None),
+        type_version_cache=dict(sup.type_version_cache).get(d["interpreter_state.size"]),
         source="_Py_DebugOffsets")
 
 
@@ -645,10 +663,24 @@ def str_buffer_fields(version: Tuple[int, int]) -> Tuple[int, int]:
 DICT_KEYS, DICT_VALUES, LIST_ITEMS, SET_TABLE, BYTEARRAY_BYTES = 32, 40, 24, 40, 32
 
 
+# A heap type's own malloc'd buffers besides tp_doc's copy: PyHeapTypeObject.ht_cached_keys
+# (its instances' shared dict keys) and, 3.11+, _ht_tpname (PyType_FromSpec's copy of the
+# name): offsetof against each version's headers (pyenv's 3.8.18-3.13.0, Debian sid's
+# 3.13-3.15, trixie's 3.13). A class that is cyclic garbage (ssl's enum classes that
+# _simple_enum replaced) frees them with it: its empty shared keys and docstring are no leaks.
+HEAP_TYPE_BUFFERS: Dict[Tuple[int, int], Tuple[int, ...]] = {
+    (3, 8): (872,), (3, 9): (864,), (3, 10): (872,), (3, 11): (872, 888), (3, 12): (880, 896),
+    (3, 13): (880, 896), (3, 14): (880, 896), (3, 15): (888, 904)}
+
+
 def owned_fields(name: str, flags: int, version: Tuple[int, int]) -> Tuple[int, ...]:
     """Offsets from an object of this type of the words that point at buffers it owns. A
-    managed dict's values (3.11: obj - 32; 3.12: obj - 24, tagged values - 1) too."""
+    managed dict's values (3.11: obj - 32; 3.12: obj - 24, tagged values - 1) too. A type
+    object on the heap (its type is type or a metatype) is a heap type: tp_doc and
+    HEAP_TYPE_BUFFERS."""
     out: Tuple[int, ...] = ()
+    if flags & TPFLAGS_TYPE_SUBCLASS:
+        out += (TP_DOC,) + HEAP_TYPE_BUFFERS.get(version[:2], ())
     if flags & TPFLAGS_DICT_SUBCLASS:
         out += (DICT_KEYS, DICT_VALUES)
     if flags & TPFLAGS_LIST_SUBCLASS:

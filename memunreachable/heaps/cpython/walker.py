@@ -103,6 +103,10 @@ def _u64(mem, addr: int) -> int:
     return _Q.unpack_from(view if view is not None else mem.read(addr, 8))[0]
 
 
+def _u32(mem, addr: int) -> int:
+    return _i32(mem, addr) & 0xFFFFFFFF
+
+
 def _i32(mem, addr: int) -> int:
     view = mem.view(addr, 4) if isinstance(mem, CopiedMemory) else None
     return _I.unpack_from(view if view is not None else mem.read(addr, 4))[0]
@@ -146,6 +150,39 @@ def read_datastack(mem, lay: L.Layout, ts: int) -> DataStackInfo:
         info.dead.append(Range(end, prev + size))
         prev = _u64(mem, prev + ds.chunk_previous)
     return info
+
+
+# How many of a type version cache's entries version_cache_dead checks for a type each.
+VERSION_CACHE_CHECKS = 64
+
+
+# Returns [the range of interpreter interp's type version cache] (3.14+:
+# Layout.type_version_cache): borrowed pointers, cleared when their type is freed, so no
+# references (a class used, then leaked by a missing Py_DECREF, stayed reachable through its
+# entry on 3.14 and 3.15); [] when the layout has none. Raises LayoutMismatch when the array
+# does not read as one: an entry not 0 and not 8-aligned, or, of up to VERSION_CACHE_CHECKS
+# entries (evenly spread), one whose ob_type's tp_flags lack Py_TPFLAGS_TYPE_SUBCLASS or fewer
+# than 3 in 4 whose tp_version_tag is their index modulo the size (a type given a new tag
+# keeps its old entry too; a window 8 bytes off matches none).
+def version_cache_dead(mem, lay: L.Layout, interp: int) -> List[Range]:
+    if lay.type_version_cache is None:
+        return []
+    at, size = interp + lay.type_version_cache, L.TYPE_VERSION_CACHE_SIZE
+    words = array("Q")
+    words.frombytes(bytes(mem.read(at, 8 * size)))
+    used = [(k, w) for k, w in enumerate(words) if w]
+    if any(w % 8 for _, w in used):
+        raise LayoutMismatch(f"type version cache at {at:#x}: an entry is no address")
+    checked = used[::max(1, len(used) // VERSION_CACHE_CHECKS)]
+    matched = 0
+    for k, t in checked:
+        if not _u64(mem, _u64(mem, t + 8) + L.TP_FLAGS) & L.TPFLAGS_TYPE_SUBCLASS:
+            raise LayoutMismatch(f"type version cache at {at:#x}: entry {t:#x} is no type")
+        matched += _u32(mem, t + L.TP_VERSION_TAG) % size == k
+    if 4 * matched < 3 * len(checked):
+        raise LayoutMismatch(f"type version cache at {at:#x}: {len(checked) - matched} of "
+                             f"{len(checked)} entries are not at their type's version tag")
+    return [Range(at, at + 8 * size)]
 
 
 class _FreeListError(Exception):
@@ -407,6 +444,13 @@ def walk_cpython(mem, maps: Sequence[Mapping], threads: Sequence[ThreadState] = 
     except (LayoutMismatch, MemoryUnreadable) as exc:
         out.warnings.append(f"{where}: data stack does not fit ({exc}): {OPAQUE}")
         return out
+    if not blocks_only:
+        for interp in out.interpreters:
+            try:
+                dead_ranges.extend(version_cache_dead(mem, lay, interp.address))
+            except (LayoutMismatch, MemoryUnreadable) as exc:
+                out.warnings.append(f"{where}: {exc}: its entries count as references (a "
+                                    "class leaked after use may be missed)")
     prefix = L.DEBUG_HOOK_PREFIX if allocator in L.ALLOCATORS_WITH_DEBUG_HOOKS else 0
     if (lay.freelists is not None or lay.freelist_heads is not None) and not blocks_only:
         for interp in out.interpreters:
