@@ -99,10 +99,11 @@ HAVE_GC = 1 << 14
 
 
 def type_object(name_addr, flags):
+    """A ready type object (Py_TPFLAGS_READY in its flags besides `flags`)."""
     t = bytearray(400)
     struct.pack_into("<QQ", t, 0, 1, TYPE_TYPE)
     struct.pack_into("<Q", t, 24, name_addr)
-    struct.pack_into("<Q", t, 168, flags)
+    struct.pack_into("<Q", t, 168, flags | L.TPFLAGS_READY)
     return bytes(t)
 
 
@@ -171,8 +172,28 @@ def test_an_item_array_of_nones_is_no_object_of_type_none():
     mem.blocks[none] = struct.pack("<QQQQ", 1, none_type, 0, NAMES + 32)
     mem.blocks[A] = struct.pack("<QQQQ", none, none, none, A)
     r = O.ObjectReader(mem, (3, 13))
-    assert r.type_info(none) is None and r.type_info(none_type) == ("list", 0)
+    assert r.type_info(none) is None and r.type_info(none_type) == ("list", L.TPFLAGS_READY)
     assert r.object_in(A, 64) is None
+
+
+def test_an_array_of_pointers_is_no_type():
+    # an extension's .bss array of pointers whose second is &PyType_Type and whose fourth a
+    # printable string (scipy's, read as a type named ")"): its "tp_flags" is an address (a
+    # tuple's, which then stopped counting), not a ready type's flags
+    mem = memory()
+    arr = 0x7E00_0000_7000
+    body = bytearray(type_object(NAMES + 16, 0))
+    struct.pack_into("<Q", body, 168, A + 0x1040)      # an address where flags would be (bit 12 set)
+    mem.blocks[arr] = bytes(body)
+    r = O.ObjectReader(mem, (3, 11))
+    assert r.type_info(arr) is None
+    # flags below 2**32 but not ready: no type either; ready ones: a type
+    struct.pack_into("<Q", body, 168, HAVE_GC)
+    mem.blocks[arr + 0x1000] = bytes(body)
+    struct.pack_into("<Q", body, 168, HAVE_GC | L.TPFLAGS_READY)
+    mem.blocks[arr + 0x2000] = bytes(body)
+    assert r.type_info(arr + 0x1000) is None
+    assert r.type_info(arr + 0x2000) == ("list", HAVE_GC | L.TPFLAGS_READY)
 
 def test_a_dead_gc_object_needs_an_untracked_head():
     # refcount 0 at +16 under a GC type: dead (free-listed) only after an untracked PyGC_Head;
@@ -929,3 +950,23 @@ def test_dict_headers_makes_dict_s_sized_rule_a_dict_rule_on_every_version():
     assert T.dict_headers([(d, tuple_like)], d) == [(d, tuple_like)]     # items: not a dict's
     assert T.dict_headers([(d, sized)], None) == [(d, sized)]            # no PyDict_Type found
 
+
+
+def test_member_entries_read_only_a_member_def_array():
+    name, doc = 0x7F00_0000_1000, 0x7F00_0000_2000
+    def entry(n=name, kind=6, offset=24, flags=1, d=doc, pad=0x7F00):
+        return struct.pack("<QiiqiiQ", n, kind, pad, offset, flags, pad, d)
+    good = entry() + entry(kind=19, offset=32, flags=0, d=0) + bytes(40)
+    assert T.member_entries(good) == 2
+    assert T.member_entries(good + entry()) == 2              # past the sentinel: not read
+    assert T.member_entries(bytes(40)) == 0
+    # scipy's dangling tp_members: a code object took the freed array's block (ob_refcnt 2
+    # where a name would be), its co_localsplusnames and co_localspluskinds then read as
+    # member numbers
+    code = struct.pack("<QQQQQQ", 2, 0x7F00_0000_5B00, 0x12, 0x7F00_0000_CB58,
+                       0x7F00_0000_CB58, 0x7F00_0000_08A8) + bytes(40)
+    assert T.member_entries(code) is None
+    for bad in (entry(n=0x12), entry(kind=32), entry(kind=-1), entry(offset=-8),
+                entry(offset=1 << 24), entry(flags=256), entry(d=0x10)):
+        assert T.member_entries(bad + bytes(40)) is None
+    assert T.member_entries(entry() + entry()) is None        # no sentinel

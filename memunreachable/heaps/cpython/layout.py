@@ -608,6 +608,7 @@ MEMBER_DEF_SIZE = 40
 MEMBER_DEF_NUMBERS = (8, 32)
 TP_ALLOC = 304                  # PyTypeObject.tp_alloc (allocfunc; checked with ctypes, 3.8-3.13)
 TPFLAGS_HEAPTYPE = 1 << 9
+TPFLAGS_READY = 1 << 12         # set by PyType_Ready (3.8-3.15): every type in use has it
 TPFLAGS_INLINE_VALUES = 1 << 2  # 3.13+: a managed dict's values follow the object inline
 # Modules/_io/bufferedio.c `buffered` (3.8-3.13, measured with ctypes on each): tp_basicsize,
 # and the object offset of `char *buffer` (after raw, four ints, finalizing, abs_pos)

@@ -134,8 +134,12 @@ class ObjectReader:
             meta = self.type_words(w[0]) if w is not None else None
             # t's own type is a metatype (type or a subclass of it): None's chain (None ->
             # NoneType -> type) ends in type too, and a list's item array starting with two
-            # Nones read as an object of "type" None (its "name" what follows None in .data)
-            if meta is not None and meta[4] & L.TPFLAGS_TYPE_SUBCLASS:
+            # Nones read as an object of "type" None (its "name" what follows None in .data).
+            # Its own flags say it is ready and are flags (below 2**32): an array of pointers
+            # in an extension's .bss (scipy's), &PyType_Type its second, read as a type named
+            # ")" whose "tp_flags", a tuple's address, then stopped counting (a false leak)
+            if (meta is not None and meta[4] & L.TPFLAGS_TYPE_SUBCLASS
+                    and w[4] & L.TPFLAGS_READY and not w[4] >> 32):
                 name = self._name(w[1])
                 if name:
                     out = (name, w[4])
