@@ -966,7 +966,10 @@ def test_member_entries_read_only_a_member_def_array():
     code = struct.pack("<QQQQQQ", 2, 0x7F00_0000_5B00, 0x12, 0x7F00_0000_CB58,
                        0x7F00_0000_CB58, 0x7F00_0000_08A8) + bytes(40)
     assert T.member_entries(code) is None
-    for bad in (entry(n=0x12), entry(kind=32), entry(kind=-1), entry(offset=-8),
-                entry(offset=1 << 24), entry(flags=256), entry(d=0x10)):
+    for bad in (entry(n=0x12), entry(kind=32), entry(kind=-1), entry(flags=256),
+                entry(d=0x10)):
         assert T.member_entries(bad + bytes(40)) is None
+    # the words the rule makes dead may hold anything (a stale pointer's high half in the
+    # padding; the test of member padding plants an address in the offset)
+    assert T.member_entries(entry(offset=0x7F00_1234_5670, pad=-1) + bytes(40)) == 1
     assert T.member_entries(entry() + entry()) is None        # no sentinel

@@ -545,17 +545,18 @@ def member_arrays(mem, image, types, debug_hooks: bool = False) -> List[Tuple[in
 
 # Returns how many PyMemberDef entries data (a block's bytes) holds before its sentinel (a NULL
 # name), or None when it does not read as such an array: an entry whose name or doc is no
-# address, whose type is no member type code, whose offset is negative or past 16 MiB or whose
-# flags are more than the low byte, or no sentinel. A type's tp_members may dangle: scipy's
-# import left one at a freed array whose block a code object took, and its co_localsplusnames
-# and co_localspluskinds, read as member numbers, stopped counting (both reported leaked).
+# address, whose type is no member type code or whose flags are more than the low byte, or no
+# sentinel. (Not the offset: the words the rule makes dead, it and the paddings, may hold
+# anything.) A type's tp_members may dangle: scipy's import left one at a freed array whose
+# block a code object took, and its co_localsplusnames and co_localspluskinds, read as member
+# numbers, stopped counting (both reported leaked).
 def member_entries(data) -> Optional[int]:
     for k, e in enumerate(range(0, len(data) - L.MEMBER_DEF_SIZE + 1, L.MEMBER_DEF_SIZE)):
-        name, kind, _pad, offset, flags, _pad2, doc = struct.unpack_from("<QiiqiiQ", data, e)
+        name, kind, _pad, _offset, flags, _pad2, doc = struct.unpack_from("<QiiqiiQ", data, e)
         if not name:
             return k
-        if (not 1 << 12 <= name < 1 << 48 or not 0 <= kind < 32 or not 0 <= offset < 1 << 24
-                or not 0 <= flags < 256 or (doc and not 1 << 12 <= doc < 1 << 48)):
+        if (not 1 << 12 <= name < 1 << 48 or not 0 <= kind < 32 or not 0 <= flags < 256
+                or (doc and not 1 << 12 <= doc < 1 << 48)):
             return None
     return None
 
