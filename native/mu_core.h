@@ -14,4 +14,5 @@
 #include "mu_ptrace.h"
 #include "mu_self.h"
 #include "mu_written.h"
+#include "mu_libs.h"
 #endif

@@ -28,7 +28,7 @@ from itertools import compress
 from typing import List, Optional, Sequence, Tuple
 
 from memunreachable.collect import diagnose, procfs
-from memunreachable.heaps import libstate
+from memunreachable.heaps import glibtables, libstate
 from memunreachable.heaps.cpython import probe
 from memunreachable.heaps.glibc import linkmaps, locate
 from memunreachable.heaps.glibc.copies import is_uncopied
@@ -53,6 +53,8 @@ CONTENTS_BYTES = 32
 # the snapshot (mark.py, heaps/glibc/walker.py walk_heap(uncopied_from=...)). Not for a CPython
 # runtime (its stages read object headers from the copies) nor under MEMUNREACHABLE_EXPLAIN.
 UNCOPIED_MIN_BYTES = 256 << 20
+# At most this many marks again for GLib's 32-bit table entries (a table held only by another's)
+GLIB_ROUNDS = 4
 
 
 def sweep_snapshot(snap, fz, st: retake.Attempts, sweep_timeout: float, confirm, overlays,
@@ -241,6 +243,18 @@ def sweep(mem, maps, threads, pid: int, confirm: Optional[set] = None,
     # 6. Mark
     log.info("sweeping process %d for unreachable memory", pid)
     marked = mark(image, root_buffers, roots.words, dead=dead)
+    # 6a. GLib's hash tables' 32-bit keys and values in a heap below 4 GiB: roots once their
+    # table is reached, marked again (a table only such an entry holds: another round)
+    words = list(roots.words)
+    tables = glibtables.find(image, maps)
+    for _ in range(GLIB_ROUNDS if tables else 0):
+        have = set(words)
+        held = [w for w in glibtables.references(tables, image, marked.marked, mem)
+                if w not in have]
+        if not held:
+            break
+        words += held
+        marked = mark(image, root_buffers, words, dead=dead)
     begins, sizes = image.begins, image.sizes
     leaks = None
     if uncopied:
@@ -263,8 +277,7 @@ def sweep(mem, maps, threads, pid: int, confirm: Optional[set] = None,
         # treat them as roots: what they point to is not reported either
         more = uncertain + extra
         root_buffers += [(begins[i], contents.view(begins[i], sizes[i])) for i in more]
-        marked = mark(image, root_buffers, list(roots.words) + [begins[i] for i in more],
-                      dead=dead)
+        marked = mark(image, root_buffers, words + [begins[i] for i in more], dead=dead)
     if uncopied and release_snapshot is not None and table is None:
         release_snapshot()          # the mark has read all it needs; the leaks are copied
     if since is not None:
