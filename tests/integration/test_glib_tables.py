@@ -7,9 +7,9 @@ PyGObject and GTK load) fills a set (values are the keys) and a table of distinc
 values with g_strdup'd strings that only the tables hold, removes one entry from each (its
 slot then holds a removed entry's hash: its strings, and those looked up to remove it, are
 leaked, the tables having no destroy functions), and leaks one string besides: those 6 must be
-the only new leaks. A PIE interpreter (the suite's
-own: its heap above 4 GiB, the tables' arrays pointers) is the twin. `import gi` under
-Debian's python3 reported PyGObject's log-handler domains, held so, as leaked.
+the only new leaks. A PIE interpreter (the suite's own: its heap above 4 GiB, so the tables'
+arrays hold pointers) is the twin. `import gi` under Debian's python3 reported PyGObject's
+log-handler domains, held so, as leaked.
 """
 from __future__ import annotations
 
