@@ -11,6 +11,21 @@
 #include <sys/types.h>
 #include "mu_core.h"
 
+/* The 8 (4) bytes of target memory's copy at p, whatever its alignment. */
+static inline uint64_t mu_ld64(const uint8_t *p)
+{
+    uint64_t v;
+    memcpy(&v, p, sizeof v);
+    return v;
+}
+
+static inline uint32_t mu_ld32(const uint8_t *p)
+{
+    uint32_t v;
+    memcpy(&v, p, sizeof v);
+    return v;
+}
+
 /* Internal to the C core. mu_mem.c: one thread's read of [addr, addr+len) into buf (as
  * mu_read, without its threads). */
 int64_t mu_read_serial(int memfd, uint64_t addr, uint8_t *buf, uint64_t len, uint64_t *first_bad);

@@ -4,20 +4,6 @@
 #define GLIB_TABLE_BYTES 64u        /* the header through hash_func */
 #define GLIB_TABLE_MAX_SIZE (1ull << 28)
 
-static inline uint64_t libs_u64(const uint8_t *p)
-{
-    uint64_t v;
-    memcpy(&v, p, 8);
-    return v;
-}
-
-static inline uint32_t libs_u32(const uint8_t *p)
-{
-    uint32_t v;
-    memcpy(&v, p, 4);
-    return v;
-}
-
 int64_t mu_glib_tables(const uint8_t *data, uint64_t base, uint64_t len, uint64_t *out,
                        uint64_t cap)
 {
@@ -26,15 +12,15 @@ int64_t mu_glib_tables(const uint8_t *data, uint64_t base, uint64_t len, uint64_
     uint64_t found = 0;
     for (uint64_t o = 0; len >= GLIB_TABLE_BYTES && o <= len - GLIB_TABLE_BYTES; o += 8) {
         const uint8_t *p = data + o;
-        uint64_t size = libs_u64(p);
+        uint64_t size = mu_ld64(p);
         /* the rare test first: a power of 2 with its mask after it */
         if (size < 8 || size > GLIB_TABLE_MAX_SIZE || (size & (size - 1))
-            || libs_u32(p + 12) != size - 1)
+            || mu_ld32(p + 12) != size - 1)
             continue;
-        int32_t nnodes = (int32_t)libs_u32(p + 16), nocc = (int32_t)libs_u32(p + 20);
-        uint64_t keys = libs_u64(p + 32), hashes = libs_u64(p + 40), values = libs_u64(p + 48);
+        int32_t nnodes = (int32_t)mu_ld32(p + 16), nocc = (int32_t)mu_ld32(p + 20);
+        uint64_t keys = mu_ld64(p + 32), hashes = mu_ld64(p + 40), values = mu_ld64(p + 48);
         if (nnodes < 0 || nnodes > nocc || (uint64_t)nocc > size || !keys || !hashes || !values || ((keys | hashes | values) & 7)
-            || !libs_u64(p + 56))
+            || !mu_ld64(p + 56))
             continue;
         if (found < cap)
             out[found] = base + o;

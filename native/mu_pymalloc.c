@@ -6,9 +6,6 @@
 #define NCLASSES 32u
 #define MAX_POOL 65536u
 
-static inline uint32_t rd32(const uint8_t *p) { uint32_t v; memcpy(&v, p, 4); return v; }
-static inline uint64_t rd64(const uint8_t *p) { uint64_t v; memcpy(&v, p, 8); return v; }
-
 static int bad_pool_size(uint64_t pool_size)
 {
     return pool_size < 4096 || pool_size > MAX_POOL || (pool_size & (pool_size - 1));
@@ -17,9 +14,9 @@ static int bad_pool_size(uint64_t pool_size)
 /* 1 when the 48-byte header h of the pool at address p passes the structural checks. */
 static int header_ok(const uint8_t *h, uint64_t p, uint64_t pool_size)
 {
-    uint32_t count = rd32(h + 0), pad = rd32(h + 4), szidx = rd32(h + 36);
-    uint32_t nextoffset = rd32(h + 40), maxnext = rd32(h + 44);
-    uint64_t freeblock = rd64(h + 8), size;
+    uint32_t count = mu_ld32(h + 0), pad = mu_ld32(h + 4), szidx = mu_ld32(h + 36);
+    uint32_t nextoffset = mu_ld32(h + 40), maxnext = mu_ld32(h + 44);
+    uint64_t freeblock = mu_ld64(h + 8), size;
     if (szidx >= NCLASSES || pad != 0)
         return 0;
     size = STEP * (szidx + 1);
@@ -86,16 +83,16 @@ int64_t mu_pymalloc_blocks(const uint8_t *data, uint64_t base, uint64_t len, uin
             reject(res, p, MU_POOL_HEADER);
             continue;
         }
-        count = rd32(h + 0);
+        count = mu_ld32(h + 0);
         if (count == 0) {
             res->empty_pools++;
             continue;
         }
-        bsize = STEP * (rd32(h + 36) + 1);
-        nextoffset = rd32(h + 40);
+        bsize = STEP * (mu_ld32(h + 36) + 1);
+        nextoffset = mu_ld32(h + 40);
         carved = (nextoffset - HDR) / bsize;
         memset(freemap, 0, (carved + 7) / 8);
-        fb = rd64(h + 8);
+        fb = mu_ld64(h + 8);
         while (fb) {
             uint64_t k;
             if (fb < p + HDR || fb >= p + nextoffset || (fb - p - HDR) % bsize || ++steps > carved)
@@ -105,7 +102,7 @@ int64_t mu_pymalloc_blocks(const uint8_t *data, uint64_t base, uint64_t len, uin
                 break;
             freemap[k >> 3] |= (uint8_t)(1u << (k & 7));
             nfree++;
-            fb = rd64(data + (fb - base));
+            fb = mu_ld64(data + (fb - base));
         }
         if (fb) {
             reject(res, p, MU_POOL_CHAIN);
@@ -146,7 +143,7 @@ int64_t mu_pymalloc_text_heads(const uint8_t *data, uint64_t base, uint64_t len,
             __builtin_prefetch(data + (addr[i + 16] - base));
         if (b < base || b - base > len || len - (b - base) < 8)
             continue;
-        uint64_t v = rd64(data + (b - base));
+        uint64_t v = mu_ld64(data + (b - base));
         if (!mu_tail_shape(v))
             continue;
         unsigned k = mu_first_nul(v);

@@ -23,13 +23,6 @@
 #define WAVE_READ (1u << 20)
 #define WAVE_BATCH (4u << 20)
 
-static inline uint64_t ld64(const uint8_t *p)
-{
-    uint64_t v;
-    memcpy(&v, p, sizeof v);
-    return v;
-}
-
 /* malloc for the large lookup arrays: 2 MiB-aligned and advised MADV_HUGEPAGE (THP is
  * "madvise" on many distributions), since every lookup is a random access and 4 KiB pages
  * would add a TLB miss to each. Returns NULL on failure; release with free(). */
@@ -615,14 +608,14 @@ static inline void rules_hash(const type_hash *th, const uint8_t *p, uint64_t ha
     for (uint64_t k = 0; k < nk; k++) {     /* the object offsets 0, 16, 32, 48 */
         if (!(th->offsets >> k & 1))
             continue;
-        uint64_t tp = ld64(p + 16 * k + 8), h = type_slot(tp, th->bits);
+        uint64_t tp = mu_ld64(p + 16 * k + 8), h = type_slot(tp, th->bits);
         for (uint32_t s; (s = th->slot[h]) != 0; h = (h + 1) & mask) {
             if (th->types[2 * (uint64_t)(s - 1)] != tp)
                 continue;
             uint64_t code = th->types[2 * (uint64_t)(s - 1) + 1];
             if ((code & 0xff) == 16 * k) {
                 r->found |= 1u << k;
-                r->rc[k] = ld64(p + 16 * k);
+                r->rc[k] = mu_ld64(p + 16 * k);
                 r->code[k] = code;
             }
             break;
@@ -1069,7 +1062,7 @@ static inline void consider_words(mark_ctx *m, const uint8_t *p, uint64_t nw, ui
     for (uint64_t w0 = 0; w0 < nw; w0 += SCAN_CHUNK) {
         uint64_t w1 = nw - w0 < SCAN_CHUNK ? nw : w0 + SCAN_CHUNK, k = 0;
         for (uint64_t w = w0; w < w1; w++) {
-            uint64_t v = ld64(p + 8 * w);
+            uint64_t v = mu_ld64(p + 8 * w);
             buf[k] = v;
             at[k] = (uint32_t)(w - w0);
             k += v - lo < span;
@@ -1078,10 +1071,10 @@ static inline void consider_words(mark_ctx *m, const uint8_t *p, uint64_t nw, ui
         for (uint64_t j = 0; j < k; j++) {
             uint64_t v = buf[j], w = w0 + at[j];
             if (__builtin_expect(mu_tail_shape(v), 0)
-                && w + before && mu_text_runs_on(ld64(p + 8 * w - 8)))
+                && w + before && mu_text_runs_on(mu_ld64(p + 8 * w - 8)))
                 continue;                   /* a text tail (mu_text_tail) */
             if (__builtin_expect(mu_aligned_tail_bytes(v), 0) && w + before >= 2
-                && mu_text_tail_aligned(ld64(p + 8 * w - 16), ld64(p + 8 * w - 8), v))
+                && mu_text_tail_aligned(mu_ld64(p + 8 * w - 16), mu_ld64(p + 8 * w - 8), v))
                 continue;                   /* an 8-aligned text tail */
             uint64_t *slot = seen_slot(seen, v);
             uint64_t old = *slot;

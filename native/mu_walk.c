@@ -13,13 +13,6 @@
 #define CHUNK_FENCE 16u
 #define MU_WALK_PREFETCH 4096u
 
-static inline uint64_t ld64(const uint8_t *p)
-{
-    uint64_t v;
-    memcpy(&v, p, sizeof v);
-    return v;
-}
-
 /* Where a walk stands: it can stop when the next step needs bytes not copied yet, and go on
  * later from here (mu_read_walk). */
 typedef struct {
@@ -81,7 +74,7 @@ static int walk_steps(const uint8_t *data, uint64_t base, uint64_t len, uint64_t
                 res->bad_at = c;
                 break;
             }
-            uint64_t ts = ld64(walk_at(data, base, ring, c + 8)) & ~(uint64_t)CHUNK_FLAGS;
+            uint64_t ts = mu_ld64(walk_at(data, base, ring, c + 8)) & ~(uint64_t)CHUNK_FLAGS;
             if (ts < 16 || c + ts > lim) {
                 res->status = MU_WALK_BAD_SIZE;
                 res->bad_at = c;
@@ -106,7 +99,7 @@ static int walk_steps(const uint8_t *data, uint64_t base, uint64_t len, uint64_t
          * (a ring's pieces were just read: still in the caches). */
         if (!ring && c + MU_WALK_PREFETCH < lim)
             __builtin_prefetch(h + MU_WALK_PREFETCH);
-        uint64_t sz = ld64(h + 8);
+        uint64_t sz = mu_ld64(h + 8);
         uint64_t s = sz & ~(uint64_t)CHUNK_FLAGS;
         uint64_t next = 0;
         int have_next = 0;
@@ -135,7 +128,7 @@ static int walk_steps(const uint8_t *data, uint64_t base, uint64_t len, uint64_t
                     res->bad_at = c + s;
                     break;
                 }
-                next = ld64(w);
+                next = mu_ld64(w);
                 have_next = 1;
             }
         }
@@ -158,12 +151,13 @@ static int walk_steps(const uint8_t *data, uint64_t base, uint64_t len, uint64_t
                 res->bad_at = c;
                 break;
             }
-            uint64_t nsz = ld64(walk_at(data, base, ring, c + 24));
+            uint64_t nsz = mu_ld64(walk_at(data, base, ring, c + 24));
             if ((nsz & ~(uint64_t)CHUNK_FLAGS) == CHUNK_FENCE && !non_main) {
                 uint64_t e = c + 32;
                 /* an old top smaller than MINSIZE leaves a third 0x10 header */
                 while (e + 16 <= lim && (!ring || e - c < FENCE_RUN_MAX) &&
-                       ld64(walk_at(data, base, ring, e + 8)) == (CHUNK_FENCE | CHUNK_PREV_INUSE))
+                       mu_ld64(walk_at(data, base, ring, e + 8))
+                           == (CHUNK_FENCE | CHUNK_PREV_INUSE))
                     e += 16;
                 res->status = MU_WALK_FENCE2;
                 res->end = e;
@@ -189,7 +183,7 @@ static int walk_steps(const uint8_t *data, uint64_t base, uint64_t len, uint64_t
             break;
         }
         if (!have_next)
-            next = ld64(walk_at(data, base, ring, c + s + 8));
+            next = mu_ld64(walk_at(data, base, ring, c + s + 8));
         res->chunks++;
         if (next & CHUNK_PREV_INUSE) {
             /* the pseudo chunk before a {0|1} fencepost has no NON_MAIN_ARENA (arena.c) */
@@ -243,9 +237,9 @@ int64_t mu_walk_find_headers(const uint8_t *data, uint64_t base, uint64_t len, u
     uint64_t p = (base + step - 1) & ~(step - 1), n = 0;
     for (; p + 16 <= base + len; p += step) {
         const uint8_t *h = data + (p - base);
-        if (ld64(h) != 0)
+        if (mu_ld64(h) != 0)
             continue;
-        uint64_t sz = ld64(h + 8);
+        uint64_t sz = mu_ld64(h + 8);
         uint64_t s = sz & ~(uint64_t)CHUNK_FLAGS;
         if ((sz & CHUNK_FLAGS) != flags || s < min_size || (s & (align - 1)))
             continue;
@@ -268,9 +262,9 @@ int64_t mu_walk_mmapped(const uint8_t *data, uint64_t base, uint64_t len, uint64
     uint64_t stored = 0, off = 0;
     while (off + 16 <= len) {
         const uint8_t *h = data + off;
-        uint64_t sz = ld64(h + 8);
+        uint64_t sz = mu_ld64(h + 8);
         uint64_t s = sz & ~(uint64_t)CHUNK_FLAGS, total = s + tail;   /* the mapping's bytes */
-        if ((ld64(h) & ~prev_mask) != 0 || (sz & CHUNK_FLAGS) != CHUNK_IS_MMAPPED ||
+        if ((mu_ld64(h) & ~prev_mask) != 0 || (sz & CHUNK_FLAGS) != CHUNK_IS_MMAPPED ||
             total < 4096 || (total & 4095) || total > limit - off) {
             off += page;
             continue;
@@ -278,10 +272,10 @@ int64_t mu_walk_mmapped(const uint8_t *data, uint64_t base, uint64_t len, uint64
         /* The stale memalign header: the first non-zero word after it is the moved prev_size. */
         uint64_t chunk = off, csize = s, have = total < len - off ? total : len - off;
         uint64_t o = 16;
-        while (o + 16 <= have && ld64(h + o) == 0)
+        while (o + 16 <= have && mu_ld64(h + o) == 0)
             o += 8;
-        if (o >= 32 && !(o & 15) && o + 16 <= have && (ld64(h + o) & ~prev_mask) == o &&
-            ld64(h + o + 8) == ((total - o - tail) | CHUNK_IS_MMAPPED)) {
+        if (o >= 32 && !(o & 15) && o + 16 <= have && (mu_ld64(h + o) & ~prev_mask) == o &&
+            mu_ld64(h + o + 8) == ((total - o - tail) | CHUNK_IS_MMAPPED)) {
             chunk = off + o;
             csize = total - o - tail;
             res->moved++;
@@ -315,10 +309,10 @@ static inline int region_word(const mu_region *r, uint64_t nr, uint64_t addr, ui
         uint8_t w[8];
         if (uncopied_read(&r[i], addr, w, 8))
             return -1;
-        *v = ld64(w);
+        *v = mu_ld64(w);
         return 0;
     }
-    *v = ld64(r[i].data + (addr - r[i].base));
+    *v = mu_ld64(r[i].data + (addr - r[i].base));
     return 0;
 }
 
@@ -501,7 +495,7 @@ int64_t mu_walk_tcache_scan(const mu_region *regions, uint64_t nregions, const u
         cd.addr = addr;
         for (uint64_t b = 0; b < nbins; b++) {
             uint64_t c = count_width == 1 ? p[b] : (uint64_t)p[2 * b] | ((uint64_t)p[2 * b + 1] << 8);
-            uint64_t e = ld64(p + entries_off + 8 * b), kv;
+            uint64_t e = mu_ld64(p + entries_off + 8 * b), kv;
             if (remaining)
                 c = max_count - c;
             if ((c == 0) != (e == 0))
@@ -1024,9 +1018,10 @@ static inline __attribute__((always_inline)) void fill_piece(mu_cands *c, uint64
     mu_cand_piece *p = &c->p[k];
     const uint64_t lo = c->lo, span = c->hi - c->lo;
     uint64_t nw = n / 8, cnt = 0;
-    p->head_tail = (nw && ld64(d) - lo < span
-                    && (mu_tail_shape(ld64(d)) || mu_aligned_tail_bytes(ld64(d))))
-                   || (nw > 1 && ld64(d + 8) - lo < span && mu_aligned_tail_bytes(ld64(d + 8)));
+    p->head_tail = (nw && mu_ld64(d) - lo < span
+                    && (mu_tail_shape(mu_ld64(d)) || mu_aligned_tail_bytes(mu_ld64(d))))
+                   || (nw > 1 && mu_ld64(d + 8) - lo < span
+                       && mu_aligned_tail_bytes(mu_ld64(d + 8)));
     const uint64_t per_sub = 1u << (MU_CAND_SUB_SHIFT - 3);
     for (uint64_t s0 = 0; s0 < nw; s0 += per_sub) {
         p->sub[s0 / per_sub] = (uint32_t)cnt;
@@ -1038,14 +1033,14 @@ static inline __attribute__((always_inline)) void fill_piece(mu_cands *c, uint64
             if (!group8_any(g, lo, span))
                 continue;
             for (int k = 0; k < 8; k++) {
-                uint64_t v = ld64(g + 8 * k);
+                uint64_t v = mu_ld64(g + 8 * k);
                 toff[cnt] = (uint32_t)(8 * (w + k));
                 tval[cnt] = v;
                 cnt += v - lo < span;  /* the range list is checked below */
             }
         }
         for (; w < end; w++) {
-            uint64_t v = ld64(d + 8 * w);
+            uint64_t v = mu_ld64(d + 8 * w);
             toff[cnt] = (uint32_t)(8 * w);
             tval[cnt] = v;
             cnt += v - lo < span;
@@ -1056,10 +1051,11 @@ static inline __attribute__((always_inline)) void fill_piece(mu_cands *c, uint64
         p->sub[s] = (uint32_t)cnt;
     for (uint64_t j = 0; j < cnt; j++) {    /* text tails after a word of the piece: bit 0; */
         if (toff[j] && __builtin_expect(mu_tail_shape(tval[j]), 0)   /* 8-aligned after two: 1 */
-            && mu_text_runs_on(ld64(d + toff[j] - 8)))
+            && mu_text_runs_on(mu_ld64(d + toff[j] - 8)))
             toff[j] |= 1;
         else if (__builtin_expect(mu_aligned_tail_bytes(tval[j]), 0) && toff[j] >= 16
-                 && mu_text_tail_aligned(ld64(d + toff[j] - 16), ld64(d + toff[j] - 8), tval[j]))
+                 && mu_text_tail_aligned(mu_ld64(d + toff[j] - 16), mu_ld64(d + toff[j] - 8),
+                                         tval[j]))
             toff[j] |= 2;
     }
     if (c->nranges > 1) {               /* keep those inside a range; renumber the sub-pages */
