@@ -1,6 +1,7 @@
 """_ffi.py: the only importer of the compiled C core (memunreachable._native).
 
-check(rc, op, ...) turns a -errno return into OSError naming the operation.
+check(rc, op, ...) turns a -errno return into OSError naming the operation; u64_results(call,
+op) collects what a native call writes into an array it may find too small.
 """
 from __future__ import annotations
 
@@ -33,6 +34,19 @@ def check(rc: int, op: str, pid: int = None, tid: int = None) -> int:
     if tid is not None:
         where += f" tid={tid}"
     raise OSError(err, os.strerror(err), where)
+
+
+def u64_results(call, what: str) -> array:
+    """The uint64_t results that call(out) writes into an array('Q') `out` (a C function that
+    returns how many there are, room or not, or -errno): grown once to the count when the
+    first 1,024 entries were too few."""
+    out = array("Q", bytes(8 * 1024))
+    for _ in range(2):
+        n = check(call(out), what)
+        if n <= len(out):
+            return out[:n]
+        out = array("Q", bytes(8 * n))
+    return out
 
 
 def buffer_of(obj):

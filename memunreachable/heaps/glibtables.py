@@ -12,7 +12,7 @@ domains ("GLib", "GThread", "GLib-GObject"), held only from such a table, as lea
                                      tables the mark reached: more roots, marked again
 
 A header is taken for a table (mu_glib_tables: size a power of 2, its mask, counts within it,
-the flag bits, the arrays' pointers) only when its hashes array and its keys (and its values,
+the arrays' pointers, a hash function) only when its hashes array and its keys (and its values,
 unless they are the keys: a set) begin allocations big enough for size entries and its hash
 function lies in an executable mapping. An entry counts when its hash is real (2 or more: 0 is
 an unused slot, 1 a removed one). The native loop is native/mu_libs.c.
@@ -24,7 +24,7 @@ from array import array
 from typing import List, Sequence
 
 from memunreachable._errors import MemoryUnreadable
-from memunreachable._ffi import check, ffi, lib
+from memunreachable._ffi import ffi, lib, u64_results
 from memunreachable._types import Fields
 from memunreachable.heaps.glibc.copies import is_uncopied
 
@@ -103,27 +103,27 @@ def references(tables: Sequence[Table], image, marked, mem) -> List[int]:
 
 def _headers(view, base: int) -> array:
     """mu_glib_tables over one copied region: the addresses of table-like headers."""
-    n = len(view)
     data = ffi.from_buffer("uint8_t[]", view)
-    out = array("Q", bytes(8 * 256))
-    for _ in range(2):
-        k = check(lib.mu_glib_tables(data, base, n, ffi.from_buffer("uint64_t[]", out),
-                                     len(out)), "find GLib hash tables")
-        if k <= len(out):
-            return out[:k]
-        out = array("Q", bytes(8 * k))
-    return out
+    return u64_results(lambda out: lib.mu_glib_tables(
+        data, base, len(view), ffi.from_buffer("uint64_t[]", out), len(out)),
+        "find GLib hash tables")
+
+
+def _index(begins, addr: int) -> int:
+    """The index of the allocation that begins at addr, or -1."""
+    i = bisect.bisect_left(begins, addr)
+    return i if i < len(begins) and begins[i] == addr else -1
 
 
 def _block(image, addr: int, need: int) -> bool:
     """Whether an allocation of at least `need` bytes begins at addr."""
-    i = bisect.bisect_left(image.begins, addr)
-    return i < len(image.begins) and image.begins[i] == addr and image.sizes[i] >= need
+    i = _index(image.begins, addr)
+    return i >= 0 and image.sizes[i] >= need
 
 
 def _marked(begins, marked, addr: int) -> bool:
-    i = bisect.bisect_left(begins, addr)
-    return i < len(begins) and begins[i] == addr and bool(marked[i])
+    i = _index(begins, addr)
+    return i >= 0 and bool(marked[i])
 
 
 def _inside(spans, addr: int) -> bool:

@@ -26,7 +26,7 @@ from dataclasses import dataclass, field
 from typing import List, Optional, Sequence, Tuple
 
 from memunreachable._errors import MemoryUnreadable
-from memunreachable._ffi import check, ffi, lib
+from memunreachable._ffi import check, ffi, lib, u64_results
 from memunreachable._types import Mapping, Range, merge_ranges, u64_reserve, u64_scratch
 from memunreachable.collect.memory import local_copy
 from memunreachable.heaps.cpython import layout as L
@@ -415,7 +415,7 @@ def scanned_arena_dead(mem, spans, heap: Sequence[Range], om: L.Obmalloc,
 def words_into(words: array, inside: array, outside: array) -> array:
     """The indexes of `words` that are 16-aligned addresses in one of the (begin, end) pairs
     `inside` (flat, sorted, disjoint) and in none of `outside` (mu_words_into)."""
-    return _indexes(lambda idx: lib.mu_words_into(
+    return u64_results(lambda idx: lib.mu_words_into(
         ffi.from_buffer("uint64_t[]", words), len(words),
         ffi.from_buffer("uint64_t[]", inside), len(inside) // 2,
         ffi.from_buffer("uint64_t[]", outside), len(outside) // 2,
@@ -429,21 +429,10 @@ def words_equal(data, values: Sequence[int]) -> array:
     n = memoryview(data).nbytes // 8
     if not n or not vals:
         return array("Q")
-    return _indexes(lambda idx: lib.mu_words_equal(
+    return u64_results(lambda idx: lib.mu_words_equal(
         ffi.cast("uint64_t *", ffi.from_buffer(data)), n, ffi.from_buffer("uint64_t[]", vals),
         len(vals), ffi.from_buffer("uint64_t[]", idx), len(idx)), "words equal to values")
 
-
-def _indexes(call, what: str) -> array:
-    """The index array call(idx) fills (it returns how many there are, room or not): grown
-    once to the count when the first 1,024 entries were too few."""
-    idx = array("Q", bytes(8 * 1024))
-    for _ in range(2):
-        n = check(call(idx), what)
-        if n <= len(idx):
-            return idx[:n]
-        idx = array("Q", bytes(8 * n))
-    return idx
 
 
 def _arena_table_at(mem, at: int, heap, om, pools, table: Optional[int] = None) -> List[Range]:
