@@ -1,12 +1,14 @@
 """_ffi.py: the only importer of the compiled C core (memunreachable._native).
 
 check(rc, op, ...) turns a -errno return into OSError naming the operation; u64_results(call,
-op) collects what a native call writes into an array it may find too small.
+op) collects what a native call writes into an array it may find too small; in_thread(fn, ...)
+runs a native pass on another CPU meanwhile.
 """
 from __future__ import annotations
 
 import os
 import sys
+import threading
 from array import array
 from typing import Sequence, Tuple
 
@@ -34,6 +36,29 @@ def check(rc: int, op: str, pid: int = None, tid: int = None) -> int:
     if tid is not None:
         where += f" tid={tid}"
     raise OSError(err, os.strerror(err), where)
+
+
+def in_thread(fn, *args, name: str = "memunreachable-pass"):
+    """Starts fn(*args) on a thread and returns a callable that waits for it and returns its
+    result (or raises its exception). For native passes: cffi lets go of the GIL during a
+    call, so the caller's next pass runs on another CPU meanwhile."""
+    box: list = []
+
+    def run():
+        try:
+            box.append((True, fn(*args)))
+        except BaseException as exc:        # handed to the caller's thread
+            box.append((False, exc))
+    thread = threading.Thread(target=run, name=name, daemon=True)
+    thread.start()
+
+    def result():
+        thread.join()
+        ok, value = box[0]
+        if not ok:
+            raise value
+        return value
+    return result
 
 
 def u64_results(call, what: str) -> array:

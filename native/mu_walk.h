@@ -169,7 +169,8 @@ typedef struct {
  * want_key != 0: only candidates with a head holding want_key pass (counted in want_key).
  * only != NULL: only the in-use chunks at the nonly user addresses there (ascending) are
  * tested, not every one: a scan for want_key over an earlier scan's candidates.
- * Stores up to cap candidates in address order; returns the number that passed. */
+ * Stores up to cap candidates in address order; returns the number that passed (or -ENOMEM).
+ * A big heap's sizes are tested on two threads first. */
 int64_t mu_walk_tcache_scan(const mu_region *regions, uint64_t nregions, const uint64_t *user,
                             const uint64_t *usable, uint64_t n, uint64_t struct_usable,
                             uint64_t struct_slack, uint32_t count_width, uint64_t entries_off,
@@ -189,8 +190,9 @@ int64_t mu_walk_bin(const mu_region *regions, uint64_t nregions, uint64_t bin, u
                     uint64_t *nodes, uint64_t *bytes, uint64_t *bit_free, uint64_t *bad_at);
 
 /* Remove from the ascending user[]/usable[] (n entries) every address listed in drop[]
- * (ndrop entries, any order; sorted in place). Returns the new length; *removed gets the number
- * of drop[] entries that matched (duplicates in drop count once). */
+ * (ndrop entries, any order; sorted in place). Returns the new length (or -ENOMEM); *removed
+ * gets the number of drop[] entries that matched (duplicates in drop count once). Big arrays
+ * move on two threads, one each. */
 int64_t mu_walk_subtract(uint64_t *user, uint64_t *usable, uint64_t n, uint64_t *drop,
                          uint64_t ndrop, uint64_t *removed);
 

@@ -333,6 +333,42 @@ def test_tcache_scan_is_linear_for_many_lookalikes():
     assert dt < 0.1, f"prefilter of {n} look-alikes took {dt:.3f}s"
 
 
+def test_tcache_scan_of_a_big_heap_tests_both_halves():
+    # past TWO_WAYS_MIN chunks the sizes are tested on two threads first: a struct below and
+    # one above a million other chunks are both found, as when the scan is given them alone
+    from memunreachable.heaps.glibc.layout import TCACHE_U16 as tc
+    key = 0x1234567890ABCDEF
+    runs, reals = [], []
+    for base in (0x1000_0000, 0x3000_0000):
+        r = Run(base=base)
+        node = r.chunk(0x20)
+        reals.append(tcache_struct(r, [1] + [0] * 63, [node + 16] + [0] * 63, tc))
+        r.set_word(node + 16 + 8, key)
+        r.finish_top()
+        runs.append(r)
+    (u1, z1), (u2, z2) = in_use(runs[0]), in_use(runs[1])
+    fill = 1_100_000
+    user = u1 + array("Q", range(0x2000_0000, 0x2000_0000 + 32 * fill, 32)) + u2
+    usable = z1 + array("Q", [24]) * fill + z2
+    tab, keep = regions(*runs)
+    lo, hi = bin_ranges(tc)
+
+    def records(only):
+        out = ffi.new("mu_tcache_cand[]", 8)
+        among = array("Q", only or ())
+        k = lib.mu_walk_tcache_scan(tab, 2, ffi.from_buffer("uint64_t[]", user),
+                                    ffi.from_buffer("uint64_t[]", usable), len(user),
+                                    tc.chunk_size - 8, 16, 2, tc.entries, 64, 64, 7, 0,
+                                    ffi.from_buffer("uint64_t[]", lo),
+                                    ffi.from_buffer("uint64_t[]", hi), 8, 0,
+                                    ffi.NULL if only is None else ffi.from_buffer("uint64_t[]", among),
+                                    len(among), out, 8)
+        return [(o.addr, o.key, o.nonempty, o.heads) for o in out[0:k]]
+    got = records(None)
+    assert got == [(reals[0], key, 1, 1), (reals[1], key, 1, 1)]
+    assert got == records(reals)
+
+
 def test_bin_list_walk():
     r = Run()
     a = r.chunk(0x100, in_use=False)
@@ -393,6 +429,26 @@ def test_subtract_removes_exactly_the_listed_entries(seed):
     assert got == len(want) and list(user[:got]) == want
     assert list(usable[:got]) == [u * 3 + 1 for u in want]
     assert removed[0] == len(set(picked))
+
+
+def test_subtract_of_big_arrays_moves_both_on_two_threads():
+    # past the size from which user[] and usable[] move on two threads (TWO_WAYS_MIN): the
+    # same result as the model, the first and last entries dropped too
+    n = 1_300_000
+    user = array("Q", range(16, 16 + 16 * n, 16))
+    usable = array("Q", range(7, 7 + n))
+    rng = random.Random(5)
+    picked = sorted(set(rng.sample(range(n), 3000)) | {0, 1, n // 2, n - 1})
+    drop = array("Q", [16 + 16 * k for k in picked] + [8, 24 + 16 * n])
+    removed = ffi.new("uint64_t *")
+    got = lib.mu_walk_subtract(ffi.from_buffer("uint64_t[]", user),
+                               ffi.from_buffer("uint64_t[]", usable), n,
+                               ffi.from_buffer("uint64_t[]", drop), len(drop), removed)
+    gone = set(picked)
+    keep = [k for k in range(n) if k not in gone]
+    assert got == len(keep) and removed[0] == len(picked)
+    assert user[:got] == array("Q", [16 + 16 * k for k in keep])
+    assert usable[:got] == array("Q", [7 + k for k in keep])
 
 
 def test_a_long_run_of_chunks_is_walked_whole():
@@ -1029,6 +1085,23 @@ def test_assemble_compacts_the_scratch_in_place_with_other_pieces_between():
     assert isinstance(user, memoryview) and list(user) == want
     assert list(usable) == [a // 16 for a in want]
     assert w.v.hard == [] and w.scratch is None and w.pieces == []
+
+
+def test_assemble_compacts_big_pieces_on_two_threads():
+    """Past a million entries compact() moves user and usable on two threads: the same
+    result, the usable values still beside their addresses."""
+    from memunreachable.heaps.glibc.walker import _THREAD_MIN_ENTRIES, _Walker
+    sizes = [600_000, 0, 500_000]
+    outs = [[0x1000_0000 * (k + 1) + 16 * i for i in range(n)] for k, n in enumerate(sizes)]
+    sc, pieces = _scratch_with([700_000, 100, 650_000], outs)
+    w = _Walker(None, [], 0)
+    extra = [_arr([0x1800_0000 + 16 * i for i in range(900)])]
+    want = sorted([a for o in outs for a in o] + list(extra[0].user))
+    assert len(want) >= _THREAD_MIN_ENTRIES
+    w.pieces, w.scratch = pieces + extra, sc
+    user, usable = w.assemble()
+    assert isinstance(user, memoryview) and user.tolist() == want
+    assert usable.tolist() == [a // 16 for a in want]
 
 
 def test_assemble_copies_when_an_array_does_not_fit_before_the_next_piece():

@@ -20,11 +20,10 @@ lists and the native passes over GC objects), typerules.py (which types get whic
 """
 from __future__ import annotations
 
-import threading
 from dataclasses import dataclass, field
 from typing import List, Optional
 
-from memunreachable._ffi import lib
+from memunreachable._ffi import in_thread, lib
 from memunreachable._types import HeapImage, Range, local_buffer, merge_ranges
 from memunreachable.heaps.cpython import gclists, layout as L
 from memunreachable.heaps.cpython.gclists import (deque_dead_ranges, field_blocks, gc_dead_ranges,
@@ -251,30 +250,19 @@ def _prepare(mem, maps, threads, pid: Optional[int], image: HeapImage) -> CPytho
     return out
 
 
-# Starts fn(*args) on a thread and returns a callable that waits for it and returns its result
-# (or raises its exception). For a native pass over the image (cffi lets go of the GIL during
-# the call), so that the next passes run on another CPU meanwhile; the image's native
-# arguments are made here first (gclists' cache of them is not for two threads to fill) and
-# held by the thread (prepare() clears the cache, even while an exception leaves it running).
+# Starts fn(image, *args) on a thread (_ffi.in_thread: a native pass over the image, while the
+# next passes run on another CPU) and returns the callable that waits for its result; the
+# image's native arguments are made here first (gclists' cache of them is not for two threads
+# to fill) and held by the thread (prepare() clears the cache, even while an exception leaves
+# it running).
 def _in_background(fn, image: HeapImage, *args):
     gclists.image_args(image)
-    box: list = []
+    return in_thread(_holding, gclists.IMAGE_ARGS[id(image)], fn, image, *args,
+                     name="memunreachable-pipeline")
 
-    def run(held=gclists.IMAGE_ARGS[id(image)]):      # noqa: B008 (held while it runs)
-        try:
-            box.append((True, fn(image, *args)))
-        except BaseException as exc:        # handed to the caller's thread
-            box.append((False, exc))
-    thread = threading.Thread(target=run, name="memunreachable-pipeline", daemon=True)
-    thread.start()
 
-    def result():
-        thread.join()
-        ok, value = box[0]
-        if not ok:
-            raise value
-        return value
-    return result
+def _holding(_args, fn, image: HeapImage, *args):
+    return fn(image, *args)
 
 
 # Returns (glibc's image with pymalloc's used blocks merged in and its dead blocks dropped,
