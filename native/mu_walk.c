@@ -722,6 +722,9 @@ int64_t mu_move_down(uint8_t *p, uint64_t dst, uint64_t src, uint64_t n, int pag
 /* ---- mu_read_walk: copy and walk in one pass --------------------------------------------- */
 #define CAND_PIECE_BYTES (1ull << MU_CAND_PIECE_SHIFT)     /* == RW_PIECE: one piece each */
 #define RW_PARALLEL_MIN (4ull << 20)
+/* or this many pieces: small reads cost their system call each (a check's 1,000 leaks' runs,
+ * read for the report: about 7 us apiece) */
+#define RW_PARALLEL_PIECES 64
 #define RW_MAX_THREADS 4
 
 typedef struct {
@@ -985,7 +988,8 @@ int64_t mu_read_walk(int memfd, mu_read_job *jobs, uint64_t njobs)
     pthread_mutex_init(&x.ring_mu, NULL);
     pthread_cond_init(&x.ring_cv, NULL);
     long ncpu = mu_online_cpus();
-    int nt = total < RW_PARALLEL_MIN || ncpu < 2 ? 1 : ncpu > RW_MAX_THREADS ? RW_MAX_THREADS : (int)ncpu;
+    int nt = (total < RW_PARALLEL_MIN && x.npieces < RW_PARALLEL_PIECES) || ncpu < 2 ? 1
+           : ncpu > RW_MAX_THREADS ? RW_MAX_THREADS : (int)ncpu;
     pthread_t tids[RW_MAX_THREADS];
     int started[RW_MAX_THREADS] = {0};
     for (int t = 1; t < nt; t++)

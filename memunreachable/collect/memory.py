@@ -514,8 +514,18 @@ def read_many(mem, pairs: Sequence[Tuple[int, object]], sparse: bool = False) ->
 
 # Returns [(base, buffer)] copies of `ranges` read from mem. An unreadable range raises
 # MemoryUnreadable, or is left out when skip_unreadable (a later read of it raises then).
-def read_copies(mem, ranges: Iterable[Range], skip_unreadable: bool = False):
-    pairs = [(r.begin, local_buffer(r.size, zeroed=False)) for r in ranges]
+# packed: the buffers are views of one local buffer (many small ranges: no mapping each).
+def read_copies(mem, ranges: Iterable[Range], skip_unreadable: bool = False,
+                packed: bool = False):
+    if packed:
+        ranges = list(ranges)
+        whole = memoryview(local_buffer(sum(r.size for r in ranges), zeroed=False))
+        pairs, at = [], 0
+        for r in ranges:
+            pairs.append((r.begin, whole[at:at + r.size]))
+            at += r.size
+    else:
+        pairs = [(r.begin, local_buffer(r.size, zeroed=False)) for r in ranges]
     out = []
     for pair, err in zip(pairs, read_many(mem, pairs, sparse=True)):
         if err is not None:

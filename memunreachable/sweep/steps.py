@@ -561,7 +561,7 @@ class _LeakImage:
                 runs[-1] = Range(runs[-1].begin, max(runs[-1].end, e))
             else:
                 runs.append(Range(b, e))
-        self.image = HeapImage(lb, ls, read_copies(mem, runs))
+        self.image = HeapImage(lb, ls, read_copies(mem, runs, packed=True))
 
     # fold() over the whole image with these flags, computed over the unreachable blocks
     # alone (the fold follows edges between unreachable blocks only): indices are the image's.
