@@ -719,6 +719,15 @@ int64_t mu_move_down(uint8_t *p, uint64_t dst, uint64_t src, uint64_t n, int pag
     return 0;
 }
 
+int64_t mu_move(uint8_t *p, uint64_t dst, uint64_t src, uint64_t n)
+{
+    if (!p && n)
+        return -EINVAL;
+    if (n && dst != src)
+        memmove(p + dst, p + src, n);
+    return 0;
+}
+
 /* ---- mu_read_walk: copy and walk in one pass --------------------------------------------- */
 #define CAND_PIECE_BYTES (1ull << MU_CAND_PIECE_SHIFT)     /* == RW_PIECE: one piece each */
 #define RW_PARALLEL_MIN (4ull << 20)

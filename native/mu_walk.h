@@ -209,6 +209,10 @@ int64_t mu_walk_subtract(uint64_t *user, uint64_t *usable, uint64_t n, uint64_t 
 #define MU_MOVE_MAX_STEPS 64
 int64_t mu_move_down(uint8_t *p, uint64_t dst, uint64_t src, uint64_t n, int pages);
 
+/* memmove(p + dst, p + src, n), either way: a move a caller runs on two threads at once (the
+ * core's calls let go of Python's lock, cffi's ffi.memmove keeps it). Returns 0 or -EINVAL. */
+int64_t mu_move(uint8_t *p, uint64_t dst, uint64_t src, uint64_t n);
+
 /* Reference candidates of an uncopied region [base, base+len) (base 4096-aligned): for each
  * 1 MiB piece (from base) the (offset, value) of every 8-byte word whose value lies in one of
  * the nranges (begin, end) pairs of ranges (sorted, disjoint: the memory that may hold

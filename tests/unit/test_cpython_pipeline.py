@@ -533,6 +533,25 @@ def test_merge_dropping_in_room_equals_the_python_model_on_random_images():
     assert list(out.begins) == _ref_merge(empty, py, [py.begins[3]])[0] and n == 1
 
 
+def test_merge_dropping_in_a_big_room_moves_both_arrays_on_two_threads():
+    # past a million pymalloc blocks the room's two arrays move up on two threads: the same
+    # result as the model, in the room, their sizes still beside their addresses
+    nb = M._THREAD_MIN + 1000
+    py = image(array("Q", range(A, A + 32 * nb, 32)), array("Q", [16, 32]) * (nb // 2),
+               [(A, bytearray(32 * nb))])
+    glibc = image([A - 0x1000 + 64 * k for k in range(40)], [48] * 40,
+                  [(A - 0x1000, bytearray(0x1000))])
+    drop = [A - 0x1000 + 64 * 3, A + 32 * 5, A + 32 * (nb - 1)]
+    inroom, room = _in_room(py, len(glibc.begins))
+    out, n = M.merge_dropping(glibc, inroom, drop, room=room)
+    gone = set(drop)
+    want = [(b, z) for b, z in zip(list(glibc.begins) + list(py.begins),
+                                   list(glibc.sizes) + list(py.sizes)) if b not in gone]
+    assert n == 3 and out.begins.obj is room[0].obj
+    assert out.begins.tolist() == [b for b, _ in want]
+    assert out.sizes.tolist() == [z for _, z in want]
+
+
 def test_merge_dropping_rejects_overlap_between_the_images_only():
     glibc = image([A + 0x100, A + 0x110], [0x20, 0x20], [(A, bytearray(0x1000))])  # overlap
     py = image([A + 0x200], [16], [(A, bytearray(0x1000))])
