@@ -440,6 +440,27 @@ int64_t mu_walk_chain(const mu_region *regions, uint64_t nregions, const uint64_
     return (int64_t)k;
 }
 
+int64_t mu_walk_bins(const mu_region *regions, uint64_t nregions, uint64_t first, uint64_t stride,
+                     uint64_t nbins, uint64_t max_nodes, uint64_t *out)
+{
+    if (!regions || !out)
+        return -EINVAL;
+    out[0] = out[1] = out[2] = out[3] = 0;
+    for (uint64_t i = 0; i < nbins; i++) {
+        uint64_t nodes, bytes, bit_free, bad_at;
+        int64_t rc = mu_walk_bin(regions, nregions, first + i * stride, max_nodes, &nodes, &bytes,
+                                 &bit_free, &bad_at);
+        if (rc < 0)
+            return rc;
+        out[0] += (uint64_t)rc;
+        out[1] += nodes;
+        out[2] += bit_free;
+        if (!out[3])
+            out[3] = bad_at;
+    }
+    return 0;
+}
+
 /* Runs fn(a) on a second thread and fn(b) on this one when `parallel` (and a thread starts),
  * else both here: a pass over memory this machine reads or writes at one thread's bandwidth
  * (two threads move two arrays in about 0.4x the time of one thread moving both). */

@@ -189,6 +189,13 @@ int64_t mu_walk_tcache_scan(const mu_region *regions, uint64_t nregions, const u
 int64_t mu_walk_bin(const mu_region *regions, uint64_t nregions, uint64_t bin, uint64_t max_nodes,
                     uint64_t *nodes, uint64_t *bytes, uint64_t *bit_free, uint64_t *bad_at);
 
+/* mu_walk_bin over nbins bins whose fake chunks lie stride bytes apart from first (an arena's
+ * bins 1 .. nbins): their sums. out[0] the bins broken or too long (mu_walk_bin's 1), out[1]
+ * the nodes, out[2] the bit-free nodes, out[3] the first bad node of any (0: none). One call
+ * an arena: a Python loop over 126 bins cost 1.7 ms of a small check. Returns 0 or -EINVAL. */
+int64_t mu_walk_bins(const mu_region *regions, uint64_t nregions, uint64_t first, uint64_t stride,
+                     uint64_t nbins, uint64_t max_nodes, uint64_t *out);
+
 /* Remove from the ascending user[]/usable[] (n entries) every address listed in drop[]
  * (ndrop entries, any order; sorted in place). Returns the new length (or -ENOMEM); *removed
  * gets the number of drop[] entries that matched (duplicates in drop count once). Big arrays

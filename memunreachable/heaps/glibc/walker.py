@@ -511,18 +511,14 @@ class _Walker(FreeListsMixin, MmappedMixin):
 
     def check_bins(self, arenas: List[int], lay: L.Layout) -> None:
         tab, ntab = self.regions_table()
-        nodes, nbytes, bitfree = ffi.new("uint64_t *"), ffi.new("uint64_t *"), ffi.new("uint64_t *")
-        bad = ffi.new("uint64_t *")
+        sums = ffi.new("uint64_t[4]")
+        st = lay.state
         for arena in arenas:
-            broken = binned = binned_free = first_bad = 0
             limit = self.arena_chunks.get(arena, 0) + 1
-            for i in range(1, lay.state.nbins - 1):
-                rc = check(lib.mu_walk_bin(tab, ntab, lay.state.bin_chunk(arena, i), limit,
-                                           nodes, nbytes, bitfree, bad), "walk bin")
-                broken += rc
-                binned += nodes[0]
-                binned_free += bitfree[0]
-                first_bad = first_bad or bad[0]
+            check(lib.mu_walk_bins(tab, ntab, st.bin_chunk(arena, 1),
+                                   st.bin_chunk(arena, 2) - st.bin_chunk(arena, 1), st.nbins - 2,
+                                   limit, sums), "walk bins")
+            broken, binned, binned_free, first_bad = sums
             V.check_bins(self.v, arena, broken, binned, binned_free, self.arena_free.get(arena, 0),
                          first_bad)
 
