@@ -400,15 +400,13 @@ def test_bin_list_walk():
 def test_bins_of_an_arena_sum_each_bin_walk():
     # mu_walk_bins over consecutive fake chunks (16 bytes apart, as an arena's bins): the sums
     # of mu_walk_bin's results, the first broken bin's bad node
-    r = Run()
-    free = [r.chunk(0x100, in_use=False) for _ in range(3)]
-    r.chunk(0x20)
-    late = r.chunk(0x100, in_use=False)
-    r.chunk(0x20)
+    r, free = Run(), []
+    for _ in range(4):                              # free chunks between in-use ones
+        free.append(r.chunk(0x100, in_use=False))
+        r.chunk(0x20)
     r.finish_top()
     arena = Run(base=0x20000000, size=0x200)
-    first = arena.base + 0x40
-    bins = [first + 16 * i for i in range(6)]
+    bins = [arena.base + 0x40 + 16 * i for i in range(6)]
     for b in bins:                                  # empty: pointing at itself
         arena.set_word(b + 16, b)
         arena.set_word(b + 24, b)
@@ -421,7 +419,7 @@ def test_bins_of_an_arena_sum_each_bin_walk():
         arena.set_word(binc + 24, nodes[-1])
     link(bins[1], free[:2])                         # two nodes
     link(bins[3], [free[2]])                        # one node, broken below
-    link(bins[4], [late])
+    link(bins[4], [free[3]])
     r.set_word(free[2] + 24, 0x1230)                # its bk is not the bin: broken at free[2]
     arena.set_word(bins[5] + 16, 0x7000_0000)       # an fd outside every region: broken there
     tab, keep = regions(r, arena)
@@ -432,7 +430,7 @@ def test_bins_of_an_arena_sum_each_bin_walk():
         rc = lib.mu_walk_bin(tab, 2, b, 100, nodes, nbytes, bitfree, bad)
         want = [want[0] + rc, want[1] + nodes[0], want[2] + bitfree[0], want[3] or bad[0]]
     out = ffi.new("uint64_t[4]")
-    assert lib.mu_walk_bins(tab, 2, first, 16, len(bins), 100, out) == 0
+    assert lib.mu_walk_bins(tab, 2, bins[0], 16, len(bins), 100, out) == 0
     assert list(out) == want and want[:2] == [2, 3] and want[3] == free[2]
 
 
