@@ -6,7 +6,6 @@ import os
 import random
 import struct
 import threading
-import time
 from array import array
 
 import pytest
@@ -311,26 +310,27 @@ def test_tcache_scan_prefilter_and_keys():
     assert scan(tab, 1, r, tc, only=[]) == []
 
 
-def test_tcache_scan_is_linear_for_many_lookalikes():
+def test_tcache_scan_passes_each_of_many_lookalikes():
+    # 20,000 structs of the shape, each with its own head: every one a candidate, in address
+    # order (how long the scan takes is bench_shapes.py's walk figure, not a timed test)
     from memunreachable.heaps.glibc.layout import TCACHE_U16 as tc
     n = 20000
     r = Run(size=n * (tc.chunk_size + 0x20) + 0x1000)
+    structs = []
     for _ in range(n):
         node = r.chunk(0x20)
-        tcache_struct(r, [1] + [0] * 63, [node + 16] + [0] * 63, tc)
+        structs.append(tcache_struct(r, [1] + [0] * 63, [node + 16] + [0] * 63, tc))
     r.finish_top()
     tab, keep = regions(r)
     user, usable = in_use(r)
     out = ffi.new("mu_tcache_cand[]", n)
     lo, hi = bin_ranges(tc)
-    t = time.perf_counter()
     k = lib.mu_walk_tcache_scan(tab, 1, ffi.from_buffer("uint64_t[]", user),
                                 ffi.from_buffer("uint64_t[]", usable), len(user), tc.chunk_size - 8,
                                 16, 2, tc.entries, 64, 64, 7, 0, ffi.from_buffer("uint64_t[]", lo),
                                 ffi.from_buffer("uint64_t[]", hi), 8, 0, ffi.NULL, 0, out, n)
-    dt = time.perf_counter() - t
-    assert k == n
-    assert dt < 0.1, f"prefilter of {n} look-alikes took {dt:.3f}s"
+    assert k == n and [out[i].addr for i in range(n)] == structs
+    assert all(out[i].heads == 1 and out[i].nonempty == 1 for i in range(n))
 
 
 def test_tcache_scan_of_a_big_heap_tests_both_halves():
