@@ -38,6 +38,11 @@ def check(rc: int, op: str, pid: int = None, tid: int = None) -> int:
     raise OSError(err, os.strerror(err), where)
 
 
+# entries from which a pass over big arrays takes a second thread (in_thread; the C core's own
+# passes: TWO_WAYS_MIN): below, a thread's start costs more than it saves
+TWO_THREADS_MIN = 1 << 20
+
+
 def in_thread(fn, *args, name: str = "memunreachable-pass"):
     """Starts fn(*args) on a thread and returns a callable that waits for it and returns its
     result (or raises its exception). For native passes: cffi lets go of the GIL during a

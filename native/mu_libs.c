@@ -19,8 +19,8 @@ int64_t mu_glib_tables(const uint8_t *data, uint64_t base, uint64_t len, uint64_
             continue;
         int32_t nnodes = (int32_t)mu_ld32(p + 16), nocc = (int32_t)mu_ld32(p + 20);
         uint64_t keys = mu_ld64(p + 32), hashes = mu_ld64(p + 40), values = mu_ld64(p + 48);
-        if (nnodes < 0 || nnodes > nocc || (uint64_t)nocc > size || !keys || !hashes || !values || ((keys | hashes | values) & 7)
-            || !mu_ld64(p + 56))
+        if (nnodes < 0 || nnodes > nocc || (uint64_t)nocc > size || !keys || !hashes || !values
+            || ((keys | hashes | values) & 7) || !mu_ld64(p + 56))
             continue;
         if (found < cap)
             out[found] = base + o;

@@ -337,20 +337,14 @@ int64_t mu_scan_index_init(mu_scan_index *ix, const uint64_t *begin, const uint6
         off += pages_of(heap[k].len, shift) + 1;
     }
     index_part part[2] = {{ix, 0, nheap, 0, 0}, {ix, nheap, nheap, 0, 0}};
-    pthread_t tid;
-    int two = 0;
-    if (n >= INDEX_PARALLEL_MIN && nheap > 1 && mu_online_cpus() > 1) {
+    int two = n >= INDEX_PARALLEL_MIN && nheap > 1;
+    if (two) {
         uint64_t ks = 1;            /* the regions of the second part: from the middle allocation */
         while (ks + 1 < nheap && ix->first_alloc[ks] < n / 2)
             ks++;
         part[0].k1 = part[1].k0 = ks;
-        two = pthread_create(&tid, NULL, index_thread, &part[1]) == 0;
     }
-    index_regions(&part[0]);
-    if (two)
-        pthread_join(tid, NULL);
-    else
-        index_regions(&part[1]);
+    mu_two_ways(index_thread, &part[1], &part[0], two);
     if (part[0].rc || part[1].rc)
         goto invalid;
     ix->size_total = part[0].size_total + part[1].size_total;

@@ -461,20 +461,7 @@ int64_t mu_walk_bins(const mu_region *regions, uint64_t nregions, uint64_t first
     return 0;
 }
 
-/* Runs fn(a) on a second thread and fn(b) on this one when `parallel` (and a thread starts),
- * else both here: a pass over memory this machine reads or writes at one thread's bandwidth
- * (two threads move two arrays in about 0.4x the time of one thread moving both). */
 #define TWO_WAYS_MIN (1ull << 20)       /* entries: below this one thread does both */
-static void two_ways(void *(*fn)(void *), void *a, void *b, int parallel)
-{
-    pthread_t tid;
-    int two = parallel && mu_online_cpus() > 1 && pthread_create(&tid, NULL, fn, a) == 0;
-    if (!two)
-        fn(a);
-    fn(b);
-    if (two)
-        pthread_join(tid, NULL);
-}
 
 /* mu_walk_tcache_scan's first pass over a part [lo, hi) of usable[]: the indices of the sizes
  * a tcache struct may have (the rest reads no chunk), in hits (grown; err on no memory) */
@@ -526,7 +513,7 @@ int64_t mu_walk_tcache_scan(const mu_region *regions, uint64_t nregions, const u
                          {usable, n / 2, n, struct_usable, struct_slack, NULL, 0, 0, 0}};
     int pre = !only && n >= TWO_WAYS_MIN;
     if (pre) {
-        two_ways(find_size_hits, &part[1], &part[0], 1);
+        mu_two_ways(find_size_hits, &part[1], &part[0], 1);
         if (part[0].err || part[1].err) {
             free(part[0].hits);
             free(part[1].hits);
@@ -700,7 +687,7 @@ int64_t mu_walk_subtract(uint64_t *user, uint64_t *usable, uint64_t n, uint64_t 
     runs[3 * nruns + 1] = n - i;
     runs[3 * nruns++ + 2] = w;
     subtract_moves mu = {user, runs, nruns}, mz = {usable, runs, nruns};
-    two_ways(subtract_move, &mu, &mz, nruns > 1 && n - runs[1] >= TWO_WAYS_MIN);
+    mu_two_ways(subtract_move, &mu, &mz, nruns > 1 && n - runs[1] >= TWO_WAYS_MIN);
     free(runs);
     return (int64_t)(w + n - i);
 }

@@ -7,7 +7,7 @@ from types import SimpleNamespace
 
 import pytest
 
-from memunreachable._ffi import lib
+from memunreachable._ffi import TWO_THREADS_MIN, lib
 from memunreachable._types import BufferMemory, HeapImage, Range, merge_ranges
 from memunreachable.heaps.cpython import layout as L
 from memunreachable.heaps.cpython import objects as O
@@ -536,7 +536,7 @@ def test_merge_dropping_in_room_equals_the_python_model_on_random_images():
 def test_merge_dropping_in_a_big_room_moves_both_arrays_on_two_threads():
     # past a million pymalloc blocks the room's two arrays move up on two threads: the same
     # result as the model, in the room, their sizes still beside their addresses
-    nb = M._THREAD_MIN + 1000
+    nb = TWO_THREADS_MIN + 1000
     py = image(array("Q", range(A, A + 32 * nb, 32)), array("Q", [16, 32]) * (nb // 2),
                [(A, bytearray(32 * nb))])
     glibc = image([A - 0x1000 + 64 * k for k in range(40)], [48] * 40,

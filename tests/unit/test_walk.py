@@ -1127,14 +1127,15 @@ def test_assemble_compacts_the_scratch_in_place_with_other_pieces_between():
 def test_assemble_compacts_big_pieces_on_two_threads():
     """Past a million entries compact() moves user and usable on two threads: the same
     result, the usable values still beside their addresses."""
-    from memunreachable.heaps.glibc.walker import _THREAD_MIN_ENTRIES, _Walker
+    from memunreachable._ffi import TWO_THREADS_MIN
+    from memunreachable.heaps.glibc.walker import _Walker
     sizes = [600_000, 0, 500_000]
     outs = [[0x1000_0000 * (k + 1) + 16 * i for i in range(n)] for k, n in enumerate(sizes)]
     sc, pieces = _scratch_with([700_000, 100, 650_000], outs)
     w = _Walker(None, [], 0)
     extra = [_arr([0x1800_0000 + 16 * i for i in range(900)])]
     want = sorted([a for o in outs for a in o] + list(extra[0].user))
-    assert len(want) >= _THREAD_MIN_ENTRIES
+    assert len(want) >= TWO_THREADS_MIN
     w.pieces, w.scratch = pieces + extra, sc
     user, usable = w.assemble()
     assert isinstance(user, memoryview) and user.tolist() == want

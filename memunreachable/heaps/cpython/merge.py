@@ -14,7 +14,7 @@ import errno
 from array import array
 from typing import List, Optional, Sequence, Tuple
 
-from memunreachable._ffi import check, ffi, in_thread, lib, u64_view
+from memunreachable._ffi import TWO_THREADS_MIN, check, ffi, in_thread, lib, u64_view
 from memunreachable._types import (HeapImage, Range, extend_u64, local_buffer, subtract_ranges,
                                    u64_scratch)
 from memunreachable.heaps.cpython.walker import CPythonMap
@@ -22,10 +22,6 @@ from memunreachable.heaps.cpython.walker import CPythonMap
 
 def _nbytes(buf) -> int:
     return memoryview(buf).nbytes
-
-
-# entries from which merge_dropping's two moves run on two threads
-_THREAD_MIN = 1 << 20
 
 
 # Returns (blocks, sizes, heap ranges kept, pools dropped): cp's pymalloc blocks minus every
@@ -116,7 +112,7 @@ def merge_dropping(a: HeapImage, b: HeapImage, drop: Sequence[int],
         # never read below what the merge wrote; the two moves on two threads (a move runs at
         # one thread's memory bandwidth here)
         moves = [(ffi.cast("uint8_t *", o), 8 * na, 0, 8 * nb) for o in (osz, ob)]
-        other = in_thread(lib.mu_move, *moves[0]) if nb >= _THREAD_MIN else None
+        other = in_thread(lib.mu_move, *moves[0]) if nb >= TWO_THREADS_MIN else None
         check(lib.mu_move(*moves[1]), "merge allocations")
         check(other() if other else lib.mu_move(*moves[0]), "merge allocations")
         bb, bsz = ob + na, osz + na

@@ -434,7 +434,6 @@ def words_equal(data, values: Sequence[int]) -> array:
         len(vals), ffi.from_buffer("uint64_t[]", idx), len(idx)), "words equal to values")
 
 
-
 def _arena_table_at(mem, at: int, heap, om, pools, table: Optional[int] = None) -> List[Range]:
     """unused_arena_entries of the table the word at `at` points at, if arena_table_fits."""
     try:

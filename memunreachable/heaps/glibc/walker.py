@@ -22,7 +22,7 @@ from typing import Dict, List, Optional, Tuple
 
 from memunreachable.sweep import detect
 from memunreachable._errors import UnsupportedTarget
-from memunreachable._ffi import check, ffi, in_thread, lib
+from memunreachable._ffi import TWO_THREADS_MIN, check, ffi, in_thread, lib
 from memunreachable._types import (Allocator, Fields, HeapImage, Mapping, Range, ThreadState,
                                    extend_u64, local_buffer, merge_ranges)
 from memunreachable.heaps.glibc import layout as L
@@ -101,8 +101,6 @@ class _Job(Fields):
 
 
 _PAGE_ENTRIES = PAGE_SIZE // 8
-# entries from which compact() moves the two mappings on two threads
-_THREAD_MIN_ENTRIES = 1 << 20
 
 
 class _Scratch:
@@ -142,7 +140,7 @@ class _Scratch:
         # 78 ms for both on one thread)
         usable = [p.usable for p in pieces]
         other = in_thread(self._compact_one, self.usable, pieces, usable, d) \
-            if d >= _THREAD_MIN_ENTRIES else None
+            if d >= TWO_THREADS_MIN else None
         self._compact_one(self.user, pieces, [p.user for p in pieces], d)
         if other is None:
             self._compact_one(self.usable, pieces, usable, d)
