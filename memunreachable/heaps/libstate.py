@@ -8,7 +8,9 @@ so every test session holds both (readline keymaps.h and readline.c; ncurses ter
   after the entries; readline's line buffer (rl_line_buffer), text; readline's function
   map (funmap: a NULL-terminated array of FUNMAP *, each a malloc'd {name, function}, 16
   bytes): the slack after each entry (glibc may hand a 48-byte chunk to a 16-byte request
-  when the remainder is too small to split) and the array's unused slots after the NULL.
+  when the remainder is too small to split) and the array's unused slots after the NULL;
+  readline's history (history.c `the_history`: history_length entries, a NULL, then slots
+  realloc never wrote).
 - ncurses' terminfo string tables (cur_term->type.str_table and .ext_str_table): text, whose
   unwritten slack is stale.
 - ld.so's `cache_new` (elf/dl-cache.c): a dlopen by name maps /etc/ld.so.cache and unmaps it
@@ -37,6 +39,10 @@ Found without debug symbols, from the libraries' exported symbols (cached by fil
   keymap binds a handful of keys), so its dead ranges are few. The static keymaps lie in .data, whose padding the loader zero-filled. The line buffer
   is taken when its length is sane (1 byte to 16 MiB).
 - funmap: taken up to its NULL (at most MAX_FUNMAP entries), each entry non-zero and 8-aligned.
+- the history: `the_history` is static; the exported `history_list()` is `return the_history;`,
+  one RIP-relative load (`mov disp32(%rip), %rax; ret`, after an `endbr64` or not), which gives
+  its address. Taken when history_length is sane, its entries non-zero and 8-aligned and the
+  slot after them NULL.
 - terminfo: cur_term's first words are its TERMTYPE (term_names, str_table, ..., ext_str_table
   at word 5); taken only when term_names equals str_table (the names open the table) and the
   table starts with a printable name.
@@ -46,6 +52,7 @@ The caller clips each "tail" to the allocation it starts (block_tails in sweep/s
     runtime_keymaps(mem, ...)       readline's run-time keymaps and their dead ranges (pure)
     line_buffer(mem, ptr, len_at)   readline's line buffer (pure)
     funmap_tails(mem, funmap_at)    readline's function map: its entries' and array's tails (pure)
+    history_tail(mem, list_fn, length_at)  readline's history array: the bytes in use (pure)
     terminfo_tables(mem, cur_term)  the terminfo string tables (pure)
     ld_cache_words(mem, data, size) ld.so's ld.so.cache pointers (pure)
     environ_strings(mem, environ_at) the environment's strings (pure)
@@ -70,6 +77,11 @@ STATIC_KEYMAPS = ("emacs_standard_keymap", "emacs_meta_keymap", "emacs_ctlx_keym
 KEYMAP_POINTERS = ("_rl_keymap", "rl_binding_keymap", "_rl_dispatching_keymap",
                    "rl_executing_keymap")
 LINE_BUFFER = ("rl_line_buffer", "rl_line_buffer_len")
+HISTORY = ("history_list", "history_length")
+ENDBR64 = bytes.fromhex("f30f1efa")
+LOAD_RAX_RIP = bytes.fromhex("488b05")     # mov disp32(%rip), %rax
+RET = 0xC3
+MAX_HISTORY = 1 << 20
 FUNMAP = "funmap"
 FUNMAP_ENTRY = 16                   # sizeof(FUNMAP): name, function
 MAX_FUNMAP = 4096
@@ -77,7 +89,8 @@ MAX_LINE = 16 << 20
 EXT_STR_TABLE = 40                  # TERMTYPE: term_names, str_table, Booleans, Numbers,
                                     # Strings, ext_str_table
 # library file name prefix -> the symbols read from it
-LIBRARIES = {"libreadline.so": STATIC_KEYMAPS + KEYMAP_POINTERS + LINE_BUFFER + (FUNMAP,),
+LIBRARIES = {"libreadline.so": STATIC_KEYMAPS + KEYMAP_POINTERS + LINE_BUFFER + (FUNMAP,)
+             + HISTORY,
              "libtinfo.so": ("cur_term",), "libncursesw.so": ("cur_term",),
              "libncurses.so": ("cur_term",), "libc.so": ("__environ",)}
 MAX_ENVIRON = 1 << 16
@@ -168,6 +181,8 @@ def of_process(mem, maps: Sequence[Mapping], pid: Optional[int]) -> LibState:
                 tails.append((buf, 0))
         if FUNMAP in syms:
             tails += funmap_tails(mem, syms[FUNMAP][0])
+        if all(n in syms for n in HISTORY):
+            tails += history_tail(mem, syms["history_list"][0], syms["history_length"][0])
         if "cur_term" in syms:
             try:
                 term = struct.unpack("<Q", mem.read(syms["cur_term"][0], 8))[0]
@@ -242,6 +257,31 @@ def line_buffer(mem, ptr_at: int, len_at: int) -> Optional[int]:
     if not ptr or ptr % 8 or not 0 < length <= MAX_LINE:
         return None
     return ptr
+
+
+# Returns [(the history array, the bytes of its entries and their NULL)] of readline's history,
+# found through history_list()'s code at list_fn (see the docstring), or [] when that code is
+# not the one load, or the array does not read as history_length entries and a NULL. The rest
+# of the array is slots realloc never wrote (one kept a C extension's leaked 4 KiB buffer in a
+# pytest-xdist worker: MEMUNREACHABLE_EXPLAIN, a chain from libreadline's .bss).
+def history_tail(mem, list_fn: int, length_at: int) -> List[Tuple[int, int]]:
+    try:
+        code = mem.read(list_fn, 12)
+        if code.startswith(ENDBR64):
+            code, list_fn = code[4:], list_fn + 4
+        if code[:3] != LOAD_RAX_RIP or code[7] != RET:
+            return []
+        slot = list_fn + 7 + struct.unpack_from("<i", code, 3)[0]
+        array = struct.unpack("<Q", mem.read(slot, 8))[0]
+        length = struct.unpack("<i", mem.read(length_at, 4))[0]
+        if not array or array % 8 or not 0 <= length <= MAX_HISTORY:
+            return []
+        entries = struct.unpack(f"<{length + 1}Q", mem.read(array, 8 * (length + 1)))
+    except (MemoryUnreadable, struct.error):
+        return []
+    if entries[length] or any(not e or e % 8 for e in entries[:length]):
+        return []
+    return [(array, 8 * (length + 1))]
 
 
 # Returns the tails (allocation, bytes in use) of readline's function map at *funmap_at: each

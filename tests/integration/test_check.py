@@ -227,13 +227,17 @@ def test_readline_and_terminfo_state_found_in_a_real_process():
         assert n > 100 and (fx.expect["funmap"], 8 * (n + 1)) in state.tails
         entries = [a for a, used in state.tails if used == 16]
         assert len(entries) == n
+        # readline's history: its three entries and their NULL
+        assert fx.expect["history_entries"] == 3
+        assert (fx.expect["history"], 8 * 4) in state.tails
         # and the environment's strings (the fixture's, and readline's LINES and COLUMNS),
         # and nothing else but terminfo's extended table
         mem = ProcessMemory(fx.pid)
         try:
             rest = [mem.read(a, 64).split(b"\0")[0] for a, used in state.tails
                     if used not in (257 * 16, 16) and a not in (
-                        fx.expect["line_buffer"], fx.expect["terminfo_table"], fx.expect["funmap"])]
+                        fx.expect["line_buffer"], fx.expect["terminfo_table"], fx.expect["funmap"],
+                        fx.expect["history"])]
         finally:
             os.close(mem.fd)
         with open(f"/proc/{fx.pid}/environ", "rb") as f:

@@ -194,6 +194,42 @@ def test_environ_strings_up_to_the_null_entry():
     assert K.environ_strings(mem, at) == strings[:2]
 
 
+def test_history_tail_is_found_through_history_lists_load_of_the_static_array():
+    # history_list() is `mov disp32(%rip), %rax; ret` (Debian's 8.2; trixie's and sid's after
+    # an endbr64): the word it loads is the_history; its entries and their NULL are in use
+    fn, the_history, length_at = 0x7F0000010000, 0x7F0000040100, 0x7F00000400F0
+    array, e1, e2 = 0x555500030000, 0x555500031000, 0x555500031040
+    mem = BufferMemory()
+    for prefix in (b"", bytes.fromhex("f30f1efa")):
+        at = fn + len(prefix)
+        disp = the_history - (at + 7)
+        mem.blocks[fn] = prefix + bytes.fromhex("488b05") + struct.pack("<i", disp) + b"\xc3" \
+            + bytes(16)
+        mem.blocks[the_history] = struct.pack("<Q", array)
+        mem.blocks[length_at] = struct.pack("<i", 2)
+        mem.blocks[array] = struct.pack("<4Q", e1, e2, 0, 0x555500031008)     # a stale slot
+        assert K.history_tail(mem, fn, length_at) == [(array, 24)]
+        mem.blocks[length_at] = struct.pack("<i", 0)                # no history yet: its NULL
+        mem.blocks[array] = struct.pack("<2Q", 0, 0x555500031008)
+        assert K.history_tail(mem, fn, length_at) == [(array, 8)]
+    mem.blocks[length_at] = struct.pack("<i", 2)
+    for entries in ((e1, e2, e1), (e1, e2 + 4, 0), (e1, 0, 0)):     # no NULL; misaligned; early
+        mem.blocks[array] = struct.pack("<3Q", *entries)
+        assert K.history_tail(mem, fn, length_at) == []
+    mem.blocks[array] = struct.pack("<3Q", e1, e2, 0)
+    for bad in (-1, K.MAX_HISTORY + 1):
+        mem.blocks[length_at] = struct.pack("<i", bad)
+        assert K.history_tail(mem, fn, length_at) == []
+    mem.blocks[length_at] = struct.pack("<i", 2)
+    code = bytearray(mem.blocks[fn])
+    code[-17] = 0x90                                # no ret after the load: another function
+    mem.blocks[fn] = bytes(code)
+    assert K.history_tail(mem, fn, length_at) == []
+    mem.blocks[fn] = bytes.fromhex("488b0d") + bytes(13)    # a load into another register
+    assert K.history_tail(mem, fn, length_at) == []
+    assert K.history_tail(Holey(mem.blocks, fn), fn, length_at) == []
+
+
 def test_funmap_tails_are_each_entrys_slack_and_the_arrays_slots_after_its_null():
     funmap_at, array = 0x7F0000040000, 0x555500030000
     e1, e2 = 0x555500031000, 0x555500031030
