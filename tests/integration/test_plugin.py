@@ -938,13 +938,15 @@ ORPHANS_HEADING = "memunreachable: leaks no single test is blamed for"
 
 def _list_orphaned(out: str, scratch) -> bool:
     """Whether the session's leaks no single test is blamed for report the block of the list
-    test_remember_leaks_a_list leaked (its object's address, inverted, is in scratch): the
-    block starts at most 32 bytes before the object (its GC head, the debug hooks' prefix)."""
+    test_remember_leaks_a_list leaked (its object's address is in scratch: the suite writes the
+    complement of what _last_remembered() keeps, the complement of the address): the block
+    starts at most 32 bytes before the object (its GC head, the debug hooks' prefix)."""
     if ORPHANS_HEADING not in out:
         return False
-    objects = [~int(line, 16) & (2 ** 64 - 1) for line in scratch.read_text().split()]
-    shown = [int(a, 16) for a in re.findall(r"unreachable at ([0-9a-f]+)",
-                                            out[out.index(ORPHANS_HEADING):])]
+    objects = [int(line, 16) for line in scratch.read_text().split()]
+    section = out[out.index(ORPHANS_HEADING):]      # to the short summary, which repeats the
+    section = section.split("short test summary info")[0]   # failed tests' own leaks
+    shown = [int(a, 16) for a in re.findall(r"unreachable at ([0-9a-f]+)", section)]
     return any(0 <= obj - a <= 32 for obj in objects for a in shown)
 
 
