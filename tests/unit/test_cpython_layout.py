@@ -308,8 +308,10 @@ def test_a_scanned_runtime_s_arenas_array_is_found_by_its_shape(case):
 
 
 def test_arenas_listed_out_of_address_order_give_ascending_blocks():
-    # the arenas array's order is not the arenas' address order: entry 0 is the higher arena.
-    # Each arena's blocks are written after the ones before; the whole is sorted at the end
+    # the arenas array's order is not the arenas' address order: entry 0 is the higher arena
+    # (mmap gives each new arena a lower address). The arenas are walked in address order, so
+    # the outputs hold the blocks ascending as written: their views, with the room for the
+    # merge in place (no sorted copy)
     lay = L.LAYOUTS[(3, 12)]
     hi, lo = BASE + (4 << 20), BASE
     mem = BufferMemory({hi: pool(hi, 2, 7, free=(3,)), lo: pool(lo, 0, 5) + pool(lo + PS, 1, 2),
@@ -321,6 +323,28 @@ def test_arenas_listed_out_of_address_order_give_ascending_blocks():
             + [hi + 48 + 48 * i for i in range(7) if i != 3])
     assert list(w.blocks) == want
     assert list(w.sizes) == [16] * 5 + [32] * 2 + [48] * 6
+    begins, sizes = w.room
+    assert list(begins[:len(want)]) == want and list(sizes[:len(want)]) == list(w.sizes)
+    assert w.heap_ranges == [Range(lo, lo + (1 << 20)), Range(hi, hi + (1 << 20))]
+
+
+def test_two_interpreters_arenas_interleaved_give_ascending_blocks():
+    # two obmalloc states (subinterpreters with their own allocator) whose arenas interleave:
+    # each array is walked in address order, the whole is not, and is sorted at the end (a
+    # copy: no room for a merge in place)
+    lay = L.LAYOUTS[(3, 12)]
+    a1, b1, a2 = BASE, BASE + (2 << 20), BASE + (4 << 20)
+    mem = BufferMemory({a1: pool(a1, 0, 3), b1: pool(b1, 1, 2), a2: pool(a2, 2, 4, free=(0,)),
+                        **arena_state(lay, 0x100000, 0x300000,
+                                      [(a2, a2 + PS, 63, 64), (a1, a1 + PS, 63, 64)], 2),
+                        **arena_state(lay, 0x200000, 0x310000, [(b1, b1 + PS, 63, 64)], 1)})
+    w = obmalloc.walk_arenas(mem, lay, [0x100000, 0x200000])
+    assert w.problems == []
+    want = ([a1 + 48 + 16 * i for i in range(3)] + [b1 + 48 + 32 * i for i in range(2)]
+            + [a2 + 48 + 48 * i for i in range(1, 4)])
+    assert list(w.blocks) == want
+    assert list(w.sizes) == [16] * 3 + [32] * 2 + [48] * 3
+    assert w.room is None
 
 
 @pytest.mark.parametrize("limit", ["ESTIMATE_BLOCK", "ESTIMATE_MAX", "reserved"])

@@ -281,11 +281,9 @@ def _walk_array(mem, lay: L.Layout, arr: ArenaArray, out: PymallocWalk, acc: _Ac
     out.dead.extend(unused_arena_entries(table, arenas))
     acc.estimate = max(acc.estimate, narenas * om.arena_size // ESTIMATE_BLOCK)
     found = 0
-    for i in range(maxarenas):
+    for address, i in _by_address(table, maxarenas):
         off = i * L.ARENA.sizeof
-        address, pool_address = struct.unpack_from("<QQ", table, off + L.ARENA.address)
-        if address == 0:
-            continue
+        pool_address = struct.unpack_from("<Q", table, off + L.ARENA.pool_address)[0]
         nfree, ntotal = struct.unpack_from("<II", table, off + L.ARENA.nfreepools)
         first, end = _arena_span(address, om)
         if not _arena_fits(address, pool_address, ntotal, om):
@@ -313,6 +311,18 @@ def _walk_array(mem, lay: L.Layout, arr: ArenaArray, out: PymallocWalk, acc: _Ac
         out.regions.append((first, buf))
     if found != narenas:
         out.problems.append(f"{found} arenas found in {arenas:#x}, obmalloc counts {narenas}")
+
+
+def _by_address(table, maxarenas: int) -> List[Tuple[int, int]]:
+    """(address, entry index) of the arenas array's entries in use, in address order: each
+    arena is walked as a window, and windows walked in address order leave their blocks
+    ascending in the outputs (assemble's views, the merge in place). mmap gives a new arena
+    an address below the last, so the array's order is most often the reverse (a 3.13
+    process's 1 M objects: their 2 M blocks sorted by copying, 31 ms, and merged into fresh
+    arrays)."""
+    size, at = L.ARENA.sizeof, L.ARENA.address
+    return sorted((a, i) for i in range(maxarenas)
+                  for a in struct.unpack_from("<Q", table, i * size + at) if a)
 
 
 def _arena_span(address: int, om: L.Obmalloc) -> Tuple[int, int]:
