@@ -472,6 +472,12 @@ def capture(pid: int, ranges: Iterable[Range]) -> List[Tuple[int, object]]:
         return read_copies(mem, ranges)
 
 
+def _mapped(buf) -> bool:
+    """Whether buf is a mapping of its own, or a view of one (copies.Backing)."""
+    return isinstance(buf, mmap.mmap) or (isinstance(buf, memoryview)
+                                          and isinstance(buf.obj, mmap.mmap))
+
+
 # Fills every (address, buffer) pair from mem, as mem.read_into(address, buffer) each would.
 # Returns a list parallel to pairs: None for a filled buffer, the MemoryUnreadable its
 # read_into raised otherwise (other errors propagate). When mem is a ProcessMemory and no
@@ -480,9 +486,10 @@ def capture(pid: int, ranges: Iterable[Range]) -> List[Tuple[int, object]]:
 # instead of one call each (a pytest process: 250 anonymous ranges, 14 MB, read at 0.5 GB/s
 # one by one); a pair with unreadable bytes is then read again through read_into, which
 # decides as always (MemoryUnreadable naming the first bad byte).
-# sparse: the buffers that are mmap objects are local_buffer's private anonymous mappings:
-# their pages read as all zeros are released (they still read as zeros; an untouched thread
-# stack then costs no memory: 64 MiB for the bench target's 8 threads).
+# sparse: the buffers that are mmap objects (local_buffer's private anonymous mappings), or
+# page-aligned views of one (copies.Backing): their pages read as all zeros are released
+# (they still read as zeros; an untouched thread stack then costs no memory: 64 MiB for the
+# bench target's 8 threads).
 def read_many(mem, pairs: Sequence[Tuple[int, object]], sparse: bool = False) -> list:
     errors: list = [None] * len(pairs)
     batch = isinstance(mem, ProcessMemory) and len(pairs) > 1 and \
@@ -494,11 +501,12 @@ def read_many(mem, pairs: Sequence[Tuple[int, object]], sparse: bool = False) ->
         for k, (addr, buf) in enumerate(pairs):
             n = memoryview(buf).nbytes
             tab[k].addr, tab[k].len, tab[k].first = addr, n, 0
-            if sparse and isinstance(buf, mmap.mmap):
-                tab[k].drop = lib.MU_READ_SPARSE
             if n:
                 keep.append(ffi.from_buffer("uint8_t[]", buf))
                 tab[k].buf = keep[-1]
+            # a mapping's pages (or a page-aligned view's) that read as zeros are released
+            if sparse and n and _mapped(buf) and int(ffi.cast("uintptr_t", keep[-1])) % 4096 == 0:
+                tab[k].drop = lib.MU_READ_SPARSE
         check(lib.mu_read_walk(mem.fd, tab, len(pairs)), "read memory", pid=mem.pid)
         redo = [k for k in range(len(pairs)) if tab[k].bad]
         for k in redo:

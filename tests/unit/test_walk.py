@@ -1231,3 +1231,53 @@ def test_assemble_moves_big_pieces_down_by_pages():
     want = sorted(a for o in outs for a in o)
     assert isinstance(user, memoryview) and list(user) == want
     assert list(usable) == [a // 16 for a in want]
+
+
+# --- join_spanned: a chunk over untouched pages gets one copy of its extent -----------------
+class _Joiner:
+    """The part of walker._Walker that mmapped.MmappedMixin.join_spanned uses."""
+
+    def __init__(self):
+        self.copies = []
+
+    def copy(self, base, size, read=True, private=False, within=None):
+        from memunreachable.heaps.glibc.copies import Copy
+        c = Copy(None, base, size, False, private, within)
+        self.copies.append(c)
+        return c
+
+    from memunreachable.heaps.glibc.mmapped import MmappedMixin
+    join_spanned = MmappedMixin.join_spanned
+
+
+@pytest.mark.parametrize("shared", [True, False])
+def test_a_chunk_over_untouched_pages_becomes_one_copy_of_its_runs_and_zeros(shared):
+    # a range of 8 pages read as two runs (pages 0-1 and 5-6, the rest untouched), a chunk
+    # from page 1 to the range's end: one copy of pages 0-7 replaces both runs' copies. With
+    # the runs' copies views of one Backing (read_anonymous) it is a view of it too (nothing
+    # copied); without, their bytes copied into zeros: the same bytes either way
+    from memunreachable._types import Range
+    from memunreachable.heaps.glibc.copies import Backing
+    pg, base = 4096, 0x7F00_0000_0000
+    within = Backing(base, 8 * pg) if shared else None
+    w = _Joiner()
+    runs = [w.copy(base, 2 * pg, within=within), w.copy(base + 5 * pg, 2 * pg, within=within)]
+    for c, fill in zip(runs, (b"\xaa", b"\xbb")):
+        c.buf[:] = fill * c.size
+    w.join_spanned(runs, [(runs[0], Range(base + pg + 16, base + 8 * pg))])
+    joined, = w.copies
+    assert (joined.base, joined.size) == (base, 8 * pg)
+    assert bytes(joined.buf) == b"\xaa" * 2 * pg + bytes(3 * pg) + b"\xbb" * 2 * pg + bytes(pg)
+    assert (joined.within is within) and all(c.ptr is None for c in runs)
+    if shared:          # a view of the same pages: a write shows through the Backing
+        joined.buf[0] = 1
+        assert within.mapping[0] == 1
+
+
+def test_a_backing_gives_views_inside_it_only():
+    from memunreachable.heaps.glibc.copies import Backing
+    b = Backing(0x1000, 0x3000)
+    assert len(b.view(0x2000, 0x2000)) == 0x2000
+    for base, size in ((0x0, 0x1000), (0x3000, 0x2000)):
+        with pytest.raises(ValueError):
+            b.view(base, size)

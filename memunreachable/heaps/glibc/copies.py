@@ -5,6 +5,7 @@
                             once dropped (the low-memory walk), an Uncopied read on demand
     Uncopied(size, fd)      a region's buffer that is no copy: mu_region.uncopied reads it
                             through a /proc/<pid>/mem fd of the snapshot
+    Backing(base, size)     one mapping whose views are the copies of a range's runs
     Piece(lo, user, usable) the in-use chunks found in one run
 The chunk loops over them run in native/mu_walk.c (walker.py, mmapped.py, freelists.py).
 """
@@ -13,7 +14,7 @@ from __future__ import annotations
 import mmap
 import struct
 from array import array
-from typing import Tuple
+from typing import Optional, Tuple
 
 from memunreachable._ffi import ffi, lib
 from memunreachable._types import Fields, local_buffer
@@ -49,12 +50,18 @@ def is_uncopied(buf) -> bool:
 class Copy:
     """A local copy of [base, base+len) of target memory (or, once dropped, an Uncopied)."""
 
-    def __init__(self, mem, base: int, size: int, read: bool = True, private: bool = False):
+    def __init__(self, mem, base: int, size: int, read: bool = True, private: bool = False,
+                 within: "Optional[Backing]" = None):
         self.base = base
         self.size = size
-        # read whole, here or by run_jobs; private: a private anonymous mapping (zeros)
-        self.buf = (mmap.mmap(-1, size, flags=mmap.MAP_PRIVATE | mmap.MAP_ANONYMOUS) if private
-                    else local_buffer(size, zeroed=False))
+        # read whole, here or by run_jobs; private: a private anonymous mapping (zeros);
+        # within: a view of that Backing's mapping
+        self.within = within
+        if within is not None:
+            self.buf = within.view(base, size)
+        else:
+            self.buf = (mmap.mmap(-1, size, flags=mmap.MAP_PRIVATE | mmap.MAP_ANONYMOUS)
+                        if private else local_buffer(size, zeroed=False))
         if read:
             mem.read_into(base, self.buf)
         self.ptr = ffi.cast("uint8_t *", ffi.from_buffer(self.buf))
@@ -85,6 +92,26 @@ class Copy:
         if isinstance(self.buf, mmap.mmap):
             self.ptr = None
             self.buf.close()
+
+
+class Backing:
+    """One private anonymous mapping for [base, base+size) of target memory whose parts are
+    read apart (the runs of pages in use of an anonymous mapping): their copies are views of
+    it, and a copy of several parts with the untouched pages between them (zeros, never
+    written: no memory) is one view more, not a copy of them (mmapped.join_spanned)."""
+
+    def __init__(self, base: int, size: int):
+        self.base = base
+        self.mapping = mmap.mmap(-1, size, flags=mmap.MAP_PRIVATE | mmap.MAP_ANONYMOUS)
+
+    @property
+    def end(self) -> int:
+        return self.base + len(self.mapping)
+
+    def view(self, base: int, size: int) -> memoryview:
+        if not (self.base <= base and base + size <= self.end):
+            raise ValueError(f"{base:#x}+{size:#x} outside the backing at {self.base:#x}")
+        return memoryview(self.mapping)[base - self.base:base - self.base + size]
 
 
 class Piece(Fields):

@@ -20,7 +20,7 @@ from memunreachable.collect import procfs
 from memunreachable.collect.memory import read_many
 from memunreachable.heaps.glibc import layout as L
 from memunreachable.heaps.glibc import validate as V
-from memunreachable.heaps.glibc.copies import Copy, Piece, alloc_q
+from memunreachable.heaps.glibc.copies import Backing, Copy, Piece, alloc_q
 from memunreachable.stacks import tracking
 
 HOLE_MIN = 256 << 10     # untouched runs shorter than this are read (and scanned) as before
@@ -65,15 +65,21 @@ class MmappedMixin:
     def read_anonymous(self, ranges: List[Range], runs: Optional[dict]) -> Tuple[List[Copy], list]:
         """(a copy of each part of ranges in use (runs: runs_in_use's, None: all of each range),
         read; the end of each copy's range, where a chunk found in it must end)."""
-        parts = []                      # (begin, end) to copy, the end of its range
+        parts = []                      # (begin, end) to copy, the end of its range, its Backing
         for r in ranges:
             got = runs.get((r.begin, r.end)) if runs is not None else None
-            parts += [(b, e, r.end) for b, e in got] if got is not None else [(r.begin, r.end, r.end)]
-        cps = [self.copy(b, e - b, read=False) for b, e, _ in parts]
+            if got is None or list(got) == [(r.begin, r.end)]:
+                parts.append((r.begin, r.end, r.end, None))
+                continue
+            # the runs' copies are views of one mapping of the range: a chunk that spans
+            # untouched pages is then one view more (join_spanned), not a copy of its runs
+            within = Backing(r.begin, r.size)
+            parts += [(b, e, r.end, within) for b, e in got]
+        cps = [self.copy(b, e - b, read=False, within=within) for b, e, _, within in parts]
         for err in read_many(self.mem, [(cp.base, cp.buf) for cp in cps], sparse=True):
             if err is not None:
                 raise err           # the first unreadable range, as reading one by one
-        return cps, [limit for _, _, limit in parts]
+        return cps, [limit for _, _, limit, _ in parts]
 
     def scan_anonymous(self, cps: List[Copy], limits: List[int], arena: int, top: int,
                        need_runs: bool, fmt: L.MmapChunk = L.MMAP_CHUNK_227) -> Tuple[list, bool]:
@@ -172,8 +178,11 @@ class MmappedMixin:
 
     def join_spanned(self, cps: List[Copy], kept: List[Tuple[Copy, Range]]) -> None:
         """Give each chunk that spans untouched pages past its copy one copy of its own
-        extent: the copies it spans are copied into a zeroed buffer of that size (the untouched
-        pages stay zeros, never written), then replaced by it (one region per allocation)."""
+        extent, which replaces the copies it spans (one region per allocation): a view of
+        their Backing (read_anonymous), else their bytes copied into a zeroed buffer of that
+        size (the untouched pages stay zeros, never written). A copy of 16 MB of pymalloc
+        arenas before a list's 8 MB item array, whose last pages were never touched, took
+        10 ms of a 1 M-object Python process's check."""
         spans = sorted(r for _, r in kept)
         for cp, span in kept:
             if span.end <= cp.end or cp.ptr is None:
@@ -184,9 +193,16 @@ class MmappedMixin:
                 new_end = max([end] + [c.end for c in parts]
                               + [r.end for r in spans if cp.base <= r.begin < end])
                 grown, end = new_end > end, new_end
-            joined = self.copy(cp.base, end - cp.base, read=False, private=True)   # zeros
+            within = cp.within
+            if within is not None and all(c.within is within for c in parts) and end <= within.end:
+                # views of one Backing: the untouched pages between them are its zeros
+                joined = self.copy(cp.base, end - cp.base, read=False, within=within)
+            else:
+                joined = self.copy(cp.base, end - cp.base, read=False, private=True)   # zeros
+                for c in parts:
+                    joined.buf[c.base - joined.base:c.end - joined.base] = \
+                        memoryview(c.buf)[:c.size]
             for c in parts:
-                joined.buf[c.base - joined.base:c.end - joined.base] = memoryview(c.buf)[:c.size]
                 c.close()
                 c.ptr = None
                 self.copies.remove(c)

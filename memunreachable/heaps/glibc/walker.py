@@ -227,8 +227,9 @@ class _Walker(FreeListsMixin, MmappedMixin):
                 return data[addr - page:addr - page + size]
         return self.mem.read(addr, size)
 
-    def copy(self, base: int, size: int, read: bool = True, private: bool = False) -> Copy:
-        c = Copy(self.mem, base, size, read, private)
+    def copy(self, base: int, size: int, read: bool = True, private: bool = False,
+             within=None) -> Copy:
+        c = Copy(self.mem, base, size, read, private, within)
         self.copies.append(c)
         return c
 
