@@ -11,7 +11,7 @@ slowest shape's check against the fastest's.
 
     python bench/bench_shapes.py [--sizes 256,1024] [--huge] [--threads 8] [--runs 3]
                                  [--shapes list2,list1,...] [--old] [--no-lsan] [--lsan-cc CC]
-                                 [--python PYTHON] [--compare OTHER_CHECKOUT]
+                                 [--python PYTHON,...] [--compare OTHER_CHECKOUT]
 
 --huge adds 4096 MiB (about 10 minutes a shape; the machine needs twice that in RAM).
 C shapes (bench_target.c, one leaked noise block every 1,000 allocations, up to --leaks):
@@ -24,7 +24,10 @@ Python shapes: a PYTHON process holding 1 M objects per 256 MiB of --size (each 
 one 150-byte bytes object: 3 blocks; no leak), under pymalloc (python) or PYTHONMALLOC=malloc
 (python-malloc). Their LeakSanitizer run is the same script under PYTHONMALLOC=malloc with gcc's
 liblsan preloaded (LeakSanitizer sees no pymalloc object: its arenas are mmapped, so pymalloc
-cannot be compared; both Python rows are compared with the malloc heap's check).
+cannot be compared; both Python rows are compared with the malloc heap's check). --python takes
+several interpreters (comma-separated; each gets its rows, "python [SPEC]"): host paths, or
+ROOT:python3.X for a Debian root's (tests/distros.py: trixie:python3.13, sid:python3.14), whose
+LeakSanitizer run needs liblsan0 installed in the root (else its column is "-").
 --old also runs each check with MEMUNREACHABLE_MARK=on-demand (the low-memory mark before
 issue 25: a wave per level of the graph), alternating with the default (each first in turn).
 --compare runs each check with another checkout as well (with its own .venv's interpreter
@@ -45,6 +48,7 @@ import time
 from bench_check import HERE, ONE_CHECK, ROOT, lsan_seconds
 
 sys.path.insert(0, os.path.join(ROOT, "tests"))
+import distros  # noqa: E402
 import fixtures  # noqa: E402
 
 SHAPES = ["list2", "list1", "tree", "random2", "flat", "vectors", "python", "python-malloc"]
@@ -69,15 +73,16 @@ sys.stdin.readline()
 
 
 class PyTarget:
-    """A Python process holding n objects (PY_TARGET), parked until finish()."""
+    """A Python process holding n objects (PY_TARGET), parked until finish(); python is an
+    interpreter spec (distros.python_argv: a path or ROOT:python3.X)."""
 
     def __init__(self, python, n, malloc):
         env = dict(os.environ)
         env.pop("PYTHONMALLOC", None)
         if malloc:
             env["PYTHONMALLOC"] = "malloc"
-        self.proc = subprocess.Popen([python, "-c", PY_TARGET, str(n)], stdin=subprocess.PIPE,
-                                     stdout=subprocess.PIPE, env=env)
+        self.proc = subprocess.Popen(distros.python_argv(python) + ["-c", PY_TARGET, str(n)],
+                                     stdin=subprocess.PIPE, stdout=subprocess.PIPE, env=env)
         if self.proc.stdout.readline() != b"ready\n":
             raise SystemExit(f"{python}: the Python target did not start")
         self.pid = self.proc.pid
@@ -88,12 +93,18 @@ class PyTarget:
 
 
 def py_lsan_seconds(python, n, runs):
-    """LeakSanitizer's check of PY_TARGET's heap (PYTHONMALLOC=malloc, liblsan preloaded)."""
-    if not os.path.exists(LIBLSAN):
-        raise SystemExit(f"{LIBLSAN} is missing: apt-get install liblsan0 (or use --no-lsan)")
+    """LeakSanitizer's check of PY_TARGET's heap (PYTHONMALLOC=malloc, liblsan preloaded), or
+    None for a root's interpreter when the root lacks liblsan."""
+    root, name = distros.spec_root(python)
+    if not os.path.exists((root or "") + LIBLSAN):
+        if root is None:
+            raise SystemExit(f"{LIBLSAN} is missing: apt-get install liblsan0 (or use --no-lsan)")
+        print(f"  LeakSanitizer: {LIBLSAN} is missing in the {name} root "
+              f"(chroot {root} apt-get install liblsan0)", flush=True)
+        return None
     env = dict(os.environ, PYTHONMALLOC="malloc", LD_PRELOAD=LIBLSAN, LSAN_RUNS=str(runs))
-    out = subprocess.run([python, "-c", PY_TARGET, str(n)], env=env, capture_output=True,
-                         text=True).stdout
+    out = subprocess.run(distros.python_argv(python) + ["-c", PY_TARGET, str(n)], env=env,
+                         capture_output=True, text=True).stdout
     return [float(line.split()[1]) for line in out.splitlines() if line.startswith("lsan_seconds")]
 
 
@@ -148,21 +159,25 @@ def row(r):
             "scanned": r["bytes_scanned"] / 2**20}
 
 
-def start(shape, size, args):
-    """(target, LeakSanitizer's seconds-getter) for a shape of size MiB."""
+def start(shape, size, args, python=None):
+    """(target, LeakSanitizer's seconds-getter) for a shape of size MiB (a Python shape's under
+    the interpreter spec python)."""
     if shape.startswith("python"):
         n = PY_OBJECTS_PER_256M * size // 256
-        return (PyTarget(args.python, n, shape == "python-malloc"),
-                lambda: py_lsan_seconds(args.python, n, args.runs))
+        return (PyTarget(python, n, shape == "python-malloc"),
+                lambda: py_lsan_seconds(python, n, args.runs))
     target = [f"{size}M", str(args.threads), str(args.leaks), "0", shape]
     return (fixtures.start("bench_target", *target, timeout=1800),
             lambda: lsan_seconds(args.lsan_cc, target, args.runs))
 
 
-def bench_shape(shape, size, args, methods):
-    """Runs one shape: [(label, medians, methods, lsan)]."""
+def bench_shape(shape, size, args, methods, python=None, named=False):
+    """Runs one shape: [(label, medians, methods, lsan)]. python: a Python shape's interpreter
+    spec, named in its label (shape [python]) when named."""
     t0 = time.monotonic()
-    fx, lsan_of = start(shape, size, args)
+    fx, lsan_of = start(shape, size, args, python)
+    if named:
+        shape = f"{shape} [{python}]"
     print(f"\n{shape}: pid {fx.pid}, {size} MiB, built in {time.monotonic() - t0:.1f} s; "
           f"expects {fx.expect}", flush=True)
     runs = {m: [] for m in methods}
@@ -191,8 +206,10 @@ def bench_shape(shape, size, args, methods):
         fx.finish(timeout=600)
     lsan = None
     if not args.no_lsan:
-        lsan = statistics.median(lsan_of())
-        print(f"  LeakSanitizer: {lsan:.2f} s (median of {args.runs})", flush=True)
+        times = lsan_of()
+        if times is not None:
+            lsan = statistics.median(times)
+            print(f"  LeakSanitizer: {lsan:.2f} s (median of {args.runs})", flush=True)
     out = []
     for label, rows in runs.items():
         med = {k: statistics.median(r[k] for r in rows) for k in rows[0] if k != "method"}
@@ -230,7 +247,8 @@ def main():
                     help="also MEMUNREACHABLE_MARK=on-demand, alternating (before/after)")
     ap.add_argument("--no-lsan", action="store_true")
     ap.add_argument("--lsan-cc", default="cc")
-    ap.add_argument("--python", default="/usr/bin/python3", help="the Python shapes' target")
+    ap.add_argument("--python", default="/usr/bin/python3",
+                    help="the Python shapes' interpreters, comma-separated: paths or ROOT:python3.X")
     ap.add_argument("--compare", help="another checkout of memunreachable (built in place)")
     args = ap.parse_args()
     fixtures.FIXTURE_DIR = HERE  # bench_target.c lives here
@@ -243,9 +261,12 @@ def main():
         methods["compare"] = (None, os.path.abspath(args.compare))
     sizes = [int(s) for s in args.sizes.split(",")] + ([4096] if args.huge else [])
     tables = {}
+    pythons = args.python.split(",")
     for size in sizes:
         tables[size] = [r for shape in args.shapes.split(",")
-                        for r in bench_shape(shape, size, args, methods)]
+                        for python in (pythons if shape.startswith("python") else [None])
+                        for r in bench_shape(shape, size, args, methods, python,
+                                             len(pythons) > 1)]
     for size in sizes:
         print_table(size, tables[size], args)
 
