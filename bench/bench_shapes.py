@@ -18,7 +18,8 @@ C shapes (bench_target.c, one leaked noise block every 1,000 allocations, up to 
 list2 (a doubly linked list per thread: next + previous pointer, only the head held), list1
 (next only), tree (balanced binary trees), random2 (each block -> 2 random earlier ones, every
 block held from a table), flat (pointer-free blocks held from the table), vectors (4 KiB
-arrays of 500 pointers to small nodes). Their LeakSanitizer target is bench_target.c built
+arrays of 500 pointers to small nodes), holes (random2 with every other block freed: half the
+heap free chunks, in tcaches, fastbins and the unsorted bin). Their LeakSanitizer target is bench_target.c built
 -fsanitize=leak (__lsan_do_recoverable_leak_check()).
 Python shapes: a PYTHON process holding 1 M objects per 256 MiB of --size (each a list holding
 one 150-byte bytes object: 3 blocks; no leak), under pymalloc (python) or PYTHONMALLOC=malloc
@@ -51,7 +52,8 @@ sys.path.insert(0, os.path.join(ROOT, "tests"))
 import distros  # noqa: E402
 import fixtures  # noqa: E402
 
-SHAPES = ["list2", "list1", "tree", "random2", "flat", "vectors", "python", "python-malloc"]
+SHAPES = ["list2", "list1", "tree", "random2", "flat", "vectors", "holes", "python",
+          "python-malloc"]
 LIBLSAN = "/usr/lib/x86_64-linux-gnu/liblsan.so.0"
 PY_OBJECTS_PER_256M = 1_000_000
 

@@ -18,6 +18,8 @@
  *   flat      pointer-free blocks held from the table
  *   vectors   4 KiB arrays of 500 pointers to small nodes (24-40 bytes), the arrays held from
  *             the table
+ *   holes     random2, then every other block freed (its table slot cleared): half the heap
+ *             free chunks in tcaches, fastbins and the unsorted bin, and stale pointers to them
  * Built with -fsanitize=leak -DBENCH_LSAN (bench_check.py --lsan), it times LeakSanitizer's
  * in-process check of the same heap instead: LSAN_RUNS calls of
  * __lsan_do_recoverable_leak_check(), one "lsan_seconds S" line each, then exits.
@@ -50,7 +52,9 @@ static __attribute__((noinline)) void build(long id)
     unsigned long quota = g_bytes / g_nthreads;
     long count = g_nblocks / g_nthreads;
     void **table = malloc(cap * sizeof(void *));
-    int vectors = shape_is("vectors"), random2 = shape_is("random2"), flat = shape_is("flat");
+    int holes = shape_is("holes");
+    int vectors = shape_is("vectors"), random2 = shape_is("random2") || holes;
+    int flat = shape_is("flat");
     int list = shape_is("list1") || shape_is("list2");
     for (long allocs = 0; quota ? bytes < quota : n < count; allocs++) {
         if (leaked < nl && allocs >= 1000 * (leaked + 1)) {    /* a leak: noise only, nothing
@@ -96,6 +100,11 @@ static __attribute__((noinline)) void build(long id)
             b[0] = 2 * i + 1 < n ? table[2 * i + 1] : NULL;
             b[1] = 2 * i + 2 < n ? table[2 * i + 2] : NULL;
         }
+    for (long i = 1; holes && i < n; i += 2) {     /* the heap's quota is its size before */
+        long k = getenv("HOLES_RANDOM") ? (long)(rnd(&seed) % n) : i;
+        free(table[k]);
+        table[k] = NULL;
+    }
     if (list || shape_is("tree")) {                 /* only the head or the root is held */
         g_tables[id] = list ? table[n - 1] : table[0];
         free(table);

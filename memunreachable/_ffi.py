@@ -101,6 +101,16 @@ def u64_view(values):
 
 # Returns a mu_region[] over (base, buffer) pairs and the objects to keep alive with it. A
 # buffer with an uncopied_fd (glibc/copies.Uncopied) gives an uncopied region (mu_types.h).
+def rec_records(region, buf, keep: list) -> None:
+    """Gives an uncopied region its walk's records (copies.Uncopied.rec), if it has them; keep
+    holds what must live as long as the region."""
+    rec = getattr(buf, "rec", None)
+    if rec is not None and rec[2]:
+        keep.append(ffi.from_buffer("uint64_t[]", rec[0]))
+        keep.append(ffi.from_buffer("uint32_t[]", rec[1]))
+        region.rec, region.rec_ix, region.nrec = keep[-2], keep[-1], rec[2]
+
+
 def region_array(pairs: Sequence[Tuple[int, object]]):
     regions = ffi.new("mu_region[]", max(len(pairs), 1))
     keep = [regions]
@@ -111,6 +121,7 @@ def region_array(pairs: Sequence[Tuple[int, object]]):
             regions[k].uncopied, regions[k].fd = 1, fd
             if getattr(buf, "cands", None) is not None:
                 regions[k].cands = buf.cands
+            rec_records(regions[k], buf, keep)
             continue
         nbytes = memoryview(buf).nbytes
         data = ffi.from_buffer("uint8_t[]", buf) if nbytes else ffi.NULL

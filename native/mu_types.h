@@ -3,8 +3,9 @@
 /* A copy of target memory held by the sweeper: bytes [base, base+len) live at data.
  * uncopied = 1 (data NULL): no copy is held; the bytes are read on demand through fd, a
  * /proc/<pid>/mem fd of the snapshot (and the words of its cands' complete pieces are kept:
- * mu_mark scans a block from them without a read). Only mu_mark and mu_walk's list walks (mu_walk_chain,
- * mu_walk_tcache_scan, mu_walk_bin) accept such regions; every other function needs data. */
+ * mu_mark scans a block from them without a read; the list walks read the words the walk
+ * recorded, rec). Only mu_mark and mu_walk's list walks (mu_walk_chain, mu_walk_tcache_scan,
+ * mu_walk_bin) accept such regions; every other function needs data. */
 typedef struct mu_cands mu_cands;  /* reference candidates of an uncopied region (mu_walk.h) */
 
 typedef struct {
@@ -14,6 +15,11 @@ typedef struct {
     int32_t fd;
     uint32_t uncopied;
     const mu_cands *cands;  /* uncopied: its candidates kept by the walk, or NULL */
+    /* uncopied: words the walk read there for the list walks (mu_read_job.rec), nrec records
+     * of 4 words ascending by chunk, or NULL: read from them, not through fd */
+    const uint64_t *rec;
+    uint64_t nrec;
+    const uint32_t *rec_ix;     /* rec's page index (mu_read_job.rec_ix) */
 } mu_region;
 
 /* Words that are not references (GC links, dead free-list slots): mark and fold ignore every

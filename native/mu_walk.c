@@ -16,8 +16,14 @@
 /* Where a walk stands: it can stop when the next step needs bytes not copied yet, and go on
  * later from here (mu_read_walk). */
 typedef struct {
-    uint64_t c, stored, last_in_use, last_size;
+    uint64_t c, stored, last_in_use, last_size, rec_stored;
 } walk_pos;
+
+/* Where a walk keeps the words of free-list nodes (mu_read_job.rec), or NULL. */
+typedef struct {
+    uint64_t *out, cap, lo, hi, max;
+    uint32_t mangled;
+} walk_rec;
 
 /* mu_read_walk reads a dropped job's pieces (MU_READ_DROP) into a ring of RW_RING slots of
  * 1 MiB, piece r of the dropped jobs' pieces into slot r % RW_RING, instead of into the
@@ -54,14 +60,46 @@ static inline const uint8_t *walk_at(const uint8_t *data, uint64_t base, const w
  * (only when !final: the top chunk, fenceposts and the chunk after the last complete one
  * wait for the final call, or with a ring only for the bytes they read), 0 when the run
  * ended (res->status says how). ring: the bytes are in mu_read_walk's ring (data unused). */
+/* Whether w, the first word of a chunk's user bytes at u, is a free-list link (walk_rec). */
+static inline int rec_link(const walk_rec *wr, uint64_t u, uint64_t w)
+{
+    for (uint32_t k = 0; k < 2; k++) {
+        if ((wr->mangled == 0 && k) || (wr->mangled == 1 && !k))
+            continue;
+        uint64_t d = k ? w ^ (u >> 12) : w;
+        if (!d || (!(d & 15) && d >= wr->lo && d < wr->hi))
+            return 1;
+    }
+    return 0;
+}
+
+/* Records chunk c (size word sz, size s; free: the walk found it free) for the list walks,
+ * when its words up to c+32 are at hand (below avail). */
+static inline void walk_record(const walk_rec *wr, uint64_t *n, const uint8_t *data,
+                               uint64_t base, const walk_ring *ring, uint64_t avail, uint64_t c,
+                               uint64_t sz, uint64_t s, int free)
+{
+    if (*n >= wr->cap || (!free && s > wr->max) || c + 32 > avail)
+        return;
+    uint64_t w16 = mu_ld64(walk_at(data, base, ring, c + 16));
+    if (!free && !rec_link(wr, c + 16, w16))
+        return;
+    uint64_t *o = wr->out + 4 * (*n)++;
+    o[0] = c | (uint64_t)(free != 0);
+    o[1] = sz;
+    o[2] = w16;
+    o[3] = mu_ld64(walk_at(data, base, ring, c + 24));
+}
+
 static int walk_steps(const uint8_t *data, uint64_t base, uint64_t len, uint64_t avail, int final,
                       uint64_t top, uint32_t non_main, uint64_t *user, uint64_t *usable,
-                      uint64_t cap, mu_walk_result *res, walk_pos *pos, const walk_ring *ring)
+                      uint64_t cap, mu_walk_result *res, walk_pos *pos, const walk_ring *ring,
+                      const walk_rec *wr)
 {
     const uint64_t lim = base + len;
     uint64_t c = pos->c, stored = pos->stored;
     uint64_t last_in_use = pos->last_in_use;   /* chunk address of the last chunk counted in use */
-    uint64_t last_size = pos->last_size;
+    uint64_t last_size = pos->last_size, rec_stored = pos->rec_stored;
     int paused = 0;
     for (;;) {
         if (!final && ((top && c == top && !ring) || c + 16 > avail)) {
@@ -185,6 +223,9 @@ static int walk_steps(const uint8_t *data, uint64_t base, uint64_t len, uint64_t
         if (!have_next)
             next = mu_ld64(walk_at(data, base, ring, c + s + 8));
         res->chunks++;
+        if (wr)
+            walk_record(wr, &rec_stored, data, base, ring, avail, c, sz, s,
+                        !(next & CHUNK_PREV_INUSE));
         if (next & CHUNK_PREV_INUSE) {
             /* the pseudo chunk before a {0|1} fencepost has no NON_MAIN_ARENA (arena.c) */
             if (((sz & CHUNK_NON_MAIN) != 0) != (non_main != 0) &&
@@ -213,6 +254,7 @@ static int walk_steps(const uint8_t *data, uint64_t base, uint64_t len, uint64_t
     pos->stored = stored;
     pos->last_in_use = last_in_use;
     pos->last_size = last_size;
+    pos->rec_stored = rec_stored;
     return paused;
 }
 
@@ -223,8 +265,9 @@ int64_t mu_walk_run(const uint8_t *data, uint64_t base, uint64_t len, uint64_t f
     if (!data || !res || (cap && (!user || !usable)) || first < base || (first & 15))
         return -EINVAL;
     memset(res, 0, sizeof *res);
-    walk_pos pos = {first, 0, 0, 0};
-    walk_steps(data, base, len, base + len, 1, top, non_main, user, usable, cap, res, &pos, NULL);
+    walk_pos pos = {first, 0, 0, 0, 0};
+    walk_steps(data, base, len, base + len, 1, top, non_main, user, usable, cap, res, &pos, NULL,
+               NULL);
     return (int64_t)(pos.stored < cap ? pos.stored : cap);
 }
 
@@ -300,12 +343,58 @@ static int uncopied_read(const mu_region *r, uint64_t addr, uint8_t *out, uint64
     return mu_read_serial(r->fd, addr, out, n, &first_bad) == 0 ? 0 : -1;
 }
 
+/* Index of the record of chunk c in uncopied region r's records (mu_region.rec), or -1:
+ * searched among its page's (rec_ix). */
+static int64_t rec_find(const mu_region *r, uint64_t c)
+{
+    if (c < r->base || c - r->base >= r->len)
+        return -1;
+    uint64_t p = (c - r->base) >> 12, lo = r->rec_ix[p], hi = r->rec_ix[p + 1];
+    while (lo < hi) {
+        uint64_t mid = lo + (hi - lo) / 2;
+        if ((r->rec[4 * mid] & ~(uint64_t)1) < c)
+            lo = mid + 1;
+        else
+            hi = mid;
+    }
+    return lo < r->nrec && (r->rec[4 * lo] & ~(uint64_t)1) == c ? (int64_t)lo : -1;
+}
+
+/* The word at addr from r's records (a chunk's size word at +8, its words at +16 and +24, as
+ * the walk read them): 1 when one holds it. */
+static int rec_word(const mu_region *r, uint64_t addr, uint64_t *v)
+{
+    if (!r->rec || !r->rec_ix || (addr & 7))
+        return 0;
+    for (uint64_t off = (addr & 15) == 8 ? 8 : 16; off <= 24; off += 16) {
+        int64_t k = addr - off < addr ? rec_find(r, addr - off) : -1;
+        if (k >= 0) {
+            *v = r->rec[4 * k + off / 8];
+            return 1;
+        }
+    }
+    return 0;
+}
+
+/* Whether the walk found chunk c free (its record says so: its next chunk's PREV_INUSE was
+ * clear). */
+static int rec_free(const mu_region *r, uint64_t nr, uint64_t c)
+{
+    int64_t i = mu_region_find(r, nr, c, 8);
+    if (i < 0 || !r[i].uncopied || !r[i].rec || !r[i].rec_ix)
+        return 0;
+    int64_t k = rec_find(&r[i], c);
+    return k >= 0 && (r[i].rec[4 * k] & 1);
+}
+
 static inline int region_word(const mu_region *r, uint64_t nr, uint64_t addr, uint64_t *v)
 {
     int64_t i = mu_region_find(r, nr, addr, 8);
     if (i < 0)
         return -1;
     if (r[i].uncopied) {
+        if (rec_word(&r[i], addr, v))
+            return 0;
         uint8_t w[8];
         if (uncopied_read(&r[i], addr, w, 8))
             return -1;
@@ -618,7 +707,9 @@ int64_t mu_walk_bin(const mu_region *regions, uint64_t nregions, uint64_t bin, u
         uint64_t s = sz & ~(uint64_t)CHUNK_FLAGS;
         (*nodes)++;
         *bytes += s;
-        if (!region_word(regions, nregions, cur + s + 8, &nexthdr) && !(nexthdr & CHUNK_PREV_INUSE))
+        if (rec_free(regions, nregions, cur) ||
+            (!region_word(regions, nregions, cur + s + 8, &nexthdr) &&
+             !(nexthdr & CHUNK_PREV_INUSE)))
             (*bit_free)++;
         prev = cur;
         if (region_word(regions, nregions, cur + 16, &cur)) {
@@ -849,6 +940,25 @@ static const walk_ring *rw_ring_of(const rw_ctx *x, uint64_t j, walk_ring *ring)
     return (x->jobs[j].drop & MU_READ_DROP) ? ring : NULL;
 }
 
+/* ix[p] = the index of the first of the n records (ascending, in [base, base+len)) at or
+ * past page p of [base, base+len), for p up to (len >> 12) + 1. */
+static void rec_index(const uint64_t *rec, uint64_t n, uint64_t base, uint64_t len, uint32_t *ix)
+{
+    uint64_t k = 0, np = (len >> 12) + 2;
+    for (uint64_t p = 0; p < np; p++) {
+        while (k < n && ((rec[4 * k] & ~(uint64_t)1) - base) >> 12 < p)
+            k++;
+        ix[p] = (uint32_t)k;
+    }
+}
+
+/* Job jb's walk_rec, filled into *wr, or NULL when it keeps no records. */
+static const walk_rec *rw_rec_of(const mu_read_job *jb, walk_rec *wr)
+{
+    *wr = (walk_rec){jb->rec, jb->rec_cap, jb->rec_lo, jb->rec_hi, jb->rec_max, jb->rec_mangled};
+    return jb->rec && jb->rec_cap ? wr : NULL;
+}
+
 /* Walks job j over the pieces copied so far, unless another thread is at it; then looks
  * again, so that a piece finished during the walk is not left for the final pass. */
 static void rw_advance(rw_ctx *x, uint64_t j)
@@ -868,8 +978,10 @@ static void rw_advance(rw_ctx *x, uint64_t j)
         if (k > st->walked && !st->finished) {
             uint64_t got = k * RW_PIECE < jb->len ? k * RW_PIECE : jb->len;
             int final = k == np;
+            walk_rec wr;
             if (!walk_steps(jb->buf, jb->addr, jb->len, jb->addr + got, final, jb->top,
-                            jb->non_main, jb->user, jb->usable, jb->cap, &jb->res, &st->pos, r))
+                            jb->non_main, jb->user, jb->usable, jb->cap, &jb->res, &st->pos, r,
+                            rw_rec_of(jb, &wr)))
                 st->finished = 1;
         }
         st->walked = k;
@@ -958,12 +1070,15 @@ int64_t mu_read_walk(int memfd, mu_read_job *jobs, uint64_t njobs)
             (jb->first && ((jb->cap && (!jb->user || !jb->usable)) ||
                            jb->first < jb->addr || (jb->first & 15))) ||
             (jb->cands && (jb->cands->base != jb->addr || jb->cands->len != jb->len)) ||
+            (jb->rec_cap && (!jb->rec || !jb->rec_ix || !jb->first || jb->rec_mangled > 2
+                             || jb->rec_cap >= (1ull << 32))) ||
             (jb->drop & ~(uint32_t)(MU_READ_DROP | MU_READ_SPARSE)) ||
             (in_ring && (jb->drop & MU_READ_SPARSE)) ||
             ((jb->drop & MU_READ_SPARSE) && ((uintptr_t)jb->buf & 4095)))
             return -EINVAL;
         memset(&jb->res, 0, sizeof jb->res);
         jb->stored = jb->bad = 0;
+        jb->rec_stored = 0;
         jb->first_bad = 0;
         total += jb->len;
         any_ring |= in_ring && jb->len;
@@ -1023,11 +1138,15 @@ int64_t mu_read_walk(int memfd, mu_read_job *jobs, uint64_t njobs)
         if (!jb->first)
             continue;
         walk_ring ring;
+        walk_rec wr;
         if (!x.st[j].finished)
             walk_steps(jb->buf, jb->addr, jb->len, jb->addr + jb->len, 1, jb->top, jb->non_main,
                        jb->user, jb->usable, jb->cap, &jb->res, &x.st[j].pos,
-                       rw_ring_of(&x, j, &ring));
+                       rw_ring_of(&x, j, &ring), rw_rec_of(jb, &wr));
         jb->stored = (int64_t)(x.st[j].pos.stored < jb->cap ? x.st[j].pos.stored : jb->cap);
+        jb->rec_stored = x.st[j].pos.rec_stored;
+        if (jb->rec && jb->rec_ix)
+            rec_index(jb->rec, jb->rec_stored, jb->addr, jb->len, jb->rec_ix);
     }
     pthread_cond_destroy(&x.ring_cv);
     pthread_mutex_destroy(&x.ring_mu);

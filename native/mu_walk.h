@@ -56,6 +56,22 @@ typedef struct {
     uint64_t cap;
     mu_cands *cands;        /* in: NULL, or candidates over exactly [addr, addr+len): filled
                              * from each piece as it is read (mu_cands_new) */
+    /* in: NULL, or room for rec_cap records of the words the free-list walks read, so that
+     * they need no read of an uncopied region (mu_region.rec): for every chunk the walk finds
+     * free, and every in-use chunk of at most rec_max bytes whose first word is a free-list
+     * link (0, or an address in [rec_lo, rec_hi) that is 16-aligned, decoded with
+     * safe-linking's (address >> 12) when rec_mangled is 1, either way when 2): its address
+     * (| 1 when free: its next chunk's PREV_INUSE is clear), its size word and its words at
+     * +16 and +24, in address order; past rec_cap no more are kept. */
+    uint64_t *rec;
+    uint32_t *rec_ix;       /* in: room for (len >> 12) + 2 entries (with rec): out, for each
+                             * 4 KiB page of [addr, addr+len) the index of its first record,
+                             * then rec_stored */
+    uint64_t rec_cap;
+    uint64_t rec_lo, rec_hi, rec_max;
+    uint32_t rec_mangled;
+    uint32_t rec_pad;
+    uint64_t rec_stored;    /* out: records kept */
     mu_walk_result res;     /* out: as mu_walk_run's */
     int64_t stored;         /* out: what mu_walk_run returns (0 without a walk) */
     int64_t bad;            /* out: unreadable bytes (zero-filled, as mu_read), or -errno */

@@ -1281,3 +1281,108 @@ def test_a_backing_gives_views_inside_it_only():
     for base, size in ((0x0, 0x1000), (0x3000, 0x2000)):
         with pytest.raises(ValueError):
             b.view(base, size)
+
+
+# ---- the walk's records of the free-list words (mu_read_job.rec) ---------------------------
+def _expected_records(run, lo, hi, mangled, max_size):
+    """The records mu_read_walk keeps over run (its chunks up to the top), by the rule in
+    mu_walk.h: free chunks, and in-use ones of at most max_size whose first word is a link."""
+    out = []
+    for a, s, used in run.chunks:
+        sz, w16, w24 = struct.unpack_from("<QQQ", run.buf, a - run.base + 8)
+        if used:
+            d = w16 ^ ((a + 16) >> 12) if mangled else w16
+            if s > max_size or (d and (d & 15 or not lo <= d < hi)):
+                continue
+        out.append((a | (not used), sz, w16, w24))
+    return out
+
+
+@pytest.mark.parametrize("ring", [True, False], ids=["dropped", "kept"])
+def test_read_walk_records_the_free_list_words_and_the_walks_read_only_them(ring):
+    # a 3 MiB run: a mangled fastbin chain of 0x50 chunks across the pieces, in-use chunks
+    # whose first word is data (not recorded), a big in-use chunk, free chunks in a bin
+    # (doubly linked through an arena's bin header); the run walked with records, then the
+    # chain and the bin walked over an uncopied region whose fd reads nothing: every word
+    # comes from the records, and the results equal the walks over the copy
+    rnd = random.Random(3)
+    holder = {}
+
+    def fill(r):
+        fast, free = [], []
+        while r.cur + 0x3000 < r.base + len(r.buf):
+            k = rnd.randrange(4)
+            if k == 0:
+                fast.append(r.chunk(0x50))
+            elif k == 1:
+                free.append(r.chunk(0x100, in_use=False))
+                r.chunk(0x20)           # free chunks never touch: glibc coalesces them
+            elif k == 2:
+                a = r.chunk(0x60)
+                r.set_word(a + 16, 0x4142434445464748)       # data, no link
+            else:
+                r.chunk(0x800)                               # past rec_max when set below it
+        top = r.finish_top()
+        u = [c + 16 for c in fast]
+        for x, y in zip(u, u[1:] + [0]):
+            r.set_word(x, (x >> 12) ^ y)                     # safe-linking, NULL at the end
+        holder.update(fast=fast, free=free)
+        return r.base, top
+
+    size = 3 << 20
+    src, run, (first, top) = _mapped_run(size, fill)
+    arena = Run(base=0x20000000, size=0x100)
+    binc = arena.base + 0x40
+    free = holder["free"]
+    ring_ = [binc] + free + [binc]
+    for prev, cur, nxt in zip(ring_, ring_[1:], ring_[2:]):
+        run.set_word(cur + 16, nxt)
+        run.set_word(cur + 24, prev)
+    arena.set_word(binc + 16, free[0])
+    arena.set_word(binc + 24, free[-1])
+    src[:] = run.buf
+    lo, hi, rec_max = run.base, run.base + size, 0x400
+    want = _expected_records(run, lo, hi, True, rec_max)
+    assert sum(1 for r in want if r[0] & 1) == len(free) and len(want) > len(free) + 100
+    cap = size // 32
+    user, usable = array("Q", bytes(8 * cap)), array("Q", bytes(8 * cap))
+    rec, ix = array("Q", bytes(32 * (len(want) + 10))), array("I", bytes(4 * ((size >> 12) + 2)))
+    dst = mmap.mmap(-1, size, flags=mmap.MAP_PRIVATE | mmap.MAP_ANONYMOUS)
+    pd = ffi.from_buffer(dst)
+    jobs = ffi.new("mu_read_job[]", 1)
+    j = jobs[0]
+    j.addr, j.len, j.buf, j.first, j.top = run.base, size, ffi.cast("uint8_t *", pd), first, top
+    j.drop = lib.MU_READ_DROP if ring else 0
+    j.user, j.usable, j.cap = (ffi.from_buffer("uint64_t[]", user),
+                               ffi.from_buffer("uint64_t[]", usable), cap)
+    j.rec, j.rec_ix, j.rec_cap = ffi.from_buffer("uint64_t[]", rec), ffi.from_buffer("uint32_t[]", ix), len(rec) // 4
+    j.rec_lo, j.rec_hi, j.rec_max, j.rec_mangled = lo, hi, rec_max, 1
+    fd = os.open("/proc/self/mem", os.O_RDONLY)
+    try:
+        assert lib.mu_read_walk(fd, jobs, 1) == 0
+    finally:
+        os.close(fd)
+    n = j.rec_stored
+    assert [tuple(rec[4 * k:4 * k + 4]) for k in range(n)] == want
+    assert all(ix[p] == sum(1 for r in want if (r[0] & ~1) - lo < p << 12)
+               for p in range(0, (size >> 12) + 2, 97))
+    copied, keep = regions(run, arena)
+    lazy = ffi.new("mu_region[]", 2)                # the heap uncopied, read through no fd
+    lazy[0].base, lazy[0].len, lazy[0].data = arena.base, len(arena.buf), copied[0].data
+    lazy[1].base, lazy[1].len, lazy[1].uncopied, lazy[1].fd = run.base, size, 1, -1
+    lazy[1].rec, lazy[1].rec_ix, lazy[1].nrec = ffi.from_buffer("uint64_t[]", rec), ffi.from_buffer("uint32_t[]", ix), n
+    head = holder["fast"][0] + 16
+    results = []
+    for tab in (copied, lazy):
+        st, got, res = chain(tab, 2, run, head, 0, 1, 0x50, 100000, cap=100000)
+        nodes_, nbytes, bitfree, bad = (ffi.new("uint64_t *") for _ in range(4))
+        rc = lib.mu_walk_bin(tab, 2, binc, 100000, nodes_, nbytes, bitfree, bad)
+        results.append((st, got, rc, nodes_[0], nbytes[0], bitfree[0], bad[0]))
+    assert results[0] == results[1]
+    assert results[0][:1] == (lib.MU_CHAIN_NULL,) and results[0][1] == [c + 16 for c in holder["fast"]]
+    assert results[0][2:6] == (0, len(free), 0x100 * len(free), len(free))
+    # without the records the same walks cannot read a word
+    lazy[1].rec, lazy[1].nrec = ffi.NULL, 0
+    st, got, res = chain(lazy, 2, run, head, 0, 1, 0x50, 100000, cap=100000)
+    assert (st, res.reason) == (lib.MU_CHAIN_BAD, lib.MU_LINK_UNREADABLE)
+    del pd

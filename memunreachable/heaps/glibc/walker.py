@@ -22,7 +22,7 @@ from typing import Dict, List, Optional, Tuple
 
 from memunreachable.sweep import detect
 from memunreachable._errors import UnsupportedTarget
-from memunreachable._ffi import TWO_THREADS_MIN, check, ffi, in_thread, lib
+from memunreachable._ffi import TWO_THREADS_MIN, check, ffi, in_thread, lib, rec_records
 from memunreachable._types import (Allocator, Fields, HeapImage, Mapping, Range, ThreadState,
                                    extend_u64, local_buffer, merge_ranges)
 from memunreachable.heaps.glibc import layout as L
@@ -47,6 +47,12 @@ RUN_START_TRIES = 64        # candidate run starts tried after a main-arena doub
 # pointer arrays (5.7 M words) 0.86x instead of 0.68x, mark 0.22 s instead of 0.36-0.39 s
 # (247 MiB read again). A pointer-dense heap's candidates stop at 0.25x.
 CANDIDATE_BUDGET_DIVISOR = 4
+# The records of the words the free-list walks read in a heap walked without a copy
+# (mu_read_job.rec, 32 bytes each): one per this many bytes of heap at most (a heap of
+# 200-byte chunks, half of them free, needs one per 400 bytes), and in-use chunks up to the
+# largest tcache chunk (64 bins: 1040 bytes) when their first word is a free-list link
+RECORD_BUDGET_DIVISOR = 256
+RECORD_MAX_INUSE = 1040
 PAGE_SIZE = 4096
 
 
@@ -234,13 +240,17 @@ class _Walker(FreeListsMixin, MmappedMixin):
         return c
 
     # -- heap copies read and walked in one pass --------------------------------------
-    def run_jobs(self, jobs: List["_Job"], uncopied_from: Optional[int] = None) -> bool:
+    def run_jobs(self, jobs: List["_Job"], uncopied_from: Optional[int] = None,
+                 safe_linking: Optional[bool] = None) -> bool:
         """Copy each job's range and walk its first run: in one native pass (mu_read_walk, the
         walk follows the reads) when every range comes from the snapshot's fd alone, else
         with mem.read_into then walk_run. Sets job.res and job.piece. uncopied_from: when the
         ranges (fast path only) total at least this many bytes, no copy is kept: each piece
         is released once walked and the copies become Uncopied regions (the low-memory
-        sweep). Returns True when the copies were dropped."""
+        sweep), and the walk records the words the free-list walks will read there
+        (mu_read_job.rec: free chunks, and in-use chunks whose first word is a link, as
+        safe_linking says: mangled, raw, or None for either). Returns True when the copies
+        were dropped."""
         fast = getattr(self.mem, "plain", None)
         if not jobs:
             return False
@@ -250,7 +260,7 @@ class _Walker(FreeListsMixin, MmappedMixin):
                 j.res, j.piece = self.walk_run(j.cp, j.first, j.top, j.non_main)
             return False
         drop = uncopied_from is not None and sum(j.cp.size for j in jobs) >= uncopied_from
-        cands = {}
+        cands, recs = {}, {}
         if drop:
             self.stats["heaps_read_again"] = 0      # dropped copies read twice (no room)
             spans = array("Q", [a for r in self.allocation_ranges(jobs) for a in (r.begin, r.end)])
@@ -261,6 +271,12 @@ class _Walker(FreeListsMixin, MmappedMixin):
                                        j.cp.size // CANDIDATE_BUDGET_DIVISOR // 12, out),
                       "reference candidates")
                 cands[id(j)] = ffi.gc(out[0], lib.mu_cands_free)
+                # the free-list walks' words (mu_read_job.rec), in address space that costs
+                # only what is written: a heap half free chunks was walked one read a word,
+                # 1.3 s of 256 MiB
+                recs[id(j)] = (local_buffer(32 * max(1, j.cp.size // RECORD_BUDGET_DIVISOR)),
+                               local_buffer(4 * ((j.cp.size >> 12) + 2)))
+        lo, hi = min(j.cp.base for j in jobs), max(j.cp.end for j in jobs)
         tab = ffi.new("mu_read_job[]", len(jobs))
         # room for every chunk a run can hold: the scratch costs only the pages written, and
         # a run past its room is walked again (dropped copies from a fresh copy of their heap:
@@ -282,6 +298,12 @@ class _Walker(FreeListsMixin, MmappedMixin):
             t.drop = lib.MU_READ_DROP if drop else 0
             t.user, t.usable, t.cap = keep[0] + sc.at[k], keep[1] + sc.at[k], j.cap
             t.cands = cands.get(id(j), ffi.NULL)
+            if id(j) in recs:
+                rec, ix = recs[id(j)]
+                keep += [ffi.from_buffer("uint64_t[]", rec), ffi.from_buffer("uint32_t[]", ix)]
+                t.rec, t.rec_ix, t.rec_cap = keep[-2], keep[-1], len(rec) // 32
+                t.rec_lo, t.rec_hi, t.rec_max = lo, hi, RECORD_MAX_INUSE
+                t.rec_mangled = 2 if safe_linking is None else int(safe_linking)
         check(lib.mu_read_walk(self.mem.fd, tab, len(jobs)), "read and walk heaps",
               pid=self.mem.pid)
         del keep
@@ -306,9 +328,10 @@ class _Walker(FreeListsMixin, MmappedMixin):
                 continue
             j.res, j.piece = res, Piece(j.first, mu[:t.stored], mv[:t.stored], at)
         if drop:
-            for j in jobs:
-                j.cp.drop(self.mem.fd, cands[id(j)])
+            for k, j in enumerate(jobs):
+                j.cp.drop(self.mem.fd, cands[id(j)], recs[id(j)] + (tab[k].rec_stored,))
             self.stats["uncopied_bytes"] = sum(j.cp.size for j in jobs)
+            self.stats["list_word_records"] = sum(t.rec_stored for t in tab)
             kept = [j.cp.buf.kept() for j in jobs]
             self.stats["candidate_words"] = sum(w for w, _ in kept)
             self.stats["candidate_pieces"] = sum(p for _, p in kept)
@@ -500,12 +523,14 @@ class _Walker(FreeListsMixin, MmappedMixin):
         live = sorted((c for c in self.copies if c.ptr is not None or is_uncopied(c.buf)),
                       key=lambda c: c.base)
         tab = ffi.new("mu_region[]", max(1, len(live)))
+        keep = [tab]        # (the records' buffers live in their Uncopied: pointers stay valid)
         for i, c in enumerate(live):
             tab[i].base, tab[i].len = c.base, c.size
             if c.ptr is not None:
                 tab[i].data = c.ptr
-            else:                       # dropped: the list walks read it through the fd
-                tab[i].uncopied, tab[i].fd = 1, c.buf.uncopied_fd
+            else:                       # dropped: the list walks read it through the fd,
+                tab[i].uncopied, tab[i].fd = 1, c.buf.uncopied_fd     # or the walk's records
+                rec_records(tab[i], c.buf, keep)
         return tab, len(live)
 
     def check_bins(self, arenas: List[int], lay: L.Layout) -> None:
@@ -648,9 +673,11 @@ def walk_heap(mem, maps: List[Mapping], threads: List[ThreadState], pid: int,
     # 4. thread arenas and their heaps
     plans = [w.plan_thread_arena(a, lay, w.word(a + lay.state.top), heap_max) for a in arenas[1:]]
     # 3b-4b. copy the main arena's memory and every heap, walking each while it is read
+    v = L.version_tuple(loc.version)
+    safe = None if v is None else v >= L.SAFE_LINKING_FROM
     dropped = w.run_jobs(([main_job] if main_job else []) +
                          [j for steps in plans for j in steps if isinstance(j, _Job)],
-                         uncopied_from)
+                         uncopied_from, safe)
     if main_job is not None:
         top_reached = w.main_runs(main, top, main_job)
         if dropped and main_job.cp.ptr is not None:
