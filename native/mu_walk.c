@@ -438,15 +438,19 @@ static int64_t check_node(const mu_region *regions, uint64_t nregions, const uin
     if (size < *floor)
         return MU_LINK_ORDER;
     *floor = size;
-    if (arena) {
-        uint64_t sz;
-        if (region_word(regions, nregions, node - 8, &sz))
-            return MU_LINK_UNREADABLE;
-        if (((sz & CHUNK_NON_MAIN) != 0) != (arena == 2))
-            return MU_LINK_WRONG_ARENA;
-    }
-    if (region_word(regions, nregions, node, link))
+    uint64_t sz;
+    int64_t r = mu_region_find(regions, nregions, node - 8, 16), k = -1;
+    if (r >= 0 && regions[r].uncopied && regions[r].rec && regions[r].rec_ix)
+        k = rec_find(&regions[r], node - 16);       /* both words from one record */
+    if (k >= 0) {
+        sz = regions[r].rec[4 * k + 1];
+        *link = regions[r].rec[4 * k + 2];
+    } else if ((arena && region_word(regions, nregions, node - 8, &sz)) ||
+               region_word(regions, nregions, node, link)) {
         return MU_LINK_UNREADABLE;
+    }
+    if (arena && ((sz & CHUNK_NON_MAIN) != 0) != (arena == 2))
+        return MU_LINK_WRONG_ARENA;
     return MU_LINK_OK;
 }
 
@@ -745,13 +749,18 @@ static void *subtract_move(void *arg)
 }
 
 int64_t mu_walk_subtract(uint64_t *user, uint64_t *usable, uint64_t n, uint64_t *drop,
-                         uint64_t ndrop, uint64_t *removed)
+                         uint64_t ndrop, uint64_t *removed, uint64_t *distinct)
 {
     if ((n && (!user || !usable)) || (ndrop && !drop) || !removed)
         return -EINVAL;
     *removed = 0;
     if (ndrop > 1)
         qsort(drop, ndrop, sizeof *drop, cmp_u64);
+    if (distinct) {
+        *distinct = 0;
+        for (uint64_t j = 0; j < ndrop; j++)
+            *distinct += !j || drop[j] != drop[j - 1];
+    }
     /* each dropped entry found by a search; the runs between them move down whole (the
      * entries before the first dropped one stay where they are): first the runs, then their
      * moves, user's and usable's on two threads when the arrays are big */

@@ -214,10 +214,11 @@ int64_t mu_walk_bins(const mu_region *regions, uint64_t nregions, uint64_t first
 
 /* Remove from the ascending user[]/usable[] (n entries) every address listed in drop[]
  * (ndrop entries, any order; sorted in place). Returns the new length (or -ENOMEM); *removed
- * gets the number of drop[] entries that matched (duplicates in drop count once). Big arrays
- * move on two threads, one each. */
+ * gets the number of drop[] entries that matched (duplicates in drop count once), and
+ * *distinct (unless NULL) the number of distinct drop[] entries. Big arrays move on two
+ * threads, one each. */
 int64_t mu_walk_subtract(uint64_t *user, uint64_t *usable, uint64_t n, uint64_t *drop,
-                         uint64_t ndrop, uint64_t *removed);
+                         uint64_t ndrop, uint64_t *removed, uint64_t *distinct);
 
 /* Moves n bytes from p + src down to p + dst (dst < src) inside one private anonymous mapping
  * of ours (pages: 1 to move its whole pages with mremap, else 0: a plain memmove). The

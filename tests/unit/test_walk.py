@@ -438,11 +438,11 @@ def test_subtract():
     user = array("Q", [16, 48, 80, 112, 144])
     usable = array("Q", [1, 2, 3, 4, 5])
     drop = array("Q", [144, 48, 48, 999])
-    removed = ffi.new("uint64_t *")
+    removed, distinct = ffi.new("uint64_t *"), ffi.new("uint64_t *")
     n = lib.mu_walk_subtract(ffi.from_buffer("uint64_t[]", user), ffi.from_buffer("uint64_t[]", usable),
-                             5, ffi.from_buffer("uint64_t[]", drop), 4, removed)
+                             5, ffi.from_buffer("uint64_t[]", drop), 4, removed, distinct)
     assert n == 3 and list(user[:3]) == [16, 80, 112] and list(usable[:3]) == [1, 3, 4]
-    assert removed[0] == 2
+    assert removed[0] == 2 and distinct[0] == 3         # 999 is no chunk: the walk's fail
 
 
 @pytest.mark.parametrize("seed", range(6))
@@ -462,7 +462,7 @@ def test_subtract_removes_exactly_the_listed_entries(seed):
     removed = ffi.new("uint64_t *")
     got = lib.mu_walk_subtract(ffi.from_buffer("uint64_t[]", user),
                                ffi.from_buffer("uint64_t[]", usable), n,
-                               ffi.from_buffer("uint64_t[]", drop), len(drop), removed)
+                               ffi.from_buffer("uint64_t[]", drop), len(drop), removed, ffi.NULL)
     assert got == len(want) and list(user[:got]) == want
     assert list(usable[:got]) == [u * 3 + 1 for u in want]
     assert removed[0] == len(set(picked))
@@ -480,7 +480,7 @@ def test_subtract_of_big_arrays_moves_both_on_two_threads():
     removed = ffi.new("uint64_t *")
     got = lib.mu_walk_subtract(ffi.from_buffer("uint64_t[]", user),
                                ffi.from_buffer("uint64_t[]", usable), n,
-                               ffi.from_buffer("uint64_t[]", drop), len(drop), removed)
+                               ffi.from_buffer("uint64_t[]", drop), len(drop), removed, ffi.NULL)
     gone = set(picked)
     keep = [k for k in range(n) if k not in gone]
     assert got == len(keep) and removed[0] == len(picked)
