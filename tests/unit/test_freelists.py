@@ -149,4 +149,4 @@ def test_tcache76_unsorted_large_chain_is_broken():
 
 def test_tcache76_with_num_slots_above_tcache_count_is_no_tcache():
     w, t, small, large, live = tcache76_world(slots={0: 17})
-    assert w.stats["tcaches"] == [] and w.free_nodes == []
+    assert w.stats["tcaches"] == [] and list(w.free_nodes) == []
