@@ -15,8 +15,9 @@ typedef struct {
     int32_t fd;
     uint32_t uncopied;
     const mu_cands *cands;  /* uncopied: its candidates kept by the walk, or NULL */
-    /* uncopied: words the walk read there for the list walks (mu_read_job.rec), nrec records
-     * of 4 words ascending by chunk, or NULL: read from them, not through fd */
+    /* words the walk read there for the list walks (mu_read_job.rec), nrec records of 4
+     * words ascending by chunk, or NULL: the list walks read them first (not through fd; and
+     * a chain's nodes are found in them, not searched for in the chunks) */
     const uint64_t *rec;
     uint64_t nrec;
     const uint32_t *rec_ix;     /* rec's page index (mu_read_job.rec_ix) */

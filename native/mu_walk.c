@@ -178,6 +178,9 @@ static int walk_steps(const uint8_t *data, uint64_t base, uint64_t len, uint64_t
                 res->chunks--;
                 if (stored && stored <= cap && user[stored - 1] == last_in_use + 16)
                     stored--;
+                if (wr && rec_stored && (wr->out[4 * (rec_stored - 1)] & ~(uint64_t)1)
+                                            == last_in_use)
+                    rec_stored--;   /* nor recorded: the list walks take records for chunks */
             }
             res->status = MU_WALK_FENCE0;
             res->end = c + 16;
@@ -381,7 +384,7 @@ static int rec_word(const mu_region *r, uint64_t addr, uint64_t *v)
 static int rec_free(const mu_region *r, uint64_t nr, uint64_t c)
 {
     int64_t i = mu_region_find(r, nr, c, 8);
-    if (i < 0 || !r[i].uncopied || !r[i].rec || !r[i].rec_ix)
+    if (i < 0 || !r[i].rec || !r[i].rec_ix)
         return 0;
     int64_t k = rec_find(&r[i], c);
     return k >= 0 && (r[i].rec[4 * k] & 1);
@@ -392,9 +395,9 @@ static inline int region_word(const mu_region *r, uint64_t nr, uint64_t addr, ui
     int64_t i = mu_region_find(r, nr, addr, 8);
     if (i < 0)
         return -1;
+    if (r[i].rec && rec_word(&r[i], addr, v))
+        return 0;
     if (r[i].uncopied) {
-        if (rec_word(&r[i], addr, v))
-            return 0;
         uint8_t w[8];
         if (uncopied_read(&r[i], addr, w, 8))
             return -1;
@@ -429,26 +432,34 @@ static int64_t check_node(const mu_region *regions, uint64_t nregions, const uin
 {
     if (node & 15)
         return MU_LINK_MISALIGNED;
-    int64_t i = find_user(user, n, node);
-    if (i < 0)
-        return MU_LINK_NOT_CHUNK;
-    uint64_t size = usable[i] + 8;
+    /* the walk's record of the chunk, when it made one: whether it is in use, its size and
+     * its words, without a search of user[] nor a read (a chain's nodes lie far apart) */
+    int64_t r = mu_region_find(regions, nregions, node - 8, 16), k = -1;
+    if (r >= 0 && regions[r].rec && regions[r].rec_ix)
+        k = rec_find(&regions[r], node - 16);
+    const uint64_t *rec = k >= 0 ? regions[r].rec + 4 * k : NULL;
+    uint64_t size;
+    if (rec) {
+        if (rec[0] & 1)
+            return MU_LINK_NOT_CHUNK;               /* a free chunk: not in user[] */
+        size = rec[1] & ~(uint64_t)CHUNK_FLAGS;
+    } else {
+        int64_t i = find_user(user, n, node);
+        if (i < 0)
+            return MU_LINK_NOT_CHUNK;
+        size = usable[i] + 8;
+    }
     if (size < chunk_size || size > chunk_max)
         return MU_LINK_WRONG_SIZE;
     if (size < *floor)
         return MU_LINK_ORDER;
     *floor = size;
-    uint64_t sz;
-    int64_t r = mu_region_find(regions, nregions, node - 8, 16), k = -1;
-    if (r >= 0 && regions[r].uncopied && regions[r].rec && regions[r].rec_ix)
-        k = rec_find(&regions[r], node - 16);       /* both words from one record */
-    if (k >= 0) {
-        sz = regions[r].rec[4 * k + 1];
-        *link = regions[r].rec[4 * k + 2];
-    } else if ((arena && region_word(regions, nregions, node - 8, &sz)) ||
-               region_word(regions, nregions, node, link)) {
+    uint64_t sz = rec ? rec[1] : 0;
+    if (rec)
+        *link = rec[2];
+    else if ((arena && region_word(regions, nregions, node - 8, &sz)) ||
+             region_word(regions, nregions, node, link))
         return MU_LINK_UNREADABLE;
-    }
     if (arena && ((sz & CHUNK_NON_MAIN) != 0) != (arena == 2))
         return MU_LINK_WRONG_ARENA;
     return MU_LINK_OK;

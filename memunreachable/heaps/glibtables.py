@@ -6,6 +6,8 @@ non-PIE program's brk heap: Debian's python3) a table of heap pointers is so an 
 read as references: `import gi` under Debian's python3 reported PyGObject's log-handler
 domains ("GLib", "GThread", "GLib-GObject"), held only from such a table, as leaked.
 
+    wanted(maps) -> bool             whether the process has GLib and heap memory below 4 GiB:
+                                     its heap is walked with copies then (find reads them)
     find(image, maps) -> [Table]     the hash tables in the copied heap of a process with GLib
                                      whose heap lies partly below 4 GiB
     references(tables, image, marked, mem) -> [int]   the 32-bit keys and values of the
@@ -48,6 +50,17 @@ class Table(Fields):
         self.values = values
         self.big_keys = big_keys
         self.big_values = big_values
+
+
+def wanted(maps) -> bool:
+    """Whether tables of 32-bit entries may hold references here: GLib is loaded and some of
+    the process's heap memory (its brk heap, private anonymous memory) begins below 4 GiB.
+    The sweep keeps its copies of such a process's heap whatever its size (find() reads
+    them)."""
+    return (any("libglib-2.0.so" in m.path for m in maps)
+            and any(m.begin < LOW and m.writable and not m.shared
+                    and (m.path == "[heap]" or (m.inode == 0 and not m.path.startswith("[")))
+                    for m in maps))
 
 
 def find(image, maps) -> List[Table]:

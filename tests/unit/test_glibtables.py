@@ -106,3 +106,22 @@ def test_what_is_no_table():
     high = HeapImage(array("Q", [b + (1 << 40) for b in image.begins]), image.sizes,
                      [(HEAP + (1 << 40), image.regions[0][1])])
     assert G.find(high, maps) == []
+
+
+def _map(begin, end, perms="rw-p", inode=0, path=""):
+    return Mapping(begin, end, perms, 0, "00:00", inode, path)
+
+
+def test_a_glib_process_with_heap_below_4_gib_keeps_its_copies():
+    # wanted(): the sweep walks such a heap with copies whatever its size (find reads them)
+    glib = _map(CODE, CODE + 0x1000, "r-xp", 42, "/usr/lib/x86_64-linux-gnu/libglib-2.0.so.0.8400.0")
+    high_heap = _map(0x5555_5555_0000, 0x5555_5600_0000, path="[heap]")
+    assert G.wanted([glib, _map(HEAP, HEAP + 0x10000, path="[heap]")])      # non-PIE brk heap
+    assert G.wanted([glib, high_heap, _map(0x4000_0000, 0x4010_0000)])      # anonymous, low
+    assert not G.wanted([glib, high_heap])                                  # PIE: all above
+    assert not G.wanted([_map(HEAP, HEAP + 0x10000, path="[heap]")])        # no GLib
+    for other in (_map(0x40_0000, 0x41_0000, "rw-p", 7, "/usr/bin/prog"),   # a file's data
+                  _map(0x4000_0000, 0x4010_0000, "rw-s"),                   # shared
+                  _map(0x4000_0000, 0x4010_0000, "r--p"),                   # not writable
+                  _map(0x4000_0000, 0x4010_0000, path="[stack]")):
+        assert not G.wanted([glib, high_heap, other]), other.perms + other.path

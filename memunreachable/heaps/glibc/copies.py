@@ -69,6 +69,7 @@ class Copy:
             mem.read_into(base, self.buf)
         self.ptr = ffi.cast("uint8_t *", ffi.from_buffer(self.buf))
         self.used = False
+        self.rec = None             # the walk's records of its list words (Uncopied.rec)
 
     def drop(self, fd: int, cands=None, rec=None) -> None:
         """Release the copy: the region is read through fd (or its cands, or its records) from

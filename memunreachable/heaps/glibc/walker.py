@@ -271,11 +271,12 @@ class _Walker(FreeListsMixin, MmappedMixin):
                                        j.cp.size // CANDIDATE_BUDGET_DIVISOR // 12, out),
                       "reference candidates")
                 cands[id(j)] = ffi.gc(out[0], lib.mu_cands_free)
-                # the free-list walks' words (mu_read_job.rec), in address space that costs
-                # only what is written: a heap half free chunks was walked one read a word,
-                # 1.3 s of 256 MiB
-                recs[id(j)] = (local_buffer(32 * max(1, j.cp.size // RECORD_BUDGET_DIVISOR)),
-                               local_buffer(4 * ((j.cp.size >> 12) + 2)))
+        # the free-list walks' words (mu_read_job.rec), in address space that costs only what
+        # is written: a heap half free chunks was walked one read a word, 1.3 s of 256 MiB
+        # uncopied; from the copies, one cache miss and more a node (a search of the chunks)
+        for j in jobs:
+            recs[id(j)] = (local_buffer(32 * max(1, j.cp.size // RECORD_BUDGET_DIVISOR)),
+                           local_buffer(4 * ((j.cp.size >> 12) + 2)))
         lo, hi = min(j.cp.base for j in jobs), max(j.cp.end for j in jobs)
         tab = ffi.new("mu_read_job[]", len(jobs))
         # room for every chunk a run can hold: the scratch costs only the pages written, and
@@ -298,7 +299,7 @@ class _Walker(FreeListsMixin, MmappedMixin):
             t.drop = lib.MU_READ_DROP if drop else 0
             t.user, t.usable, t.cap = keep[0] + sc.at[k], keep[1] + sc.at[k], j.cap
             t.cands = cands.get(id(j), ffi.NULL)
-            if id(j) in recs:
+            if j.first:
                 rec, ix = recs[id(j)]
                 keep += [ffi.from_buffer("uint64_t[]", rec), ffi.from_buffer("uint32_t[]", ix)]
                 t.rec, t.rec_ix, t.rec_cap = keep[-2], keep[-1], len(rec) // 32
@@ -327,11 +328,13 @@ class _Walker(FreeListsMixin, MmappedMixin):
                 j.res, j.piece = self.walk_run(j.cp, j.first, j.top, j.non_main)
                 continue
             j.res, j.piece = res, Piece(j.first, mu[:t.stored], mv[:t.stored], at)
+        for k, j in enumerate(jobs):      # (none from a job with unreadable pages: zeros)
+            j.cp.rec = recs[id(j)] + (0 if tab[k].bad else tab[k].rec_stored,)
+        self.stats["list_word_records"] = sum(j.cp.rec[2] for j in jobs)
         if drop:
-            for k, j in enumerate(jobs):
-                j.cp.drop(self.mem.fd, cands[id(j)], recs[id(j)] + (tab[k].rec_stored,))
+            for j in jobs:
+                j.cp.drop(self.mem.fd, cands[id(j)])
             self.stats["uncopied_bytes"] = sum(j.cp.size for j in jobs)
-            self.stats["list_word_records"] = sum(t.rec_stored for t in tab)
             kept = [j.cp.buf.kept() for j in jobs]
             self.stats["candidate_words"] = sum(w for w, _ in kept)
             self.stats["candidate_pieces"] = sum(p for _, p in kept)
@@ -528,9 +531,9 @@ class _Walker(FreeListsMixin, MmappedMixin):
             tab[i].base, tab[i].len = c.base, c.size
             if c.ptr is not None:
                 tab[i].data = c.ptr
-            else:                       # dropped: the list walks read it through the fd,
-                tab[i].uncopied, tab[i].fd = 1, c.buf.uncopied_fd     # or the walk's records
-                rec_records(tab[i], c.buf, keep)
+            else:                       # dropped: the list walks read it through the fd
+                tab[i].uncopied, tab[i].fd = 1, c.buf.uncopied_fd
+            rec_records(tab[i], c, keep)    # (and first the walk's records)
         return tab, len(live)
 
     def check_bins(self, arenas: List[int], lay: L.Layout) -> None:
