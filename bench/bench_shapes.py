@@ -178,7 +178,7 @@ def bench_shape(shape, size, args, methods, python=None, named=False):
     spec, named in its label (shape [python]) when named."""
     t0 = time.monotonic()
     fx, lsan_of = start(shape, size, args, python)
-    if named:
+    if named and python:
         shape = f"{shape} [{python}]"
     print(f"\n{shape}: pid {fx.pid}, {size} MiB, built in {time.monotonic() - t0:.1f} s; "
           f"expects {fx.expect}", flush=True)

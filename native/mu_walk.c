@@ -55,11 +55,6 @@ static inline const uint8_t *walk_at(const uint8_t *data, uint64_t base, const w
     return r->slots + ((r->piece0 + (off >> 20)) % RW_RING) * RW_PIECE + (off & (RW_PIECE - 1));
 }
 
-/* Walks from pos while the bytes a step reads lie below avail; final (avail == the end of
- * the copy): to the end of the run. Returns 1 when it stopped for bytes not copied yet
- * (only when !final: the top chunk, fenceposts and the chunk after the last complete one
- * wait for the final call, or with a ring only for the bytes they read), 0 when the run
- * ended (res->status says how). ring: the bytes are in mu_read_walk's ring (data unused). */
 /* Whether w, the first word of a chunk's user bytes at u, is a free-list link (walk_rec). */
 static inline int rec_link(const walk_rec *wr, uint64_t u, uint64_t w)
 {
@@ -91,6 +86,12 @@ static inline void walk_record(const walk_rec *wr, uint64_t *n, const uint8_t *d
     o[3] = mu_ld64(walk_at(data, base, ring, c + 24));
 }
 
+/* Walks from pos while the bytes a step reads lie below avail; final (avail == the end of
+ * the copy): to the end of the run. Returns 1 when it stopped for bytes not copied yet
+ * (only when !final: the top chunk, fenceposts and the chunk after the last complete one
+ * wait for the final call, or with a ring only for the bytes they read), 0 when the run
+ * ended (res->status says how). ring: the bytes are in mu_read_walk's ring (data unused).
+ * wr: where the chunks the free-list walks will read are recorded (walk_record), or NULL. */
 static int walk_steps(const uint8_t *data, uint64_t base, uint64_t len, uint64_t avail, int final,
                       uint64_t top, uint32_t non_main, uint64_t *user, uint64_t *usable,
                       uint64_t cap, mu_walk_result *res, walk_pos *pos, const walk_ring *ring,
@@ -346,8 +347,8 @@ static int uncopied_read(const mu_region *r, uint64_t addr, uint8_t *out, uint64
     return mu_read_serial(r->fd, addr, out, n, &first_bad) == 0 ? 0 : -1;
 }
 
-/* Index of the record of chunk c in uncopied region r's records (mu_region.rec), or -1:
- * searched among its page's (rec_ix). */
+/* Index of the record of chunk c in region r's records (mu_region.rec), or -1: searched
+ * among its page's (rec_ix). */
 static int64_t rec_find(const mu_region *r, uint64_t c)
 {
     if (c < r->base || c - r->base >= r->len)
@@ -379,15 +380,15 @@ static int rec_word(const mu_region *r, uint64_t addr, uint64_t *v)
     return 0;
 }
 
-/* Whether the walk found chunk c free (its record says so: its next chunk's PREV_INUSE was
- * clear). */
-static int rec_free(const mu_region *r, uint64_t nr, uint64_t c)
+/* The walk's record of chunk c (4 words: c | 1 when it found it free, that is its next
+ * chunk's PREV_INUSE clear; its size word; its words at +16 and +24), or NULL. */
+static const uint64_t *rec_of(const mu_region *r, uint64_t nr, uint64_t c)
 {
-    int64_t i = mu_region_find(r, nr, c, 8);
+    int64_t i = mu_region_find(r, nr, c + 8, 24);
     if (i < 0 || !r[i].rec || !r[i].rec_ix)
-        return 0;
+        return NULL;
     int64_t k = rec_find(&r[i], c);
-    return k >= 0 && (r[i].rec[4 * k] & 1);
+    return k >= 0 ? r[i].rec + 4 * k : NULL;
 }
 
 static inline int region_word(const mu_region *r, uint64_t nr, uint64_t addr, uint64_t *v)
@@ -434,10 +435,7 @@ static int64_t check_node(const mu_region *regions, uint64_t nregions, const uin
         return MU_LINK_MISALIGNED;
     /* the walk's record of the chunk, when it made one: whether it is in use, its size and
      * its words, without a search of user[] nor a read (a chain's nodes lie far apart) */
-    int64_t r = mu_region_find(regions, nregions, node - 8, 16), k = -1;
-    if (r >= 0 && regions[r].rec && regions[r].rec_ix)
-        k = rec_find(&regions[r], node - 16);
-    const uint64_t *rec = k >= 0 ? regions[r].rec + 4 * k : NULL;
+    const uint64_t *rec = rec_of(regions, nregions, node - 16);
     uint64_t size;
     if (rec) {
         if (rec[0] & 1)
@@ -712,9 +710,18 @@ int64_t mu_walk_bin(const mu_region *regions, uint64_t nregions, uint64_t bin, u
         return 1;
     }
     while (cur != bin) {
-        uint64_t bk, sz, nexthdr;
-        if (*nodes >= max_nodes || (cur & 15) || region_word(regions, nregions, cur + 24, &bk) ||
-            bk != prev || region_word(regions, nregions, cur + 8, &sz) ||
+        uint64_t bk, sz, fd, nexthdr;
+        /* the walk's record of the chunk (one search: its size, links and whether it is
+         * free), else its words read */
+        const uint64_t *rec = cur & 15 ? NULL : rec_of(regions, nregions, cur);
+        if (rec) {
+            sz = rec[1];
+            fd = rec[2];
+            bk = rec[3];
+        }
+        if (*nodes >= max_nodes || (cur & 15) ||
+            (!rec && region_word(regions, nregions, cur + 24, &bk)) || bk != prev ||
+            (!rec && region_word(regions, nregions, cur + 8, &sz)) ||
             (sz & ~(uint64_t)CHUNK_FLAGS) < CHUNK_MINSIZE) {
             *bad_at = cur;
             return 1;
@@ -722,12 +729,14 @@ int64_t mu_walk_bin(const mu_region *regions, uint64_t nregions, uint64_t bin, u
         uint64_t s = sz & ~(uint64_t)CHUNK_FLAGS;
         (*nodes)++;
         *bytes += s;
-        if (rec_free(regions, nregions, cur) ||
+        if ((rec && (rec[0] & 1)) ||
             (!region_word(regions, nregions, cur + s + 8, &nexthdr) &&
              !(nexthdr & CHUNK_PREV_INUSE)))
             (*bit_free)++;
         prev = cur;
-        if (region_word(regions, nregions, cur + 16, &cur)) {
+        if (rec)
+            cur = fd;
+        else if (region_word(regions, nregions, cur + 16, &cur)) {
             *bad_at = prev;
             return 1;
         }

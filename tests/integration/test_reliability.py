@@ -180,7 +180,7 @@ def test_snapshot_killed_at_each_step_of_its_birth_is_retaken(step):
         assert_target_running(fx)
 
 
-# lowmem: every heap walked without keeping copies (steps.UNCOPIED_MIN_BYTES, from 256 MiB on):
+# lowmem: every heap walked without keeping copies (steps.UNCOPIED_MIN_BYTES, from 64 MiB on):
 # its pieces through the read-walk's ring, the mark reading blocks from the snapshot after it
 LOWMEM = pytest.mark.parametrize("lowmem", [False, True], ids=["copies", "lowmem"])
 

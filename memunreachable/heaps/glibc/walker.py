@@ -47,10 +47,10 @@ RUN_START_TRIES = 64        # candidate run starts tried after a main-arena doub
 # pointer arrays (5.7 M words) 0.86x instead of 0.68x, mark 0.22 s instead of 0.36-0.39 s
 # (247 MiB read again). A pointer-dense heap's candidates stop at 0.25x.
 CANDIDATE_BUDGET_DIVISOR = 4
-# The records of the words the free-list walks read in a heap walked without a copy
-# (mu_read_job.rec, 32 bytes each): one per this many bytes of heap at most (a heap of
-# 200-byte chunks, half of them free, needs one per 400 bytes), and in-use chunks up to the
-# largest tcache chunk (64 bins: 1040 bytes) when their first word is a free-list link
+# The records of the words the free-list walks read in a walked heap (mu_read_job.rec, 32
+# bytes each; without a copy they spare a read a word): one per this many bytes at most (a
+# heap of 200-byte chunks, half of them free, needs one per 400 bytes), and in-use chunks up
+# to the largest tcache chunk (64 bins: 1040 bytes) when their first word is a free-list link
 RECORD_BUDGET_DIVISOR = 256
 RECORD_MAX_INUSE = 1040
 PAGE_SIZE = 4096
@@ -247,10 +247,10 @@ class _Walker(FreeListsMixin, MmappedMixin):
         with mem.read_into then walk_run. Sets job.res and job.piece. uncopied_from: when the
         ranges (fast path only) total at least this many bytes, no copy is kept: each piece
         is released once walked and the copies become Uncopied regions (the low-memory
-        sweep), and the walk records the words the free-list walks will read there
-        (mu_read_job.rec: free chunks, and in-use chunks whose first word is a link, as
-        safe_linking says: mangled, raw, or None for either). Returns True when the copies
-        were dropped."""
+        sweep). The walk records the words the free-list walks will read (mu_read_job.rec: free
+        chunks, and in-use chunks whose first word is a link, as safe_linking says: mangled,
+        raw, or None for either): each job's copy keeps them (Copy.rec). Returns True when
+        the copies were dropped."""
         fast = getattr(self.mem, "plain", None)
         if not jobs:
             return False
@@ -275,8 +275,9 @@ class _Walker(FreeListsMixin, MmappedMixin):
         # is written: a heap half free chunks was walked one read a word, 1.3 s of 256 MiB
         # uncopied; from the copies, one cache miss and more a node (a search of the chunks)
         for j in jobs:
-            recs[id(j)] = (local_buffer(32 * max(1, j.cp.size // RECORD_BUDGET_DIVISOR)),
-                           local_buffer(4 * ((j.cp.size >> 12) + 2)))
+            if j.first:
+                recs[id(j)] = (local_buffer(32 * max(1, j.cp.size // RECORD_BUDGET_DIVISOR)),
+                               local_buffer(4 * ((j.cp.size >> 12) + 2)))
         lo, hi = min(j.cp.base for j in jobs), max(j.cp.end for j in jobs)
         tab = ffi.new("mu_read_job[]", len(jobs))
         # room for every chunk a run can hold: the scratch costs only the pages written, and
@@ -329,8 +330,9 @@ class _Walker(FreeListsMixin, MmappedMixin):
                 continue
             j.res, j.piece = res, Piece(j.first, mu[:t.stored], mv[:t.stored], at)
         for k, j in enumerate(jobs):      # (none from a job with unreadable pages: zeros)
-            j.cp.rec = recs[id(j)] + (0 if tab[k].bad else tab[k].rec_stored,)
-        self.stats["list_word_records"] = sum(j.cp.rec[2] for j in jobs)
+            if j.first:
+                j.cp.rec = recs[id(j)] + (0 if tab[k].bad else tab[k].rec_stored,)
+        self.stats["list_word_records"] = sum(j.cp.rec[2] for j in jobs if j.first)
         if drop:
             for j in jobs:
                 j.cp.drop(self.mem.fd, cands[id(j)])
