@@ -99,11 +99,9 @@ def u64_view(values):
     return ffi.from_buffer("uint64_t[]", arr), arr
 
 
-# Returns a mu_region[] over (base, buffer) pairs and the objects to keep alive with it. A
-# buffer with an uncopied_fd (glibc/copies.Uncopied) gives an uncopied region (mu_types.h).
 def rec_records(region, buf, keep: list) -> None:
-    """Gives an uncopied region its walk's records (copies.Uncopied.rec), if it has them; keep
-    holds what must live as long as the region."""
+    """Gives a region the walk's records of its words (glibc/copies.Copy.rec, Uncopied.rec:
+    mu_region.rec), if buf has them; keep holds what must live as long as the region."""
     rec = getattr(buf, "rec", None)
     if rec is not None and rec[2]:
         keep.append(ffi.from_buffer("uint64_t[]", rec[0]))
@@ -111,6 +109,8 @@ def rec_records(region, buf, keep: list) -> None:
         region.rec, region.rec_ix, region.nrec = keep[-2], keep[-1], rec[2]
 
 
+# Returns a mu_region[] over (base, buffer) pairs and the objects to keep alive with it. A
+# buffer with an uncopied_fd (glibc/copies.Uncopied) gives an uncopied region (mu_types.h).
 def region_array(pairs: Sequence[Tuple[int, object]]):
     regions = ffi.new("mu_region[]", max(len(pairs), 1))
     keep = [regions]

@@ -52,10 +52,10 @@ CONTENTS_BYTES = 32
 # many bytes are walked without keeping copies, and the mark reads the blocks it reaches from
 # the snapshot (mark.py, heaps/glibc/walker.py walk_heap(uncopied_from=...)). Not for a CPython
 # runtime (its stages read object headers from the copies), nor a GLib process with heap below
-# 4 GiB (glibtables.wanted), nor under MEMUNREACHABLE_EXPLAIN. From 64 MiB (256 MiB before
-# s49): at 64 and 128 MiB the bench's shapes were checked as fast or faster, in a third to a
-# half of the memory (bench_shapes, medians of 3: list1 at 128 MiB 0.20 -> 0.15 s, 188 -> 62
-# MiB); below, as fast, their peaks mostly the checker's own
+# 4 GiB (glibtables.wanted), nor under MEMUNREACHABLE_EXPLAIN. From 64 MiB: at 64 and 128 MiB
+# the bench's shapes were checked as fast or faster than with copies, in a third to a half of
+# the memory (list1 at 128 MiB 0.20 -> 0.15 s, 188 -> 62 MiB); below, as fast, their peaks
+# mostly the checker's own
 UNCOPIED_MIN_BYTES = 64 << 20
 # At most this many marks again for GLib's 32-bit table entries (a table held only by another's)
 GLIB_ROUNDS = 4
