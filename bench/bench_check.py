@@ -19,7 +19,7 @@ run. --lsan then builds the same target with -fsanitize=leak and times LeakSanit
 in-process check of its heap (__lsan_do_recoverable_leak_check(), RUNS times).
 Aims (issue 2): pause < 15 ms, check < 3 s, peak RSS (checker + sweeper) < 1.5x bytes scanned.
 Aim (issue 10): the whole check no slower than LeakSanitizer's; peak RSS (checker + sweeper)
-at most 0.5x bytes scanned (the low-memory sweep, heaps of 256 MiB or more).
+at most 0.5x bytes scanned (the low-memory sweep, heaps of 64 MiB or more).
 """
 import argparse
 import json

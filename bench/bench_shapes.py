@@ -35,7 +35,7 @@ issue 25: a wave per level of the graph), alternating with the default (each fir
 when it has one, `python3 -m venv .venv && .venv/bin/pip install -e .` there: this checkout's
 editable install would give its Python code this C core; else its C core built in place, see
 bench_pause.py), alternating the same way: before/after against the same targets.
-Every check must find exactly the target's leaks. Heaps of 256 MiB and more take the
+Every check must find exactly the target's leaks. Heaps of 64 MiB and more take the
 low-memory sweep (sweep/steps.py UNCOPIED_MIN_BYTES); a Python process is swept from copies.
 """
 import argparse
