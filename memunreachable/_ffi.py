@@ -99,16 +99,6 @@ def u64_view(values):
     return ffi.from_buffer("uint64_t[]", arr), arr
 
 
-def rec_records(region, buf, keep: list) -> None:
-    """Gives a region the walk's records of its words (glibc/copies.Copy.rec, Uncopied.rec:
-    mu_region.rec), if buf has them; keep holds what must live as long as the region."""
-    rec = getattr(buf, "rec", None)
-    if rec is not None and rec[2]:
-        keep.append(ffi.from_buffer("uint64_t[]", rec[0]))
-        keep.append(ffi.from_buffer("uint32_t[]", rec[1]))
-        region.rec, region.rec_ix, region.nrec = keep[-2], keep[-1], rec[2]
-
-
 # Returns a mu_region[] over (base, buffer) pairs and the objects to keep alive with it. A
 # buffer with an uncopied_fd (glibc/copies.Uncopied) gives an uncopied region (mu_types.h).
 def region_array(pairs: Sequence[Tuple[int, object]]):
@@ -121,7 +111,6 @@ def region_array(pairs: Sequence[Tuple[int, object]]):
             regions[k].uncopied, regions[k].fd = 1, fd
             if getattr(buf, "cands", None) is not None:
                 regions[k].cands = buf.cands
-            rec_records(regions[k], buf, keep)
             continue
         nbytes = memoryview(buf).nbytes
         data = ffi.from_buffer("uint8_t[]", buf) if nbytes else ffi.NULL

@@ -27,13 +27,10 @@ class Uncopied:
     are read on demand through fd, a /proc/<pid>/mem fd of the snapshot (mu_region.uncopied:
     mu_mark and the free-list walks accept it; _ffi.region_array builds it)."""
 
-    def __init__(self, size: int, fd: int, cands=None, rec=None):
+    def __init__(self, size: int, fd: int, cands=None):
         self.nbytes = size
         self.uncopied_fd = fd
         self.cands = cands          # mu_cands * kept by the walk (freed with this object), or None
-        # (records, page index, count): the walk's records of the words the free-list walks
-        # read there (mu_read_job.rec, 4 words each; rec_ix), or None
-        self.rec = rec
 
     def kept(self) -> Tuple[int, int]:
         """(candidate words kept, 1 MiB pieces kept) of its mu_cands."""
@@ -69,17 +66,17 @@ class Copy:
             mem.read_into(base, self.buf)
         self.ptr = ffi.cast("uint8_t *", ffi.from_buffer(self.buf))
         self.used = False
-        self.rec = None             # the walk's records of its list words (Uncopied.rec)
+        # (records, page index, count): the walk's records of the words the free-list walks
+        # read here (mu_read_job.rec, 4 words each; rec_ix), kept through drop(), or None
+        self.rec = None
 
-    def drop(self, fd: int, cands=None, rec=None) -> None:
-        """Release the copy: the region is read through fd (or its cands, or its records) from
-        now on."""
+    def drop(self, fd: int, cands=None) -> None:
+        """Release the copy: the region is read through fd (or its cands) from now on."""
         cands = cands or getattr(self, "cands", None)
-        rec = rec or getattr(self, "rec", None)
-        self.cands, self.rec = cands, rec
+        self.cands = cands
         self.close()
         self.ptr = None
-        self.buf = Uncopied(self.size, fd, cands, rec)
+        self.buf = Uncopied(self.size, fd, cands)
 
     def restore(self, mem) -> None:
         """Read a dropped copy again (a rare walk step needs the whole run: drop it after)."""

@@ -22,7 +22,7 @@ from typing import Dict, List, Optional, Tuple
 
 from memunreachable.sweep import detect
 from memunreachable._errors import UnsupportedTarget
-from memunreachable._ffi import TWO_THREADS_MIN, check, ffi, in_thread, lib, rec_records
+from memunreachable._ffi import TWO_THREADS_MIN, check, ffi, in_thread, lib
 from memunreachable._types import (Allocator, Fields, HeapImage, Mapping, Range, ThreadState,
                                    extend_u64, local_buffer, merge_ranges)
 from memunreachable.heaps.glibc import layout as L
@@ -528,14 +528,17 @@ class _Walker(FreeListsMixin, MmappedMixin):
         live = sorted((c for c in self.copies if c.ptr is not None or is_uncopied(c.buf)),
                       key=lambda c: c.base)
         tab = ffi.new("mu_region[]", max(1, len(live)))
-        keep = [tab]        # (the records' buffers live in their Uncopied: pointers stay valid)
         for i, c in enumerate(live):
             tab[i].base, tab[i].len = c.base, c.size
             if c.ptr is not None:
                 tab[i].data = c.ptr
             else:                       # dropped: the list walks read it through the fd
                 tab[i].uncopied, tab[i].fd = 1, c.buf.uncopied_fd
-            rec_records(tab[i], c, keep)    # (and first the walk's records)
+            if c.rec is not None and c.rec[2]:      # and first from the walk's records
+                # (their buffers live as long as the copy: the pointers stay valid)
+                rec, ix, n = c.rec
+                tab[i].rec, tab[i].rec_ix, tab[i].nrec = (ffi.from_buffer("uint64_t[]", rec),
+                                                          ffi.from_buffer("uint32_t[]", ix), n)
         return tab, len(live)
 
     def check_bins(self, arenas: List[int], lay: L.Layout) -> None:
